@@ -1,0 +1,1 @@
+"""Command-line entry points: ``kvtierd`` (the daemon) and ``kvtierctl`` (the admin CLI)."""

@@ -1,0 +1,1 @@
+"""Adapters that put kvtierd under real inference engines."""

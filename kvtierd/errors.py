@@ -1,0 +1,167 @@
+"""The exception hierarchy, and the one place where errors meet errno values.
+
+Every failure kvtierd reports is a :class:`KvtierError`. Classes are chosen by who is at fault
+(h11's ``LocalProtocolError`` vs ``RemoteProtocolError``; trio's ``ClosedResourceError`` vs
+``BrokenResourceError``) and, where a standard meaning fits, they also inherit it
+(``BlockNotFoundError`` is a ``KeyError``).
+
+On the wire a reply carries ``0`` or a negative errno. :data:`ERRNO_TO_ERROR` maps each errno to
+exactly one class, so the client raises what the server meant; :func:`error_from_errno` and
+:func:`errno_of` are the two directions of that mapping and the only translation points.
+"""
+
+from __future__ import annotations
+
+import errno
+
+__all__ = [
+    "ERRNO_TO_ERROR",
+    "AccessDeniedError",
+    "BlockNotFoundError",
+    "BrokenConnectionError",
+    "BusyError",
+    "ClosedError",
+    "ConfigError",
+    "DaemonNotRunningError",
+    "InvalidRequestError",
+    "KvtierError",
+    "LocalProtocolError",
+    "NoSpaceError",
+    "RemoteProtocolError",
+    "StorageIOError",
+    "TimedOutError",
+    "errno_of",
+    "error_from_errno",
+]
+
+
+class KvtierError(Exception):
+    """Root of every kvtierd error. ``errno`` is the value sent on the wire (positive)."""
+
+    errno: int = errno.EIO
+
+
+class BlockNotFoundError(KvtierError, KeyError):
+    """A requested block is in no tier (``ENOENT``)."""
+
+    errno = errno.ENOENT
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep messages readable.
+        return Exception.__str__(self)
+
+
+class InvalidRequestError(KvtierError, ValueError):
+    """A well-formed request asked for something impossible (``EINVAL``)."""
+
+    errno = errno.EINVAL
+
+
+class NoSpaceError(KvtierError, OSError):
+    """No room in the arena or on disk, even after eviction (``ENOSPC``)."""
+
+    errno = errno.ENOSPC
+
+    def __init__(self, *args: object) -> None:
+        KvtierError.__init__(self, *args)
+
+
+class AccessDeniedError(KvtierError, PermissionError):
+    """The peer may not use this namespace or operation (``EACCES``)."""
+
+    errno = errno.EACCES
+
+    def __init__(self, *args: object) -> None:
+        KvtierError.__init__(self, *args)
+
+
+class RemoteProtocolError(KvtierError):
+    """The other side broke the wire protocol (``EPROTO``)."""
+
+    errno = errno.EPROTO
+
+
+class LocalProtocolError(KvtierError):
+    """This side was asked to send something the protocol forbids (a bug in the caller)."""
+
+    errno = errno.EPROTO
+
+
+class BusyError(KvtierError):
+    """A limit was reached (connections, in-flight requests, a leased block) (``EBUSY``)."""
+
+    errno = errno.EBUSY
+
+
+class TimedOutError(KvtierError, TimeoutError):
+    """An operation did not finish within its deadline (``ETIMEDOUT``)."""
+
+    errno = errno.ETIMEDOUT
+
+    def __init__(self, *args: object) -> None:
+        KvtierError.__init__(self, *args)
+
+
+class StorageIOError(KvtierError):
+    """A storage device or backend failed (``EIO``)."""
+
+    errno = errno.EIO
+
+
+class ClosedError(KvtierError):
+    """The resource was closed by this side and cannot be used any more."""
+
+    errno = errno.EBADF
+
+
+class BrokenConnectionError(KvtierError, ConnectionError):
+    """The connection to the daemon broke (the daemon died or closed it)."""
+
+    errno = errno.EPIPE
+
+    def __init__(self, *args: object) -> None:
+        KvtierError.__init__(self, *args)
+
+
+class DaemonNotRunningError(BrokenConnectionError):
+    """No daemon listens on the socket path."""
+
+    errno = errno.ECONNREFUSED
+
+
+class ConfigError(KvtierError, ValueError):
+    """The configuration is invalid; the message names the field and what is wrong."""
+
+    errno = errno.EINVAL
+
+
+#: errno -> the class the client raises. One class per errno: subclasses that share an errno
+#: with a more general class (``LocalProtocolError``, ``ConfigError``, ``DaemonNotRunningError``)
+#: never travel on the wire.
+ERRNO_TO_ERROR: dict[int, type[KvtierError]] = {
+    cls.errno: cls
+    for cls in (
+        BlockNotFoundError,
+        InvalidRequestError,
+        NoSpaceError,
+        AccessDeniedError,
+        RemoteProtocolError,
+        BusyError,
+        TimedOutError,
+        StorageIOError,
+        ClosedError,
+        BrokenConnectionError,
+    )
+}
+
+
+def error_from_errno(err: int, message: str) -> KvtierError:
+    """Build the exception for a wire errno (negative or positive); unknown values become EIO."""
+    cls = ERRNO_TO_ERROR.get(abs(err), StorageIOError)
+    return cls(message or errno.errorcode.get(abs(err), "error"))
+
+
+def errno_of(exc: BaseException) -> int:
+    """The positive errno to send for ``exc``: its own for kvtierd errors, EIO for the rest."""
+    if isinstance(exc, KvtierError):
+        return exc.errno
+    return errno.EIO

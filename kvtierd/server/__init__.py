@@ -1,0 +1,1 @@
+"""The daemon: accepts connections, dispatches requests, owns every background task."""

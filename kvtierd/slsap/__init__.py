@@ -1,0 +1,7 @@
+"""SLSAP: Sub-Linear Sparse Attention Prefetch, the pure prefetch engines.
+
+Nothing in this package does I/O or reads a clock: telemetry events go in, scores and plans come
+out, so the same code runs inside the daemon and in trace replay. Two engines live here: the
+reuse model (admission, eviction and prefetch planning from access telemetry) and the sparse
+attention retrieval (block summaries, an LSH index and a min/max re-rank).
+"""

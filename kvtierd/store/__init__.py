@@ -1,0 +1,1 @@
+"""The block store: arena, index, tiers and the policies that decide what lives where."""

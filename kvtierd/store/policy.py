@@ -1,0 +1,112 @@
+"""Cache policy: the pure decision-maker behind admission and eviction of every tier.
+
+A policy never touches memory, disks or clocks. The store tells it what happened (a block was
+inserted, read, removed) with the time as an argument, and asks it what to do (admit this block?
+which blocks to evict?). The store then carries the decision out. This keeps each policy
+testable against hand-made sequences and replayable on traces, and lets the SLSAP reuse model
+replace plain LRU without the store changing.
+
+Blocks are identified by any hashable value (the store uses its index entries' ids). Sizes are
+not a policy concern: the store asks for victims among blocks of one size class.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+
+__all__ = ["AccessContext", "CachePolicy", "LruPolicy", "ServedBy"]
+
+
+class ServedBy(enum.IntEnum):
+    """The tier that served an access (or ``MISS``)."""
+
+    DRAM = 0
+    NVME = 1
+    POOL = 2
+    MISS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class AccessContext:
+    """What the store knows about an access beyond the block itself (telemetry for SLSAP).
+
+    ``request_id`` groups the blocks one LOOKUP/READ named, ``session`` is the engine's session id
+    from HINT (empty when unknown), ``position`` the block's index in its prefix.
+    """
+
+    request_id: int = 0
+    session: bytes = b""
+    position: int = 0
+    served_by: ServedBy = ServedBy.DRAM
+
+
+class CachePolicy(abc.ABC):
+    """The contract every admission/eviction policy meets. All methods are synchronous and pure."""
+
+    @abc.abstractmethod
+    def admit(self, block: Hashable, now: float, context: AccessContext | None = None) -> bool:
+        """Whether ``block``, which is not cached, deserves a place (may displace others)."""
+
+    @abc.abstractmethod
+    def inserted(self, block: Hashable, now: float, context: AccessContext | None = None) -> None:
+        """``block`` now occupies a place in the tier."""
+
+    @abc.abstractmethod
+    def accessed(self, block: Hashable, now: float, context: AccessContext | None = None) -> None:
+        """``block``, which is cached, was read."""
+
+    @abc.abstractmethod
+    def removed(self, block: Hashable) -> None:
+        """``block`` left the tier (evicted, forgotten or lost); forget its place."""
+
+    @abc.abstractmethod
+    def victims(self, count: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
+        """Up to ``count`` cached blocks to evict, best victim first, all satisfying ``evictable``.
+
+        Returns fewer when fewer cached blocks are evictable. Does not remove them: the store
+        calls :meth:`removed` once each is really gone.
+        """
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """How many blocks the policy tracks as cached."""
+
+
+class LruPolicy(CachePolicy):
+    """Least recently used: admit everything, evict the block read longest ago."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def admit(self, block: Hashable, now: float, context: AccessContext | None = None) -> bool:
+        return True
+
+    def inserted(self, block: Hashable, now: float, context: AccessContext | None = None) -> None:
+        self._order[block] = None
+        self._order.move_to_end(block)
+
+    def accessed(self, block: Hashable, now: float, context: AccessContext | None = None) -> None:
+        if block in self._order:
+            self._order.move_to_end(block)
+
+    def removed(self, block: Hashable) -> None:
+        self._order.pop(block, None)
+
+    def victims(self, count: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
+        chosen: list[Hashable] = []
+        for block in self._iter_oldest():
+            if len(chosen) >= count:
+                break
+            if evictable(block):
+                chosen.append(block)
+        return chosen
+
+    def _iter_oldest(self) -> Iterator[Hashable]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)

@@ -1,0 +1,105 @@
+"""Shared plumbing for the benchmarks under ``tools/``: machine description, JSON output and
+recording results into ``docs/benchmarks.md``.
+
+Each benchmark owns one section of ``docs/benchmarks.md`` delimited by
+``<!-- BEGIN name -->`` / ``<!-- END name -->`` and rewrites only that section, so benchmarks
+can be re-run one at a time. Raw JSON goes to ``docs/benchmarks/<name>.json`` and plots to
+``docs/benchmarks/<name>.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+ASSETS = ROOT / "docs" / "benchmarks"
+
+_HEADER = """# Benchmarks
+
+Every figure here was written by a tool under `tools/`, which prints the same numbers as JSON.
+Ratios compare kvtierd with a reference measured in the same run (fio on the same file, a numpy
+memcpy, recomputation), because absolute figures on these machines drift (the virtual disk is
+bimodal: see `../shared/PLATFORM.md`). Tests never assert on these numbers.
+
+"""
+
+
+def machine() -> dict[str, Any]:
+    """A short description of the machine a benchmark ran on."""
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_gib, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": _git_commit(),
+    }
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values`` by linear interpolation."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no values")
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def emit(result: dict[str, Any], as_json: bool) -> None:
+    """Print ``result`` as one JSON object (``--json``) or indented for people."""
+    print(json.dumps(result, indent=None if as_json else 2, sort_keys=False))
+
+
+def record(name: str, markdown: str, result: dict[str, Any]) -> Path:
+    """Replace section ``name`` of ``docs/benchmarks.md`` and store the raw JSON beside it."""
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    (ASSETS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = DOC.read_text() if DOC.exists() else _HEADER
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _m: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)
+    return DOC
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    return (
+        f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "
+        f"kernel {info['kernel']}, Python {info['python']}; {info['date']}, commit {info['commit']}."
+    )
