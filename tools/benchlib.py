@@ -93,7 +93,10 @@ def record(name: str, markdown: str, result: dict[str, Any]) -> Path:
     begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
     block = f"{begin}\n{markdown.strip()}\n{end}"
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    text = pattern.sub(lambda _m: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    if pattern.search(text):
+        text = pattern.sub(lambda _m: block, text)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
     DOC.write_text(text)
     return DOC
 
@@ -101,5 +104,6 @@ def record(name: str, markdown: str, result: dict[str, Any]) -> Path:
 def machine_line(info: dict[str, Any]) -> str:
     return (
         f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "
-        f"kernel {info['kernel']}, Python {info['python']}; {info['date']}, commit {info['commit']}."
+        f"kernel {info['kernel']}, Python {info['python']}; "
+        f"{info['date']}, commit {info['commit']}."
     )
