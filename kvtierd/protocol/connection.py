@@ -1,0 +1,319 @@
+"""Sans-IO connection state: bytes in, events out; messages in, bytes out.
+
+Theory of operation (after h11's ``_connection.py``). A :class:`ServerConnection` or
+:class:`ClientConnection` never touches a socket, a clock or an event loop. The owner feeds it
+whatever bytes arrived (``receive_data``; ``b""`` means end of stream) and pulls events out with
+``next_event()`` until it returns :data:`NEED_DATA`; to send, it asks for the bytes of a message
+and writes them itself. That makes the protocol testable byte by byte and fuzzable.
+
+Errors come in two kinds, by whether the byte stream is still in sync:
+
+* a frame whose header is sound but whose body is not (bad MessagePack, a field out of bounds,
+  an opcode not allowed in the current state) becomes an :class:`InvalidRequest` event: the
+  server answers that request's unique id with an errno and carries on;
+* a header that is not a header (wrong magic or version, a length outside the bounds, a reused
+  unique id, end of stream inside a frame) raises :class:`RemoteProtocolError`; the stream can
+  no longer be trusted and the owner closes it, after sending :meth:`ServerConnection.fatal`.
+
+Legal opcodes per state are the table :data:`SERVER_TRANSITIONS`.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import itertools
+from dataclasses import dataclass
+from typing import Final
+
+import msgspec
+
+from kvtierd.errors import (
+    InvalidRequestError,
+    KvtierError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    errno_of,
+    error_from_errno,
+)
+from kvtierd.protocol.frames import (
+    DEFAULT_MAX_FRAME_BYTES,
+    HEADER_BYTES,
+    PROTOCOL_VERSION,
+    REPLY_MAGIC,
+    REQUEST_MAGIC,
+    FrameFlags,
+    Opcode,
+    ReplyHeader,
+    RequestHeader,
+)
+from kvtierd.protocol.messages import (
+    OPCODE_OF,
+    REPLY_TYPES,
+    REQUEST_TYPES,
+    ErrorReply,
+    Message,
+    decode_body,
+    encode_body,
+)
+
+__all__ = [
+    "NEED_DATA",
+    "SERVER_TRANSITIONS",
+    "ClientConnection",
+    "ConnectionClosed",
+    "InvalidRequest",
+    "NeedData",
+    "ReplyReceived",
+    "RequestReceived",
+    "ServerConnection",
+    "ServerState",
+]
+
+
+class NeedData(enum.Enum):
+    """Sentinel type: no complete frame is buffered."""
+
+    NEED_DATA = enum.auto()
+
+
+NEED_DATA: Final = NeedData.NEED_DATA
+
+
+@dataclass(frozen=True, slots=True)
+class RequestReceived:
+    header: RequestHeader
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidRequest:
+    """A request frame arrived intact but cannot be served; answer it with ``error``."""
+
+    header: RequestHeader
+    error: KvtierError
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyReceived:
+    """A reply: ``message`` on success, ``error`` (a :class:`KvtierError`) otherwise.
+
+    A reply with unique id 0 is the server's last word before it closes the connection.
+    """
+
+    header: ReplyHeader
+    message: Message | None
+    error: KvtierError | None
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionClosed:
+    """The peer ended the stream at a frame boundary."""
+
+
+class ServerState(enum.Enum):
+    AWAIT_INIT = enum.auto()
+    READY = enum.auto()
+    CLOSED = enum.auto()
+
+
+#: (state, opcode) -> next state. A pair not in the table is answered with EPROTO.
+SERVER_TRANSITIONS: Final[dict[tuple[ServerState, Opcode], ServerState]] = {
+    (ServerState.AWAIT_INIT, Opcode.INIT): ServerState.READY,
+    **{
+        (ServerState.READY, op): ServerState.READY
+        for op in Opcode
+        if op not in (Opcode.INIT, Opcode.DESTROY)
+    },
+    (ServerState.READY, Opcode.DESTROY): ServerState.CLOSED,
+}
+
+
+class _FrameBuffer:
+    """Accumulates bytes and cuts complete frames off the front."""
+
+    def __init__(self, magic: bytes, max_frame_bytes: int) -> None:
+        self._buffer = bytearray()
+        self._magic = magic
+        self._eof = False
+        self.max_frame_bytes = max_frame_bytes
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._eof and data:
+            raise LocalProtocolError("data received after end of stream")
+        if data:
+            self._buffer += data
+        else:
+            self._eof = True
+
+    def next_frame(self) -> bytes | ConnectionClosed | None:
+        """A whole frame, ``None`` when more bytes are needed, or ``ConnectionClosed``."""
+        buffered = len(self._buffer)
+        if buffered >= 8:
+            self._check_prefix()
+        if buffered >= HEADER_BYTES:
+            length = int.from_bytes(self._buffer[8:12], "little")
+            if not HEADER_BYTES <= length <= self.max_frame_bytes:
+                raise RemoteProtocolError(
+                    f"frame length {length} outside [{HEADER_BYTES}, {self.max_frame_bytes}]"
+                )
+            if buffered >= length:
+                frame = bytes(self._buffer[:length])
+                del self._buffer[:length]
+                return frame
+        if self._eof:
+            if buffered:
+                raise RemoteProtocolError(f"stream ended inside a frame ({buffered} bytes)")
+            return ConnectionClosed()
+        return None
+
+    def _check_prefix(self) -> None:
+        if self._buffer[:4] != self._magic:
+            raise RemoteProtocolError(f"bad magic {bytes(self._buffer[:4])!r}")
+        version = int.from_bytes(self._buffer[4:6], "little")
+        if version != PROTOCOL_VERSION:
+            raise RemoteProtocolError(f"unsupported protocol version {version}")
+
+
+class ServerConnection:
+    """The daemon's side of one connection."""
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self._frames = _FrameBuffer(REQUEST_MAGIC, max_frame_bytes)
+        self.state = ServerState.AWAIT_INIT
+        self._in_flight: set[int] = set()
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return self._frames.max_frame_bytes
+
+    def negotiate(self, max_frame_bytes: int) -> None:
+        """Lower (never raise) the frame limit after INIT."""
+        self._frames.max_frame_bytes = min(self._frames.max_frame_bytes, max_frame_bytes)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        self._frames.feed(data)
+
+    def next_event(self) -> RequestReceived | InvalidRequest | ConnectionClosed | NeedData:
+        frame = self._frames.next_frame()
+        if frame is None:
+            return NEED_DATA
+        if isinstance(frame, ConnectionClosed):
+            return frame
+        _, header = RequestHeader.unpack(frame)
+        if header.unique == 0 or header.unique in self._in_flight:
+            raise RemoteProtocolError(f"unique id {header.unique} is zero or already in flight")
+        if self.state is ServerState.CLOSED:
+            raise RemoteProtocolError("request after DESTROY")
+        self._in_flight.add(header.unique)
+        return self._decode(header, memoryview(frame)[HEADER_BYTES:])
+
+    def _decode(self, header: RequestHeader, body: memoryview) -> RequestReceived | InvalidRequest:
+        try:
+            opcode = Opcode(header.opcode)
+        except ValueError:
+            return InvalidRequest(header, InvalidRequestError(f"unknown opcode {header.opcode}"))
+        following = SERVER_TRANSITIONS.get((self.state, opcode))
+        if following is None:
+            error = RemoteProtocolError(f"{opcode.name} not allowed in state {self.state.name}")
+            return InvalidRequest(header, error)
+        try:
+            message = decode_body(REQUEST_TYPES[opcode], body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return InvalidRequest(header, InvalidRequestError(f"{opcode.name}: {exc}"))
+        self.state = following
+        return RequestReceived(header, message)
+
+    def reply(
+        self, request: RequestHeader, message: Message, flags: FrameFlags = FrameFlags.NONE
+    ) -> bytes:
+        """Bytes of the successful reply to ``request``."""
+        if OPCODE_OF.get(type(message)) != request.opcode or not isinstance(
+            message, REPLY_TYPES[Opcode(request.opcode)]
+        ):
+            raise LocalProtocolError(f"{type(message).__name__} does not answer {request.opcode}")
+        return self._frame(request, 0, encode_body(message), flags)
+
+    def reply_error(self, request: RequestHeader, exc: BaseException) -> bytes:
+        """Bytes of an error reply to ``request`` carrying ``-errno_of(exc)``."""
+        return self._frame(request, -errno_of(exc), encode_body(ErrorReply(str(exc)[:4096])))
+
+    def fatal(self, exc: BaseException) -> bytes:
+        """Bytes of the last frame before closing: unique id 0 and the error."""
+        self.state = ServerState.CLOSED
+        body = encode_body(ErrorReply(str(exc)[:4096]))
+        return ReplyHeader(0, HEADER_BYTES + len(body), 0, -errno_of(exc)).pack() + body
+
+    def _frame(self, request: RequestHeader, error: int, body: bytes, flags: int = 0) -> bytes:
+        if request.unique not in self._in_flight:
+            raise LocalProtocolError(f"unique id {request.unique} is not awaiting a reply")
+        self._in_flight.discard(request.unique)
+        header = ReplyHeader(request.opcode, HEADER_BYTES + len(body), request.unique, error, flags)
+        return header.pack() + body
+
+
+class ClientConnection:
+    """The engine's side of one connection: numbers requests and matches replies to them."""
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self._frames = _FrameBuffer(REPLY_MAGIC, max_frame_bytes)
+        self._uniques = itertools.count(1)
+        self._pending: dict[int, Opcode] = {}
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def request(self, message: Message, ns: int = 0) -> tuple[int, bytes]:
+        """``(unique, frame bytes)`` for ``message`` sent on namespace ``ns``."""
+        opcode = OPCODE_OF.get(type(message))
+        if opcode is None or REQUEST_TYPES[opcode] is not type(message):
+            raise LocalProtocolError(f"{type(message).__name__} is not a request")
+        unique = next(self._uniques)
+        body = encode_body(message)
+        if HEADER_BYTES + len(body) > self._frames.max_frame_bytes:
+            raise InvalidRequestError(
+                f"{opcode.name} frame of {HEADER_BYTES + len(body)} bytes exceeds the "
+                f"{self._frames.max_frame_bytes}-byte limit: send fewer keys per call"
+            )
+        self._pending[unique] = opcode
+        return unique, RequestHeader(opcode, HEADER_BYTES + len(body), unique, ns).pack() + body
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        self._frames.feed(data)
+
+    def next_event(self) -> ReplyReceived | ConnectionClosed | NeedData:
+        frame = self._frames.next_frame()
+        if frame is None:
+            return NEED_DATA
+        if isinstance(frame, ConnectionClosed):
+            return frame
+        _, header = ReplyHeader.unpack(frame)
+        body = memoryview(frame)[HEADER_BYTES:]
+        if header.unique == 0:
+            return ReplyReceived(header, None, self._error(header, body))
+        opcode = self._pending.pop(header.unique, None)
+        if opcode is None or opcode != header.opcode:
+            raise RemoteProtocolError(f"reply {header.unique} answers no pending request")
+        if header.error:
+            return ReplyReceived(header, None, self._error(header, body))
+        try:
+            message = decode_body(REPLY_TYPES[opcode], body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise RemoteProtocolError(f"malformed {opcode.name} reply: {exc}") from exc
+        return ReplyReceived(header, message, None)
+
+    @staticmethod
+    def _error(header: ReplyHeader, body: memoryview) -> KvtierError:
+        if header.error >= 0:
+            return RemoteProtocolError("a reply with unique id 0 must carry an errno")
+        try:
+            text = decode_body(ErrorReply, body)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            text = ErrorReply(errno.errorcode.get(-header.error, "error"))
+        assert isinstance(text, ErrorReply)
+        return error_from_errno(header.error, text.message)

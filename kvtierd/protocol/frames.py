@@ -1,0 +1,121 @@
+"""Frame headers: the fixed little-endian prefix of every request and reply.
+
+Modelled on the FUSE kernel protocol (``fuse_in_header`` / ``fuse_out_header``): a request names
+its opcode, a unique id chosen by the client and the namespace it acts on; the reply echoes the
+unique id and carries ``0`` or a negative errno. Both headers are 32 bytes::
+
+    request  <4sHHIIQII  magic "KVTQ", version, opcode, length, flags, unique, ns, reserved
+    reply    <4sHHIiQII  magic "KVTR", version, opcode, length, error, unique, flags, reserved
+
+``length`` counts the whole frame, header included. Distinct magics for the two directions make
+a client that talks to a client (or reads its own bytes back) fail on the first frame.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "HEADER_BYTES",
+    "MAX_KEYS_PER_REQUEST",
+    "MIN_MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "REPLY_MAGIC",
+    "REQUEST_MAGIC",
+    "FrameFlags",
+    "Opcode",
+    "ReplyHeader",
+    "RequestHeader",
+]
+
+REQUEST_MAGIC = b"KVTQ"
+REPLY_MAGIC = b"KVTR"
+PROTOCOL_VERSION = 1
+HEADER_BYTES = 32
+#: A frame may never be larger than this unless INIT negotiated otherwise.
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+#: No negotiation may shrink the frame limit below this (an INIT must always fit).
+MIN_MAX_FRAME_BYTES = 4096
+#: Keys named by one LOOKUP/READ/ALLOC/FORGET.
+MAX_KEYS_PER_REQUEST = 8192
+
+_REQUEST = struct.Struct("<4sHHIIQII")
+_REPLY = struct.Struct("<4sHHIiQII")
+assert _REQUEST.size == _REPLY.size == HEADER_BYTES
+
+
+class Opcode(enum.IntEnum):
+    """Request types. Values are part of the wire format: never renumber."""
+
+    INIT = 1
+    OPEN_NS = 2
+    LOOKUP = 3
+    READ = 4
+    RELEASE = 5
+    ALLOC = 6
+    COMMIT = 7
+    FORGET = 8
+    FSYNC = 9
+    HINT = 10
+    STATFS = 11
+    DESTROY = 12
+    LIST_NS = 13
+    EVICT = 14
+
+
+class FrameFlags(enum.IntFlag):
+    """Header flag bits."""
+
+    NONE = 0
+    #: Reply: a file descriptor travels with this frame as SCM_RIGHTS ancillary data.
+    FD_ATTACHED = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHeader:
+    """The header of a request frame."""
+
+    opcode: int
+    length: int
+    unique: int
+    ns: int = 0
+    flags: int = 0
+    version: int = PROTOCOL_VERSION
+
+    def pack(self) -> bytes:
+        return _REQUEST.pack(
+            REQUEST_MAGIC, self.version, self.opcode, self.length, self.flags, self.unique,
+            self.ns, 0,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> tuple[bytes, RequestHeader]:
+        """Return ``(magic, header)``; validation is the connection's job."""
+        magic, version, opcode, length, flags, unique, ns, _ = _REQUEST.unpack_from(data)
+        return magic, cls(opcode, length, unique, ns, flags, version)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyHeader:
+    """The header of a reply frame. ``error`` is 0 or a negative errno."""
+
+    opcode: int
+    length: int
+    unique: int
+    error: int = 0
+    flags: int = 0
+    version: int = PROTOCOL_VERSION
+
+    def pack(self) -> bytes:
+        return _REPLY.pack(
+            REPLY_MAGIC, self.version, self.opcode, self.length, self.error, self.unique,
+            self.flags, 0,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> tuple[bytes, ReplyHeader]:
+        magic, version, opcode, length, error, unique, flags, _ = _REPLY.unpack_from(data)
+        return magic, cls(opcode, length, unique, error, flags, version)

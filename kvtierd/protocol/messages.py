@@ -1,0 +1,357 @@
+"""Typed frame bodies, one request and one reply struct per opcode, encoded as MessagePack.
+
+Bodies are ``msgspec`` structs encoded ``array_like`` (a MessagePack array of the fields in
+order), which is compact and fast to decode. Every field is bounded by a ``Meta`` constraint, so
+a decoded message is already validated: a body that does not match its opcode's struct, or
+breaks a bound, is rejected by the decoder with ``EINVAL`` before any handler sees it.
+
+Compatibility rule: fields are only ever appended, with defaults, and never reordered; a
+change that breaks that needs a new ``PROTOCOL_VERSION``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final
+
+import msgspec
+
+from kvtierd.keys import MAX_KEY_BYTES
+from kvtierd.protocol.frames import MAX_KEYS_PER_REQUEST, Opcode
+
+__all__ = [
+    "REPLY_TYPES",
+    "REQUEST_TYPES",
+    "AllocReply",
+    "AllocRequest",
+    "CommitReply",
+    "CommitRequest",
+    "DestroyReply",
+    "DestroyRequest",
+    "ErrorReply",
+    "EvictReply",
+    "EvictRequest",
+    "Extent",
+    "ForgetReply",
+    "ForgetRequest",
+    "FsyncReply",
+    "FsyncRequest",
+    "HintReply",
+    "HintRequest",
+    "InitReply",
+    "InitRequest",
+    "Layout",
+    "ListNsReply",
+    "ListNsRequest",
+    "LookupReply",
+    "LookupRequest",
+    "Message",
+    "NamespaceInfo",
+    "OpenNsReply",
+    "OpenNsRequest",
+    "ReadReply",
+    "ReadRequest",
+    "ReleaseReply",
+    "ReleaseRequest",
+    "StatfsReply",
+    "StatfsRequest",
+    "TierStatistics",
+]
+
+U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+U64 = Annotated[int, msgspec.Meta(ge=0, le=0x7FFF_FFFF_FFFF_FFFF)]
+Positive = Annotated[int, msgspec.Meta(ge=1, le=0xFFFF_FFFF_FFFF)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+ShortText = Annotated[str, msgspec.Meta(max_length=255)]
+Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], msgspec.Meta(min_length=1, max_length=MAX_KEYS_PER_REQUEST)]
+Session = Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
+class Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Base of every body."""
+
+
+# -- INIT -----------------------------------------------------------------------------------
+
+
+class InitRequest(Message, frozen=True):
+    major: U32
+    minor: U32
+    max_frame_bytes: U32
+    client_name: ShortText = ""
+
+
+class InitReply(Message, frozen=True):
+    """The arena's memfd travels with this reply (``FrameFlags.FD_ATTACHED``)."""
+
+    major: U32
+    minor: U32
+    max_frame_bytes: U32
+    max_inflight: U32
+    max_keys: U32
+    arena_bytes: U64
+    daemon_version: ShortText
+
+
+# -- namespaces -----------------------------------------------------------------------------
+
+
+class Layout(Message, frozen=True):
+    """How a block's bytes are laid out; part of the namespace identity."""
+
+    model_id: Name
+    layers: Positive
+    kv_heads: Positive
+    head_dim: Positive
+    dtype: Name
+    block_tokens: Positive
+    order: Name = "layer-major"
+
+
+class OpenNsRequest(Message, frozen=True):
+    name: Name
+    block_bytes: Positive
+    layout: Layout | None = None
+    rank: U32 = 0
+    world_size: Positive = 1
+    tenant: Name = "default"
+    compression: Name = "none"
+
+
+class OpenNsReply(Message, frozen=True):
+    """``ns`` goes into later request headers; ``key_salt`` seeds ``chain_keys``."""
+
+    ns: U32
+    key_salt: bytes
+    digest: bytes
+
+
+class ListNsRequest(Message, frozen=True):
+    pass
+
+
+class NamespaceInfo(Message, frozen=True):
+    ns: U32
+    name: str
+    tenant: str
+    rank: int
+    world_size: int
+    block_bytes: int
+    dram_blocks: int
+    nvme_blocks: int
+    layout: Layout | None = None
+
+
+class ListNsReply(Message, frozen=True):
+    namespaces: list[NamespaceInfo]
+
+
+# -- blocks ---------------------------------------------------------------------------------
+
+
+class Extent(Message, frozen=True):
+    """A block's place in the arena: ``offset`` and ``length`` in bytes, xxh3-64 ``checksum``."""
+
+    offset: U64
+    length: U64
+    checksum: U64 = 0
+
+
+class LookupRequest(Message, frozen=True):
+    keys: Keys
+    promote: bool = True
+
+
+class LookupReply(Message, frozen=True):
+    """``hits`` leading keys are present; ``tiers[i]`` is the tier of hit ``i`` (0 dram, 1 nvme,
+    2 pool)."""
+
+    hits: U32
+    tiers: bytes = b""
+
+
+class ReadRequest(Message, frozen=True):
+    keys: Keys
+
+
+class ReadReply(Message, frozen=True):
+    lease: U64
+    extents: list[Extent]
+
+
+class ReleaseRequest(Message, frozen=True):
+    leases: Annotated[list[U64], msgspec.Meta(min_length=1, max_length=MAX_KEYS_PER_REQUEST)]
+
+
+class ReleaseReply(Message, frozen=True):
+    released: U32
+
+
+class AllocRequest(Message, frozen=True):
+    keys: Keys
+
+
+class AllocReply(Message, frozen=True):
+    write: U64
+    extents: list[Extent]
+
+
+class CommitRequest(Message, frozen=True):
+    """Publish (or with ``abort`` drop) the blocks of an ALLOC. ``checksums``, when given, are
+    the client's xxh3-64 of each block; the daemon checks them against the arena bytes."""
+
+    write: U64
+    checksums: Annotated[list[U64], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)] = []
+    abort: bool = False
+
+
+class CommitReply(Message, frozen=True):
+    committed: U32
+
+
+class ForgetRequest(Message, frozen=True):
+    keys: Keys
+
+
+class ForgetReply(Message, frozen=True):
+    forgotten: U32
+
+
+class EvictRequest(Message, frozen=True):
+    """Drop the DRAM copies of clean blocks (of the header's namespace, or of all)."""
+
+    all_namespaces: bool = False
+
+
+class EvictReply(Message, frozen=True):
+    evicted: U32
+
+
+class FsyncRequest(Message, frozen=True):
+    pass
+
+
+class FsyncReply(Message, frozen=True):
+    durable_blocks: U64
+
+
+class HintRequest(Message, frozen=True):
+    """What the engine knows about the future. ``queue`` lists the key chains of queued
+    requests, first to be scheduled first; ``session`` names the conversation."""
+
+    session: Session = b""
+    queue: Annotated[list[Keys], msgspec.Meta(max_length=256)] = []
+
+
+class HintReply(Message, frozen=True):
+    planned: U32 = 0
+
+
+# -- daemon ---------------------------------------------------------------------------------
+
+
+class StatfsRequest(Message, frozen=True):
+    pass
+
+
+class TierStatistics(Message, frozen=True):
+    name: str
+    blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    bytes_read: int
+    bytes_written: int
+
+
+class StatfsReply(Message, frozen=True):
+    version: str
+    uptime_s: float
+    io_backend: str
+    connections: int
+    requests: int
+    namespaces: int
+    leases: int
+    leased_blocks: int
+    pending_writes: int
+    dirty_blocks: int
+    dirty_bytes: int
+    durable_blocks: int
+    promotions: int
+    prefetch_promoted: int
+    prefetch_used: int
+    prefetch_wasted_bytes: int
+    tiers: list[TierStatistics]
+
+
+class DestroyRequest(Message, frozen=True):
+    pass
+
+
+class DestroyReply(Message, frozen=True):
+    pass
+
+
+class ErrorReply(Message, frozen=True):
+    """Body of every reply whose header carries a negative errno."""
+
+    message: str = ""
+
+
+REQUEST_TYPES: Final[dict[Opcode, type[Message]]] = {
+    Opcode.INIT: InitRequest,
+    Opcode.OPEN_NS: OpenNsRequest,
+    Opcode.LOOKUP: LookupRequest,
+    Opcode.READ: ReadRequest,
+    Opcode.RELEASE: ReleaseRequest,
+    Opcode.ALLOC: AllocRequest,
+    Opcode.COMMIT: CommitRequest,
+    Opcode.FORGET: ForgetRequest,
+    Opcode.FSYNC: FsyncRequest,
+    Opcode.HINT: HintRequest,
+    Opcode.STATFS: StatfsRequest,
+    Opcode.DESTROY: DestroyRequest,
+    Opcode.LIST_NS: ListNsRequest,
+    Opcode.EVICT: EvictRequest,
+}
+
+REPLY_TYPES: Final[dict[Opcode, type[Message]]] = {
+    Opcode.INIT: InitReply,
+    Opcode.OPEN_NS: OpenNsReply,
+    Opcode.LOOKUP: LookupReply,
+    Opcode.READ: ReadReply,
+    Opcode.RELEASE: ReleaseReply,
+    Opcode.ALLOC: AllocReply,
+    Opcode.COMMIT: CommitReply,
+    Opcode.FORGET: ForgetReply,
+    Opcode.FSYNC: FsyncReply,
+    Opcode.HINT: HintReply,
+    Opcode.STATFS: StatfsReply,
+    Opcode.DESTROY: DestroyReply,
+    Opcode.LIST_NS: ListNsReply,
+    Opcode.EVICT: EvictReply,
+}
+
+OPCODE_OF: Final[dict[type[Message], Opcode]] = {
+    **{cls: op for op, cls in REQUEST_TYPES.items()},
+    **{cls: op for op, cls in REPLY_TYPES.items()},
+}
+
+_ENCODER: Final = msgspec.msgpack.Encoder()
+_BODY_TYPES: Final[list[type[Message]]] = [*OPCODE_OF, ErrorReply]
+_DECODERS: Final[dict[type[Message], msgspec.msgpack.Decoder[Any]]] = {
+    cls: msgspec.msgpack.Decoder(cls) for cls in _BODY_TYPES
+}
+
+
+def encode_body(message: Message) -> bytes:
+    """MessagePack bytes of ``message``."""
+    return _ENCODER.encode(message)
+
+
+def decode_body(cls: type[Message], data: bytes | memoryview) -> Message:
+    """Decode ``data`` as ``cls``; raises ``msgspec.ValidationError``/``DecodeError``."""
+    result: Message = _DECODERS[cls].decode(data)
+    return result
