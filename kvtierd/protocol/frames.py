@@ -87,8 +87,14 @@ class RequestHeader:
 
     def pack(self) -> bytes:
         return _REQUEST.pack(
-            REQUEST_MAGIC, self.version, self.opcode, self.length, self.flags, self.unique,
-            self.ns, 0,
+            REQUEST_MAGIC,
+            self.version,
+            self.opcode,
+            self.length,
+            self.flags,
+            self.unique,
+            self.ns,
+            0,
         )
 
     @classmethod
@@ -111,8 +117,14 @@ class ReplyHeader:
 
     def pack(self) -> bytes:
         return _REPLY.pack(
-            REPLY_MAGIC, self.version, self.opcode, self.length, self.error, self.unique,
-            self.flags, 0,
+            REPLY_MAGIC,
+            self.version,
+            self.opcode,
+            self.length,
+            self.error,
+            self.unique,
+            self.flags,
+            0,
         )
 
     @classmethod

@@ -1,0 +1,211 @@
+"""Daemon configuration: a TOML file over embedded defaults, every field validated.
+
+The defaults are the struct defaults below; a file overrides any subset of them and command-line
+flags override the file. Unknown keys, wrong types and impossible values are refused with a
+:class:`ConfigError` whose message names the field (``$.dram.size``) and what is wrong.
+
+Where the daemon keeps its socket and data when nothing says otherwise:
+
+* under systemd, ``$RUNTIME_DIRECTORY`` and ``$STATE_DIRECTORY`` (set by the unit);
+* in a source checkout (the package sits next to ``pyproject.toml``), ``<checkout>/.kvtierd/``,
+  so a developer's daemon never needs root;
+* otherwise ``/run/kvtierd`` and ``/var/lib/kvtierd``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from kvtierd.errors import ConfigError
+
+__all__ = [
+    "ByteSize",
+    "Config",
+    "DaemonConfig",
+    "DramConfig",
+    "NvmeConfig",
+    "PolicyKind",
+    "Runtime",
+    "TenantConfig",
+    "TriState",
+    "default_data_dir",
+    "default_socket_path",
+    "load_config",
+    "parse_size",
+]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.I)
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}
+
+
+class ByteSize(int):
+    """A size in bytes; in TOML an integer or a string like ``"512M"``, ``"4G"``, ``"1.5GiB"``."""
+
+
+def parse_size(text: str | int) -> ByteSize:
+    """Parse ``"512M"``-style sizes (binary units) into bytes; raises ``ValueError``."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"a size cannot be negative: {text}")
+        return ByteSize(text)
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"not a size: {text!r} (use bytes or a suffix: K, M, G, T)")
+    return ByteSize(int(float(match[1]) * _UNITS[match[2].lower()]))
+
+
+class Runtime(enum.StrEnum):
+    ASYNCIO = "asyncio"
+    TRIO = "trio"
+
+
+class TriState(enum.StrEnum):
+    """``auto``: use the feature when the system allows it, log when it does not."""
+
+    AUTO = "auto"
+    ALWAYS = "always"
+    NEVER = "never"
+
+
+class PolicyKind(enum.StrEnum):
+    LRU = "lru"
+    SLSAP = "slsap"
+
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class DaemonConfig(_Section):
+    socket: str = ""
+    socket_mode: Annotated[str, msgspec.Meta(pattern=r"^0?[0-7]{3}$")] = "0660"
+    socket_group: str = ""
+    data_dir: str = ""
+    runtime: Runtime = Runtime.ASYNCIO
+    log_level: Annotated[str, msgspec.Meta(pattern=r"^(?i:debug|info|warning|error)$")] = "info"
+    max_connections: Count = 256
+    max_inflight: Count = 256
+    max_frame_bytes: ByteSize = ByteSize(1 << 20)
+    metrics_port: Port = 0
+    metrics_address: str = "127.0.0.1"
+    shutdown_grace_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+
+    def __post_init__(self) -> None:
+        if not 4096 <= self.max_frame_bytes <= 64 << 20:
+            raise ValueError("max_frame_bytes must be between 4K and 64M")
+        if self.metrics_port and self.metrics_address not in ("127.0.0.1", "::1", "localhost"):
+            raise ValueError("metrics are served on loopback only (127.0.0.1, ::1, localhost)")
+
+
+class DramConfig(_Section):
+    size: ByteSize = ByteSize(1 << 30)
+    hugepages: TriState = TriState.AUTO
+    mlock: TriState = TriState.AUTO
+    prefault: bool = True
+    policy: PolicyKind = PolicyKind.LRU
+
+    def __post_init__(self) -> None:
+        if self.size < 16 << 20:
+            raise ValueError("dram.size must be at least 16M")
+
+
+class NvmeConfig(_Section):
+    size: ByteSize = ByteSize(4 << 30)
+    path: str = ""
+    io_backend: Annotated[str, msgspec.Meta(pattern=r"^(auto|io_uring|threads)$")] = "auto"
+    queue_depth: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    segment_bytes: ByteSize = ByteSize(64 << 20)
+    writeback_concurrency: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    policy: PolicyKind = PolicyKind.LRU
+
+    def __post_init__(self) -> None:
+        if self.size and self.size < 64 << 20:
+            raise ValueError("nvme.size must be 0 (no disk tier) or at least 64M")
+        if self.segment_bytes < 1 << 20 or self.segment_bytes % 4096:
+            raise ValueError("nvme.segment_bytes must be a multiple of 4K, at least 1M")
+
+
+class TenantConfig(_Section):
+    """Who may open namespaces of tenant ``name``: peers whose uid or gid is listed."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    uids: list[int] = []
+    gids: list[int] = []
+
+
+class Config(_Section):
+    daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
+    dram: DramConfig = msgspec.field(default_factory=DramConfig)
+    nvme: NvmeConfig = msgspec.field(default_factory=NvmeConfig)
+    tenants: list[TenantConfig] = []
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.daemon.socket) if self.daemon.socket else default_socket_path()
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.daemon.data_dir) if self.daemon.data_dir else default_data_dir()
+
+
+def _checkout_root() -> Path | None:
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / "pyproject.toml").is_file() and (root / "kvtierd").is_dir() else None
+
+
+def default_socket_path() -> Path:
+    """Where the daemon listens and clients connect when nothing else is said."""
+    if env := os.environ.get("KVTIERD_SOCKET"):
+        return Path(env)
+    if runtime := os.environ.get("RUNTIME_DIRECTORY"):
+        return Path(runtime.split(":")[0]) / "kvtierd.sock"
+    if root := _checkout_root():
+        return root / ".kvtierd" / "kvtierd.sock"
+    return Path("/run/kvtierd/kvtierd.sock")
+
+
+def default_data_dir() -> Path:
+    if state := os.environ.get("STATE_DIRECTORY"):
+        return Path(state.split(":")[0])
+    if root := _checkout_root():
+        return root / ".kvtierd" / "data"
+    return Path("/var/lib/kvtierd")
+
+
+def _dec_hook(kind: type, value: Any) -> Any:
+    if kind is ByteSize:
+        return parse_size(value)
+    raise NotImplementedError(f"cannot read {kind.__name__} from configuration")
+
+
+def load_config(
+    path: Path | None = None, overrides: dict[str, dict[str, Any]] | None = None
+) -> Config:
+    """Read ``path`` (or only the defaults), apply ``overrides`` (``{"dram": {"size": "2G"}}``)
+    and validate. Raises :class:`ConfigError` naming the offending field."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
+    for section, values in (overrides or {}).items():
+        raw.setdefault(section, {}).update(values)
+    try:
+        return msgspec.convert(raw, Config, dec_hook=_dec_hook, strict=True)
+    except msgspec.ValidationError as exc:
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"invalid configuration{where}: {exc}") from exc

@@ -1,0 +1,176 @@
+"""The on-disk format of the NVMe tier: superblock, segment headers and record headers.
+
+Layout of a data file (all integers little-endian, every structure in its own 4 KiB page so
+that ``O_DIRECT`` I/O stays aligned)::
+
+    [superblock][segment 0][segment 1] ...           carved in order, never moved
+    segment  = [segment header][slot 0] ... [slot n-1]   all slots of one size
+    slot     = [record header][payload, padded to 4 KiB]
+
+Every structure starts with a magic and a format version and ends with an xxh3-64 checksum of
+the bytes before it, so recovery can tell an intact header from zeroes, garbage or a torn write.
+A record header also holds the xxh3-64 of the block's bytes: a payload that does not match is
+a torn or corrupt block and is treated as a miss, never served. ``seq`` grows with every write,
+so when two records claim one key the newer wins.
+
+Crash reasoning: a segment header is written and made durable before any slot in the segment is
+used, so a scan can always step from segment to segment. A block is written as one vectored
+write (header and payload); whatever subset of its sectors reached the disk, the two checksums
+decide whether it is whole. Nothing else is needed for correctness; the index snapshot is only a
+shortcut for recovery after a clean shutdown.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import xxhash
+
+from kvtierd.keys import MAX_KEY_BYTES
+
+__all__ = [
+    "FORMAT_VERSION",
+    "PAGE_BYTES",
+    "CorruptRecord",
+    "RecordHeader",
+    "SegmentHeader",
+    "Superblock",
+    "checksum",
+]
+
+FORMAT_VERSION = 1
+PAGE_BYTES = 4096
+
+_SUPER = struct.Struct("<4sH2x16sQQ")  # magic, version, file id, file bytes, created (ns)
+_SEGMENT = struct.Struct("<4sH2x16sQQI4x")  # magic, version, file id, start, slot bytes, count
+_RECORD = struct.Struct("<4sHH16sB32s3xIIQQ")
+# record: magic, version, flags, namespace digest, key length, key, stored length, raw length,
+#         payload checksum (of the raw bytes), seq
+_CHECK = struct.Struct("<Q")
+
+
+class CorruptRecord(ValueError):
+    """The bytes are not an intact structure of the expected kind."""
+
+
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    """xxh3-64 of ``data`` (the checksum used everywhere a block crosses a tier)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _seal(body: bytes) -> bytes:
+    page = body + _CHECK.pack(checksum(body))
+    return page + bytes(PAGE_BYTES - len(page))
+
+
+def _open(
+    data: bytes | bytearray | memoryview, layout: struct.Struct, magic: bytes
+) -> tuple[Any, ...]:
+    if len(data) < layout.size + _CHECK.size:
+        raise CorruptRecord("short header")
+    body = bytes(data[: layout.size])
+    (stored,) = _CHECK.unpack_from(data, layout.size)
+    if body[:4] != magic:
+        raise CorruptRecord("no magic")
+    if checksum(body) != stored:
+        raise CorruptRecord("header checksum mismatch")
+    fields = layout.unpack(body)
+    if fields[1] != FORMAT_VERSION:
+        raise CorruptRecord(f"format version {fields[1]}, expected {FORMAT_VERSION}")
+    return fields
+
+
+@dataclass(frozen=True, slots=True)
+class Superblock:
+    file_id: bytes
+    file_bytes: int
+    created_ns: int
+    MAGIC: ClassVar[bytes] = b"KVTF"
+
+    def pack(self) -> bytes:
+        return _seal(
+            _SUPER.pack(self.MAGIC, FORMAT_VERSION, self.file_id, self.file_bytes, self.created_ns)
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> Superblock:
+        _, _, file_id, file_bytes, created = _open(data, _SUPER, cls.MAGIC)
+        return cls(file_id, file_bytes, created)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    file_id: bytes
+    start: int
+    slot_bytes: int
+    slot_count: int
+    MAGIC: ClassVar[bytes] = b"KVTS"
+
+    @property
+    def end(self) -> int:
+        return self.start + PAGE_BYTES + self.slot_bytes * self.slot_count
+
+    def slot_offset(self, index: int) -> int:
+        return self.start + PAGE_BYTES + index * self.slot_bytes
+
+    def pack(self) -> bytes:
+        return _seal(
+            _SEGMENT.pack(
+                self.MAGIC,
+                FORMAT_VERSION,
+                self.file_id,
+                self.start,
+                self.slot_bytes,
+                self.slot_count,
+            )
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> SegmentHeader:
+        _, _, file_id, start, slot_bytes, count = _open(data, _SEGMENT, cls.MAGIC)
+        if slot_bytes < 2 * PAGE_BYTES or slot_bytes % PAGE_BYTES or count < 1:
+            raise CorruptRecord("impossible segment geometry")
+        return cls(file_id, start, slot_bytes, count)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    """The header page in front of every stored block."""
+
+    ns_digest: bytes
+    key: bytes
+    stored_bytes: int
+    raw_bytes: int
+    payload_checksum: int
+    seq: int
+    flags: int = 0
+    MAGIC: ClassVar[bytes] = b"KVTB"
+    FLAG_ZSTD: ClassVar[int] = 1
+
+    def pack(self) -> bytes:
+        if not 0 < len(self.key) <= MAX_KEY_BYTES or len(self.ns_digest) != 16:
+            raise ValueError("bad key or namespace digest")
+        return _seal(
+            _RECORD.pack(
+                self.MAGIC,
+                FORMAT_VERSION,
+                self.flags,
+                self.ns_digest,
+                len(self.key),
+                self.key,
+                self.stored_bytes,
+                self.raw_bytes,
+                self.payload_checksum,
+                self.seq,
+            )
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> RecordHeader:
+        fields = _open(data, _RECORD, cls.MAGIC)
+        _, _, flags, digest, key_len, key, stored, raw, payload_checksum, seq = fields
+        if not 0 < key_len <= MAX_KEY_BYTES:
+            raise CorruptRecord("bad key length")
+        return cls(digest, key[:key_len], stored, raw, payload_checksum, seq, flags)
