@@ -76,7 +76,6 @@ class TriState(enum.StrEnum):
 
 class PolicyKind(enum.StrEnum):
     LRU = "lru"
-    SLSAP = "slsap"
 
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -127,6 +126,7 @@ class NvmeConfig(_Section):
     queue_depth: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
     segment_bytes: ByteSize = ByteSize(64 << 20)
     writeback_concurrency: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    preallocate: bool = True
     policy: PolicyKind = PolicyKind.LRU
 
     def __post_init__(self) -> None:

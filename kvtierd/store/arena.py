@@ -166,9 +166,13 @@ class Arena:
         return self.view[offset : offset + length]
 
     def close(self) -> None:
-        """Unmap and close. Views handed out must have been released first."""
+        """Close the descriptor and unmap. A mapping that still has exported views (io_uring
+        keeps the registered buffer exported) is left to be unmapped at process exit."""
         self.view.release()
-        self._mapping.close()
+        try:
+            self._mapping.close()
+        except BufferError:
+            log.debug("arena views still exported; the mapping is released at exit")
         os.close(self.fd)
 
 

@@ -1,0 +1,112 @@
+"""The block index and the per-connection records that pin parts of it.
+
+A :class:`Block` is one committed key of one namespace, with its copies: an arena slot (DRAM),
+a lower-tier location (NVMe), or both. Blocks are compared by identity and serve directly as
+the policies' keys. ``pins`` counts leases and in-flight I/O on the DRAM copy: a pinned slot is
+never evicted or reused. ``dirty`` marks a committed block whose lower-tier copy is not written
+yet; it cannot leave DRAM until it is.
+
+An :class:`Owner` is one client connection: its leases and its uncommitted writes die with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import anyio
+
+from kvtierd.store.namespaces import Namespace
+from kvtierd.store.slots import Slot
+from kvtierd.store.tier import BlockRef
+
+__all__ = ["Block", "BlockIndex", "Lease", "Owner", "PendingWrite"]
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    ns: Namespace
+    ref: BlockRef
+    dram: Slot | None = None
+    lower: object | None = None
+    dirty: bool = False
+    pins: int = 0
+    loading: anyio.Event | None = None
+    forgotten: bool = False
+    prefetched: bool = False
+
+    @property
+    def key(self) -> bytes:
+        return self.ref.key
+
+    @property
+    def resident(self) -> bool:
+        return self.dram is not None
+
+
+@dataclass(eq=False, slots=True)
+class Lease:
+    id: int
+    blocks: list[Block]
+
+
+@dataclass(eq=False, slots=True)
+class PendingWrite:
+    """An ALLOC not yet committed: ``slots[i]`` is ``None`` where the key was already stored."""
+
+    id: int
+    ns: Namespace
+    keys: list[bytes]
+    slots: list[Slot | None]
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Owner:
+    """A client connection's holdings."""
+
+    name: str = ""
+    leases: dict[int, Lease] = field(default_factory=dict)
+    writes: dict[int, PendingWrite] = field(default_factory=dict)
+
+    @staticmethod
+    def next_id() -> int:
+        return next(_ids)
+
+
+class BlockIndex:
+    """``(namespace digest, key) -> Block``, with per-namespace counts."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[tuple[bytes, bytes], Block] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, ns: Namespace, key: bytes) -> Block | None:
+        return self._blocks.get((ns.digest, key))
+
+    def add(self, block: Block) -> None:
+        self._blocks[(block.ns.digest, block.key)] = block
+        block.ns.blocks += 1
+
+    def remove(self, block: Block) -> None:
+        if self._blocks.get((block.ns.digest, block.key)) is block:
+            del self._blocks[(block.ns.digest, block.key)]
+            block.ns.blocks -= 1
+            block.forgotten = True
+
+    def leading_present(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
+        """The blocks of the longest prefix of ``keys`` present in some tier."""
+        found: list[Block] = []
+        for key in keys:
+            block = self._blocks.get((ns.digest, key))
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def blocks(self) -> list[Block]:
+        return list(self._blocks.values())

@@ -1,0 +1,97 @@
+"""Assembling the store from its configuration, and taking it apart in the right order.
+
+Opening: the arena is created and pre-faulted first (io_uring registers it as fixed buffers,
+which is fast only on faulted memory), then the I/O backend, then the NVMe tier, which recovers
+its index before anything is served; the store adopts what was recovered.
+
+Closing, whatever happened: no new write-back is queued, the workers finish the queue (every
+committed block reaches the disk when time allows), the NVMe tier writes its index snapshot, the
+backend and the arena go away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+
+from kvtierd.config import Config, PolicyKind
+from kvtierd.io import open_io_backend
+from kvtierd.store.arena import Arena
+from kvtierd.store.namespaces import NamespaceRegistry
+from kvtierd.store.nvme import open_nvme_tier
+from kvtierd.store.policy import CachePolicy, LruPolicy
+from kvtierd.store.records import PAGE_BYTES
+from kvtierd.store.slots import SlotAllocator
+from kvtierd.store.staging import StagingPages
+from kvtierd.store.store import BlockStore
+
+__all__ = ["make_policy", "open_store"]
+
+log = logging.getLogger("kvtierd.store")
+
+
+def make_policy(kind: PolicyKind) -> CachePolicy:
+    """The one place a policy is chosen by name."""
+    policies: dict[PolicyKind, type[CachePolicy]] = {PolicyKind.LRU: LruPolicy}
+    return policies[kind]()
+
+
+@contextlib.asynccontextmanager
+async def open_store(config: Config) -> AsyncIterator[BlockStore]:
+    """Yield a running :class:`BlockStore` for ``config``; closes it on exit."""
+    data_dir = config.data_path
+    await anyio.to_thread.run_sync(lambda: data_dir.mkdir(parents=True, exist_ok=True))
+    staging_count = 2 * config.nvme.queue_depth + 64
+    arena = await anyio.to_thread.run_sync(
+        lambda: Arena.create(
+            config.dram.size + staging_count * PAGE_BYTES,
+            hugepages=config.dram.hugepages,
+            mlock=config.dram.mlock,
+            prefault=config.dram.prefault,
+        )
+    )
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            backend = await stack.enter_async_context(
+                open_io_backend(config.nvme.io_backend, queue_depth=config.nvme.queue_depth)
+            )
+            backend.register_buffer(arena.view)
+            pages = StagingPages(arena.view[: staging_count * PAGE_BYTES], staging_count)
+            tier = None
+            if config.nvme.size:
+                tier = await stack.enter_async_context(
+                    open_nvme_tier(
+                        Path(config.nvme.path) if config.nvme.path else data_dir / "nvme.data",
+                        config.nvme.size,
+                        backend=backend,
+                        pages=pages,
+                        segment_bytes=config.nvme.segment_bytes,
+                        preallocate=config.nvme.preallocate,
+                    )
+                )
+            allocator = SlotAllocator(staging_count * PAGE_BYTES, arena.size_bytes)
+            registry = NamespaceRegistry(data_dir / "namespaces.catalog", config.tenants)
+            store = BlockStore(
+                arena,
+                allocator,
+                registry,
+                make_policy(config.dram.policy),
+                tier,
+                make_policy(config.nvme.policy),
+                writeback_workers=config.nvme.writeback_concurrency,
+            )
+            store.io_backend = backend
+            adopted = store.adopt_recovered()
+            log.info("store ready: %d blocks adopted from the NVMe tier", adopted)
+            async with anyio.create_task_group() as tg:
+                store.start(tg)
+                try:
+                    yield store
+                finally:
+                    store.writeback.close()
+    finally:
+        arena.close()

@@ -1,0 +1,114 @@
+"""Pure placement of records in an NVMe data file: segments of equal-sized slots.
+
+The file is carved front to back into segments; a segment holds slots of one size (a record
+header page plus a payload rounded up to a page). Blocks of a namespace have one size, so a
+segment's slots are reused in place forever and no compaction is ever needed. A segment is
+planned here, its header written durably by the I/O layer, and only then added with
+:meth:`SegmentMap.add_segment` and used.
+
+Space of one size class is not given to another: a file full of 2 MiB slots cannot hold a
+32 MiB block until an operator shrinks the first class (by a fresh tier). ``plan_segment``
+returns ``None`` then and the store evicts within the class or reports ``ENOSPC``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtierd.store.records import PAGE_BYTES, SegmentHeader
+
+__all__ = ["DiskSlot", "SegmentMap", "slot_bytes_for"]
+
+
+def slot_bytes_for(stored_bytes: int) -> int:
+    """Size of the slot that holds a record of ``stored_bytes`` payload bytes."""
+    return PAGE_BYTES + -(-stored_bytes // PAGE_BYTES) * PAGE_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class DiskSlot:
+    """Slot ``index`` of segment ``segment``: ``size`` bytes at file ``offset``."""
+
+    segment: int
+    index: int
+    offset: int
+    size: int
+
+
+class SegmentMap:
+    """Which segments exist, and which of their slots are free."""
+
+    def __init__(self, file_id: bytes, file_bytes: int, target_segment_bytes: int) -> None:
+        self.file_id = file_id
+        self.file_bytes = file_bytes - file_bytes % PAGE_BYTES
+        self.target_segment_bytes = target_segment_bytes
+        self.segments: list[SegmentHeader] = []
+        self._tail = PAGE_BYTES  # after the superblock
+        self._free: dict[int, list[tuple[int, int]]] = {}
+        self._used: set[tuple[int, int]] = set()
+        self._used_bytes = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.file_bytes - PAGE_BYTES
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    def plan_segment(self, slot_bytes: int) -> SegmentHeader | None:
+        """The next segment for ``slot_bytes`` slots, or ``None`` when the file is full."""
+        room = self.file_bytes - self._tail - PAGE_BYTES
+        if room < slot_bytes:
+            return None
+        count = max(1, self.target_segment_bytes // slot_bytes)
+        count = min(count, room // slot_bytes)
+        return SegmentHeader(self.file_id, self._tail, slot_bytes, count)
+
+    def add_segment(self, header: SegmentHeader, *, all_free: bool = True) -> int:
+        """Adopt a segment whose header is durable; returns its number."""
+        if header.start != self._tail or header.end > self.file_bytes:
+            raise ValueError(f"segment at {header.start} does not follow the tail {self._tail}")
+        number = len(self.segments)
+        self.segments.append(header)
+        self._tail = header.end
+        if all_free:
+            bucket = self._free.setdefault(header.slot_bytes, [])
+            bucket.extend((number, i) for i in reversed(range(header.slot_count)))
+        return number
+
+    def adopt_free(self, segment: int, indices: list[int]) -> None:
+        """At recovery: the listed slots of ``segment`` hold nothing."""
+        bucket = self._free.setdefault(self.segments[segment].slot_bytes, [])
+        bucket.extend((segment, i) for i in reversed(indices))
+
+    def mark_used(self, segment: int, index: int) -> DiskSlot:
+        """At recovery: slot ``index`` of ``segment`` holds a record."""
+        return self._take(segment, index)
+
+    def allocate(self, slot_bytes: int) -> DiskSlot | None:
+        """A free slot of exactly ``slot_bytes``, or ``None``."""
+        bucket = self._free.get(slot_bytes)
+        if not bucket:
+            return None
+        segment, index = bucket.pop()
+        return self._take(segment, index)
+
+    def free(self, slot: DiskSlot) -> None:
+        """Return a slot; raises ``ValueError`` if it is not in use."""
+        place = (slot.segment, slot.index)
+        if place not in self._used:
+            raise ValueError(f"disk slot {place} is not in use")
+        self._used.remove(place)
+        self._used_bytes -= slot.size
+        self._free.setdefault(slot.size, []).append(place)
+
+    def _take(self, segment: int, index: int) -> DiskSlot:
+        self._used.add((segment, index))
+        slot = self._slot(segment, index)
+        self._used_bytes += slot.size
+        return slot
+
+    def _slot(self, segment: int, index: int) -> DiskSlot:
+        header = self.segments[segment]
+        return DiskSlot(segment, index, header.slot_offset(index), header.slot_bytes)

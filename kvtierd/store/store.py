@@ -1,0 +1,485 @@
+"""The block store: carries out LOOKUP, READ, ALLOC/COMMIT, FORGET, FSYNC and eviction.
+
+Theory of operation. All state lives on the event loop thread and changes only between
+``await`` points, so no lock guards the index; what must not change across an ``await`` is
+pinned instead (``Block.pins``; a pinned DRAM slot is never evicted). Policies decide which
+blocks to evict (:class:`~kvtierd.store.policy.CachePolicy`); this class evicts them.
+
+Invariants the tests check:
+
+* a key is visible only after COMMIT, and an abandoned ALLOC is never visible;
+* a leased or dirty block keeps its DRAM slot; a block with no copy left leaves the index;
+* a copy that fails its checksum is dropped, and the request sees a miss, never its bytes.
+
+Background work (promotions started by LOOKUP/HINT, write-back) runs in the task group the store
+is opened with (:func:`kvtierd.store.open_store`), never detached.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable
+
+import anyio
+from anyio.abc import TaskGroup
+
+from kvtierd.errors import BlockNotFoundError, InvalidRequestError, KvtierError, NoSpaceError
+from kvtierd.io import IoBackend
+from kvtierd.store.arena import Arena
+from kvtierd.store.index import Block, BlockIndex, Lease, Owner, PendingWrite
+from kvtierd.store.namespaces import Namespace, NamespaceRegistry
+from kvtierd.store.policy import AccessContext, CachePolicy, ServedBy
+from kvtierd.store.records import checksum
+from kvtierd.store.slots import Slot, SlotAllocator
+from kvtierd.store.tier import BlockRef, LowerTier
+from kvtierd.store.writeback import WriteBack
+
+__all__ = ["BlockStore"]
+
+log = logging.getLogger("kvtierd.store")
+_EVICT_BATCH = 16
+_THREAD_CHECKSUM_BYTES = 256 << 10
+
+
+class BlockStore:
+    """Construct through :func:`kvtierd.store.open_store`."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        allocator: SlotAllocator,
+        registry: NamespaceRegistry,
+        dram_policy: CachePolicy,
+        lower: LowerTier | None,
+        lower_policy: CachePolicy,
+        *,
+        writeback_workers: int = 16,
+        alloc_wait_s: float = 10.0,
+    ) -> None:
+        self.arena = arena
+        self.allocator = allocator
+        self.registry = registry
+        self.index = BlockIndex()
+        self.dram_policy = dram_policy
+        self.lower = lower
+        self.lower_policy = lower_policy
+        self.writeback = WriteBack(self._write_back, writeback_workers)
+        self.alloc_wait_s = alloc_wait_s
+        self._tg: TaskGroup | None = None
+        self.io_backend: IoBackend | None = None
+        self.started_at = time.monotonic()
+        self._seq = 0
+        self._promote_limit = anyio.CapacityLimiter(32)
+        self.counters = dict.fromkeys(
+            (
+                "dram_hits",
+                "lower_hits",
+                "misses",
+                "dram_evictions",
+                "lower_evictions",
+                "promotions",
+                "prefetch_promoted",
+                "prefetch_used",
+                "prefetch_wasted_bytes",
+                "bytes_read",
+                "bytes_committed",
+                "lost",
+            ),
+            0,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, tg: TaskGroup) -> None:
+        self._tg = tg
+        self.writeback.start(tg)
+
+    def adopt_recovered(self) -> int:
+        """Index the blocks the lower tier found at start-up."""
+        if self.lower is None:
+            return 0
+        adopted = 0
+        for found in self.lower.recovered():
+            ns = self.registry.by_digest(found.ref.ns_digest)
+            if ns is None:
+                log.warning("dropping a recovered block of an unknown namespace")
+                continue
+            block = Block(ns, found.ref, lower=found.location)
+            self.index.add(block)
+            ns.nvme_blocks += 1
+            self.lower_policy.inserted(block, 0.0)
+            self._seq = max(self._seq, found.ref.seq)
+            adopted += 1
+        return adopted
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def lookup(
+        self, ns: Namespace, keys: list[bytes], *, promote: bool = True
+    ) -> tuple[int, bytes]:
+        """Hits for ``ns``'s whole TP group, and the tier of each hit of ``ns``'s own share."""
+        own = self.index.leading_present(ns, keys)
+        hits = len(own)
+        if ns.spec.world_size > 1:
+            for member in self.registry.group(ns):
+                if member is None:
+                    return 0, b""
+                if member is not ns:
+                    hits = min(hits, len(self.index.leading_present(member, keys[:hits])))
+        own = own[:hits]
+        if promote:
+            self.prefetch(own)
+        tiers = bytes(ServedBy.DRAM if b.resident else ServedBy.NVME for b in own)
+        return hits, tiers
+
+    def prefetch(self, blocks: list[Block]) -> int:
+        """Start promoting the non-resident ``blocks`` into DRAM, first block first."""
+        started = 0
+        for block in blocks:
+            if block.resident or block.loading is not None or self._tg is None:
+                continue
+            block.prefetched = True
+            self._tg.start_soon(self._prefetch_one, block)
+            started += 1
+        self.counters["prefetch_promoted"] += started
+        return started
+
+    async def _prefetch_one(self, block: Block) -> None:
+        try:
+            async with self._promote_limit:
+                await self._make_resident(block)
+        except KvtierError as exc:
+            log.debug("prefetch of a block failed: %s", exc)
+
+    async def read(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease:
+        """Make every block of ``keys`` resident, lease them to ``owner``."""
+        blocks: list[Block] = []
+        for key in keys:
+            block = self.index.get(ns, key)
+            if block is None:
+                self.counters["misses"] += 1
+                raise BlockNotFoundError(f"block {key.hex()} is not stored")
+            blocks.append(block)
+        for block in blocks:
+            block.pins += 1
+        try:
+            await self._make_all_resident(blocks)
+        except BaseException:
+            for block in blocks:
+                self._unpin(block)
+            raise
+        now = time.monotonic()
+        for position, block in enumerate(blocks):
+            self._note_read(block, now, position)
+        lease = Lease(Owner.next_id(), blocks)
+        owner.leases[lease.id] = lease
+        return lease
+
+    async def _make_all_resident(self, blocks: list[Block]) -> None:
+        """Promote concurrently (the disk wants queue depth); raise the first failure."""
+        errors: list[KvtierError] = []
+
+        async def one(block: Block) -> None:
+            try:
+                await self._make_resident(block)
+            except KvtierError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for block in blocks:
+                tg.start_soon(one, block)
+        if errors:
+            raise errors[0]
+
+    def _unpin(self, block: Block) -> None:
+        block.pins -= 1
+        if block.forgotten and block.pins == 0 and block.dram is not None:
+            self._drop_dram(block)
+
+    def _note_read(self, block: Block, now: float, position: int) -> None:
+        if block.prefetched:
+            block.prefetched = False
+            self.counters["prefetch_used"] += 1
+        self.counters["bytes_read"] += block.ref.raw_bytes
+        self.dram_policy.accessed(block, now, AccessContext(position=position))
+
+    def release(self, owner: Owner, lease_ids: list[int]) -> int:
+        released = 0
+        for lease_id in lease_ids:
+            lease = owner.leases.pop(lease_id, None)
+            if lease is None:
+                continue
+            for block in lease.blocks:
+                self._unpin(block)
+            released += 1
+        return released
+
+    async def _make_resident(self, block: Block) -> None:
+        while block.loading is not None:
+            await block.loading.wait()
+        if block.forgotten:
+            raise BlockNotFoundError("block was forgotten")
+        if block.resident:
+            self.counters["dram_hits"] += 1
+            return
+        if self.lower is None or block.lower is None:
+            raise BlockNotFoundError("block has no copy left")
+        block.loading = anyio.Event()
+        block.pins += 1
+        try:
+            slot = await self._allocate_dram(block.ref.raw_bytes)
+            try:
+                await self.lower.load(block.ref, block.lower, self._slot_view(slot))
+            except BlockNotFoundError:
+                self.allocator.free(slot)
+                await self._drop_lower(block)
+                self.counters["lost"] += 1
+                raise
+            block.dram = slot
+            block.ns.dram_blocks += 1
+            self.dram_policy.inserted(block, time.monotonic())
+            self.counters["lower_hits"] += 1
+            self.counters["promotions"] += 1
+        finally:
+            block.loading.set()
+            block.loading = None
+            self._unpin(block)
+
+    # -- writes ------------------------------------------------------------------------------
+
+    async def alloc(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> PendingWrite:
+        """Arena slots for the keys not stored yet (``None`` for those already stored)."""
+        if len(set(keys)) != len(keys):
+            raise InvalidRequestError("ALLOC names a key twice")
+        slots: list[Slot | None] = []
+        try:
+            for key in keys:
+                if self.index.get(ns, key) is not None:
+                    slots.append(None)
+                    continue
+                slots.append(await self._allocate_dram(ns.spec.block_bytes, wait=True))
+        except BaseException:
+            for slot in slots:
+                if slot is not None:
+                    self.allocator.free(slot)
+            raise
+        write = PendingWrite(Owner.next_id(), ns, list(keys), slots)
+        owner.writes[write.id] = write
+        return write
+
+    async def commit(self, owner: Owner, write_id: int, checksums: list[int], abort: bool) -> int:
+        """Publish the blocks of ALLOC ``write_id`` (or drop them with ``abort``)."""
+        write = owner.writes.pop(write_id, None)
+        if write is None:
+            raise InvalidRequestError(f"write {write_id} is not pending on this connection")
+        if checksums and len(checksums) != len(write.keys):
+            self._abandon(write)
+            raise InvalidRequestError("COMMIT must carry one checksum per key, or none")
+        if abort:
+            self._abandon(write)
+            return 0
+        try:
+            sums = [await self._checksum(slot, write.ns) for slot in write.slots]
+        except BaseException:
+            self._abandon(write)
+            raise
+        for i, (given, actual) in enumerate(zip(checksums, sums, strict=False)):
+            if write.slots[i] is not None and given != actual:
+                self._abandon(write)
+                raise InvalidRequestError(f"block {i}: checksum mismatch (torn client write)")
+        return self._publish(write, sums)
+
+    async def _checksum(self, slot: Slot | None, ns: Namespace) -> int:
+        if slot is None:
+            return 0
+        view = self._slot_view(slot)[: ns.spec.block_bytes]
+        if len(view) < _THREAD_CHECKSUM_BYTES:
+            return checksum(view)
+        return await anyio.to_thread.run_sync(checksum, view)
+
+    def _publish(self, write: PendingWrite, sums: list[int]) -> int:
+        now = time.monotonic()
+        committed = 0
+        for key, slot, digest in zip(write.keys, write.slots, sums, strict=True):
+            if slot is None:
+                committed += 1
+                continue
+            if self.index.get(write.ns, key) is not None:  # a racing writer won
+                self.allocator.free(slot)
+                committed += 1
+                continue
+            self._seq += 1
+            ref = BlockRef(
+                write.ns.digest,
+                key,
+                write.ns.spec.block_bytes,
+                digest,
+                self._seq,
+                write.ns.compress,
+            )
+            block = Block(write.ns, ref, dram=slot, dirty=self.lower is not None)
+            self.index.add(block)
+            write.ns.dram_blocks += 1
+            self.dram_policy.inserted(block, now)
+            self.counters["bytes_committed"] += ref.raw_bytes
+            if block.dirty:
+                self.writeback.enqueue(block)
+            committed += 1
+        return committed
+
+    def _abandon(self, write: PendingWrite) -> None:
+        for slot in write.slots:
+            if slot is not None:
+                self.allocator.free(slot)
+
+    def drop_owner(self, owner: Owner) -> None:
+        """A connection ended: release its leases, abandon its writes."""
+        self.release(owner, list(owner.leases))
+        for write in owner.writes.values():
+            self._abandon(write)
+        owner.writes.clear()
+
+    async def _write_back(self, block: Block) -> None:
+        assert self.lower is not None
+        assert block.dram is not None
+        block.pins += 1
+        try:
+            location = await self._store_lower(block)
+        finally:
+            self._unpin(block)
+        if block.forgotten:
+            await self.lower.discard(location)
+            return
+        block.lower = location
+        block.dirty = False
+        block.ns.nvme_blocks += 1
+        self.lower_policy.inserted(block, time.monotonic())
+
+    async def _store_lower(self, block: Block) -> Hashable:
+        assert self.lower is not None
+        assert block.dram is not None
+        view = self._slot_view(block.dram)
+        while True:
+            try:
+                return await self.lower.store(block.ref, view)
+            except NoSpaceError:
+                if not await self._evict_lower(self.lower.slot_class(block.ref)):
+                    raise
+
+    async def fsync(self) -> int:
+        """Return once every block committed so far is durable; their count."""
+        if self.lower is None:
+            raise InvalidRequestError("no durable tier is configured (nvme.size = 0)")
+        await self.writeback.drain(self._seq)
+        await self.lower.sync()
+        return sum(ns.nvme_blocks for ns in self.registry)
+
+    # -- removal -----------------------------------------------------------------------------
+
+    async def forget(self, ns: Namespace, keys: list[bytes]) -> int:
+        forgotten = 0
+        for key in keys:
+            block = self.index.get(ns, key)
+            if block is None:
+                continue
+            self.index.remove(block)
+            if block.dram is not None and block.pins == 0:
+                self._drop_dram(block)
+            if block.lower is not None:
+                await self._drop_lower(block)
+            forgotten += 1
+        return forgotten
+
+    def evict_dram(self, ns: Namespace | None) -> int:
+        """Drop the DRAM copy of every clean, unleased block (of ``ns``, or all)."""
+        victims = [
+            b for b in self.index.blocks() if (ns is None or b.ns is ns) and self._dram_evictable(b)
+        ]
+        for block in victims:
+            self._drop_dram(block)
+        return len(victims)
+
+    def _dram_evictable(self, block: Hashable) -> bool:
+        assert isinstance(block, Block)
+        return block.dram is not None and block.pins == 0 and not block.dirty
+
+    def _drop_dram(self, block: Block) -> None:
+        assert block.dram is not None
+        self.allocator.free(block.dram)
+        block.dram = None
+        block.ns.dram_blocks -= 1
+        self.dram_policy.removed(block)
+        if block.prefetched:
+            block.prefetched = False
+            self.counters["prefetch_wasted_bytes"] += block.ref.raw_bytes
+        if block.lower is None:
+            self.index.remove(block)
+
+    async def _drop_lower(self, block: Block) -> None:
+        assert self.lower is not None
+        assert block.lower is not None
+        location, block.lower = block.lower, None
+        block.ns.nvme_blocks -= 1
+        self.lower_policy.removed(block)
+        if block.dram is None:
+            self.index.remove(block)
+        await self.lower.discard(location)
+
+    async def _evict_lower(self, slot_class: int) -> bool:
+        assert self.lower is not None
+        lower = self.lower
+
+        def same_class(candidate: Hashable) -> bool:
+            assert isinstance(candidate, Block)
+            return (
+                candidate.lower is not None
+                and candidate.loading is None
+                and lower.slot_class(candidate.ref) == slot_class
+            )
+
+        victims = self.lower_policy.victims(_EVICT_BATCH, same_class)
+        for victim in victims:
+            assert isinstance(victim, Block)
+            await self._drop_lower(victim)
+            self.counters["lower_evictions"] += 1
+        return bool(victims)
+
+    # -- arena -------------------------------------------------------------------------------
+
+    def _slot_view(self, slot: Slot) -> memoryview:
+        return self.arena.view[slot.offset : slot.offset + slot.size]
+
+    async def _allocate_dram(self, nbytes: int, *, wait: bool = False) -> Slot:
+        deadline = time.monotonic() + self.alloc_wait_s
+        while True:
+            slot = self._allocate_dram_nowait(nbytes)
+            if slot is not None:
+                return slot
+            if not wait or not self.writeback.backlog or time.monotonic() >= deadline:
+                raise NoSpaceError(
+                    f"the arena has no room for a {nbytes}-byte block: every slot is leased, "
+                    "pending or awaiting write-back"
+                )
+            await self.writeback.wait_progress(deadline - time.monotonic())
+
+    def _allocate_dram_nowait(self, nbytes: int) -> Slot | None:
+        slot = self.allocator.allocate(nbytes)
+        size = self.allocator.size_class(nbytes)
+        while slot is None:
+            victims = self.dram_policy.victims(
+                _EVICT_BATCH, lambda b: self._dram_evictable(b) and _slot_size(b) == size
+            ) or self.dram_policy.victims(1, self._dram_evictable)
+            if not victims:
+                return None
+            for victim in victims:
+                assert isinstance(victim, Block)
+                self._drop_dram(victim)
+                self.counters["dram_evictions"] += 1
+            slot = self.allocator.allocate(nbytes)
+        return slot
+
+
+def _slot_size(block: Hashable) -> int:
+    assert isinstance(block, Block)
+    return block.dram.size if block.dram is not None else -1

@@ -1,0 +1,86 @@
+"""The port every tier below DRAM implements (NVMe now, the shared pool later).
+
+A lower tier stores a block's bytes under a :class:`BlockRef` and gives back an opaque
+location; it loads them into an arena buffer, verifying them; it discards them. It never decides
+what to keep: the store's policies do, and call :meth:`LowerTier.discard`. Capability flags say
+what the store may rely on (``durable``: survives a crash of the daemon).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from kvtierd.protocol.messages import TierStatistics
+from kvtierd.store.policy import ServedBy
+
+__all__ = ["BlockRef", "LowerTier", "Recovered"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    """What identifies a block's bytes in every tier.
+
+    ``checksum`` is the xxh3-64 of the ``raw_bytes`` bytes the client committed; ``seq`` grows
+    with every commit in the daemon, so the newest copy of a key wins after recovery.
+    """
+
+    ns_digest: bytes
+    key: bytes
+    raw_bytes: int
+    checksum: int
+    seq: int
+    compress: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    """A block a tier found intact (by its header) when it opened."""
+
+    ref: BlockRef
+    location: Hashable
+
+
+class LowerTier(abc.ABC):
+    """A tier under the arena. Methods may be called concurrently for different blocks."""
+
+    kind: ServedBy
+    durable: bool
+
+    @abc.abstractmethod
+    def slot_class(self, ref: BlockRef) -> int:
+        """The space class ``ref`` would occupy: blocks evicted from the same class make room."""
+
+    @abc.abstractmethod
+    async def store(self, ref: BlockRef, payload: memoryview) -> Hashable:
+        """Write the block from ``payload``, its arena slot (at least ``ref.raw_bytes`` long, a
+        multiple of 4 KiB). Returns its location.
+
+        Raises :class:`~kvtierd.errors.NoSpaceError` when the class is full (evict, then
+        retry) and :class:`~kvtierd.errors.StorageIOError` when the medium fails.
+        """
+
+    @abc.abstractmethod
+    async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
+        """Fill ``dest`` with the block's bytes, verified against ``ref``.
+
+        Raises :class:`~kvtierd.errors.BlockNotFoundError` when the stored copy is torn or
+        not this block (the caller drops it) and ``StorageIOError`` when the medium fails.
+        """
+
+    @abc.abstractmethod
+    async def discard(self, location: Hashable) -> None:
+        """Forget the copy at ``location`` so that no later recovery brings it back."""
+
+    @abc.abstractmethod
+    async def sync(self) -> None:
+        """Return once every completed :meth:`store` is durable."""
+
+    @abc.abstractmethod
+    def recovered(self) -> Sequence[Recovered]:
+        """The blocks found when the tier opened (newest copy of each key only)."""
+
+    @abc.abstractmethod
+    def statistics(self) -> TierStatistics:
+        """Counters for STATFS."""

@@ -1,0 +1,101 @@
+"""Background write-back of committed blocks to the lower tier, and FSYNC.
+
+Committed blocks enter a queue in commit order (``seq``). A fixed set of workers, owned by the
+store's task group, writes each one through the lower tier while it is pinned in DRAM, then
+marks it clean. FSYNC waits until every block committed before it was written (or forgotten),
+then asks the tier to make the writes durable, and only then answers: so a block whose FSYNC
+returned survives ``kill -9``.
+
+A write that fails (the tier is full of other size classes, the device errs) leaves the block
+dirty in DRAM and in the ``failed`` set; the next FSYNC retries those blocks once and raises the
+error if they still cannot be written, so the caller learns that its data is not durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+
+import anyio
+from anyio.abc import TaskGroup
+
+from kvtierd.errors import KvtierError
+from kvtierd.store.index import Block
+
+__all__ = ["WriteBack"]
+
+log = logging.getLogger("kvtierd.writeback")
+
+
+class WriteBack:
+    """Owns the write-back queue and workers; ``write`` performs one block's write."""
+
+    def __init__(self, write: Callable[[Block], Awaitable[None]], workers: int) -> None:
+        self._write = write
+        self._workers = workers
+        send, receive = anyio.create_memory_object_stream[Block](math.inf)
+        self._send, self._receive = send, receive
+        self._pending: dict[int, Block] = {}  # seq -> block queued or being written
+        self._failed: dict[int, tuple[Block, KvtierError]] = {}
+        self._progress = anyio.Condition()
+        self.written = 0
+
+    @property
+    def backlog(self) -> int:
+        return len(self._pending)
+
+    @property
+    def failed(self) -> int:
+        return len(self._failed)
+
+    def start(self, tg: TaskGroup) -> None:
+        for _ in range(self._workers):
+            tg.start_soon(self._worker)
+
+    def close(self) -> None:
+        """No more blocks will be queued; workers finish the queue and exit."""
+        self._send.close()
+
+    def enqueue(self, block: Block) -> None:
+        self._pending[block.ref.seq] = block
+        self._send.send_nowait(block)
+
+    async def _worker(self) -> None:
+        async with self._receive.clone() as receive:
+            async for block in receive:
+                try:
+                    if not block.forgotten:
+                        await self._write(block)
+                except KvtierError as exc:
+                    log.warning("write-back of a block failed: %s", exc)
+                    self._failed[block.ref.seq] = (block, exc)
+                finally:
+                    self._pending.pop(block.ref.seq, None)
+                    self.written += 1
+                    async with self._progress:
+                        self._progress.notify_all()
+
+    async def wait_progress(self, timeout_s: float) -> None:
+        """Wait until some write finished, or ``timeout_s`` passed."""
+        with anyio.move_on_after(timeout_s):
+            async with self._progress:
+                await self._progress.wait()
+
+    async def drain(self, up_to_seq: int) -> None:
+        """Return once every block with ``seq <= up_to_seq`` left the queue. Raises the first
+        error of a block that could not be written, after retrying failed blocks once."""
+        retry = [b for seq, (b, _) in sorted(self._failed.items()) if seq <= up_to_seq]
+        for block in retry:
+            del self._failed[block.ref.seq]
+            if not block.forgotten and block.dirty:
+                self.enqueue(block)
+        async with self._progress:
+            while any(seq <= up_to_seq for seq in self._pending):
+                await self._progress.wait()
+        for seq, (block, exc) in sorted(self._failed.items()):
+            if seq <= up_to_seq and not block.forgotten:
+                raise type(exc)(f"a committed block could not be made durable: {exc}")
+
+    def pending_bytes(self) -> int:
+        return sum(b.ref.raw_bytes for b in self._pending.values())
