@@ -1,0 +1,200 @@
+"""The daemon: open the store, listen on the Unix socket, serve sessions, stop cleanly.
+
+Lifecycle. ``serve_daemon`` opens the store (which recovers the NVMe index), binds the socket
+with the configured mode and group, tells systemd READY=1 and serves until SIGTERM or SIGINT.
+Then it stops accepting, lets every session finish the requests it has in flight (for at most
+``shutdown_grace_s``), tells systemd STOPPING=1, and closes the store, which writes back what is
+dirty and saves the index snapshot. Every task it starts lives in its task group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+from anyio.abc import SocketStream, TaskStatus, UNIXSocketStream
+
+from kvtierd import __version__
+from kvtierd.config import Config
+from kvtierd.errors import BusyError, ConfigError
+from kvtierd.protocol import ServerConnection
+from kvtierd.protocol.messages import StatfsReply, TierStatistics
+from kvtierd.server.metrics import serve_metrics
+from kvtierd.server.notify import Notifier
+from kvtierd.server.session import Session, peer_credentials
+from kvtierd.store.lifecycle import open_store
+from kvtierd.store.store import BlockStore
+
+__all__ = ["Daemon", "serve_daemon"]
+
+log = logging.getLogger("kvtierd")
+
+
+class Daemon:
+    """What every session shares: the configuration, the store and the counters."""
+
+    def __init__(self, config: Config, store: BlockStore) -> None:
+        self.config = config
+        self.store = store
+        self.sessions: set[Session] = set()
+        self.requests = 0
+        self.started = time.monotonic()
+        self.idle = anyio.Event()
+
+    def statistics(self) -> StatfsReply:
+        store = self.store
+        c = store.counters
+        dram = TierStatistics(
+            "dram",
+            sum(ns.dram_blocks for ns in store.registry),
+            store.allocator.used_bytes,
+            store.allocator.capacity,
+            c["dram_hits"],
+            c["lower_hits"] + c["misses"],
+            c["dram_evictions"],
+            c["bytes_read"],
+            c["bytes_committed"],
+        )
+        tiers = [dram]
+        if store.lower is not None:
+            lower = store.lower.statistics()
+            tiers.append(
+                TierStatistics(
+                    lower.name,
+                    lower.blocks,
+                    lower.used_bytes,
+                    lower.capacity_bytes,
+                    lower.hits,
+                    lower.misses,
+                    c["lower_evictions"],
+                    lower.bytes_read,
+                    lower.bytes_written,
+                )
+            )
+        return StatfsReply(
+            __version__,
+            time.monotonic() - self.started,
+            store.io_backend.kind.value if store.io_backend else "none",
+            len(self.sessions),
+            self.requests,
+            len(store.registry),
+            sum(len(s.owner.leases) for s in self.sessions),
+            sum(len(lease.blocks) for s in self.sessions for lease in s.owner.leases.values()),
+            sum(len(s.owner.writes) for s in self.sessions),
+            store.writeback.backlog,
+            store.writeback.pending_bytes(),
+            sum(ns.nvme_blocks for ns in store.registry),
+            c["promotions"],
+            c["prefetch_promoted"],
+            c["prefetch_used"],
+            c["prefetch_wasted_bytes"],
+            tiers,
+        )
+
+    async def handle(self, stream: SocketStream) -> None:
+        assert isinstance(stream, UNIXSocketStream)
+        peer = peer_credentials(stream)
+        if len(self.sessions) >= self.config.daemon.max_connections:
+            log.warning("refusing pid %d: %d connections open", peer.pid, len(self.sessions))
+            frame = ServerConnection().fatal(BusyError("too many connections"))
+            with contextlib.suppress(anyio.BrokenResourceError, OSError):
+                await stream.send(frame)
+            await stream.aclose()
+            return
+        log.info("connection from pid %d uid %d gid %d", peer.pid, peer.uid, peer.gid)
+        session = Session(self, stream, peer)
+        self.sessions.add(session)
+        if self.idle.is_set():
+            self.idle = anyio.Event()
+        try:
+            await session.serve()
+        finally:
+            self.sessions.discard(session)
+            if not self.sessions:
+                self.idle.set()
+            log.info("pid %d disconnected", peer.pid)
+
+
+@contextlib.asynccontextmanager
+async def _listen(config: Config) -> AsyncIterator[anyio.abc.SocketListener]:
+    path = config.socket_path
+    await anyio.to_thread.run_sync(_prepare_socket_dir, path)
+    listener = await anyio.create_unix_listener(path)
+    try:
+        os.chmod(path, int(config.daemon.socket_mode, 8))
+        if config.daemon.socket_group:
+            try:
+                os.chown(path, -1, grp.getgrnam(config.daemon.socket_group).gr_gid)
+            except KeyError:
+                raise ConfigError(
+                    f"socket_group {config.daemon.socket_group!r} does not exist"
+                ) from None
+        yield listener
+    finally:
+        await listener.aclose()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _prepare_socket_dir(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_socket():
+        path.unlink()  # a stale socket from a crashed daemon; a live one would answer
+
+
+async def serve_daemon(
+    config: Config, *, task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """Run the daemon until SIGTERM/SIGINT (or cancellation); returns after a clean stop."""
+    notifier = Notifier()
+    notifier.status("recovering")
+    async with open_store(config) as store, _listen(config) as listener:
+        daemon = Daemon(config, store)
+        async with anyio.create_task_group() as tg:
+            serving = anyio.CancelScope()
+            tg.start_soon(_serve_connections, listener, daemon, serving)
+            tg.start_soon(notifier.run_watchdog)
+            if config.daemon.metrics_port:
+                await tg.start(serve_metrics, daemon)
+            notifier.ready(f"serving on {config.socket_path}")
+            log.info("kvtierd %s ready on %s", __version__, config.socket_path)
+            task_status.started(daemon)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("%s: stopping", signal.Signals(signum).name)
+                    break
+            notifier.stopping()
+            await _drain(daemon, serving, config.daemon.shutdown_grace_s)
+            tg.cancel_scope.cancel()
+    log.info("kvtierd stopped cleanly")
+
+
+async def _serve_connections(
+    listener: anyio.abc.SocketListener, daemon: Daemon, scope: anyio.CancelScope
+) -> None:
+    async with anyio.create_task_group() as sessions:
+        with scope:
+            while True:
+                stream = await listener.accept()
+                sessions.start_soon(daemon.handle, stream)
+        # accepting stopped: the sessions finish what they have in flight
+
+
+async def _drain(daemon: Daemon, serving: anyio.CancelScope, grace_s: float) -> None:
+    serving.cancel()
+    for session in list(daemon.sessions):
+        session.stop_reading()
+    if daemon.sessions:
+        with anyio.move_on_after(grace_s):
+            await daemon.idle.wait()
+    if daemon.sessions:
+        log.warning(
+            "%d sessions still busy after %.0f s; closing them", len(daemon.sessions), grace_s
+        )

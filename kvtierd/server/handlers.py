@@ -1,0 +1,217 @@
+"""Request handlers: one function per opcode, from a decoded request to a reply message.
+
+Handlers translate between wire messages and store calls and do nothing else; they raise
+:class:`~kvtierd.errors.KvtierError` subclasses, which the session turns into errno replies.
+Every handler receives the session (for its peer credentials, owner record and open
+namespaces) and the request header (for its namespace id).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from kvtierd import __version__
+from kvtierd.errors import AccessDeniedError, InvalidRequestError
+from kvtierd.protocol import MAX_KEYS_PER_REQUEST, Opcode, RequestHeader
+from kvtierd.protocol.frames import MIN_MAX_FRAME_BYTES
+from kvtierd.protocol.messages import (
+    AllocReply,
+    AllocRequest,
+    CommitReply,
+    CommitRequest,
+    DestroyReply,
+    EvictReply,
+    EvictRequest,
+    Extent,
+    ForgetReply,
+    ForgetRequest,
+    FsyncReply,
+    HintReply,
+    HintRequest,
+    InitReply,
+    InitRequest,
+    ListNsReply,
+    LookupReply,
+    LookupRequest,
+    Message,
+    NamespaceInfo,
+    OpenNsReply,
+    OpenNsRequest,
+    ReadReply,
+    ReadRequest,
+    ReleaseReply,
+    ReleaseRequest,
+)
+from kvtierd.store.namespaces import Compression, Namespace, NamespaceSpec
+
+if TYPE_CHECKING:
+    from kvtierd.server.session import Session
+
+__all__ = ["HANDLERS", "Handler"]
+
+Handler = Callable[["Session", RequestHeader, Any], Awaitable[Message]]
+
+
+def _namespace(session: Session, header: RequestHeader) -> Namespace:
+    if header.ns not in session.namespaces:
+        raise InvalidRequestError(f"namespace {header.ns} is not open on this connection")
+    return session.daemon.store.registry.get(header.ns)
+
+
+def _require_admin(session: Session, what: str) -> None:
+    if session.peer.uid not in (0, os.getuid()):
+        raise AccessDeniedError(f"{what} is for the daemon's user or root")
+
+
+async def init(session: Session, header: RequestHeader, msg: InitRequest) -> Message:
+    if msg.major != 1:
+        raise InvalidRequestError(f"protocol major version {msg.major} is not supported (1)")
+    limit = max(MIN_MAX_FRAME_BYTES, min(msg.max_frame_bytes, session.conn.max_frame_bytes))
+    session.conn.negotiate(limit)
+    session.owner.name = msg.client_name
+    session.attach_fd = session.daemon.store.arena.fd
+    return InitReply(
+        1,
+        0,
+        limit,
+        session.daemon.config.daemon.max_inflight,
+        MAX_KEYS_PER_REQUEST,
+        session.daemon.store.arena.size_bytes,
+        __version__,
+    )
+
+
+async def open_ns(session: Session, header: RequestHeader, msg: OpenNsRequest) -> Message:
+    try:
+        compression = Compression(msg.compression)
+    except ValueError:
+        raise InvalidRequestError(f"unknown compression {msg.compression!r}") from None
+    spec = NamespaceSpec(
+        msg.name, msg.tenant, msg.block_bytes, msg.layout, msg.rank, msg.world_size, compression
+    )
+    registry = session.daemon.store.registry
+    ns, new = registry.open(spec, session.peer)
+    if new:
+        await anyio.to_thread.run_sync(registry.save)
+    session.namespaces.add(ns.id)
+    return OpenNsReply(ns.id, ns.key_salt, ns.digest)
+
+
+async def lookup(session: Session, header: RequestHeader, msg: LookupRequest) -> Message:
+    hits, tiers = session.daemon.store.lookup(
+        _namespace(session, header), msg.keys, promote=msg.promote
+    )
+    return LookupReply(hits, tiers)
+
+
+async def read(session: Session, header: RequestHeader, msg: ReadRequest) -> Message:
+    lease = await session.daemon.store.read(session.owner, _namespace(session, header), msg.keys)
+    extents = [
+        Extent(b.dram.offset, b.ref.raw_bytes, b.ref.checksum)
+        for b in lease.blocks
+        if b.dram is not None
+    ]
+    return ReadReply(lease.id, extents)
+
+
+async def release(session: Session, header: RequestHeader, msg: ReleaseRequest) -> Message:
+    return ReleaseReply(session.daemon.store.release(session.owner, msg.leases))
+
+
+async def alloc(session: Session, header: RequestHeader, msg: AllocRequest) -> Message:
+    ns = _namespace(session, header)
+    write = await session.daemon.store.alloc(session.owner, ns, msg.keys)
+    extents = [
+        Extent(slot.offset, ns.spec.block_bytes) if slot is not None else Extent(0, 0)
+        for slot in write.slots
+    ]
+    return AllocReply(write.id, extents)
+
+
+async def commit(session: Session, header: RequestHeader, msg: CommitRequest) -> Message:
+    committed = await session.daemon.store.commit(
+        session.owner, msg.write, msg.checksums, msg.abort
+    )
+    return CommitReply(committed)
+
+
+async def forget(session: Session, header: RequestHeader, msg: ForgetRequest) -> Message:
+    ns = _namespace(session, header)
+    return ForgetReply(await session.daemon.store.forget(ns, msg.keys))
+
+
+async def evict(session: Session, header: RequestHeader, msg: EvictRequest) -> Message:
+    if msg.all_namespaces:
+        _require_admin(session, "evicting every namespace")
+        return EvictReply(session.daemon.store.evict_dram(None))
+    return EvictReply(session.daemon.store.evict_dram(_namespace(session, header)))
+
+
+async def fsync(session: Session, header: RequestHeader, msg: Message) -> Message:
+    return FsyncReply(await session.daemon.store.fsync())
+
+
+async def hint(session: Session, header: RequestHeader, msg: HintRequest) -> Message:
+    ns = _namespace(session, header)
+    store = session.daemon.store
+    planned = 0
+    for keys in msg.queue:
+        hits, _ = store.lookup(ns, keys, promote=False)
+        planned += store.prefetch(store.index.leading_present(ns, keys[:hits]))
+    return HintReply(planned)
+
+
+async def statfs(session: Session, header: RequestHeader, msg: Message) -> Message:
+    return session.daemon.statistics()
+
+
+async def list_ns(session: Session, header: RequestHeader, msg: Message) -> Message:
+    registry = session.daemon.store.registry
+    infos = []
+    for ns in registry:
+        try:
+            registry.check_access(ns.spec.tenant, session.peer)
+        except AccessDeniedError:
+            continue
+        spec = ns.spec
+        infos.append(
+            NamespaceInfo(
+                ns.id,
+                spec.name,
+                spec.tenant,
+                spec.rank,
+                spec.world_size,
+                spec.block_bytes,
+                ns.dram_blocks,
+                ns.nvme_blocks,
+                spec.layout,
+            )
+        )
+    return ListNsReply(infos)
+
+
+async def destroy(session: Session, header: RequestHeader, msg: Message) -> Message:
+    session.closing = True
+    return DestroyReply()
+
+
+HANDLERS: dict[Opcode, Handler] = {
+    Opcode.INIT: init,
+    Opcode.OPEN_NS: open_ns,
+    Opcode.LOOKUP: lookup,
+    Opcode.READ: read,
+    Opcode.RELEASE: release,
+    Opcode.ALLOC: alloc,
+    Opcode.COMMIT: commit,
+    Opcode.FORGET: forget,
+    Opcode.FSYNC: fsync,
+    Opcode.HINT: hint,
+    Opcode.STATFS: statfs,
+    Opcode.DESTROY: destroy,
+    Opcode.LIST_NS: list_ns,
+    Opcode.EVICT: evict,
+}
