@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
-U64 = Annotated[int, msgspec.Meta(ge=0, le=0x7FFF_FFFF_FFFF_FFFF)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack uint64; msgspec bounds stop at int64
 Positive = Annotated[int, msgspec.Meta(ge=1, le=0xFFFF_FFFF_FFFF)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
 ShortText = Annotated[str, msgspec.Meta(max_length=255)]

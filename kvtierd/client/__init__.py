@@ -1,0 +1,45 @@
+"""The library engines link: ``connect()`` (blocking) and ``connect_async()`` (anyio).
+
+Both speak the same protocol with the same semantics; every daemon errno raises its own
+:mod:`kvtierd.errors` class. See ``docs/client.md``.
+"""
+
+from kvtierd.client.aio import AsyncClient, AsyncNamespace, connect_async
+from kvtierd.client.sync import Client, Namespace, connect
+from kvtierd.errors import (
+    AccessDeniedError,
+    BlockNotFoundError,
+    BrokenConnectionError,
+    BusyError,
+    DaemonNotRunningError,
+    InvalidRequestError,
+    KvtierError,
+    NoSpaceError,
+    RemoteProtocolError,
+    StorageIOError,
+    TimedOutError,
+)
+from kvtierd.keys import chain_keys
+from kvtierd.protocol.messages import Layout
+
+__all__ = [
+    "AccessDeniedError",
+    "AsyncClient",
+    "AsyncNamespace",
+    "BlockNotFoundError",
+    "BrokenConnectionError",
+    "BusyError",
+    "Client",
+    "DaemonNotRunningError",
+    "InvalidRequestError",
+    "KvtierError",
+    "Layout",
+    "Namespace",
+    "NoSpaceError",
+    "RemoteProtocolError",
+    "StorageIOError",
+    "TimedOutError",
+    "chain_keys",
+    "connect",
+    "connect_async",
+]

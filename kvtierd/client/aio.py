@@ -1,0 +1,342 @@
+"""The async client (anyio: asyncio or trio): pipelined requests over one connection.
+
+Use ``async with kvtierd.client.connect_async() as client``. Any number of tasks may call it at
+once; requests are written in turn and the replies, which may come back in any order, are
+matched to their callers by unique id by a reader task that the context manager owns.
+
+A caller cancelled while it waits does not leak what the daemon already granted: if the reply
+it abandoned carried a lease or an allocation, the reader hands it to a janitor task that
+releases the lease or aborts the write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
+
+import anyio
+from anyio.abc import TaskGroup, UNIXSocketStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from kvtierd.client import ops
+from kvtierd.client.arena import ClientArena
+from kvtierd.client.base import (
+    NamespaceHandle,
+    as_dict,
+    check_init,
+    init_request,
+    message_of,
+    namespace_request,
+    not_running,
+    resolve_socket,
+)
+from kvtierd.errors import BrokenConnectionError, KvtierError
+from kvtierd.protocol import NEED_DATA, ClientConnection, ConnectionClosed, ReplyReceived
+from kvtierd.protocol.messages import (
+    AllocReply,
+    CommitRequest,
+    DestroyRequest,
+    EvictReply,
+    EvictRequest,
+    FsyncReply,
+    FsyncRequest,
+    Layout,
+    ListNsReply,
+    ListNsRequest,
+    Message,
+    OpenNsReply,
+    ReadReply,
+    ReleaseRequest,
+    StatfsReply,
+    StatfsRequest,
+)
+
+__all__ = ["AsyncClient", "AsyncNamespace", "connect_async"]
+
+T = TypeVar("T")
+_RECEIVE_BYTES = 1 << 16
+
+
+class _Waiter:
+    __slots__ = ("abandoned", "done", "event")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.event: ReplyReceived | None = None
+        self.abandoned = False
+
+
+class AsyncClient:
+    """Construct with :func:`connect_async`."""
+
+    def __init__(self, stream: UNIXSocketStream, conn: ClientConnection) -> None:
+        self._stream = stream
+        self._conn = conn
+        self._send_lock = anyio.Lock()
+        self._waiters: dict[int, _Waiter] = {}
+        self._broken: KvtierError | None = None
+        self._arena: ClientArena | None = None
+        self.max_keys = 1
+        self.daemon_version = ""
+        janitor_send, janitor_receive = anyio.create_memory_object_stream[Message](1024)
+        self._janitor_send: MemoryObjectSendStream[Message] = janitor_send
+        self._janitor_receive: MemoryObjectReceiveStream[Message] = janitor_receive
+
+    @property
+    def arena(self) -> ClientArena:
+        if self._arena is None:
+            raise BrokenConnectionError("the client is closed")
+        return self._arena
+
+    async def _call(self, message: Message, ns: int = 0) -> Message:
+        if self._broken is not None:
+            raise self._broken
+        waiter = _Waiter()
+        async with self._send_lock:
+            unique, frame = self._conn.request(message, ns)
+            self._waiters[unique] = waiter
+            try:
+                await self._stream.send(frame)
+            except (anyio.BrokenResourceError, OSError) as exc:
+                raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+        try:
+            await waiter.done.wait()
+        except BaseException:
+            waiter.abandoned = True
+            raise
+        if waiter.event is None:
+            raise self._broken or BrokenConnectionError("connection closed")
+        return message_of(waiter.event)
+
+    async def run(self, op: ops.Op[T]) -> T:
+        try:
+            call = next(op)
+            while True:
+                try:
+                    reply = await self._call(*call)
+                except KvtierError as exc:
+                    call = op.throw(exc)
+                else:
+                    call = op.send(reply)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+
+    async def _handshake(self, client_name: str) -> None:
+        _, frame = self._conn.request(init_request(client_name))
+        await self._stream.send(frame)
+        fds: list[int] = []
+        while True:
+            data, received = await self._stream.receive_fds(_RECEIVE_BYTES, 4)
+            fds.extend(received)
+            if not data:
+                raise BrokenConnectionError("kvtierd closed the connection during INIT")
+            self._conn.receive_data(data)
+            event = self._conn.next_event()
+            if isinstance(event, ReplyReceived):
+                break
+        reply = check_init(message_of(event), fds)
+        self._arena = ClientArena(fds[0], reply.arena_bytes)
+        self.max_keys = reply.max_keys
+        self.daemon_version = reply.daemon_version
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                try:
+                    data = await self._stream.receive(_RECEIVE_BYTES)
+                except anyio.EndOfStream:
+                    data = b""
+                self._conn.receive_data(data)
+                if not self._dispatch():
+                    return
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, KvtierError) as exc:
+            self._fail(exc if isinstance(exc, KvtierError) else BrokenConnectionError(str(exc)))
+        finally:
+            self._fail(BrokenConnectionError("kvtierd closed the connection"))
+
+    def _dispatch(self) -> bool:
+        while True:
+            event = self._conn.next_event()
+            if event is NEED_DATA:
+                return True
+            if isinstance(event, ConnectionClosed):
+                return False
+            assert isinstance(event, ReplyReceived)
+            if event.header.unique == 0:
+                self._fail(event.error or BrokenConnectionError("kvtierd closed the connection"))
+                return False
+            waiter = self._waiters.pop(event.header.unique, None)
+            if waiter is None:
+                continue
+            if waiter.abandoned:
+                self._clean_up(event)
+            waiter.event = event
+            waiter.done.set()
+
+    def _clean_up(self, event: ReplyReceived) -> None:
+        message = event.message
+        with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
+            if isinstance(message, ReadReply):
+                self._janitor_send.send_nowait(ReleaseRequest([message.lease]))
+            elif isinstance(message, AllocReply):
+                self._janitor_send.send_nowait(CommitRequest(message.write, abort=True))
+
+    async def _janitor(self) -> None:
+        async with self._janitor_receive:
+            async for message in self._janitor_receive:
+                with contextlib.suppress(KvtierError):
+                    await self._call(message)
+
+    def _fail(self, exc: KvtierError) -> None:
+        if self._broken is None:
+            self._broken = exc
+        for waiter in self._waiters.values():
+            waiter.done.set()
+        self._waiters.clear()
+
+    # -- API ---------------------------------------------------------------------------------
+
+    async def namespace(
+        self,
+        name: str,
+        *,
+        block_bytes: int,
+        layout: Layout | dict[str, Any] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        tenant: str = "default",
+        compression: str = "none",
+    ) -> AsyncNamespace:
+        request = namespace_request(
+            name, block_bytes, layout, rank, world_size, tenant, compression
+        )
+        reply = await self._call(request)
+        assert isinstance(reply, OpenNsReply)
+        handle = NamespaceHandle(
+            reply.ns,
+            name,
+            block_bytes,
+            reply.key_salt,
+            reply.digest,
+            request.layout,
+            rank,
+            world_size,
+        )
+        return AsyncNamespace(self, handle)
+
+    async def fsync(self) -> int:
+        reply = await self._call(FsyncRequest())
+        assert isinstance(reply, FsyncReply)
+        return reply.durable_blocks
+
+    async def stats(self) -> dict[str, Any]:
+        reply = await self._call(StatfsRequest())
+        assert isinstance(reply, StatfsReply)
+        result: dict[str, Any] = as_dict(reply)
+        return result
+
+    async def namespaces(self) -> list[dict[str, Any]]:
+        reply = await self._call(ListNsRequest())
+        assert isinstance(reply, ListNsReply)
+        return [as_dict(info) for info in reply.namespaces]
+
+    async def evict(self) -> int:
+        reply = await self._call(EvictRequest(all_namespaces=True))
+        assert isinstance(reply, EvictReply)
+        return reply.evicted
+
+    def _start(self, tg: TaskGroup) -> None:
+        tg.start_soon(self._read_replies)
+        tg.start_soon(self._janitor)
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True), contextlib.suppress(KvtierError):
+            with anyio.move_on_after(5):
+                await self._call(DestroyRequest())
+        self._janitor_send.close()
+        await self._stream.aclose()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+
+class AsyncNamespace:
+    """Blocks of one namespace, through an :class:`AsyncClient`."""
+
+    def __init__(self, client: AsyncClient, handle: NamespaceHandle) -> None:
+        self.client = client
+        self.handle = handle
+
+    @property
+    def key_salt(self) -> bytes:
+        return self.handle.key_salt
+
+    @property
+    def block_bytes(self) -> int:
+        return self.handle.block_bytes
+
+    async def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
+        c = self.client
+        return await c.run(
+            ops.put(self.handle.ns, keys, blocks, self.block_bytes, c.arena, c.max_keys)
+        )
+
+    async def lookup(self, keys: Sequence[bytes]) -> int:
+        return await self.client.run(ops.lookup(self.handle.ns, keys, self.client.max_keys))
+
+    @contextlib.asynccontextmanager
+    async def get(self, keys: Sequence[bytes]) -> AsyncIterator[list[memoryview]]:
+        c = self.client
+        leases, extents = await c.run(ops.read(self.handle.ns, keys, c.max_keys))
+        views = [c.arena.view(e.offset, e.length) for e in extents]
+        try:
+            yield views
+        finally:
+            for view in views:
+                view.release()
+            with anyio.CancelScope(shield=True):
+                await c.run(ops.release(leases))
+
+    async def read_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
+        c = self.client
+        return await c.run(ops.read_into(self.handle.ns, keys, buffers, c.arena, c.max_keys))
+
+    async def forget(self, keys: Sequence[bytes]) -> int:
+        return await self.client.run(ops.forget(self.handle.ns, keys, self.client.max_keys))
+
+    async def hint(self, queue: Sequence[Sequence[bytes]], *, session: bytes = b"") -> int:
+        return await self.client.run(ops.hint(self.handle.ns, queue, session))
+
+
+@contextlib.asynccontextmanager
+async def connect_async(
+    socket_path: str | os.PathLike[str] | None = None, *, client_name: str = ""
+) -> AsyncIterator[AsyncClient]:
+    """Connect, hand over the arena, and yield a client; closes everything on exit."""
+    path = resolve_socket(socket_path)
+    try:
+        stream = await anyio.connect_unix(path)
+    except OSError as exc:
+        raise not_running(path, exc) from None
+    client = AsyncClient(stream, ClientConnection())
+    try:
+        await client._handshake(client_name)
+    except BaseException:
+        await stream.aclose()
+        raise
+    try:
+        async with anyio.create_task_group() as tg:
+            client._start(tg)
+            try:
+                yield client
+            finally:
+                await client.aclose()
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The task group wraps what the caller's block raised; give the caller its exception.
+        if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
+            raise group.exceptions[0] from None
+        raise

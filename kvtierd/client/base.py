@@ -1,0 +1,117 @@
+"""What the sync and async clients share: the handshake, namespace options and reply handling.
+
+Everything here is synchronous and does no I/O; the two clients differ only in how they move
+bytes (:mod:`kvtierd.client.sync`, :mod:`kvtierd.client.aio`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvtierd import __version__
+from kvtierd.config import default_socket_path
+from kvtierd.errors import (
+    AccessDeniedError,
+    DaemonNotRunningError,
+    InvalidRequestError,
+    KvtierError,
+    RemoteProtocolError,
+)
+from kvtierd.protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, ReplyReceived
+from kvtierd.protocol.messages import InitReply, InitRequest, Layout, Message, OpenNsRequest
+
+__all__ = [
+    "NamespaceHandle",
+    "as_dict",
+    "init_request",
+    "message_of",
+    "namespace_request",
+    "not_running",
+    "resolve_socket",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceHandle:
+    """What a client keeps about an open namespace."""
+
+    ns: int
+    name: str
+    block_bytes: int
+    key_salt: bytes
+    digest: bytes
+    layout: Layout | None
+    rank: int
+    world_size: int
+
+
+def resolve_socket(socket_path: str | os.PathLike[str] | None) -> Path:
+    return Path(socket_path) if socket_path is not None else default_socket_path()
+
+
+def init_request(client_name: str) -> InitRequest:
+    name = client_name or f"kvtierd-client/{__version__} pid {os.getpid()}"
+    return InitRequest(PROTOCOL_VERSION, 0, DEFAULT_MAX_FRAME_BYTES, name[:255])
+
+
+def check_init(reply: Message, fds: list[int]) -> InitReply:
+    if not isinstance(reply, InitReply):
+        raise RemoteProtocolError("INIT was not answered with INIT")
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise RemoteProtocolError("the daemon did not pass the arena descriptor")
+    return reply
+
+
+def namespace_request(
+    name: str,
+    block_bytes: int,
+    layout: Layout | dict[str, Any] | None,
+    rank: int,
+    world_size: int,
+    tenant: str,
+    compression: str,
+) -> OpenNsRequest:
+    if isinstance(layout, dict):
+        try:
+            layout = msgspec.convert(layout, Layout)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequestError(f"invalid layout: {exc}") from exc
+    try:
+        request = OpenNsRequest(name, block_bytes, layout, rank, world_size, tenant, compression)
+        # Validate bounds here so a bad argument fails like the daemon would, before sending.
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=OpenNsRequest)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequestError(f"invalid namespace options: {exc}") from exc
+
+
+def as_dict(value: Any) -> Any:
+    """Structs as dicts with their field names, recursively (wire structs are arrays)."""
+    if isinstance(value, msgspec.Struct):
+        return {k: as_dict(v) for k, v in msgspec.structs.asdict(value).items()}
+    if isinstance(value, list):
+        return [as_dict(v) for v in value]
+    return value
+
+
+def message_of(event: ReplyReceived) -> Message:
+    """The reply's message, or raise the error it carries."""
+    if event.error is not None:
+        raise event.error
+    assert event.message is not None
+    return event.message
+
+
+def not_running(path: Path, exc: OSError) -> KvtierError:
+    if exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
+        return DaemonNotRunningError(f"kvtierd is not running (no daemon on {path})")
+    if exc.errno == errno.EACCES:
+        return AccessDeniedError(f"permission denied on {path} (join the daemon's group)")
+    return DaemonNotRunningError(f"cannot connect to {path}: {exc.strerror}")

@@ -1,0 +1,151 @@
+"""Client operations written once, sans-IO, for both the sync and the async client.
+
+Each operation is a generator: it yields ``(request, namespace id)`` pairs and is sent each
+reply (or thrown the :class:`~kvtierd.errors.KvtierError` the reply carried); its return value
+is the operation's result. A driver (:mod:`kvtierd.client.sync` with a blocking socket,
+:mod:`kvtierd.client.aio` with anyio) only moves requests and replies. So ``put``, ``get`` and
+the rest have one implementation and the same semantics in both clients.
+
+Copies between caller buffers and the arena happen inside the operations: they are plain
+memory copies, not I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import Any, TypeVar
+
+from kvtierd.client.arena import ClientArena, as_bytes_view
+from kvtierd.errors import InvalidRequestError
+from kvtierd.protocol.messages import (
+    AllocReply,
+    AllocRequest,
+    CommitReply,
+    CommitRequest,
+    Extent,
+    ForgetReply,
+    ForgetRequest,
+    HintReply,
+    HintRequest,
+    LookupReply,
+    LookupRequest,
+    Message,
+    ReadReply,
+    ReadRequest,
+    ReleaseReply,
+    ReleaseRequest,
+)
+
+__all__ = ["Call", "Op", "forget", "hint", "lookup", "put", "read", "read_into", "release"]
+
+T = TypeVar("T")
+Call = tuple[Message, int]
+Op = Generator[Call, Any, T]
+
+
+def _chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
+    return [items[i : i + size] for i in range(0, len(items), size)] or [items]
+
+
+def lookup(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[int]:
+    """How many leading ``keys`` are stored (for the whole TP group)."""
+    if not keys:
+        return 0
+    hits = 0
+    for chunk in _chunks(keys, max_keys):
+        reply: LookupReply = yield LookupRequest(list(chunk)), ns
+        hits += reply.hits
+        if reply.hits < len(chunk):
+            break
+    return hits
+
+
+def read(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[tuple[list[int], list[Extent]]]:
+    """Lease the blocks of ``keys``: ``(lease ids, extents)``. Releases what it leased if a
+    later chunk fails."""
+    leases: list[int] = []
+    extents: list[Extent] = []
+    try:
+        for chunk in _chunks(keys, max_keys):
+            reply: ReadReply = yield ReadRequest(list(chunk)), ns
+            leases.append(reply.lease)
+            extents.extend(reply.extents)
+    except BaseException:
+        if leases:
+            yield from release(leases)
+        raise
+    return leases, extents
+
+
+def release(leases: list[int]) -> Op[int]:
+    reply: ReleaseReply = yield ReleaseRequest(leases), 0
+    return reply.released
+
+
+def put(
+    ns: int,
+    keys: Sequence[bytes],
+    blocks: Sequence[Any],
+    block_bytes: int,
+    arena: ClientArena,
+    max_keys: int,
+) -> Op[int]:
+    """Store ``blocks`` under ``keys`` (two-phase: ALLOC, copy, COMMIT). Returns how many are
+    stored, counting those that already were. Nothing becomes visible if the copy fails."""
+    if len(keys) != len(blocks):
+        raise InvalidRequestError(f"{len(keys)} keys but {len(blocks)} blocks")
+    views = [as_bytes_view(b) for b in blocks]
+    for i, view in enumerate(views):
+        if len(view) != block_bytes:
+            raise InvalidRequestError(
+                f"block {i} has {len(view)} bytes, the namespace {block_bytes}"
+            )
+    stored = 0
+    for start in range(0, len(keys), max_keys):
+        chunk = list(keys[start : start + max_keys])
+        alloc: AllocReply = yield AllocRequest(chunk), ns
+        try:
+            for extent, view in zip(alloc.extents, views[start : start + max_keys], strict=True):
+                if extent.length:
+                    arena.write(extent.offset, view)
+        except BaseException:
+            yield CommitRequest(alloc.write, abort=True), ns
+            raise
+        reply: CommitReply = yield CommitRequest(alloc.write), ns
+        stored += reply.committed
+    return stored
+
+
+def forget(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[int]:
+    forgotten = 0
+    for chunk in _chunks(keys, max_keys):
+        reply: ForgetReply = yield ForgetRequest(list(chunk)), ns
+        forgotten += reply.forgotten
+    return forgotten
+
+
+def hint(ns: int, queue: Sequence[Sequence[bytes]], session: bytes) -> Op[int]:
+    reply: HintReply = yield HintRequest(session, [list(k) for k in queue]), ns
+    return reply.planned
+
+
+def read_into(
+    ns: int, keys: Sequence[bytes], buffers: Sequence[Any], arena: ClientArena, max_keys: int
+) -> Op[int]:
+    """Copy the blocks of ``keys`` into ``buffers`` and release them; returns bytes copied."""
+    if len(keys) != len(buffers):
+        raise InvalidRequestError(f"{len(keys)} keys but {len(buffers)} buffers")
+    targets = [as_bytes_view(b, writable=True) for b in buffers]
+    leases, extents = yield from read(ns, keys, max_keys)
+    copied = 0
+    try:
+        for extent, target in zip(extents, targets, strict=True):
+            if len(target) < extent.length:
+                raise InvalidRequestError(
+                    f"a buffer of {len(target)} bytes cannot hold {extent.length}"
+                )
+            target[: extent.length] = arena.view(extent.offset, extent.length)
+            copied += extent.length
+    finally:
+        yield from release(leases)
+    return copied

@@ -1,0 +1,265 @@
+"""The blocking client: one request at a time over a Unix socket, thread-safe.
+
+Use :func:`kvtierd.client.connect`. Every method may raise the
+:class:`~kvtierd.errors.KvtierError` subclass that matches the daemon's errno, and
+:class:`~kvtierd.errors.BrokenConnectionError` when the daemon goes away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+from kvtierd.client import ops
+from kvtierd.client.arena import ClientArena
+from kvtierd.client.base import (
+    NamespaceHandle,
+    as_dict,
+    check_init,
+    init_request,
+    message_of,
+    namespace_request,
+    not_running,
+    resolve_socket,
+)
+from kvtierd.errors import BrokenConnectionError, KvtierError, TimedOutError
+from kvtierd.protocol import NEED_DATA, ClientConnection, ConnectionClosed, ReplyReceived
+from kvtierd.protocol.messages import (
+    DestroyRequest,
+    EvictReply,
+    EvictRequest,
+    FsyncReply,
+    FsyncRequest,
+    Layout,
+    ListNsReply,
+    ListNsRequest,
+    Message,
+    OpenNsReply,
+    StatfsReply,
+    StatfsRequest,
+)
+
+__all__ = ["Client", "Namespace", "connect"]
+
+T = TypeVar("T")
+_RECEIVE_BYTES = 1 << 16
+
+
+class Client:
+    """A connection to the daemon; a context manager that closes it."""
+
+    def __init__(self, sock: socket.socket, conn: ClientConnection) -> None:
+        self._sock = sock
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._arena: ClientArena | None = None
+        self.max_keys = 1
+        self.daemon_version = ""
+
+    # -- transport ---------------------------------------------------------------------------
+
+    def _call(self, message: Message, ns: int = 0) -> Message:
+        unique, frame = self._conn.request(message, ns)
+        try:
+            self._sock.sendall(frame)
+            return message_of(self._receive(unique))
+        except TimeoutError as exc:
+            raise TimedOutError("the daemon did not answer in time") from exc
+        except OSError as exc:
+            raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+
+    def _receive(self, unique: int, fds: list[int] | None = None) -> ReplyReceived:
+        while True:
+            event = self._conn.next_event()
+            if isinstance(event, ReplyReceived):
+                if event.header.unique in (unique, 0):
+                    return event
+                continue
+            if isinstance(event, ConnectionClosed):
+                raise BrokenConnectionError("kvtierd closed the connection")
+            assert event is NEED_DATA
+            if fds is None:
+                data = self._sock.recv(_RECEIVE_BYTES)
+            else:
+                data, received, _, _ = socket.recv_fds(self._sock, _RECEIVE_BYTES, 4)
+                fds.extend(received)
+            self._conn.receive_data(data)
+
+    def run(self, op: ops.Op[T]) -> T:
+        """Drive a sans-IO operation to its result."""
+        with self._lock:
+            try:
+                call = next(op)
+                while True:
+                    try:
+                        reply = self._call(*call)
+                    except KvtierError as exc:
+                        call = op.throw(exc)
+                    else:
+                        call = op.send(reply)
+            except StopIteration as stop:
+                result: T = stop.value
+                return result
+
+    def _handshake(self, client_name: str) -> None:
+        unique, frame = self._conn.request(init_request(client_name))
+        self._sock.sendall(frame)
+        fds: list[int] = []
+        reply = check_init(message_of(self._receive(unique, fds)), fds)
+        self._arena = ClientArena(fds[0], reply.arena_bytes)
+        self.max_keys = reply.max_keys
+        self.daemon_version = reply.daemon_version
+
+    @property
+    def arena(self) -> ClientArena:
+        if self._arena is None:
+            raise BrokenConnectionError("the client is closed")
+        return self._arena
+
+    # -- API ---------------------------------------------------------------------------------
+
+    def namespace(
+        self,
+        name: str,
+        *,
+        block_bytes: int,
+        layout: Layout | dict[str, Any] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        tenant: str = "default",
+        compression: str = "none",
+    ) -> Namespace:
+        """Open (creating if needed) a namespace; see ``docs/client.md``."""
+        request = namespace_request(
+            name, block_bytes, layout, rank, world_size, tenant, compression
+        )
+        reply = self._call(request)
+        assert isinstance(reply, OpenNsReply)
+        handle = NamespaceHandle(
+            reply.ns,
+            name,
+            block_bytes,
+            reply.key_salt,
+            reply.digest,
+            request.layout,
+            rank,
+            world_size,
+        )
+        return Namespace(self, handle)
+
+    def fsync(self) -> int:
+        """Block until every block committed so far is durable; returns durable blocks."""
+        reply = self._call(FsyncRequest())
+        assert isinstance(reply, FsyncReply)
+        return reply.durable_blocks
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's STATFS record as a dict (see ``docs/protocol.md``)."""
+        reply = self._call(StatfsRequest())
+        assert isinstance(reply, StatfsReply)
+        result: dict[str, Any] = as_dict(reply)
+        return result
+
+    def namespaces(self) -> list[dict[str, Any]]:
+        reply = self._call(ListNsRequest())
+        assert isinstance(reply, ListNsReply)
+        return [as_dict(info) for info in reply.namespaces]
+
+    def evict(self) -> int:
+        """Drop every clean, unleased block from DRAM (admin)."""
+        reply = self._call(EvictRequest(all_namespaces=True))
+        assert isinstance(reply, EvictReply)
+        return reply.evicted
+
+    def close(self) -> None:
+        with contextlib.suppress(KvtierError, OSError):
+            self._call(DestroyRequest())
+        self._sock.close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class Namespace:
+    """Blocks of one namespace, through a :class:`Client`."""
+
+    def __init__(self, client: Client, handle: NamespaceHandle) -> None:
+        self.client = client
+        self.handle = handle
+
+    @property
+    def key_salt(self) -> bytes:
+        """Pass as ``salt`` to :func:`kvtierd.keys.chain_keys`."""
+        return self.handle.key_salt
+
+    @property
+    def block_bytes(self) -> int:
+        return self.handle.block_bytes
+
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
+        c = self.client
+        return c.run(ops.put(self.handle.ns, keys, blocks, self.block_bytes, c.arena, c.max_keys))
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        return self.client.run(ops.lookup(self.handle.ns, keys, self.client.max_keys))
+
+    @contextlib.contextmanager
+    def get(self, keys: Sequence[bytes]) -> Iterator[list[memoryview]]:
+        """Read-only views of the blocks, valid inside the ``with`` block."""
+        c = self.client
+        leases, extents = c.run(ops.read(self.handle.ns, keys, c.max_keys))
+        views = [c.arena.view(e.offset, e.length) for e in extents]
+        try:
+            yield views
+        finally:
+            for view in views:
+                view.release()
+            c.run(ops.release(leases))
+
+    def read_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
+        c = self.client
+        return c.run(ops.read_into(self.handle.ns, keys, buffers, c.arena, c.max_keys))
+
+    def forget(self, keys: Sequence[bytes]) -> int:
+        return self.client.run(ops.forget(self.handle.ns, keys, self.client.max_keys))
+
+    def hint(self, queue: Sequence[Sequence[bytes]], *, session: bytes = b"") -> int:
+        """Tell the daemon which key chains are queued; it promotes their hits."""
+        return self.client.run(ops.hint(self.handle.ns, queue, session))
+
+
+def connect(
+    socket_path: str | os.PathLike[str] | None = None,
+    *,
+    client_name: str = "",
+    timeout_s: float | None = None,
+) -> Client:
+    """Connect to the daemon (default socket: ``$KVTIERD_SOCKET`` or the configured path)."""
+    path = resolve_socket(socket_path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(str(path))
+    except OSError as exc:
+        sock.close()
+        raise not_running(path, exc) from None
+    client = Client(sock, ClientConnection())
+    try:
+        client._handshake(client_name)
+    except BaseException:
+        sock.close()
+        raise
+    return client
