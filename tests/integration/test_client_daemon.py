@@ -1,0 +1,105 @@
+"""The client library against a real daemon: put, lookup, get, read_into, forget, fsync."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtierd.client import (
+    BlockNotFoundError,
+    InvalidRequestError,
+    chain_keys,
+    connect,
+    connect_async,
+)
+from tests.support.daemon import DaemonProcess
+
+BLOCK = 64 << 10
+
+
+def _blocks(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(n)]
+
+
+def test_put_then_get_returns_the_same_bytes(daemon: DaemonProcess) -> None:
+    with connect(daemon.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 20), 16, ns.key_salt)
+        blocks = _blocks(20)
+        assert ns.put(keys, blocks) == 20
+        assert ns.lookup(keys) == 20
+        with ns.get(keys) as views:
+            assert all(bytes(v) == b.tobytes() for v, b in zip(views, blocks, strict=True))
+
+
+def test_lookup_counts_only_the_leading_present_keys(daemon: DaemonProcess) -> None:
+    with connect(daemon.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 10), 16, ns.key_salt)
+        ns.put(keys[:4], _blocks(4))
+        ns.put(keys[6:], _blocks(4, seed=1))
+        assert ns.lookup(keys) == 4
+
+
+def test_missing_block_raises_block_not_found(daemon: DaemonProcess) -> None:
+    with connect(daemon.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        with pytest.raises(BlockNotFoundError), ns.get([b"k" * 16]):
+            pass
+        assert client.stats()["leases"] == 0
+
+
+def test_wrong_block_size_is_refused_and_nothing_is_stored(daemon: DaemonProcess) -> None:
+    with connect(daemon.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        with pytest.raises(InvalidRequestError):
+            ns.put([b"k" * 16], [b"short"])
+        assert ns.lookup([b"k" * 16]) == 0
+
+
+def test_forget_removes_from_every_tier(daemon: DaemonProcess) -> None:
+    with connect(daemon.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 3), 16, ns.key_salt)
+        ns.put(keys, _blocks(3))
+        client.fsync()
+        assert ns.forget(keys[1:]) == 2
+        assert ns.lookup(keys) == 1
+
+
+def test_blocks_survive_a_restart_after_fsync(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    blocks = _blocks(8)
+    with DaemonProcess(tmp_path) as d, connect(d.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 8), 16, ns.key_salt)
+        ns.put(keys, blocks)
+        client.fsync()
+    with DaemonProcess(tmp_path) as d, connect(d.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        out = [np.empty(BLOCK, np.uint8) for _ in range(8)]
+        assert ns.lookup(keys) == 8
+        ns.read_into(keys, out)
+        assert all((o == b).all() for o, b in zip(out, blocks, strict=True))
+
+
+@pytest.mark.anyio
+async def test_async_client_pipelines_concurrent_requests(daemon: DaemonProcess) -> None:
+    import anyio
+
+    async with connect_async(daemon.socket) as client:
+        ns = await client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 16), 16, ns.key_salt)
+        await ns.put(keys, _blocks(16))
+        results: list[int] = []
+
+        async def one(n: int) -> None:
+            results.append(await ns.lookup(keys[:n]))
+
+        async with anyio.create_task_group() as tg:
+            for n in range(1, 17):
+                tg.start_soon(one, n)
+        assert sorted(results) == list(range(1, 17))
+        with pytest.raises(BlockNotFoundError):
+            async with ns.get([b"z" * 16]):
+                pass
