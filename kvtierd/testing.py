@@ -1,0 +1,111 @@
+"""Start and stop a real ``kvtierd`` process in a directory of its own, for tests, tools and demos.
+
+``DaemonProcess`` runs ``python -m kvtierd`` with its own socket and data directory, waits until
+the socket answers INIT (``kvtierd.client.connect``), and stops it with SIGTERM (``stop``) or
+SIGKILL (``kill``). Its log is kept in ``<dir>/daemon.log`` and printed when start-up fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvtierd.client import DaemonNotRunningError, connect
+
+__all__ = ["DaemonProcess"]
+
+
+class DaemonProcess:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        dram_size: str = "64M",
+        nvme_size: str = "256M",
+        extra_args: Sequence[str] = (),
+        config_text: str | None = None,
+        runtime: str = "asyncio",
+    ) -> None:
+        self.directory = directory
+        self.socket = directory / "kvtierd.sock"
+        self.data_dir = directory / "data"
+        self.log_path = directory / "daemon.log"
+        self.args = [
+            "--socket",
+            str(self.socket),
+            "--data-dir",
+            str(self.data_dir),
+            "--dram-size",
+            dram_size,
+            "--nvme-size",
+            nvme_size,
+            "--runtime",
+            runtime,
+            *extra_args,
+        ]
+        if config_text is not None:
+            config = directory / "kvtierd.toml"
+            config.write_text(config_text)
+            self.args += ["--config", str(config)]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> DaemonProcess:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "kvtierd", *self.args], stdout=log, stderr=log, env=env
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"kvtierd exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                with connect(self.socket, timeout_s=5):
+                    return self
+            except DaemonNotRunningError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"kvtierd did not become ready in {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit status."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL: the crash case."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.running:
+            try:
+                self.stop()
+            finally:
+                self.kill()
