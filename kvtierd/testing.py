@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtierd.client import DaemonNotRunningError, connect
+from kvtierd.config import default_data_dir, default_socket_path
 
 __all__ = ["DaemonProcess"]
 
@@ -23,33 +24,31 @@ __all__ = ["DaemonProcess"]
 class DaemonProcess:
     def __init__(
         self,
-        directory: Path,
+        directory: Path | None,
         *,
-        dram_size: str = "64M",
-        nvme_size: str = "256M",
+        dram_size: str | None = "64M",
+        nvme_size: str | None = "256M",
         extra_args: Sequence[str] = (),
         config_text: str | None = None,
         runtime: str = "asyncio",
     ) -> None:
-        self.directory = directory
-        self.socket = directory / "kvtierd.sock"
-        self.data_dir = directory / "data"
-        self.log_path = directory / "daemon.log"
-        self.args = [
-            "--socket",
-            str(self.socket),
-            "--data-dir",
-            str(self.data_dir),
-            "--dram-size",
-            dram_size,
-            "--nvme-size",
-            nvme_size,
-            "--runtime",
-            runtime,
-            *extra_args,
-        ]
+        """``directory=None`` runs the daemon on its embedded defaults (socket and data where
+        :mod:`kvtierd.config` puts them); a ``None`` size leaves that default too."""
+        self.directory = directory if directory is not None else default_data_dir().parent
+        self.socket = directory / "kvtierd.sock" if directory is not None else default_socket_path()
+        self.data_dir = directory / "data" if directory is not None else default_data_dir()
+        self.log_path = self.directory / "daemon.log"
+        self.args = ["--runtime", runtime]
+        if directory is not None:
+            self.args += ["--socket", str(self.socket), "--data-dir", str(self.data_dir)]
+        if dram_size is not None:
+            self.args += ["--dram-size", dram_size]
+        if nvme_size is not None:
+            self.args += ["--nvme-size", nvme_size]
+        self.args += list(extra_args)
         if config_text is not None:
-            config = directory / "kvtierd.toml"
+            config = self.directory / "kvtierd.toml"
+            self.directory.mkdir(parents=True, exist_ok=True)
             config.write_text(config_text)
             self.args += ["--config", str(config)]
         self.process: subprocess.Popen[bytes] | None = None
