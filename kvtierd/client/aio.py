@@ -110,10 +110,24 @@ class AsyncClient:
             raise self._broken or BrokenConnectionError("connection closed")
         return message_of(waiter.event)
 
+    async def _send_only(self, message: Message, ns: int) -> None:
+        if self._broken is not None:
+            raise self._broken
+        async with self._send_lock:
+            _, frame = self._conn.request(message, ns)
+            try:
+                await self._stream.send(frame)
+            except (anyio.BrokenResourceError, OSError) as exc:
+                raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+
     async def run(self, op: ops.Op[T]) -> T:
         try:
             call = next(op)
             while True:
+                if isinstance(call, ops.NoWait):
+                    await self._send_only(call.message, call.ns)
+                    call = op.send(None)
+                    continue
                 try:
                     reply = await self._call(*call)
                 except KvtierError as exc:

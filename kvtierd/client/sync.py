@@ -73,6 +73,13 @@ class Client:
         except OSError as exc:
             raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
 
+    def _send_only(self, message: Message, ns: int) -> None:
+        _, frame = self._conn.request(message, ns)
+        try:
+            self._sock.sendall(frame)
+        except OSError as exc:
+            raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+
     def _receive(self, unique: int, fds: list[int] | None = None) -> ReplyReceived:
         while True:
             event = self._conn.next_event()
@@ -96,6 +103,10 @@ class Client:
             try:
                 call = next(op)
                 while True:
+                    if isinstance(call, ops.NoWait):
+                        self._send_only(call.message, call.ns)
+                        call = op.send(None)
+                        continue
                     try:
                         reply = self._call(*call)
                     except KvtierError as exc:

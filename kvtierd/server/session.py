@@ -3,9 +3,10 @@
 Theory of operation. The reader feeds bytes to the sans-IO :class:`ServerConnection` and starts
 one handler task per request in the session's task group, after taking one of ``max_inflight``
 permits: when all are taken the reader stops reading, which is the back-pressure a pipelining
-client feels. Handlers finish in any order and hand their reply bytes to the writer task through
-a memory stream, so replies go out as soon as they are ready (out of order, matched by unique
-id). A frame whose header is broken ends the connection after a last error frame; a request
+client feels. Requests that never wait on I/O (LOOKUP, RELEASE, STATFS...) are served inline by
+the reader instead, which saves a task and a wake-up on the latency-critical path. Replies are
+written under a lock as soon as each is ready (out of order, matched by unique id). A frame
+whose header is broken ends the connection after a last error frame; a request
 that is merely invalid gets its errno and the connection goes on. Whatever ends the session,
 its leases are released and its uncommitted writes abandoned.
 
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import SocketAttribute, TaskGroup
-from anyio.streams.memory import MemoryObjectSendStream
 
 from kvtierd.errors import KvtierError, RemoteProtocolError, StorageIOError
 from kvtierd.protocol import (
@@ -49,7 +49,20 @@ log = logging.getLogger("kvtierd.session")
 _RECEIVE_BYTES = 1 << 16
 _PEERCRED = struct.Struct("3i")
 
-Outgoing = tuple[bytes, list[int]]
+#: Handlers that never wait on I/O run inline in the reader: no task, no hand-off, one less
+#: wake-up on the latency-critical LOOKUP path.
+_INLINE = frozenset(
+    {
+        Opcode.INIT,
+        Opcode.LOOKUP,
+        Opcode.RELEASE,
+        Opcode.STATFS,
+        Opcode.LIST_NS,
+        Opcode.EVICT,
+        Opcode.HINT,
+        Opcode.DESTROY,
+    }
+)
 
 
 def peer_credentials(stream: UNIXSocketStream) -> PeerCredentials:
@@ -73,6 +86,7 @@ class Session:
         self.attach_fd: int | None = None
         self.closing = False
         self._permits = anyio.Semaphore(daemon.config.daemon.max_inflight)
+        self._send_lock = anyio.Lock()
         self._reader_scope = anyio.CancelScope()
 
     def stop_reading(self) -> None:
@@ -80,15 +94,10 @@ class Session:
         self._reader_scope.cancel()
 
     async def serve(self) -> None:
-        send, receive = anyio.create_memory_object_stream[Outgoing](
-            self.daemon.config.daemon.max_inflight + 1
-        )
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._writer, receive)
-                async with send:
-                    with self._reader_scope:
-                        await self._read(tg, send)
+                with self._reader_scope:
+                    await self._read(tg)
         except* (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as group:
             log.debug("connection from pid %d ended: %s", self.peer.pid, group.exceptions[0])
         finally:
@@ -96,72 +105,69 @@ class Session:
             with anyio.CancelScope(shield=True):
                 await self.stream.aclose()
 
-    async def _read(self, tg: TaskGroup, send: MemoryObjectSendStream[Outgoing]) -> None:
+    async def _read(self, tg: TaskGroup) -> None:
         while not self.closing:
             try:
                 data = await self.stream.receive(_RECEIVE_BYTES)
             except anyio.EndOfStream:
                 data = b""
             self.conn.receive_data(data)
-            if not await self._dispatch_buffered(tg, send):
+            if not await self._dispatch_buffered(tg):
                 return
 
-    async def _dispatch_buffered(
-        self, tg: TaskGroup, send: MemoryObjectSendStream[Outgoing]
-    ) -> bool:
-        """Start a handler for every complete frame; ``False`` once the connection is done."""
+    async def _dispatch_buffered(self, tg: TaskGroup) -> bool:
+        """Serve every complete frame; ``False`` once the connection is done."""
         while not self.closing:
             try:
                 event = self.conn.next_event()
             except RemoteProtocolError as exc:
                 log.warning("protocol violation from pid %d: %s", self.peer.pid, exc)
-                await send.send((self.conn.fatal(exc), []))
+                await self._send(self.conn.fatal(exc))
                 return False
             if event is NEED_DATA:
                 return True
             if isinstance(event, ConnectionClosed):
                 return False
             if isinstance(event, InvalidRequest):
-                await send.send((self.conn.reply_error(event.header, event.error), []))
+                await self._send(self.conn.reply_error(event.header, event.error))
                 continue
             assert isinstance(event, RequestReceived)
-            await self._permits.acquire()
-            tg.start_soon(self._handle, event, send.clone())
+            if event.header.opcode in _INLINE:
+                await self._handle(event)
+            else:
+                await self._permits.acquire()
+                tg.start_soon(self._handle, event, True)
         return False
 
-    async def _handle(self, event: RequestReceived, send: MemoryObjectSendStream[Outgoing]) -> None:
+    async def _handle(self, event: RequestReceived, permit: bool = False) -> None:
         header = event.header
         self.daemon.requests += 1
         fds: list[int] = []
-        async with send:
-            try:
-                reply = await HANDLERS[Opcode(header.opcode)](self, header, event.message)
-            except KvtierError as exc:
-                frame = self.conn.reply_error(header, exc)
-            except Exception as exc:  # a bug must cost one request, never the daemon
-                log.exception("handler for %s failed", Opcode(header.opcode).name)
-                internal = StorageIOError(f"internal error: {exc}")
-                frame = self.conn.reply_error(header, internal)
-            else:
-                if header.opcode == Opcode.INIT and self.attach_fd is not None:
-                    fds = [self.attach_fd]
-                flags = FrameFlags.FD_ATTACHED if fds else FrameFlags.NONE
-                frame = self.conn.reply(header, reply, flags)
-            finally:
+        try:
+            reply = await HANDLERS[Opcode(header.opcode)](self, header, event.message)
+        except KvtierError as exc:
+            frame = self.conn.reply_error(header, exc)
+        except Exception as exc:  # a bug must cost one request, never the daemon
+            log.exception("handler for %s failed", Opcode(header.opcode).name)
+            frame = self.conn.reply_error(header, StorageIOError(f"internal error: {exc}"))
+        else:
+            if header.opcode == Opcode.INIT and self.attach_fd is not None:
+                fds = [self.attach_fd]
+            flags = FrameFlags.FD_ATTACHED if fds else FrameFlags.NONE
+            frame = self.conn.reply(header, reply, flags)
+        finally:
+            if permit:
                 self._permits.release()
-            try:
-                await send.send((frame, fds))
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                log.debug("reply to a closed connection dropped")
+        await self._send(frame, fds)
 
-    async def _writer(self, receive: anyio.abc.ObjectReceiveStream[Outgoing]) -> None:
-        async with receive:
-            try:
-                async for frame, fds in receive:
-                    if fds:
-                        await self.stream.send_fds(frame, fds)
-                    else:
-                        await self.stream.send(frame)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-                log.debug("cannot write to pid %d: %s", self.peer.pid, exc)
-                self.stop_reading()
+    async def _send(self, frame: bytes, fds: list[int] | None = None) -> None:
+        """Write one reply; replies of concurrent handlers go out whole, in completion order."""
+        try:
+            async with self._send_lock:
+                if fds:
+                    await self.stream.send_fds(frame, fds)
+                else:
+                    await self.stream.send(frame)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            log.debug("cannot write to pid %d: %s", self.peer.pid, exc)
+            self.stop_reading()

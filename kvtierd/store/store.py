@@ -164,7 +164,10 @@ class BlockStore:
         for block in blocks:
             block.pins += 1
         try:
-            await self._make_all_resident(blocks)
+            missing = [b for b in blocks if not b.resident]
+            self.counters["dram_hits"] += len(blocks) - len(missing)
+            if missing:  # DRAM hits need no task: the common case stays cheap
+                await self._make_all_resident(missing)
         except BaseException:
             for block in blocks:
                 self._unpin(block)
