@@ -75,6 +75,13 @@ def _bounce(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(PAGE_BYTES, -(-nbytes // PAGE_BYTES) * PAGE_BYTES))
 
 
+def _close_bounce(bounce: mmap.mmap) -> None:
+    # After a failed I/O the traceback may still hold views of the bounce buffer; the mapping
+    # is then unmapped when they are collected.
+    with contextlib.suppress(BufferError):
+        bounce.close()
+
+
 class NvmeTier(LowerTier):
     """Construct with :func:`open_nvme_tier`, which recovers the index first."""
 
@@ -111,13 +118,13 @@ class NvmeTier(LowerTier):
                 bounce = _bounce(len(packed))
                 bounce[: len(packed)] = packed
                 stored, flags = memoryview(bounce)[: len(packed)], RecordHeader.FLAG_ZSTD
+        header = RecordHeader(
+            ref.ns_digest, ref.key, len(stored), ref.raw_bytes, ref.checksum, ref.seq, flags
+        )
+        padded = -(-len(stored) // PAGE_BYTES) * PAGE_BYTES
+        body = memoryview(bounce)[:padded] if bounce is not None else payload[:padded]
         try:
             slot = await self._allocate(slot_bytes_for(len(stored)))
-            header = RecordHeader(
-                ref.ns_digest, ref.key, len(stored), ref.raw_bytes, ref.checksum, ref.seq, flags
-            )
-            padded = -(-len(stored) // PAGE_BYTES) * PAGE_BYTES
-            body = memoryview(bounce)[:padded] if bounce is not None else payload[:padded]
             async with self._pages.page() as page:
                 page[:] = header.pack()
                 await self._backend.writev(self._fd, slot.offset, [page, body])
@@ -125,9 +132,9 @@ class NvmeTier(LowerTier):
             if bounce is not None:
                 stored.release()
                 body.release()
-                bounce.close()
+                _close_bounce(bounce)
         self._records[slot] = header
-        self._counters["bytes_written"] += PAGE_BYTES + len(body)
+        self._counters["bytes_written"] += PAGE_BYTES + padded
         return slot
 
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
@@ -205,17 +212,16 @@ class NvmeTier(LowerTier):
     ) -> None:
         bounce = _bounce(padded)
         try:
-            view = memoryview(bounce)
-            await self._backend.readv(self._fd, slot.offset, [page, view[:padded]])
-            header = RecordHeader.unpack(page)
-            await anyio.to_thread.run_sync(
-                _decompress_into, view[: header.stored_bytes], dest[: header.raw_bytes]
-            )
-            view.release()
+            with memoryview(bounce) as view:
+                await self._backend.readv(self._fd, slot.offset, [page, view[:padded]])
+                header = RecordHeader.unpack(page)
+                await anyio.to_thread.run_sync(
+                    _decompress_into, view[: header.stored_bytes], dest[: header.raw_bytes]
+                )
         except (CorruptRecord, zstandard.ZstdError) as exc:
             raise BlockNotFoundError(f"compressed block unreadable: {exc}") from exc
         finally:
-            bounce.close()
+            _close_bounce(bounce)
 
     async def _allocate(self, slot_bytes: int) -> DiskSlot:
         slot = self._segmap.allocate(slot_bytes)
