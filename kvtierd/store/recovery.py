@@ -86,11 +86,12 @@ def load_snapshot(directory: Path, segmap: SegmentMap) -> RecoveredIndex | None:
     for start, slot_bytes, count in snap.segments:
         segmap.add_segment(SegmentHeader(segmap.file_id, start, slot_bytes, count), all_free=False)
     used: dict[int, set[int]] = {}
+    best: dict[tuple[bytes, bytes], DiskSlot] = {}
     for segment, index, digest, key, stored, raw_bytes, checksum, seq, flags in snap.records:
         slot = segmap.mark_used(segment, index)
         used.setdefault(segment, set()).add(index)
-        found.records[slot] = RecordHeader(digest, key, stored, raw_bytes, checksum, seq, flags)
-        found.max_seq = max(found.max_seq, seq)
+        header = RecordHeader(digest, key, stored, raw_bytes, checksum, seq, flags)
+        found.adopt(slot, header, best)
     for number, header in enumerate(segmap.segments):
         taken = used.get(number, set())
         segmap.adopt_free(number, [i for i in range(header.slot_count) if i not in taken])
