@@ -90,8 +90,8 @@ def load_snapshot(directory: Path, segmap: SegmentMap) -> RecoveredIndex | None:
     for segment, index, digest, key, stored, raw_bytes, checksum, seq, flags in snap.records:
         slot = segmap.mark_used(segment, index)
         used.setdefault(segment, set()).add(index)
-        header = RecordHeader(digest, key, stored, raw_bytes, checksum, seq, flags)
-        found.adopt(slot, header, best)
+        record = RecordHeader(digest, key, stored, raw_bytes, checksum, seq, flags)
+        found.adopt(slot, record, best)
     for number, header in enumerate(segmap.segments):
         taken = used.get(number, set())
         segmap.adopt_free(number, [i for i in range(header.slot_count) if i not in taken])
