@@ -1,0 +1,62 @@
+"""Reference measurements the benchmarks compare kvtierd against: fio and a bare socket echo."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["echo_server", "fio_json"]
+
+_ECHO = r"""
+import asyncio, sys
+async def handle(reader, writer):
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+async def main():
+    server = await asyncio.start_unix_server(handle, sys.argv[1])
+    print("ready", flush=True)
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def fio_json(args: Sequence[str]) -> dict[str, Any]:
+    """Run one fio job (io_uring, O_DIRECT) and return its JSON report."""
+    if shutil.which("fio") is None:
+        raise RuntimeError("fio is not installed (tools/setup.sh installs it)")
+    command = [
+        "fio",
+        "--name=ref",
+        "--ioengine=io_uring",
+        "--direct=1",
+        "--output-format=json",
+        "--group_reporting",
+        *args,
+    ]
+    out = subprocess.run(command, check=True, capture_output=True, text=True)
+    report: dict[str, Any] = json.loads(out.stdout[out.stdout.index("{") :])
+    return report
+
+
+@contextlib.contextmanager
+def echo_server(path: Path) -> Iterator[Path]:
+    """A bare asyncio Unix-socket echo server in its own process (the RTT reference)."""
+    process = subprocess.Popen([sys.executable, "-c", _ECHO, str(path)], stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        process.stdout.readline()
+        while not path.exists():
+            time.sleep(0.01)
+        yield path
+    finally:
+        process.terminate()
+        process.wait()
