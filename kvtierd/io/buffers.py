@@ -1,0 +1,137 @@
+"""Raw addresses of caller buffers, the registered (fixed) buffer table, and kernel iovec segments.
+
+Theory of operation
+-------------------
+The io_uring backend hands the kernel *addresses*. Python buffers do not expose theirs, so
+:func:`buffer_address` reads it through numpy (which works for read-only views too) and lets go of
+the export at once: nothing here keeps a caller's buffer exported, so the caller can always
+``release()`` its memoryviews and close its mmap.
+
+The PyPI ``liburing`` package builds ``struct iovec`` arrays only from Python buffer objects
+(``Iovec([...])``), and every ``Iovec`` it builds takes an export of each object that it never
+gives back. Were those objects the caller's memoryviews, the arena mmap could never be closed.
+So the objects handed to ``Iovec`` are *segments*: a ``memoryview`` over a ``ctypes`` array placed
+at the raw address (``from_address``), which owns nothing and pins nothing. A segment leaks (its
+export count never returns to zero) but it is small, and :class:`SegmentCache` keeps one per
+distinct ``(address, length)``, which for the daemon (fixed arena slots, reused forever) is a
+bounded set. The kernel reads a request's iovec array when the request is issued; the backend
+keeps the ``Iovec`` alive until the completion anyway.
+
+Registered buffers: Linux refuses to register one buffer larger than 1 GiB (``EFAULT``), so
+:class:`FixedRegions` registers an arena as consecutive chunks of at most ``chunk_bytes``, buffer
+indices 0, 1, ... (an arena of up to 1 GiB is exactly index 0). An operation uses the fixed form
+when all its buffers lie inside one chunk; otherwise it takes the plain vectored form. The kernel
+pins the registered pages until the ring is torn down, so the arena must stay mapped (at the same
+address, with the same pages) for the backend's lifetime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "MAX_FIXED_CHUNK_BYTES",
+    "FixedRegions",
+    "SegmentCache",
+    "Span",
+    "advance_spans",
+    "buffer_address",
+]
+
+#: The kernel's limit on one registered buffer.
+MAX_FIXED_CHUNK_BYTES = 1 << 30
+
+#: A buffer as the kernel sees it: (address, length in bytes).
+Span = tuple[int, int]
+
+
+def buffer_address(view: memoryview) -> int:
+    """The address of the first byte of a contiguous, non-empty ``view``."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def advance_spans(spans: Sequence[Span], nbytes: int) -> list[Span]:
+    """The part of ``spans`` still to transfer after the first ``nbytes`` moved."""
+    rest: list[Span] = []
+    for address, length in spans:
+        if nbytes >= length:
+            nbytes -= length
+        else:
+            rest.append((address + nbytes, length - nbytes))
+            nbytes = 0
+    return rest
+
+
+@dataclass(frozen=True)
+class FixedRegions:
+    """A registered memory range split into chunks; chunk ``i`` is registered buffer index ``i``."""
+
+    start: int
+    nbytes: int
+    chunk_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.nbytes <= 0:
+            raise ValueError("a registered buffer must not be empty")
+        if not 0 < self.chunk_bytes <= MAX_FIXED_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in 1..{MAX_FIXED_CHUNK_BYTES}")
+
+    def chunks(self) -> list[Span]:
+        """The ``(address, length)`` of every chunk, in buffer-index order."""
+        return [
+            (self.start + pos, min(self.chunk_bytes, self.nbytes - pos))
+            for pos in range(0, self.nbytes, self.chunk_bytes)
+        ]
+
+    def index_for(self, spans: Sequence[Span]) -> int | None:
+        """The buffer index of the one chunk holding every span, or ``None`` if there is none."""
+        index: int | None = None
+        end = self.start + self.nbytes
+        for address, length in spans:
+            if address < self.start or address + length > end:
+                return None
+            first = (address - self.start) // self.chunk_bytes
+            last = (address + length - 1 - self.start) // self.chunk_bytes
+            if first != last or (index is not None and first != index):
+                return None
+            index = first
+        return index
+
+
+class SegmentCache:
+    """One never-freed segment object per ``(address, length)``, for building ``Iovec`` arrays.
+
+    Bounded: past ``capacity`` distinct spans the least recently used entry is dropped (its
+    segment stays leaked, a few hundred bytes), so a workload of ever-new buffers leaks slowly
+    instead of growing the cache without end.
+    """
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be positive")
+        self._capacity = capacity
+        self._segments: OrderedDict[Span, memoryview] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._segments)
+
+    def segments(self, spans: Sequence[Span]) -> list[memoryview]:
+        """A segment per span, in order, suitable for ``liburing.Iovec``."""
+        return [self._segment(span) for span in spans]
+
+    def _segment(self, span: Span) -> memoryview:
+        segment = self._segments.get(span)
+        if segment is not None:
+            self._segments.move_to_end(span)
+            return segment
+        address, length = span
+        segment = memoryview((ctypes.c_char * length).from_address(address))
+        self._segments[span] = segment
+        if len(self._segments) > self._capacity:
+            self._segments.popitem(last=False)
+        return segment

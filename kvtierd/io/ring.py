@@ -1,0 +1,243 @@
+"""An io_uring instance driven from an anyio event loop: submission, eventfd wake-ups, reaping.
+
+Theory of operation
+-------------------
+io_uring is two rings shared with the kernel. We write submission queue entries (SQEs) and publish
+them with ``io_uring_enter`` (``io_uring_submit``); the kernel consumes them *in order* and later
+posts one completion queue entry (CQE) per request, carrying our 64-bit ``user_data`` and the
+result (bytes moved, or ``-errno``). Until its CQE is posted the kernel may read or write the
+request's buffers; after it, it never touches them again.
+
+* Everything runs on the event-loop thread: preparing SQEs, submitting, reaping. No locks.
+* Completions wake the loop through an eventfd registered with the ring
+  (``io_uring_register_eventfd``): the kernel bumps it for every CQE it posts, and a single reaper
+  task waits for it with ``anyio.wait_readable`` (epoll on both asyncio and trio). The reaper
+  drains the eventfd *before* reading the CQ, so a CQE posted meanwhile re-arms it: no lost wake-up.
+  The ring is created without ``COOP_TASKRUN``/``DEFER_TASKRUN``, so the kernel finishes
+  completions (task work) by interrupting the thread even while it sleeps in epoll.
+* Each request has a token (its ``user_data``) mapping to a :class:`_Waiter`. The submitting task
+  waits for it inside a shielded cancel scope, so it cannot leave while the kernel owns its
+  buffers; a cancellation is re-delivered once the CQE arrived.
+* At most ``entries`` requests are in the kernel (a semaphore), and the CQ has twice as many
+  slots, so the SQ is never full and the CQ never overflows.
+* A failed ``io_uring_enter`` consumes nothing. Transient failures (``EAGAIN``, ``EBUSY``,
+  ``EINTR``) are retried; any other failure breaks the ring: the requests it did not consume are
+  failed at once (the kernel will never see them, since nothing enters the ring again) and those
+  it did consume still complete normally.
+* The reaper runs shielded in the task group of :func:`open_completion_ring` and stops only when
+  the ring closes, after the in-flight requests drained, so shielded waiters are always woken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import logging
+import os
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+import anyio.abc
+import liburing
+
+from kvtierd.errors import ClosedError, StorageIOError
+
+__all__ = ["CompletionRing", "open_completion_ring"]
+
+logger = logging.getLogger("kvtierd.io")
+
+#: How long closing waits for in-flight requests before tearing the ring down anyway.
+DRAIN_TIMEOUT_S = 30.0
+_RETRY_SUBMIT_S = 0.001
+_TRANSIENT = frozenset({errno.EAGAIN, errno.EBUSY, errno.EINTR})
+
+Prep = Callable[[liburing.SQE], None]
+
+
+class _Waiter:
+    __slots__ = ("done", "result", "submitted", "token")
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.done = anyio.Event()
+        self.result = 0
+        self.submitted = False
+
+
+class CompletionRing:
+    """One io_uring with its eventfd; use it through :func:`open_completion_ring`."""
+
+    def __init__(self, entries: int) -> None:
+        self._ring = liburing.Ring()
+        self._cqe = liburing.Cqe()
+        self._efd = -1
+        self._entries = entries
+        self._slots = anyio.Semaphore(entries)
+        self._tokens = itertools.count(1)
+        self._waiters: dict[int, _Waiter] = {}
+        self._unsubmitted: deque[_Waiter] = deque()
+        self._broken: OSError | None = None
+        self._closing = False
+        self._drained = anyio.Event()
+        self._reaper_scope: anyio.CancelScope | None = None
+        self._initialised = False
+        #: Requests handed to the kernel by :meth:`run`, and those of them that completed.
+        self.submitted = 0
+        self.completed = 0
+
+    @property
+    def ring(self) -> liburing.Ring:
+        return self._ring
+
+    async def run(self, prep: Prep) -> int:
+        """Submit one request prepared by ``prep`` and return its result (``-errno`` on error).
+
+        Waits for a free slot (cancellable), then for the completion (not cancellable: a
+        cancellation is re-delivered after it). Raises :class:`ClosedError` once closing began,
+        :class:`StorageIOError` when the ring broke before the request reached the kernel.
+        """
+        async with self._slots:
+            waiter = self._prepare(prep)
+            self.submitted += 1
+            with anyio.CancelScope(shield=True):
+                while not waiter.submitted and not waiter.done.is_set():
+                    await anyio.sleep(_RETRY_SUBMIT_S)
+                    self._flush()
+                await waiter.done.wait()
+            self.completed += 1
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        if not waiter.submitted:
+            raise StorageIOError(f"io_uring is broken: {self._broken}") from self._broken
+        return waiter.result
+
+    async def probe(self, timeout_s: float) -> None:
+        """Prove that a request completes and wakes the loop; raises :class:`StorageIOError`."""
+        waiter = self._prepare(liburing.io_uring_prep_nop)
+        with anyio.move_on_after(timeout_s):
+            await waiter.done.wait()
+        if not waiter.done.is_set():
+            self._reap()  # collect the NOP anyway, so that closing does not wait for it
+            raise StorageIOError(f"io_uring: no completion through the eventfd in {timeout_s} s")
+        if waiter.result < 0:
+            raise StorageIOError(f"io_uring: NOP failed: {os.strerror(-waiter.result)}")
+
+    def _prepare(self, prep: Prep) -> _Waiter:
+        if self._closing:
+            raise ClosedError("the io_uring backend is closed")
+        if self._broken is not None:
+            raise StorageIOError(f"io_uring is broken: {self._broken}") from self._broken
+        sqe = liburing.io_uring_get_sqe(self._ring)
+        if sqe is None:  # impossible while the semaphore bounds requests to the SQ size
+            raise StorageIOError("io_uring submission queue is full")
+        prep(sqe)
+        token = next(self._tokens)
+        liburing.io_uring_sqe_set_data64(sqe, token)
+        waiter = _Waiter(token)
+        self._waiters[token] = waiter
+        self._unsubmitted.append(waiter)
+        self._flush()
+        return waiter
+
+    def _flush(self) -> None:
+        """Hand the published SQEs to the kernel; the first ``n`` unsubmitted were consumed."""
+        if not self._unsubmitted or self._broken is not None:
+            return
+        try:
+            consumed = liburing.io_uring_submit(self._ring) or 0
+        except OSError as exc:
+            if exc.errno in _TRANSIENT:
+                return
+            self._break(exc)
+            return
+        for _ in range(min(consumed, len(self._unsubmitted))):
+            self._unsubmitted.popleft().submitted = True
+
+    def _break(self, exc: OSError) -> None:
+        logger.error("io_uring submission failed, the backend is unusable: %s", exc)
+        self._broken = exc
+        while self._unsubmitted:
+            waiter = self._unsubmitted.popleft()
+            waiter.result = -(exc.errno or errno.EIO)
+            del self._waiters[waiter.token]
+            waiter.done.set()
+        self._check_drained()
+
+    async def _reap_forever(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        with anyio.CancelScope(shield=True) as self._reaper_scope:
+            task_status.started()
+            while True:
+                await anyio.wait_readable(self._efd)
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._efd)
+                self._reap()
+
+    def _reap(self) -> None:
+        for _ in range(liburing.io_uring_cq_ready(self._ring)):
+            liburing.io_uring_peek_cqe(self._ring, self._cqe)
+            entry = self._cqe[0]
+            assert entry is not None
+            token = entry.user_data
+            try:
+                result = entry.res or 0
+            except OSError as exc:  # the binding raises for a negative result
+                result = -(exc.errno or errno.EIO)
+            liburing.io_uring_cqe_seen(self._ring, entry)
+            waiter = self._waiters.pop(token, None)
+            if waiter is not None:
+                waiter.result = result
+                waiter.done.set()
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if self._closing and not self._waiters:
+            self._drained.set()
+
+    def _setup(self) -> None:
+        try:
+            liburing.io_uring_queue_init(self._entries, self._ring)
+            self._initialised = True
+            self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            liburing.io_uring_register_eventfd(self._ring, self._efd)
+        except OSError as exc:
+            self._teardown()
+            raise StorageIOError(f"io_uring set-up failed: {exc}") from exc
+
+    async def _drain(self) -> None:
+        self._closing = True
+        self._check_drained()
+        with anyio.move_on_after(DRAIN_TIMEOUT_S, shield=True):
+            await self._drained.wait()
+        if self._waiters:
+            logger.error("closing io_uring with %d requests still in flight", len(self._waiters))
+
+    def _teardown(self) -> None:
+        if self._initialised:
+            self._initialised = False
+            liburing.io_uring_queue_exit(self._ring)
+        if self._efd >= 0:
+            os.close(self._efd)
+            self._efd = -1
+
+
+@contextlib.asynccontextmanager
+async def open_completion_ring(entries: int) -> AsyncIterator[CompletionRing]:
+    """A ready ring with at most ``entries`` requests in flight and its reaper task running.
+
+    Leaving the context refuses new requests, waits (shielded, up to ``DRAIN_TIMEOUT_S``) for
+    the in-flight ones, stops the reaper and tears the ring down, whatever happened inside.
+    """
+    ring = CompletionRing(entries)
+    ring._setup()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(ring._reap_forever)
+            try:
+                yield ring
+            finally:
+                await ring._drain()
+                assert ring._reaper_scope is not None
+                ring._reaper_scope.cancel()
+    finally:
+        ring._teardown()
