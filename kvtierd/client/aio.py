@@ -140,10 +140,14 @@ class AsyncClient:
 
     async def _handshake(self, client_name: str) -> None:
         _, frame = self._conn.request(init_request(client_name))
-        await self._stream.send(frame)
         fds: list[int] = []
+        with contextlib.suppress(anyio.BrokenResourceError, OSError):
+            await self._stream.send(frame)  # if refused, the daemon's last frame says why
         while True:
-            data, received = await self._stream.receive_fds(_RECEIVE_BYTES, 4)
+            try:
+                data, received = await self._stream.receive_fds(_RECEIVE_BYTES, 4)
+            except (anyio.BrokenResourceError, OSError) as exc:
+                raise BrokenConnectionError(f"kvtierd closed the connection: {exc}") from exc
             fds.extend(received)
             if not data:
                 raise BrokenConnectionError("kvtierd closed the connection during INIT")

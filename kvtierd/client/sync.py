@@ -119,8 +119,13 @@ class Client:
 
     def _handshake(self, client_name: str) -> None:
         unique, frame = self._conn.request(init_request(client_name))
-        self._sock.sendall(frame)
         fds: list[int] = []
+        try:
+            self._sock.sendall(frame)
+        except OSError as exc:  # refused at once: the daemon's last frame says why
+            with contextlib.suppress(OSError):
+                message_of(self._receive(unique, fds))
+            raise BrokenConnectionError(f"kvtierd closed the connection: {exc}") from exc
         reply = check_init(message_of(self._receive(unique, fds)), fds)
         self._arena = ClientArena(fds[0], reply.arena_bytes)
         self.max_keys = reply.max_keys

@@ -1,0 +1,130 @@
+"""The daemon process: start-up errors, both runtimes, connection limits, metrics, SIGTERM."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtierd.client import BusyError, chain_keys, connect
+from kvtierd.testing import DaemonProcess
+
+BLOCK = 256 << 10
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dram-size", "lots"], "not a size"),
+        (["--nvme-size", "1M"], "nvme.size must be 0"),
+        (["--runtime", "curio"], "invalid choice"),
+    ],
+)
+def test_bad_configuration_is_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtierd",
+            "--socket",
+            str(tmp_path / "s"),
+            "--data-dir",
+            str(tmp_path),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_config_key_names_the_field(tmp_path: Path) -> None:
+    config = tmp_path / "kvtierd.toml"
+    config.write_text("[dram]\nsize = '64M'\nhuge_pages = 'yes'\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtierd", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "huge_pages" in result.stderr
+    assert "$.dram" in result.stderr
+
+
+@pytest.mark.parametrize("runtime", ["asyncio", "trio"])
+def test_daemon_serves_on_both_runtimes(tmp_path: Path, runtime: str) -> None:
+    with DaemonProcess(tmp_path, runtime=runtime) as d, connect(d.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(64), 16, ns.key_salt)
+        blocks = [np.full(BLOCK, i, np.uint8) for i in range(4)]
+        assert ns.put(keys, blocks) == 4
+        client.fsync()
+        client.evict()
+        with ns.get(keys) as views:
+            assert [v[0] for v in views] == [0, 1, 2, 3]
+        assert client.stats()["io_backend"] in ("io_uring", "threads")
+    assert d.process is not None
+    assert d.process.returncode == 0
+
+
+def test_connections_beyond_the_limit_get_ebusy(tmp_path: Path) -> None:
+    config = "[daemon]\nmax_connections = 2\n"
+    with DaemonProcess(tmp_path, config_text=config) as d:
+        first, second = connect(d.socket), connect(d.socket)
+        try:
+            with pytest.raises(BusyError, match="too many connections"):
+                connect(d.socket)
+        finally:
+            first.close()
+            second.close()
+
+
+def test_metrics_are_served_on_loopback(tmp_path: Path) -> None:
+    port = _free_port()
+    config = f"[daemon]\nmetrics_port = {port}\n"
+    with DaemonProcess(tmp_path, config_text=config) as d, connect(d.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        ns.put([b"k" * 16], [bytes(BLOCK)])
+        text = ""
+        for _ in range(50):
+            text = (
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+                .read()
+                .decode()
+            )
+            if "kvtierd_requests" in text and 'kvtierd_tier_blocks{tier="dram"} 1.0' in text:
+                break
+            threading.Event().wait(0.1)
+        assert 'kvtierd_tier_blocks{tier="dram"} 1.0' in text
+
+
+def test_sigterm_writes_back_committed_blocks_and_exits_0(tmp_path: Path) -> None:
+    blocks = [np.full(BLOCK, i, np.uint8) for i in range(32)]
+    with DaemonProcess(tmp_path) as d:
+        with connect(d.socket) as client:
+            ns = client.namespace("t", block_bytes=BLOCK)
+            keys = chain_keys(range(16 * 32), 16, ns.key_salt)
+            ns.put(keys, blocks)  # no FSYNC: the clean stop must write them back itself
+        assert d.stop() == 0
+    with DaemonProcess(tmp_path) as d, connect(d.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        assert ns.lookup(keys) == 32
+        assert "recovered by snapshot" in d.log()
