@@ -1,0 +1,74 @@
+"""The arena's slot allocator against a model: no overlap, exact accounting, stale refs refused."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtierd.store.slots import Slot, SlotAllocator
+
+sizes = st.sampled_from([4096, 8192, 12288, 20000, 65536, 100000])
+ops = st.lists(st.tuples(st.booleans(), sizes, st.integers(0, 10**6)), max_size=200)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_live_slots_never_overlap_and_accounting_is_exact(
+    steps: list[tuple[bool, int, int]],
+) -> None:
+    alloc = SlotAllocator(4096, 1 << 20)
+    live: list[Slot] = []
+    for free, size, pick in steps:
+        if free and live:
+            alloc.free(live.pop(pick % len(live)))
+            continue
+        slot = alloc.allocate(size)
+        if slot is None:
+            assert alloc.free_bytes < alloc.size_class(size) or live
+            continue
+        assert slot.size >= size
+        assert slot.offset % 4096 == 0
+        live.append(slot)
+        spans = sorted((s.offset, s.offset + s.size) for s in live)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+        assert spans[0][0] >= 4096
+        assert spans[-1][1] <= 4096 + (1 << 20)
+        assert alloc.used_bytes == sum(s.size for s in live)
+
+
+def test_freed_slot_of_the_same_class_is_reused_in_place() -> None:
+    alloc = SlotAllocator(0, 1 << 20)
+    first = alloc.allocate(5000)
+    assert first is not None
+    alloc.free(first)
+    again = alloc.allocate(8000)
+    assert again is not None
+    assert again.offset == first.offset
+    assert again.generation == first.generation + 1
+
+
+def test_stale_reference_and_double_free_are_refused() -> None:
+    alloc = SlotAllocator(0, 1 << 16)
+    slot = alloc.allocate(4096)
+    assert slot is not None
+    alloc.free(slot)
+    assert not alloc.is_live(slot)
+    with pytest.raises(ValueError):
+        alloc.free(slot)
+
+
+def test_full_region_returns_none_then_merges_free_neighbours() -> None:
+    alloc = SlotAllocator(0, 4 * 4096)
+    small = [alloc.allocate(4096) for _ in range(4)]
+    assert all(s is not None for s in small)
+    assert alloc.allocate(4096) is None
+    for s in small[:2]:
+        assert s is not None
+        alloc.free(s)
+    merged = alloc.allocate(8192)
+    assert merged is not None
+    assert merged.offset == 0
+    assert merged.size == 8192
