@@ -56,6 +56,7 @@ class WriteBack:
     def close(self) -> None:
         """No more blocks will be queued; workers finish the queue and exit."""
         self._send.close()
+        self._receive.close()  # the workers read from clones, which stay open until drained
 
     def enqueue(self, block: Block) -> None:
         self._pending[block.ref.seq] = block
