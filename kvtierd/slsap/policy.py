@@ -1,0 +1,288 @@
+"""SLSAP reuse policy: admission and eviction by expected hit density, as a ``CachePolicy``.
+
+Theory of operation. The store (or the trace simulator) tells the policy what each request
+names, in prefix order, with :meth:`SlsapPolicy.observe_request` (LOOKUP carries exactly this),
+and which blocks enter, are read from and leave the tier through the ``CachePolicy`` methods.
+The policy keeps a :class:`~kvtierd.slsap.blocktable.BlockTable` entry for residents and for a
+bounded number of *ghosts* (blocks evicted or never admitted), so that a block's history (how
+many requests named it, when) survives its eviction, and the
+:class:`~kvtierd.slsap.reuse.ReuseModel` learns reuse times from every tracked block, cached or
+not. Learning from ghosts too keeps admission from locking a class out: a class the cache
+refuses is still observed.
+
+Time is the *model clock*: the number of block references observed. ``now`` arguments are
+accepted for the ``CachePolicy`` contract but not needed; the decisions depend only on the order
+of calls, which makes a replay exactly reproducible.
+
+Decisions:
+
+- ``victims``: residents in increasing density, oldest first on ties. Densities are ranked in a
+  batch (a *victim queue*) and re-ranked after an eighth of the residents' worth of references;
+  a resident named since the ranking is skipped until the next one.
+- ``admit``: a missing block is admitted when its density at age zero is at least the density of
+  the weakest resident it would displace, so a class whose blocks are rarely read again (the
+  unique tail of a prompt, a one-off document) does not push out a shared prefix.
+- Maintenance every ``refit_ratio`` of the tracked blocks' worth of references (at least
+  ``min_refit_events``): ghosts beyond ``ghost_ratio`` times the peak resident count are dropped,
+  oldest first, and recorded as censored ends; the density table is refitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtierd.slsap.blocktable import BlockTable
+from kvtierd.slsap.reuse import ReuseModel, block_class
+from kvtierd.store.policy import AccessContext, CachePolicy
+
+__all__ = ["SlsapConfig", "SlsapPolicy", "SlsapStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class SlsapConfig:
+    """Structural parameters. None depends on a trace: they bound memory and set how quickly the
+    model forgets, in units of the tier's own size."""
+
+    ghost_ratio: float = 4.0
+    """Ghosts kept per resident (peak): how far back admission can remember a block."""
+    min_ghosts: int = 1024
+    refit_ratio: float = 0.25
+    """Refit after this fraction of the tracked blocks' count in references."""
+    min_refit_events: int = 1024
+    prior_events: float = 40.0
+    """Pseudo-observations a class borrows from its parent: one per octave of age, so a class
+    needs about one observation per age scale before its own shape dominates."""
+    decay: float = 0.9
+    """Histogram weight kept at each refit (LHD's EWMA): memory of a few tracking turnovers."""
+
+    def __post_init__(self) -> None:
+        if self.ghost_ratio < 0 or self.min_ghosts < 0:
+            raise ValueError("ghost limits must be >= 0")
+        if self.refit_ratio <= 0 or self.min_refit_events < 1:
+            raise ValueError("refit period must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class SlsapStatistics:
+    """A snapshot of the policy's bookkeeping (what ``kvtierctl stats`` prints)."""
+
+    resident: int
+    ghosts: int
+    references: int
+    refits: int
+    memory_bytes: int
+
+
+class SlsapPolicy(CachePolicy):
+    """The reuse-model policy. Blocks are any hashable; all methods are synchronous and pure."""
+
+    def __init__(self, config: SlsapConfig | None = None) -> None:
+        self.config = config or SlsapConfig()
+        self._table = BlockTable()
+        self._model = ReuseModel(prior_events=self.config.prior_events, decay=self.config.decay)
+        self._clock = 0.0
+        self._references = 0
+        self._next_maintenance = self.config.min_refit_events
+        self._peak_resident = 0
+        self._queue = np.zeros(0, dtype=np.int64)
+        self._queue_versions = np.zeros(0, dtype=np.uint32)
+        self._cursor = 0
+        self._queue_built_at = -1
+
+    # -- telemetry ---------------------------------------------------------------------------
+
+    def observe_request(
+        self, blocks: Sequence[Hashable], now: float = 0.0, request_id: int = -1
+    ) -> None:
+        """A request named ``blocks`` (in prefix order, head first). Call once per request, at
+        arrival, before the hits and misses of its blocks are reported. ``request_id`` (>= 0)
+        lets later ``accessed``/``inserted`` calls with the same ``AccessContext.request_id``
+        count as part of this observation rather than as new ones."""
+        if not blocks:
+            return
+        unique = list(dict.fromkeys(blocks))
+        n = len(unique)
+        slots = self._table.slots_of(unique)
+        fresh = self._table.request[slots] != request_id if request_id >= 0 else None
+        if fresh is not None and not fresh.all():
+            keep = np.flatnonzero(fresh)
+            slots, tails = slots[keep], (n - 1 - keep)
+        else:
+            tails = np.arange(n - 1, -1, -1, dtype=np.int64)
+        self._observe(slots, tails, n, request_id)
+
+    def _observe(
+        self, slots: npt.NDArray[np.int64], tails: npt.NDArray[np.int64], length: int, rid: int
+    ) -> None:
+        t = self._table
+        self._clock += len(slots)
+        self._references += len(slots)
+        seen = slots[t.count[slots] > 0]
+        if seen.size:
+            self._model.record_reuse(t.klass[seen], self._clock - t.last[seen])
+        t.count[slots] += 1
+        t.klass[slots] = block_class(t.count[slots], tails, length)
+        t.last[slots] = self._clock
+        t.request[slots] = rid
+        t.version[slots] += 1
+        if self._references >= self._next_maintenance:
+            self._maintain()
+
+    def _observe_one(self, block: Hashable, context: AccessContext | None) -> int:
+        """The slot of ``block``, observing it as a one-block reference unless the request in
+        ``context`` already named it through :meth:`observe_request`."""
+        slot = int(self._table.slots_of((block,))[0])
+        rid = context.request_id if context is not None else -1
+        if rid < 0 or self._table.request[slot] != rid:
+            self._observe(np.asarray([slot], dtype=np.int64), np.asarray([-1]), 0, -1)
+        return slot
+
+    # -- CachePolicy -------------------------------------------------------------------------
+
+    def admit(self, block: Hashable, now: float, context: AccessContext | None = None) -> bool:
+        """True when ``block``'s density is at least the weakest resident's (or none is cached).
+        Observes ``block`` (as :meth:`accessed` would) if its request did not."""
+        slot = self._observe_one(block, context)
+        weakest = self._weakest_density()
+        if weakest is None:
+            return True
+        t = self._table
+        mine = float(self._model.density(t.klass[slot : slot + 1], np.zeros(1))[0])
+        return mine >= weakest
+
+    def inserted(self, block: Hashable, now: float, context: AccessContext | None = None) -> None:
+        slot = self._observe_one(block, context)
+        self._table.set_resident(slot, True)
+        self._peak_resident = max(self._peak_resident, self._table.resident_count)
+
+    def accessed(self, block: Hashable, now: float, context: AccessContext | None = None) -> None:
+        self._observe_one(block, context)
+
+    def removed(self, block: Hashable) -> None:
+        slot = self._table.find(block)
+        if slot >= 0 and self._table.resident[slot]:
+            self._table.set_resident(slot, False)
+
+    def victims(self, count: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
+        """Up to ``count`` residents, lowest density first, all satisfying ``evictable``."""
+        t = self._table
+        chosen: list[Hashable] = []
+        taken: set[int] = set()
+        if count <= 0 or t.resident_count == 0:
+            return chosen
+        self._refresh_queue()
+        rebuilt = False
+        i = self._cursor
+        while len(chosen) < count:
+            if i >= len(self._queue):
+                if rebuilt:
+                    break
+                self._build_queue()
+                rebuilt, i = True, 0
+                continue
+            slot = int(self._queue[i])
+            valid = t.resident[slot] and t.version[slot] == self._queue_versions[i]
+            if not valid or slot in taken:
+                if i == self._cursor and not valid:
+                    self._cursor += 1
+                i += 1
+                continue
+            key = t.keys[slot]
+            if evictable(key):
+                chosen.append(key)
+                taken.add(slot)
+            i += 1
+        return chosen
+
+    def __len__(self) -> int:
+        return self._table.resident_count
+
+    # -- scores for the planner --------------------------------------------------------------
+
+    def density(self, block: Hashable) -> float:
+        """``block``'s current expected hits per reference of residence (0.0 when untracked)."""
+        slot = self._table.find(block)
+        if slot < 0:
+            return 0.0
+        t = self._table
+        age = np.asarray([self._clock - t.last[slot]])
+        return float(self._model.density(t.klass[slot : slot + 1], age)[0])
+
+    def promotion_candidates(self, limit: int) -> list[Hashable]:
+        """Up to ``limit`` ghosts (tracked, not resident) denser than the weakest resident,
+        densest first: what is worth promoting into the tier when it has idle bandwidth."""
+        t = self._table
+        ghosts = t.ghost_slots()
+        if limit <= 0 or ghosts.size == 0:
+            return []
+        dens = self._model.density(t.klass[ghosts], self._clock - t.last[ghosts])
+        weakest = self._weakest_density()
+        if weakest is not None:
+            keep = dens > weakest
+            ghosts, dens = ghosts[keep], dens[keep]
+        order = np.lexsort((-t.last[ghosts], -dens))[:limit]
+        return [t.keys[s] for s in ghosts[order].tolist()]
+
+    def weakest_density(self) -> float | None:
+        """The density of the resident :meth:`victims` would offer first (None when empty)."""
+        return self._weakest_density()
+
+    def statistics(self) -> SlsapStatistics:
+        t = self._table
+        return SlsapStatistics(
+            resident=t.resident_count,
+            ghosts=t.ghost_count,
+            references=self._references,
+            refits=self._model.refits,
+            memory_bytes=t.nbytes() + self._queue.nbytes + self._queue_versions.nbytes,
+        )
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _maintain(self) -> None:
+        t, cfg = self._table, self.config
+        limit = max(cfg.min_ghosts, int(cfg.ghost_ratio * self._peak_resident))
+        excess = t.ghost_count - limit
+        if excess > 0:
+            ghosts = t.ghost_slots()
+            oldest = ghosts[np.argsort(t.last[ghosts], kind="stable")[:excess]]
+            self._model.record_end(t.klass[oldest], self._clock - t.last[oldest])
+            t.drop(oldest)
+        tracked = t.tracked_slots()
+        self._model.refit(t.klass[tracked], self._clock - t.last[tracked])
+        self._queue_built_at = -1
+        period = max(cfg.min_refit_events, int(cfg.refit_ratio * len(t)))
+        self._next_maintenance = self._references + period
+
+    def _refresh_queue(self) -> None:
+        stale_after = max(64, self._table.resident_count // 8)
+        if self._queue_built_at < 0 or self._references - self._queue_built_at > stale_after:
+            self._build_queue()
+
+    def _build_queue(self) -> None:
+        t = self._table
+        res = t.resident_slots()
+        dens = self._model.density(t.klass[res], self._clock - t.last[res])
+        self._queue = res[np.lexsort((t.last[res], dens))]
+        self._queue_versions = t.version[self._queue].copy()
+        self._cursor = 0
+        self._queue_built_at = self._references
+
+    def _weakest_density(self) -> float | None:
+        t = self._table
+        if t.resident_count == 0:
+            return None
+        self._refresh_queue()
+        for attempt in range(2):
+            while self._cursor < len(self._queue):
+                slot = int(self._queue[self._cursor])
+                if t.resident[slot] and t.version[slot] == self._queue_versions[self._cursor]:
+                    return self.density(t.keys[slot])
+                self._cursor += 1
+            if attempt == 0:
+                self._build_queue()
+        return None

@@ -1,0 +1,190 @@
+"""The reuse model: an online-fitted hit density per block class and age.
+
+Theory of operation. Every tracked block belongs to a *class* (how many distinct requests have
+named it, how far from the end of its naming request it sits, how long that request was) and
+has an *age*: the number of block references the model has observed since the block was last
+named. The model learns, per class, the distribution of the age at which a block is named again
+(a *reuse*) or is dropped from tracking without one (an *end*, a censored observation).
+
+From these two histograms it derives the *hit density* of a block of class ``c`` at age ``a``
+(Beckmann et al., "LHD: Improving Cache Hit Rate by Maximizing Hit Density", NSDI 2018):
+
+    density(c, a) = P(reused after a | survived to a) / E[remaining lifetime | survived to a]
+
+which is the expected number of hits per unit of cache space-time the block will earn if kept.
+Evicting the lowest density and admitting only blocks denser than the weakest resident is the
+space-time optimal greedy rule when reuse times are independent per class.
+
+Ages are bucketed on a log2 scale (``SUB_BUCKETS`` per octave), so the model has no time unit to
+tune: the same table covers reuse after ten references and after ten million. Censored ends are
+given a residual life equal to the age they reached (the age they survived is the best unbiased
+guess of how much longer they would have lived), which keeps blocks near the tracking horizon
+from looking immortal. Sparse classes are shrunk towards the pooled distribution of all classes
+with a weight of ``prior_events`` pseudo-observations, and histograms decay by ``decay`` at every
+refit so the model follows a drifting workload. Nothing here reads a clock or does I/O.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "AGE_BUCKETS",
+    "FREQUENCY_CLASSES",
+    "LENGTH_CLASSES",
+    "NUM_CLASSES",
+    "SUB_BUCKETS",
+    "TAIL_CLASSES",
+    "ReuseModel",
+    "age_bucket",
+    "block_class",
+]
+
+SUB_BUCKETS = 4
+"""Age buckets per doubling of age."""
+AGE_BUCKETS = SUB_BUCKETS * 40
+"""Buckets cover ages up to 2**40 references."""
+FREQUENCY_CLASSES = 5
+"""Distinct requests that named the block: 1, 2-3, 4-7, 8-15, 16 or more."""
+TAIL_CLASSES = 4
+"""Blocks between this one and the end of its request: 0, 1, 2, 3 or more (or unknown)."""
+LENGTH_CLASSES = 4
+"""Blocks in the naming request: 1-3, 4-15, 16-63, 64 or more (or unknown). Only for blocks named
+by one request so far: whether a first-seen block belongs to a long document or a short turn is
+informative, but once a block is reused its reuse count says more, and splitting reused blocks
+by length only thins their statistics."""
+NUM_CLASSES = FREQUENCY_CLASSES * TAIL_CLASSES * LENGTH_CLASSES
+
+_EDGES = np.exp2(np.arange(AGE_BUCKETS + 1, dtype=np.float64) / SUB_BUCKETS) - 1.0
+_MIDS = (_EDGES[:-1] + _EDGES[1:]) / 2.0
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+
+def age_bucket(age: npt.ArrayLike) -> IntArray:
+    """The log-scale bucket of each age (references since last named); negative ages are 0."""
+    a = np.maximum(np.asarray(age, dtype=np.float64), 0.0)
+    b = np.floor(np.log2(a + 1.0) * SUB_BUCKETS).astype(np.int64)
+    return np.asarray(np.minimum(b, AGE_BUCKETS - 1), dtype=np.int64)
+
+
+def block_class(count: npt.ArrayLike, tail: npt.ArrayLike, length: npt.ArrayLike) -> IntArray:
+    """The class of blocks named by ``count`` distinct requests, ``tail`` blocks before the end
+    of a request of ``length`` blocks. ``tail < 0`` or ``length <= 0`` mean unknown."""
+    c = np.maximum(np.asarray(count, dtype=np.int64), 1)
+    freq = np.minimum(np.floor(np.log2(c)).astype(np.int64), FREQUENCY_CLASSES - 1)
+    t = np.asarray(tail, dtype=np.int64)
+    tail_c = np.where(t < 0, TAIL_CLASSES - 1, np.minimum(t, TAIL_CLASSES - 1))
+    n = np.asarray(length, dtype=np.int64)
+    len_c = np.where(
+        (n <= 0) | (c >= 2),
+        LENGTH_CLASSES - 1,
+        np.minimum(np.floor(np.log2(np.maximum(n, 1)) / 2).astype(np.int64), LENGTH_CLASSES - 1),
+    )
+    return np.asarray((freq * TAIL_CLASSES + tail_c) * LENGTH_CLASSES + len_c, dtype=np.int64)
+
+
+class ReuseModel:
+    """Per-class reuse/end histograms and the hit-density table derived from them.
+
+    ``record_reuse`` and ``record_end`` take parallel arrays of classes and ages; ``refit``
+    recomputes the table (and ages the histograms); ``density`` and ``reuse_probability`` look
+    values up. Before the first refit every density is 1.0, so callers fall back to their tie
+    break (recency). Deterministic: the same calls give the same table.
+    """
+
+    def __init__(self, *, prior_events: float = 40.0, decay: float = 0.9) -> None:
+        if prior_events < 0:
+            raise ValueError("prior_events must be >= 0")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError("decay must be in (0, 1]")
+        self.prior_events = prior_events
+        self.decay = decay
+        self._reuses = np.zeros((NUM_CLASSES, AGE_BUCKETS), dtype=np.float64)
+        self._ends = np.zeros((NUM_CLASSES, AGE_BUCKETS), dtype=np.float64)
+        self._density = np.ones((NUM_CLASSES, AGE_BUCKETS), dtype=np.float64)
+        self._probability = np.ones((NUM_CLASSES, AGE_BUCKETS), dtype=np.float64)
+        self.refits = 0
+
+    def record_reuse(self, classes: npt.ArrayLike, ages: npt.ArrayLike) -> None:
+        """Blocks of ``classes`` were named again at ``ages``."""
+        self._add(self._reuses, classes, ages)
+
+    def record_end(self, classes: npt.ArrayLike, ages: npt.ArrayLike) -> None:
+        """Blocks of ``classes`` stopped being tracked at ``ages`` without a reuse (censored)."""
+        self._add(self._ends, classes, ages)
+
+    @staticmethod
+    def _add(hist: FloatArray, classes: npt.ArrayLike, ages: npt.ArrayLike) -> None:
+        flat = np.asarray(classes, dtype=np.int64) * AGE_BUCKETS + age_bucket(ages)
+        if flat.size:
+            hist += np.bincount(flat, minlength=hist.size).reshape(hist.shape)
+
+    def refit(self, open_classes: npt.ArrayLike = (), open_ages: npt.ArrayLike = ()) -> None:
+        """Recompute the density table from the histograms, then decay the histograms.
+
+        ``open_classes``/``open_ages`` describe the blocks tracked now, not yet named again:
+        censored at their current age for this fit only (they are still open, so they must not
+        accumulate). Without them a class whose blocks are never reused would look perfect
+        until its blocks expire from tracking.
+        """
+        ends = self._ends.copy()
+        self._add(ends, open_classes, open_ages)
+        if self._reuses.sum() + ends.sum() <= 0:
+            return
+        r, e = _shrink(self._reuses, ends, self.prior_events)
+        tot = r + e
+        hits_above = _suffix(r)
+        events_above = _suffix(tot)
+        age_mass_above = _suffix(tot * _MIDS) + _suffix(e * _MIDS)
+        life_above = age_mass_above - events_above * _MIDS + events_above
+        with np.errstate(divide="ignore", invalid="ignore"):
+            self._density = np.where(life_above > 0, hits_above / life_above, 0.0)
+            self._probability = np.where(events_above > 0, hits_above / events_above, 0.0)
+        self._reuses *= self.decay
+        self._ends *= self.decay
+        self.refits += 1
+
+    def density(self, classes: npt.ArrayLike, ages: npt.ArrayLike) -> FloatArray:
+        """Expected hits per reference of cache residence for each (class, age)."""
+        return np.asarray(
+            self._density[np.asarray(classes, dtype=np.int64), age_bucket(ages)], np.float64
+        )
+
+    def reuse_probability(self, classes: npt.ArrayLike, ages: npt.ArrayLike) -> FloatArray:
+        """P(named again | tracked and unnamed up to ``ages``) for each (class, age)."""
+        return np.asarray(
+            self._probability[np.asarray(classes, dtype=np.int64), age_bucket(ages)], np.float64
+        )
+
+    def observations(self) -> float:
+        """Decayed number of reuse and end observations behind the current histograms."""
+        return float(self._reuses.sum() + self._ends.sum())
+
+
+def _shrink(reuses: FloatArray, ends: FloatArray, weight: float) -> tuple[FloatArray, FloatArray]:
+    """Histograms shrunk along the class hierarchy (all blocks, then frequency, then frequency
+    and tail, then the full class): each level adds ``weight`` pseudo-observations shaped like
+    its parent, so a sparse class speaks with its parent's voice until it has data of its own."""
+    shape = (FREQUENCY_CLASSES, TAIL_CLASSES, LENGTH_CLASSES, AGE_BUCKETS)
+    r, e = reuses.reshape(shape), ends.reshape(shape)
+    parent_r = r.sum(axis=(0, 1, 2), keepdims=True)
+    parent_e = e.sum(axis=(0, 1, 2), keepdims=True)
+    for axes in ((1, 2), (2,), ()):
+        level_r = r.sum(axis=axes, keepdims=True) if axes else r
+        level_e = e.sum(axis=axes, keepdims=True) if axes else e
+        parent_n = parent_r.sum(axis=-1, keepdims=True) + parent_e.sum(axis=-1, keepdims=True)
+        scale = np.where(parent_n > 0, weight / np.maximum(parent_n, 1e-300), 0.0)
+        parent_r = level_r + scale * parent_r
+        parent_e = level_e + scale * parent_e
+    return (
+        np.asarray(parent_r.reshape(reuses.shape), np.float64),
+        np.asarray(parent_e.reshape(ends.shape), np.float64),
+    )
+
+
+def _suffix(values: FloatArray) -> FloatArray:
+    """Sums over ages at or above each bucket, along the last axis."""
+    return np.asarray(np.cumsum(values[..., ::-1], axis=-1)[..., ::-1], dtype=np.float64)
