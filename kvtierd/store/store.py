@@ -444,6 +444,8 @@ class BlockStore:
         victims = self.lower_policy.victims(_EVICT_BATCH, same_class)
         for victim in victims:
             assert isinstance(victim, Block)
+            if not same_class(victim):  # dropped or being promoted since it was chosen
+                continue
             await self._drop_lower(victim)
             self.counters["lower_evictions"] += 1
         return bool(victims)
