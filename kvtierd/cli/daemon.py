@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvtierd: {exc}", file=sys.stderr)
         return 2
+    # journald stamps every line itself; elsewhere the time is part of the line.
+    stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
     logging.basicConfig(
         level=config.daemon.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=stamp + "%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     backend = config.daemon.runtime.value

@@ -10,12 +10,14 @@ dirty and saves the index snapshot. Every task it starts lives in its task group
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import grp
 import logging
 import os
 import signal
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
@@ -145,8 +147,35 @@ async def _listen(config: Config) -> AsyncIterator[anyio.abc.SocketListener]:
 
 def _prepare_socket_dir(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_socket():
-        path.unlink()  # a stale socket from a crashed daemon; a live one would answer
+    if not path.is_socket():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # a stale socket left by a daemon that crashed
+        return
+    finally:
+        probe.close()
+    raise BusyError(f"another kvtierd is listening on {path}")
+
+
+@contextlib.contextmanager
+def _exclusive(data_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the data directory: two daemons must never share a data file."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / "kvtierd.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise BusyError(f"{data_dir} is in use by another kvtierd (pid {holder})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 async def serve_daemon(
@@ -155,6 +184,14 @@ async def serve_daemon(
     """Run the daemon until SIGTERM/SIGINT (or cancellation); returns after a clean stop."""
     notifier = Notifier()
     notifier.status("recovering")
+    with _exclusive(config.data_path):
+        await _serve_locked(config, notifier, task_status)
+    log.info("kvtierd stopped cleanly")
+
+
+async def _serve_locked(
+    config: Config, notifier: Notifier, task_status: TaskStatus[Daemon]
+) -> None:
     async with open_store(config) as store, _listen(config) as listener:
         daemon = Daemon(config, store)
         async with anyio.create_task_group() as tg:
@@ -166,14 +203,20 @@ async def serve_daemon(
             notifier.ready(f"serving on {config.socket_path}")
             log.info("kvtierd %s ready on %s", __version__, config.socket_path)
             task_status.started(daemon)
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for signum in signals:
-                    log.info("%s: stopping", signal.Signals(signum).name)
-                    break
+            await _wait_for_stop_signal()
             notifier.stopping()
             await _drain(daemon, serving, config.daemon.shutdown_grace_s)
             tg.cancel_scope.cancel()
-    log.info("kvtierd stopped cleanly")
+
+
+async def _wait_for_stop_signal() -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            if signum == signal.SIGHUP:
+                log.warning("SIGHUP: configuration reload is not supported; restart to apply it")
+                continue
+            log.info("%s: stopping", signal.Signals(signum).name)
+            return
 
 
 async def _serve_connections(

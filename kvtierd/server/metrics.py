@@ -57,19 +57,32 @@ class _SnapshotCollector(Collector):
         for name in _GAUGES:
             yield GaugeMetricFamily(f"kvtierd_{name}", name.replace("_", " "), getattr(snap, name))
         per_tier: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
-            "blocks": GaugeMetricFamily("kvtierd_tier_blocks", "blocks per tier", labels=["tier"]),
+            "blocks": GaugeMetricFamily("kvtierd_tier_blocks", "blocks", labels=["tier"]),
             "used_bytes": GaugeMetricFamily(
                 "kvtierd_tier_used_bytes", "bytes used", labels=["tier"]
             ),
-            "hits": CounterMetricFamily("kvtierd_tier_hits", "hits per tier", labels=["tier"]),
+            "capacity_bytes": GaugeMetricFamily(
+                "kvtierd_tier_capacity_bytes", "capacity", labels=["tier"]
+            ),
+            "hits": CounterMetricFamily("kvtierd_tier_hits", "hits", labels=["tier"]),
+            "misses": CounterMetricFamily("kvtierd_tier_misses", "misses", labels=["tier"]),
             "evictions": CounterMetricFamily(
                 "kvtierd_tier_evictions", "evictions", labels=["tier"]
+            ),
+            "bytes_read": CounterMetricFamily("kvtierd_tier_read_bytes", "read", labels=["tier"]),
+            "bytes_written": CounterMetricFamily(
+                "kvtierd_tier_written_bytes", "written", labels=["tier"]
             ),
         }
         for tier in snap.tiers:
             for field, family in per_tier.items():
                 family.add_metric([tier.name], getattr(tier, field))
         yield from per_tier.values()
+        info = GaugeMetricFamily(
+            "kvtierd_info", "version and I/O backend", labels=["version", "io_backend"]
+        )
+        info.add_metric([snap.version, snap.io_backend], 1)
+        yield info
 
 
 async def serve_metrics(

@@ -18,6 +18,7 @@ The arena knows nothing about blocks: :mod:`kvtierd.store.slots` carves it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -98,6 +99,9 @@ class Arena:
         except OSError as exc:
             os.close(fd)
             raise NoSpaceError(f"cannot map a {size_bytes}-byte arena: {exc.strerror}") from exc
+        if not huge:  # transparent huge pages, where shmem_enabled allows them (advise)
+            with contextlib.suppress(OSError):
+                mapping.madvise(mmap.MADV_HUGEPAGE)
         prefaulted = prefault and cls._prefault(mapping)
         locked = cls._lock(mapping, size_bytes, mlock)
         info = ArenaInfo(size_bytes, huge, locked, prefaulted)

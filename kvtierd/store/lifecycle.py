@@ -73,7 +73,8 @@ async def open_store(config: Config) -> AsyncIterator[BlockStore]:
                         preallocate=config.nvme.preallocate,
                     )
                 )
-            allocator = SlotAllocator(staging_count * PAGE_BYTES, arena.size_bytes)
+            staging_bytes = staging_count * PAGE_BYTES
+            allocator = SlotAllocator(staging_bytes, arena.size_bytes - staging_bytes)
             registry = NamespaceRegistry(data_dir / "namespaces.catalog", config.tenants)
             store = BlockStore(
                 arena,

@@ -269,6 +269,7 @@ def _prepare_file(path: Path, size_bytes: int, preallocate: bool) -> tuple[int, 
     """Open (creating and sizing) the data file; runs in a worker thread."""
     flags = os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC
     is_device = path.exists() and stat.S_ISBLK(path.stat().st_mode)
+    created = not is_device and not path.exists()
     if not is_device:
         flags |= os.O_CREAT
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -286,6 +287,8 @@ def _prepare_file(path: Path, size_bytes: int, preallocate: bool) -> tuple[int, 
             os.posix_fallocate(fd, 0, size_bytes)
     except OSError as exc:
         os.close(fd)
+        if not is_device and created:
+            path.unlink(missing_ok=True)  # a half-allocated file would keep holding the space
         if exc.errno == 28:
             raise NoSpaceError(
                 f"cannot preallocate {size_bytes >> 20} MiB for {path}: the file system is full "
@@ -332,6 +335,7 @@ async def open_nvme_tier(
             time.monotonic() - started,
         )
         yield tier
+        await tier.sync()  # the snapshot may only name records that are durable
         tier.save_snapshot()
     finally:
         os.close(fd)
