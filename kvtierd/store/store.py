@@ -234,10 +234,12 @@ class BlockStore:
             slot = await self._allocate_dram(block.ref.raw_bytes)
             try:
                 await self.lower.load(block.ref, block.lower, self._slot_view(slot))
-            except BlockNotFoundError:
+            except BaseException as exc:
                 self.allocator.free(slot)
-                await self._drop_lower(block)
-                self.counters["lost"] += 1
+                # A FORGET during the read has already dropped the copy (and tombstoned it).
+                if isinstance(exc, BlockNotFoundError) and block.lower is not None:
+                    await self._drop_lower(block)
+                    self.counters["lost"] += 1
                 raise
             block.dram = slot
             block.ns.dram_blocks += 1
