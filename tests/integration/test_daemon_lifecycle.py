@@ -128,3 +128,62 @@ def test_sigterm_writes_back_committed_blocks_and_exits_0(tmp_path: Path) -> Non
         ns = client.namespace("t", block_bytes=BLOCK)
         assert ns.lookup(keys) == 32
         assert "recovered by snapshot" in d.log()
+
+
+def test_a_second_daemon_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
+    with DaemonProcess(tmp_path / "a") as first:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvtierd",
+                "--socket",
+                str(tmp_path / "other.sock"),
+                "--data-dir",
+                str(first.data_dir),
+                "--dram-size",
+                "32M",
+                "--nvme-size",
+                "128M",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 1
+        assert "in use by another kvtierd" in result.stderr
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvtierd",
+                "--socket",
+                str(first.socket),
+                "--data-dir",
+                str(tmp_path / "b"),
+                "--dram-size",
+                "32M",
+                "--nvme-size",
+                "128M",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 1
+        assert "already listening" in result.stderr or "is listening" in result.stderr
+        with connect(first.socket) as client:  # the first daemon still serves
+            assert client.stats()["connections"] == 1
+
+
+def test_filling_the_arena_never_hands_out_memory_past_its_end(tmp_path: Path) -> None:
+    with DaemonProcess(tmp_path, dram_size="16M", nvme_size="128M") as d, connect(d.socket) as c:
+        ns = c.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 200), 16, ns.key_salt)
+        for i in range(0, 200, 8):
+            chunk = keys[i : i + 8]
+            assert ns.put(chunk, [np.full(BLOCK, i, np.uint8)] * len(chunk)) == len(chunk)
+        c.fsync()
+        assert ns.lookup(keys) == 200
+        with ns.get(keys[-8:]) as views:
+            assert all(v[0] == 192 for v in views)
