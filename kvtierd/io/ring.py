@@ -26,6 +26,11 @@ request's buffers; after it, it never touches them again.
   it did consume still complete normally.
 * The reaper runs shielded in the task group of :func:`open_completion_ring` and stops only when
   the ring closes, after the in-flight requests drained, so shielded waiters are always woken.
+* Closing waits for the in-flight requests; past ``drain_timeout_s`` it asks the kernel to cancel
+  them all (``IORING_OP_ASYNC_CANCEL``, which ends requests waiting on pipes, sockets, locks) and
+  waits as long again. A request even that leaves in the kernel (a hung device) is abandoned:
+  the ring is torn down and its caller gets ``-ECANCELED``, although the kernel may still write
+  its buffer later. That is logged as an error; it is the price of closing at all.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ __all__ = ["CompletionRing", "open_completion_ring"]
 
 logger = logging.getLogger("kvtierd.io")
 
-#: How long closing waits for in-flight requests before tearing the ring down anyway.
+#: How long closing waits for in-flight requests, twice: before and after cancelling them.
 DRAIN_TIMEOUT_S = 30.0
 _RETRY_SUBMIT_S = 0.001
 _TRANSIENT = frozenset({errno.EAGAIN, errno.EBUSY, errno.EINTR})
@@ -69,11 +74,12 @@ class _Waiter:
 class CompletionRing:
     """One io_uring with its eventfd; use it through :func:`open_completion_ring`."""
 
-    def __init__(self, entries: int) -> None:
+    def __init__(self, entries: int, *, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         self._ring = liburing.Ring()
         self._cqe = liburing.Cqe()
         self._efd = -1
         self._entries = entries
+        self._drain_timeout_s = drain_timeout_s
         self._slots = anyio.Semaphore(entries)
         self._tokens = itertools.count(1)
         self._waiters: dict[int, _Waiter] = {}
@@ -109,7 +115,8 @@ class CompletionRing:
             self.completed += 1
         await anyio.lowlevel.checkpoint_if_cancelled()
         if not waiter.submitted:
-            raise StorageIOError(f"io_uring is broken: {self._broken}") from self._broken
+            reason = self._broken or "closed before the kernel took it"
+            raise StorageIOError(f"io_uring request not submitted: {reason}") from self._broken
         return waiter.result
 
     async def probe(self, timeout_s: float) -> None:
@@ -207,10 +214,29 @@ class CompletionRing:
     async def _drain(self) -> None:
         self._closing = True
         self._check_drained()
-        with anyio.move_on_after(DRAIN_TIMEOUT_S, shield=True):
+        with anyio.move_on_after(self._drain_timeout_s, shield=True):
             await self._drained.wait()
+        if not self._waiters:
+            return
+        logger.warning("closing io_uring: cancelling %d stuck requests", len(self._waiters))
+        sqe = liburing.io_uring_get_sqe(self._ring)
+        if sqe is not None and self._broken is None:
+            flags = liburing.IORING_ASYNC_CANCEL_ANY | liburing.IORING_ASYNC_CANCEL_ALL
+            liburing.io_uring_prep_cancel64(sqe, 0, flags)
+            liburing.io_uring_sqe_set_data64(sqe, 0)  # no waiter has token 0
+            with contextlib.suppress(OSError):
+                liburing.io_uring_submit(self._ring)
+        with anyio.move_on_after(self._drain_timeout_s, shield=True):
+            await self._drained.wait()
+
+    def _abandon(self) -> None:
+        """After teardown: wake the callers of requests the kernel never gave back."""
         if self._waiters:
-            logger.error("closing io_uring with %d requests still in flight", len(self._waiters))
+            logger.error("io_uring closed with %d requests abandoned", len(self._waiters))
+        for waiter in self._waiters.values():
+            waiter.result = -errno.ECANCELED
+            waiter.done.set()
+        self._waiters.clear()
 
     def _teardown(self) -> None:
         if self._initialised:
@@ -222,22 +248,32 @@ class CompletionRing:
 
 
 @contextlib.asynccontextmanager
-async def open_completion_ring(entries: int) -> AsyncIterator[CompletionRing]:
+async def open_completion_ring(
+    entries: int, *, drain_timeout_s: float = DRAIN_TIMEOUT_S
+) -> AsyncIterator[CompletionRing]:
     """A ready ring with at most ``entries`` requests in flight and its reaper task running.
 
-    Leaving the context refuses new requests, waits (shielded, up to ``DRAIN_TIMEOUT_S``) for
-    the in-flight ones, stops the reaper and tears the ring down, whatever happened inside.
+    Leaving the context refuses new requests, drains the in-flight ones (see the module
+    docstring), stops the reaper and tears the ring down, whatever happened inside.
     """
-    ring = CompletionRing(entries)
+    ring = CompletionRing(entries, drain_timeout_s=drain_timeout_s)
     ring._setup()
+    # The caller's error is re-raised as itself, not wrapped in the task group's ExceptionGroup
+    # (cancellation still passes through the group, where cancel scopes expect it).
+    body_error: Exception | None = None
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(ring._reap_forever)
             try:
                 yield ring
+            except Exception as exc:
+                body_error = exc
             finally:
                 await ring._drain()
                 assert ring._reaper_scope is not None
                 ring._reaper_scope.cancel()
     finally:
         ring._teardown()
+        ring._abandon()
+    if body_error is not None:
+        raise body_error

@@ -52,7 +52,7 @@ from kvtierd.io.buffers import (
     advance_spans,
     buffer_address,
 )
-from kvtierd.io.ring import CompletionRing, open_completion_ring
+from kvtierd.io.ring import DRAIN_TIMEOUT_S, CompletionRing, open_completion_ring
 
 __all__ = ["PROBE_TIMEOUT_S", "UringBackend", "open_uring_backend"]
 
@@ -128,8 +128,6 @@ class UringBackend(IoBackend):
         spans: list[Span] = [(buffer_address(view), view.nbytes) for view in views]
         total = sum(length for _, length in spans)
         index = self._regions.index_for(spans) if self._regions is not None else None
-        if index is not None:
-            self._counters.fixed_ops += 1
         done = 0
         while spans:
             moved = await self._submit_once(op, fd, offset + done, spans, index)
@@ -137,6 +135,8 @@ class UringBackend(IoBackend):
                 raise short_transfer_error(op, fd, offset, done, total)
             done += moved
             spans = advance_spans(spans, moved)
+        if index is not None:
+            self._counters.fixed_ops += 1
         return done
 
     async def _submit_once(
@@ -176,14 +176,19 @@ def _fixed_opcodes_supported() -> bool:
 
 @contextlib.asynccontextmanager
 async def open_uring_backend(
-    queue_depth: int = 64, *, fixed_chunk_bytes: int = MAX_FIXED_CHUNK_BYTES
+    queue_depth: int = 64,
+    *,
+    fixed_chunk_bytes: int = MAX_FIXED_CHUNK_BYTES,
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
 ) -> AsyncIterator[UringBackend]:
     """An io_uring backend proven to work (a NOP completed through the eventfd).
 
     ``fixed_chunk_bytes`` (at most 1 GiB, the kernel's limit) is how a registered buffer is split
-    into fixed buffer indices; tests lower it. Raises :class:`StorageIOError` when io_uring is
-    unavailable (``io_uring_disabled``, seccomp, old kernel) or does not complete requests.
-    Leaving the context waits for in-flight requests and tears the ring down, whatever happened.
+    into fixed buffer indices; tests lower it. ``drain_timeout_s`` bounds how long closing waits
+    for requests that do not finish (see :mod:`kvtierd.io.ring`). Raises :class:`StorageIOError`
+    when io_uring is unavailable (``io_uring_disabled``, seccomp, old kernel) or does not
+    complete requests. Leaving the context drains the in-flight requests and tears the ring
+    down, whatever happened inside.
     """
     if not 0 < fixed_chunk_bytes <= MAX_FIXED_CHUNK_BYTES:
         raise ValueError(f"fixed_chunk_bytes must be in 1..{MAX_FIXED_CHUNK_BYTES}")
@@ -191,6 +196,6 @@ async def open_uring_backend(
         fixed_opcodes = _fixed_opcodes_supported()
     except OSError as exc:
         raise StorageIOError(f"io_uring probe failed: {exc}") from exc
-    async with open_completion_ring(queue_depth) as ring:
+    async with open_completion_ring(queue_depth, drain_timeout_s=drain_timeout_s) as ring:
         await ring.probe(PROBE_TIMEOUT_S)
         yield UringBackend(ring, fixed_opcodes=fixed_opcodes, fixed_chunk_bytes=fixed_chunk_bytes)
