@@ -125,9 +125,14 @@ class NvmeTier(LowerTier):
         body = memoryview(bounce)[:padded] if bounce is not None else payload[:padded]
         try:
             slot = await self._allocate(slot_bytes_for(len(stored)))
-            async with self._pages.page() as page:
-                page[:] = header.pack()
-                await self._backend.writev(self._fd, slot.offset, [page, body])
+            try:
+                async with self._pages.page() as page:
+                    page[:] = header.pack()
+                    await self._backend.writev(self._fd, slot.offset, [page, body])
+            except BaseException:
+                # Whatever part of the record reached the medium fails its checksums.
+                self._segmap.free(slot)
+                raise
         finally:
             if bounce is not None:
                 stored.release()
