@@ -13,6 +13,7 @@ a miss, never a wrong answer.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ __all__ = ["RecoveredIndex", "load_snapshot", "save_snapshot", "scan"]
 
 log = logging.getLogger("kvtierd.recovery")
 SNAPSHOT_NAME = "index.snapshot"
+_RUN_BYTES = 1 << 20
+_SMALL_SLOT_BYTES = 64 << 10
+_SCAN_WORKERS = 16
 
 
 class _Snapshot(msgspec.Struct, array_like=True):
@@ -156,26 +160,53 @@ async def scan(
             segmap.add_segment(header, all_free=False)
     best: dict[tuple[bytes, bytes], DiskSlot] = {}
     free: dict[int, list[int]] = {n: [] for n in range(len(segmap.segments))}
-    places = _iter_places(segmap)
+    runs = _header_runs(segmap)
+
+    def adopt(number: int, index: int, header_page: memoryview) -> None:
+        try:
+            record = RecordHeader.unpack(header_page)
+        except CorruptRecord:
+            free[number].append(index)
+            return
+        found.adopt(segmap.mark_used(number, index), record, best)
 
     async def worker() -> None:
-        for number, index in places:
-            async with pages.page() as page:
-                offset = segmap.segments[number].slot_offset(index)
-                await backend.readv(fd, offset, [page])
-                try:
-                    record = RecordHeader.unpack(page)
-                except CorruptRecord:
-                    free[number].append(index)
+        bounce = mmap.mmap(-1, _RUN_BYTES)
+        view = memoryview(bounce)
+        try:
+            for number, first, count in runs:
+                segment = segmap.segments[number]
+                if count == 1:  # large slots: read the header page alone
+                    async with pages.page() as page:
+                        await backend.readv(fd, segment.slot_offset(first), [page])
+                        adopt(number, first, page)
                     continue
-            found.adopt(segmap.mark_used(number, index), record, best)
+                span = view[: count * segment.slot_bytes]
+                await backend.readv(fd, segment.slot_offset(first), [span])
+                for i in range(count):
+                    at = i * segment.slot_bytes
+                    adopt(number, first + i, span[at : at + PAGE_BYTES])
+                span.release()
+        finally:
+            view.release()
+            bounce.close()
 
     async with anyio.create_task_group() as tg:
-        for _ in range(min(pages.count, 32)):
+        for _ in range(min(pages.count, _SCAN_WORKERS)):
             tg.start_soon(worker)
     for number, indices in free.items():
         segmap.adopt_free(number, sorted(indices))
     return found
+
+
+def _header_runs(segmap: SegmentMap) -> Iterator[tuple[int, int, int]]:
+    """``(segment, first slot, count)`` units of work. Small slots are read in whole runs of up
+    to :data:`_RUN_BYTES` (one I/O for many headers: thousands of tiny reads would cost more
+    than the extra bytes); large slots by their header page only."""
+    for number, header in enumerate(segmap.segments):
+        per_run = _RUN_BYTES // header.slot_bytes if header.slot_bytes <= _SMALL_SLOT_BYTES else 1
+        for first in range(0, header.slot_count, max(1, per_run)):
+            yield number, first, min(max(1, per_run), header.slot_count - first)
 
 
 async def _read_segment_header(
@@ -195,9 +226,3 @@ async def _read_segment_header(
     if header.file_id != segmap.file_id or header.start != start or header.end > segmap.file_bytes:
         return None
     return header
-
-
-def _iter_places(segmap: SegmentMap) -> Iterator[tuple[int, int]]:
-    for number, header in enumerate(segmap.segments):
-        for index in range(header.slot_count):
-            yield number, index
