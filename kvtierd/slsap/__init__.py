@@ -5,3 +5,25 @@ out, so the same code runs inside the daemon and in trace replay. Two engines li
 reuse model (admission, eviction and prefetch planning from access telemetry) and the sparse
 attention retrieval (block summaries, an LSH index and a min/max re-rank).
 """
+
+from kvtierd.slsap.planner import (
+    PrefetchPlan,
+    PrefetchPlanner,
+    Promotion,
+    PromotionReason,
+    QueuedRequest,
+)
+from kvtierd.slsap.policy import SlsapConfig, SlsapPolicy, SlsapStatistics
+from kvtierd.slsap.reuse import ReuseModel
+
+__all__ = [
+    "PrefetchPlan",
+    "PrefetchPlanner",
+    "Promotion",
+    "PromotionReason",
+    "QueuedRequest",
+    "ReuseModel",
+    "SlsapConfig",
+    "SlsapPolicy",
+    "SlsapStatistics",
+]

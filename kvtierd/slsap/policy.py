@@ -135,10 +135,13 @@ class SlsapPolicy(CachePolicy):
     def _observe_one(self, block: Hashable, context: AccessContext | None) -> int:
         """The slot of ``block``, observing it as a one-block reference unless the request in
         ``context`` already named it through :meth:`observe_request`."""
-        slot = int(self._table.slots_of((block,))[0])
         rid = context.request_id if context is not None else -1
-        if rid < 0 or self._table.request[slot] != rid:
-            self._observe(np.asarray([slot], dtype=np.int64), np.asarray([-1]), 0, -1)
+        slot = self._table.find(block)
+        if slot >= 0 and rid >= 0 and self._table.request[slot] == rid:
+            return slot
+        if slot < 0:
+            slot = int(self._table.slots_of((block,))[0])
+        self._observe(np.asarray([slot], dtype=np.int64), np.asarray([-1]), 0, -1)
         return slot
 
     # -- CachePolicy -------------------------------------------------------------------------
@@ -150,8 +153,7 @@ class SlsapPolicy(CachePolicy):
         weakest = self._weakest_density()
         if weakest is None:
             return True
-        t = self._table
-        mine = float(self._model.density(t.klass[slot : slot + 1], np.zeros(1))[0])
+        mine = self._model.density_of(int(self._table.klass[slot]), 0.0)
         return mine >= weakest
 
     def inserted(self, block: Hashable, now: float, context: AccessContext | None = None) -> None:
@@ -209,8 +211,7 @@ class SlsapPolicy(CachePolicy):
         if slot < 0:
             return 0.0
         t = self._table
-        age = np.asarray([self._clock - t.last[slot]])
-        return float(self._model.density(t.klass[slot : slot + 1], age)[0])
+        return self._model.density_of(int(t.klass[slot]), self._clock - float(t.last[slot]))
 
     def promotion_candidates(self, limit: int) -> list[Hashable]:
         """Up to ``limit`` ghosts (tracked, not resident) denser than the weakest resident,
@@ -281,7 +282,8 @@ class SlsapPolicy(CachePolicy):
             while self._cursor < len(self._queue):
                 slot = int(self._queue[self._cursor])
                 if t.resident[slot] and t.version[slot] == self._queue_versions[self._cursor]:
-                    return self.density(t.keys[slot])
+                    age = self._clock - float(t.last[slot])
+                    return self._model.density_of(int(t.klass[slot]), age)
                 self._cursor += 1
             if attempt == 0:
                 self._build_queue()

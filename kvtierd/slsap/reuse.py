@@ -26,6 +26,8 @@ refit so the model follows a drifting workload. Nothing here reads a clock or do
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import numpy.typing as npt
 
@@ -38,6 +40,7 @@ __all__ = [
     "TAIL_CLASSES",
     "ReuseModel",
     "age_bucket",
+    "age_bucket_of",
     "block_class",
 ]
 
@@ -68,6 +71,13 @@ def age_bucket(age: npt.ArrayLike) -> IntArray:
     a = np.maximum(np.asarray(age, dtype=np.float64), 0.0)
     b = np.floor(np.log2(a + 1.0) * SUB_BUCKETS).astype(np.int64)
     return np.asarray(np.minimum(b, AGE_BUCKETS - 1), dtype=np.int64)
+
+
+def age_bucket_of(age: float) -> int:
+    """:func:`age_bucket` of one age, without numpy overhead."""
+    if age <= 0:
+        return 0
+    return min(int(math.log2(age + 1.0) * SUB_BUCKETS), AGE_BUCKETS - 1)
 
 
 def block_class(count: npt.ArrayLike, tail: npt.ArrayLike, length: npt.ArrayLike) -> IntArray:
@@ -152,6 +162,10 @@ class ReuseModel:
         return np.asarray(
             self._density[np.asarray(classes, dtype=np.int64), age_bucket(ages)], np.float64
         )
+
+    def density_of(self, klass: int, age: float) -> float:
+        """:meth:`density` of one block, without numpy overhead."""
+        return float(self._density[klass, age_bucket_of(age)])
 
     def reuse_probability(self, classes: npt.ArrayLike, ages: npt.ArrayLike) -> FloatArray:
         """P(named again | tracked and unnamed up to ``ages``) for each (class, age)."""
