@@ -352,6 +352,11 @@ def encode_body(message: Message) -> bytes:
 
 
 def decode_body(cls: type[Message], data: bytes | memoryview) -> Message:
-    """Decode ``data`` as ``cls``; raises ``msgspec.ValidationError``/``DecodeError``."""
-    result: Message = _DECODERS[cls].decode(data)
+    """Decode ``data`` as ``cls``; raises ``msgspec.ValidationError``/``DecodeError`` only."""
+    try:
+        result: Message = _DECODERS[cls].decode(data)
+    except UnicodeDecodeError as exc:
+        # msgspec lets a MessagePack str that is not UTF-8 escape as UnicodeDecodeError; the
+        # connections treat only msgspec's errors as a bad body, so translate it here.
+        raise msgspec.DecodeError(f"a string is not valid UTF-8: {exc.reason}") from exc
     return result
