@@ -52,6 +52,7 @@ from kvtierd.protocol.messages import (
     REPLY_TYPES,
     REQUEST_TYPES,
     ErrorReply,
+    InitReply,
     Message,
     decode_body,
     encode_body,
@@ -257,12 +258,18 @@ class ServerConnection:
 
 
 class ClientConnection:
-    """The engine's side of one connection: numbers requests and matches replies to them."""
+    """The engine's side of one connection: numbers requests and matches replies to them.
+
+    ``max_frame_bytes`` bounds the replies it accepts and, until INIT is answered, the requests
+    it builds; INIT's reply then lowers :attr:`max_request_bytes` to the limit the daemon
+    negotiated, so a request the daemon would refuse fails here, before it is sent.
+    """
 
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self._frames = _FrameBuffer(REPLY_MAGIC, max_frame_bytes)
         self._uniques = itertools.count(1)
         self._pending: dict[int, Opcode] = {}
+        self.max_request_bytes = max_frame_bytes
 
     @property
     def pending(self) -> int:
@@ -275,10 +282,10 @@ class ClientConnection:
             raise LocalProtocolError(f"{type(message).__name__} is not a request")
         unique = next(self._uniques)
         body = encode_body(message)
-        if HEADER_BYTES + len(body) > self._frames.max_frame_bytes:
+        if HEADER_BYTES + len(body) > self.max_request_bytes:
             raise InvalidRequestError(
                 f"{opcode.name} frame of {HEADER_BYTES + len(body)} bytes exceeds the "
-                f"{self._frames.max_frame_bytes}-byte limit: send fewer keys per call"
+                f"{self.max_request_bytes}-byte limit: send fewer keys per call"
             )
         self._pending[unique] = opcode
         return unique, RequestHeader(opcode, HEADER_BYTES + len(body), unique, ns).pack() + body
@@ -305,6 +312,8 @@ class ClientConnection:
             message = decode_body(REPLY_TYPES[opcode], body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise RemoteProtocolError(f"malformed {opcode.name} reply: {exc}") from exc
+        if isinstance(message, InitReply):
+            self.max_request_bytes = min(self.max_request_bytes, message.max_frame_bytes)
         return ReplyReceived(header, message, None)
 
     @staticmethod

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Final
 import msgspec
 
 from kvtierd.keys import MAX_KEY_BYTES
-from kvtierd.protocol.frames import MAX_KEYS_PER_REQUEST, Opcode
+from kvtierd.protocol.frames import MAX_KEYS_PER_REQUEST, MIN_MAX_FRAME_BYTES, Opcode
 
 __all__ = [
     "REPLY_TYPES",
@@ -58,6 +58,7 @@ __all__ = [
 ]
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+FrameLimit = Annotated[int, msgspec.Meta(ge=MIN_MAX_FRAME_BYTES, le=0xFFFF_FFFF)]
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack uint64; msgspec bounds stop at int64
 Positive = Annotated[int, msgspec.Meta(ge=1, le=0xFFFF_FFFF_FFFF)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
@@ -82,11 +83,15 @@ class InitRequest(Message, frozen=True):
 
 
 class InitReply(Message, frozen=True):
-    """The arena's memfd travels with this reply (``FrameFlags.FD_ATTACHED``)."""
+    """The arena's memfd travels with this reply (``FrameFlags.FD_ATTACHED``).
+
+    ``max_frame_bytes`` is the negotiated limit on request frames, never below
+    ``MIN_MAX_FRAME_BYTES`` (so an INIT always fits).
+    """
 
     major: U32
     minor: U32
-    max_frame_bytes: U32
+    max_frame_bytes: FrameLimit
     max_inflight: U32
     max_keys: U32
     arena_bytes: U64
