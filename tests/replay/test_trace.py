@@ -13,9 +13,9 @@ from kvtierd.replay import (
     capacity_in_blocks,
     distinct_blocks,
     parse_mooncake,
+    registry,
     simulate,
 )
-from kvtierd.replay import registry
 
 
 def test_parse_sorts_by_timestamp_stably() -> None:

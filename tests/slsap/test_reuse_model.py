@@ -1,0 +1,100 @@
+"""The reuse model: age buckets, classes, and the hit-density table it learns."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtierd.slsap.reuse import (
+    AGE_BUCKETS,
+    NUM_CLASSES,
+    ReuseModel,
+    age_bucket,
+    age_bucket_of,
+    block_class,
+)
+
+
+@given(st.floats(0, 1e12, allow_nan=False))
+def test_scalar_and_vector_buckets_agree(age: float) -> None:
+    assert age_bucket_of(age) == int(age_bucket([age])[0])
+
+
+def test_buckets_are_monotonic_and_bounded() -> None:
+    ages = np.array([-5.0, 0.0, 1.0, 2.0, 10.0, 1e3, 1e9, 1e30])
+    buckets = age_bucket(ages)
+    assert buckets[0] == buckets[1] == 0
+    assert np.all(np.diff(buckets) >= 0)
+    assert buckets[-1] == AGE_BUCKETS - 1
+
+
+def test_classes_cover_the_range_and_separate_signals() -> None:
+    counts = np.array([1, 1, 1, 2, 20])
+    tails = np.array([0, 1, -1, 0, 0])
+    lengths = np.array([2, 20, 0, 2, 2])
+    classes = block_class(counts, tails, lengths)
+    assert np.all((classes >= 0) & (classes < NUM_CLASSES))
+    assert len(set(classes.tolist())) == 5
+    # Length matters only for blocks named once.
+    assert block_class(2, 0, 2) == block_class(2, 0, 100)
+    assert block_class(1, 0, 2) != block_class(1, 0, 100)
+
+
+def test_untrained_model_is_neutral() -> None:
+    model = ReuseModel()
+    assert np.all(model.density([0, 5], [0, 100]) == 1.0)
+
+
+def test_reused_class_is_denser_than_a_dead_one() -> None:
+    model = ReuseModel()
+    hot, dead = int(block_class(4, 5, 0)), int(block_class(1, 0, 2))
+    model.record_reuse([hot] * 50, [100.0] * 50)
+    model.record_end([dead] * 50, [5000.0] * 50)
+    model.record_reuse([dead] * 2, [4000.0] * 2)
+    model.refit()
+    assert model.density_of(hot, 0.0) > model.density_of(dead, 0.0)
+    assert model.reuse_probability([hot], [0.0])[0] > model.reuse_probability([dead], [0.0])[0]
+
+
+def test_open_blocks_count_as_censored() -> None:
+    # Without the open blocks the class looks always reused; with them it does not.
+    closed, censored = ReuseModel(), ReuseModel()
+    cls = int(block_class(1, 3, 0))
+    for model in (closed, censored):
+        model.record_reuse([cls] * 10, [50.0] * 10)
+    closed.refit()
+    censored.refit([cls] * 90, [10_000.0] * 90)
+    assert censored.reuse_probability([cls], [0.0])[0] < closed.reuse_probability([cls], [0.0])[0]
+
+
+def test_density_past_the_last_reuse_is_zero() -> None:
+    model = ReuseModel(prior_events=0.0)
+    cls = int(block_class(2, 3, 0))
+    model.record_reuse([cls] * 10, [10.0] * 10)
+    model.record_end([cls] * 10, [1000.0] * 10)
+    model.refit()
+    assert model.density_of(cls, 5.0) > 0
+    assert model.density_of(cls, 500.0) == 0.0
+
+
+def test_refit_decays_history() -> None:
+    model = ReuseModel(decay=0.5)
+    model.record_reuse([0, 0], [1.0, 1.0])
+    model.refit()
+    assert model.observations() == 1.0
+    assert model.refits == 1
+
+
+def test_same_inputs_same_table() -> None:
+    rng = np.random.default_rng(7)
+    classes = rng.integers(0, NUM_CLASSES, 500)
+    ages = rng.exponential(1000, 500)
+    tables = []
+    for _ in range(2):
+        model = ReuseModel()
+        model.record_reuse(classes[:300], ages[:300])
+        model.record_end(classes[300:], ages[300:])
+        model.refit(classes[:50], ages[:50])
+        tables.append(model.density(classes, ages))
+    assert np.array_equal(tables[0], tables[1])
