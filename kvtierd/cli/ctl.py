@@ -1,0 +1,245 @@
+"""``kvtierctl``: inspect and administer a running kvtierd.
+
+Commands: ``status``, ``stats``, ``top``, ``ls``, ``flush``, ``evict``, ``forget``; see
+``docs/kvtierctl.md``. Every command takes ``--socket`` (default ``$KVTIERD_SOCKET`` or the
+configured path) before or after its name.
+
+Exit status: 0 on success; 1 when the daemon is not running, refused the request or failed
+(one line on stderr, never a traceback; ``status --json`` prints ``{"ready": false, ...}``
+instead); 2 for a usage error; 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from kvtierd import __version__
+from kvtierd.cli import ctl_commands as commands
+from kvtierd.client import KvtierError
+from kvtierd.config import default_socket_path
+from kvtierd.keys import MAX_KEY_BYTES
+
+__all__ = ["build_parser", "main"]
+
+PROG = "kvtierctl"
+_DEFAULT_TIMEOUT_S = 10.0
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0: {text!r}")
+    return value
+
+
+def _natural(text: str) -> int:
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _natural(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _key(text: str) -> bytes:
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a hexadecimal key: {text!r}") from None
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise argparse.ArgumentTypeError(f"a key is 1 to {MAX_KEY_BYTES} bytes: {text!r}")
+    return key
+
+
+def _connection_options(*, top_level: bool) -> argparse.ArgumentParser:
+    """``--socket`` and ``--timeout``, accepted before and after the command name.
+
+    Below the command the defaults are suppressed, so an option given before the command is not
+    overwritten by the subparser's default."""
+    parent = argparse.ArgumentParser(add_help=False)
+    default = None if top_level else argparse.SUPPRESS
+    parent.add_argument(
+        "--socket",
+        metavar="PATH",
+        default=default,
+        help="the daemon's Unix socket (default: $KVTIERD_SOCKET or the configured path)",
+    )
+    parent.add_argument(
+        "--timeout",
+        metavar="S",
+        type=_positive_float,
+        default=_DEFAULT_TIMEOUT_S if top_level else argparse.SUPPRESS,
+        help=f"seconds to wait for each reply (default {_DEFAULT_TIMEOUT_S:g}; "
+        "flush waits for FSYNC as long as it takes)",
+    )
+    parent.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    return parent
+
+
+def _json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect and administer a running kvtierd.",
+        parents=[_connection_options(top_level=True)],
+        epilog="Exit status: 0 ok, 1 daemon not running or request failed, 2 usage error.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = [_connection_options(top_level=False)]
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text, parents=common)
+
+    _json_option(add("status", "Is the daemon up: version, uptime, io backend, tiers."))
+    _json_option(add("stats", "The daemon's statistics: tiers, hit ratios, prefetch, backlog."))
+    top = add("top", "Live statistics with per-second rates (Ctrl-C quits).")
+    top.add_argument(
+        "--interval",
+        metavar="S",
+        type=_positive_float,
+        default=1.0,
+        help="seconds between refreshes (default 1)",
+    )
+    top.add_argument(
+        "--iterations",
+        metavar="N",
+        type=_positive_int,
+        help="stop after N refreshes (default: until Ctrl-C)",
+    )
+    _json_option(add("ls", "Namespaces with their block counts per tier."))
+    flush = add("flush", "Write every dirty block to disk (FSYNC), with a progress bar.")
+    flush.add_argument(
+        "--interval",
+        metavar="S",
+        type=_positive_float,
+        default=0.1,
+        help="seconds between progress updates (default 0.1)",
+    )
+    _json_option(flush)
+    _json_option(add("evict", "Drop the DRAM copies of clean blocks of every namespace."))
+    forget = add("forget", "Remove blocks, by key, from every tier of one namespace.")
+    _forget_options(forget)
+    _json_option(forget)
+    return parser
+
+
+def _forget_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", metavar="NAME", required=True, help="namespace name")
+    parser.add_argument(
+        "--block-bytes",
+        metavar="N",
+        type=_positive_int,
+        help="block size of the namespace (needed when names collide)",
+    )
+    parser.add_argument("--rank", metavar="R", type=_natural, default=0, help="TP rank (0)")
+    parser.add_argument(
+        "--world-size", metavar="W", type=_positive_int, default=1, help="TP world size (1)"
+    )
+    parser.add_argument("--tenant", metavar="T", default="default", help="tenant (default)")
+    parser.add_argument(
+        "--model-id", metavar="ID", help="layout model id (needed when names collide)"
+    )
+    parser.add_argument(
+        "keys", metavar="KEYHEX", nargs="+", type=_key, help="block keys in hexadecimal"
+    )
+
+
+def _run(args: argparse.Namespace, options: commands.CommandOptions) -> int:
+    command: str = args.command
+    simple: dict[str, Callable[[commands.CommandOptions], int]] = {
+        "status": commands.status,
+        "stats": commands.stats,
+        "ls": commands.ls,
+        "evict": commands.evict,
+    }
+    if command in simple:
+        return simple[command](options)
+    if command == "top":
+        return commands.top(options, interval_s=args.interval, iterations=args.iterations)
+    if command == "flush":
+        return commands.flush(options, interval_s=args.interval)
+    assert command == "forget"
+    selector = commands.NamespaceSelector(
+        args.namespace, args.tenant, args.rank, args.world_size, args.block_bytes, args.model_id
+    )
+    return commands.forget(options, selector=selector, keys=args.keys)
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
+
+
+def _expected(error: BaseException) -> bool:
+    return isinstance(error, KvtierError | TimeoutError)
+
+
+def _describe(error: BaseException) -> str:
+    if not isinstance(error, KvtierError):
+        return "the daemon did not answer in time"  # anyio.fail_after's TimeoutError
+    return " ".join((str(error) or type(error).__name__).splitlines())
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe (``kvtierctl ls | head``), so the interpreter's final flush of
+    stdout does not fail again at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvtierctl`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+
+    Expected failures (the daemon is not running, refused or did not answer) print one line on
+    stderr and return 1; anything else is a bug and keeps its traceback. Task groups
+    (``flush``) wrap what their tasks raised, so the leaves of a group are judged."""
+    args = build_parser().parse_args(argv)
+    options = commands.CommandOptions(
+        socket=default_socket_path() if args.socket is None else Path(args.socket),
+        timeout_s=args.timeout,
+        json=getattr(args, "json", False),
+        console=Console(),
+        error_console=Console(stderr=True),
+    )
+    try:
+        return _run(args, options)
+    except (Exception, KeyboardInterrupt, BaseExceptionGroup) as error:
+        leaves = list(_leaves(error))
+        if any(isinstance(e, KeyboardInterrupt) for e in leaves):
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return 130
+        if any(isinstance(e, BrokenPipeError) for e in leaves):
+            _silence_stdout()
+            return 1
+        if not all(_expected(e) for e in leaves):
+            raise
+        print(f"{PROG}: {_describe(leaves[0])}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

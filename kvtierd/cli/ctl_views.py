@@ -1,0 +1,263 @@
+"""What ``kvtierctl`` shows people: rich renderables built from the daemon's replies.
+
+Pure functions of the dicts the client returns (``Client.stats()``, ``Client.namespaces()``) and,
+for ``top``, of the :class:`~kvtierd.cli.ctl_records.Rates` between two samples. Tables are kept
+narrow (two per view rather than one wide one) so they fit an 80-column terminal; numbers never
+wrap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kvtierd.cli.ctl_records import Rates, Stats, TierRates, hit_ratio, prefetch_accuracy
+
+__all__ = [
+    "format_bytes",
+    "format_duration",
+    "format_ratio",
+    "namespaces_view",
+    "stats_view",
+    "status_view",
+    "top_view",
+]
+
+_NONE = "–"
+_BLANK = Text("")
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+Tier = Mapping[str, Any]
+
+
+# -- formatting -------------------------------------------------------------------------------
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units: ``"0 B"``, ``"512 B"``, ``"64.0 MiB"``."""
+    value = float(n)
+    for unit in _BINARY_UNITS[:-1]:
+        if abs(value) < 1024:
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} {_BINARY_UNITS[-1]}"
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as people read it: ``"4.2s"``, ``"3m 12s"``, ``"5h 03m"``, ``"2d 04h"``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    days, rest = divmod(int(seconds), 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours:02d}h"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {secs:02d}s"
+
+
+def format_ratio(ratio: float | None) -> str:
+    return _NONE if ratio is None else f"{ratio:.1%}"
+
+
+def _count(value: Any) -> str:
+    return f"{int(value):,}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+def _per_second(value: float | None, *, as_bytes: bool = False) -> str:
+    if value is None:
+        return _NONE
+    return f"{format_bytes(value)}/s" if as_bytes else f"{value:,.1f}/s"
+
+
+def _share(tier: Tier) -> str:
+    used, capacity = int(tier["used_bytes"]), int(tier["capacity_bytes"])
+    return format_ratio(used / capacity if capacity else None)
+
+
+def _tier_hit_ratio(tier: Tier) -> str:
+    return format_ratio(hit_ratio(int(tier["hits"]), int(tier["misses"])))
+
+
+# -- tier tables ------------------------------------------------------------------------------
+
+#: A column of a tier table: its header and how to fill a cell from the tier's STATFS entry and
+#: its rates (``None`` before ``top`` has two samples, and always for ``stats``).
+_Column = tuple[str, Callable[[Tier, TierRates | None], str]]
+
+_SPACE: list[_Column] = [
+    ("blocks", lambda t, r: _count(t["blocks"])),
+    ("used", lambda t, r: format_bytes(int(t["used_bytes"]))),
+    ("capacity", lambda t, r: format_bytes(int(t["capacity_bytes"]))),
+    ("use", lambda t, r: _share(t)),
+    ("evictions", lambda t, r: _count(t["evictions"])),
+]
+_TRAFFIC: list[_Column] = [
+    ("hits", lambda t, r: _count(t["hits"])),
+    ("misses", lambda t, r: _count(t["misses"])),
+    ("hit ratio", lambda t, r: _tier_hit_ratio(t)),
+    ("read", lambda t, r: format_bytes(int(t["bytes_read"]))),
+    ("written", lambda t, r: format_bytes(int(t["bytes_written"]))),
+]
+_SPACE_RATES: list[_Column] = [
+    *_SPACE[:4],
+    ("evictions/s", lambda t, r: _per_second(r.evictions if r else None)),
+]
+_TRAFFIC_RATES: list[_Column] = [
+    ("hit ratio", lambda t, r: _tier_hit_ratio(t)),
+    ("hits/s", lambda t, r: _per_second(r.hits if r else None)),
+    ("misses/s", lambda t, r: _per_second(r.misses if r else None)),
+    ("read/s", lambda t, r: _per_second(r.read_bytes if r else None, as_bytes=True)),
+    ("written/s", lambda t, r: _per_second(r.written_bytes if r else None, as_bytes=True)),
+]
+
+
+def _tier_table(
+    title: str, stats: Stats, columns: Sequence[_Column], rates: Rates | None = None
+) -> Table:
+    table = Table(
+        title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False
+    )
+    table.add_column("tier", no_wrap=True)
+    for header, _ in columns:
+        table.add_column(header, justify="right", no_wrap=True)
+    for tier in stats["tiers"]:
+        tier_rates = rates.tiers.get(str(tier["name"])) if rates is not None else None
+        table.add_row(str(tier["name"]), *(cell(tier, tier_rates) for _, cell in columns))
+    return table
+
+
+# -- views ------------------------------------------------------------------------------------
+
+
+def _key_values(rows: Sequence[tuple[str, str]]) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    for key, value in rows:
+        grid.add_row(key, value)
+    return grid
+
+
+def status_view(socket: Path, stats: Stats) -> RenderableType:
+    """``status``: one headline and the few facts an operator checks first."""
+    headline = Text.assemble(
+        ("● ", "bold green"), f"kvtierd {stats['version']} is running on {socket}"
+    )
+    connections = _plural(int(stats["connections"]), "connection")
+    namespaces = _plural(int(stats["namespaces"]), "namespace")
+    rows = [
+        ("uptime", format_duration(float(stats["uptime_s"]))),
+        ("io backend", str(stats["io_backend"])),
+        ("clients", f"{connections}, {namespaces}"),
+    ]
+    for tier in stats["tiers"]:
+        used = format_bytes(int(tier["used_bytes"]))
+        capacity = format_bytes(int(tier["capacity_bytes"]))
+        blocks = _plural(int(tier["blocks"]), "block")
+        rows.append((str(tier["name"]), f"{blocks}, {used} of {capacity} ({_share(tier)})"))
+    dirty = _plural(int(stats["dirty_blocks"]), "dirty block")
+    dirty_bytes = format_bytes(int(stats["dirty_bytes"]))
+    durable = _count(stats["durable_blocks"])
+    rows.append(("write-back", f"{dirty} ({dirty_bytes}), {durable} durable"))
+    return Group(headline, _key_values(rows))
+
+
+def _facts(stats: Stats) -> Table:
+    """The daemon's counters, and its write-back and prefetch state, side by side."""
+    leases = f"{_count(stats['leases'])} ({_plural(int(stats['leased_blocks']), 'block')})"
+    daemon = _key_values(
+        [
+            ("daemon", f"kvtierd {stats['version']}"),
+            ("uptime", format_duration(float(stats["uptime_s"]))),
+            ("io backend", str(stats["io_backend"])),
+            ("requests", _count(stats["requests"])),
+            ("connections", _count(stats["connections"])),
+            ("namespaces", _count(stats["namespaces"])),
+            ("leases", leases),
+            ("pending writes", _count(stats["pending_writes"])),
+        ]
+    )
+    backlog = _key_values(
+        [
+            ("dirty backlog", _plural(int(stats["dirty_blocks"]), "block")),
+            ("dirty bytes", format_bytes(int(stats["dirty_bytes"]))),
+            ("durable", _plural(int(stats["durable_blocks"]), "block")),
+            ("promotions", _count(stats["promotions"])),
+            ("prefetch promoted", _count(stats["prefetch_promoted"])),
+            ("prefetch used", _count(stats["prefetch_used"])),
+            ("prefetch accuracy", format_ratio(prefetch_accuracy(stats))),
+            ("prefetch wasted", format_bytes(int(stats["prefetch_wasted_bytes"]))),
+        ]
+    )
+    side_by_side = Table.grid(padding=(0, 6))
+    side_by_side.add_row(daemon, backlog)
+    return side_by_side
+
+
+def stats_view(stats: Stats) -> RenderableType:
+    """``stats``: the tiers' space and traffic, then the daemon's counters."""
+    return Group(
+        _tier_table("space", stats, _SPACE),
+        _BLANK,
+        _tier_table("traffic", stats, _TRAFFIC),
+        _BLANK,
+        _facts(stats),
+    )
+
+
+def top_view(stats: Stats, rates: Rates | None) -> RenderableType:
+    """``top``: ``stats`` with per-second rates (``–`` until there are two samples)."""
+    summary = Text(
+        f"requests {_per_second(rates.requests if rates else None)}   "
+        f"promotions {_per_second(rates.promotions if rates else None)}   "
+        f"prefetch {_per_second(rates.prefetch_promoted if rates else None)}",
+        style="bold",
+    )
+    return Group(
+        summary,
+        _BLANK,
+        _tier_table("space", stats, _SPACE_RATES, rates),
+        _BLANK,
+        _tier_table("traffic", stats, _TRAFFIC_RATES, rates),
+        _BLANK,
+        _facts(stats),
+    )
+
+
+def namespaces_view(namespaces: Sequence[Mapping[str, Any]]) -> RenderableType:
+    """``ls``: one row per namespace."""
+    if not namespaces:
+        return Text("no namespaces")
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    table.add_column("id", justify="right")
+    for column in ("name", "tenant"):
+        table.add_column(column, overflow="fold")
+    table.add_column("rank", no_wrap=True)
+    for column in ("block size", "dram", "nvme"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("model", overflow="fold")
+    for ns in namespaces:
+        layout = ns.get("layout")
+        table.add_row(
+            str(ns["ns"]),
+            str(ns["name"]),
+            str(ns["tenant"]),
+            f"{ns['rank']}/{ns['world_size']}",
+            format_bytes(int(ns["block_bytes"])),
+            _count(ns["dram_blocks"]),
+            _count(ns["nvme_blocks"]),
+            str(layout["model_id"]) if layout else _NONE,
+        )
+    return table

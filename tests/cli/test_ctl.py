@@ -1,0 +1,368 @@
+"""``kvtierctl`` against a real daemon: what each command prints, and its exit status.
+
+Most tests call ``main()`` in-process (fast, output through ``capsys``); ``top`` and some of what
+a user sees when the daemon is not running run the real command as a subprocess. To keep the
+file fast, tests share one daemon (``shared``) and each uses namespaces of its own name; a test
+that needs the daemon's global counters to be its own takes a fresh ``daemon``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtierd import __version__
+from kvtierd.cli.ctl import main
+from kvtierd.client import Layout, chain_keys, connect
+from tests.support.daemon import DaemonProcess
+
+BLOCK = 16 << 10
+LAYOUT = Layout(
+    "test/model-1b", layers=2, kv_heads=2, head_dim=64, dtype="float16", block_tokens=16
+)
+LAYOUT_BLOCK = 2 * 2 * 2 * 64 * 16 * 2  # K and V, layers, kv_heads, head_dim, tokens, float16
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    with DaemonProcess(tmp_path_factory.mktemp("kvtierd"), dram_size="64M") as process:
+        yield process
+
+
+def _blocks(n: int, size: int = BLOCK) -> list[np.ndarray]:
+    rng = np.random.default_rng(n)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+
+
+def _put(daemon: DaemonProcess, name: str, n: int, **options: Any) -> list[bytes]:
+    block_bytes = options.pop("block_bytes", BLOCK)
+    with connect(daemon.socket) as client:
+        ns = client.namespace(name, block_bytes=block_bytes, **options)
+        keys = chain_keys(range(16 * n), 16, ns.key_salt)
+        assert ns.put(keys, _blocks(n, block_bytes)) == n
+    return keys
+
+
+def _listed(capsys: pytest.CaptureFixture[str], daemon: DaemonProcess) -> dict[str, Any]:
+    """``ls --json``, by namespace name."""
+    return {ns["name"]: ns for ns in _ctl_json(capsys, daemon, "ls")["namespaces"]}
+
+
+def _lookup(daemon: DaemonProcess, name: str, keys: list[bytes], **options: Any) -> int:
+    block_bytes = options.pop("block_bytes", BLOCK)
+    with connect(daemon.socket) as client:
+        return client.namespace(name, block_bytes=block_bytes, **options).lookup(keys)
+
+
+def _ctl(capsys: pytest.CaptureFixture[str], daemon: DaemonProcess, *args: str) -> tuple[int, str]:
+    """Run ``kvtierctl ARGS --socket <daemon>`` in-process; its exit status and stdout."""
+    status = main([*args, "--socket", str(daemon.socket)])
+    out, err = capsys.readouterr()
+    assert err == "" or status != 0, err
+    return status, out
+
+
+def _ctl_json(capsys: pytest.CaptureFixture[str], daemon: DaemonProcess, *args: str) -> Any:
+    status, out = _ctl(capsys, daemon, *args, "--json")
+    assert status == 0
+    return json.loads(out)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    """The real command, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvtierd.cli.ctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+# -- status, stats, ls ---------------------------------------------------------------------------
+
+
+def test_status_json_says_ready_with_version_and_tiers(
+    daemon: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _put(daemon, "status", 5)
+    status = _ctl_json(capsys, daemon, "status")
+    assert status["ready"] is True
+    assert status["version"] == __version__
+    assert status["socket"] == str(daemon.socket)
+    assert status["io_backend"] in ("io_uring", "threads")
+    assert status["uptime_s"] > 0
+    assert status["namespaces"] == 1
+    tiers = {t["name"]: t for t in status["tiers"]}
+    assert set(tiers) == {"dram", "nvme"}
+    assert tiers["dram"]["blocks"] == 5
+    assert 5 * BLOCK <= tiers["dram"]["used_bytes"] <= tiers["dram"]["capacity_bytes"]
+
+
+def test_status_for_people_names_the_daemon_and_socket(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out = _ctl(capsys, shared, "status")
+    assert status == 0
+    assert f"kvtierd {__version__} is running on" in out
+    assert "io backend" in out
+
+
+def test_stats_json_has_tier_counters_and_derived_ratios(
+    daemon: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = _put(daemon, "stats", 6)
+    with connect(daemon.socket) as client:
+        ns = client.namespace("stats", block_bytes=BLOCK)
+        with ns.get(keys[:4]):
+            pass
+    stats = _ctl_json(capsys, daemon, "stats")
+    for field in ("connections", "leases", "dirty_blocks", "dirty_bytes", "durable_blocks"):
+        assert isinstance(stats[field], int)
+    assert stats["leases"] == 0
+    assert stats["prefetch_accuracy"] is None or 0 <= stats["prefetch_accuracy"] <= 1
+    dram = next(t for t in stats["tiers"] if t["name"] == "dram")
+    assert dram["blocks"] == 6
+    assert dram["bytes_written"] >= 6 * BLOCK
+    assert dram["hits"] + dram["misses"] >= 4
+    assert dram["hit_ratio"] == pytest.approx(dram["hits"] / (dram["hits"] + dram["misses"]))
+    for tier in stats["tiers"]:
+        assert {"used_bytes", "capacity_bytes", "evictions", "bytes_read"} <= set(tier)
+
+
+def test_stats_for_people_shows_both_tiers(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out = _ctl(capsys, shared, "stats")
+    assert status == 0
+    assert "dram" in out
+    assert "nvme" in out
+    assert "hit ratio" in out
+    assert "dirty backlog" in out
+
+
+def test_ls_lists_namespaces_with_blocks_per_tier_and_layout(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _put(shared, "ls-plain", 3)
+    _put(shared, "ls-model", 2, block_bytes=LAYOUT_BLOCK, layout=LAYOUT, rank=1, world_size=2)
+    listed = _listed(capsys, shared)
+    plain, model = listed["ls-plain"], listed["ls-model"]
+    assert (plain["dram_blocks"], plain["block_bytes"], plain["layout"]) == (3, BLOCK, None)
+    assert (model["rank"], model["world_size"], model["block_bytes"]) == (1, 2, LAYOUT_BLOCK)
+    assert model["layout"]["model_id"] == "test/model-1b"
+    assert model["dram_blocks"] == 2
+    assert isinstance(model["nvme_blocks"], int)
+    status, out = _ctl(capsys, shared, "ls")
+    assert status == 0
+    assert "ls-model" in out
+    assert "test/model-1b" in out
+
+
+# -- flush, evict, forget --------------------------------------------------------------------------
+
+
+def test_flush_reports_every_block_durable(
+    daemon: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _put(daemon, "flush", 12)
+    assert _ctl_json(capsys, daemon, "flush")["durable_blocks"] == 12
+    stats = _ctl_json(capsys, daemon, "stats")
+    assert (stats["dirty_blocks"], stats["durable_blocks"]) == (0, 12)
+    assert _listed(capsys, daemon)["flush"]["nvme_blocks"] == 12
+    status, out = _ctl(capsys, daemon, "flush")
+    assert status == 0
+    assert "12 blocks are durable" in out
+
+
+def test_evict_drops_every_dram_copy_and_keeps_the_blocks(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = _put(shared, "evict", 8)
+    _ctl_json(capsys, shared, "flush")
+    assert _ctl_json(capsys, shared, "evict")["evicted_blocks"] >= 8
+    tiers = {t["name"]: t for t in _ctl_json(capsys, shared, "stats")["tiers"]}
+    assert tiers["dram"]["blocks"] == 0
+    assert _listed(capsys, shared)["evict"]["nvme_blocks"] == 8
+    assert _lookup(shared, "evict", keys) == 8
+    # The lookup promoted the blocks back into DRAM.
+    status, out = _ctl(capsys, shared, "evict")
+    assert status == 0
+    assert re.fullmatch(r"evicted \d+ clean blocks from DRAM\n", out)
+
+
+def test_forget_removes_the_given_keys(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = _put(shared, "forget", 4)
+    other = _put(shared, "forget-other", 4)
+    args = ["forget", "--namespace", "forget", keys[2].hex(), keys[3].hex()]
+    assert _ctl_json(capsys, shared, *args) == {
+        "namespace": "forget",
+        "requested": 2,
+        "forgotten": 2,
+    }
+    assert _lookup(shared, "forget", keys) == 2
+    status, out = _ctl(capsys, shared, "forget", "--namespace", "forget", keys[0].hex())
+    assert status == 0
+    assert "forgot 1 of 1 keys" in out
+    assert _lookup(shared, "forget", keys) == 0
+    assert _lookup(shared, "forget-other", other) == 4
+
+
+def test_forget_finds_a_namespace_by_its_full_identity(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    identity = {"block_bytes": LAYOUT_BLOCK, "layout": LAYOUT, "rank": 1, "world_size": 2}
+    keys = _put(shared, "forget-model", 3, **identity)
+    # Flushed first: a block forgotten while its write-back is in flight is counted in DRAM
+    # until that write ends.
+    _ctl_json(capsys, shared, "flush")
+    result = _ctl_json(
+        capsys,
+        shared,
+        "forget",
+        "--namespace=forget-model",
+        "--rank=1",
+        "--world-size=2",
+        f"--block-bytes={LAYOUT_BLOCK}",
+        "--model-id=test/model-1b",
+        keys[1].hex(),
+    )
+    assert result["forgotten"] == 1
+    # Rank 0 holds nothing, so a lookup answers 0 for the group; count the rank's own blocks.
+    listed = _listed(capsys, shared)["forget-model"]
+    assert (listed["dram_blocks"], listed["nvme_blocks"]) == (2, 2)
+
+
+def test_forget_in_an_unknown_namespace_fails_without_creating_it(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(["forget", "--namespace", "chta", "00ff", "--socket", str(shared.socket)])
+    out, err = capsys.readouterr()
+    assert status == 1
+    assert out == ""
+    assert err.startswith("kvtierctl: no namespace 'chta'")
+    assert err.count("\n") == 1
+    assert "chta" not in _listed(capsys, shared)
+
+
+def test_forget_asks_which_namespace_when_names_collide(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small = _put(shared, "forget-twin", 2, block_bytes=BLOCK)
+    large = _put(shared, "forget-twin", 2, block_bytes=2 * BLOCK)
+    assert (
+        main(["forget", "--namespace=forget-twin", small[0].hex(), "--socket", str(shared.socket)])
+        == 1
+    )
+    assert "2 namespaces match" in capsys.readouterr().err
+    args = ["forget", "--namespace=forget-twin", f"--block-bytes={2 * BLOCK}", large[1].hex()]
+    assert _ctl_json(capsys, shared, *args)["forgotten"] == 1
+    assert _lookup(shared, "forget-twin", large, block_bytes=2 * BLOCK) == 1
+    assert _lookup(shared, "forget-twin", small, block_bytes=BLOCK) == 2
+
+
+# -- top -------------------------------------------------------------------------------------------
+
+
+def test_top_with_iterations_prints_each_sample_and_exits_0(shared: DaemonProcess) -> None:
+    result = _run("top", "--iterations", "2", "--interval", "0.05", "--socket", str(shared.socket))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("kvtierctl top:") == 2
+    assert "hits/s" in result.stdout
+    assert result.stderr == ""
+
+
+# -- failures --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["status"], ["flush"], ["top", "--iterations", "1"]])
+def test_no_daemon_gives_one_line_and_exit_1(tmp_path: Path, command: list[str]) -> None:
+    socket = tmp_path / "absent.sock"
+    result = _run(*command, "--socket", str(socket))
+    assert result.returncode == 1
+    assert result.stderr == f"kvtierctl: kvtierd is not running (no daemon on {socket})\n"
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["stats", "--json"], ["ls"], ["evict"], ["forget", "--namespace", "chat", "00"]],
+)
+def test_no_daemon_fails_the_same_way_in_every_command(
+    tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    socket = tmp_path / "absent.sock"
+    assert main([*command, "--socket", str(socket)]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"kvtierctl: kvtierd is not running (no daemon on {socket})\n"
+    assert out == ""
+
+
+def test_status_json_without_daemon_says_not_ready(tmp_path: Path) -> None:
+    socket = tmp_path / "absent.sock"
+    result = _run("status", "--json", "--socket", str(socket))
+    assert result.returncode == 1
+    status = json.loads(result.stdout)
+    assert status["ready"] is False
+    assert "not running" in status["error"]
+    assert "Traceback" not in result.stderr
+
+
+def test_socket_defaults_to_kvtierd_socket_env(
+    shared: DaemonProcess, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVTIERD_SOCKET", str(shared.socket))
+    assert main(["status", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["socket"] == str(shared.socket)
+
+
+def test_socket_option_goes_before_or_after_the_command(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--socket", str(shared.socket), "ls", "--json"]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out)["namespaces"], list)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frobnicate"],
+        ["forget", "--namespace", "chat", "not-hex"],
+        ["forget", "--namespace", "chat", "00" * 33],
+        ["forget", "00ff"],
+        ["top", "--interval", "0"],
+        ["top", "--iterations", "-1"],
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "usage: kvtierctl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["stats", "--version"]])
+def test_version(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"kvtierctl {__version__}\n"
+
+
+@pytest.mark.parametrize("command", ["status", "stats", "top", "ls", "flush", "evict", "forget"])
+def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: kvtierctl {command}" in capsys.readouterr().out
