@@ -64,12 +64,23 @@ def _transfer_all(call: _Vectored, fd: int, offset: int, views: list[memoryview]
     return done
 
 
-def _outcome(func: Callable[[], int]) -> int | BaseException:
-    """Runs in a worker thread: the result or the exception, so that it crosses back as a value."""
-    try:
-        return func()
-    except (OSError, _ShortTransfer) as exc:
-        return exc
+class _Job:
+    """The work handed to a worker thread. Emptied once it ran: an idle anyio worker thread keeps
+    its last job referenced, and a buffer still referenced would stay exported (its mmap could not
+    be closed)."""
+
+    __slots__ = ("func",)
+
+    def __init__(self, func: Callable[[], int]) -> None:
+        self.func: Callable[[], int] | None = func
+
+    def __call__(self) -> int | BaseException:
+        """Runs in the worker: the result or the error, so that it crosses back as a value."""
+        assert self.func is not None
+        try:
+            return self.func()
+        except (OSError, _ShortTransfer) as exc:
+            return exc.with_traceback(None)  # the traceback's frames hold the buffers
 
 
 class ThreadBackend(IoBackend):
@@ -131,18 +142,20 @@ class ThreadBackend(IoBackend):
             raise ClosedError("the thread backend is closed")
         async with self._slots:
             self._counters.submitted += 1
+            job = _Job(func)
             try:
                 outcome = await anyio.to_thread.run_sync(
-                    _outcome, func, limiter=self._limiter, abandon_on_cancel=False
+                    job, limiter=self._limiter, abandon_on_cancel=False
                 )
             finally:
+                job.func = None
                 self._note_completed()
         await anyio.lowlevel.checkpoint_if_cancelled()
         if isinstance(outcome, _ShortTransfer):
             raise short_transfer_error(op, fd, offset, outcome.done, total)
         if isinstance(outcome, OSError):
             raise os_error(op, fd, offset, outcome.errno or errno.EIO) from outcome
-        if isinstance(outcome, BaseException):  # _outcome lets nothing else through
+        if isinstance(outcome, BaseException):  # _Job lets nothing else through
             raise outcome
         return outcome
 
