@@ -227,9 +227,10 @@ class AsyncClient:
         world_size: int = 1,
         tenant: str = "default",
         compression: str = "none",
+        create: bool = True,
     ) -> AsyncNamespace:
         request = namespace_request(
-            name, block_bytes, layout, rank, world_size, tenant, compression
+            name, block_bytes, layout, rank, world_size, tenant, compression, create
         )
         reply = await self._call(request)
         assert isinstance(reply, OpenNsReply)

@@ -78,14 +78,17 @@ def namespace_request(
     world_size: int,
     tenant: str,
     compression: str,
+    create: bool = True,
 ) -> OpenNsRequest:
     if isinstance(layout, dict):
         try:
-            layout = msgspec.convert(layout, Layout)
-        except msgspec.ValidationError as exc:
+            layout = Layout(**layout)  # Layout travels as an array: build it by field name
+        except TypeError as exc:
             raise InvalidRequestError(f"invalid layout: {exc}") from exc
     try:
-        request = OpenNsRequest(name, block_bytes, layout, rank, world_size, tenant, compression)
+        request = OpenNsRequest(
+            name, block_bytes, layout, rank, world_size, tenant, compression, create
+        )
         # Validate bounds here so a bad argument fails like the daemon would, before sending.
         return msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=OpenNsRequest)
     except msgspec.ValidationError as exc:

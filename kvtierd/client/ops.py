@@ -37,7 +37,16 @@ from kvtierd.protocol.messages import (
 )
 
 __all__ = [
-    "Call", "NoWait", "Op", "forget", "hint", "lookup", "put", "read", "read_into", "release",
+    "Call",
+    "NoWait",
+    "Op",
+    "forget",
+    "hint",
+    "lookup",
+    "put",
+    "read",
+    "read_into",
+    "release",
 ]
 
 T = TypeVar("T")

@@ -149,10 +149,12 @@ class Client:
         world_size: int = 1,
         tenant: str = "default",
         compression: str = "none",
+        create: bool = True,
     ) -> Namespace:
-        """Open (creating if needed) a namespace; see ``docs/client.md``."""
+        """Open a namespace, creating it unless ``create`` is false (then an unknown one
+        raises ``BlockNotFoundError``); see ``docs/client.md``."""
         request = namespace_request(
-            name, block_bytes, layout, rank, world_size, tenant, compression
+            name, block_bytes, layout, rank, world_size, tenant, compression, create
         )
         reply = self._call(request)
         assert isinstance(reply, OpenNsReply)

@@ -121,6 +121,8 @@ class OpenNsRequest(Message, frozen=True):
     world_size: Positive = 1
     tenant: Name = "default"
     compression: Name = "none"
+    #: ``False``: answer ``ENOENT`` instead of creating a namespace that does not exist yet.
+    create: bool = True
 
 
 class OpenNsReply(Message, frozen=True):

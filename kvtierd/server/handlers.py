@@ -94,7 +94,7 @@ async def open_ns(session: Session, header: RequestHeader, msg: OpenNsRequest) -
         msg.name, msg.tenant, msg.block_bytes, msg.layout, msg.rank, msg.world_size, compression
     )
     registry = session.daemon.store.registry
-    ns, new = registry.open(spec, session.peer)
+    ns, new = registry.open(spec, session.peer, create=msg.create)
     if new:
         await anyio.to_thread.run_sync(registry.save)
     session.namespaces.add(ns.id)

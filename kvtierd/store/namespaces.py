@@ -27,7 +27,7 @@ import msgspec
 import xxhash
 
 from kvtierd.config import TenantConfig
-from kvtierd.errors import AccessDeniedError, InvalidRequestError
+from kvtierd.errors import AccessDeniedError, BlockNotFoundError, InvalidRequestError
 from kvtierd.protocol.messages import Layout
 
 __all__ = ["Compression", "Namespace", "NamespaceRegistry", "NamespaceSpec", "PeerCredentials"]
@@ -140,14 +140,19 @@ class NamespaceRegistry:
         if rule is None or (peer.uid not in rule.uids and peer.gid not in rule.gids):
             raise AccessDeniedError(f"uid {peer.uid} may not use tenant {tenant!r}")
 
-    def open(self, spec: NamespaceSpec, peer: PeerCredentials) -> tuple[Namespace, bool]:
-        """The namespace for ``spec`` and whether it is new (the catalog needs saving)."""
+    def open(
+        self, spec: NamespaceSpec, peer: PeerCredentials, *, create: bool = True
+    ) -> tuple[Namespace, bool]:
+        """The namespace for ``spec`` and whether it is new (the catalog needs saving).
+        Raises ``BlockNotFoundError`` for an unknown namespace when ``create`` is false."""
         spec.validate()
         self.check_access(spec.tenant, peer)
         digest = xxhash.xxh3_128_digest(spec.identity(with_rank=True))
         known = self._by_digest.get(digest)
         if known is not None:
             return known, False
+        if not create:
+            raise BlockNotFoundError(f"namespace {spec.name!r} with this identity does not exist")
         return self._add(spec, digest), True
 
     def _add(self, spec: NamespaceSpec, digest: bytes) -> Namespace:

@@ -403,6 +403,7 @@ class BlockStore:
         ]
         for block in victims:
             self._drop_dram(block)
+        self.counters["dram_evictions"] += len(victims)
         return len(victims)
 
     def _dram_evictable(self, block: Hashable) -> bool:

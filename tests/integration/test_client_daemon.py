@@ -103,3 +103,26 @@ async def test_async_client_pipelines_concurrent_requests(daemon: DaemonProcess)
         with pytest.raises(BlockNotFoundError):
             async with ns.get([b"z" * 16]):
                 pass
+
+
+def test_namespace_can_be_reopened_from_its_listing_without_creating(
+    daemon: DaemonProcess,
+) -> None:
+    layout = {
+        "model_id": "m",
+        "layers": 2,
+        "kv_heads": 1,
+        "head_dim": 64,
+        "dtype": "float16",
+        "block_tokens": 128,
+    }
+    with connect(daemon.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK, layout=layout)
+        listed = client.namespaces()[0]
+        again = client.namespace(
+            "t", block_bytes=listed["block_bytes"], layout=listed["layout"], create=False
+        )
+        assert again.handle.ns == ns.handle.ns
+        with pytest.raises(BlockNotFoundError, match="does not exist"):
+            client.namespace("typo", block_bytes=BLOCK, create=False)
+        assert len(client.namespaces()) == 1
