@@ -58,7 +58,7 @@ class BlockTable:
         return self._index.get(key, -1)
 
     def slots_of(self, keys: Iterable[Hashable]) -> npt.NDArray[np.int64]:
-        """Slots of ``keys``, allocating fresh (zeroed, ghost) slots for untracked ones."""
+        """Slots of ``keys``, allocating fresh ghost slots (``count`` 0) for untracked ones."""
         index = self._index
         out = []
         for key in keys:
@@ -74,11 +74,8 @@ class BlockTable:
         slot = self._free.pop()
         self._index[key] = slot
         self.keys[slot] = key
-        self.last[slot] = 0.0
+        # Dropped slots are never resident, and last/klass are written by the first observation.
         self.count[slot] = 0
-        self.klass[slot] = 0
-        self.resident[slot] = False
-        self.version[slot] += 1
         self.request[slot] = -1
         return slot
 

@@ -29,6 +29,7 @@ Decisions:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -88,8 +89,8 @@ class SlsapPolicy(CachePolicy):
         self._references = 0
         self._next_maintenance = self.config.min_refit_events
         self._peak_resident = 0
-        self._queue = np.zeros(0, dtype=np.int64)
-        self._queue_versions = np.zeros(0, dtype=np.uint32)
+        self._queue: list[int] = []
+        self._queue_versions: list[int] = []
         self._cursor = 0
         self._queue_built_at = -1
 
@@ -186,7 +187,7 @@ class SlsapPolicy(CachePolicy):
                 self._build_queue()
                 rebuilt, i = True, 0
                 continue
-            slot = int(self._queue[i])
+            slot = self._queue[i]
             valid = t.resident[slot] and t.version[slot] == self._queue_versions[i]
             if not valid or slot in taken:
                 if i == self._cursor and not valid:
@@ -239,7 +240,7 @@ class SlsapPolicy(CachePolicy):
             ghosts=t.ghost_count,
             references=self._references,
             refits=self._model.refits,
-            memory_bytes=t.nbytes() + self._queue.nbytes + self._queue_versions.nbytes,
+            memory_bytes=t.nbytes() + 2 * sys.getsizeof(self._queue),
         )
 
     # -- internals ---------------------------------------------------------------------------
@@ -268,8 +269,9 @@ class SlsapPolicy(CachePolicy):
         t = self._table
         res = t.resident_slots()
         dens = self._model.density(t.klass[res], self._clock - t.last[res])
-        self._queue = res[np.lexsort((t.last[res], dens))]
-        self._queue_versions = t.version[self._queue].copy()
+        queue = res[np.lexsort((t.last[res], dens))]
+        self._queue = queue.tolist()
+        self._queue_versions = t.version[queue].tolist()
         self._cursor = 0
         self._queue_built_at = self._references
 
@@ -280,7 +282,7 @@ class SlsapPolicy(CachePolicy):
         self._refresh_queue()
         for attempt in range(2):
             while self._cursor < len(self._queue):
-                slot = int(self._queue[self._cursor])
+                slot = self._queue[self._cursor]
                 if t.resident[slot] and t.version[slot] == self._queue_versions[self._cursor]:
                     age = self._clock - float(t.last[slot])
                     return self._model.density_of(int(t.klass[slot]), age)

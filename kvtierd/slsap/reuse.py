@@ -80,19 +80,24 @@ def age_bucket_of(age: float) -> int:
     return min(int(math.log2(age + 1.0) * SUB_BUCKETS), AGE_BUCKETS - 1)
 
 
+_FREQ_LUT = np.minimum(
+    np.floor(np.log2(np.maximum(np.arange(17), 1))).astype(np.int64), FREQUENCY_CLASSES - 1
+)
+_LENGTH_LUT = np.minimum(
+    np.floor(np.log2(np.maximum(np.arange(65), 1)) / 2).astype(np.int64), LENGTH_CLASSES - 1
+)
+_LENGTH_LUT[0] = LENGTH_CLASSES - 1
+
+
 def block_class(count: npt.ArrayLike, tail: npt.ArrayLike, length: npt.ArrayLike) -> IntArray:
     """The class of blocks named by ``count`` distinct requests, ``tail`` blocks before the end
     of a request of ``length`` blocks. ``tail < 0`` or ``length <= 0`` mean unknown."""
-    c = np.maximum(np.asarray(count, dtype=np.int64), 1)
-    freq = np.minimum(np.floor(np.log2(c)).astype(np.int64), FREQUENCY_CLASSES - 1)
+    c = np.asarray(count, dtype=np.int64)
+    freq = _FREQ_LUT[np.clip(c, 1, 16)]
     t = np.asarray(tail, dtype=np.int64)
     tail_c = np.where(t < 0, TAIL_CLASSES - 1, np.minimum(t, TAIL_CLASSES - 1))
-    n = np.asarray(length, dtype=np.int64)
-    len_c = np.where(
-        (n <= 0) | (c >= 2),
-        LENGTH_CLASSES - 1,
-        np.minimum(np.floor(np.log2(np.maximum(n, 1)) / 2).astype(np.int64), LENGTH_CLASSES - 1),
-    )
+    len_c = _LENGTH_LUT[np.clip(np.asarray(length, dtype=np.int64), 0, 64)]
+    len_c = np.where(c >= 2, LENGTH_CLASSES - 1, len_c)
     return np.asarray((freq * TAIL_CLASSES + tail_c) * LENGTH_CLASSES + len_c, dtype=np.int64)
 
 
@@ -129,8 +134,10 @@ class ReuseModel:
     @staticmethod
     def _add(hist: FloatArray, classes: npt.ArrayLike, ages: npt.ArrayLike) -> None:
         flat = np.asarray(classes, dtype=np.int64) * AGE_BUCKETS + age_bucket(ages)
-        if flat.size:
+        if flat.size > 256:
             hist += np.bincount(flat, minlength=hist.size).reshape(hist.shape)
+        elif flat.size:
+            np.add.at(hist.reshape(-1), flat, 1.0)
 
     def refit(self, open_classes: npt.ArrayLike = (), open_ages: npt.ArrayLike = ()) -> None:
         """Recompute the density table from the histograms, then decay the histograms.
