@@ -4,6 +4,7 @@ real O_DIRECT file and page-aligned (memfd) buffers."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import resource
 from collections.abc import Callable
@@ -253,3 +254,19 @@ async def test_cancelled_while_waiting_for_a_slot_submits_nothing(
             assert backend.statistics().submitted == 1
             held_read.release()
         assert backend.statistics().completed == 1
+
+
+async def test_caller_can_unmap_its_buffers_after_close(
+    backend_kind: IoBackendKind, data_fd: int
+) -> None:
+    fd = os.memfd_create("scratch")
+    os.ftruncate(fd, 2 * BLOCK)
+    mapping = mmap.mmap(fd, 2 * BLOCK)
+    view = memoryview(mapping)
+    async with open_io_backend(backend_kind, queue_depth=QUEUE_DEPTH) as backend:
+        backend.register_buffer(view)
+        await backend.writev(data_fd, 0, [view])
+        await backend.readv(data_fd, 0, [view[:BLOCK], view[BLOCK:]])  # slices export the mmap
+    view.release()
+    mapping.close()  # raises BufferError if the backend (or its worker threads) kept an export
+    os.close(fd)
