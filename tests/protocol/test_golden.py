@@ -1,13 +1,16 @@
-"""Golden bytes: a few frames pinned exactly, so an accidental change to the format fails here.
+"""Golden bytes: the frames of the worked example in ``docs/protocol.md``, pinned exactly, so an
+accidental change to the format fails here.
 
-These are the frames ``docs/protocol.md`` walks through. If one of these tests fails, the wire
-format changed: that needs a new ``PROTOCOL_VERSION`` (or an appended field with a default, per
-the compatibility rule) and the document updated, not a new golden value pasted in.
+They were captured from a real daemon (``--dram-size 64M``) and are replayed here through the
+sans-IO connections. If one of these tests fails the wire format changed: that needs the
+compatibility rule of ``docs/protocol.md`` (an appended field with a default, or a new
+``PROTOCOL_VERSION``) and the document updated, not just a new golden value pasted in.
 """
 
 from __future__ import annotations
 
 from kvtierd.errors import BlockNotFoundError, RemoteProtocolError
+from kvtierd.keys import chain_keys
 from kvtierd.protocol import (
     ClientConnection,
     FrameFlags,
@@ -21,92 +24,118 @@ from kvtierd.protocol.messages import (
     InitRequest,
     LookupReply,
     LookupRequest,
+    Message,
+    OpenNsReply,
+    OpenNsRequest,
     ReadRequest,
 )
 
-KEY_A = bytes(range(16))
-KEY_B = bytes(range(16, 32))
+SALT = bytes.fromhex("d700654d3bffa7c422d10f5996ecc926")
+DIGEST = bytes.fromhex("8a730622a43be5fde4c7c5fe4d32f84f")
+KEYS = chain_keys(range(32), 16, SALT)
 
-INIT_REQUEST = bytes.fromhex(
+INIT = bytes.fromhex(
     "4b565451 0100 0100 31000000 00000000 0100000000000000 00000000 00000000"
     "94 01 00 ce00100000 a8656e67696e652d30"
 )
 INIT_REPLY = bytes.fromhex(
     "4b565452 0100 0100 39000000 00000000 0100000000000000 01000000 00000000"
-    "97 01 00 ce00100000 cd0100 cd2000 ce04000000 a5302e312e30"
+    "97 01 00 ce00100000 cd0100 cd2000 ce04200000 a5302e312e30"
 )
-LOOKUP_REQUEST = bytes.fromhex(
-    "4b565451 0100 0300 47000000 00000000 0200000000000000 01000000 00000000"
-    "92 92 c410000102030405060708090a0b0c0d0e0f c410101112131415161718191a1b1c1d1e1f c3"
+OPEN_NS = bytes.fromhex(
+    "4b565451 0100 0200 3a000000 00000000 0200000000000000 00000000 00000000"
+    "98 a464656d6f cd1000 c0 00 01 a764656661756c74 a46e6f6e65 c3"
+)
+OPEN_NS_REPLY = bytes.fromhex(
+    "4b565452 0100 0200 46000000 00000000 0200000000000000 00000000 00000000"
+    "93 01 c410d700654d3bffa7c422d10f5996ecc926 c4108a730622a43be5fde4c7c5fe4d32f84f"
+)
+LOOKUP = bytes.fromhex(
+    "4b565451 0100 0300 47000000 00000000 0300000000000000 01000000 00000000"
+    "92 92 c410a635c33f876273d2614b3194bbf3effe c41091c93d7769e9faad687d68f7e6a6210c c3"
 )
 LOOKUP_REPLY = bytes.fromhex(
-    "4b565452 0100 0300 25000000 00000000 0200000000000000 00000000 00000000 92 01 c40100"
+    "4b565452 0100 0300 25000000 00000000 0300000000000000 00000000 00000000 92 01 c40100"
 )
-ERROR_REPLY = bytes.fromhex(
-    "4b565452 0100 0400 3a000000 feffffff 0300000000000000 00000000 00000000"
-    "91 b8626c6f636b2066666666206973206e6f742073746f726564"
+READ = bytes.fromhex(
+    "4b565451 0100 0400 34000000 00000000 0400000000000000 01000000 00000000"
+    "91 91 c41091c93d7769e9faad687d68f7e6a6210c"
 )
-FATAL_REPLY = bytes.fromhex(
+READ_ENOENT = bytes.fromhex(
+    "4b565452 0100 0400 57000000 feffffff 0400000000000000 00000000 00000000"
+    "91 d934 626c6f636b203931633933643737363965396661616436383764363866376536613632313063"
+    "206973206e6f742073746f726564"
+)
+FATAL = bytes.fromhex(
     "4b565452 0100 0000 33000000 b9ffffff 0000000000000000 00000000 00000000"
-    "91 b1626164206d616769632062275858585827"
+    "91 b1 626164206d616769632062274745542027"
 )
+
+
+def test_the_keys_of_the_example() -> None:
+    assert [k.hex() for k in KEYS] == [
+        "a635c33f876273d2614b3194bbf3effe",
+        "91c93d7769e9faad687d68f7e6a6210c",
+    ]
+
+
+def _exchange(
+    client: ClientConnection, server: ServerConnection, request: Message, ns: int, frame: bytes
+) -> RequestReceived:
+    unique, sent = client.request(request, ns)
+    assert sent == frame
+    server.receive_data(sent)
+    event = server.next_event()
+    assert isinstance(event, RequestReceived)
+    assert event.message == request
+    assert event.header.unique == unique
+    return event
+
+
+def _answer(client: ClientConnection, frame: bytes) -> ReplyReceived:
+    client.receive_data(frame)
+    event = client.next_event()
+    assert isinstance(event, ReplyReceived)
+    return event
 
 
 def test_the_documented_exchange_byte_for_byte() -> None:
     client, server = ClientConnection(), ServerConnection()
 
-    unique, frame = client.request(InitRequest(1, 0, 1 << 20, "engine-0"))
-    assert (unique, frame) == (1, INIT_REQUEST)
-    server.receive_data(frame)
-    init = server.next_event()
-    assert isinstance(init, RequestReceived)
-    reply = InitReply(1, 0, 1 << 20, 256, 8192, 64 << 20, "0.1.0")
-    assert server.reply(init.header, reply, FrameFlags.FD_ATTACHED) == INIT_REPLY
-    client.receive_data(INIT_REPLY)
-    answer = client.next_event()
-    assert isinstance(answer, ReplyReceived)
-    assert answer.message == reply
+    init = _exchange(client, server, InitRequest(1, 0, 1 << 20, "engine-0"), 0, INIT)
+    init_reply = InitReply(1, 0, 1 << 20, 256, 8192, 69206016, "0.1.0")
+    assert server.reply(init.header, init_reply, FrameFlags.FD_ATTACHED) == INIT_REPLY
+    assert _answer(client, INIT_REPLY).message == init_reply
 
-    unique, frame = client.request(LookupRequest([KEY_A, KEY_B]), ns=1)
-    assert (unique, frame) == (2, LOOKUP_REQUEST)
-    server.receive_data(frame)
-    lookup = server.next_event()
-    assert isinstance(lookup, RequestReceived)
-    assert lookup.message == LookupRequest([KEY_A, KEY_B], promote=True)
+    open_ns = _exchange(client, server, OpenNsRequest("demo", 4096), 0, OPEN_NS)
+    assert server.reply(open_ns.header, OpenNsReply(1, SALT, DIGEST)) == OPEN_NS_REPLY
+    assert _answer(client, OPEN_NS_REPLY).message == OpenNsReply(1, SALT, DIGEST)
+
+    lookup = _exchange(client, server, LookupRequest(KEYS), 1, LOOKUP)
     assert server.reply(lookup.header, LookupReply(1, b"\x00")) == LOOKUP_REPLY
+    assert _answer(client, LOOKUP_REPLY).message == LookupReply(1, b"\x00")
 
-    unique, frame = client.request(ReadRequest([b"\xff" * 16]), ns=1)
-    server.receive_data(frame)
-    read = server.next_event()
-    assert isinstance(read, RequestReceived)
-    assert server.reply_error(read.header, BlockNotFoundError("block ffff is not stored")) == (
-        ERROR_REPLY
-    )
-    client.receive_data(LOOKUP_REPLY + ERROR_REPLY)
-    first, second = client.next_event(), client.next_event()
-    assert isinstance(first, ReplyReceived)
-    assert first.message == LookupReply(1, b"\x00")
-    assert isinstance(second, ReplyReceived)
-    assert isinstance(second.error, BlockNotFoundError)
-    assert str(second.error) == "block ffff is not stored"
+    read = _exchange(client, server, ReadRequest(KEYS[1:]), 1, READ)
+    missing = BlockNotFoundError(f"block {KEYS[1].hex()} is not stored")
+    assert server.reply_error(read.header, missing) == READ_ENOENT
+    error = _answer(client, READ_ENOENT).error
+    assert isinstance(error, BlockNotFoundError)
+    assert str(error) == str(missing)
 
 
 def test_the_fatal_frame() -> None:
-    assert ServerConnection().fatal(RemoteProtocolError("bad magic b'XXXX'")) == FATAL_REPLY
+    assert ServerConnection().fatal(RemoteProtocolError("bad magic b'GET '")) == FATAL
+    client = ClientConnection()
+    client.receive_data(FATAL)
+    event = client.next_event()
+    assert isinstance(event, ReplyReceived)
+    assert event.header.unique == 0
+    assert isinstance(event.error, RemoteProtocolError)
 
 
-def test_golden_requests_decode_on_a_fresh_server() -> None:
+def test_a_lookup_before_init_is_refused_by_its_golden_bytes() -> None:
     server = ServerConnection()
-    server.receive_data(INIT_REQUEST + LOOKUP_REQUEST)
-    assert isinstance(server.next_event(), RequestReceived)
-    lookup = server.next_event()
-    assert isinstance(lookup, RequestReceived)
-    assert (lookup.header.ns, lookup.header.unique) == (1, 2)
-
-
-def test_a_pre_init_lookup_is_refused_by_its_golden_bytes() -> None:
-    server = ServerConnection()
-    server.receive_data(LOOKUP_REQUEST)
+    server.receive_data(LOOKUP)
     event = server.next_event()
     assert isinstance(event, InvalidRequest)
     assert isinstance(event.error, RemoteProtocolError)
