@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,6 +125,7 @@ class NamespaceRegistry:
         self._by_id: dict[int, Namespace] = {}
         self._by_digest: dict[bytes, Namespace] = {}
         self._groups: dict[bytes, dict[int, Namespace]] = {}
+        self._save_lock = threading.Lock()
         if catalog is not None:
             self._load(catalog)
 
@@ -182,13 +184,16 @@ class NamespaceRegistry:
         """Write the catalog atomically (small; called off the event loop)."""
         if self._catalog is None:
             return
-        data = msgspec.msgpack.encode([ns.spec for ns in self._by_id.values()])
-        tmp = self._catalog.with_suffix(".tmp")
-        with open(tmp, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self._catalog)
+        # Concurrent OPEN_NS calls save from several worker threads: one at a time, or they
+        # share the temporary file and the catalog can end up interleaved or a rename fails.
+        with self._save_lock:
+            data = msgspec.msgpack.encode([ns.spec for ns in list(self._by_id.values())])
+            tmp = self._catalog.with_suffix(".tmp")
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, self._catalog)
 
     def _load(self, catalog: Path) -> None:
         try:
