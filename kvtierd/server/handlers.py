@@ -70,7 +70,8 @@ def _require_admin(session: Session, what: str) -> None:
 async def init(session: Session, header: RequestHeader, msg: InitRequest) -> Message:
     if msg.major != 1:
         raise InvalidRequestError(f"protocol major version {msg.major} is not supported (1)")
-    limit = max(MIN_MAX_FRAME_BYTES, min(msg.max_frame_bytes, session.conn.max_frame_bytes))
+    # int(): the daemon's own limit is a config ByteSize, which msgspec cannot encode
+    limit = int(max(MIN_MAX_FRAME_BYTES, min(msg.max_frame_bytes, session.conn.max_frame_bytes)))
     session.conn.negotiate(limit)
     session.owner.name = msg.client_name
     session.attach_fd = session.daemon.store.arena.fd
