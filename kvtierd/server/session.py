@@ -145,16 +145,17 @@ class Session:
         fds: list[int] = []
         try:
             reply = await HANDLERS[Opcode(header.opcode)](self, header, event.message)
-        except KvtierError as exc:
-            frame = self.conn.reply_error(header, exc)
-        except Exception as exc:  # a bug must cost one request, never the daemon
-            log.exception("handler for %s failed", Opcode(header.opcode).name)
-            frame = self.conn.reply_error(header, StorageIOError(f"internal error: {exc}"))
-        else:
             if header.opcode == Opcode.INIT and self.attach_fd is not None:
                 fds = [self.attach_fd]
             flags = FrameFlags.FD_ATTACHED if fds else FrameFlags.NONE
-            frame = self.conn.reply(header, reply, flags)
+            frame = self.conn.reply(header, reply, flags)  # encoding can fail too
+        except KvtierError as exc:
+            fds = []
+            frame = self.conn.reply_error(header, exc)
+        except Exception as exc:  # a bug must cost one request, never the daemon
+            log.exception("handler for %s failed", Opcode(header.opcode).name)
+            fds = []
+            frame = self.conn.reply_error(header, StorageIOError(f"internal error: {exc}"))
         finally:
             if permit:
                 self._permits.release()
