@@ -11,9 +11,11 @@ extent the file system would answer with zeros), read at random block-aligned of
   replacement, like the backends).
 
 The virtual disk here is bimodal (for tens of seconds it runs at about 1.3 or about 3.5 GB/s), so
-the engines alternate A B C A B C ... for ``--rounds`` rounds of ``--seconds`` each, and the
-ratios to fio are taken round by round; the medians summarise. CPU time per GB is the process
-CPU time (user + system, all threads) of the backend run, and fio's own usr+sys for fio.
+the engines alternate for ``--rounds`` rounds of ``--seconds`` each, and the ratios to fio are
+taken round by round; the medians summarise. The order rotates every round (A B C, B C A,
+C A B, ...), so that no engine always runs after the others drained a burst budget of the disk.
+CPU time per GB is the process CPU time (user + system, all threads) of the backend run, and
+fio's own usr+sys for fio.
 The file is deleted afterwards. Usage::
 
     python tools/bench_io.py [--json] [--size 2M] [--qd 16] [--file-size 2G] [--rounds 6]
@@ -138,14 +140,17 @@ async def bench(args: argparse.Namespace, path: Path) -> list[list[Sample]]:
             uring.register_buffer(view)
             for backend in (uring, threads):  # warm-up: threads spawned, code paths hot
                 await run_backend(backend, fd, slots, file_blocks, 0.5)
-            for _ in range(args.rounds):
-                rounds.append(
-                    [
-                        await run_backend(uring, fd, slots, file_blocks, args.seconds),
-                        await run_backend(threads, fd, slots, file_blocks, args.seconds),
-                        run_fio(path, file_size, block, qd, args.seconds),
-                    ]
-                )
+            for i in range(args.rounds):
+                samples = []
+                for engine in ENGINES[i % 3 :] + ENGINES[: i % 3]:
+                    if engine == "fio":
+                        samples.append(run_fio(path, file_size, block, qd, args.seconds))
+                    else:
+                        backend = uring if engine == "io_uring" else threads
+                        samples.append(
+                            await run_backend(backend, fd, slots, file_blocks, args.seconds)
+                        )
+                rounds.append(samples)
     finally:
         os.close(fd)
         del slots
@@ -156,13 +161,14 @@ async def bench(args: argparse.Namespace, path: Path) -> list[list[Sample]]:
 
 
 def summarise(args: argparse.Namespace, rounds: list[list[Sample]]) -> dict[str, Any]:
-    per_round = []
+    per_round: list[dict[str, Any]] = []
     for i, samples in enumerate(rounds, 1):
         by = {s.engine: s for s in samples}
         fio = by["fio"].gbps
         per_round.append(
             {
                 "round": i,
+                "order": [s.engine for s in samples],
                 "gbps": {e: round(by[e].gbps, 3) for e in ENGINES},
                 "ratio_to_fio": {e: round(by[e].gbps / fio, 3) for e in ENGINES[:2]},
                 "cpu_s_per_gb": {e: round(by[e].cpu_s_per_gb, 4) for e in ENGINES},
@@ -197,21 +203,21 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"`tools/bench_io.py`: {p['block_bytes'] >> 10} KiB random reads at queue depth "
         f"{p['queue_depth']} from a {p['file_bytes'] >> 20} MiB file, engines alternated "
-        f"io_uring, threads, fio for {p['rounds']} rounds of {p['seconds_per_run']} s "
+        f"for {p['rounds']} rounds of {p['seconds_per_run']} s, order rotating "
         "(the disk is bimodal, so compare within a round).",
         "",
-        "| round | io_uring GB/s | threads GB/s | fio GB/s | io_uring/fio | threads/fio |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| round | order | io_uring GB/s | threads GB/s | fio GB/s | io_uring/fio | threads/fio |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in result["rounds"]:
         g, q = r["gbps"], r["ratio_to_fio"]
         lines.append(
-            f"| {r['round']} | {g['io_uring']:.2f} | {g['threads']:.2f} | {g['fio']:.2f} "
-            f"| {q['io_uring']:.2f} | {q['threads']:.2f} |"
+            f"| {r['round']} | {', '.join(r['order'])} | {g['io_uring']:.2f} "
+            f"| {g['threads']:.2f} | {g['fio']:.2f} | {q['io_uring']:.2f} | {q['threads']:.2f} |"
         )
     g, q, c = result["median_gbps"], result["median_ratio_to_fio"], result["median_cpu_s_per_gb"]
     lines += [
-        f"| **median** | {g['io_uring']:.2f} | {g['threads']:.2f} | {g['fio']:.2f} "
+        f"| **median** | | {g['io_uring']:.2f} | {g['threads']:.2f} | {g['fio']:.2f} "
         f"| {q['io_uring']:.2f} | {q['threads']:.2f} |",
         "",
         f"CPU seconds per GB read (median): io_uring {c['io_uring']:.3f}, "
