@@ -138,7 +138,13 @@ class CompletionRing:
         sqe = liburing.io_uring_get_sqe(self._ring)
         if sqe is None:  # impossible while the semaphore bounds requests to the SQ size
             raise StorageIOError("io_uring submission queue is full")
-        prep(sqe)
+        try:
+            prep(sqe)
+        except BaseException:
+            # The SQE is already claimed and will be submitted: never with stale contents.
+            liburing.io_uring_prep_nop(sqe)
+            liburing.io_uring_sqe_set_data64(sqe, 0)
+            raise
         token = next(self._tokens)
         liburing.io_uring_sqe_set_data64(sqe, token)
         waiter = _Waiter(token)

@@ -114,3 +114,17 @@ async def test_close_gives_up_on_a_request_that_never_finishes(
     assert "Errno 125" in str(outcome[0])  # ECANCELED
     assert "cancelling 1 stuck requests" in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_failed_preparation_leaves_the_ring_usable(data_fd: int, arena: memoryview) -> None:
+    async with open_uring_backend(4) as backend:
+        ring = backend._ring
+
+        def broken_prep(sqe: object) -> None:
+            raise TypeError("bad argument")
+
+        with pytest.raises(TypeError, match="bad argument"):
+            await ring.run(broken_prep)
+        assert await backend.writev(data_fd, 0, [arena[:BLOCK]]) == BLOCK
+        assert await backend.readv(data_fd, 0, [arena[BLOCK : 2 * BLOCK]]) == BLOCK
+        assert backend.statistics().in_flight == 0
