@@ -42,7 +42,7 @@ from kvtierd.store.records import PAGE_BYTES, CorruptRecord, RecordHeader, Super
 from kvtierd.store.recovery import RecoveredIndex, load_snapshot, save_snapshot, scan
 from kvtierd.store.segments import DiskSlot, SegmentMap, slot_bytes_for
 from kvtierd.store.staging import StagingPages
-from kvtierd.store.tier import BlockRef, LowerTier, Recovered
+from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError, Recovered
 
 __all__ = ["NvmeTier", "open_nvme_tier"]
 
@@ -129,9 +129,11 @@ class NvmeTier(LowerTier):
                 async with self._pages.page() as page:
                     page[:] = header.pack()
                     await self._backend.writev(self._fd, slot.offset, [page, body])
-            except BaseException:
+            except BaseException as exc:
                 # Whatever part of the record reached the medium fails its checksums.
                 self._segmap.free(slot)
+                if isinstance(exc, NoSpaceError):
+                    raise MediumFullError(f"{self.path}: the file system is full") from exc
                 raise
         finally:
             if bounce is not None:
@@ -239,10 +241,13 @@ class NvmeTier(LowerTier):
             header = self._segmap.plan_segment(slot_bytes)
             if header is None:
                 raise NoSpaceError(f"NVMe tier has no free {slot_bytes}-byte slot")
-            async with self._pages.page() as page:
-                page[:] = header.pack()
-                await self._backend.writev(self._fd, header.start, [page])
-            await self._backend.fdatasync(self._fd)
+            try:
+                async with self._pages.page() as page:
+                    page[:] = header.pack()
+                    await self._backend.writev(self._fd, header.start, [page])
+                await self._backend.fdatasync(self._fd)
+            except NoSpaceError as exc:
+                raise MediumFullError(f"{self.path}: the file system is full") from exc
             self._segmap.add_segment(header)
         slot = self._segmap.allocate(slot_bytes)
         assert slot is not None

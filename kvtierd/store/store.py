@@ -32,7 +32,7 @@ from kvtierd.store.namespaces import Namespace, NamespaceRegistry
 from kvtierd.store.policy import AccessContext, CachePolicy, ServedBy
 from kvtierd.store.records import checksum
 from kvtierd.store.slots import Slot, SlotAllocator
-from kvtierd.store.tier import BlockRef, LowerTier
+from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError
 from kvtierd.store.writeback import WriteBack
 
 __all__ = ["BlockStore"]
@@ -368,6 +368,8 @@ class BlockStore:
         while True:
             try:
                 return await self.lower.store(block.ref, view)
+            except MediumFullError:
+                raise  # evicting would only throw durable blocks away; FSYNC reports it
             except NoSpaceError:
                 if not await self._evict_lower(self.lower.slot_class(block.ref)):
                     raise

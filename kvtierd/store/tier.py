@@ -12,10 +12,17 @@ import abc
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from kvtierd.errors import NoSpaceError
 from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.policy import ServedBy
 
-__all__ = ["BlockRef", "LowerTier", "Recovered"]
+__all__ = ["BlockRef", "LowerTier", "MediumFullError", "Recovered"]
+
+
+class MediumFullError(NoSpaceError):
+    """The medium itself ran out of space (a sparse data file on a full file system), as
+    opposed to a full size class: evicting blocks of the class would not make room, it would only
+    throw away durable blocks. On the wire it is ``ENOSPC`` like any :class:`NoSpaceError`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +65,8 @@ class LowerTier(abc.ABC):
         multiple of 4 KiB). Returns its location.
 
         Raises :class:`~kvtierd.errors.NoSpaceError` when the class is full (evict, then
-        retry) and :class:`~kvtierd.errors.StorageIOError` when the medium fails.
+        retry), :class:`MediumFullError` when the medium has no room left (do not evict), and
+        :class:`~kvtierd.errors.StorageIOError` when the medium fails.
         """
 
     @abc.abstractmethod
