@@ -346,6 +346,9 @@ async def open_nvme_tier(
         )
         yield tier
         await tier.sync()  # the snapshot may only name records that are durable
-        tier.save_snapshot()
+        try:
+            tier.save_snapshot()
+        except OSError as exc:  # only a shortcut: the next start scans the headers instead
+            log.warning("cannot write the index snapshot for %s: %s", path, exc)
     finally:
         os.close(fd)

@@ -105,7 +105,8 @@ def load_snapshot(directory: Path, segmap: SegmentMap) -> RecoveredIndex | None:
 def save_snapshot(
     directory: Path, segmap: SegmentMap, records: dict[DiskSlot, RecordHeader]
 ) -> None:
-    """Write the snapshot atomically and durably."""
+    """Write the snapshot atomically and durably; raises ``OSError`` (leaving no file) when
+    it cannot."""
     snap = _Snapshot(
         segmap.file_id,
         segmap.file_bytes,
@@ -126,10 +127,14 @@ def save_snapshot(
         ],
     )
     tmp = directory / (SNAPSHOT_NAME + ".tmp")
-    with open(tmp, "wb") as out:
-        out.write(msgspec.msgpack.encode(snap))
-        out.flush()
-        os.fsync(out.fileno())
+    try:
+        with open(tmp, "wb") as out:
+            out.write(msgspec.msgpack.encode(snap))
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep a half-written file
+        raise
     os.replace(tmp, directory / SNAPSHOT_NAME)
     _fsync_dir(directory)
 
