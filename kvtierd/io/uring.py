@@ -194,7 +194,8 @@ async def open_uring_backend(
         raise ValueError(f"fixed_chunk_bytes must be in 1..{MAX_FIXED_CHUNK_BYTES}")
     try:
         fixed_opcodes = _fixed_opcodes_supported()
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # liburing reports a refused io_uring_setup (seccomp,
+        # io_uring_disabled) as RuntimeError; either way the caller may fall back to threads
         raise StorageIOError(f"io_uring probe failed: {exc}") from exc
     async with open_completion_ring(queue_depth, drain_timeout_s=drain_timeout_s) as ring:
         await ring.probe(PROBE_TIMEOUT_S)

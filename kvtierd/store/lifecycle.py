@@ -19,7 +19,9 @@ from pathlib import Path
 import anyio
 
 from kvtierd.config import Config, PolicyKind
+from kvtierd.errors import StorageIOError
 from kvtierd.io import open_io_backend
+from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES as FIXED_BUFFER_BYTES
 from kvtierd.store.arena import Arena
 from kvtierd.store.namespaces import NamespaceRegistry
 from kvtierd.store.nvme import open_nvme_tier
@@ -59,7 +61,10 @@ async def open_store(config: Config) -> AsyncIterator[BlockStore]:
             backend = await stack.enter_async_context(
                 open_io_backend(config.nvme.io_backend, queue_depth=config.nvme.queue_depth)
             )
-            backend.register_buffer(arena.view)
+            try:
+                backend.register_buffer(arena.view)
+            except StorageIOError as exc:  # still correct without fixed buffers, only dearer
+                log.warning("arena not registered as io_uring fixed buffers: %s", exc)
             pages = StagingPages(arena.view[: staging_count * PAGE_BYTES], staging_count)
             tier = None
             if config.nvme.size:
@@ -74,7 +79,9 @@ async def open_store(config: Config) -> AsyncIterator[BlockStore]:
                     )
                 )
             staging_bytes = staging_count * PAGE_BYTES
-            allocator = SlotAllocator(staging_bytes, arena.size_bytes - staging_bytes)
+            allocator = SlotAllocator(
+                staging_bytes, arena.size_bytes - staging_bytes, boundary=FIXED_BUFFER_BYTES
+            )
             registry = NamespaceRegistry(data_dir / "namespaces.catalog", config.tenants)
             store = BlockStore(
                 arena,

@@ -34,12 +34,17 @@ class Slot:
 class SlotAllocator:
     """Allocate ``align``-aligned slots in ``[base, base + capacity)``."""
 
-    def __init__(self, base: int, capacity: int, align: int = 4096) -> None:
+    def __init__(
+        self, base: int, capacity: int, align: int = 4096, boundary: int | None = None
+    ) -> None:
+        """``boundary``: carve no slot across a multiple of it (io_uring registers the arena in
+        1 GiB fixed buffers, and an I/O that spans two of them cannot use the fixed path)."""
         if base % align or capacity < 0:
             raise ValueError("base must be aligned and capacity non-negative")
         self.base = base
         self.capacity = capacity - capacity % align
         self.align = align
+        self.boundary = boundary
         self._tail = base
         self._offsets: list[int] = []
         self._sizes: list[int] = []
@@ -67,7 +72,10 @@ class SlotAllocator:
         size = self.size_class(nbytes)
         index = self._pop_free(size)
         if index is None:
-            index = self._carve(size) if self._tail + size <= self.base + self.capacity else None
+            start = self._carve_start(size)
+            if start + size <= self.base + self.capacity:
+                self._tail = start
+                index = self._carve(size)
         if index is None:
             index = self._merge(size)
         if index is None:
@@ -97,6 +105,14 @@ class SlotAllocator:
 
     def _ref(self, index: int) -> Slot:
         return Slot(index, self._offsets[index], self._sizes[index], self._generations[index])
+
+    def _carve_start(self, size: int) -> int:
+        start = self._tail
+        if self.boundary and size <= self.boundary:
+            edge = (start // self.boundary + 1) * self.boundary
+            if start + size > edge:
+                start = edge  # the gap before the edge stays unused
+        return start
 
     def _pop_free(self, size: int) -> int | None:
         bucket = self._free.get(size)

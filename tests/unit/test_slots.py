@@ -72,3 +72,11 @@ def test_full_region_returns_none_then_merges_free_neighbours() -> None:
     assert merged is not None
     assert merged.offset == 0
     assert merged.size == 8192
+
+
+def test_no_slot_crosses_a_boundary() -> None:
+    alloc = SlotAllocator(4096, 1 << 20, boundary=1 << 18)
+    slots = [alloc.allocate(100_000) for _ in range(8)]
+    for slot in slots:
+        if slot is not None:
+            assert slot.offset // (1 << 18) == (slot.offset + slot.size - 1) // (1 << 18)
