@@ -87,7 +87,8 @@ class LocalProtocolError(KvtierError):
 
 
 class BusyError(KvtierError):
-    """A limit was reached (connections, in-flight requests, a leased block) (``EBUSY``)."""
+    """A limit was reached: too many connections, or the data directory or socket is in use
+    by another daemon (``EBUSY``). In-flight request limits apply back-pressure instead."""
 
     errno = errno.EBUSY
 

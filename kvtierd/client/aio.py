@@ -94,17 +94,21 @@ class AsyncClient:
         if self._broken is not None:
             raise self._broken
         waiter = _Waiter()
-        async with self._send_lock:
-            unique, frame = self._conn.request(message, ns)
-            self._waiters[unique] = waiter
-            try:
-                await self._stream.send(frame)
-            except (anyio.BrokenResourceError, OSError) as exc:
-                raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
         try:
+            async with self._send_lock:
+                unique, frame = self._conn.request(message, ns)
+                self._waiters[unique] = waiter
+                try:
+                    await self._stream.send(frame)
+                except (anyio.BrokenResourceError, OSError) as exc:
+                    raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
             await waiter.done.wait()
         except BaseException:
+            # Cancelled while sending or waiting: whatever the daemon grants (a lease, an
+            # allocation) must still be given back, now if the reply is here, else on arrival.
             waiter.abandoned = True
+            if waiter.event is not None:
+                self._clean_up(waiter.event)
             raise
         if waiter.event is None:
             raise self._broken or BrokenConnectionError("connection closed")

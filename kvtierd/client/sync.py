@@ -68,10 +68,18 @@ class Client:
         try:
             self._sock.sendall(frame)
             return message_of(self._receive(unique))
-        except TimeoutError as exc:
-            raise TimedOutError("the daemon did not answer in time") from exc
-        except OSError as exc:
-            raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+        except KvtierError:
+            raise
+        except BaseException as exc:
+            # Interrupted between request and reply (timeout, Ctrl-C, a dead daemon): the reply
+            # may grant a lease nobody will release, so drop the connection; the daemon then
+            # releases everything this client held.
+            self._sock.close()
+            if isinstance(exc, TimeoutError):
+                raise TimedOutError("the daemon did not answer in time") from exc
+            if isinstance(exc, OSError):
+                raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+            raise
 
     def _send_only(self, message: Message, ns: int) -> None:
         _, frame = self._conn.request(message, ns)

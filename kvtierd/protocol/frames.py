@@ -22,6 +22,7 @@ __all__ = [
     "HEADER_BYTES",
     "MAX_KEYS_PER_REQUEST",
     "MIN_MAX_FRAME_BYTES",
+    "PROTOCOL_MINOR",
     "PROTOCOL_VERSION",
     "REPLY_MAGIC",
     "REQUEST_MAGIC",
@@ -34,6 +35,8 @@ __all__ = [
 REQUEST_MAGIC = b"KVTQ"
 REPLY_MAGIC = b"KVTR"
 PROTOCOL_VERSION = 1
+#: Raised whenever a field is appended to a body (minor 1: ``OpenNsRequest.create``).
+PROTOCOL_MINOR = 1
 HEADER_BYTES = 32
 #: A frame may never be larger than this unless INIT negotiated otherwise.
 DEFAULT_MAX_FRAME_BYTES = 1 << 20

@@ -16,8 +16,9 @@ import anyio
 
 from kvtierd import __version__
 from kvtierd.errors import AccessDeniedError, InvalidRequestError
-from kvtierd.protocol import MAX_KEYS_PER_REQUEST, Opcode, RequestHeader
-from kvtierd.protocol.frames import MIN_MAX_FRAME_BYTES
+from kvtierd.keys import MAX_KEY_BYTES
+from kvtierd.protocol import MAX_KEYS_PER_REQUEST, PROTOCOL_VERSION, Opcode, RequestHeader
+from kvtierd.protocol.frames import MIN_MAX_FRAME_BYTES, PROTOCOL_MINOR
 from kvtierd.protocol.messages import (
     AllocReply,
     AllocRequest,
@@ -68,19 +69,24 @@ def _require_admin(session: Session, what: str) -> None:
 
 
 async def init(session: Session, header: RequestHeader, msg: InitRequest) -> Message:
-    if msg.major != 1:
-        raise InvalidRequestError(f"protocol major version {msg.major} is not supported (1)")
+    if msg.major != PROTOCOL_VERSION:
+        session.closing = True  # a refused INIT ends the connection after its error reply
+        raise InvalidRequestError(
+            f"protocol major version {msg.major} is not supported ({PROTOCOL_VERSION})"
+        )
     # int(): the daemon's own limit is a config ByteSize, which msgspec cannot encode
     limit = int(max(MIN_MAX_FRAME_BYTES, min(msg.max_frame_bytes, session.conn.max_frame_bytes)))
     session.conn.negotiate(limit)
     session.owner.name = msg.client_name
     session.attach_fd = session.daemon.store.arena.fd
+    # Bound the key count so that a request of max_keys maximal keys fits in a frame.
+    max_keys = min(MAX_KEYS_PER_REQUEST, (limit - 64) // (MAX_KEY_BYTES + 3))
     return InitReply(
-        1,
-        0,
+        PROTOCOL_VERSION,
+        PROTOCOL_MINOR,
         limit,
         session.daemon.config.daemon.max_inflight,
-        MAX_KEYS_PER_REQUEST,
+        max_keys,
         session.daemon.store.arena.size_bytes,
         __version__,
     )

@@ -1,0 +1,57 @@
+"""Cancelled async calls and interrupted sync calls never leave leases behind."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+
+from kvtierd.client import TimedOutError, chain_keys, connect, connect_async
+from kvtierd.testing import DaemonProcess
+
+BLOCK = 64 << 10
+
+
+@pytest.mark.anyio
+async def test_cancelled_gets_release_their_leases(daemon: DaemonProcess) -> None:
+    rng = random.Random(5)
+    async with connect_async(daemon.socket) as client:
+        ns = await client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 8), 16, ns.key_salt)
+        await ns.put(keys, [np.full(BLOCK, 3, np.uint8)] * 8)
+        for _ in range(200):
+            with anyio.move_on_after(rng.uniform(0, 0.002)):
+                async with ns.get(keys):
+                    await anyio.lowlevel.checkpoint()
+        await ns.lookup(keys)  # the janitor's releases are ahead of this on the connection
+        for _ in range(100):
+            if (await client.stats())["leases"] == 0:
+                break
+            await anyio.sleep(0.01)
+        assert (await client.stats())["leases"] == 0
+
+
+def test_a_timed_out_sync_call_drops_the_connection_and_its_leases(daemon: DaemonProcess) -> None:
+    assert daemon.process is not None
+    with connect(daemon.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 4), 16, ns.key_salt)
+        ns.put(keys, [np.zeros(BLOCK, np.uint8)] * 4)
+        client._sock.settimeout(0.3)
+        daemon.process.send_signal(signal.SIGSTOP)  # the READ's reply will come too late
+        try:
+            with pytest.raises(TimedOutError):
+                ns.get(keys).__enter__()
+        finally:
+            daemon.process.send_signal(signal.SIGCONT)
+    with connect(daemon.socket) as observer:
+        for _ in range(100):
+            if observer.stats()["leases"] == 0:
+                break
+            time.sleep(0.01)
+        assert observer.stats()["leases"] == 0
