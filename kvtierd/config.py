@@ -76,6 +76,7 @@ class TriState(enum.StrEnum):
 
 class PolicyKind(enum.StrEnum):
     LRU = "lru"
+    SLSAP = "slsap"
 
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -112,7 +113,10 @@ class DramConfig(_Section):
     hugepages: TriState = TriState.AUTO
     mlock: TriState = TriState.AUTO
     prefault: bool = True
-    policy: PolicyKind = PolicyKind.LRU
+    policy: PolicyKind = PolicyKind.SLSAP
+    #: Background promotions (HINT queues, reuse candidates) stay within this many bytes per
+    #: second, and reuse promotions run only while no demand read waits on the disk. 0: none.
+    prefetch_bytes_per_s: ByteSize = ByteSize(512 << 20)
 
     def __post_init__(self) -> None:
         if self.size < 16 << 20:

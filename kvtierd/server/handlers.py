@@ -165,11 +165,7 @@ async def fsync(session: Session, header: RequestHeader, msg: Message) -> Messag
 async def hint(session: Session, header: RequestHeader, msg: HintRequest) -> Message:
     ns = _namespace(session, header)
     store = session.daemon.store
-    planned = 0
-    for keys in msg.queue:
-        hits, _ = store.lookup(ns, keys, promote=False)
-        planned += store.prefetch(store.index.leading_present(ns, keys[:hits]))
-    return HintReply(planned)
+    return HintReply(store.prefetch(store.prefetcher.plan_queue(ns, msg.queue)))
 
 
 async def statfs(session: Session, header: RequestHeader, msg: Message) -> Message:

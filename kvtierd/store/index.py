@@ -12,7 +12,9 @@ An :class:`Owner` is one client connection: its leases and its uncommitted write
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import cast
 
 import anyio
 
@@ -34,6 +36,11 @@ class Block:
     loading: anyio.Event | None = None
     forgotten: bool = False
     prefetched: bool = False
+    id: tuple[bytes, bytes] = field(init=False)
+    """``(namespace digest, key)``: what policies know the block by."""
+
+    def __post_init__(self) -> None:
+        self.id = (self.ns.digest, self.ref.key)
 
     @property
     def key(self) -> bytes:
@@ -87,6 +94,10 @@ class BlockIndex:
 
     def get(self, ns: Namespace, key: bytes) -> Block | None:
         return self._blocks.get((ns.digest, key))
+
+    def by_id(self, block_id: Hashable) -> Block | None:
+        """The block a policy knows by ``block_id`` (see ``Block.id``), if it is stored."""
+        return self._blocks.get(cast(tuple[bytes, bytes], block_id))
 
     def add(self, block: Block) -> None:
         self._blocks[(block.ns.digest, block.key)] = block

@@ -22,6 +22,7 @@ from kvtierd.config import Config, PolicyKind
 from kvtierd.errors import StorageIOError
 from kvtierd.io import open_io_backend
 from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES as FIXED_BUFFER_BYTES
+from kvtierd.slsap.policy import SlsapPolicy
 from kvtierd.store.arena import Arena
 from kvtierd.store.namespaces import NamespaceRegistry
 from kvtierd.store.nvme import open_nvme_tier
@@ -38,7 +39,10 @@ log = logging.getLogger("kvtierd.store")
 
 def make_policy(kind: PolicyKind) -> CachePolicy:
     """The one place a policy is chosen by name."""
-    policies: dict[PolicyKind, type[CachePolicy]] = {PolicyKind.LRU: LruPolicy}
+    policies: dict[PolicyKind, type[CachePolicy]] = {
+        PolicyKind.LRU: LruPolicy,
+        PolicyKind.SLSAP: SlsapPolicy,
+    }
     return policies[kind]()
 
 
@@ -91,6 +95,7 @@ async def open_store(config: Config) -> AsyncIterator[BlockStore]:
                 tier,
                 make_policy(config.nvme.policy),
                 writeback_workers=config.nvme.writeback_concurrency,
+                prefetch_bytes_per_s=config.dram.prefetch_bytes_per_s,
             )
             store.io_backend = backend
             adopted = store.adopt_recovered()
@@ -100,6 +105,6 @@ async def open_store(config: Config) -> AsyncIterator[BlockStore]:
                 try:
                     yield store
                 finally:
-                    store.writeback.close()
+                    store.stop_background()
     finally:
         arena.close()

@@ -30,9 +30,11 @@ from kvtierd.store.arena import Arena
 from kvtierd.store.index import Block, BlockIndex, Lease, Owner, PendingWrite
 from kvtierd.store.namespaces import Namespace, NamespaceRegistry
 from kvtierd.store.policy import AccessContext, CachePolicy, ServedBy
+from kvtierd.store.prefetch import Prefetcher
 from kvtierd.store.records import checksum
 from kvtierd.store.slots import Slot, SlotAllocator
 from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError
+from kvtierd.store.tracking import TierPolicy
 from kvtierd.store.writeback import WriteBack
 
 __all__ = ["BlockStore"]
@@ -56,14 +58,17 @@ class BlockStore:
         *,
         writeback_workers: int = 16,
         alloc_wait_s: float = 10.0,
+        prefetch_bytes_per_s: int = 0,
     ) -> None:
         self.arena = arena
         self.allocator = allocator
         self.registry = registry
         self.index = BlockIndex()
-        self.dram_policy = dram_policy
+        self.dram_policy = TierPolicy(dram_policy, self.index)
         self.lower = lower
-        self.lower_policy = lower_policy
+        self.lower_policy = TierPolicy(lower_policy, self.index)
+        self.prefetcher = Prefetcher(self, prefetch_bytes_per_s)
+        self.demand_promotions = 0
         self.writeback = WriteBack(self._write_back, writeback_workers)
         self.alloc_wait_s = alloc_wait_s
         self._tg: TaskGroup | None = None
@@ -94,6 +99,12 @@ class BlockStore:
     def start(self, tg: TaskGroup) -> None:
         self._tg = tg
         self.writeback.start(tg)
+        tg.start_soon(self.prefetcher.run)
+
+    def stop_background(self) -> None:
+        """Closing: finish the write-back queue, stop promoting."""
+        self.writeback.close()
+        self.prefetcher.stop()
 
     def adopt_recovered(self) -> int:
         """Index the blocks the lower tier found at start-up."""
@@ -119,6 +130,7 @@ class BlockStore:
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True
     ) -> tuple[int, bytes]:
         """Hits for ``ns``'s whole TP group, and the tier of each hit of ``ns``'s own share."""
+        self.prefetcher.on_lookup(ns, keys)
         own = self.index.leading_present(ns, keys)
         hits = len(own)
         if ns.spec.world_size > 1:
@@ -167,14 +179,19 @@ class BlockStore:
             missing = [b for b in blocks if not b.resident]
             self.counters["dram_hits"] += len(blocks) - len(missing)
             if missing:  # DRAM hits need no task: the common case stays cheap
-                await self._make_all_resident(missing)
+                self.demand_promotions += 1
+                try:
+                    await self._make_all_resident(missing)
+                finally:
+                    self.demand_promotions -= 1
         except BaseException:
             for block in blocks:
                 self._unpin(block)
             raise
         now = time.monotonic()
+        request_id = self.prefetcher.request_for_read(ns, keys)
         for position, block in enumerate(blocks):
-            self._note_read(block, now, position)
+            self._note_read(block, now, AccessContext(request_id, position=position))
         lease = Lease(Owner.next_id(), blocks)
         owner.leases[lease.id] = lease
         return lease
@@ -200,12 +217,12 @@ class BlockStore:
         if block.forgotten and block.pins == 0 and block.dram is not None:
             self._drop_dram(block)
 
-    def _note_read(self, block: Block, now: float, position: int) -> None:
+    def _note_read(self, block: Block, now: float, context: AccessContext) -> None:
         if block.prefetched:
             block.prefetched = False
             self.counters["prefetch_used"] += 1
         self.counters["bytes_read"] += block.ref.raw_bytes
-        self.dram_policy.accessed(block, now, AccessContext(position=position))
+        self.dram_policy.accessed(block, now, context)
 
     def release(self, owner: Owner, lease_ids: list[int]) -> int:
         released = 0
@@ -408,8 +425,7 @@ class BlockStore:
         self.counters["dram_evictions"] += len(victims)
         return len(victims)
 
-    def _dram_evictable(self, block: Hashable) -> bool:
-        assert isinstance(block, Block)
+    def _dram_evictable(self, block: Block) -> bool:
         return block.dram is not None and block.pins == 0 and not block.dirty
 
     def _drop_dram(self, block: Block) -> None:
@@ -438,8 +454,7 @@ class BlockStore:
         assert self.lower is not None
         lower = self.lower
 
-        def same_class(candidate: Hashable) -> bool:
-            assert isinstance(candidate, Block)
+        def same_class(candidate: Block) -> bool:
             return (
                 candidate.lower is not None
                 and candidate.loading is None
@@ -448,7 +463,6 @@ class BlockStore:
 
         victims = self.lower_policy.victims(_EVICT_BATCH, same_class)
         for victim in victims:
-            assert isinstance(victim, Block)
             if not same_class(victim):  # dropped or being promoted since it was chosen
                 continue
             await self._drop_lower(victim)
@@ -483,13 +497,11 @@ class BlockStore:
             if not victims:
                 return None
             for victim in victims:
-                assert isinstance(victim, Block)
                 self._drop_dram(victim)
                 self.counters["dram_evictions"] += 1
             slot = self.allocator.allocate(nbytes)
         return slot
 
 
-def _slot_size(block: Hashable) -> int:
-    assert isinstance(block, Block)
+def _slot_size(block: Block) -> int:
     return block.dram.size if block.dram is not None else -1

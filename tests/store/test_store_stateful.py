@@ -106,7 +106,7 @@ class StoreMachine(RuleBasedStateMachine):
     def _release_held(self) -> None:
         if self.held:
             ids = [lease.id for lease, _ in self.held]
-            assert self.store.release(self.owner, ids) == len(ids)
+            assert self.portal.call(self.store.release, self.owner, ids) == len(ids)
             self.held.clear()
 
     def _call(self, func: Any, *args: Any) -> Any:
@@ -150,7 +150,7 @@ class StoreMachine(RuleBasedStateMachine):
         if abort:
             assert self._call(self.store.commit, other, write.id, [], True) == 0
         else:
-            self.store.drop_owner(other)
+            self.portal.call(self.store.drop_owner, other)
         assert not other.writes
 
     @rule(key=st.sampled_from(KEYS))
@@ -163,12 +163,13 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             assert _bytes_of(self.store, lease.blocks[0]) == content(key)
         finally:
-            assert self.store.release(self.owner, [lease.id]) == 1
+            assert self.portal.call(self.store.release, self.owner, [lease.id]) == 1
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True))
     def lookup(self, keys: list[bytes]) -> None:
         """LOOKUP starts promoting the hits in the background; later rules race with it."""
-        hits, _ = self.store.lookup(self.ns, keys)
+        # Store methods run on the loop's thread: the background promotions they start do too.
+        hits, _ = self.portal.call(lambda: self.store.lookup(self.ns, keys))
         expected = 0
         for key in keys:
             if key not in self.present:
@@ -186,7 +187,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule()
     def evict_dram(self) -> None:
-        self.store.evict_dram(self.ns)
+        self.portal.call(self.store.evict_dram, self.ns)
 
     @rule()
     def fsync(self) -> None:
@@ -205,7 +206,7 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.held))
     @rule()
     def evict_while_leased(self) -> None:
-        self.store.evict_dram(None)
+        self.portal.call(self.store.evict_dram, None)
         for lease, key in self.held:
             assert lease.blocks[0].dram is not None
             assert _bytes_of(self.store, lease.blocks[0]) == content(key)
@@ -232,7 +233,7 @@ class StoreMachine(RuleBasedStateMachine):
             try:
                 assert _bytes_of(self.store, lease.blocks[0]) == content(key)
             finally:
-                self.store.release(self.owner, [lease.id])
+                self.portal.call(self.store.release, self.owner, [lease.id])
         self.present = set(found)
         self.durable = set(found)
         self.changed = set()

@@ -1,0 +1,132 @@
+"""Prefetch in the daemon: telemetry to the reuse model, and promotions planned under a budget.
+
+The store calls :meth:`Prefetcher.on_lookup` for every LOOKUP: the request's whole key chain
+goes to the policies that observe requests (the SLSAP reuse model learns from hits and misses
+alike), and the request gets an id that the READ of the same prefix reuses, so one request is
+counted once. HINT's queue goes through the pure :class:`~kvtierd.slsap.planner.PrefetchPlanner`:
+requests earliest first, each head first, within ``bandwidth_bytes_s`` for the next second.
+
+While no demand promotion is running, :meth:`Prefetcher.run` asks the DRAM policy for blocks it
+expects to be read again soon (ghosts denser than its weakest resident) and promotes those that
+the NVMe tier holds, at most ``bandwidth_bytes_s`` per second: demand reads always go first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+
+from kvtierd.slsap.planner import PrefetchPlanner, QueuedRequest
+from kvtierd.store.index import Block
+from kvtierd.store.namespaces import Namespace
+
+if TYPE_CHECKING:
+    from kvtierd.store.store import BlockStore
+
+__all__ = ["Prefetcher"]
+
+_RECENT_LOOKUPS = 4096
+_TICK_S = 0.1
+#: A HINT's queued requests are assumed to start this far apart (the engine gives no times).
+_QUEUE_SPACING_S = 0.05
+
+
+class Prefetcher:
+    """Owned by the store; ``run`` is started in the store's task group."""
+
+    def __init__(self, store: BlockStore, bandwidth_bytes_s: int) -> None:
+        self._store = store
+        self.bandwidth_bytes_s = bandwidth_bytes_s
+        self._ids = itertools.count(1)
+        self._recent: OrderedDict[Hashable, int] = OrderedDict()
+        self._planners: dict[int, PrefetchPlanner] = {}
+        self._scope: anyio.CancelScope | None = None
+        self._stopped = False
+
+    def on_lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Report a LOOKUP's chain to the policies; returns the request id for its READ."""
+        request_id = next(self._ids)
+        store = self._store
+        if not keys or not (
+            store.dram_policy.observes_requests or store.lower_policy.observes_requests
+        ):
+            return request_id
+        ids = [(ns.digest, key) for key in keys]
+        now = time.monotonic()
+        for policy in (self._store.dram_policy, self._store.lower_policy):
+            policy.observe_request(ids, now, request_id)
+        self._recent[ids[0]] = request_id
+        if len(self._recent) > _RECENT_LOOKUPS:
+            self._recent.popitem(last=False)
+        return request_id
+
+    def request_for_read(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """The id of the LOOKUP that named this prefix, or -1 (a READ without a LOOKUP)."""
+        return self._recent.pop((ns.digest, keys[0]), -1) if keys else -1
+
+    def plan_queue(self, ns: Namespace, queue: Sequence[Sequence[bytes]]) -> list[Block]:
+        """The blocks to promote for an engine's queue (HINT), in the order to promote them."""
+        store = self._store
+        planner = self._planners.setdefault(
+            ns.spec.block_bytes, PrefetchPlanner(ns.spec.block_bytes)
+        )
+        now = time.monotonic()
+        queued = [
+            QueuedRequest(
+                self.on_lookup(ns, keys), [(ns.digest, k) for k in keys], now + i * _QUEUE_SPACING_S
+            )
+            for i, keys in enumerate(queue)
+        ]
+        plan = planner.plan(
+            now,
+            queued,
+            budget_bytes_per_s=self.bandwidth_bytes_s or float("inf"),
+            horizon_s=1.0,
+            in_dram=self._in_dram,
+            in_lower_tier=self._in_lower,
+        )
+        blocks = (store.index.by_id(p.block) for p in plan.promotions)
+        return [b for b in blocks if b is not None]
+
+    def _in_dram(self, block_id: Hashable) -> bool:
+        block = self._store.index.by_id(block_id)
+        return block is not None and block.resident
+
+    def _in_lower(self, block_id: Hashable) -> bool:
+        block = self._store.index.by_id(block_id)
+        return block is not None and block.lower is not None
+
+    async def run(self) -> None:
+        """Promote reuse candidates while the disk is idle, until cancelled."""
+        if not self.bandwidth_bytes_s or self._store.lower is None or self._stopped:
+            return
+        with anyio.CancelScope() as self._scope:
+            await self._promote_reuse_forever()
+
+    def stop(self) -> None:
+        """End :meth:`run` (the store is closing)."""
+        self._stopped = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _promote_reuse_forever(self) -> None:
+        while True:
+            await anyio.sleep(_TICK_S)
+            if self._store.demand_promotions:
+                continue
+            budget = self.bandwidth_bytes_s * _TICK_S
+            chosen: list[Block] = []
+            for block_id in self._store.dram_policy.candidates(64):
+                block = self._store.index.by_id(block_id)
+                if block is None or block.resident or block.lower is None:
+                    continue
+                if budget < block.ref.raw_bytes:
+                    break
+                budget -= block.ref.raw_bytes
+                chosen.append(block)
+            self._store.prefetch(chosen)

@@ -1,0 +1,74 @@
+"""The store's side of a cache policy: blocks in, block ids out, and back.
+
+Policies key their state by a block id, ``(namespace digest, key)``, not by the store's
+:class:`~kvtierd.store.index.Block` objects: an id exists before a block is stored and after it
+is evicted, which is what lets a reuse model keep ghosts and learn from misses. This adapter
+translates between the two so the store can speak in blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol, runtime_checkable
+
+from kvtierd.store.index import Block, BlockIndex
+from kvtierd.store.policy import AccessContext, CachePolicy
+
+__all__ = ["RequestObserver", "ReuseCandidates", "TierPolicy"]
+
+
+@runtime_checkable
+class RequestObserver(Protocol):
+    """A policy that wants each LOOKUP's whole key chain, hits and misses, in prefix order."""
+
+    def observe_request(
+        self, blocks: Sequence[Hashable], now: float = 0.0, request_id: int = -1
+    ) -> None: ...
+
+
+@runtime_checkable
+class ReuseCandidates(Protocol):
+    """A policy that can name blocks worth promoting while the disk is idle."""
+
+    def promotion_candidates(self, limit: int) -> list[Hashable]: ...
+
+
+class TierPolicy:
+    """A :class:`CachePolicy` seen through :class:`Block` objects."""
+
+    def __init__(self, policy: CachePolicy, index: BlockIndex) -> None:
+        self.policy = policy
+        self._index = index
+
+    @property
+    def observes_requests(self) -> bool:
+        return isinstance(self.policy, RequestObserver)
+
+    def observe_request(self, ids: Sequence[Hashable], now: float, request_id: int) -> None:
+        if isinstance(self.policy, RequestObserver):
+            self.policy.observe_request(ids, now, request_id)
+
+    def candidates(self, limit: int) -> list[Hashable]:
+        if isinstance(self.policy, ReuseCandidates):
+            return self.policy.promotion_candidates(limit)
+        return []
+
+    def inserted(self, block: Block, now: float, context: AccessContext | None = None) -> None:
+        self.policy.inserted(block.id, now, context)
+
+    def accessed(self, block: Block, now: float, context: AccessContext | None = None) -> None:
+        self.policy.accessed(block.id, now, context)
+
+    def removed(self, block: Block) -> None:
+        self.policy.removed(block.id)
+
+    def victims(self, count: int, evictable: Callable[[Block], bool]) -> list[Block]:
+        def by_id(block_id: Hashable) -> bool:
+            block = self._index.by_id(block_id)
+            return block is not None and evictable(block)
+
+        found = (self._index.by_id(i) for i in self.policy.victims(count, by_id))
+        return [b for b in found if b is not None]
+
+    def __len__(self) -> int:
+        return len(self.policy)
