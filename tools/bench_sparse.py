@@ -4,8 +4,9 @@
 
 Synthetic summaries, one group (one layer, one KV head, head_dim 64, a GQA group of 3 query
 heads): the cost of a real model is this times its (layer, KV head) groups, for both sides. A
-block's box has a centre drawn from a 64-dimensional Gaussian with a few heavy dimensions (as
-real keys have) and half-widths around 0.5; queries are Gaussian. The budget is fixed at 128
+block's box is centred near one of 1,024 random "topics" (64-dimensional Gaussians with a few
+heavy dimensions, as real keys have), with half-widths around 0.5; each query's heads sit near
+one topic, so the right answer is a few hundred blocks out of many. The budget is fixed at 128
 blocks (2K tokens of 16-token blocks), because an engine's HBM budget does not grow with the
 context: that is what makes sub-linear selection possible at all.
 
@@ -19,44 +20,86 @@ scan's, the build time, and the index's memory. Records section ``sparse_scaling
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+# One BLAS thread: the machines are shared, and BLAS threads waiting on busy cores make the
+# full scan's timings erratic (both sides then use one core).
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
+import benchlib  # noqa: E402
 
-from kvtierd.slsap.sparse import SparseConfig, SparseIndex
+from kvtierd.slsap.sparse import (  # noqa: E402
+    BlockLayout,
+    SparseConfig,
+    SparseIndex,
+    summarize_block,
+    summarize_keys,
+)
+from kvtierd.slsap.sparse.scoring import box_log_mass, group_mass  # noqa: E402
 
-DIM, Q_HEADS, BUDGET = 64, 3, 128
+DIM, Q_HEADS, BUDGET, TOPICS = 64, 3, 128, 1024
 
 
-def synthetic_boxes(n: int, rng: np.random.Generator) -> np.ndarray:
-    """``[n, 1, 1, 3, DIM]`` float16 stacked boxes (min, max, mean)."""
+def _topics(rng: np.random.Generator) -> np.ndarray:
     scale = np.ones(DIM, dtype=np.float32)
     scale[:4] = 4.0  # a few heavy dimensions, as post-RoPE keys have
-    out = np.empty((n, 1, 1, 3, DIM), dtype=np.float16)
-    for lo in range(0, n, 65536):
-        m = min(n, lo + 65536) - lo
-        centre = rng.standard_normal((m, DIM), dtype=np.float32) * scale
-        half = np.abs(rng.normal(0.5, 0.2, (m, DIM))).astype(np.float32)
-        out[lo : lo + m, 0, 0, 0] = centre - half
-        out[lo : lo + m, 0, 0, 1] = centre + half
-        out[lo : lo + m, 0, 0, 2] = centre + rng.uniform(-0.2, 0.2, (m, DIM)) * half
+    return rng.standard_normal((TOPICS, DIM), dtype=np.float32) * scale
+
+
+def synthetic_boxes(
+    n: int, topics: np.ndarray, rng: np.random.Generator, groups: int = 1
+) -> np.ndarray:
+    """``[n, groups, 1, 3, DIM]`` float16 stacked boxes (min, max, mean) around random topics."""
+    out = np.empty((n, groups, 1, 3, DIM), dtype=np.float16)
+    step = max(1, 65536 // groups)
+    for lo in range(0, n, step):
+        m = min(n, lo + step) - lo
+        shape = (m, groups, DIM)
+        centre = topics[rng.integers(0, TOPICS, shape[:2])] + rng.standard_normal(shape) * 0.7
+        half = np.abs(rng.normal(0.5, 0.2, shape))
+        out[lo : lo + m, :, 0, 0] = centre - half
+        out[lo : lo + m, :, 0, 1] = centre + half
+        out[lo : lo + m, :, 0, 2] = centre + rng.uniform(-0.2, 0.2, shape) * half
     return out
 
 
+def synthetic_queries(
+    count: int, topics: np.ndarray, rng: np.random.Generator, groups: int = 1
+) -> np.ndarray:
+    """``[count, groups, Q_HEADS, DIM]`` queries, each group's heads near one random topic."""
+    base = topics[rng.integers(0, TOPICS, (count, groups))][:, :, None, :]
+    noise = rng.standard_normal((count, groups, Q_HEADS, DIM), dtype=np.float32)
+    return np.asarray(base + noise, dtype=np.float32)
+
+
 def full_scan(queries: np.ndarray, lo: np.ndarray, hi: np.ndarray, budget: int) -> np.ndarray:
-    """Quest over every block: bound per head, summed softmax shares, top ``budget``."""
+    """Quest over every block of every group: bound per head (``queries`` ``[groups, heads,
+    DIM]``, ``lo``/``hi`` ``[groups, n, DIM]``), summed softmax shares, top ``budget``."""
     q = queries / np.float32(np.sqrt(DIM))
-    bound = np.maximum(q, 0) @ hi.T + np.minimum(q, 0) @ lo.T  # [heads, n]
-    bound -= bound.max(axis=1, keepdims=True)
+    bound = np.maximum(q, 0) @ hi.transpose(0, 2, 1) + np.minimum(q, 0) @ lo.transpose(0, 2, 1)
+    bound -= bound.max(axis=2, keepdims=True)
     share = np.exp(bound)
-    share /= share.sum(axis=1, keepdims=True)
-    return np.argpartition(-share.sum(axis=0), budget)[:budget]
+    share /= share.sum(axis=2, keepdims=True)
+    return np.argpartition(-share.sum(axis=1), budget, axis=1)[:, :budget]
+
+
+def _estimated_mass(q: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+    """Box-estimated attention mass of every block for one group's heads ``q`` (in chunks)."""
+    logits = np.concatenate(
+        [
+            box_log_mass(q[None], boxes[lo : lo + 65536, 0, 0].astype(np.float32))
+            for lo in range(0, len(boxes), 65536)
+        ]
+    )
+    return group_mass(logits.T[None])[0]
 
 
 def _median_s(fn: Any, repeats: int) -> float:
@@ -68,31 +111,31 @@ def _median_s(fn: Any, repeats: int) -> float:
     return float(np.median(times))
 
 
-def measure(n: int, repeats: int, seed: int = 1) -> dict[str, Any]:
+def measure(n: int, repeats: int, groups: int = 1, seed: int = 1) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
-    boxes = synthetic_boxes(n, rng)
-    config = SparseConfig(layers=(0,), q_heads=Q_HEADS, kv_heads=1, head_dim=DIM)
+    topics = _topics(rng)
+    boxes = synthetic_boxes(n, topics, rng, groups)
+    config = SparseConfig(layers=tuple(range(groups)), q_heads=Q_HEADS, kv_heads=1, head_dim=DIM)
     index = SparseIndex(config)
     t = time.perf_counter()
     index.insert_many(np.arange(n), np.arange(n), boxes)
     build_s = time.perf_counter() - t
-    lo32 = boxes[:, 0, 0, 0].astype(np.float32)
-    hi32 = boxes[:, 0, 0, 1].astype(np.float32)
-    queries = rng.standard_normal((repeats, 1, Q_HEADS, DIM), dtype=np.float32)
-    queries[..., :4] *= 2
+    lo32 = np.ascontiguousarray(boxes[:, :, 0, 0].transpose(1, 0, 2), dtype=np.float32)
+    hi32 = np.ascontiguousarray(boxes[:, :, 0, 1].transpose(1, 0, 2), dtype=np.float32)
+    queries = synthetic_queries(repeats, topics, rng, groups)
     it = iter(range(10**9))
     select_s = _median_s(lambda: index.select(queries[next(it) % repeats], BUDGET), repeats)
     it = iter(range(10**9))
-    scan_s = _median_s(
-        lambda: full_scan(queries[next(it) % repeats, 0], lo32, hi32, BUDGET), repeats
-    )
-    overlap = []
-    for q in queries[: min(repeats, 5)]:
+    scan_s = _median_s(lambda: full_scan(queries[next(it) % repeats], lo32, hi32, BUDGET), repeats)
+    overlap, mass_ratio = [], []
+    for q in queries[: min(repeats, 10)]:
         got = index.select(q, BUDGET).block_ids[0]
         want = index.select(q, BUDGET, exhaustive=True).block_ids[0]
         overlap.append(np.isin(got, want).mean())
+        mass = _estimated_mass(q[0], boxes)
+        mass_ratio.append(mass[got[got >= 0]].sum() / mass[want[want >= 0]].sum())
     t = time.perf_counter()
-    extra = synthetic_boxes(256, rng)
+    extra = synthetic_boxes(256, topics, rng, groups)
     for i in range(256):
         index.insert_many([n + i], [n + i], extra[i : i + 1])
     insert_us = (time.perf_counter() - t) / 256 * 1e6
@@ -102,15 +145,43 @@ def measure(n: int, repeats: int, seed: int = 1) -> dict[str, Any]:
     remove_us = (time.perf_counter() - t) / 256 * 1e6
     return {
         "blocks": n,
+        "groups": groups,
         "select_ms": round(select_s * 1e3, 3),
         "full_scan_ms": round(scan_s * 1e3, 3),
         "speedup": round(scan_s / select_s, 2),
         "overlap_with_exact_box_scan": round(float(np.mean(overlap)), 3),
+        "mass_vs_exact_box_scan": round(float(np.mean(mass_ratio)), 3),
         "build_s": round(build_s, 2),
         "insert_us": round(insert_us, 1),
         "remove_us": round(remove_us, 1),
         "index_mib": round(index.memory_bytes() / 2**20, 1),
     }
+
+
+def measure_summary(repeats: int = 200) -> dict[str, Any]:
+    """Cost of summarising one SmolLM2-135M block (30 layers, 3 KV heads, 16 tokens, head_dim
+    64) from its bytes, and of inserting it into an index of the 28 layers >= 2 (84 groups)."""
+    rng = np.random.default_rng(3)
+    out: dict[str, Any] = {}
+    for dtype in ("bfloat16", "float32"):
+        layout = BlockLayout(layers=30, kv_heads=3, head_dim=64, block_tokens=16, dtype=dtype)
+        data = rng.integers(0, 1 << 14, layout.block_bytes // 2, dtype=np.uint16).tobytes()
+        if dtype == "float32":
+            data = rng.standard_normal(layout.block_bytes // 4, dtype=np.float32).tobytes()
+        seconds = _median_s(lambda d=data, lay=layout: summarize_block(d, lay), repeats)
+        out[f"summary_us_{dtype}"] = round(seconds * 1e6, 1)
+        out[f"block_bytes_{dtype}"] = layout.block_bytes
+    config = SparseConfig.for_model(30, 9, 3, 64)
+    index = SparseIndex(config)
+    keys = rng.standard_normal((30, 3, 16, 64), dtype=np.float32)
+    summary = summarize_keys(keys)
+    count = 2048
+    t = time.perf_counter()
+    for i in range(count):
+        index.insert(i, i, summary)
+    out["insert_us_84_groups"] = round((time.perf_counter() - t) / count * 1e6, 1)
+    out["index_bytes_per_block_84_groups"] = round(index.memory_bytes() / count)
+    return out
 
 
 def record(result: dict[str, Any]) -> None:
@@ -134,14 +205,17 @@ def record(result: dict[str, Any]) -> None:
     lines = [
         "## Sparse selection scaling (SLSAP)",
         "",
-        "`python tools/bench_sparse.py --record`: one (layer, KV head) group, head_dim 64, 3 query "
-        f"heads, synthetic boxes, budget {BUDGET} blocks; median of {result['repeats']} queries. "
+        f"`python tools/bench_sparse.py --groups {result['groups']} --record`: "
+        f"{result['groups']} (layer, KV head) group(s), head_dim 64, 3 query heads each, "
+        f"synthetic boxes, budget {BUDGET} blocks per group; median of {result['repeats']} "
+        "queries, one BLAS thread. "
         "The full scan is Quest's bound as two matrix products over every block plus argpartition. "
-        "Overlap: share of the LSH selection that an exact box-score scan also selects.",
+        "Overlap: share of the LSH selection that an exact box-score scan also selects; mass: "
+        "estimated attention mass of the LSH selection over that of the exact scan's.",
         "",
-        "| blocks | select ms | full scan ms | speedup | growth per 10x | overlap | build s "
+        "| blocks | select ms | full scan ms | speedup | growth per 10x | overlap | mass | build s "
         "| insert us | remove us | index MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     prev = None
     for r in rows:
@@ -149,11 +223,20 @@ def record(result: dict[str, Any]) -> None:
         lines.append(
             f"| {r['blocks']:,} | {r['select_ms']:.2f} | {r['full_scan_ms']:.2f} "
             f"| {r['speedup']:.1f}x | {growth} | {r['overlap_with_exact_box_scan']:.2f} "
+            f"| {r['mass_vs_exact_box_scan']:.2f} "
             f"| {r['build_s']:.1f} "
             f"| {r['insert_us']:.0f} | {r['remove_us']:.0f} | {r['index_mib']:.0f} |"
         )
         prev = r
+    cost = result["summary"]
     lines += [
+        "",
+        "Summaries of one SmolLM2-135M block (30 layers, 3 KV heads, 16 tokens): "
+        f"{cost['summary_us_bfloat16']:.0f} us from {cost['block_bytes_bfloat16']:,} bfloat16 "
+        f"bytes, {cost['summary_us_float32']:.0f} us from {cost['block_bytes_float32']:,} float32 "
+        f"bytes; inserting it into an index of layers 2-29 (84 groups) "
+        f"{cost['insert_us_84_groups']:.0f} us amortised over 2,048 blocks, "
+        f"{cost['index_bytes_per_block_84_groups']:,} bytes of index per block.",
         "",
         "![query cost vs blocks](benchmarks/sparse_scaling.png)",
         "",
@@ -166,13 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1000,10000,100000,1000000")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--groups", type=int, default=1, help="(layer, KV head) groups")
     parser.add_argument("--record", action="store_true", help="write docs/benchmarks.md section")
     parser.add_argument("--json", action="store_true", help="one line of JSON")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    rows = [measure(n, args.repeats) for n in sizes]
+    rows = [measure(n, args.repeats, args.groups) for n in sizes]
     result = {
         "sizes": rows,
+        "groups": args.groups,
+        "summary": measure_summary(),
         "budget_blocks": BUDGET,
         "head_dim": DIM,
         "q_heads": Q_HEADS,

@@ -17,11 +17,10 @@ CONFIG = SparseConfig(
     kv_heads=1,
     head_dim=DIM,
     recent_blocks=2,
-    tables=2,
     sketch_bits=64,
     pool_factor=4.0,
     candidate_factor=2.0,
-    delta_max=8,
+    pool_min_blocks=16,  # the clusters serve from 17 blocks up
 )
 
 

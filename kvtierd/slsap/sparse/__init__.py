@@ -9,7 +9,8 @@ moving for the next step). See ``docs/slsap-sparse.md``.
 
 from kvtierd.slsap.sparse.config import RerankScore, Selection, SparseConfig
 from kvtierd.slsap.sparse.index import SparseIndex
-from kvtierd.slsap.sparse.lsh import SimHashForest
+from kvtierd.slsap.sparse.ivf import ClusterLists
+from kvtierd.slsap.sparse.lsh import SimHashSketches
 from kvtierd.slsap.sparse.summary import (
     BlockLayout,
     BlockSummary,
@@ -22,9 +23,10 @@ from kvtierd.slsap.sparse.summary import (
 __all__ = [
     "BlockLayout",
     "BlockSummary",
+    "ClusterLists",
     "RerankScore",
     "Selection",
-    "SimHashForest",
+    "SimHashSketches",
     "SparseConfig",
     "SparseIndex",
     "keys_from_block",

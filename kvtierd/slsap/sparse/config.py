@@ -42,19 +42,18 @@ class SparseConfig:
         sink_blocks: first positions always selected (the attention sink).
         recent_blocks: newest indexed positions always selected (the current, partial block is
             the engine's own and never indexed).
-        tables: sorted LSH tables (each costs ``12 * groups`` bytes per block).
-        sketch_bits: SimHash bits per (block, group) that order the pool (a multiple of 32,
-            at least ``32 * tables``; ``sketch_bits / 8 * groups`` bytes per block).
-        pool_factor: entries per group the sorted tables return, as a multiple of the free
-            budget (the whole sequence when it is smaller).
+        sketch_bits: SimHash bits per (block, group) that order the pool (a multiple of 64;
+            ``sketch_bits / 8 * groups`` bytes per block).
+        pool_factor: blocks per group the clusters return, as a multiple of the free budget.
+        pool_min_blocks: sequences up to this many blocks skip the tables: the pool is every
+            block (the sketch scan is linear but cheap, and exact where it matters most).
         candidate_factor: candidates per group kept from the pool by sketch similarity and
             scored exactly, as a multiple of the free budget.
         reserve_factor: extra ranked blocks per group, as a share of the free budget, named for
             the next step's prefetch.
         score: candidate re-rank score.
         summary_dtype: storage dtype of the boxes (float16 halves memory; scores use float32).
-        delta_max: largest unsorted LSH delta (see :class:`~.lsh.SimHashForest`).
-        seed: seed of the LSH projections.
+        seed: seed of the SimHash projections and of k-means.
     """
 
     layers: tuple[int, ...]
@@ -63,21 +62,20 @@ class SparseConfig:
     head_dim: int
     sink_blocks: int = 1
     recent_blocks: int = 1
-    tables: int = 8
     sketch_bits: int = 1024
     pool_factor: float = 16.0
+    pool_min_blocks: int = 1024
     candidate_factor: float = 4.0
     reserve_factor: float = 0.25
     score: RerankScore = RerankScore.BOX_MASS
     summary_dtype: str = "float16"
-    delta_max: int = 4096
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.layers or min(self.layers) < 0 or len(set(self.layers)) != len(self.layers):
             raise ConfigError(f"layers must be distinct non-negative indices, got {self.layers}")
-        if min(self.q_heads, self.kv_heads, self.head_dim, self.tables) <= 0:
-            raise ConfigError("q_heads, kv_heads, head_dim and tables must be positive")
+        if min(self.q_heads, self.kv_heads, self.head_dim) <= 0:
+            raise ConfigError("q_heads, kv_heads and head_dim must be positive")
         if self.q_heads % self.kv_heads:
             raise ConfigError(f"q_heads {self.q_heads} is not a multiple of kv_heads")
         if min(self.sink_blocks, self.recent_blocks) < 0:
@@ -86,8 +84,10 @@ class SparseConfig:
             raise ConfigError("need 1 <= candidate_factor <= pool_factor")
         if self.reserve_factor < 0:
             raise ConfigError("reserve_factor must be >= 0")
-        if self.sketch_bits % 32 or self.sketch_bits < 32 * self.tables:
-            raise ConfigError("sketch_bits must be a multiple of 32 and >= 32 * tables")
+        if self.pool_min_blocks < 0:
+            raise ConfigError("pool_min_blocks must be >= 0")
+        if self.sketch_bits <= 0 or self.sketch_bits % 64:
+            raise ConfigError("sketch_bits must be a positive multiple of 64")
         if self.summary_dtype not in ("float16", "float32"):
             raise ConfigError(f"summary_dtype must be float16 or float32, not {self.summary_dtype}")
 

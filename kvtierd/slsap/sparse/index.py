@@ -7,21 +7,26 @@ stages, all vectorised over the groups:
 
 1. **Forced**: the first ``sink_blocks`` positions (attention sinks) and the newest
    ``recent_blocks`` positions are always selected, ahead of everything else.
-2. **Candidates** (sub-linear): Quest's bound is an inner product, ``q.c + |q|.r`` with the box
-   centre ``c`` and half-width ``r``, so finding high-bound blocks is maximum-inner-product
-   search. Keys ``[c - mu, r]`` (``mu`` the running mean of the centres: queries and keys live in
-   different places, and centring spreads the keys around the origin where SimHash resolves
-   angles) are scaled into the unit ball and completed with ``sqrt(1 - |x|^2)``, queries
-   ``[q, |q|]`` are normalised and completed with 0: their angle is then monotone in the bound
-   (Neyshabur and Srebro, ICML 2015). The forest returns about ``candidate_factor`` times the
-   free budget per group. ``mu`` and the scale are re-frozen, and everything rehashed, each time
-   the index doubles (amortised O(1) per insert).
-3. **Re-rank**: candidates are scored exactly from their boxes (``score``, default the box
+2. **Pool** (sub-linear): SimHash over the block's box centre minus ``mu``, the running mean of
+   the centres (queries and keys live in different places; centring spreads the keys around the
+   origin, where random hyperplanes resolve angles), and over the raw query. The sorted tables
+   of the forest return about ``pool_factor`` times the free budget per group; when the
+   sequence is no larger than that or than ``pool_min_blocks``, the pool is every block.
+3. **Shortlist**: the pool is ordered by Hamming similarity of ``sketch_bits``-bit sketches
+   (popcounts, far cheaper than scoring) and ``candidate_factor`` times the free budget are kept.
+4. **Re-rank**: candidates are scored exactly from their boxes (``score``, default the box
    estimate of attention mass), the query heads of a group are combined by summing their
    softmax shares, and the best ``budget - forced`` are kept per group, followed by a reserve of
    the next best for :meth:`SparseIndex.predict_next`.
 
-Below ``4 * budget`` blocks every block is a candidate (the LSH would return most of them anyway).
+Why not hash for the Quest bound directly: it is an inner product ``q.c + |q|.r`` (box centre
+``c``, half-width ``r``), and the MIPS-to-cosine transform (Neyshabur and Srebro, ICML 2015)
+would make it an angle, but the completing coordinate ``sqrt(M^2 - |x|^2)`` dominates every key
+and crushes the angles: on real SmolLM2 keys and on synthetic clusters the candidates were
+barely better than random. ``|q|.r`` is nearly the same for every block; the centre carries the
+ranking. ``mu`` is re-frozen, and everything rehashed, each time the index doubles (amortised
+O(1) per insert).
+
 Block ids are the caller's integers (the daemon's block handles); positions are block indices in
 the sequence (position 0 holds the first ``block_tokens`` tokens).
 """
@@ -35,7 +40,8 @@ import numpy.typing as npt
 
 from kvtierd.errors import BlockNotFoundError, InvalidRequestError
 from kvtierd.slsap.sparse.config import RerankScore, Selection, SparseConfig
-from kvtierd.slsap.sparse.lsh import SimHashForest
+from kvtierd.slsap.sparse.ivf import ClusterLists
+from kvtierd.slsap.sparse.lsh import SimHashSketches
 from kvtierd.slsap.sparse.scoring import box_log_mass, mean_logit, quest_bound
 from kvtierd.slsap.sparse.summary import BlockSummary
 
@@ -43,6 +49,7 @@ __all__ = ["SparseIndex"]
 
 F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
+_RECENTRE_UNTIL = 1024
 _SCORES = {
     RerankScore.BOX_MASS: box_log_mass,
     RerankScore.QUEST_BOUND: quest_bound,
@@ -71,9 +78,12 @@ class SparseIndex:
         self._newest = -1
         self._centre_sum = np.zeros((self._groups, self._dim), dtype=np.float64)
         self._centre = np.zeros((self._groups, self._dim), dtype=np.float32)
-        self._scale = np.ones(self._groups, dtype=np.float32)
         self._frozen_at = 0
-        self._forest = self._new_forest()
+        self._fitted_at = 0
+        self._sketches = SimHashSketches(
+            self._groups, self._dim, bits=config.sketch_bits, seed=config.seed
+        )
+        self._clusters = ClusterLists(self._groups, self._dim, seed=config.seed)
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -82,9 +92,10 @@ class SparseIndex:
         return block_id in self._slot_of
 
     def memory_bytes(self) -> int:
-        """Bytes held by the arrays of the index and its forest (dicts not counted)."""
+        """Bytes held by the arrays of the index (the id and position dicts not counted)."""
         arrays = (self._boxes, self._ids, self._pos, self._live)
-        return sum(a.nbytes for a in arrays) + self._forest.memory_bytes()
+        own = sum(int(a.nbytes) for a in arrays)
+        return own + self._sketches.memory_bytes() + self._clusters.memory_bytes()
 
     def insert(self, block_id: int, position: int, summary: BlockSummary) -> None:
         """Add a block at sequence ``position`` with the summary of all the model's layers.
@@ -134,10 +145,13 @@ class SparseIndex:
         self._slot_at.update(zip(pos.tolist(), slots.tolist(), strict=True))
         self._newest = max(self._newest, int(pos.max()))
         self._centre_sum += ((arr[:, :, 0] + arr[:, :, 1]) / 2).sum(axis=0, dtype=np.float64)
-        if len(self) >= 2 * self._frozen_at:
-            self._refreeze()
+        if len(self) >= 2 * self._frozen_at and self._frozen_at < _RECENTRE_UNTIL:
+            self._recentre()
         else:
-            self._forest.add(slots, self._forest.hash(self._key_vectors(slots)))
+            vectors = self._key_vectors(slots)
+            self._sketches.store(slots, self._sketches.hash(vectors))
+            self._clusters.add(slots, vectors)
+        self._maybe_refit()
 
     def remove(self, block_id: int) -> None:
         """Forget a block.
@@ -152,9 +166,11 @@ class SparseIndex:
         self._live[slot] = False
         box = self._boxes[slot].astype(np.float64)
         self._centre_sum -= (box[:, 0] + box[:, 1]) / 2
-        self._forest.discard(np.array([slot], dtype=np.int64))
+        self._clusters.discard(np.array([slot], dtype=np.int64))
         if self._next - len(self) > max(64, len(self)):
-            self._refreeze()
+            self._compact()
+            self._fitted_at = 0
+            self._maybe_refit()
 
     def forced(self) -> I64:
         """Ids always selected: the sink positions ``0..sink_blocks-1``, then the recent window,
@@ -235,18 +251,17 @@ class SparseIndex:
         if free <= 0 or count == 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         keep = math.ceil(self.config.candidate_factor * free)
-        pool = math.ceil(self.config.pool_factor * free)
-        if exhaustive or count <= pool:
+        target = math.ceil(self.config.pool_factor * free)
+        dense = count <= max(target, self.config.pool_min_blocks) or not self._clusters.fitted
+        if exhaustive or dense:
             live = np.flatnonzero(self._live[: self._next]).astype(np.int64)
             groups = np.repeat(np.arange(self._groups, dtype=np.int64), count)
             slots = np.tile(live, self._groups)
             if exhaustive or count <= keep:
                 return groups, slots
-        codes = self._forest.hash(self._query_vectors(q))
-        if count > pool:
-            window = max(2, math.ceil(pool / self.config.tables / q.shape[1]))
-            groups, slots = self._forest.candidates(codes, window)
-        return self._forest.shortlist(codes, groups, slots, keep)
+        else:
+            groups, slots = self._clusters.pool(q, target)
+        return self._sketches.shortlist(self._sketches.hash(q), groups, slots, keep)
 
     def _rank(
         self, q: F32, groups: I64, slots: I64, keep: int, score: RerankScore
@@ -270,21 +285,13 @@ class SparseIndex:
         return groups[sel], slots[sel], rank[rank < keep]
 
     def _key_vectors(self, slots: I64) -> F32:
+        """Centred box centres ``[n, groups, d]``: what SimHash sees of a block."""
         boxes = self._boxes[slots].astype(np.float32)  # [n, groups, 3, d]
-        centre = (boxes[:, :, 0] + boxes[:, :, 1]) / 2 - self._centre
-        x = np.concatenate([centre, (boxes[:, :, 1] - boxes[:, :, 0]) / 2], axis=-1)
-        x /= self._scale[:, None]
-        tail = np.sqrt(np.maximum(0, 1 - np.sum(x * x, axis=-1, keepdims=True)))
-        return np.concatenate([x, tail], axis=-1)
+        return np.asarray((boxes[:, :, 0] + boxes[:, :, 1]) / 2 - self._centre, dtype=np.float32)
 
-    def _query_vectors(self, q: F32) -> F32:
-        y = np.concatenate([q, np.abs(q), np.zeros_like(q[..., :1])], axis=-1)
-        return np.asarray(
-            y / np.maximum(np.linalg.norm(y, axis=-1, keepdims=True), 1e-12), dtype=np.float32
-        )
-
-    def _refreeze(self) -> None:
-        """Re-centre, re-scale and rehash every live block; compact the slots."""
+    def _compact(self) -> None:
+        """Move the live blocks to slots ``0..n-1`` (slots of removed blocks are not reused
+        until then, so no stale cluster or sketch entry can name a new block)."""
         live = np.flatnonzero(self._live[: self._next]).astype(np.int64)
         n = len(live)
         self._boxes[:n], self._ids[:n], self._pos[:n] = (
@@ -292,31 +299,35 @@ class SparseIndex:
             self._ids[live],
             self._pos[live],
         )
+        self._sketches.compact(live)
         self._live[:] = False
         self._live[:n] = True
         self._next = n
         self._slot_of = dict(zip(self._ids[:n].tolist(), range(n), strict=True))
         self._slot_at = dict(zip(self._pos[:n].tolist(), range(n), strict=True))
-        self._centre = (self._centre_sum / max(n, 1)).astype(np.float32)
-        self._scale[:] = 1
-        slots = np.arange(n, dtype=np.int64)
-        if n:
-            x = self._key_vectors(slots)[..., :-1]
-            self._scale = np.maximum(np.linalg.norm(x, axis=-1).max(axis=0), 1e-6)
-        self._frozen_at = n
-        self._forest = self._new_forest()
-        self._forest.load(slots, self._forest.hash(self._key_vectors(slots)))
 
-    def _new_forest(self) -> SimHashForest:
-        cfg = self.config
-        return SimHashForest(
-            self._groups,
-            2 * self._dim + 1,
-            tables=cfg.tables,
-            sketch_words=cfg.sketch_bits // 32,
-            delta_max=cfg.delta_max,
-            seed=cfg.seed,
-        )
+    def _recentre(self) -> None:
+        """Re-centre on the running mean and re-sketch every block: done as the index doubles
+        up to ``_RECENTRE_UNTIL`` blocks (amortised O(1) per insert); beyond, the mean of a
+        sequence's keys has settled and re-sketching would only cost."""
+        self._compact()
+        n = self._next
+        self._centre = (self._centre_sum / max(n, 1)).astype(np.float32)
+        slots = np.arange(n, dtype=np.int64)
+        self._sketches.store(slots, self._sketches.hash(self._key_vectors(slots)))
+        self._frozen_at = n
+        self._fitted_at = 0
+
+    def _maybe_refit(self) -> None:
+        """Cluster afresh once the sequence outgrows ``pool_min_blocks``, then each time it has
+        grown 4x (amortised O(sqrt n) per insert)."""
+        n = len(self)
+        if n <= self.config.pool_min_blocks or (self._fitted_at and n < 4 * self._fitted_at):
+            return
+        self._compact()
+        slots = np.arange(n, dtype=np.int64)
+        self._clusters.fit(slots, self._key_vectors(slots))
+        self._fitted_at = n
 
     def _grow(self, needed: int) -> None:
         if needed <= len(self._ids):

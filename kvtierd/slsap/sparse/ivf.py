@@ -1,0 +1,189 @@
+"""Clustered posting lists: the sub-linear pool of candidate blocks for a query.
+
+Theory of operation. Per group (one (layer, KV head)), the centred box centres of the blocks are
+clustered by k-means into ``k = 2 sqrt(n)`` clusters (an inverted-file index, as in FAISS's IVF).
+A query scores each cluster optimistically, ``max over heads of q.centroid + 0.5 |q|.spread``
+(``spread`` the per-dimension standard deviation of the cluster's members: a Quest-like allowance
+for members that sit off the centroid in the query's favour), and the pool is the members of the
+best clusters until it holds ``target`` blocks. Cost per query: ``k * head_dim`` for the scores
+plus the pool itself, so it grows as ``sqrt(n)`` with a small constant.
+
+Members live in one sorted ``uint64`` array of ``group << 32 | cluster`` keys with their slots
+(all groups share it and every lookup runs for all groups at once), plus a small unsorted delta
+of recent insertions, merged in when it outgrows ``max(64, n / 8)`` (capped at 4,096): amortised
+O(1) copies per insertion. New blocks join their nearest existing centroid; the owner refits
+(:meth:`ClusterLists.fit`) as the index grows. Removed slots are masked at once and purged at
+the next merge. Slots are small integers owned by :class:`~.index.SparseIndex`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["ClusterLists"]
+
+F32 = npt.NDArray[np.float32]
+I64 = npt.NDArray[np.int64]
+_ELEMENTS = 1 << 23  # bound on temporaries of the distance computations
+_SPREAD_WEIGHT = 0.5
+_DELTA_MAX = 4096
+
+
+class ClusterLists:
+    """k-means posting lists over ``groups`` spaces of dimension ``dim`` (see module docstring)."""
+
+    def __init__(self, groups: int, dim: int, *, seed: int = 0, iterations: int = 5) -> None:
+        self.groups, self.dim, self.iterations = groups, dim, iterations
+        self._rng = np.random.default_rng(seed)
+        self._centroids = np.zeros((groups, 0, dim), dtype=np.float32)
+        self._spread = np.zeros((groups, 0, dim), dtype=np.float32)
+        self._sizes = np.zeros((groups, 0), dtype=np.int64)
+        self._assign = np.zeros((0, groups), dtype=np.int64)
+        self._live = np.zeros(0, dtype=bool)
+        self._keys = np.zeros(0, dtype=np.uint64)
+        self._slots = np.zeros(0, dtype=np.int64)
+        self._delta: list[int] = []
+        self._count = 0
+
+    @property
+    def fitted(self) -> bool:
+        return self._centroids.shape[1] > 0
+
+    def memory_bytes(self) -> int:
+        arrays = (self._centroids, self._spread, self._sizes, self._assign, self._keys, self._slots)
+        return sum(int(a.nbytes) for a in arrays) + int(self._live.nbytes)
+
+    def fit(self, slots: I64, vectors: F32) -> None:
+        """Cluster ``vectors`` ``[n, groups, dim]`` of ``slots`` afresh and rebuild the lists."""
+        n = len(slots)
+        k = max(1, min(n, math.ceil(2 * math.sqrt(n))))
+        sample = vectors[self._rng.choice(n, size=min(n, 32 * k), replace=False)]
+        centroids = sample[self._rng.choice(len(sample), size=k, replace=False)].transpose(1, 0, 2)
+        centroids = np.ascontiguousarray(centroids, dtype=np.float32)
+        for _ in range(self.iterations):
+            centroids = self._update(sample, self._nearest(sample, centroids), centroids)
+        self._centroids = centroids
+        assign = self._nearest(vectors, centroids)  # [n, groups]
+        self._spread = self._member_spread(vectors, assign, k)
+        self._live = np.zeros(max(int(slots.max(initial=-1)) + 1, 64), dtype=bool)
+        self._assign = np.zeros((len(self._live), self.groups), dtype=np.int64)
+        self._sizes = np.zeros((self.groups, k), dtype=np.int64)
+        self._keys, self._slots, self._delta, self._count = self._keys[:0], self._slots[:0], [], 0
+        self._insert(slots, assign)
+        self._merge()
+
+    def add(self, slots: I64, vectors: F32) -> None:
+        """Put new ``slots`` with ``vectors`` ``[n, groups, dim]`` into their nearest clusters."""
+        if self.fitted and len(slots):
+            self._insert(slots, self._nearest(vectors, self._centroids))
+
+    def discard(self, slots: I64) -> None:
+        """Forget ``slots`` (ignored for slots never added)."""
+        slots = slots[slots < len(self._live)]
+        slots = slots[self._live[slots]]
+        if len(slots):
+            self._live[slots] = False
+            self._count -= len(slots)
+            np.subtract.at(self._sizes, (np.arange(self.groups), self._assign[slots]), 1)
+
+    def pool(self, queries: F32, target: int) -> tuple[I64, I64]:
+        """Members of each group's best clusters, about ``target`` per group: ``(groups,
+        slots)`` sorted by group. ``queries`` is ``[groups, heads, dim]``."""
+        score = np.einsum("ghd,gkd->ghk", queries, self._centroids)
+        score += _SPREAD_WEIGHT * np.einsum("ghd,gkd->ghk", np.abs(queries), self._spread)
+        order = np.argsort(-score.max(axis=1), axis=1)  # [groups, k]
+        sizes = np.take_along_axis(self._sizes, order, axis=1)
+        taken = (np.cumsum(sizes, axis=1) - sizes) < target
+        g, rank = np.nonzero(taken)
+        keys = (g.astype(np.uint64) << np.uint64(32)) | order[g, rank].astype(np.uint64)
+        lo = np.searchsorted(self._keys, keys)
+        hi = np.searchsorted(self._keys, keys + np.uint64(1))
+        lens = hi - lo
+        idx = np.repeat(lo - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+        found_g, found_s = np.repeat(g, lens), self._slots[idx]
+        if self._delta:
+            d = np.asarray(self._delta, dtype=np.int64)
+            d_keys = (np.arange(self.groups, dtype=np.uint64) << np.uint64(32)) | self._assign[
+                d
+            ].astype(np.uint64)
+            hit_row, hit_g = np.nonzero(np.isin(d_keys, keys))
+            found_g = np.concatenate([found_g, hit_g])
+            found_s = np.concatenate([found_s, d[hit_row]])
+        keep = self._live[found_s]
+        found_g, found_s = found_g[keep], found_s[keep]
+        order2 = np.lexsort((found_s, found_g))
+        return found_g[order2].astype(np.int64), found_s[order2].astype(np.int64)
+
+    def _insert(self, slots: I64, assign: I64) -> None:
+        needed = int(slots.max(initial=-1)) + 1
+        if needed > len(self._live):
+            cap = max(needed, 2 * len(self._live))
+            self._live = np.concatenate([self._live, np.zeros(cap - len(self._live), bool)])
+            grown = np.zeros((cap, self.groups), dtype=np.int64)
+            grown[: len(self._assign)] = self._assign
+            self._assign = grown
+        self._assign[slots] = assign
+        self._live[slots] = True
+        self._count += len(slots)
+        self._sizes += self._counts(assign, self._sizes.shape[1])
+        self._delta.extend(slots.tolist())
+        if len(self._delta) > min(_DELTA_MAX, max(64, self._count // 8)):
+            self._merge()
+
+    def _merge(self) -> None:
+        fresh = np.asarray([s for s in self._delta if self._live[s]], dtype=np.int64)
+        self._delta = []
+        old = self._live[self._slots]
+        groups = np.arange(self.groups, dtype=np.uint64) << np.uint64(32)
+        new_keys = (groups[None, :] | self._assign[fresh].astype(np.uint64)).ravel()
+        keys = np.concatenate([self._keys[old], new_keys])
+        slots = np.concatenate([self._slots[old], np.repeat(fresh, self.groups)])
+        order = np.argsort(keys, kind="stable")
+        self._keys, self._slots = keys[order], slots[order]
+
+    def _nearest(self, vectors: F32, centroids: F32) -> I64:
+        """Index ``[n, groups]`` of the nearest centroid (squared Euclidean distance)."""
+        n, k = len(vectors), centroids.shape[1]
+        out = np.empty((n, self.groups), dtype=np.int64)
+        norms = np.einsum("gkd,gkd->gk", centroids, centroids)
+        step = max(1, _ELEMENTS // max(1, self.groups * k))
+        for lo in range(0, n, step):
+            part = vectors[lo : lo + step].astype(np.float32, copy=False)
+            dist = norms[None] - 2 * np.einsum("ngd,gkd->ngk", part, centroids)
+            out[lo : lo + step] = dist.argmin(axis=2)
+        return out
+
+    def _cluster_sums(self, vectors: F32, assign: I64, k: int, power: int = 1) -> F32:
+        """Per (group, cluster): the sum of members' ``vectors ** power``, ``[groups, k, dim]``."""
+        flat = (np.arange(self.groups)[None, :] * k + assign).ravel()
+        values = vectors.reshape(-1, self.dim).astype(np.float64) ** power
+        out = np.stack(
+            [
+                np.bincount(flat, weights=values[:, d], minlength=self.groups * k)
+                for d in range(self.dim)
+            ],
+            axis=1,
+        )
+        return out.reshape(self.groups, k, self.dim).astype(np.float32)
+
+    def _counts(self, assign: I64, k: int) -> I64:
+        flat = (np.arange(self.groups)[None, :] * k + assign).ravel()
+        return np.bincount(flat, minlength=self.groups * k).reshape(self.groups, k)
+
+    def _update(self, sample: F32, assign: I64, centroids: F32) -> F32:
+        k = centroids.shape[1]
+        counts = self._counts(assign, k)
+        sums = self._cluster_sums(sample, assign, k)
+        filled = counts > 0
+        out = centroids.copy()
+        out[filled] = sums[filled] / counts[filled][:, None]
+        return out
+
+    def _member_spread(self, vectors: F32, assign: I64, k: int) -> F32:
+        c = np.maximum(self._counts(assign, k), 1)[..., None]
+        mean = self._cluster_sums(vectors, assign, k) / c
+        var = self._cluster_sums(vectors, assign, k, power=2) / c - mean**2
+        return np.sqrt(np.maximum(var, 0)).astype(np.float32)
