@@ -1,0 +1,444 @@
+"""Hugging Face transformers on kvtierd: restore a prompt's cached prefix into the model's KV
+cache, prefill only the uncached suffix, store the new full blocks.
+
+Theory of operation
+-------------------
+*Block layout.* A block holds the K and V of ``block_tokens`` consecutive tokens for every
+layer, layer-major: for layer ``0 .. L-1``, K then V, each ``[kv_heads, block_tokens,
+head_dim]`` C-contiguous, in the model's own dtype. So a block is a C-contiguous
+``[L, 2, kv_heads, block_tokens, head_dim]`` array (``kvtierd.slsap`` reads exactly this).
+The namespace records model id, dtype and that layout (:func:`model_layout`); the daemon refuses
+a ``block_bytes`` that disagrees with it, and this adapter refuses a namespace whose layout is not
+its model's (:class:`LayoutMismatchError`), so no block is ever read under another layout.
+
+*Keys.* :func:`kvtierd.keys.chain_keys` over the token ids with the namespace's salt: key ``i``
+names the tokens ``[0, (i + 1) * block_tokens)``. Only full blocks get keys.
+
+*Restore with no copy of our own.* READ leases the blocks in the daemon's arena, which this
+process already maps. The adapter views the mapping once as a torch tensor, and each leased
+extent (runs of adjacent extents coalesced) as ``[blocks, 2L, kv_heads, block_tokens,
+head_dim]``. The restored cache's layers (:class:`RestoredLayer`) hold those views as a pending
+prefix; the model's first ``update`` of each layer, during the forward over the uncached
+suffix, allocates the layer's tensor for prefix plus suffix and copies the prefix out of the
+arena and the suffix's new states into it. A resident ``DynamicCache`` makes the same copy
+(``torch.cat``) on the same forward, so restoring from DRAM costs only the LOOKUP and READ round
+trips beyond the forward itself. The lease is held until that forward has returned: a leased
+slot is never evicted or reused.
+
+*At least one token is forwarded.* The first generated token needs the logits of the prompt's
+last token, so at most ``len(prompt) - 1`` tokens are restored; when every block of the prompt
+is cached, the last token's K/V is left out of the restore and recomputed.
+
+*Missing blocks.* LOOKUP answers how many *leading* keys are present, so a block missing in the
+middle of the prefix ends the hit there (a shorter hit, never an error). A block can also vanish
+between LOOKUP and READ (evicted, forgotten, or torn on disk and so refused by the daemon): READ
+then fails with :class:`~kvtierd.errors.BlockNotFoundError` and the adapter looks up again, a
+bounded number of times, then computes the whole prompt.
+
+*Store.* After the forward the full blocks that were not restored are gathered from the cache
+into layer-major buffers and PUT (two-phase: ALLOC, copy, COMMIT); blocks already stored are
+skipped by the daemon.
+
+*Dtype.* Blocks are moved bit for bit in the model's dtype (bf16 as a raw byte view: numpy has
+no bfloat16); nothing is ever cast. A cache whose tensors are not in the namespace's dtype is
+refused.
+
+Supported models: decoder-only causal LMs whose every layer is full attention with a
+``DynamicCache`` (Llama, Mistral without sliding window, Qwen2, SmolLM2, ...); batch size 1.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from kvtierd.client import BlockNotFoundError, Client, Layout, Namespace, chain_keys
+from kvtierd.client.ops import NoWait, Op
+from kvtierd.engines.hf_cache import BlockRun, RestoredLayer, gather_blocks, restored_cache
+from kvtierd.errors import KvtierError
+from kvtierd.protocol.messages import (
+    Extent,
+    LookupReply,
+    LookupRequest,
+    ReadReply,
+    ReadRequest,
+    ReleaseRequest,
+)
+
+__all__ = [
+    "DEFAULT_BLOCK_TOKENS",
+    "HfKvAdapter",
+    "LayoutMismatchError",
+    "PrefillResult",
+    "UnsupportedModelError",
+    "model_layout",
+]
+
+#: Tokens per block: 64 tokens of SmolLM2-135M are 1.4 MiB in bf16, a size the disk reads at
+#: full speed, and at most 63 trailing prompt tokens are left uncached.
+DEFAULT_BLOCK_TOKENS = 64
+#: How many times a prefix whose block vanished after LOOKUP is looked up again.
+_READ_ATTEMPTS = 3
+#: Blocks gathered per PUT: bounds the store buffer (64 MiB for SmolLM2 in fp32).
+_STORE_CHUNK_BLOCKS = 16
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_TIER_NAMES = {0: "dram", 1: "nvme", 2: "pool"}
+
+
+class LayoutMismatchError(KvtierError, ValueError):
+    """A namespace's layout (or a cache's tensors) does not match the model's KV layout."""
+
+
+class UnsupportedModelError(KvtierError, TypeError):
+    """The model's cache is not one this adapter can fill (sliding window, linear attention)."""
+
+
+def model_layout(model: Any, *, model_id: str, block_tokens: int) -> Layout:
+    """The namespace layout of ``model``'s KV cache.
+
+    Args:
+        model: a transformers causal LM (its ``config`` and ``dtype`` are read).
+        model_id: names the weights; blocks are shared only between equal ids, so include
+            anything that changes the KV (quantisation, fine-tune, revision).
+        block_tokens: tokens per block.
+
+    Raises:
+        UnsupportedModelError: a layer is not full attention, or the dtype has no name here.
+    """
+    cfg = model.config.get_text_config(decoder=True)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise UnsupportedModelError(f"only full-attention layers are supported, got {layer_types}")
+    dtype = model.dtype
+    if dtype not in _DTYPE_NAMES:
+        raise UnsupportedModelError(f"no kvtierd dtype name for {dtype}")
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    return Layout(
+        model_id, int(cfg.num_hidden_layers), kv_heads, head_dim, _DTYPE_NAMES[dtype], block_tokens
+    )
+
+
+def _block_bytes(layout: Layout) -> int:
+    itemsize = torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
+    return 2 * layout.layers * layout.kv_heads * layout.head_dim * layout.block_tokens * itemsize
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What :meth:`HfKvAdapter.prefill` did.
+
+    ``logits`` are the last prompt token's logits (``[vocab]``, the model's dtype): the first
+    generated token's distribution. ``cache`` holds the K/V of every prompt token. Times are
+    seconds from the call: ``ttft_s`` until the logits existed, and its parts.
+    """
+
+    logits: torch.Tensor
+    cache: DynamicCache
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    hit_blocks: int
+    blocks_by_tier: dict[str, int]
+    stored_blocks: int
+    lookup_s: float
+    read_s: float
+    forward_s: float
+    ttft_s: float
+    store_s: float = 0.0
+    retries: int = 0
+
+
+@dataclass
+class _Leased:
+    """The leased prefix of one prefill (``hits == 0``: nothing leased)."""
+
+    hits: int = 0
+    tiers: bytes = b""
+    leases: list[int] = field(default_factory=list)
+    extents: list[Extent] = field(default_factory=list)
+    lookup_s: float = 0.0
+    read_s: float = 0.0
+    retries: int = 0
+
+
+def _lookup_op(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[tuple[int, bytes]]:
+    """LOOKUP that also answers each hit's tier (``Namespace.lookup`` returns the count only)."""
+    hits, tiers = 0, b""
+    for start in range(0, len(keys), max_keys):
+        chunk = list(keys[start : start + max_keys])
+        reply: LookupReply = yield LookupRequest(chunk), ns
+        hits += reply.hits
+        tiers += reply.tiers
+        if reply.hits < len(chunk):
+            break
+    return hits, tiers
+
+
+def _read_op(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[tuple[list[int], list[Extent]]]:
+    """READ that leaves the leases to the caller (``Namespace.get`` releases the views it
+    made when its block ends, which torch tensors viewing them would forbid)."""
+    leases: list[int] = []
+    extents: list[Extent] = []
+    try:
+        for start in range(0, len(keys), max_keys):
+            reply: ReadReply = yield ReadRequest(list(keys[start : start + max_keys])), ns
+            leases.append(reply.lease)
+            extents.extend(reply.extents)
+    except BaseException:
+        if leases:
+            yield NoWait(ReleaseRequest(leases))
+        raise
+    return leases, extents
+
+
+def _release_op(leases: list[int]) -> Op[None]:
+    yield NoWait(ReleaseRequest(leases))
+
+
+class HfKvAdapter:
+    """Prefix caching for one transformers causal LM through one kvtierd namespace.
+
+    Not thread-safe: one adapter serves one sequence at a time (like the model it wraps).
+    """
+
+    def __init__(self, model: Any, namespace: Namespace, *, model_id: str) -> None:
+        """Use ``namespace`` for ``model``'s blocks.
+
+        Raises:
+            LayoutMismatchError: the namespace declares no layout, or one that is not this
+                model's (layers, KV heads, head dim, dtype, model id, order) or its block size
+                disagrees.
+            UnsupportedModelError: see :func:`model_layout`.
+        """
+        declared = namespace.handle.layout
+        if declared is None:
+            raise LayoutMismatchError("the namespace declares no layout; open it with one")
+        expected = model_layout(model, model_id=model_id, block_tokens=declared.block_tokens)
+        if declared != expected:
+            raise LayoutMismatchError(f"namespace layout {declared} is not the model's {expected}")
+        if namespace.block_bytes != _block_bytes(expected):
+            raise LayoutMismatchError(
+                f"namespace blocks are {namespace.block_bytes} bytes, the model's "
+                f"{_block_bytes(expected)}"
+            )
+        self.model = model
+        self.namespace = namespace
+        self.layout = expected
+        self.dtype: torch.dtype = model.dtype
+        self._arena: torch.Tensor | None = None
+        self._store_buffer: torch.Tensor | None = None
+
+    @classmethod
+    def open(
+        cls,
+        client: Client,
+        model: Any,
+        *,
+        model_id: str,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        tenant: str = "default",
+    ) -> HfKvAdapter:
+        """Open (creating if needed) ``model``'s namespace, named after ``model_id``."""
+        layout = model_layout(model, model_id=model_id, block_tokens=block_tokens)
+        namespace = client.namespace(
+            f"hf/{model_id}"[:255], block_bytes=_block_bytes(layout), layout=layout, tenant=tenant
+        )
+        return cls(model, namespace, model_id=model_id)
+
+    @property
+    def block_tokens(self) -> int:
+        return int(self.layout.block_tokens)
+
+    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The chained key of every full block of ``token_ids``."""
+        return chain_keys(token_ids, self.block_tokens, self.namespace.key_salt)
+
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` are cached (a multiple of the block size);
+        starts promoting them into DRAM."""
+        return self.namespace.lookup(self.keys(token_ids)) * self.block_tokens
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def prefill(self, token_ids: Sequence[int], *, store: bool = True) -> PrefillResult:
+        """Restore the cached prefix of ``token_ids``, forward the rest, optionally store.
+
+        Returns the last token's logits and a cache holding every prompt token (see
+        :class:`PrefillResult`); storing happens after the logits exist, so it is not part
+        of ``ttft_s``.
+
+        Raises:
+            ValueError: ``token_ids`` is empty.
+            KvtierError: the daemon failed otherwise than with a vanished block.
+        """
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("a prompt has at least one token")
+        started = time.perf_counter()
+        usable = self.keys(ids)[: -(-(len(ids) - 1) // self.block_tokens)]
+        leased = self._acquire(usable)
+        cached = min(leased.hits * self.block_tokens, len(ids) - 1)
+        cache: DynamicCache | None = None
+        try:
+            cache = self._restored_cache(leased.extents, cached) if cached else self._empty_cache()
+            t0 = time.perf_counter()
+            logits = self.forward(ids[cached:], cache)
+            forward_s = time.perf_counter() - t0
+        finally:
+            if leased.leases:
+                self._settle(cache)
+                client = self.namespace.client
+                client.run(_release_op(leased.leases))
+        ttft_s = time.perf_counter() - started
+        by_tier: dict[str, int] = {}
+        for tier in leased.tiers:
+            name = _TIER_NAMES.get(tier, str(tier))
+            by_tier[name] = by_tier.get(name, 0) + 1
+        stored, store_s = 0, 0.0
+        if store:
+            t1 = time.perf_counter()
+            stored = self.store(ids, cache, first_block=leased.hits)
+            store_s = time.perf_counter() - t1
+        return PrefillResult(
+            logits=logits,
+            cache=cache,
+            prompt_tokens=len(ids),
+            cached_tokens=cached,
+            computed_tokens=len(ids) - cached,
+            hit_blocks=leased.hits,
+            blocks_by_tier=by_tier,
+            stored_blocks=stored,
+            lookup_s=leased.lookup_s,
+            read_s=leased.read_s,
+            forward_s=forward_s,
+            ttft_s=ttft_s,
+            store_s=store_s,
+            retries=leased.retries,
+        )
+
+    def _acquire(self, keys: Sequence[bytes]) -> _Leased:
+        """LOOKUP ``keys`` and lease the hit prefix; a block that vanished after LOOKUP makes
+        it look up again, at most ``_READ_ATTEMPTS`` times in all, then it is a miss."""
+        client = self.namespace.client
+        ns = self.namespace.handle.ns
+        leased = _Leased()
+        for attempt in range(_READ_ATTEMPTS):
+            if not keys:
+                break
+            t0 = time.perf_counter()
+            hits, tiers = client.run(_lookup_op(ns, keys, client.max_keys))
+            t1 = time.perf_counter()
+            leased.lookup_s += t1 - t0
+            if not hits:
+                break
+            try:
+                leases, extents = client.run(_read_op(ns, keys[:hits], client.max_keys))
+            except BlockNotFoundError:
+                leased.retries = attempt + 1
+                continue
+            finally:
+                leased.read_s += time.perf_counter() - t1
+            leased.hits, leased.tiers, leased.leases, leased.extents = hits, tiers, leases, extents
+            break
+        return leased
+
+    def forward(self, token_ids: Sequence[int], cache: DynamicCache) -> torch.Tensor:
+        """Forward ``token_ids`` onto ``cache`` (which grows by them); the last token's logits
+        (``[vocab]``, the model's dtype). The path every prefill takes after its restore."""
+        with torch.no_grad():
+            out = self.model(
+                input_ids=torch.tensor([list(token_ids)], dtype=torch.long),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        logits: torch.Tensor = out.logits[0, -1]
+        return logits
+
+    def _empty_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def _arena_tensor(self) -> torch.Tensor:
+        if self._arena is None:
+            arena = self.namespace.client.arena
+            with warnings.catch_warnings():
+                # The mapping is shared and only ever read through this tensor.
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                self._arena = torch.frombuffer(arena.view(0, arena.size_bytes), dtype=torch.uint8)
+        return self._arena
+
+    def _restored_cache(self, extents: Sequence[Extent], tokens: int) -> DynamicCache:
+        """A cache whose first ``tokens`` positions are the leased ``extents`` (no copy yet)."""
+        layout = self.layout
+        bt, block_bytes = self.block_tokens, self.namespace.block_bytes
+        shape = (2 * layout.layers, layout.kv_heads, bt, layout.head_dim)
+        arena = self._arena_tensor()
+        runs: list[BlockRun] = []
+        first, needed = 0, -(-tokens // bt)
+        while first < needed:
+            last = first + 1
+            while last < needed and extents[last].offset == extents[last - 1].offset + block_bytes:
+                last += 1
+            if any(e.length != block_bytes for e in extents[first:last]):
+                raise LayoutMismatchError("the daemon served a block of another size")
+            offset, count = extents[first].offset, last - first
+            view = arena[offset : offset + count * block_bytes].view(self.dtype).view(count, *shape)
+            runs.append(BlockRun(first * bt, min(count * bt, tokens - first * bt), view))
+            first = last
+        cache, _ = restored_cache(self.model.config, layout.layers, runs, bt)
+        return cache
+
+    @staticmethod
+    def _settle(cache: DynamicCache | None) -> None:
+        """Before the lease goes: no layer may still point into the arena."""
+        if cache is None:
+            return
+        for layer in cache.layers:
+            if isinstance(layer, RestoredLayer) and layer.pending:
+                layer.discard()
+
+    # -- store -------------------------------------------------------------------------------
+
+    def store(self, token_ids: Sequence[int], cache: DynamicCache, *, first_block: int = 0) -> int:
+        """PUT the full blocks ``first_block ..`` of ``token_ids`` that ``cache`` covers.
+
+        Returns how many blocks the daemon holds of those offered (stored now or before).
+
+        Raises:
+            LayoutMismatchError: the cache's tensors are not in the namespace's dtype or shape.
+            KvtierError: the daemon refused the write (``NoSpaceError`` ...).
+        """
+        bt = self.block_tokens
+        covered = min(len(token_ids), cache.get_seq_length())
+        keys = self.keys(list(token_ids)[:covered])
+        stored = 0
+        for start in range(first_block, len(keys), _STORE_CHUNK_BLOCKS):
+            stop = min(start + _STORE_CHUNK_BLOCKS, len(keys))
+            buffer = self._gather(cache, start * bt, stop - start)
+            blocks = [buffer[i].view(torch.uint8).numpy() for i in range(stop - start)]
+            stored += self.namespace.put(keys[start:stop], blocks)
+        return stored
+
+    def _gather(self, cache: DynamicCache, start: int, count: int) -> torch.Tensor:
+        """Blocks ``[count, 2L, kv_heads, bt, head_dim]`` of the tokens from ``start``, in a
+        buffer reused by later calls."""
+        layout, bt = self.layout, self.block_tokens
+        shape = (count, 2 * layout.layers, layout.kv_heads, bt, layout.head_dim)
+        needed = count * 2 * layout.layers * layout.kv_heads * bt * layout.head_dim
+        if self._store_buffer is None or self._store_buffer.numel() < needed:
+            self._store_buffer = torch.empty(needed, dtype=self.dtype)
+        buffer = self._store_buffer[:needed].view(shape)
+        try:
+            gather_blocks(cache, start, buffer, expected_dtype=self.dtype)
+        except ValueError as exc:
+            raise LayoutMismatchError(str(exc)) from exc
+        return buffer
