@@ -15,8 +15,8 @@ attention output the model fed to ``o_proj`` (``capture_check_max_abs_err`` in t
 Recall is then measured by :func:`kvtierd.slsap.sparse.recall.evaluate_sequence` (its docstring
 defines the methods, the budget and the lead-time figures). Prints ONE JSON object whose
 ``recall`` maps ``oracle``, ``slsap``, ``quest_full_scan``, ``mean_key`` and ``recency`` (and
-two extras) to the mean over documents. ``--sweep`` also draws recall against budget into
-``docs/benchmarks/sparse_recall.png``; ``--record`` writes section ``sparse_recall`` of
+two extras) to the mean over documents. ``--sweep`` (or ``--record``) also draws recall against
+budget into ``docs/benchmarks/sparse_recall.png`` and writes section ``sparse_recall`` of
 ``docs/benchmarks.md``. Needs the model stack (see ``kvtierd/engines/smollm2.py``).
 """
 

@@ -10,9 +10,9 @@ one topic, so the right answer is a few hundred blocks out of many. The budget i
 blocks (2K tokens of 16-token blocks), because an engine's HBM budget does not grow with the
 context: that is what makes sub-linear selection possible at all.
 
-Per size: median wall time of ``SparseIndex.select`` (LSH pool -> sketch shortlist -> box
+Per size: median wall time of ``SparseIndex.select`` (cluster pool -> sketch shortlist -> box
 re-rank) and of the strongest full scan we could write (Quest's bound as two matrix products
-over every block, then ``argpartition``), the overlap of the LSH selection with an exact box
+over every block, then ``argpartition``), the overlap of the selection with an exact box
 scan's, the build time, and the index's memory. Records section ``sparse_scaling`` of
 ``docs/benchmarks.md`` (table and ``docs/benchmarks/sparse_scaling.png``) with ``--record``.
 """
@@ -193,7 +193,12 @@ def record(result: dict[str, Any]) -> None:
     rows = result["sizes"]
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [r["blocks"] for r in rows]
-    ax.loglog(xs, [r["select_ms"] for r in rows], marker="o", label="SparseIndex.select (LSH)")
+    ax.loglog(
+        xs,
+        [r["select_ms"] for r in rows],
+        marker="o",
+        label="SparseIndex.select (clusters + SimHash)",
+    )
     ax.loglog(xs, [r["full_scan_ms"] for r in rows], marker="s", label="full min/max scan")
     ax.set_xlabel("indexed blocks (one layer, one KV head)")
     ax.set_ylabel("median query time (ms)")
@@ -210,8 +215,8 @@ def record(result: dict[str, Any]) -> None:
         f"synthetic boxes, budget {BUDGET} blocks per group; median of {result['repeats']} "
         "queries, one BLAS thread. "
         "The full scan is Quest's bound as two matrix products over every block plus argpartition. "
-        "Overlap: share of the LSH selection that an exact box-score scan also selects; mass: "
-        "estimated attention mass of the LSH selection over that of the exact scan's.",
+        "Overlap: share of the selection that an exact box-score scan also selects; mass: "
+        "estimated attention mass of the selection over that of the exact scan's.",
         "",
         "| blocks | select ms | full scan ms | speedup | growth per 10x | overlap | mass | build s "
         "| insert us | remove us | index MiB |",

@@ -2,18 +2,19 @@
 
 Theory of operation. A decode step's query attends mostly to a few blocks. For each (layer, KV
 head), called a *group*, the index keeps every block's box (min, max, mean key, see
-:mod:`.summary`) and a :class:`~.lsh.SimHashForest` entry. Selecting for a query runs in three
-stages, all vectorised over the groups:
+:mod:`.summary`), a SimHash sketch of its centred box centre (:mod:`.lsh`) and, once the sequence
+is long, its cluster (:mod:`.ivf`). Selecting for a query runs in four stages, all vectorised over
+the groups:
 
 1. **Forced**: the first ``sink_blocks`` positions (attention sinks) and the newest
    ``recent_blocks`` positions are always selected, ahead of everything else.
-2. **Pool** (sub-linear): SimHash over the block's box centre minus ``mu``, the running mean of
-   the centres (queries and keys live in different places; centring spreads the keys around the
-   origin, where random hyperplanes resolve angles), and over the raw query. The sorted tables
-   of the forest return about ``pool_factor`` times the free budget per group; when the
-   sequence is no larger than that or than ``pool_min_blocks``, the pool is every block.
-3. **Shortlist**: the pool is ordered by Hamming similarity of ``sketch_bits``-bit sketches
-   (popcounts, far cheaper than scoring) and ``candidate_factor`` times the free budget are kept.
+2. **Pool** (sub-linear): the members of the query's best k-means clusters, about
+   ``pool_factor`` times the free budget per group; a sequence of at most ``pool_min_blocks``
+   blocks (or of at most that pool) pools every block.
+3. **Shortlist**: the pool is ordered by Hamming similarity of ``sketch_bits``-bit SimHash
+   sketches of ``centre - mu`` against the query (``mu`` the running mean of the centres: queries
+   and keys live in different places, and centring spreads the keys around the origin, where
+   random hyperplanes resolve angles); ``candidate_factor`` times the free budget are kept.
 4. **Re-rank**: candidates are scored exactly from their boxes (``score``, default the box
    estimate of attention mass), the query heads of a group are combined by summing their
    softmax shares, and the best ``budget - forced`` are kept per group, followed by a reserve of
@@ -24,8 +25,8 @@ Why not hash for the Quest bound directly: it is an inner product ``q.c + |q|.r`
 would make it an angle, but the completing coordinate ``sqrt(M^2 - |x|^2)`` dominates every key
 and crushes the angles: on real SmolLM2 keys and on synthetic clusters the candidates were
 barely better than random. ``|q|.r`` is nearly the same for every block; the centre carries the
-ranking. ``mu`` is re-frozen, and everything rehashed, each time the index doubles (amortised
-O(1) per insert).
+ranking. ``mu`` is re-frozen, and every sketch recomputed, each time the index doubles up to
+1,024 blocks; clusters are refitted each time it grows 4x beyond ``pool_min_blocks``.
 
 Block ids are the caller's integers (the daemon's block handles); positions are block indices in
 the sequence (position 0 holds the first ``block_tokens`` tokens).
@@ -58,7 +59,7 @@ _SCORES = {
 
 
 class SparseIndex:
-    """Block summaries of one sequence and the LSH forest over them (see the module docstring).
+    """Block summaries of one sequence, their sketches and clusters (see the module docstring).
 
     Not thread-safe: the owner serialises calls (the daemon runs one per namespace session in a
     worker thread).
@@ -200,7 +201,7 @@ class SparseIndex:
                 the current step, or ``[len(config.layers), q_heads, steps, head_dim]`` for
                 several steps that share one selection; rows follow ``config.layers``.
             budget_blocks: blocks to keep per (layer, KV head), forced blocks included.
-            exhaustive: score every block (the full-scan reference) instead of LSH candidates.
+            exhaustive: score every block (the full-scan reference) instead of candidates.
             score: override ``config.score`` (the evaluation's baselines).
 
         Raises:

@@ -15,9 +15,9 @@ positions, for each query position ``p`` (oldest first, as decode steps):
 Methods: ``oracle`` (the best blocks for the group's true attention: an upper bound for any
 selection shared by a GQA group), ``oracle_per_head`` (each query head its own best blocks; not
 attainable with shared KV, reported for reference), ``slsap`` (the index with its defaults),
-``box_full_scan`` (the same score over every block: what the LSH may lose), ``quest_full_scan``
-(Quest's bound over every block), ``mean_key`` and ``recency`` (sink and newest blocks). All
-methods but the oracles keep the sink and the recent window.
+``box_full_scan`` (the same score over every block: what candidate selection may lose),
+``quest_full_scan`` (Quest's bound over every block), ``mean_key`` and ``recency`` (sink and
+newest blocks). All methods but the oracles keep the sink and the recent window.
 
 Lead time: the share of step ``p+1``'s selected (group, block) pairs that
 :meth:`~.index.SparseIndex.predict_next` named at step ``p``; ``lead_time_selection_only`` is the
