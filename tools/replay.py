@@ -11,8 +11,13 @@ sees the future (offline optimum) and is labelled so in ``offline``.
 runs every policy at 1, 5, 10 and 25 % on the trace, measures the pure SLSAP engine (block
 references per second with every call into the policy timed, and memory per tracked block),
 draws ``docs/benchmarks/slsap_replay.png`` and, with ``--record``, writes the ``slsap_replay``
-section of ``docs/benchmarks.md``. The daemon mode (replay against a running kvtierd) is a
-second :class:`kvtierd.replay.Driver`, not built yet.
+section of ``docs/benchmarks.md``.
+
+    python tools/replay.py --mode daemon --requests 1000 [--capacity 0.10] [--speed 4] [--record]
+
+replays against a real kvtierd (64 KiB blocks) with a queue-and-prefill-rate engine model, SLSAP
+off then on, and reports the share of blocks already in DRAM when READ came and READ's wait on
+the disk (``kvtierd.replay.daemon``).
 """
 
 from __future__ import annotations
@@ -55,10 +60,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--block-bytes", type=int, default=65536)
     parser.add_argument("--json", action="store_true", help="one JSON object on one line")
     parser.add_argument("--sweep", action="store_true", help="the benchmark: all policies, 4 sizes")
-    parser.add_argument("--record", action="store_true", help="with --sweep: record the results")
+    parser.add_argument("--record", action="store_true", help="record the results in docs/")
+    parser.add_argument("--mode", choices=("simulation", "daemon"), default="simulation")
+    parser.add_argument("--requests", type=int, default=0, help="replay only the first N")
+    parser.add_argument("--speed", type=float, default=4.0, help="daemon mode: time compression")
+    parser.add_argument(
+        "--prefill-tokens-s",
+        type=float,
+        default=100_000.0,
+        help="daemon mode: the engine model's prefill rate",
+    )
     args = parser.parse_args(argv)
     requests = read_mooncake(args.trace)
-    if args.sweep:
+    if args.requests:
+        requests = requests[: args.requests]
+    if args.mode == "daemon":
+        from replay_daemon import daemon_mode, record_daemon_mode
+
+        result = daemon_mode(
+            requests,
+            args.trace,
+            args.capacity,
+            block_bytes=args.block_bytes,
+            speed=args.speed,
+            prefill_tokens_s=args.prefill_tokens_s,
+        )
+        if args.record:
+            record_daemon_mode(result)
+    elif args.sweep:
         result = sweep(requests, args.trace, args.block_bytes)
         if args.record:
             record(result)

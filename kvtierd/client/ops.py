@@ -70,17 +70,23 @@ def _chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
     return [items[i : i + size] for i in range(0, len(items), size)] or [items]
 
 
-def lookup(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[int]:
-    """How many leading ``keys`` are stored (for the whole TP group)."""
+#: LOOKUP's tier codes, by name.
+TIER_NAMES = ("dram", "nvme", "pool")
+
+
+def lookup(ns: int, keys: Sequence[bytes], max_keys: int, promote: bool = True) -> Op[list[str]]:
+    """The tier of each leading stored key (the hit count is the length; for the whole TP
+    group). With ``promote`` the daemon starts moving the hits up to DRAM at once."""
+    tiers: list[str] = []
     if not keys:
-        return 0
-    hits = 0
+        return tiers
     for chunk in _chunks(keys, max_keys):
-        reply: LookupReply = yield LookupRequest(list(chunk)), ns
-        hits += reply.hits
+        reply: LookupReply = yield LookupRequest(list(chunk), promote), ns
+        tiers.extend(TIER_NAMES[t] if t < len(TIER_NAMES) else "other" for t in reply.tiers)
+        tiers.extend("?" for _ in range(reply.hits - len(reply.tiers)))
         if reply.hits < len(chunk):
             break
-    return hits
+    return tiers
 
 
 def read(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[tuple[list[int], list[Extent]]]:

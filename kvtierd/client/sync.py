@@ -239,8 +239,15 @@ class Namespace:
         c = self.client
         return c.run(ops.put(self.handle.ns, keys, blocks, self.block_bytes, c.arena, c.max_keys))
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        return self.client.run(ops.lookup(self.handle.ns, keys, self.client.max_keys))
+    def lookup(self, keys: Sequence[bytes], *, promote: bool = True) -> int:
+        """How many leading ``keys`` are stored (for the whole TP group); with ``promote`` the
+        daemon starts moving those hits up to DRAM now."""
+        return len(self.lookup_tiers(keys, promote=promote))
+
+    def lookup_tiers(self, keys: Sequence[bytes], *, promote: bool = True) -> list[str]:
+        """Like :meth:`lookup`, with the tier (``"dram"``, ``"nvme"``...) of each hit."""
+        c = self.client
+        return c.run(ops.lookup(self.handle.ns, keys, c.max_keys, promote))
 
     @contextlib.contextmanager
     def get(self, keys: Sequence[bytes]) -> Iterator[list[memoryview]]:

@@ -8,7 +8,9 @@ requests earliest first, each head first, within ``bandwidth_bytes_s`` for the n
 
 While no demand promotion is running, :meth:`Prefetcher.run` asks the DRAM policy for blocks it
 expects to be read again soon (ghosts denser than its weakest resident) and promotes those that
-the NVMe tier holds, at most ``bandwidth_bytes_s`` per second: demand reads always go first.
+the NVMe tier holds, at most ``bandwidth_bytes_s`` per second and only into free arena room:
+demand reads always go first, and a guess never displaces a resident block (measured on the
+Mooncake replay, displacing residents for reuse guesses cost more disk time than it saved).
 """
 
 from __future__ import annotations
@@ -119,7 +121,9 @@ class Prefetcher:
             await anyio.sleep(_TICK_S)
             if self._store.demand_promotions:
                 continue
-            budget = self.bandwidth_bytes_s * _TICK_S
+            # Reuse promotions only fill free arena room: a guess never displaces a resident
+            # (demand and prefix promotions evict by the policy as usual).
+            budget = min(self.bandwidth_bytes_s * _TICK_S, self._store.allocator.free_bytes)
             chosen: list[Block] = []
             for block_id in self._store.dram_policy.candidates(64):
                 block = self._store.index.by_id(block_id)

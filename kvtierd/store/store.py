@@ -75,7 +75,9 @@ class BlockStore:
         self.io_backend: IoBackend | None = None
         self.started_at = time.monotonic()
         self._seq = 0
-        self._promote_limit = anyio.CapacityLimiter(32)
+        # Background promotions share the disk with demand reads: keep their queue short so a
+        # READ that arrives behind them waits for few.
+        self._promote_limit = anyio.CapacityLimiter(8)
         self.counters = dict.fromkeys(
             (
                 "dram_hits",

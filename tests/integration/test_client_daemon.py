@@ -126,3 +126,15 @@ def test_namespace_can_be_reopened_from_its_listing_without_creating(
         with pytest.raises(BlockNotFoundError, match="does not exist"):
             client.namespace("typo", block_bytes=BLOCK, create=False)
         assert len(client.namespaces()) == 1
+
+
+def test_lookup_tiers_names_where_each_hit_is(daemon: DaemonProcess) -> None:
+    with connect(daemon.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 4), 16, ns.key_salt)
+        ns.put(keys[:3], _blocks(3))
+        assert ns.lookup_tiers(keys) == ["dram"] * 3
+        client.fsync()
+        client.evict()
+        assert ns.lookup_tiers(keys, promote=False) == ["nvme"] * 3
+        assert ns.lookup(keys, promote=False) == 3
