@@ -30,7 +30,7 @@ from rich.table import Table
 from kvtierd.client import Client, connect
 from kvtierd.testing import DaemonProcess
 
-ANSWER_TOKENS = 40
+ANSWER_TOKENS = 32
 SECOND_QUESTION = "Summarise what the document says about this in one sentence."
 
 

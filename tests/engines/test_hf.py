@@ -52,8 +52,8 @@ def loaded() -> smollm2.LoadedModel:
 @pytest.fixture(scope="module")
 def prompt(loaded: smollm2.LoadedModel) -> list[int]:
     ids = [int(t) for t in loaded.tokenizer(TEXT, add_special_tokens=False)["input_ids"]]
-    assert len(ids) >= 12 * BLOCK_TOKENS
-    return ids[: 12 * BLOCK_TOKENS]  # a multiple of the block size: the last block is whole
+    assert len(ids) >= 8 * BLOCK_TOKENS
+    return ids[: 8 * BLOCK_TOKENS]  # a multiple of the block size: the last block is whole
 
 
 @pytest.fixture
@@ -93,6 +93,8 @@ def _assert_same_cache(a: Any, b: Any) -> None:
 def test_restored_logits_equal_resident(adapter: Any, prompt: list[int], tier: str) -> None:
     import torch
 
+    from kvtierd.engines.hf_fidelity import compare, greedy_continue
+
     first = adapter.prefill(prompt)
     assert first.cached_tokens == 0
     assert first.stored_blocks == len(prompt) // BLOCK_TOKENS
@@ -108,17 +110,10 @@ def test_restored_logits_equal_resident(adapter: Any, prompt: list[int], tier: s
     assert restored.logits.dtype == torch.bfloat16  # the model's dtype, never cast
     assert torch.equal(restored.logits, logits)
     _assert_same_cache(restored.cache, cache)
-
-
-def test_greedy_continuation_is_bitwise_equal(loaded: Any, adapter: Any, prompt: list[int]) -> None:
-    from kvtierd.engines.hf_fidelity import compare, greedy_continue
-
-    first = adapter.prefill(prompt)
-    restored = adapter.prefill(prompt, store=False)
-    logits, cache = _resident(adapter, first.cache, prompt, restored.cached_tokens)
-    resident = greedy_continue(loaded.model, cache, logits, 8)
+    # And the continuation: restored (teacher-forced) against resident, bit for bit.
+    resident = greedy_continue(adapter.model, cache, logits, 4)
     replay = greedy_continue(
-        loaded.model, restored.cache, restored.logits, 8, forced=resident.tokens
+        adapter.model, restored.cache, restored.logits, 4, forced=resident.tokens
     )
     report = compare(resident, replay)
     assert report.bitwise_equal
@@ -218,3 +213,22 @@ def test_cache_in_another_dtype_is_refused(adapter: Any, prompt: list[int]) -> N
     with pytest.raises(LayoutMismatchError, match="float32"):
         adapter.store(prompt, as_fp32)
     assert adapter.lookup(prompt) == 0
+
+
+def test_prompts_have_the_exact_length_and_follow_ups_extend_them(loaded: Any) -> None:
+    from kvtierd.engines.hf_prompts import document_prompt, follow_up
+
+    tokenizer = loaded.tokenizer
+    prompt = document_prompt(tokenizer, TEXT, "Which year is it?", tokens=200)
+    assert len(prompt) == 200
+    text = tokenizer.decode(prompt)
+    assert text.startswith("<|im_start|>system")
+    assert text.endswith("Question: Which year is it?<|im_end|>\n<|im_start|>assistant\n")
+    answer = [int(t) for t in tokenizer("1775.", add_special_tokens=False)["input_ids"]]
+    second = follow_up(tokenizer, prompt, answer, "And where?")
+    assert second[: len(prompt) + len(answer)] == prompt + answer
+    assert tokenizer.decode(second[len(prompt) :]).endswith(
+        "1775.<|im_end|>\n<|im_start|>user\nAnd where?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with pytest.raises(ValueError, match="document has"):
+        document_prompt(tokenizer, TEXT, None, tokens=5000)
