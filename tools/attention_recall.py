@@ -187,11 +187,13 @@ def plot_and_record(result: dict[str, Any], data: str) -> None:
     sweep = result.get("sweep", {str(result["budget"]): result})
     budgets = sorted(sweep, key=float)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for m in (*MAIN_METHODS, "box_full_scan"):
+    for m in ("box_full_scan", *MAIN_METHODS):  # slsap is drawn over the scan it matches
         ax.plot(
             [float(b) for b in budgets],
             [sweep[b]["recall"][m] for b in budgets],
-            marker="o",
+            marker="s" if m == "box_full_scan" else "o",
+            markersize=9 if m == "box_full_scan" else 5,
+            linestyle="--" if m == "box_full_scan" else "-",
             label=m,
         )
     ax.set_xscale("log", base=2)
