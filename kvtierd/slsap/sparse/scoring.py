@@ -67,13 +67,16 @@ def box_log_mass(queries: F32, boxes: F32) -> F32:
     Exact when the block holds a single key (min == max): then it equals ``q.k / sqrt(d)``.
     """
     q = _scaled(queries)
-    a = q * boxes[..., None, 1, :]
-    b = q * boxes[..., None, 0, :]
-    hi = np.maximum(a, b)
-    width = np.maximum(hi - np.minimum(a, b), _TINY)
-    # log((e^hi - e^lo) / w) = hi + log((1 - e^-w) / w); stable for every w > 0.
-    spread = np.log(-np.expm1(-width) / width)
-    return np.asarray((hi + spread).sum(axis=-1), dtype=np.float32)
+    centre = (boxes[..., 1, :] + boxes[..., 0, :]) * np.float32(0.5)
+    radius = (boxes[..., 1, :] - boxes[..., 0, :]) * np.float32(0.5)
+    # Per coordinate the best corner gives hi = q c + |q| r and the box is w = 2 |q| r wide;
+    # log((e^hi - e^(hi - w)) / w) = hi + log((1 - e^-w) / w), stable for every w > 0.
+    best = np.einsum("...hd,...d->...h", q, centre) + np.einsum(
+        "...hd,...d->...h", np.abs(q), radius
+    )
+    width = np.maximum(np.abs(q) * (2 * radius)[..., None, :], _TINY)
+    spread = np.log(-np.expm1(-width) / width).sum(axis=-1)
+    return np.asarray(best + spread, dtype=np.float32)
 
 
 def group_mass(logits: F32, valid: npt.NDArray[np.bool_] | None = None) -> F32:
