@@ -232,9 +232,10 @@ class AsyncClient:
         tenant: str = "default",
         compression: str = "none",
         create: bool = True,
+        sparse: bool = False,
     ) -> AsyncNamespace:
         request = namespace_request(
-            name, block_bytes, layout, rank, world_size, tenant, compression, create
+            name, block_bytes, layout, rank, world_size, tenant, compression, create, sparse
         )
         reply = await self._call(request)
         assert isinstance(reply, OpenNsReply)
@@ -336,6 +337,24 @@ class AsyncNamespace:
 
     async def forget(self, keys: Sequence[bytes]) -> int:
         return await self.client.run(ops.forget(self.handle.ns, keys, self.client.max_keys))
+
+    async def hint_attention(
+        self,
+        chain: Sequence[bytes],
+        queries: Any,
+        *,
+        query_layers: Sequence[int],
+        budget_blocks: int,
+        session: bytes = b"",
+    ) -> tuple[list[bytes], list[bytes]]:
+        """Sparse attention for a namespace opened with ``sparse=True``: the keys of ``chain``
+        (the sequence's blocks in order) most likely to carry the attention mass of
+        ``queries`` (float32 post-RoPE ``[len(query_layers), q_heads, head_dim]``), at most
+        ``budget_blocks`` per (layer, KV head), best first, and the keys predicted for the next
+        decode step. The daemon starts promoting both at once."""
+        return await self.client.run(
+            ops.hint_attention(self.handle.ns, chain, queries, query_layers, budget_blocks, session)
+        )
 
     async def hint(self, queue: Sequence[Sequence[bytes]], *, session: bytes = b"") -> int:
         return await self.client.run(ops.hint(self.handle.ns, queue, session))

@@ -79,6 +79,7 @@ def namespace_request(
     tenant: str,
     compression: str,
     create: bool = True,
+    sparse: bool = False,
 ) -> OpenNsRequest:
     if isinstance(layout, dict):
         try:
@@ -87,7 +88,7 @@ def namespace_request(
             raise InvalidRequestError(f"invalid layout: {exc}") from exc
     try:
         request = OpenNsRequest(
-            name, block_bytes, layout, rank, world_size, tenant, compression, create
+            name, block_bytes, layout, rank, world_size, tenant, compression, create, sparse
         )
         # Validate bounds here so a bad argument fails like the daemon would, before sending.
         return msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=OpenNsRequest)

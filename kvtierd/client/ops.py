@@ -16,6 +16,8 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+
 from kvtierd.client.arena import ClientArena, as_bytes_view
 from kvtierd.errors import InvalidRequestError
 from kvtierd.protocol.messages import (
@@ -155,6 +157,30 @@ def forget(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[int]:
 def hint(ns: int, queue: Sequence[Sequence[bytes]], session: bytes) -> Op[int]:
     reply: HintReply = yield HintRequest(session, [list(k) for k in queue]), ns
     return reply.planned
+
+
+def hint_attention(
+    ns: int,
+    chain: Sequence[bytes],
+    queries: Any,
+    query_layers: Sequence[int],
+    budget_blocks: int,
+    session: bytes,
+) -> Op[tuple[list[bytes], list[bytes]]]:
+    """Sparse attention: ``(ranked, predicted)`` keys of ``chain`` for the step's ``queries``
+    (float32 ``[len(query_layers), q_heads, head_dim]``); the daemon starts promoting both."""
+    array = np.ascontiguousarray(queries, dtype=np.float32)
+    request = HintRequest(
+        session,
+        [],
+        list(chain),
+        array.tobytes(),
+        list(array.shape),
+        list(query_layers),
+        budget_blocks,
+    )
+    reply: HintReply = yield request, ns
+    return reply.ranked, reply.predicted
 
 
 def read_into(

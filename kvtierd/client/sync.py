@@ -158,11 +158,12 @@ class Client:
         tenant: str = "default",
         compression: str = "none",
         create: bool = True,
+        sparse: bool = False,
     ) -> Namespace:
         """Open a namespace, creating it unless ``create`` is false (then an unknown one
         raises ``BlockNotFoundError``); see ``docs/client.md``."""
         request = namespace_request(
-            name, block_bytes, layout, rank, world_size, tenant, compression, create
+            name, block_bytes, layout, rank, world_size, tenant, compression, create, sparse
         )
         reply = self._call(request)
         assert isinstance(reply, OpenNsReply)
@@ -268,6 +269,24 @@ class Namespace:
 
     def forget(self, keys: Sequence[bytes]) -> int:
         return self.client.run(ops.forget(self.handle.ns, keys, self.client.max_keys))
+
+    def hint_attention(
+        self,
+        chain: Sequence[bytes],
+        queries: Any,
+        *,
+        query_layers: Sequence[int],
+        budget_blocks: int,
+        session: bytes = b"",
+    ) -> tuple[list[bytes], list[bytes]]:
+        """Sparse attention for a namespace opened with ``sparse=True``: the keys of ``chain``
+        (the sequence's blocks in order) most likely to carry the attention mass of
+        ``queries`` (float32 post-RoPE ``[len(query_layers), q_heads, head_dim]``), at most
+        ``budget_blocks`` per (layer, KV head), best first, and the keys predicted for the next
+        decode step. The daemon starts promoting both at once."""
+        return self.client.run(
+            ops.hint_attention(self.handle.ns, chain, queries, query_layers, budget_blocks, session)
+        )
 
     def hint(self, queue: Sequence[Sequence[bytes]], *, session: bytes = b"") -> int:
         """Tell the daemon which key chains are queued; it promotes their hits."""

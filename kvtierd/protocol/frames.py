@@ -35,8 +35,9 @@ __all__ = [
 REQUEST_MAGIC = b"KVTQ"
 REPLY_MAGIC = b"KVTR"
 PROTOCOL_VERSION = 1
-#: Raised whenever a field is appended to a body (minor 1: ``OpenNsRequest.create``).
-PROTOCOL_MINOR = 1
+#: Raised whenever a field is appended to a body (minor 1: ``OpenNsRequest.create``; minor 2:
+#: ``OpenNsRequest.sparse`` and HINT's query fields).
+PROTOCOL_MINOR = 2
 HEADER_BYTES = 32
 #: A frame may never be larger than this unless INIT negotiated otherwise.
 DEFAULT_MAX_FRAME_BYTES = 1 << 20

@@ -123,6 +123,8 @@ class OpenNsRequest(Message, frozen=True):
     compression: Name = "none"
     #: ``False``: answer ``ENOENT`` instead of creating a namespace that does not exist yet.
     create: bool = True
+    #: Summarise committed blocks so HINT can rank them for query vectors (needs ``layout``).
+    sparse: bool = False
 
 
 class OpenNsReply(Message, frozen=True):
@@ -248,10 +250,23 @@ class HintRequest(Message, frozen=True):
 
     session: Session = b""
     queue: Annotated[list[Keys], msgspec.Meta(max_length=256)] = []
+    #: Sparse attention: the sequence's key chain, in order (block i = position i) ...
+    chain: Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)] = []
+    #: ... the decode step's float32 post-RoPE queries, C order, of shape ``query_shape``
+    #: ``[len(query_layers), q_heads, head_dim]`` (or with a steps axis before head_dim) ...
+    queries: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] = b""
+    query_shape: Annotated[list[U32], msgspec.Meta(max_length=4)] = []
+    query_layers: Annotated[list[U32], msgspec.Meta(max_length=1024)] = []
+    #: ... and how many blocks to keep per (layer, KV head).
+    budget_blocks: U32 = 0
 
 
 class HintReply(Message, frozen=True):
     planned: U32 = 0
+    #: Sparse attention: the chain's blocks to keep, best first; those to have on their way
+    #: for the next step.
+    ranked: list[bytes] = []
+    predicted: list[bytes] = []
 
 
 # -- daemon ---------------------------------------------------------------------------------

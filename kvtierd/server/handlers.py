@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import numpy as np
 
 from kvtierd import __version__
 from kvtierd.errors import AccessDeniedError, InvalidRequestError
@@ -97,8 +98,17 @@ async def open_ns(session: Session, header: RequestHeader, msg: OpenNsRequest) -
         compression = Compression(msg.compression)
     except ValueError:
         raise InvalidRequestError(f"unknown compression {msg.compression!r}") from None
+    if msg.sparse and msg.layout is None:
+        raise InvalidRequestError("a sparse namespace needs a layout")
     spec = NamespaceSpec(
-        msg.name, msg.tenant, msg.block_bytes, msg.layout, msg.rank, msg.world_size, compression
+        msg.name,
+        msg.tenant,
+        msg.block_bytes,
+        msg.layout,
+        msg.rank,
+        msg.world_size,
+        compression,
+        msg.sparse,
     )
     registry = session.daemon.store.registry
     ns, new = registry.open(spec, session.peer, create=msg.create)
@@ -165,7 +175,23 @@ async def fsync(session: Session, header: RequestHeader, msg: Message) -> Messag
 async def hint(session: Session, header: RequestHeader, msg: HintRequest) -> Message:
     ns = _namespace(session, header)
     store = session.daemon.store
-    return HintReply(store.prefetch(store.prefetcher.plan_queue(ns, msg.queue)))
+    planned = store.prefetch(store.prefetcher.plan_queue(ns, msg.queue))
+    if not msg.queries:
+        return HintReply(planned)
+    if not ns.spec.sparse:
+        raise InvalidRequestError("HINT with queries needs a namespace opened with sparse=True")
+    try:
+        queries = np.frombuffer(msg.queries, np.float32).reshape(msg.query_shape)
+    except ValueError as exc:
+        raise InvalidRequestError(f"queries do not have shape {msg.query_shape}: {exc}") from None
+    if msg.budget_blocks < 1:
+        raise InvalidRequestError("a sparse HINT needs budget_blocks >= 1")
+    selection = await store.sparse.select(
+        ns, msg.session, msg.chain, queries, msg.query_layers, msg.budget_blocks
+    )
+    for keys in (selection.ranked, selection.predicted):
+        planned += store.prefetch([b for k in keys if (b := store.index.get(ns, k)) is not None])
+    return HintReply(planned, selection.ranked, selection.predicted)
 
 
 async def statfs(session: Session, header: RequestHeader, msg: Message) -> Message:

@@ -59,7 +59,6 @@ _INLINE = frozenset(
         Opcode.STATFS,
         Opcode.LIST_NS,
         Opcode.EVICT,
-        Opcode.HINT,
         Opcode.DESTROY,
     }
 )

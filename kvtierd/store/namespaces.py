@@ -70,6 +70,8 @@ class NamespaceSpec(msgspec.Struct, frozen=True, array_like=True):
     rank: int
     world_size: int
     compression: Compression = Compression.NONE
+    #: Summarise committed blocks for sparse-attention retrieval (HINT with queries).
+    sparse: bool = False
 
     def validate(self) -> NamespaceSpec:
         """Return ``self`` or raise ``InvalidRequestError`` for an impossible combination."""

@@ -33,6 +33,7 @@ from kvtierd.store.policy import AccessContext, CachePolicy, ServedBy
 from kvtierd.store.prefetch import Prefetcher
 from kvtierd.store.records import checksum
 from kvtierd.store.slots import Slot, SlotAllocator
+from kvtierd.store.sparse import SparseRetrieval
 from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError
 from kvtierd.store.tracking import TierPolicy
 from kvtierd.store.writeback import WriteBack
@@ -68,6 +69,7 @@ class BlockStore:
         self.lower = lower
         self.lower_policy = TierPolicy(lower_policy, self.index)
         self.prefetcher = Prefetcher(self, prefetch_bytes_per_s)
+        self.sparse = SparseRetrieval()
         self.demand_promotions = 0
         self.writeback = WriteBack(self._write_back, writeback_workers)
         self.alloc_wait_s = alloc_wait_s
@@ -312,6 +314,19 @@ class BlockStore:
             if write.slots[i] is not None and given != actual:
                 self._abandon(write)
                 raise InvalidRequestError(f"block {i}: checksum mismatch (torn client write)")
+        if write.ns.spec.sparse:
+            try:
+                await self.sparse.summarise(
+                    write.ns,
+                    [
+                        (key, self._slot_view(slot)[: write.ns.spec.block_bytes])
+                        for key, slot in zip(write.keys, write.slots, strict=True)
+                        if slot is not None
+                    ],
+                )
+            except BaseException:
+                self._abandon(write)
+                raise
         return self._publish(write, sums)
 
     async def _checksum(self, slot: Slot | None, ns: Namespace) -> int:
@@ -410,6 +425,7 @@ class BlockStore:
             if block is None:
                 continue
             self.index.remove(block)
+            self.sparse.forget(block)
             if block.dram is not None and block.pins == 0:
                 self._drop_dram(block)
             if block.lower is not None:

@@ -1,0 +1,146 @@
+"""Sparse-attention retrieval served by the daemon (HINT with query vectors).
+
+For a namespace opened with ``sparse=True`` the daemon summarises every committed block (the
+element-wise min, max and mean key per layer and KV head, read straight from the block's arena
+slot in a worker thread) and keeps the summaries. A HINT that carries a sequence's key chain and
+the current decode step's query vectors is answered from a per-(namespace, session)
+:class:`~kvtierd.slsap.sparse.index.SparseIndex`: the blocks of the chain not yet indexed are
+added (block id = position in the chain), the index selects the blocks most likely to carry the
+attention mass within the budget (attention sink and recent window always in), and the daemon
+starts promoting them, then the blocks predicted for the next step. The ranking and the
+prediction go back to the engine as keys.
+
+The index is not thread-safe: each session's calls are serialised by a lock, and the CPU work
+runs in a worker thread so the event loop keeps serving. Sessions beyond ``max_sessions`` are
+dropped least recently used first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+
+from kvtierd.errors import InvalidRequestError
+from kvtierd.slsap.sparse import BlockLayout, SparseConfig, SparseIndex, summarize_block
+from kvtierd.store.index import Block
+from kvtierd.store.namespaces import Namespace
+
+__all__ = ["SparseRetrieval", "SparseSelection"]
+
+
+@dataclass(frozen=True, slots=True)
+class SparseSelection:
+    """Keys to promote now (ranked) and for the next decode step (predicted, not ranked)."""
+
+    ranked: list[bytes]
+    predicted: list[bytes]
+
+
+@dataclass
+class _Session:
+    index: SparseIndex
+    chain: list[bytes] = field(default_factory=list)
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+
+
+class SparseRetrieval:
+    """Summaries of sparse namespaces' blocks, and the sessions' indices."""
+
+    def __init__(self, max_sessions: int = 64) -> None:
+        self.max_sessions = max_sessions
+        self._summaries: dict[tuple[bytes, bytes], np.ndarray] = {}
+        self._sessions: OrderedDict[tuple[int, bytes], _Session] = OrderedDict()
+
+    @staticmethod
+    def layout_of(ns: Namespace) -> BlockLayout:
+        layout = ns.spec.layout
+        if layout is None:
+            raise InvalidRequestError("sparse retrieval needs a namespace with a layout")
+        return BlockLayout(
+            layout.layers, layout.kv_heads, layout.head_dim, layout.block_tokens, layout.dtype
+        )
+
+    async def summarise(self, ns: Namespace, blocks: Sequence[tuple[bytes, memoryview]]) -> None:
+        """Summarise blocks being committed to a sparse namespace: ``(key, arena bytes)``."""
+        layout = self.layout_of(ns)
+
+        def work() -> list[np.ndarray]:
+            return [
+                summarize_block(view, layout).stacked().astype(np.float16) for _, view in blocks
+            ]
+
+        for (key, _), summary in zip(blocks, await anyio.to_thread.run_sync(work), strict=True):
+            self._summaries[(ns.digest, key)] = summary
+
+    def forget(self, block: Block) -> None:
+        self._summaries.pop(block.id, None)
+
+    async def select(
+        self,
+        ns: Namespace,
+        session: bytes,
+        chain: Sequence[bytes],
+        queries: np.ndarray,
+        query_layers: Sequence[int],
+        budget_blocks: int,
+    ) -> SparseSelection:
+        """Rank the chain's blocks for ``queries`` (``[len(query_layers), q_heads, head_dim]``)."""
+        if not chain:
+            raise InvalidRequestError("a sparse HINT needs the sequence's key chain")
+        entry = self._session(ns, session, queries, query_layers)
+        async with entry.lock:
+            if list(chain[: len(entry.chain)]) != entry.chain:  # another sequence: start over
+                entry.index = SparseIndex(entry.index.config)
+                entry.chain = []
+            new = [
+                (position, self._summaries.get((ns.digest, key)))
+                for position, key in enumerate(chain)
+                if position >= len(entry.chain)
+            ]
+            entry.chain = list(chain)
+
+            def work() -> tuple[np.ndarray, np.ndarray]:
+                known = [(p, s) for p, s in new if s is not None]
+                if known:
+                    positions = np.asarray([p for p, _ in known], dtype=np.int64)
+                    layers = list(entry.index.config.layers)
+                    boxes = np.stack([s[layers] for _, s in known]).astype(np.float32)
+                    entry.index.insert_many(positions, positions, boxes)
+                if not len(entry.index):
+                    return np.empty(0, np.int64), np.empty(0, np.int64)
+                selection = entry.index.select(queries, budget_blocks)
+                return selection.blocks(), np.unique(entry.index.predict_next(selection))
+
+            ranked, predicted = await anyio.to_thread.run_sync(work)
+        chosen = {int(p) for p in ranked}
+        return SparseSelection(
+            [chain[int(p)] for p in ranked],
+            [chain[int(p)] for p in predicted if p >= 0 and int(p) not in chosen],
+        )
+
+    def _session(
+        self, ns: Namespace, session: bytes, queries: np.ndarray, query_layers: Sequence[int]
+    ) -> _Session:
+        layout = self.layout_of(ns)
+        if queries.ndim not in (3, 4) or queries.shape[0] != len(query_layers):
+            raise InvalidRequestError(
+                "queries must be [len(query_layers), q_heads, (steps,) head_dim]"
+            )
+        if queries.shape[-1] != layout.head_dim or max(query_layers, default=-1) >= layout.layers:
+            raise InvalidRequestError("queries do not match the namespace layout")
+        config = SparseConfig(
+            tuple(query_layers), queries.shape[1], layout.kv_heads, layout.head_dim
+        )
+        key = (ns.id, session)
+        entry = self._sessions.get(key)
+        if entry is None or entry.index.config != config:
+            entry = _Session(SparseIndex(config))
+            self._sessions[key] = entry
+        self._sessions.move_to_end(key)
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+        return entry
