@@ -23,9 +23,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from kvtierd.client import ops
 from kvtierd.client.arena import ClientArena
 from kvtierd.client.base import (
-    NamespaceHandle,
+    NamespaceBase,
     as_dict,
     check_init,
+    handle_of,
     init_request,
     message_of,
     namespace_request,
@@ -46,7 +47,6 @@ from kvtierd.protocol.messages import (
     ListNsReply,
     ListNsRequest,
     Message,
-    OpenNsReply,
     ReadReply,
     ReleaseRequest,
     StatfsReply,
@@ -238,18 +238,7 @@ class AsyncClient:
             name, block_bytes, layout, rank, world_size, tenant, compression, create, sparse
         )
         reply = await self._call(request)
-        assert isinstance(reply, OpenNsReply)
-        handle = NamespaceHandle(
-            reply.ns,
-            name,
-            block_bytes,
-            reply.key_salt,
-            reply.digest,
-            request.layout,
-            rank,
-            world_size,
-        )
-        return AsyncNamespace(self, handle)
+        return AsyncNamespace(self, handle_of(request, reply))
 
     async def fsync(self) -> int:
         reply = await self._call(FsyncRequest())
@@ -287,20 +276,8 @@ class AsyncClient:
             self._arena = None
 
 
-class AsyncNamespace:
+class AsyncNamespace(NamespaceBase[AsyncClient]):
     """Blocks of one namespace, through an :class:`AsyncClient`."""
-
-    def __init__(self, client: AsyncClient, handle: NamespaceHandle) -> None:
-        self.client = client
-        self.handle = handle
-
-    @property
-    def key_salt(self) -> bytes:
-        return self.handle.key_salt
-
-    @property
-    def block_bytes(self) -> int:
-        return self.handle.block_bytes
 
     async def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
         c = self.client

@@ -10,7 +10,7 @@ import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -24,11 +24,22 @@ from kvtierd.errors import (
     RemoteProtocolError,
 )
 from kvtierd.protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, ReplyReceived
-from kvtierd.protocol.messages import InitReply, InitRequest, Layout, Message, OpenNsRequest
+from kvtierd.protocol.messages import (
+    InitReply,
+    InitRequest,
+    Layout,
+    Message,
+    OpenNsReply,
+    OpenNsRequest,
+)
+
+ClientT = TypeVar("ClientT")
 
 __all__ = [
+    "NamespaceBase",
     "NamespaceHandle",
     "as_dict",
+    "handle_of",
     "init_request",
     "message_of",
     "namespace_request",
@@ -49,6 +60,39 @@ class NamespaceHandle:
     layout: Layout | None
     rank: int
     world_size: int
+
+
+def handle_of(request: OpenNsRequest, reply: Message) -> NamespaceHandle:
+    """The handle of the namespace ``reply`` opened for ``request``."""
+    if not isinstance(reply, OpenNsReply):
+        raise RemoteProtocolError("OPEN_NS was not answered with OPEN_NS")
+    return NamespaceHandle(
+        reply.ns,
+        request.name,
+        request.block_bytes,
+        reply.key_salt,
+        reply.digest,
+        request.layout,
+        request.rank,
+        request.world_size,
+    )
+
+
+class NamespaceBase(Generic[ClientT]):
+    """What the sync and async namespaces share: their client and handle."""
+
+    def __init__(self, client: ClientT, handle: NamespaceHandle) -> None:
+        self.client = client
+        self.handle = handle
+
+    @property
+    def key_salt(self) -> bytes:
+        """Pass as ``salt`` to :func:`kvtierd.keys.chain_keys`."""
+        return self.handle.key_salt
+
+    @property
+    def block_bytes(self) -> int:
+        return self.handle.block_bytes
 
 
 def resolve_socket(socket_path: str | os.PathLike[str] | None) -> Path:

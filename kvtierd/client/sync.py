@@ -18,9 +18,10 @@ from typing import Any, TypeVar
 from kvtierd.client import ops
 from kvtierd.client.arena import ClientArena
 from kvtierd.client.base import (
-    NamespaceHandle,
+    NamespaceBase,
     as_dict,
     check_init,
+    handle_of,
     init_request,
     message_of,
     namespace_request,
@@ -39,7 +40,6 @@ from kvtierd.protocol.messages import (
     ListNsReply,
     ListNsRequest,
     Message,
-    OpenNsReply,
     StatfsReply,
     StatfsRequest,
 )
@@ -166,18 +166,7 @@ class Client:
             name, block_bytes, layout, rank, world_size, tenant, compression, create, sparse
         )
         reply = self._call(request)
-        assert isinstance(reply, OpenNsReply)
-        handle = NamespaceHandle(
-            reply.ns,
-            name,
-            block_bytes,
-            reply.key_salt,
-            reply.digest,
-            request.layout,
-            rank,
-            world_size,
-        )
-        return Namespace(self, handle)
+        return Namespace(self, handle_of(request, reply))
 
     def fsync(self) -> int:
         """Block until every block committed so far is durable; returns durable blocks."""
@@ -220,21 +209,8 @@ class Client:
         self.close()
 
 
-class Namespace:
+class Namespace(NamespaceBase[Client]):
     """Blocks of one namespace, through a :class:`Client`."""
-
-    def __init__(self, client: Client, handle: NamespaceHandle) -> None:
-        self.client = client
-        self.handle = handle
-
-    @property
-    def key_salt(self) -> bytes:
-        """Pass as ``salt`` to :func:`kvtierd.keys.chain_keys`."""
-        return self.handle.key_salt
-
-    @property
-    def block_bytes(self) -> int:
-        return self.handle.block_bytes
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
         c = self.client
