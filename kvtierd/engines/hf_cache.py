@@ -4,11 +4,12 @@ A block is a C-contiguous ``[2L, kv_heads, block_tokens, head_dim]`` tensor: pla
 layer ``l``'s K, plane ``2l + 1`` its V. A cache layer is ``[1, kv_heads, tokens, head_dim]``.
 Block ``b`` of a layer is therefore the token slice ``[b * bt, (b + 1) * bt)``; a run of ``n``
 adjacent blocks, seen as ``[kv_heads, n, bt, head_dim]`` (a split of the token dimension, always
-a view), matches the run's plane permuted to heads-first, so each (run, plane) moves with one
-strided ``copy_``.
+a view), matches the run's plane permuted to heads-first.
 
-Restore direction: :class:`RestoredLayer` keeps the prefix in the leased arena blocks and
-copies it out once, into the tensor that also receives the forward's new states.
+Restore direction: :class:`RestoredLayer` keeps the prefix in the leased arena blocks; the first
+layer the forward reaches copies every plane of every run at once (one strided ``copy_`` per
+run: the daemon may scatter blocks over the arena, and a copy per block and plane would cost
+thousands of calls) into one tensor that also has room for the forward's new states.
 Store direction: :func:`gather_blocks` copies token ranges of a cache into block order.
 """
 
@@ -48,23 +49,54 @@ class BlockRun:
 class ArenaPrefix:
     """The restored prefix that every :class:`RestoredLayer` of one cache still points into.
 
-    ``pending_layers`` counts the layers that have not copied their part out yet: the lease on
-    the blocks may go only when it is 0.
+    The first layer to need its tensors copies the whole prefix, every plane, out of the arena
+    into one ``[2L, kv_heads, tokens + extra, head_dim]`` tensor (``planes``), one strided copy
+    per run however the daemon placed the blocks; each layer then keeps views of its two
+    planes. ``pending_layers`` counts the layers that still point into the arena: the lease on
+    the blocks may go only when it is 0 (or after :meth:`RestoredLayer.discard`).
     """
 
     runs: list[BlockRun]
     tokens: int
     block_tokens: int
     pending_layers: int
+    planes: torch.Tensor | None = None
+    extra: int = 0
+
+    def copy_out(self, extra: int) -> torch.Tensor:
+        """``planes``, copied out of the arena on the first call with room for ``extra`` more
+        tokens after the prefix."""
+        if self.planes is None:
+            first = self.runs[0].view
+            count, heads, head_dim = first.shape[1], first.shape[2], first.shape[4]
+            shape = (count, heads, self.tokens + extra, head_dim)
+            planes = torch.empty(shape, dtype=first.dtype)
+            for run in self.runs:
+                _copy_run(planes, run, self.block_tokens)
+            self.planes, self.extra = planes, extra
+        return self.planes
+
+
+def _copy_run(planes: torch.Tensor, run: BlockRun, bt: int) -> None:
+    """Copy ``run`` (``[blocks, 2L, heads, bt, dim]``) into ``planes`` ``[2L, heads, T, dim]``."""
+    count, heads, _, head_dim = planes.shape
+    full, rest = divmod(run.tokens, bt)
+    if full:
+        target = planes[:, :, run.start : run.start + full * bt, :]
+        target.view(count, heads, full, bt, head_dim).copy_(run.view[:full].permute(1, 2, 0, 3, 4))
+    if rest:
+        begin = run.start + full * bt
+        planes[:, :, begin : begin + rest, :].copy_(run.view[full, :, :, :rest, :])
 
 
 class RestoredLayer(DynamicLayer):  # type: ignore[no-untyped-call]
     """A ``DynamicLayer`` whose first ``tokens`` positions still lie in leased arena blocks.
 
-    Its first ``update`` (the forward over the suffix) allocates ``[1, kv_heads, prefix + new,
-    head_dim]`` tensors and copies the prefix out of the arena and the new states after it: one
-    copy, the same one ``DynamicLayer`` makes with ``torch.cat``. Reading ``keys`` or ``values``
-    earlier copies the prefix alone. From then on it is a plain ``DynamicLayer``.
+    Its first ``update`` (the forward over the suffix) takes views of its planes in the
+    prefix's copy (:meth:`ArenaPrefix.copy_out`, made by the first layer with room for the new
+    tokens) and writes the new states after the prefix: one copy of the prefix, the same one
+    ``DynamicLayer`` makes with ``torch.cat``. Reading ``keys`` or ``values`` earlier copies the
+    prefix alone. From then on it is a plain ``DynamicLayer``.
     """
 
     def __init__(self, prefix: ArenaPrefix, index: int) -> None:
@@ -134,34 +166,22 @@ class RestoredLayer(DynamicLayer):  # type: ignore[no-untyped-call]
     def _materialise(self, new_keys: torch.Tensor | None, new_values: torch.Tensor | None) -> None:
         prefix = self._prefix
         assert prefix is not None
-        first = prefix.runs[0].view
-        heads, head_dim = first.shape[2], first.shape[4]
-        outs: list[torch.Tensor] = []
-        for half, new in ((0, new_keys), (1, new_values)):
-            extra = 0 if new is None else new.shape[-2]
-            out = torch.empty((1, heads, prefix.tokens + extra, head_dim), dtype=first.dtype)
-            _copy_prefix(out[0], prefix, 2 * self._index + half)
-            if new is not None:
-                out[:, :, prefix.tokens :, :].copy_(new)
-            outs.append(out)
-        self._keys, self._values = outs
+        extra = 0 if new_keys is None else new_keys.shape[-2]
+        planes = prefix.copy_out(extra)
+        keys, values = planes[2 * self._index], planes[2 * self._index + 1]
+        tokens = prefix.tokens
+        if prefix.extra == extra:
+            if new_keys is not None and new_values is not None:
+                keys[:, tokens:, :].copy_(new_keys[0])
+                values[:, tokens:, :].copy_(new_values[0])
+            self._keys, self._values = keys[None], values[None]
+        else:  # copied out earlier with another length: the prefix, then the usual append
+            self._keys, self._values = keys[None, :, :tokens], values[None, :, :tokens]
+            if new_keys is not None and new_values is not None:
+                self._keys = torch.cat([self._keys, new_keys], dim=-2)
+                self._values = torch.cat([self._values, new_values], dim=-2)
         prefix.pending_layers -= 1
         self._prefix = None
-
-
-def _copy_prefix(out: torch.Tensor, prefix: ArenaPrefix, plane: int) -> None:
-    """Copy ``plane`` (``2 * layer + half``) of every run into ``out`` ``[heads, T, dim]``."""
-    bt = prefix.block_tokens
-    heads, head_dim = out.shape[0], out.shape[2]
-    for run in prefix.runs:
-        source = run.view[:, plane]  # [blocks, heads, bt, dim]
-        full, rest = divmod(run.tokens, bt)
-        if full:
-            target = out[:, run.start : run.start + full * bt, :].view(heads, full, bt, head_dim)
-            target.copy_(source[:full].permute(1, 0, 2, 3))
-        if rest:
-            begin = run.start + full * bt
-            out[:, begin : begin + rest, :].copy_(source[full, :, :rest, :])
 
 
 def restored_cache(
