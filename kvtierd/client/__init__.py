@@ -5,6 +5,7 @@ Both speak the same protocol with the same semantics; every daemon errno raises 
 """
 
 from kvtierd.client.aio import AsyncClient, AsyncNamespace, connect_async
+from kvtierd.client.blocks import BlockLease, BlockWrite
 from kvtierd.client.sync import Client, Namespace, connect
 from kvtierd.errors import (
     AccessDeniedError,
@@ -26,7 +27,9 @@ __all__ = [
     "AccessDeniedError",
     "AsyncClient",
     "AsyncNamespace",
+    "BlockLease",
     "BlockNotFoundError",
+    "BlockWrite",
     "BrokenConnectionError",
     "BusyError",
     "Client",

@@ -33,6 +33,7 @@ from kvtierd.client.base import (
     not_running,
     resolve_socket,
 )
+from kvtierd.client.blocks import BlockLease, BlockWrite, release_views
 from kvtierd.errors import BrokenConnectionError, KvtierError
 from kvtierd.protocol import NEED_DATA, ClientConnection, ConnectionClosed, ReplyReceived
 from kvtierd.protocol.messages import (
@@ -297,16 +298,37 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
 
     @contextlib.asynccontextmanager
     async def get(self, keys: Sequence[bytes]) -> AsyncIterator[list[memoryview]]:
+        async with self.lease(keys) as lease:
+            yield lease.views
+
+    @contextlib.asynccontextmanager
+    async def lease(self, keys: Sequence[bytes]) -> AsyncIterator[BlockLease]:
+        """As :meth:`Namespace.lease`; the lease ends when the ``async with`` block does."""
         c = self.client
         leases, extents = await c.run(ops.read(self.handle.ns, keys, c.max_keys))
-        views = [c.arena.view(e.offset, e.length) for e in extents]
+        lease = BlockLease(list(keys), extents, [c.arena.view(e.offset, e.length) for e in extents])
         try:
-            yield views
+            yield lease
         finally:
-            for view in views:
-                view.release()
+            lease.release()
             with anyio.CancelScope(shield=True):
                 await c.run(ops.release(leases))
+
+    @contextlib.asynccontextmanager
+    async def write(self, keys: Sequence[bytes]) -> AsyncIterator[BlockWrite]:
+        """As :meth:`Namespace.write`: fill the slots in place; committed on a normal exit."""
+        c = self.client
+        writes, extents = await c.run(ops.alloc(self.handle.ns, keys, c.max_keys))
+        views = [c.arena.writable(e.offset, e.length) if e.length else None for e in extents]
+        try:
+            yield BlockWrite(list(keys), views)
+        except BaseException:
+            release_views(views)
+            with anyio.CancelScope(shield=True):
+                await c.run(ops.commit(self.handle.ns, writes, abort=True))
+            raise
+        release_views(views)
+        await c.run(ops.commit(self.handle.ns, writes))
 
     async def read_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
         c = self.client

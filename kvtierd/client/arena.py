@@ -53,6 +53,16 @@ class ClientArena:
         self._check(offset, length)
         return self._view[offset : offset + length].toreadonly()
 
+    def writable(self, offset: int, length: int) -> memoryview:
+        """A writable view of an allocated slot (valid until its write is committed)."""
+        self._check(offset, length)
+        return self._view[offset : offset + length]
+
+    def buffer(self) -> memoryview:
+        """The whole arena, read-only: an engine may wrap it once (``torch.frombuffer``) and
+        index it with the extents of its leases instead of making a view per block."""
+        return self._view.toreadonly()
+
     def close(self) -> None:
         self._view.release()
         with contextlib.suppress(BufferError):  # a caller's view keeps the mapping alive

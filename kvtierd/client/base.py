@@ -94,6 +94,11 @@ class NamespaceBase(Generic[ClientT]):
     def block_bytes(self) -> int:
         return self.handle.block_bytes
 
+    @property
+    def layout(self) -> Layout | None:
+        """The layout the namespace was opened with."""
+        return self.handle.layout
+
 
 def resolve_socket(socket_path: str | os.PathLike[str] | None) -> Path:
     return Path(socket_path) if socket_path is not None else default_socket_path()

@@ -42,6 +42,8 @@ __all__ = [
     "Call",
     "NoWait",
     "Op",
+    "alloc",
+    "commit",
     "forget",
     "hint",
     "lookup",
@@ -142,6 +144,30 @@ def put(
             yield CommitRequest(alloc.write, abort=True), ns
             raise
         reply: CommitReply = yield CommitRequest(alloc.write), ns
+        stored += reply.committed
+    return stored
+
+
+def alloc(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[tuple[list[int], list[Extent]]]:
+    """ALLOC slots for ``keys``: ``(write ids, extents)``; aborts what it got if a chunk fails."""
+    writes: list[int] = []
+    extents: list[Extent] = []
+    try:
+        for chunk in _chunks(keys, max_keys):
+            reply: AllocReply = yield AllocRequest(list(chunk)), ns
+            writes.append(reply.write)
+            extents.extend(reply.extents)
+    except BaseException:
+        yield from commit(ns, writes, abort=True)
+        raise
+    return writes, extents
+
+
+def commit(ns: int, writes: Sequence[int], *, abort: bool = False) -> Op[int]:
+    """COMMIT (or abort) every write; returns the keys now stored."""
+    stored = 0
+    for write in writes:
+        reply: CommitReply = yield CommitRequest(write, abort=abort), ns
         stored += reply.committed
     return stored
 

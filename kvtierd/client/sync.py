@@ -28,6 +28,7 @@ from kvtierd.client.base import (
     not_running,
     resolve_socket,
 )
+from kvtierd.client.blocks import BlockLease, BlockWrite, release_views
 from kvtierd.errors import BrokenConnectionError, KvtierError, TimedOutError
 from kvtierd.protocol import NEED_DATA, ClientConnection, ConnectionClosed, ReplyReceived
 from kvtierd.protocol.messages import (
@@ -168,6 +169,10 @@ class Client:
         reply = self._call(request)
         return Namespace(self, handle_of(request, reply))
 
+    def arena_buffer(self) -> memoryview:
+        """The whole shared arena, read-only (index it with lease extents)."""
+        return self.arena.buffer()
+
     def fsync(self) -> int:
         """Block until every block committed so far is durable; returns durable blocks."""
         reply = self._call(FsyncRequest())
@@ -229,15 +234,39 @@ class Namespace(NamespaceBase[Client]):
     @contextlib.contextmanager
     def get(self, keys: Sequence[bytes]) -> Iterator[list[memoryview]]:
         """Read-only views of the blocks, valid inside the ``with`` block."""
+        with self.lease(keys) as lease:
+            yield lease.views
+
+    @contextlib.contextmanager
+    def lease(self, keys: Sequence[bytes]) -> Iterator[BlockLease]:
+        """Lease the blocks: views and extents (offsets into :meth:`Client.arena_buffer`),
+        valid until the ``with`` block ends or ``release()`` is called."""
         c = self.client
         leases, extents = c.run(ops.read(self.handle.ns, keys, c.max_keys))
         views = [c.arena.view(e.offset, e.length) for e in extents]
+        lease = BlockLease(list(keys), extents, views, lambda: c.run(ops.release(leases)))
         try:
-            yield views
+            yield lease
         finally:
-            for view in views:
-                view.release()
-            c.run(ops.release(leases))
+            lease.release()
+
+    @contextlib.contextmanager
+    def write(self, keys: Sequence[bytes]) -> Iterator[BlockWrite]:
+        """Writable arena slots for the keys not stored yet (``None`` for the others): fill
+        them in place, and they are committed when the ``with`` block ends (abandoned, never
+        visible, if it raises). The zero-copy form of :meth:`put`."""
+        c = self.client
+        writes, extents = c.run(ops.alloc(self.handle.ns, keys, c.max_keys))
+        views = [c.arena.writable(e.offset, e.length) if e.length else None for e in extents]
+        block = BlockWrite(list(keys), views)
+        try:
+            yield block
+        except BaseException:
+            release_views(views)
+            c.run(ops.commit(self.handle.ns, writes, abort=True))
+            raise
+        release_views(views)
+        c.run(ops.commit(self.handle.ns, writes))
 
     def read_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
         c = self.client

@@ -138,3 +138,48 @@ def test_lookup_tiers_names_where_each_hit_is(daemon: DaemonProcess) -> None:
         client.evict()
         assert ns.lookup_tiers(keys, promote=False) == ["nvme"] * 3
         assert ns.lookup(keys, promote=False) == 3
+
+
+def test_write_in_place_then_lease_without_copies(daemon: DaemonProcess) -> None:
+    with connect(daemon.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 4), 16, ns.key_salt)
+        ns.put(keys[:1], _blocks(1))
+        with ns.write(keys) as block:
+            assert block.views[0] is None  # already stored: skipped
+            for i, view in enumerate(block.views[1:], start=1):
+                assert view is not None
+                np.frombuffer(view, np.uint8)[:] = i  # fill in place
+            assert ns.lookup(keys) == 1  # nothing visible before the commit
+        assert ns.lookup(keys) == 4
+        with ns.lease(keys[1:]) as lease:
+            arena = np.frombuffer(client.arena_buffer(), np.uint8)
+            for i, extent in enumerate(lease.extents, start=1):
+                assert (arena[extent.offset : extent.offset + extent.length] == i).all()
+            held = np.frombuffer(lease.views[0], np.uint8)  # an array still wrapping a view
+            lease.release()
+            assert held[0] == 1
+        assert client.stats()["leases"] == 0
+
+
+def test_a_write_that_raises_is_never_visible(daemon: DaemonProcess) -> None:
+    with connect(daemon.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 2), 16, ns.key_salt)
+        with pytest.raises(RuntimeError), ns.write(keys):
+            raise RuntimeError("the engine failed mid-copy")
+        assert ns.lookup(keys) == 0
+        assert client.stats()["pending_writes"] == 0
+
+
+@pytest.mark.anyio
+async def test_async_write_and_lease(daemon: DaemonProcess) -> None:
+    async with connect_async(daemon.socket) as client:
+        ns = await client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 2), 16, ns.key_salt)
+        async with ns.write(keys) as block:
+            for view in block.views:
+                assert view is not None
+                np.frombuffer(view, np.uint8)[:] = 9
+        async with ns.lease(keys) as lease:
+            assert all(v[0] == 9 for v in lease.views)
