@@ -131,7 +131,9 @@ class NvmeConfig(_Section):
     segment_bytes: ByteSize = ByteSize(64 << 20)
     writeback_concurrency: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
     preallocate: bool = True
-    policy: PolicyKind = PolicyKind.SLSAP
+    #: LRU by default: the disk tier evicts rarely, and a second reuse model would double the
+    #: per-LOOKUP telemetry cost.
+    policy: PolicyKind = PolicyKind.LRU
 
     def __post_init__(self) -> None:
         if self.size and self.size < 64 << 20:

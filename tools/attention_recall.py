@@ -33,8 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
-from loogle import read_documents
 
+from kvtierd.engines.hf_prompts import read_qa_documents
 from kvtierd.engines.smollm2 import LoadedModel, ModelDType, load_smollm2
 from kvtierd.slsap.sparse import SparseConfig
 from kvtierd.slsap.sparse.recall import METHODS, SequenceRecall, evaluate_sequence
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = SparseConfig.for_model(loaded.layers, loaded.q_heads, loaded.kv_heads, loaded.head_dim)
     per_budget: dict[float, list[SequenceRecall]] = {b: [] for b in budgets}
     docs_out: list[dict[str, Any]] = []
-    for doc in read_documents(args.data, args.docs):
+    for doc in read_qa_documents(args.data)[: args.docs]:
         ids = loaded.tokenizer(doc.text)["input_ids"][: min(args.tokens, loaded.max_positions)]
         started = time.perf_counter()
         q, k, err = capture(loaded, ids, args.queries, check_layer=min(5, loaded.layers - 1))

@@ -43,8 +43,9 @@ MiB = 1 << 20
 
 def _fill(ns: Any, keys: list[bytes], block_bytes: int) -> None:
     block = np.random.default_rng(7).integers(0, 256, block_bytes, dtype=np.uint8)
-    for i in range(0, len(keys), 16):
-        chunk = keys[i : i + 16]
+    step = max(1, min(16, (256 * MiB) // block_bytes))
+    for i in range(0, len(keys), step):
+        chunk = keys[i : i + step]
         ns.put(chunk, [block] * len(chunk))
 
 
@@ -76,7 +77,7 @@ def bench_cold(
     count = total_bytes // block_bytes
     dram = max(256 * MiB, 2 * qd * block_bytes + 64 * MiB)
     with DaemonProcess(
-        workdir / "cold",
+        workdir / f"cold-{block_bytes >> 20}M",  # size classes do not share disk space
         dram_size=f"{dram >> 20}M",
         nvme_size=f"{(count * (block_bytes + 8192) + 256 * MiB) >> 20}M",
     ) as d:

@@ -68,8 +68,10 @@ class Prefetcher:
         return request_id
 
     def request_for_read(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        """The id of the LOOKUP that named this prefix, or -1 (a READ without a LOOKUP)."""
-        return self._recent.pop((ns.digest, keys[0]), -1) if keys else -1
+        """The id of the LOOKUP that named this prefix; a READ without one is observed as a
+        request of its own (one batched observation instead of one per block)."""
+        request_id = self._recent.pop((ns.digest, keys[0]), -1) if keys else -1
+        return request_id if request_id >= 0 else self.on_lookup(ns, keys)
 
     def plan_queue(self, ns: Namespace, queue: Sequence[Sequence[bytes]]) -> list[Block]:
         """The blocks to promote for an engine's queue (HINT), in the order to promote them."""
@@ -104,11 +106,12 @@ class Prefetcher:
         return block is not None and block.lower is not None
 
     async def run(self) -> None:
-        """Promote reuse candidates while the disk is idle, until cancelled."""
-        if not self.bandwidth_bytes_s or self._store.lower is None or self._stopped:
+        """Between requests: apply the policies' deferred telemetry and, while the disk is
+        idle, promote reuse candidates; until :meth:`stop`."""
+        if self._stopped:
             return
         with anyio.CancelScope() as self._scope:
-            await self._promote_reuse_forever()
+            await self._tick_forever()
 
     def stop(self) -> None:
         """End :meth:`run` (the store is closing)."""
@@ -116,21 +119,26 @@ class Prefetcher:
         if self._scope is not None:
             self._scope.cancel()
 
-    async def _promote_reuse_forever(self) -> None:
+    async def _tick_forever(self) -> None:
+        store = self._store
         while True:
             await anyio.sleep(_TICK_S)
-            if self._store.demand_promotions:
+            store.dram_policy.flush()
+            store.lower_policy.flush()
+            if self.bandwidth_bytes_s and store.lower is not None and not store.demand_promotions:
+                self._promote_reuse()
+
+    def _promote_reuse(self) -> None:
+        # Reuse promotions only fill free arena room: a guess never displaces a resident
+        # (demand and prefix promotions evict by the policy as usual).
+        budget = min(self.bandwidth_bytes_s * _TICK_S, self._store.allocator.free_bytes)
+        chosen: list[Block] = []
+        for block_id in self._store.dram_policy.candidates(64):
+            block = self._store.index.by_id(block_id)
+            if block is None or block.resident or block.lower is None:
                 continue
-            # Reuse promotions only fill free arena room: a guess never displaces a resident
-            # (demand and prefix promotions evict by the policy as usual).
-            budget = min(self.bandwidth_bytes_s * _TICK_S, self._store.allocator.free_bytes)
-            chosen: list[Block] = []
-            for block_id in self._store.dram_policy.candidates(64):
-                block = self._store.index.by_id(block_id)
-                if block is None or block.resident or block.lower is None:
-                    continue
-                if budget < block.ref.raw_bytes:
-                    break
-                budget -= block.ref.raw_bytes
-                chosen.append(block)
-            self._store.prefetch(chosen)
+            if budget < block.ref.raw_bytes:
+                break
+            budget -= block.ref.raw_bytes
+            chosen.append(block)
+        self._store.prefetch(chosen)
