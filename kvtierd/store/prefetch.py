@@ -123,8 +123,8 @@ class Prefetcher:
         store = self._store
         while True:
             await anyio.sleep(_TICK_S)
-            store.dram_policy.flush()
-            store.lower_policy.flush()
+            await store.dram_policy.flush_gradually()
+            await store.lower_policy.flush_gradually()
             if self.bandwidth_bytes_s and store.lower is not None and not store.demand_promotions:
                 self._promote_reuse()
 

@@ -8,9 +8,12 @@ translates between the two so the store can speak in blocks.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 from typing import Protocol, runtime_checkable
+
+import anyio.lowlevel
 
 from kvtierd.store.index import Block, BlockIndex
 from kvtierd.store.policy import AccessContext, CachePolicy
@@ -35,6 +38,9 @@ class ReuseCandidates(Protocol):
 
 
 _MAX_DEFERRED = 65536
+#: Request chains queued between two flushes (one flush per 100 ms): about 640 LOOKUPs/s are
+#: modelled in full, far above an engine's request rate; beyond that, chains are sampled.
+_MAX_PENDING_REQUESTS = 64
 
 
 class TierPolicy:
@@ -50,8 +56,10 @@ class TierPolicy:
     def __init__(self, policy: CachePolicy, index: BlockIndex) -> None:
         self.policy = policy
         self._index = index
-        self._journal: list[Callable[[], object]] = []
+        self._journal: deque[Callable[[], object]] = deque()
         self.observes_requests = isinstance(policy, RequestObserver)
+        self._pending_requests = 0
+        self.sampled_out = 0
 
     def _defer(self, event: Callable[[], object]) -> None:
         self._journal.append(event)
@@ -59,14 +67,36 @@ class TierPolicy:
             self.flush()
 
     def flush(self) -> None:
-        """Apply the deferred telemetry."""
-        journal, self._journal = self._journal, []
-        for event in journal:
-            event()
+        """Apply the deferred telemetry, all of it, now (before a decision)."""
+        journal = self._journal
+        while journal:
+            journal.popleft()()
+
+    async def flush_gradually(self, events_per_slice: int = 8) -> None:
+        """Apply the deferred telemetry a few events at a time, letting requests in between,
+        so no request waits behind more than a slice of bookkeeping."""
+        journal = self._journal
+        while journal:
+            for _ in range(min(events_per_slice, len(journal))):
+                journal.popleft()()
+            await anyio.lowlevel.checkpoint()
 
     def observe_request(self, ids: Sequence[Hashable], now: float, request_id: int) -> None:
-        if isinstance(self.policy, RequestObserver):
-            self._defer(partial(self.policy.observe_request, ids, now, request_id))
+        """Queue a request's chain for the model. Under a LOOKUP storm (more than
+        :data:`_MAX_PENDING_REQUESTS` between two flushes) further chains are sampled out:
+        they only teach the model, and bookkeeping must not become the daemon's bottleneck."""
+        if not isinstance(self.policy, RequestObserver):
+            return
+        if self._pending_requests >= _MAX_PENDING_REQUESTS:
+            self.sampled_out += 1
+            return
+        self._pending_requests += 1
+        self._defer(partial(self._observe, ids, now, request_id))
+
+    def _observe(self, ids: Sequence[Hashable], now: float, request_id: int) -> None:
+        self._pending_requests -= 1
+        assert isinstance(self.policy, RequestObserver)
+        self.policy.observe_request(ids, now, request_id)
 
     def candidates(self, limit: int) -> list[Hashable]:
         if isinstance(self.policy, ReuseCandidates):
