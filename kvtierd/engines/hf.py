@@ -58,18 +58,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 
-from kvtierd.client import BlockNotFoundError, Client, Layout, Namespace, chain_keys
-from kvtierd.client.ops import NoWait, Op
+from kvtierd.client import BlockNotFoundError, Client, Layout, Namespace, chain_keys, ops
 from kvtierd.engines.hf_cache import BlockRun, RestoredLayer, gather_blocks, restored_cache
 from kvtierd.errors import KvtierError
-from kvtierd.protocol.messages import (
-    Extent,
-    LookupReply,
-    LookupRequest,
-    ReadReply,
-    ReadRequest,
-    ReleaseRequest,
-)
+from kvtierd.protocol.messages import Extent
 
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
@@ -89,7 +81,6 @@ _READ_ATTEMPTS = 3
 _STORE_CHUNK_BLOCKS = 16
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_TIER_NAMES = {0: "dram", 1: "nvme", 2: "pool"}
 
 
 class LayoutMismatchError(KvtierError, ValueError):
@@ -162,46 +153,12 @@ class _Leased:
     """The leased prefix of one prefill (``hits == 0``: nothing leased)."""
 
     hits: int = 0
-    tiers: bytes = b""
+    tiers: list[str] = field(default_factory=list)
     leases: list[int] = field(default_factory=list)
     extents: list[Extent] = field(default_factory=list)
     lookup_s: float = 0.0
     read_s: float = 0.0
     retries: int = 0
-
-
-def _lookup_op(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[tuple[int, bytes]]:
-    """LOOKUP that also answers each hit's tier (``Namespace.lookup`` returns the count only)."""
-    hits, tiers = 0, b""
-    for start in range(0, len(keys), max_keys):
-        chunk = list(keys[start : start + max_keys])
-        reply: LookupReply = yield LookupRequest(chunk), ns
-        hits += reply.hits
-        tiers += reply.tiers
-        if reply.hits < len(chunk):
-            break
-    return hits, tiers
-
-
-def _read_op(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[tuple[list[int], list[Extent]]]:
-    """READ that leaves the leases to the caller (``Namespace.get`` releases the views it
-    made when its block ends, which torch tensors viewing them would forbid)."""
-    leases: list[int] = []
-    extents: list[Extent] = []
-    try:
-        for start in range(0, len(keys), max_keys):
-            reply: ReadReply = yield ReadRequest(list(keys[start : start + max_keys])), ns
-            leases.append(reply.lease)
-            extents.extend(reply.extents)
-    except BaseException:
-        if leases:
-            yield NoWait(ReleaseRequest(leases))
-        raise
-    return leases, extents
-
-
-def _release_op(leases: list[int]) -> Op[None]:
-    yield NoWait(ReleaseRequest(leases))
 
 
 class HfKvAdapter:
@@ -297,12 +254,11 @@ class HfKvAdapter:
             if leased.leases:
                 self._settle(cache)
                 client = self.namespace.client
-                client.run(_release_op(leased.leases))
+                client.run(ops.release(leased.leases))
         ttft_s = time.perf_counter() - started
         by_tier: dict[str, int] = {}
         for tier in leased.tiers:
-            name = _TIER_NAMES.get(tier, str(tier))
-            by_tier[name] = by_tier.get(name, 0) + 1
+            by_tier[tier] = by_tier.get(tier, 0) + 1
         stored, store_s = 0, 0.0
         if store:
             t1 = time.perf_counter()
@@ -335,13 +291,16 @@ class HfKvAdapter:
             if not keys:
                 break
             t0 = time.perf_counter()
-            hits, tiers = client.run(_lookup_op(ns, keys, client.max_keys))
+            tiers = self.namespace.lookup_tiers(keys)
+            hits = len(tiers)
             t1 = time.perf_counter()
             leased.lookup_s += t1 - t0
             if not hits:
                 break
             try:
-                leases, extents = client.run(_read_op(ns, keys[:hits], client.max_keys))
+                # The leases stay with the restored cache until its layers copied the prefix
+                # out (Namespace.lease would end them with the ``with`` block).
+                leases, extents = client.run(ops.read(ns, keys[:hits], client.max_keys))
             except BlockNotFoundError:
                 leased.retries = attempt + 1
                 continue
@@ -369,11 +328,11 @@ class HfKvAdapter:
 
     def _arena_tensor(self) -> torch.Tensor:
         if self._arena is None:
-            arena = self.namespace.client.arena
+            buffer = self.namespace.client.arena_buffer()
             with warnings.catch_warnings():
                 # The mapping is shared and only ever read through this tensor.
                 warnings.filterwarnings("ignore", message=".*not writable.*")
-                self._arena = torch.frombuffer(arena.view(0, arena.size_bytes), dtype=torch.uint8)
+                self._arena = torch.frombuffer(buffer, dtype=torch.uint8)
         return self._arena
 
     def _restored_cache(self, extents: Sequence[Extent], tokens: int) -> DynamicCache:

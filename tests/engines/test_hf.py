@@ -160,7 +160,7 @@ def test_block_vanishing_between_lookup_and_read_is_retried(
 
     first = adapter.prefill(prompt)
     keys = adapter.keys(prompt)
-    real_read = hf._read_op
+    real_read = hf.ops.read
     calls = []
 
     def racing_read(ns: int, read_keys: Any, max_keys: int) -> Any:
@@ -169,7 +169,7 @@ def test_block_vanishing_between_lookup_and_read_is_retried(
             yield ForgetRequest([keys[6]]), ns
         return (yield from real_read(ns, read_keys, max_keys))
 
-    monkeypatch.setattr(hf, "_read_op", racing_read)
+    monkeypatch.setattr(hf.ops, "read", racing_read)
     result = adapter.prefill(prompt, store=False)
     assert calls == [len(keys), 6]
     assert result.retries == 1
