@@ -289,7 +289,8 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
     async def lookup(self, keys: Sequence[bytes], *, promote: bool = True) -> int:
         """How many leading ``keys`` are stored (for the whole TP group); with ``promote`` the
         daemon starts moving those hits up to DRAM now."""
-        return len(await self.lookup_tiers(keys, promote=promote))
+        c = self.client
+        return await c.run(ops.lookup_count(self.handle.ns, keys, c.max_keys, promote))
 
     async def lookup_tiers(self, keys: Sequence[bytes], *, promote: bool = True) -> list[str]:
         """Like :meth:`lookup`, with the tier (``"dram"``, ``"nvme"``...) of each hit."""

@@ -47,6 +47,7 @@ __all__ = [
     "forget",
     "hint",
     "lookup",
+    "lookup_count",
     "put",
     "read",
     "read_into",
@@ -72,6 +73,17 @@ Op = Generator[Call, Any, T]
 
 def _chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
     return [items[i : i + size] for i in range(0, len(items), size)] or [items]
+
+
+def lookup_count(ns: int, keys: Sequence[bytes], max_keys: int, promote: bool = True) -> Op[int]:
+    """How many leading ``keys`` are stored (:func:`lookup` without naming the tiers)."""
+    hits = 0
+    for chunk in _chunks(keys, max_keys) if keys else []:
+        reply: LookupReply = yield LookupRequest(list(chunk), promote), ns
+        hits += reply.hits
+        if reply.hits < len(chunk):
+            break
+    return hits
 
 
 #: LOOKUP's tier codes, by name.

@@ -224,7 +224,8 @@ class Namespace(NamespaceBase[Client]):
     def lookup(self, keys: Sequence[bytes], *, promote: bool = True) -> int:
         """How many leading ``keys`` are stored (for the whole TP group); with ``promote`` the
         daemon starts moving those hits up to DRAM now."""
-        return len(self.lookup_tiers(keys, promote=promote))
+        c = self.client
+        return c.run(ops.lookup_count(self.handle.ns, keys, c.max_keys, promote))
 
     def lookup_tiers(self, keys: Sequence[bytes], *, promote: bool = True) -> list[str]:
         """Like :meth:`lookup`, with the tier (``"dram"``, ``"nvme"``...) of each hit."""

@@ -54,9 +54,7 @@ class Prefetcher:
         """Report a LOOKUP's chain to the policies; returns the request id for its READ."""
         request_id = next(self._ids)
         store = self._store
-        if not keys or not (
-            store.dram_policy.observes_requests or store.lower_policy.observes_requests
-        ):
+        if not keys or not (store.dram_policy.wants_request or store.lower_policy.wants_request):
             return request_id
         ids = [(ns.digest, key) for key in keys]
         now = time.monotonic()

@@ -146,7 +146,8 @@ class BlockStore:
         own = own[:hits]
         if promote:
             self.prefetch(own)
-        tiers = bytes(ServedBy.DRAM if b.resident else ServedBy.NVME for b in own)
+        dram, nvme = int(ServedBy.DRAM), int(ServedBy.NVME)
+        tiers = bytes([dram if b.dram is not None else nvme for b in own])
         return hits, tiers
 
     def prefetch(self, blocks: list[Block]) -> int:
