@@ -38,9 +38,9 @@ class ReuseCandidates(Protocol):
 
 
 _MAX_DEFERRED = 65536
-#: Request chains queued between two flushes (one flush per 100 ms): about 640 LOOKUPs/s are
+#: Request chains queued between two flushes (one flush per 100 ms): about 320 LOOKUPs/s are
 #: modelled in full, far above an engine's request rate; beyond that, chains are sampled.
-_MAX_PENDING_REQUESTS = 64
+_MAX_PENDING_REQUESTS = 32
 
 
 class TierPolicy:
@@ -74,7 +74,7 @@ class TierPolicy:
         while journal:
             journal.popleft()()
 
-    async def flush_gradually(self, events_per_slice: int = 8) -> None:
+    async def flush_gradually(self, events_per_slice: int = 1) -> None:
         """Apply the deferred telemetry a few events at a time, letting requests in between,
         so no request waits behind more than a slice of bookkeeping."""
         journal = self._journal
