@@ -14,7 +14,9 @@
   stop (index snapshot) and after ``kill -9`` (header scan).
 
 ``python tools/bench_daemon.py --json`` prints one JSON object and records the results (table
-and plot) in ``docs/benchmarks.md``. Figures are never asserted by tests.
+and plot) in ``docs/benchmarks.md``. Figures are never asserted by tests. The cold-read daemons
+take extra TOML configuration from ``$KVTIERD_BENCH_CONFIG`` (e.g. ``[dram] policy = "lru"``)
+to compare settings.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def bench_cold(
         workdir / f"cold-{block_bytes >> 20}M",  # size classes do not share disk space
         dram_size=f"{dram >> 20}M",
         nvme_size=f"{(count * (block_bytes + 8192) + 256 * MiB) >> 20}M",
+        config_text=os.environ.get("KVTIERD_BENCH_CONFIG"),
     ) as d:
         with connect(d.socket) as client:
             ns = client.namespace("bench", block_bytes=block_bytes)
