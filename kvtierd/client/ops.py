@@ -146,17 +146,16 @@ def put(
             )
     stored = 0
     for start in range(0, len(keys), max_keys):
-        chunk = list(keys[start : start + max_keys])
-        alloc: AllocReply = yield AllocRequest(chunk), ns
+        # One chunk at a time: each is all or nothing, and the arena holds one chunk's slots.
+        writes, extents = yield from alloc(ns, keys[start : start + max_keys], max_keys)
         try:
-            for extent, view in zip(alloc.extents, views[start : start + max_keys], strict=True):
+            for extent, view in zip(extents, views[start : start + max_keys], strict=True):
                 if extent.length:
                     arena.write(extent.offset, view)
         except BaseException:
-            yield CommitRequest(alloc.write, abort=True), ns
+            yield from commit(ns, writes, abort=True)
             raise
-        reply: CommitReply = yield CommitRequest(alloc.write), ns
-        stored += reply.committed
+        stored += yield from commit(ns, writes)
     return stored
 
 
