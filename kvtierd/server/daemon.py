@@ -9,6 +9,7 @@ dirty and saves the index snapshot. Every task it starts lives in its task group
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import grp
@@ -19,8 +20,10 @@ import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
+import sniffio
 from anyio.abc import SocketStream, TaskStatus, UNIXSocketStream
 
 from kvtierd import __version__
@@ -145,6 +148,31 @@ async def _listen(config: Config) -> AsyncIterator[anyio.abc.SocketListener]:
             os.unlink(path)
 
 
+def _tolerate_duplicate_readiness() -> None:
+    """On asyncio (uvloop), anyio waits for a readable socket with a future that the loop's
+    reader callback resolves; when the descriptor fires twice before the future's done-callback
+    removes the reader, the second ``set_result`` raises ``InvalidStateError`` inside the loop.
+    Nothing is lost (the future is already resolved), but the loop logs it as an error with a
+    traceback. Log exactly that case at debug level; everything else goes to the usual handler.
+    """
+    if sniffio.current_async_library() != "asyncio":
+        return
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        where = f"{context.get('message', '')} {context.get('handle', '')!r}"
+        if isinstance(exc, asyncio.InvalidStateError) and "set_result" in where:
+            log.debug("ignored a duplicate readiness callback: %s", context.get("message"))
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 def _prepare_socket_dir(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.is_socket():
@@ -182,6 +210,7 @@ async def serve_daemon(
     config: Config, *, task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED
 ) -> None:
     """Run the daemon until SIGTERM/SIGINT (or cancellation); returns after a clean stop."""
+    _tolerate_duplicate_readiness()
     notifier = Notifier()
     notifier.status("recovering")
     with _exclusive(config.data_path):
