@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,30 +111,33 @@ def status(options: CommandOptions) -> int:
             raise
         print_json(not_ready_record(options.socket, str(exc)))
         return 1
-    if options.json:
-        print_json(status_record(options.socket, record))
-    else:
-        options.console.print(status_view(options.socket, record))
-    return 0
+    return _show(
+        options,
+        lambda: status_record(options.socket, record),
+        lambda: status_view(options.socket, record),
+    )
 
 
 def stats(options: CommandOptions) -> int:
     with _connect(options) as client:
         record = client.stats()
-    if options.json:
-        print_json(stats_record(record))
-    else:
-        options.console.print(stats_view(record))
-    return 0
+    return _show(options, lambda: stats_record(record), lambda: stats_view(record))
 
 
 def ls(options: CommandOptions) -> int:
     with _connect(options) as client:
         namespaces = client.namespaces()
+    return _show(
+        options, lambda: namespaces_record(namespaces), lambda: namespaces_view(namespaces)
+    )
+
+
+def _show(options: CommandOptions, record: Callable[[], Any], view: Callable[[], Any]) -> int:
+    """Print the JSON record with ``--json``, else the rich view; exit status 0."""
     if options.json:
-        print_json(namespaces_record(namespaces))
+        print_json(record())
     else:
-        options.console.print(namespaces_view(namespaces))
+        options.console.print(view())
     return 0
 
 

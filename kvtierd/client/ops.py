@@ -12,7 +12,7 @@ memory copies, not I/O.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -105,21 +105,32 @@ def lookup(ns: int, keys: Sequence[bytes], max_keys: int, promote: bool = True) 
     return tiers
 
 
-def read(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[tuple[list[int], list[Extent]]]:
-    """Lease the blocks of ``keys``: ``(lease ids, extents)``. Releases what it leased if a
-    later chunk fails."""
-    leases: list[int] = []
+def _grants(
+    ns: int,
+    keys: Sequence[bytes],
+    max_keys: int,
+    request: Callable[[list[bytes]], Message],
+    undo: Callable[[list[int]], Op[object]],
+) -> Op[tuple[list[int], list[Extent]]]:
+    """Send ``request`` per chunk of keys; collect each reply's grant id (lease or write) and
+    extents. If a later chunk fails, ``undo`` gives back what the earlier ones were granted."""
+    grants: list[int] = []
     extents: list[Extent] = []
     try:
         for chunk in _chunks(keys, max_keys):
-            reply: ReadReply = yield ReadRequest(list(chunk)), ns
-            leases.append(reply.lease)
+            reply: ReadReply | AllocReply = yield request(list(chunk)), ns
+            grants.append(reply.lease if isinstance(reply, ReadReply) else reply.write)
             extents.extend(reply.extents)
     except BaseException:
-        if leases:
-            yield from release(leases)
+        if grants:
+            yield from undo(grants)
         raise
-    return leases, extents
+    return grants, extents
+
+
+def read(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[tuple[list[int], list[Extent]]]:
+    """Lease the blocks of ``keys``: ``(lease ids, extents)``."""
+    return (yield from _grants(ns, keys, max_keys, ReadRequest, release))
 
 
 def release(leases: list[int]) -> Op[None]:
@@ -160,18 +171,12 @@ def put(
 
 
 def alloc(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[tuple[list[int], list[Extent]]]:
-    """ALLOC slots for ``keys``: ``(write ids, extents)``; aborts what it got if a chunk fails."""
-    writes: list[int] = []
-    extents: list[Extent] = []
-    try:
-        for chunk in _chunks(keys, max_keys):
-            reply: AllocReply = yield AllocRequest(list(chunk)), ns
-            writes.append(reply.write)
-            extents.extend(reply.extents)
-    except BaseException:
-        yield from commit(ns, writes, abort=True)
-        raise
-    return writes, extents
+    """ALLOC slots for ``keys``: ``(write ids, extents)``."""
+
+    def abort(writes: list[int]) -> Op[int]:
+        return commit(ns, writes, abort=True)
+
+    return (yield from _grants(ns, keys, max_keys, AllocRequest, abort))
 
 
 def commit(ns: int, writes: Sequence[int], *, abort: bool = False) -> Op[int]:

@@ -75,7 +75,6 @@ class BlockStore:
         self.alloc_wait_s = alloc_wait_s
         self._tg: TaskGroup | None = None
         self.io_backend: IoBackend | None = None
-        self.started_at = time.monotonic()
         self._seq = 0
         # Background promotions share the disk with demand reads: keep their queue short so a
         # READ that arrives behind them waits for few.

@@ -18,6 +18,13 @@ from kvtierd.testing import DaemonProcess
 BLOCK = 256 << 10
 
 
+def _kvtierd(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the daemon's command line to completion (for start-up failures)."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvtierd", *args], capture_output=True, text=True, timeout=60
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -35,21 +42,7 @@ def _free_port() -> int:
 def test_bad_configuration_is_one_line_and_exit_2(
     tmp_path: Path, args: list[str], message: str
 ) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvtierd",
-            "--socket",
-            str(tmp_path / "s"),
-            "--data-dir",
-            str(tmp_path),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = _kvtierd("--socket", str(tmp_path / "s"), "--data-dir", str(tmp_path), *args)
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
@@ -58,12 +51,7 @@ def test_bad_configuration_is_one_line_and_exit_2(
 def test_unknown_config_key_names_the_field(tmp_path: Path) -> None:
     config = tmp_path / "kvtierd.toml"
     config.write_text("[dram]\nsize = '64M'\nhuge_pages = 'yes'\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "kvtierd", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = _kvtierd("--config", str(config))
     assert result.returncode == 2
     assert "huge_pages" in result.stderr
     assert "$.dram" in result.stderr
@@ -132,46 +120,30 @@ def test_sigterm_writes_back_committed_blocks_and_exits_0(tmp_path: Path) -> Non
 
 def test_a_second_daemon_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
     with DaemonProcess(tmp_path / "a") as first:
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kvtierd",
-                "--socket",
-                str(tmp_path / "other.sock"),
-                "--data-dir",
-                str(first.data_dir),
-                "--dram-size",
-                "32M",
-                "--nvme-size",
-                "128M",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
+        result = _kvtierd(
+            "--socket",
+            str(tmp_path / "other.sock"),
+            "--data-dir",
+            str(first.data_dir),
+            "--dram-size",
+            "32M",
+            "--nvme-size",
+            "128M",
         )
         assert result.returncode == 1
         assert "in use by another kvtierd" in result.stderr
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kvtierd",
-                "--socket",
-                str(first.socket),
-                "--data-dir",
-                str(tmp_path / "b"),
-                "--dram-size",
-                "32M",
-                "--nvme-size",
-                "128M",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
+        result = _kvtierd(
+            "--socket",
+            str(first.socket),
+            "--data-dir",
+            str(tmp_path / "b"),
+            "--dram-size",
+            "32M",
+            "--nvme-size",
+            "128M",
         )
         assert result.returncode == 1
-        assert "already listening" in result.stderr or "is listening" in result.stderr
+        assert "another kvtierd is listening" in result.stderr
         with connect(first.socket) as client:  # the first daemon still serves
             assert client.stats()["connections"] == 1
 
