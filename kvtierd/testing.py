@@ -31,9 +31,13 @@ class DaemonProcess:
         extra_args: Sequence[str] = (),
         config_text: str | None = None,
         runtime: str = "asyncio",
+        command_prefix: Sequence[str] = (),
     ) -> None:
         """``directory=None`` runs the daemon on its embedded defaults (socket and data where
-        :mod:`kvtierd.config` puts them); a ``None`` size leaves that default too."""
+        :mod:`kvtierd.config` puts them); a ``None`` size leaves that default too.
+        ``command_prefix`` goes before the command line, e.g. ``["ip", "netns", "exec", name]`` to
+        run the daemon in a network namespace (its Unix socket is a file, so the caller still
+        reaches it); the prefix must exec the daemon, so that the signals reach it."""
         self.directory = directory if directory is not None else default_data_dir().parent
         self.socket = directory / "kvtierd.sock" if directory is not None else default_socket_path()
         self.data_dir = directory / "data" if directory is not None else default_data_dir()
@@ -51,6 +55,7 @@ class DaemonProcess:
             self.directory.mkdir(parents=True, exist_ok=True)
             config.write_text(config_text)
             self.args += ["--config", str(config)]
+        self.command_prefix = list(command_prefix)
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> DaemonProcess:
@@ -58,7 +63,10 @@ class DaemonProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvtierd", *self.args], stdout=log, stderr=log, env=env
+                [*self.command_prefix, sys.executable, "-m", "kvtierd", *self.args],
+                stdout=log,
+                stderr=log,
+                env=env,
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
