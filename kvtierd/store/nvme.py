@@ -25,7 +25,6 @@ import logging
 import mmap
 import os
 import stat
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Hashable, Sequence
@@ -37,8 +36,9 @@ import zstandard
 from kvtierd.errors import BlockNotFoundError, NoSpaceError, StorageIOError
 from kvtierd.io import IoBackend
 from kvtierd.protocol.messages import TierStatistics
+from kvtierd.store.codec import checksum_off_loop, compress, decompress_into
 from kvtierd.store.policy import ServedBy
-from kvtierd.store.records import PAGE_BYTES, CorruptRecord, RecordHeader, Superblock, checksum
+from kvtierd.store.records import PAGE_BYTES, CorruptRecord, RecordHeader, Superblock
 from kvtierd.store.recovery import RecoveredIndex, load_snapshot, save_snapshot, scan
 from kvtierd.store.segments import DiskSlot, SegmentMap, slot_bytes_for
 from kvtierd.store.staging import StagingPages
@@ -47,28 +47,6 @@ from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError, Recovered
 __all__ = ["NvmeTier", "open_nvme_tier"]
 
 log = logging.getLogger("kvtierd.nvme")
-_THREAD_CHECKSUM_BYTES = 256 << 10
-_local = threading.local()
-
-
-def _compressor() -> zstandard.ZstdCompressor:
-    if not hasattr(_local, "compressor"):
-        _local.compressor = zstandard.ZstdCompressor(level=1)
-        _local.decompressor = zstandard.ZstdDecompressor()
-    return _local.compressor  # type: ignore[no-any-return]
-
-
-def _decompress_into(data: memoryview, dest: memoryview) -> int:
-    _compressor()
-    raw = _local.decompressor.decompress(data, max_output_size=len(dest))
-    dest[: len(raw)] = raw
-    return len(raw)
-
-
-async def _checksum(view: memoryview) -> int:
-    if len(view) < _THREAD_CHECKSUM_BYTES:
-        return checksum(view)
-    return await anyio.to_thread.run_sync(checksum, view)
 
 
 def _bounce(nbytes: int) -> mmap.mmap:
@@ -113,7 +91,7 @@ class NvmeTier(LowerTier):
         flags = 0
         bounce = None
         if ref.compress:
-            packed = await anyio.to_thread.run_sync(_compressor().compress, stored)
+            packed = await anyio.to_thread.run_sync(compress, stored)
             if len(packed) < ref.raw_bytes - PAGE_BYTES:
                 bounce = _bounce(len(packed))
                 bounce[: len(packed)] = packed
@@ -156,7 +134,7 @@ class NvmeTier(LowerTier):
             else:
                 await self._backend.readv(self._fd, slot.offset, [page, dest[:padded]])
             self._verify_header(page, ref)
-        if await _checksum(dest[: ref.raw_bytes]) != ref.checksum:
+        if await checksum_off_loop(dest[: ref.raw_bytes]) != ref.checksum:
             self._counters["misses"] += 1
             log.error(
                 "torn or corrupt block at offset %d of %s: checksum mismatch",
@@ -223,7 +201,7 @@ class NvmeTier(LowerTier):
                 await self._backend.readv(self._fd, slot.offset, [page, view[:padded]])
                 header = RecordHeader.unpack(page)
                 await anyio.to_thread.run_sync(
-                    _decompress_into, view[: header.stored_bytes], dest[: header.raw_bytes]
+                    decompress_into, view[: header.stored_bytes], dest[: header.raw_bytes]
                 )
         except (CorruptRecord, zstandard.ZstdError) as exc:
             raise BlockNotFoundError(f"compressed block unreadable: {exc}") from exc

@@ -27,11 +27,11 @@ from anyio.abc import TaskGroup
 from kvtierd.errors import BlockNotFoundError, InvalidRequestError, KvtierError, NoSpaceError
 from kvtierd.io import IoBackend
 from kvtierd.store.arena import Arena
+from kvtierd.store.codec import checksum_off_loop
 from kvtierd.store.index import Block, BlockIndex, Lease, Owner, PendingWrite
 from kvtierd.store.namespaces import Namespace, NamespaceRegistry
 from kvtierd.store.policy import AccessContext, CachePolicy, ServedBy
 from kvtierd.store.prefetch import Prefetcher
-from kvtierd.store.records import checksum
 from kvtierd.store.slots import Slot, SlotAllocator
 from kvtierd.store.sparse import SparseRetrieval
 from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError
@@ -42,7 +42,6 @@ __all__ = ["BlockStore"]
 
 log = logging.getLogger("kvtierd.store")
 _EVICT_BATCH = 16
-_THREAD_CHECKSUM_BYTES = 256 << 10
 
 
 class BlockStore:
@@ -332,10 +331,7 @@ class BlockStore:
     async def _checksum(self, slot: Slot | None, ns: Namespace) -> int:
         if slot is None:
             return 0
-        view = self._slot_view(slot)[: ns.spec.block_bytes]
-        if len(view) < _THREAD_CHECKSUM_BYTES:
-            return checksum(view)
-        return await anyio.to_thread.run_sync(checksum, view)
+        return await checksum_off_loop(self._slot_view(slot)[: ns.spec.block_bytes])
 
     def _publish(self, write: PendingWrite, sums: list[int]) -> int:
         now = time.monotonic()

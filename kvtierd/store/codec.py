@@ -1,0 +1,45 @@
+"""Lossless block compression (zstd) and checksums off the event loop, shared by every tier.
+
+One compressor and decompressor per thread: a ``ZstdCompressor`` shared between threads crashes
+the process. Large blocks are hashed in a worker thread so the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import zstandard
+
+from kvtierd.store.records import checksum
+
+__all__ = ["THREAD_CHECKSUM_BYTES", "checksum_off_loop", "compress", "decompress_into"]
+
+#: Below this many bytes hashing is cheaper than a hop to a worker thread.
+THREAD_CHECKSUM_BYTES = 256 << 10
+_local = threading.local()
+
+
+def _codec() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    if not hasattr(_local, "codec"):
+        _local.codec = (zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor())
+    return _local.codec  # type: ignore[no-any-return]
+
+
+def compress(data: bytes | memoryview) -> bytes:
+    """A zstd frame of ``data`` (call from a worker thread for large blocks)."""
+    return _codec()[0].compress(data)
+
+
+def decompress_into(data: bytes | memoryview, dest: memoryview) -> int:
+    """Decompress a frame into ``dest``; the number of bytes written. Raises
+    ``zstandard.ZstdError`` for a damaged frame or one larger than ``dest``."""
+    raw = _codec()[1].decompress(data, max_output_size=len(dest))
+    dest[: len(raw)] = raw
+    return len(raw)
+
+
+async def checksum_off_loop(view: bytes | memoryview) -> int:
+    if len(view) < THREAD_CHECKSUM_BYTES:
+        return checksum(view)
+    return await anyio.to_thread.run_sync(checksum, view)
