@@ -15,6 +15,7 @@ Where the daemon keeps its socket and data when nothing says otherwise:
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 import re
 import tomllib
@@ -32,6 +33,8 @@ __all__ = [
     "DramConfig",
     "NvmeConfig",
     "PolicyKind",
+    "PoolConfig",
+    "PoolWritePolicy",
     "Runtime",
     "TenantConfig",
     "TriState",
@@ -142,6 +145,89 @@ class NvmeConfig(_Section):
             raise ValueError("nvme.segment_bytes must be a multiple of 4K, at least 1M")
 
 
+class PoolWritePolicy(enum.StrEnum):
+    #: COMMIT returns once the pool holds the blocks (what a TP group's lookups rely on).
+    WRITE_THROUGH = "write-through"
+    #: COMMIT returns at once; a bounded background queue writes to the pool.
+    WRITE_BACK = "write-back"
+
+
+class PoolConfig(_Section):
+    """The shared pool (Valkey/Redis) and this daemon's place in its TP group.
+
+    ``url`` empty means no pool. Everything that must agree across a group's ranks enters
+    :meth:`digest`; credentials and file paths do not (each host has its own).
+    """
+
+    url: str = ""
+    cluster: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    username: str = ""
+    #: A file holding the password or token, readable by the daemon's user only.
+    password_file: str = ""
+    allow_plaintext: bool = False
+    write_policy: PoolWritePolicy = PoolWritePolicy.WRITE_THROUGH
+    #: Bytes of committed blocks that may wait for the pool (write-back); past it, blocks stay
+    #: local and are caught up at the next attach.
+    writeback_bytes: ByteSize = ByteSize(256 << 20)
+    compress: bool = False
+    #: FSYNC also waits until the pool holds every block committed before it.
+    fsync_waits: bool = True
+    key_prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")] = "kvt"
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 5.0
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    #: The TP group: every rank of it names the same ``group_id`` and ``world_size``.
+    group_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{0,128}$")] = ""
+    rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    vote_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 5.0
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            return
+        scheme = self.url.split("://", 1)[0].lower() if "://" in self.url else ""
+        if scheme not in ("redis", "rediss"):
+            raise ValueError("pool.url must be redis://host:port or rediss://host:port")
+        if "@" in self.url.split("://", 1)[1]:
+            raise ValueError(
+                "pool.url must not carry credentials: use pool.username and pool.password_file"
+            )
+        if scheme == "redis" and not self.allow_plaintext:
+            raise ValueError(
+                "pool.url is plaintext (redis://): use rediss:// with TLS, or set "
+                "pool.allow_plaintext = true to accept an unencrypted pool"
+            )
+        if scheme == "redis" and (self.ca_file or self.cert_file):
+            raise ValueError("pool.ca_file / cert_file are set but pool.url is not rediss://")
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("pool.cert_file and pool.key_file go together")
+        if self.rank >= self.world_size:
+            raise ValueError(f"pool.rank {self.rank} is outside world_size {self.world_size}")
+        if self.world_size > 1 and not self.group_id:
+            raise ValueError("pool.group_id is required when world_size > 1")
+
+    @property
+    def tls(self) -> bool:
+        return self.url.lower().startswith("rediss://")
+
+    def digest(self) -> str:
+        """What every rank of the group must agree on, hashed (no secrets, no local paths)."""
+        shared = [
+            self.url.lower().rstrip("/"),
+            self.cluster,
+            self.tls,
+            self.compress,
+            self.key_prefix,
+            self.write_policy.value,
+            self.group_id,
+            self.world_size,
+        ]
+        return hashlib.sha256(msgspec.json.encode(shared)).hexdigest()[:16]
+
+
 class TenantConfig(_Section):
     """Who may open namespaces of tenant ``name``: peers whose uid or gid is listed."""
 
@@ -154,7 +240,15 @@ class Config(_Section):
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
     dram: DramConfig = msgspec.field(default_factory=DramConfig)
     nvme: NvmeConfig = msgspec.field(default_factory=NvmeConfig)
+    pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
     tenants: list[TenantConfig] = []
+
+    def __post_init__(self) -> None:
+        if self.pool.url and self.daemon.runtime is Runtime.TRIO:
+            raise ValueError(
+                "the pool runs on redis-py's asyncio client: set daemon.runtime = asyncio "
+                "(or leave pool.url empty)"
+            )
 
     @property
     def socket_path(self) -> Path:
