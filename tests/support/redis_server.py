@@ -312,14 +312,19 @@ class RedisServer:
         return args
 
     def client(self, **kwargs: Any) -> redis.Redis:
-        """A sync ``redis.Redis`` connected to this server; close it (or use ``with``)."""
+        """A sync ``redis.Redis`` connected to this server; close it (or use ``with``). It does
+        not retry (redis-py's default retries a refused connection with back-off, which turns
+        every "refused" assertion into seconds); pass ``retry=`` to change that."""
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         options = self.connection_kwargs(
             username=kwargs.pop("username", None), password=kwargs.pop("password", None)
         )
         options.setdefault("socket_timeout", 10)
         options.setdefault("socket_connect_timeout", 5)
+        options.setdefault("retry", Retry(NoBackoff(), 0))
         options.update(kwargs)
         return redis.Redis(**options)
 
