@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import ssl
 import subprocess
 import time
@@ -14,7 +15,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tests.support.netns import LoopbackHost, LoopbackLab, NetnsHost, NetnsLab, require_netns
+from tests.support.netns import (
+    LoopbackHost,
+    LoopbackLab,
+    NetnsHost,
+    NetnsLab,
+    cleanup_leftovers,
+    require_netns,
+)
 from tests.support.redis_server import (
     RedisCluster,
     RedisServer,
@@ -303,3 +311,41 @@ def test_daemon_runs_on_a_lab_host(lab: Lab) -> None:
             assert daemon.process.pid in host.pids()
     assert daemon.process is not None
     assert daemon.process.returncode == 0
+
+
+def test_leftovers_of_a_dead_run_are_removed() -> None:
+    require_netns()
+    dead = next(pid for pid in range(32000, 300, -1) if not _pid_alive(pid))
+    netns, bridge, veth = f"kvt{dead}l0h0", f"kvb{dead:x}l0", f"kvv{dead:x}l0h0"
+    try:
+        subprocess.run(["ip", "netns", "add", netns], check=True)
+        subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True)
+        subprocess.run(
+            ["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns],
+            check=True,
+        )
+        removed = cleanup_leftovers()
+        assert netns in removed
+        assert bridge in removed
+        assert veth in removed
+        links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+        assert bridge not in links
+        assert veth not in links
+        assert (
+            netns
+            not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        )
+    finally:
+        subprocess.run(["ip", "link", "del", veth], capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+        subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

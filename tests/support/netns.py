@@ -69,6 +69,7 @@ NO_NETNS_ENV = "KVTIERD_TEST_NO_NETNS"
 _LOCK_PATH = Path("/tmp/kvtierd-test-netns.lock")
 _NETNS_RE = re.compile(r"^kvt(\d+)l\d+h\d+$")
 _BRIDGE_RE = re.compile(r"^kvb([0-9a-f]+)l\d+$")
+_VETH_RE = re.compile(r"^kvv([0-9a-f]+)l\d+h\d+$")
 _lab_serial = itertools.count()
 
 
@@ -146,10 +147,18 @@ def require_netns() -> None:
 
 
 def cleanup_leftovers() -> list[str]:
-    """Delete lab namespaces and bridges whose test process is gone; returns what it deleted."""
+    """Delete lab namespaces, veth pairs and bridges whose test process is gone; returns them."""
     removed: list[str] = []
-    listing = _ip("netns", "list", check=False).stdout
-    for line in listing.splitlines():
+    # Root ends of veth pairs first: a deleted namespace frees its end only later, asynchronously.
+    links = json.loads(_ip("-j", "link", "show", check=False).stdout or "[]")
+    for pattern in (_VETH_RE, _BRIDGE_RE):
+        for link in links:
+            name = link.get("ifname", "").split("@")[0]
+            match = pattern.match(name)
+            dead = match is not None and not _alive(int(match.group(1), 16))
+            if dead and _ip("link", "del", name, check=False).returncode == 0:
+                removed.append(name)
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         match = _NETNS_RE.match(name)
         if match and not _alive(int(match.group(1))):
@@ -159,13 +168,6 @@ def cleanup_leftovers() -> list[str]:
                     os.kill(int(pid), signal.SIGKILL)
             if _ip("netns", "del", name, check=False).returncode == 0:
                 removed.append(name)
-    links = _ip("-j", "link", "show", "type", "bridge", check=False).stdout
-    for link in json.loads(links or "[]"):
-        name = link.get("ifname", "")
-        match = _BRIDGE_RE.match(name)
-        dead = match is not None and not _alive(int(match.group(1), 16))
-        if dead and _ip("link", "del", name, check=False).returncode == 0:
-            removed.append(name)
     if removed:
         log.warning("removed leftovers of earlier test runs: %s", ", ".join(removed))
     return removed
