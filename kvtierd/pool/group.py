@@ -169,9 +169,19 @@ class GroupMembership:
     async def run(self) -> None:
         """Take part in the group until cancelled. Pool failures are logged and retried, never
         raised; the client is closed on the way out."""
+        try:
+            await self._take_part()
+        finally:
+            # Whoever reads the status after run() must not see a group this rank left.
+            old = self.status
+            self._state.pool_lost("not taking part in the group (stopped)", time.time())
+            self._publish(old)
+
+    async def _take_part(self) -> None:
         attempt = 0
         while True:
             client = await self._connect_with_backoff()
+            connected_at = anyio.current_time()
             try:
                 await self._serve(client)
             except _PoolLost as lost:
@@ -181,8 +191,11 @@ class GroupMembership:
                 self._round = None
                 with anyio.CancelScope(shield=True):
                     await self._close(client)
+            # A connection that lasted resets the back-off; one lost at once (a flapping pool)
+            # waits longer each time.
+            served_s = anyio.current_time() - connected_at
+            attempt = 0 if served_s > self._backoff_s[1] else min(attempt + 1, 32)
             await anyio.sleep(self._delay(attempt))
-            attempt = min(attempt + 1, 32)
 
     async def wait_for(self, state: GroupState, timeout_s: float) -> GroupStatus:
         """The status once it is ``state``; raises :class:`TimedOutError` after ``timeout_s``."""

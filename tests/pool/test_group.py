@@ -12,10 +12,12 @@ from typing import Any
 import anyio
 import pytest
 import redis.asyncio
+from redis.asyncio.cluster import RedisCluster
 
 from kvtierd.errors import StorageIOError, TimedOutError
 from kvtierd.pool.consensus import GroupKeys, decode_proposal, decode_vote
 from kvtierd.pool.group import GroupMembership, GroupState, GroupStatus, RedisLike
+from tests.support.redis_server import RedisCluster as RedisClusterServers
 from tests.support.redis_server import RedisServer, require_redis_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.timeout(60)]
@@ -223,6 +225,7 @@ async def test_restarted_leader_reattaches_with_a_higher_epoch(redis_server: Red
         await attached(leader, follower)
         await leader.stop()
         assert leader.membership.client is None
+        assert leader.status.state is GroupState.LOCAL
         mark = await epoch_counter(redis_server)
         leader = group.start(0)
         await attached(leader, follower, where=lambda s: s.epoch > mark)
@@ -311,6 +314,43 @@ async def test_pool_that_lost_its_data_reattaches(tmp_path: Path) -> None:
             after = await restart_and_reattach(server, *ranks)
             assert after[0].epoch < 1000  # the counter was lost; nonce tells the rounds apart
             assert await spy.get(keys.epoch) is not None
+
+
+async def test_tp2_attaches_on_a_cluster(redis_cluster: RedisClusterServers) -> None:
+    """The group's keys share one slot; the heartbeat asks the node that owns it."""
+
+    async def connect() -> RedisLike:
+        options = redis_cluster.nodes[0].connection_kwargs()
+        host, port = options.pop("host"), options.pop("port")
+        client = RedisCluster(host=host, port=port, socket_timeout=2, **options)
+        try:
+            await client.initialize()
+        except BaseException:
+            await client.aclose()
+            raise
+        return client
+
+    async with anyio.create_task_group() as tg:
+        ranks = []
+        for rank in (0, 1):
+            handle = Rank()
+            handle.membership = GroupMembership(
+                group_id=GROUP,
+                rank=rank,
+                world_size=2,
+                address=redis_cluster.url,
+                digest="d",
+                connect=connect,
+                probe=write_read_probe,
+                vote_timeout_s=VOTE_TIMEOUT_S,
+                heartbeat_s=0.2,
+                on_change=handle.observe,
+            )
+            tg.start_soon(handle.run)
+            ranks.append(handle)
+        statuses = await attached(*ranks)
+        assert {s.members for s in statuses} == {(0, 1)}
+        tg.cancel_scope.cancel()
 
 
 def test_constructor_refuses_impossible_settings() -> None:
