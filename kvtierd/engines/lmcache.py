@@ -1,0 +1,545 @@
+"""kvtierd as LMCache's storage tier: a storage plug-in for LMCache's engine (``LMCacheEngine``).
+
+Configure LMCache with (YAML, or the same keys in ``LMCACHE_*`` variables)::
+
+    chunk_size: 256
+    local_cpu: false              # kvtierd is the cache; LMCache's CPU pool only stages stores
+    max_local_cpu_size: 2         # GB of staging for stores
+    storage_plugins: [kvtierd]
+    extra_config:
+      storage_plugin.kvtierd.module_path: kvtierd.engines.lmcache
+      storage_plugin.kvtierd.class_name: KvtierdBackend
+      kvtierd.socket: /run/kvtierd/kvtierd.sock   # optional; else kvtierd's default socket
+      kvtierd.tenant: default                     # optional
+
+Theory of operation
+-------------------
+*Why this plug-in point.* LMCache's engine moves every chunk between the serving engine's KV
+buffers and a ``MemoryObj`` through its GPU connector. A storage plug-in
+(``StoragePluginInterface``, loaded from ``storage_plugins``) is handed those objects on store
+and returns objects on retrieve. So a retrieve can hand LMCache a ``MemoryObj`` that *is* the
+leased block in kvtierd's shared arena: the GPU connector then copies arena -> engine once, the
+only copy a read needs. LMCache's MP-mode L2 adapters and its remote connectors instead fill
+buffers LMCache allocated, one more copy per read (``docs/engines.md`` argues this in full).
+A store costs engine -> LMCache's staging buffer (LMCache's own copy, before any backend is
+called) -> arena.
+
+*Reads.* ``batched_get_blocking`` READs the keys (one request per ``max_keys`` keys; the daemon
+promotes NVMe hits into the arena and leases them) and wraps each extent of the whole-arena
+tensor in a ``TensorMemoryObj`` whose allocator is the lease: when LMCache drops its last
+reference to every object of one READ, the lease is RELEASEd. A key missing at READ (evicted or
+forgotten since LOOKUP) ends the hit there: the keys before it are read, the rest answer
+``None``, which LMCache treats as a shorter hit. With ``local_cpu: true`` LMCache would keep
+retrieved objects in its own hot cache indefinitely, which would pin arena blocks; in that mode
+blocks are copied into LMCache-allocated objects and the lease released at once.
+
+*Writes.* ``batched_submit_put_task`` ALLOCs arena slots for the keys not stored yet, copies each
+object's bytes in and COMMITs; a key becomes visible to any LOOKUP only at COMMIT, and a copy
+that fails aborts the write, so a failed write is never visible. It runs synchronously in the
+caller's thread (the copy is a memory copy), so LMCache may reuse its staging object on return.
+A full arena (``ENOSPC``: every slot leased or awaiting write-back) is answered by FSYNC, which
+makes the written blocks clean and so evictable, and one retry. Only full chunks are stored
+(LMCache's default, ``save_unfull_chunk: false``); a trailing partial chunk is skipped, so it
+reads as a miss.
+
+*Lookups.* ``batched_contains`` is kvtierd's LOOKUP: the count of leading keys present in any
+tier, for the whole TP group, and it starts promoting NVMe hits into DRAM at once. kvtierd
+takes no pin at lookup (LMCache's ``pin``): blocks leave DRAM for NVMe, not for nowhere, and a
+block that did vanish is a shorter hit at READ.
+
+*Keys and namespaces* come from LMCache's ``CacheEngineKey`` and metadata without re-hashing
+(:mod:`kvtierd.engines.lmcache_keys`).
+
+*Failures.* LMCache calls backends expecting ``None``/``0`` for "not here", and a cache tier
+that is unreachable must not fail the serving engine: a ``KvtierError`` (daemon stopped,
+restarted, out of space) is logged, counted in :meth:`KvtierdBackend.statistics`, and answered
+as a miss or a skipped store. A broken connection is re-established once per call, so a
+restarted daemon is used again at once (and serves what its NVMe tier recovered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from kvtierd.client import Client, Namespace, connect, ops
+from kvtierd.engines.lmcache_keys import NamespaceSpec, block_key, namespace_spec
+from kvtierd.errors import (
+    BlockNotFoundError,
+    BrokenConnectionError,
+    InvalidRequestError,
+    KvtierError,
+    NoSpaceError,
+    RemoteProtocolError,
+)
+from kvtierd.protocol.messages import Extent
+
+__all__ = ["BackendStatistics", "KvtierdBackend"]
+
+log = logging.getLogger("kvtierd.engines.lmcache")
+T = TypeVar("T")
+#: At most this share of the arena is allocated by one write (ALLOC, copy, COMMIT).
+_WRITE_ARENA_SHARE = 8
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStatistics:
+    """Counters of one :class:`KvtierdBackend` since it was created."""
+
+    stored_chunks: int
+    partial_chunks_skipped: int
+    failed_stores: int
+    lookups: int
+    read_chunks: int
+    errors: int
+
+
+class _LeaseRelease:
+    """The "allocator" of the memory objects made from one READ: RELEASEs the lease once
+    LMCache has freed every one of them."""
+
+    def __init__(self, client: Client, leases: list[int], count: int) -> None:
+        self._client = client
+        self._leases = leases
+        self._remaining = count
+        self._lock = threading.Lock()
+
+    def free(self, memory_obj: Any) -> None:
+        with self._lock:
+            if not memory_obj.is_valid():  # freed already (LMCache's __del__ frees again)
+                return
+            memory_obj.invalidate()
+            self._remaining -= 1
+            if self._remaining:
+                return
+        with contextlib.suppress(KvtierError):  # a closed connection released it already
+            self._client.run(ops.release(self._leases))
+
+
+@dataclass
+class _Session:
+    """One connection to the daemon, its arena as a tensor, and the namespaces opened on it."""
+
+    client: Client
+    arena: torch.Tensor
+    namespaces: dict[tuple[Any, ...], Namespace] = field(default_factory=dict)
+    cuda_registered: int = 0
+
+    @classmethod
+    def open(cls, socket_path: str | None) -> _Session:
+        client = connect(socket_path, client_name="kvtierd-lmcache")
+        with warnings.catch_warnings():
+            # The shared arena is read-only in this process; only ever read through this tensor.
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            arena = torch.frombuffer(client.arena_buffer(), dtype=torch.uint8)
+        session = cls(client, arena)
+        if torch.cuda.is_available():  # pinned: copies to HBM are DMA with no staging copy
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            status = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+            session.cuda_registered = arena.data_ptr() if int(status) == 0 else 0
+        return session
+
+    def close(self) -> None:
+        if self.cuda_registered:
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            cudart.cudaHostUnregister(self.cuda_registered)
+        self.client.close()
+
+
+class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
+    """LMCache storage backend on a kvtierd daemon (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: Any = None,
+        dst_device: str = "cpu",
+        metadata: Any = None,
+        local_cpu_backend: Any = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        """Called by LMCache's plug-in launcher. Raises ``ValueError`` for a configuration this
+        backend cannot serve (no CPU staging pool, layer-wise keys)."""
+        super().__init__(
+            dst_device=dst_device,
+            config=config,
+            metadata=metadata,
+            local_cpu_backend=local_cpu_backend,
+            loop=loop,
+        )
+        if config is None or metadata is None:
+            raise ValueError("KvtierdBackend needs LMCache's config and metadata")
+        if local_cpu_backend is None:
+            raise ValueError(
+                "KvtierdBackend stages stores in LMCache's CPU pool: max_local_cpu_size > 0"
+            )
+        if config.use_layerwise:
+            raise ValueError("KvtierdBackend stores whole chunks; use_layerwise is not supported")
+        extra = config.extra_config or {}
+        self._socket: str | None = extra.get("kvtierd.socket")
+        self._tenant = str(extra.get("kvtierd.tenant", "default"))
+        self._zero_copy = not config.local_cpu
+        self._chunk_tokens = int(config.chunk_size)
+        self._hash_algorithm = str(config.pre_caching_hash_algorithm)
+        self._shapes = list(metadata.get_shapes(self._chunk_tokens))
+        self._dtypes = list(metadata.get_dtypes())
+        self._fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
+        self._chunk_bytes = sum(
+            s.numel() * d.itemsize for s, d in zip(self._shapes, self._dtypes, strict=True)
+        )
+        self._lock = threading.Lock()
+        self._session_now: _Session | None = None
+        self._counts = dict.fromkeys(BackendStatistics.__slots__, 0)
+
+    def __str__(self) -> str:
+        return "KvtierdBackend"
+
+    # -- connection --------------------------------------------------------------------------
+
+    def _session(self) -> _Session:
+        with self._lock:
+            if self._session_now is None:
+                self._session_now = _Session.open(self._socket)
+            return self._session_now
+
+    def _drop(self, session: _Session | None) -> None:
+        with self._lock:
+            if session is not None and self._session_now is session:
+                self._session_now = None
+                session.close()
+
+    def _call(self, what: str, fn: Callable[[_Session], T], miss: T) -> T:
+        """``fn(session)``, reconnecting once if the connection broke; ``miss`` (logged and
+        counted) if the daemon cannot serve it."""
+        session: _Session | None = None
+        for attempt in (1, 2):
+            try:
+                session = self._session()
+                return fn(session)
+            except BrokenConnectionError as exc:
+                self._drop(session)
+                if attempt == 2:
+                    return self._failed(what, exc, miss)
+            except KvtierError as exc:
+                return self._failed(what, exc, miss)
+        raise AssertionError("unreachable")
+
+    def _failed(self, what: str, exc: KvtierError, miss: T) -> T:
+        self._counts["errors"] += 1
+        log.warning("kvtierd %s failed, answered as a miss: %s", what, exc)
+        return miss
+
+    def namespace_spec(self, key: Any) -> NamespaceSpec:
+        """The kvtierd namespace that holds ``key`` (a ``CacheEngineKey``)."""
+        return namespace_spec(
+            model_name=key.model_name,
+            world_size=key.world_size,
+            worker_id=key.worker_id,
+            dtype=key.dtype,
+            tags=key.tags,
+            kv_shape=self.metadata.kv_shape,
+            chunk_tokens=self._chunk_tokens,
+            chunk_bytes=self._chunk_bytes,
+            hash_algorithm=self._hash_algorithm,
+            single_group=len(self._shapes) == 1,
+        )
+
+    def _namespace(self, session: _Session, key: Any) -> Namespace:
+        ident = (key.model_name, key.world_size, key.worker_id, key.dtype, key.tags)
+        ns = session.namespaces.get(ident)
+        if ns is None:
+            spec = self.namespace_spec(key)
+            ns = session.client.namespace(
+                spec.name,
+                block_bytes=spec.block_bytes,
+                layout=spec.layout,
+                rank=spec.rank,
+                world_size=spec.world_size,
+                tenant=self._tenant,
+            )
+            session.namespaces[ident] = ns
+        return ns
+
+    def _runs(self, session: _Session, keys: Sequence[Any]) -> list[tuple[Namespace, list[int]]]:
+        """Consecutive runs of ``keys`` (by index) that share a namespace, in order."""
+        runs: list[tuple[Namespace, list[int]]] = []
+        for i, key in enumerate(keys):
+            ns = self._namespace(session, key)
+            if runs and runs[-1][0] is ns:
+                runs[-1][1].append(i)
+            else:
+                runs.append((ns, [i]))
+        return runs
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def batched_contains(self, keys: list[Any], pin: bool = False) -> int:
+        """kvtierd's LOOKUP: how many leading ``keys`` are stored (for the whole TP group);
+        starts promoting them into DRAM."""
+        self._counts["lookups"] += 1
+
+        def lookup(session: _Session) -> int:
+            hits = 0
+            for ns, idx in self._runs(session, keys):
+                found = ns.lookup([block_key(keys[i].chunk_hash) for i in idx])
+                hits += found
+                if found < len(idx):
+                    break
+            return hits
+
+        return self._call("lookup", lookup, 0) if keys else 0
+
+    def contains(self, key: Any, pin: bool = False) -> bool:
+        return self.batched_contains([key], pin) == 1
+
+    async def batched_async_contains(
+        self, lookup_id: str, keys: list[Any], pin: bool = False
+    ) -> int:
+        return await asyncio.to_thread(self.batched_contains, keys, pin)
+
+    def exists_in_put_tasks(self, key: Any) -> bool:
+        return False  # stores complete before batched_submit_put_task returns
+
+    def pin(self, key: Any) -> bool:
+        return self.contains(key)  # no lookup pin in kvtierd: READ leases (module docstring)
+
+    def unpin(self, key: Any) -> bool:
+        return True
+
+    def touch_cache(self) -> None:
+        """kvtierd's policy learns from LOOKUP and READ themselves."""
+
+    # -- stores ------------------------------------------------------------------------------
+
+    def batched_submit_put_task(
+        self,
+        keys: Sequence[Any],
+        objs: list[Any],
+        transfer_spec: Any = None,
+        on_complete_callback: Callable[[Any], None] | None = None,
+    ) -> None:
+        """Store every full chunk (ALLOC, copy, COMMIT) before returning."""
+        full = [
+            (k, o) for k, o in zip(keys, objs, strict=True) if o.get_size() == self._chunk_bytes
+        ]
+        self._counts["partial_chunks_skipped"] += len(keys) - len(full)
+        if not full:
+            return
+
+        def store(session: _Session) -> int:
+            per_write = max(
+                1, session.client.arena.size_bytes // _WRITE_ARENA_SHARE // self._chunk_bytes
+            )
+            stored = 0
+            for ns, idx in self._runs(session, [k for k, _ in full]):
+                for start in range(0, len(idx), per_write):
+                    batch = [full[i] for i in idx[start : start + per_write]]
+                    self._store_batch(session, ns, batch)
+                    stored += len(batch)
+                    if on_complete_callback is not None:
+                        for key, _ in batch:
+                            on_complete_callback(key)
+            return stored
+
+        stored = self._call("store", store, 0)
+        self._counts["stored_chunks"] += stored
+        self._counts["failed_stores"] += len(full) - stored
+
+    def _store_batch(self, session: _Session, ns: Namespace, batch: list[tuple[Any, Any]]) -> None:
+        try:
+            self._write(ns, batch)
+        except NoSpaceError:
+            # Every free slot is leased or awaiting write-back: once FSYNC returns, the written
+            # blocks are clean and can be evicted to make room.
+            with contextlib.suppress(InvalidRequestError):  # no NVMe tier: nothing to wait for
+                session.client.fsync()
+            self._write(ns, batch)
+
+    @staticmethod
+    def _write(ns: Namespace, batch: list[tuple[Any, Any]]) -> None:
+        with ns.write([block_key(k.chunk_hash) for k, _ in batch]) as slots:
+            for view, (_, obj) in zip(slots.views, batch, strict=True):
+                if view is not None:  # None: stored already
+                    _copy_into(view, obj)
+
+    async def async_batched_submit_put_task(
+        self,
+        keys: Sequence[Any],
+        objs: list[Any],
+        transfer_spec: Any = None,
+        on_complete_callback: Callable[[Any], None] | None = None,
+    ) -> None:
+        await asyncio.to_thread(
+            self.batched_submit_put_task, keys, objs, transfer_spec, on_complete_callback
+        )
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def batched_get_blocking(self, keys: list[Any]) -> list[Any]:
+        """The leading stored chunks of ``keys`` as memory objects; ``None`` from the first
+        missing one on."""
+        result: list[Any] = [None] * len(keys)
+        if not keys:
+            return result
+
+        def read(session: _Session) -> int:
+            done = 0
+            for ns, idx in self._runs(session, keys):
+                objs = self._read_run(session, ns, [block_key(keys[i].chunk_hash) for i in idx])
+                result[done : done + len(objs)] = objs
+                done += len(objs)
+                if len(objs) < len(idx):
+                    break
+            return done
+
+        self._counts["read_chunks"] += self._call("read", read, 0)
+        return result
+
+    def _read_run(self, session: _Session, ns: Namespace, keys: list[bytes]) -> list[Any]:
+        """The leading stored blocks of ``keys`` as memory objects. At most half the arena is
+        leased for zero-copy objects per call; beyond that, blocks are copied into LMCache's
+        CPU pool a batch at a time, so a read larger than the arena still completes."""
+        arena_blocks = max(1, session.client.arena.size_bytes // self._chunk_bytes)
+        lease_budget = arena_blocks // 2 if self._zero_copy else 0
+        objs: list[Any] = []
+        while len(objs) < len(keys):
+            zero_copy = len(objs) < lease_budget
+            step = lease_budget - len(objs) if zero_copy else max(1, arena_blocks // 8)
+            batch = keys[len(objs) : len(objs) + step]
+            got = self._read_batch(session, ns, batch, zero_copy)
+            objs += got
+            if len(got) < len(batch):
+                break
+        return objs
+
+    def _read_batch(
+        self, session: _Session, ns: Namespace, keys: list[bytes], zero_copy: bool
+    ) -> list[Any]:
+        client = session.client
+        try:
+            leases, extents = self._lease(session, ns, keys)
+        except BlockNotFoundError:  # gone since LOOKUP: read the prefix that is still there
+            present = ns.lookup(keys)
+            if not present:
+                return []
+            try:
+                leases, extents = self._lease(session, ns, keys[:present])
+            except BlockNotFoundError:
+                return []
+        except NoSpaceError:  # the arena is full of leases: a shorter hit, not a failure
+            log.debug("kvtierd arena full of leases; %d blocks answered as misses", len(keys))
+            return []
+        if any(e.length != self._chunk_bytes for e in extents):
+            client.run(ops.release(leases))
+            raise RemoteProtocolError(
+                f"the daemon answered blocks that are not {self._chunk_bytes} bytes"
+            )
+        if zero_copy:
+            owner = _LeaseRelease(client, leases, len(extents))
+            return [
+                TensorMemoryObj(session.arena[e.offset : e.offset + e.length], self._meta(e), owner)
+                for e in extents
+            ]
+        objs: list[Any] = []
+        try:  # copied into LMCache's pool, so the lease ends now
+            for e in extents:
+                obj = self.local_cpu_backend.allocate(
+                    self._shapes,
+                    self._dtypes,
+                    self._fmt,
+                    eviction=not self._zero_copy,
+                    busy_loop=False,
+                )
+                if obj is None:
+                    break
+                _raw_bytes(obj).copy_(session.arena[e.offset : e.offset + e.length])
+                objs.append(obj)
+        finally:
+            client.run(ops.release(leases))
+        return objs
+
+    @staticmethod
+    def _lease(
+        session: _Session, ns: Namespace, keys: list[bytes]
+    ) -> tuple[list[int], list[Extent]]:
+        """READ ``keys``. A READ that finds every free slot awaiting write-back (``ENOSPC``)
+        is retried once after FSYNC has made those slots clean, so evictable."""
+        client = session.client
+        try:
+            return client.run(ops.read(ns.handle.ns, keys, client.max_keys))
+        except NoSpaceError:
+            with contextlib.suppress(InvalidRequestError):  # no NVMe tier: nothing to wait for
+                client.fsync()
+            return client.run(ops.read(ns.handle.ns, keys, client.max_keys))
+
+    def _meta(self, extent: Extent) -> Any:
+        return MemoryObjMetadata(
+            shape=self._shapes[0],
+            dtype=self._dtypes[0],
+            address=extent.offset,
+            phy_size=extent.length,
+            ref_count=1,
+            fmt=self._fmt,
+            shapes=list(self._shapes),
+            dtypes=list(self._dtypes),
+        )
+
+    def get_blocking(self, key: Any) -> Any:
+        return self.batched_get_blocking([key])[0]
+
+    def get_non_blocking(self, key: Any, location: str | None = None) -> Future[Any] | None:
+        future: Future[Any] = Future()
+        future.set_result(self.get_blocking(key))
+        return future
+
+    async def batched_get_non_blocking(
+        self, lookup_id: str, keys: list[Any], transfer_spec: Any = None
+    ) -> list[Any]:
+        objs = await asyncio.to_thread(self.batched_get_blocking, keys)
+        return [obj for obj in objs if obj is not None]
+
+    # -- removal and life cycle ---------------------------------------------------------------
+
+    def batched_remove(self, keys: list[Any], force: bool = True) -> int:
+        def forget(session: _Session) -> int:
+            return sum(
+                ns.forget([block_key(keys[i].chunk_hash) for i in idx])
+                for ns, idx in self._runs(session, keys)
+            )
+
+        return self._call("forget", forget, 0) if keys else 0
+
+    def remove(self, key: Any, force: bool = True) -> bool:
+        return self.batched_remove([key], force) == 1
+
+    def get_allocator_backend(self) -> Any:
+        return self.local_cpu_backend
+
+    def statistics(self) -> BackendStatistics:
+        return BackendStatistics(**self._counts)
+
+    def close(self) -> None:
+        with self._lock:
+            session, self._session_now = self._session_now, None
+        if session is not None:
+            session.close()
+
+
+def _raw_bytes(obj: Any) -> torch.Tensor:
+    """The bytes of a memory object (every layer group) as a flat uint8 tensor."""
+    raw: torch.Tensor = obj.raw_tensor
+    return raw.reshape(-1).view(torch.uint8)[: obj.get_size()]
+
+
+def _copy_into(view: memoryview, obj: Any) -> None:
+    torch.frombuffer(view, dtype=torch.uint8).copy_(_raw_bytes(obj))

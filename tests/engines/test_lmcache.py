@@ -1,0 +1,260 @@
+"""LMCache's own engine (``LMCacheEngine.store()`` / ``retrieve()``) with kvtierd as its storage
+tier, against a real daemon: what LMCache stores comes back byte for byte, also from the NVMe
+tier after a daemon restart and when the DRAM tier cannot hold everything; a failed store is
+never visible; LMCache's prefix hit count is kvtierd's LOOKUP.
+
+The token sequence is the UTF-8 bytes of a public-domain text (a byte-level tokenisation); the
+KV is random data of a small model's shape in bfloat16 (a dtype numpy lacks, so every byte path
+is exercised). LMCache's engine is driven by the CPU connector of ``kvtierd.engines.lmcache_cpu``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtierd.client import connect
+from kvtierd.engines.lmcache_keys import block_key
+from kvtierd.testing import DaemonProcess
+
+try:
+    with warnings.catch_warnings():
+        # LMCache's logger setup uses an opentelemetry handler that warns it is deprecated.
+        warnings.filterwarnings("ignore", "`LoggingHandler`", DeprecationWarning)
+        import torch
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+        from lmcache.v1.metadata import LMCacheMetadata
+
+        from kvtierd.engines.lmcache import KvtierdBackend
+        from kvtierd.engines.lmcache_cpu import CpuKvConnector
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    pytest.skip(
+        f"lmcache is not importable ({exc}); `pip install -e .[peers]` installs it",
+        allow_module_level=True,
+    )
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings(
+        "ignore:`LoggingHandler` in `opentelemetry-sdk` is deprecated:DeprecationWarning"
+    ),
+]
+
+# Charles Dickens, "A Tale of Two Cities" (1859): public domain.
+TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the "
+    "age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the "
+    "season of Light, it was the season of Darkness, it was the spring of hope, it was the winter "
+    "of despair, we had everything before us, we had nothing before us, we were all going direct "
+    "to Heaven, we were all going direct the other way - in short, the period was so far like "
+    "the present period, that some of its noisiest authorities insisted on its being received, "
+    "for good or for evil, in the superlative degree of comparison only."
+)
+MODEL = "test/tiny-llama"
+LAYERS, KV_HEADS, HEAD_DIM, CHUNK = 4, 2, 64, 16  # 32 KiB chunks in bfloat16
+DTYPE = torch.bfloat16
+_ids = itertools.count()
+
+
+def tokens(n: int) -> list[int]:
+    data = (TEXT.encode() * (n // len(TEXT) + 1))[:n]
+    return list(data)
+
+
+def random_kv(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYERS, 2, n, KV_HEADS, HEAD_DIM, generator=g).to(DTYPE)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+class Engine:
+    """One LMCacheEngine whose only storage is kvtierd (LMCache's CPU pool stages stores)."""
+
+    def __init__(self, socket: Path, staging_gb: float = 0.03) -> None:
+        kv_shape = (LAYERS, 2, CHUNK, KV_HEADS, HEAD_DIM)
+        config = LMCacheEngineConfig.from_defaults(
+            chunk_size=CHUNK,
+            local_cpu=False,
+            max_local_cpu_size=staging_gb,
+            storage_plugins=["kvtierd"],
+            extra_config={
+                "storage_plugin.kvtierd.module_path": "kvtierd.engines.lmcache",
+                "storage_plugin.kvtierd.class_name": "KvtierdBackend",
+                "kvtierd.socket": str(socket),
+            },
+        )
+        metadata = LMCacheMetadata(
+            model_name=MODEL,
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=DTYPE,
+            kv_shape=kv_shape,
+            chunk_size=CHUNK,
+        )
+        self.instance = f"kvtierd-test-{os.getpid()}-{next(_ids)}"
+        self.engine = LMCacheEngineBuilder.get_or_create(
+            self.instance, config, metadata, CpuKvConnector(kv_shape), None, None
+        )
+        self.engine.post_init()
+        backend = self.engine.storage_manager.storage_backends.get("kvtierd")
+        assert isinstance(backend, KvtierdBackend), "LMCache did not load the kvtierd plug-in"
+        self.backend = backend
+
+    def store(self, ids: list[int], kv: torch.Tensor) -> None:
+        self.engine.store(ids, kvcaches=kv)
+
+    def retrieve(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.zeros(LAYERS, 2, len(ids), KV_HEADS, HEAD_DIM, dtype=DTYPE)
+        mask = self.engine.retrieve(ids, kvcaches=out)
+        return mask, out
+
+    def keys(self, ids: list[int]) -> list[Any]:
+        return [key for _, _, key in self.engine.token_database.process_tokens(tokens=ids)]
+
+    def namespace(self, client: Any, ids: list[int]) -> Any:
+        """The kvtierd namespace LMCache's keys for ``ids`` live in, opened on ``client``."""
+        spec = self.backend.namespace_spec(self.keys(ids)[0])
+        return client.namespace(
+            spec.name,
+            block_bytes=spec.block_bytes,
+            layout=spec.layout,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            create=False,
+        )
+
+    def close(self) -> None:
+        manager = self.engine.storage_manager
+        LMCacheEngineBuilder.destroy(self.instance)
+        manager.loop.close()  # LMCache stops its storage loop's thread but leaves it open
+
+
+@pytest.fixture(autouse=True)
+def _no_usage_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LMCACHE_TRACK_USAGE", "false")  # LMCache would report to its servers
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    with DaemonProcess(tmp_path / "kvtierd", dram_size="64M", nvme_size="256M") as d:
+        yield d
+
+
+@pytest.fixture
+def engine(daemon: DaemonProcess) -> Iterator[Engine]:
+    e = Engine(daemon.socket)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+def test_store_then_retrieve_is_byte_exact(engine: Engine, daemon: DaemonProcess) -> None:
+    ids, kv = tokens(512), random_kv(512)
+    engine.store(ids, kv)
+    assert engine.engine.lookup(ids) == 512
+    mask, out = engine.retrieve(ids)
+    assert bool(mask.all())
+    assert same_bytes(out, kv)
+    stats = engine.backend.statistics()
+    assert (stats.stored_chunks, stats.read_chunks, stats.errors) == (32, 32, 0)
+    with connect(daemon.socket) as client:
+        [ns] = [n for n in client.namespaces() if n["name"].startswith("lmcache/")]
+    assert ns["name"] == f"lmcache/{MODEL}/builtin"
+    assert ns["dram_blocks"] == 32
+
+
+def test_prefix_hit_is_kvtierd_lookup(engine: Engine, daemon: DaemonProcess) -> None:
+    ids, kv = tokens(512), random_kv(512, seed=1)
+    engine.store(ids[:320], kv[:, :, :320].contiguous())  # 20 of 32 chunks
+    assert engine.engine.lookup(ids) == 320
+    keys = engine.keys(ids)
+    with connect(daemon.socket) as client:
+        ns = engine.namespace(client, ids)
+        assert ns.lookup([block_key(k.chunk_hash) for k in keys]) == 20
+        ns.forget([block_key(keys[5].chunk_hash)])  # a hole: the hit ends before it
+    assert engine.engine.lookup(ids) == 5 * CHUNK
+    mask, out = engine.retrieve(ids)
+    assert int(mask.sum()) == 5 * CHUNK
+    assert bool(mask[: 5 * CHUNK].all())
+    assert same_bytes(out[:, :, : 5 * CHUNK], kv[:, :, : 5 * CHUNK])
+
+
+def test_failed_store_is_never_visible(engine: Engine) -> None:
+    ids, kv = tokens(64), random_kv(64, seed=2)
+    good_keys = engine.keys(ids)
+    staged = engine.engine.storage_manager.allocate(
+        engine.engine.metadata.get_shapes(CHUNK), engine.engine.metadata.get_dtypes()
+    )
+    assert staged is not None
+    staged.tensor.copy_(kv[:, :, :CHUNK].permute(1, 0, 2, 3, 4).reshape(staged.tensor.shape))
+    # A chunk whose bytes cannot be read (its buffer is one byte short): the copy into the
+    # arena fails half-way through the write.
+    meta = staged.metadata
+    short = TensorMemoryObj(
+        torch.zeros(meta.phy_size - 1, dtype=torch.uint8),
+        MemoryObjMetadata(meta.shape, meta.dtype, 0, meta.phy_size - 1, 1, meta.fmt),
+        None,
+    )
+    with pytest.raises(RuntimeError):
+        engine.backend.batched_submit_put_task(good_keys[:2], [staged, short])
+    staged.ref_count_down()
+    assert engine.backend.batched_contains(good_keys) == 0
+    assert engine.engine.lookup(ids) == 0
+    engine.store(ids, kv)  # the same keys store normally afterwards
+    mask, out = engine.retrieve(ids)
+    assert bool(mask.all())
+    assert same_bytes(out, kv)
+
+
+def test_daemon_restart_serves_from_disk(engine: Engine, daemon: DaemonProcess) -> None:
+    ids, kv = tokens(1024), random_kv(1024, seed=3)
+    engine.store(ids, kv)
+    with connect(daemon.socket) as client:
+        client.fsync()
+    daemon.stop()
+    assert engine.engine.lookup(ids) == 0  # unreachable: a miss, not an error
+    assert engine.backend.statistics().errors > 0
+    daemon.start()
+    keys = [block_key(k.chunk_hash) for k in engine.keys(ids)]
+    with connect(daemon.socket) as client:
+        ns = engine.namespace(client, ids)
+        assert set(ns.lookup_tiers(keys, promote=False)) == {"nvme"}
+    assert engine.engine.lookup(ids) == 1024
+    mask, out = engine.retrieve(ids)
+    assert bool(mask.all())
+    assert same_bytes(out, kv)
+
+
+def test_more_than_dram_holds(tmp_path: Path) -> None:
+    # 16 MiB of DRAM, 48 MiB of KV (1536 chunks of 32 KiB): stores go through write-back and
+    # eviction, and one retrieve needs more blocks than the arena can lease at once.
+    chunks = 1536
+    with DaemonProcess(tmp_path / "small", dram_size="16M", nvme_size="160M") as d:
+        engine = Engine(d.socket, staging_gb=0.1)
+        try:
+            ids, kv = tokens(chunks * CHUNK), random_kv(chunks * CHUNK, seed=4)
+            engine.store(ids, kv)
+            assert engine.backend.statistics().stored_chunks == chunks
+            assert engine.engine.lookup(ids) == len(ids)
+            mask, out = engine.retrieve(ids)
+            assert bool(mask.all())
+            assert same_bytes(out, kv)
+            with connect(d.socket) as client:
+                [info] = [n for n in client.namespaces() if n["name"].startswith("lmcache/")]
+            assert info["dram_blocks"] < chunks <= info["nvme_blocks"]
+        finally:
+            engine.close()
