@@ -18,6 +18,7 @@ import enum
 import hashlib
 import os
 import re
+import socket
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any
@@ -208,6 +209,11 @@ class PoolConfig(_Section):
             raise ValueError(f"pool.rank {self.rank} is outside world_size {self.world_size}")
         if self.world_size > 1 and not self.group_id:
             raise ValueError("pool.group_id is required when world_size > 1")
+
+    @property
+    def group(self) -> str:
+        """The group id, or this host's own one-rank group."""
+        return self.group_id or f"solo-{socket.gethostname()}"
 
     @property
     def tls(self) -> bool:

@@ -151,7 +151,7 @@ async def connect_pool(config: PoolConfig) -> RedisLike:
 
 async def probe(client: RedisLike, config: PoolConfig) -> None:
     """Write a random value, read it back, delete it: what a rank checks before voting yes."""
-    key = f"{config.key_prefix}:{{{config.group_id or 'solo'}}}:probe:{config.rank}".encode()
+    key = f"{config.key_prefix}:{{{config.group}}}:probe:{config.rank}".encode()
     value = secrets.token_bytes(64)
     try:
         await client.set(key, value, px=30_000)

@@ -119,9 +119,12 @@ async def open_ns(session: Session, header: RequestHeader, msg: OpenNsRequest) -
 
 
 async def lookup(session: Session, header: RequestHeader, msg: LookupRequest) -> Message:
-    hits, tiers = session.daemon.store.lookup(
-        _namespace(session, header), msg.keys, promote=msg.promote
-    )
+    store = session.daemon.store
+    ns = _namespace(session, header)
+    if store.needs_group_lookup(ns):  # a TP group on the pool: ask the pool (one round trip)
+        hits, tiers = await store.lookup_group(ns, msg.keys, promote=msg.promote)
+    else:
+        hits, tiers = store.lookup(ns, msg.keys, promote=msg.promote)
     return LookupReply(hits, tiers)
 
 

@@ -1,10 +1,11 @@
 """The block index and the per-connection records that pin parts of it.
 
 A :class:`Block` is one committed key of one namespace, with its copies: an arena slot (DRAM),
-a lower-tier location (NVMe), or both. Blocks are compared by identity and serve directly as
-the policies' keys. ``pins`` counts leases and in-flight I/O on the DRAM copy: a pinned slot is
-never evicted or reused. ``dirty`` marks a committed block whose lower-tier copy is not written
-yet; it cannot leave DRAM until it is.
+a lower-tier location (NVMe), a pool location, or several; it leaves the index with its last
+copy. Blocks are compared by identity and serve directly as the policies' keys. ``pins`` counts
+leases and in-flight I/O on the DRAM copy: a pinned slot is never evicted or reused. ``dirty``
+marks a committed block whose lower-tier copy is not written yet; it cannot leave DRAM until it
+is.
 
 An :class:`Owner` is one client connection: its leases and its uncommitted writes die with it.
 """
@@ -31,6 +32,7 @@ class Block:
     ref: BlockRef
     dram: Slot | None = None
     lower: object | None = None
+    pool: object | None = None
     dirty: bool = False
     pins: int = 0
     loading: anyio.Event | None = None
@@ -49,6 +51,10 @@ class Block:
     @property
     def resident(self) -> bool:
         return self.dram is not None
+
+    @property
+    def has_copy(self) -> bool:
+        return self.dram is not None or self.lower is not None or self.pool is not None
 
 
 @dataclass(eq=False, slots=True)

@@ -18,10 +18,14 @@ from pathlib import Path
 
 import anyio
 
-from kvtierd.config import Config, PolicyKind
-from kvtierd.errors import StorageIOError
+from kvtierd.config import Config, PolicyKind, PoolConfig
+from kvtierd.errors import ConfigError, StorageIOError
 from kvtierd.io import open_io_backend
 from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES as FIXED_BUFFER_BYTES
+from kvtierd.pool.connect import PoolUnavailableError, pool_address, read_secret
+from kvtierd.pool.link import PoolLink
+from kvtierd.pool.tier import PoolTier
+from kvtierd.pool.values import PoolNames
 from kvtierd.slsap.policy import SlsapPolicy
 from kvtierd.store.arena import Arena
 from kvtierd.store.namespaces import NamespaceRegistry
@@ -35,6 +39,33 @@ from kvtierd.store.store import BlockStore
 __all__ = ["make_policy", "open_store"]
 
 log = logging.getLogger("kvtierd.store")
+
+
+def open_pool_link(config: PoolConfig, store: BlockStore) -> PoolLink:
+    """The pool tier and this rank's group membership; nothing connects until the store starts.
+    Raises :class:`ConfigError` for a credential file that cannot be used."""
+    try:
+        if config.password_file:
+            read_secret(config.password_file)
+    except PoolUnavailableError as exc:
+        raise ConfigError(str(exc)) from None
+    if not config.tls:
+        log.warning(
+            "pool %s is plaintext (pool.allow_plaintext = true): blocks and credentials cross "
+            "the network unencrypted",
+            pool_address(config),
+        )
+    tier = PoolTier(config, PoolNames(config.key_prefix, config.group, config.rank))
+    return PoolLink(config, tier, store)
+
+
+async def _settle(link: PoolLink, config: PoolConfig) -> None:
+    """Wait (bounded) until the group decided and a restore ran, so a restarted rank serves
+    what the pool holds from its first request."""
+    with anyio.move_on_after(config.vote_timeout_s + 2 * config.timeout_s):
+        await link.settled.wait()
+    status = link.membership.status
+    log.info("pool: %s%s", status.state.value, f" ({status.reason})" if status.reason else "")
 
 
 def make_policy(kind: PolicyKind) -> CachePolicy:
@@ -98,13 +129,19 @@ async def open_store(config: Config) -> AsyncIterator[BlockStore]:
                 prefetch_bytes_per_s=config.dram.prefetch_bytes_per_s,
             )
             store.io_backend = backend
+            if config.pool.url:
+                store.pool = open_pool_link(config.pool, store)
             adopted = store.adopt_recovered()
             log.info("store ready: %d blocks adopted from the NVMe tier", adopted)
             async with anyio.create_task_group() as tg:
                 store.start(tg)
+                if store.pool is not None:
+                    await _settle(store.pool, config.pool)
                 try:
                     yield store
                 finally:
+                    if store.pool is not None:
+                        await store.pool.close(config.daemon.shutdown_grace_s / 2)
                     store.stop_background()
     finally:
         arena.close()

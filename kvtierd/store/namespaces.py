@@ -109,6 +109,8 @@ class Namespace:
     digest: bytes
     group_digest: bytes
     key_salt: bytes
+    #: The digest of this namespace's share on every rank of its TP group (by rank).
+    rank_digests: tuple[bytes, ...] = ()
     dram_blocks: int = 0
     nvme_blocks: int = 0
     blocks: int = field(default=0)
@@ -162,11 +164,27 @@ class NamespaceRegistry:
     def _add(self, spec: NamespaceSpec, digest: bytes) -> Namespace:
         group = xxhash.xxh3_128_digest(spec.identity(with_rank=False))
         salt = xxhash.xxh3_128_digest(b"kvtierd/key-salt/v1" + group)
-        ns = Namespace(len(self._by_id) + 1, spec, digest, group, salt)
+        ranks = tuple(
+            xxhash.xxh3_128_digest(msgspec.structs.replace(spec, rank=r).identity(with_rank=True))
+            for r in range(spec.world_size)
+        )
+        ns = Namespace(len(self._by_id) + 1, spec, digest, group, salt, ranks)
         self._by_id[ns.id] = ns
         self._by_digest[digest] = ns
         self._groups.setdefault(group, {})[spec.rank] = ns
         return ns
+
+    def adopt(self, spec: NamespaceSpec) -> Namespace | None:
+        """Add a namespace learnt from elsewhere (the pool); ``None`` when it is already known or
+        invalid. The caller saves the catalog."""
+        try:
+            spec.validate()
+        except InvalidRequestError:
+            return None
+        digest = xxhash.xxh3_128_digest(spec.identity(with_rank=True))
+        if digest in self._by_digest:
+            return None
+        return self._add(spec, digest)
 
     def get(self, ns_id: int) -> Namespace:
         try:

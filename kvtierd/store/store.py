@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
@@ -37,6 +38,9 @@ from kvtierd.store.sparse import SparseRetrieval
 from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError
 from kvtierd.store.tracking import TierPolicy
 from kvtierd.store.writeback import WriteBack
+
+if TYPE_CHECKING:
+    from kvtierd.pool.link import PoolLink
 
 __all__ = ["BlockStore"]
 
@@ -74,6 +78,8 @@ class BlockStore:
         self.alloc_wait_s = alloc_wait_s
         self._tg: TaskGroup | None = None
         self.io_backend: IoBackend | None = None
+        #: The shared pool, when configured (:mod:`kvtierd.pool.link`).
+        self.pool: PoolLink | None = None
         self._seq = 0
         # Background promotions share the disk with demand reads: keep their queue short so a
         # READ that arrives behind them waits for few.
@@ -82,6 +88,7 @@ class BlockStore:
             (
                 "dram_hits",
                 "lower_hits",
+                "pool_hits",
                 "misses",
                 "dram_evictions",
                 "lower_evictions",
@@ -102,6 +109,8 @@ class BlockStore:
         self._tg = tg
         self.writeback.start(tg)
         tg.start_soon(self.prefetcher.run)
+        if self.pool is not None:
+            tg.start_soon(self.pool.run)
 
     def stop_background(self) -> None:
         """Closing: finish the write-back queue, stop promoting."""
@@ -133,20 +142,50 @@ class BlockStore:
     ) -> tuple[int, bytes]:
         """Hits for ``ns``'s whole TP group, and the tier of each hit of ``ns``'s own share."""
         self.prefetcher.on_lookup(ns, keys)
-        own = self.index.leading_present(ns, keys)
+        own = self._leading_usable(ns, keys)
         hits = len(own)
         if ns.spec.world_size > 1:
             for member in self.registry.group(ns):
                 if member is None:
                     return 0, b""
                 if member is not ns:
-                    hits = min(hits, len(self.index.leading_present(member, keys[:hits])))
-        own = own[:hits]
+                    hits = min(hits, len(self._leading_usable(member, keys[:hits])))
+        return self._answer(own[:hits], promote)
+
+    async def lookup_group(
+        self, ns: Namespace, keys: list[bytes], *, promote: bool = True
+    ) -> tuple[int, bytes]:
+        """:meth:`lookup` for a TP group attached to the pool: a block counts only when every
+        rank's share of it is in the pool, so every rank answers the same. Falls back to the
+        local answer when the pool fails."""
+        assert self.pool is not None
+        group_hits = await self.pool.group_hits(ns, keys)
+        if group_hits is None:
+            return self.lookup(ns, keys, promote=promote)
+        self.prefetcher.on_lookup(ns, keys)
+        own = self._leading_usable(ns, keys[:group_hits])
+        return self._answer(own, promote)
+
+    def needs_group_lookup(self, ns: Namespace) -> bool:
+        return self.pool is not None and self.pool.group_lookup(ns)
+
+    def _leading_usable(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
+        found = self.index.leading_present(ns, keys)
+        if self.pool is None or self.pool.attached:
+            return found
+        for i, block in enumerate(found):  # a pool-only copy is out of reach while detached
+            if block.dram is None and block.lower is None:
+                return found[:i]
+        return found
+
+    def _answer(self, own: list[Block], promote: bool) -> tuple[int, bytes]:
         if promote:
             self.prefetch(own)
-        dram, nvme = int(ServedBy.DRAM), int(ServedBy.NVME)
-        tiers = bytes([dram if b.dram is not None else nvme for b in own])
-        return hits, tiers
+        dram, nvme, pool = int(ServedBy.DRAM), int(ServedBy.NVME), int(ServedBy.POOL)
+        tiers = bytes(
+            [dram if b.dram is not None else nvme if b.lower is not None else pool for b in own]
+        )
+        return len(own), tiers
 
     def prefetch(self, blocks: list[Block]) -> int:
         """Start promoting the non-resident ``blocks`` into DRAM, first block first."""
@@ -246,25 +285,32 @@ class BlockStore:
         if block.resident:
             self.counters["dram_hits"] += 1
             return
-        if self.lower is None or block.lower is None:
+        from_pool = block.lower is None
+        source = self.pool.tier if from_pool and self.pool is not None else self.lower
+        location = block.pool if from_pool else block.lower
+        if source is None or location is None:
             raise BlockNotFoundError("block has no copy left")
         block.loading = anyio.Event()
         block.pins += 1
         try:
             slot = await self._allocate_dram(block.ref.raw_bytes)
             try:
-                await self.lower.load(block.ref, block.lower, self._slot_view(slot))
+                await source.load(block.ref, location, self._slot_view(slot))
             except BaseException as exc:
                 self.allocator.free(slot)
                 # A FORGET during the read has already dropped the copy (and tombstoned it).
-                if isinstance(exc, BlockNotFoundError) and block.lower is not None:
-                    await self._drop_lower(block)
-                    self.counters["lost"] += 1
+                if isinstance(exc, BlockNotFoundError):
+                    if from_pool and block.pool is not None:
+                        self._drop_pool_copy(block)
+                        self.counters["lost"] += 1
+                    elif not from_pool and block.lower is not None:
+                        await self._drop_lower(block)
+                        self.counters["lost"] += 1
                 raise
             block.dram = slot
             block.ns.dram_blocks += 1
             self.dram_policy.inserted(block, time.monotonic())
-            self.counters["lower_hits"] += 1
+            self.counters["pool_hits" if from_pool else "lower_hits"] += 1
             self.counters["promotions"] += 1
         finally:
             block.loading.set()
@@ -326,16 +372,21 @@ class BlockStore:
             except BaseException:
                 self._abandon(write)
                 raise
-        return self._publish(write, sums)
+        committed, new = self._publish(write, sums)
+        if self.pool is not None:
+            await self.pool.committed(new)
+        return committed
 
     async def _checksum(self, slot: Slot | None, ns: Namespace) -> int:
         if slot is None:
             return 0
         return await checksum_off_loop(self._slot_view(slot)[: ns.spec.block_bytes])
 
-    def _publish(self, write: PendingWrite, sums: list[int]) -> int:
+    def _publish(self, write: PendingWrite, sums: list[int]) -> tuple[int, list[Block]]:
+        """Index the written blocks; (how many keys are stored now, the new blocks)."""
         now = time.monotonic()
         committed = 0
+        new: list[Block] = []
         for key, slot, digest in zip(write.keys, write.slots, sums, strict=True):
             if slot is None:
                 committed += 1
@@ -360,8 +411,9 @@ class BlockStore:
             self.counters["bytes_committed"] += ref.raw_bytes
             if block.dirty:
                 self.writeback.enqueue(block)
+            new.append(block)
             committed += 1
-        return committed
+        return committed, new
 
     def _abandon(self, write: PendingWrite) -> None:
         for slot in write.slots:
@@ -410,6 +462,8 @@ class BlockStore:
             raise InvalidRequestError("no durable tier is configured (nvme.size = 0)")
         await self.writeback.drain(self._seq)
         await self.lower.sync()
+        if self.pool is not None and self.pool.config.fsync_waits:
+            await self.pool.drain()
         return sum(ns.nvme_blocks for ns in self.registry)
 
     # -- removal -----------------------------------------------------------------------------
@@ -426,6 +480,8 @@ class BlockStore:
                 self._drop_dram(block)
             if block.lower is not None:
                 await self._drop_lower(block)
+            if block.pool is not None:
+                await self._discard_pool_copy(block)
             forgotten += 1
         return forgotten
 
@@ -451,7 +507,7 @@ class BlockStore:
         if block.prefetched:
             block.prefetched = False
             self.counters["prefetch_wasted_bytes"] += block.ref.raw_bytes
-        if block.lower is None:
+        if not block.has_copy:
             self.index.remove(block)
 
     async def _drop_lower(self, block: Block) -> None:
@@ -460,9 +516,63 @@ class BlockStore:
         location, block.lower = block.lower, None
         block.ns.nvme_blocks -= 1
         self.lower_policy.removed(block)
-        if block.dram is None:
+        if not block.has_copy:
             self.index.remove(block)
         await self.lower.discard(location)
+
+    def _drop_pool_copy(self, block: Block) -> None:
+        block.pool = None
+        if not block.has_copy:
+            self.index.remove(block)
+
+    async def _discard_pool_copy(self, block: Block) -> None:
+        assert self.pool is not None
+        assert block.pool is not None
+        location = block.pool
+        self._drop_pool_copy(block)
+        try:
+            await self.pool.tier.discard(location)
+        except KvtierError as exc:  # the value stays until the pool evicts it; never indexed
+            log.warning("could not delete a forgotten block from the pool: %s", exc)
+
+    # -- what the pool link needs ------------------------------------------------------------
+
+    def block_by_id(self, ns_digest: bytes, key: bytes) -> Block | None:
+        ns = self.registry.by_digest(ns_digest)
+        return None if ns is None else self.index.get(ns, key)
+
+    def adopt_pool_copy(self, ref: BlockRef, location: Hashable) -> bool:
+        """Note that the pool holds ``ref``; ``True`` when the block was not indexed before."""
+        ns = self.registry.by_digest(ref.ns_digest)
+        if ns is None:
+            return False
+        block = self.index.get(ns, ref.key)
+        if block is not None:
+            if block.ref.checksum == ref.checksum:
+                block.pool = location
+            return False
+        self.index.add(Block(ns, ref, pool=location))
+        self._seq = max(self._seq, ref.seq)
+        return True
+
+    async def pin_resident(self, block: Block) -> bool:
+        """Pin ``block`` in DRAM, promoting it if needed; ``False`` when it has no copy left."""
+        if block.forgotten:
+            return False
+        block.pins += 1
+        try:
+            await self._make_resident(block)
+        except KvtierError:
+            self._unpin(block)
+            return False
+        return True
+
+    def unpin(self, block: Block) -> None:
+        self._unpin(block)
+
+    def view(self, block: Block) -> memoryview:
+        assert block.dram is not None
+        return self._slot_view(block.dram)
 
     async def _evict_lower(self, slot_class: int) -> bool:
         assert self.lower is not None

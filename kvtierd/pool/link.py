@@ -1,0 +1,319 @@
+"""The store's link to the pool: what goes up, when, and what comes back after a restart or wipe.
+
+Theory of operation. The link follows the group's consensus (:class:`GroupMembership`): only
+while the group is ``attached`` does it hand the pool tier a client; otherwise every pool path is
+skipped and the store serves from its local tiers, so no engine call fails because the pool is
+down, only misses more.
+
+Writes. Every committed block joins ``pending`` (in commit order). Under write-through, COMMIT
+writes its blocks at once and returns after the pool has them (on failure they stay pending and
+the commit still succeeds locally). Under write-back, a few writer tasks drain ``pending`` in
+batches, first recording the blocks as *intents* in the pool (``P:{g}:i:<rank>``), then writing
+the values and their manifest entries (which clears the intents). ``pending`` is bounded by
+``writeback_bytes``; blocks past it stay local and are counted. Blocks committed while detached
+wait in ``pending`` and are written once the group attaches again.
+
+Restore. Each time the group attaches, the link publishes this daemon's namespaces, adopts the
+pool's (so a wiped host knows them again), indexes every block of this rank's manifest that the
+local tiers lack (a pool-only copy, read on demand), and compares the intents with the manifest:
+an intent without a value whose block is still local is written again; one whose block is gone
+everywhere is *unreached*: reported by ``kvtierctl pool status`` and in the log, never served.
+
+Group-consistent lookups. For a namespace of a TP group (world size > 1) on an attached group, a
+block counts only when every rank's share of it is in the pool: every rank asks the pool the same
+question about the same keys, so every rank answers the same hit length.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import TaskGroup
+
+from kvtierd.config import PoolConfig, PoolWritePolicy
+from kvtierd.errors import KvtierError
+from kvtierd.pool.connect import PoolUnavailableError, connect_pool, pool_address, probe
+from kvtierd.pool.group import GroupMembership, GroupState, GroupStatus
+from kvtierd.pool.tier import PoolTier
+from kvtierd.store.index import Block
+from kvtierd.store.namespaces import Namespace
+from kvtierd.store.tier import MediumFullError
+
+if TYPE_CHECKING:
+    from kvtierd.store.store import BlockStore
+
+__all__ = ["PoolLink"]
+
+log = logging.getLogger("kvtierd.pool")
+_BATCH_BLOCKS = 16
+_BATCH_BYTES = 32 << 20
+_WRITERS = 4
+_INITIAL_REASON = "not connected to the pool yet"
+
+
+class PoolLink:
+    def __init__(self, config: PoolConfig, tier: PoolTier, store: BlockStore) -> None:
+        self.config = config
+        self.tier = tier
+        self.store = store
+        self.membership = GroupMembership(
+            group_id=tier.names.group,
+            rank=config.rank,
+            world_size=config.world_size,
+            address=pool_address(config),
+            digest=config.digest(),
+            connect=lambda: connect_pool(config),
+            probe=lambda client: probe(client, config),
+            vote_timeout_s=config.vote_timeout_s,
+            heartbeat_s=config.heartbeat_s,
+            on_change=self.on_status,
+            key_prefix=config.key_prefix,
+        )
+        self.pending: dict[tuple[bytes, bytes], Block] = {}
+        self.pending_bytes = 0
+        self.unreached: list[tuple[bytes, bytes]] = []
+        self.restored = 0
+        self.counters = dict.fromkeys(
+            ("written", "write_failures", "skipped", "restored", "lost", "group_lookups"), 0
+        )
+        #: Set once this rank knows where it stands after start-up: attached and restored, or
+        #: refused or unreachable (the daemon waits for it, bounded, before it is ready).
+        self.settled = anyio.Event()
+        self._wake = anyio.Event()
+        self._progress = anyio.Event()
+        self._attached_epoch = 0
+        self._published: set[bytes] = set()  # namespace digests the pool's catalog has
+        self._tg: TaskGroup | None = None
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def attached(self) -> bool:
+        return self.tier.client is not None
+
+    def on_status(self, status: GroupStatus) -> None:
+        """The membership's ``on_change``: hand the tier a client only while attached."""
+        if status.state is GroupState.ATTACHED:
+            self.tier.client = self.membership.client
+            if status.epoch != self._attached_epoch and self._tg is not None:
+                self._attached_epoch = status.epoch
+                self._tg.start_soon(self._restore_logged)
+            self._kick()
+        else:
+            self.tier.client = None
+            if status.state is GroupState.LOCAL and status.reason != _INITIAL_REASON:
+                self.settled.set()
+            self._kick()
+
+    def _kick(self) -> None:
+        self._wake.set()
+        self._wake = anyio.Event()
+        self._progress.set()
+        self._progress = anyio.Event()
+
+    async def run(self) -> None:
+        """The membership, the writers and restores, until :meth:`close`."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self.membership.run)
+            for _ in range(_WRITERS):
+                tg.start_soon(self._writer)
+
+    async def close(self, grace_s: float) -> None:
+        """Give queued writes up to ``grace_s`` to reach the pool, then stop everything."""
+        with anyio.CancelScope(shield=True):
+            if self.pending and self.attached:
+                await self.drain(grace_s)
+            if self.pending:
+                log.warning(
+                    "%d block(s) did not reach the pool before shutdown; they are written at the "
+                    "next attach if still on disk",
+                    len(self.pending),
+                )
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+
+    # -- writes ------------------------------------------------------------------------------
+
+    async def committed(self, blocks: list[Block]) -> None:
+        """COMMIT published ``blocks``: send them to the pool by the configured policy."""
+        if not blocks:
+            return
+        through = self.config.write_policy is PoolWritePolicy.WRITE_THROUGH
+        if through and self.attached:
+            try:
+                await self._write(blocks)
+                return
+            except (PoolUnavailableError, MediumFullError) as exc:
+                log.warning("write-through to the pool failed, block(s) stay local: %s", exc)
+                self.counters["write_failures"] += 1
+        for block in blocks:
+            self._queue(block)
+        self._kick()
+
+    def _queue(self, block: Block) -> None:
+        if block.id in self.pending or block.pool is not None:
+            return
+        if self.pending_bytes + block.ref.raw_bytes > self.config.writeback_bytes:
+            self.counters["skipped"] += 1
+            return
+        self.pending[block.id] = block
+        self.pending_bytes += block.ref.raw_bytes
+
+    def _unqueue(self, block: Block) -> None:
+        if self.pending.pop(block.id, None) is not None:
+            self.pending_bytes -= block.ref.raw_bytes
+
+    async def _writer(self) -> None:
+        while True:
+            if not self.attached or not self.pending:
+                await self._wake.wait()
+                continue
+            batch = self._take_batch()
+            try:
+                await self.tier.note_intents([b.ref for b in batch])
+                await self._write(batch)
+            except (PoolUnavailableError, MediumFullError) as exc:
+                self.counters["write_failures"] += 1
+                log.warning("pool write-back paused: %s", exc)
+                for block in batch:
+                    if not block.forgotten:
+                        self._queue(block)
+                with anyio.move_on_after(1.0):
+                    await self._wake.wait()
+            finally:
+                self._kick()
+
+    def _take_batch(self) -> list[Block]:
+        batch: list[Block] = []
+        size = 0
+        for block in list(self.pending.values()):
+            if len(batch) >= _BATCH_BLOCKS or (batch and size + block.ref.raw_bytes > _BATCH_BYTES):
+                break
+            self._unqueue(block)
+            if block.forgotten:
+                continue
+            batch.append(block)
+            size += block.ref.raw_bytes
+        return batch
+
+    async def _write(self, blocks: list[Block]) -> None:
+        """Write ``blocks`` (made resident and pinned meanwhile) with their manifest entries."""
+        unknown = {b.ns.digest: b.ns.spec for b in blocks if b.ns.digest not in self._published}
+        if unknown:  # a wiped host must learn the namespace before it can index the blocks
+            await self.tier.publish_namespaces(unknown)
+            self._published.update(unknown)
+        pinned: list[Block] = []
+        try:
+            values = []
+            for block in blocks:
+                if not await self.store.pin_resident(block):
+                    self.counters["lost"] += 1
+                    continue
+                pinned.append(block)
+                values.append(
+                    (block.ref, await self.tier.encode(block.ref, self.store.view(block)))
+                )
+            locations = await self.tier.store_many(values) if values else []
+        finally:
+            for block in pinned:
+                self.store.unpin(block)
+        for block, location in zip(pinned, locations, strict=True):
+            if block.forgotten:
+                continue
+            block.pool = location
+            self.counters["written"] += 1
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until nothing committed so far waits for the pool; ``False`` when the group is
+        detached (the blocks wait for the next attach) or ``timeout_s`` passed."""
+        with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
+            while self.pending and self.attached:
+                await self._progress.wait()
+        return not self.pending
+
+    # -- restore -----------------------------------------------------------------------------
+
+    async def _restore_logged(self) -> None:
+        try:
+            await self.restore()
+        except KvtierError as exc:
+            log.warning("restore from the pool interrupted: %s (retried at the next attach)", exc)
+        finally:
+            self.settled.set()
+
+    async def restore(self) -> int:
+        """Index what this rank has in the pool and the local tiers lack; the count."""
+        started = time.monotonic()
+        registry = self.store.registry
+        await self.tier.publish_namespaces({ns.digest: ns.spec for ns in registry})
+        self._published.update(ns.digest for ns in registry)
+        adopted = [registry.adopt(spec) for spec in await self.tier.namespaces()]
+        self._published.update(ns.digest for ns in adopted if ns is not None)
+        if any(adopted):
+            await anyio.to_thread.run_sync(registry.save)
+        restored = 0
+        in_pool: set[bytes] = set()
+        async for ref, location in self.tier.manifest():
+            in_pool.add(ref.ns_digest + ref.key)
+            if self.store.adopt_pool_copy(ref, location):
+                restored += 1
+            if len(in_pool) % 1024 == 0:
+                await anyio.lowlevel.checkpoint()
+        self.tier.note_blocks(len(in_pool))
+        unreached: list[tuple[bytes, bytes]] = []
+        stale: list[bytes] = []
+        for ns_digest, key in await self.tier.intents():
+            if ns_digest + key in in_pool:
+                stale.append(ns_digest + key)
+                continue
+            block = self.store.block_by_id(ns_digest, key)
+            if block is not None and (block.dram is not None or block.lower is not None):
+                self._queue(block)
+            else:
+                unreached.append((ns_digest, key))
+        await self.tier.forget_intents(stale)
+        self.unreached = unreached
+        self.restored += restored
+        self.counters["restored"] += restored
+        if unreached:
+            log.warning(
+                "%d block(s) committed on rank %d never reached the pool and are gone locally: "
+                "they are reported, not served",
+                len(unreached),
+                self.config.rank,
+            )
+        log.info(
+            "pool restore: %d block(s) indexed from the pool (%d listed) in %.2f s",
+            restored,
+            len(in_pool),
+            time.monotonic() - started,
+        )
+        self._kick()
+        return restored
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def group_lookup(self, ns: Namespace) -> bool:
+        """Whether LOOKUP for ``ns`` must ask the pool (an attached TP group)."""
+        return self.attached and ns.spec.world_size > 1
+
+    async def group_hits(self, ns: Namespace, keys: list[bytes]) -> int | None:
+        """Leading keys whose every rank's share is in the pool; ``None`` if the pool failed."""
+        self.counters["group_lookups"] += 1
+        names = self.tier.names
+        locations = [names.block(digest, key) for digest in ns.rank_digests for key in keys]
+        try:
+            found = await self.tier.exists(locations)
+        except PoolUnavailableError as exc:
+            log.debug("group lookup fell back to local tiers: %s", exc)
+            return None
+        hits = len(keys)
+        for rank in range(len(ns.rank_digests)):
+            row = found[rank * len(keys) : (rank + 1) * len(keys)]
+            hits = min(hits, row.index(False) if False in row else len(row))
+        return hits

@@ -1,0 +1,280 @@
+"""The pool tier: blocks in a shared Valkey/Redis (standalone or cluster) as a :class:`LowerTier`.
+
+A block is one value under its own key (:mod:`kvtierd.pool.values`), so a cluster spreads blocks
+over its masters; writing it also records it in this rank's manifest (a hash in the group's slot),
+which is what a rank whose disk was wiped reads to learn what it may restore. Every value is
+checked on the way back (header, then the xxh3 of the raw bytes): a mismatch is a miss, logged.
+
+The tier never decides what to keep: the pool server evicts by its own ``maxmemory-policy``, and
+a value evicted there is simply a miss here. It has no client while the group is not attached
+(:attr:`client` is ``None``): every call then raises :class:`PoolUnavailableError` at once, and
+the store goes on with its local tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Hashable, Sequence
+
+import anyio
+import msgspec
+import redis.exceptions
+import zstandard
+from redis.typing import EncodableT, FieldT
+
+from kvtierd.config import PoolConfig
+from kvtierd.errors import BlockNotFoundError
+from kvtierd.pool.connect import PoolUnavailableError, RedisLike, describe_failure
+from kvtierd.pool.values import (
+    CorruptValue,
+    ManifestEntry,
+    PoolNames,
+    decode_header,
+    encode_header,
+    verify_payload,
+)
+from kvtierd.protocol.messages import TierStatistics
+from kvtierd.store.codec import THREAD_CHECKSUM_BYTES, compress, decompress_into
+from kvtierd.store.namespaces import NamespaceSpec
+from kvtierd.store.policy import ServedBy
+from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError, Recovered
+
+__all__ = ["PoolTier"]
+
+log = logging.getLogger("kvtierd.pool")
+_SCAN_COUNT = 1000
+_manifest_encoder = msgspec.msgpack.Encoder()
+_manifest_decoder = msgspec.msgpack.Decoder(ManifestEntry)
+_spec_decoder = msgspec.msgpack.Decoder(NamespaceSpec)
+
+
+def _pool_error(exc: BaseException, doing: str) -> PoolUnavailableError:
+    return PoolUnavailableError(f"pool {doing} failed: {describe_failure(exc)}")
+
+
+class PoolTier(LowerTier):
+    kind = ServedBy.POOL
+    durable = True
+
+    def __init__(self, config: PoolConfig, names: PoolNames) -> None:
+        self.config = config
+        self.names = names
+        self.client: RedisLike | None = None
+        self._block_prefix = names.block(b"", b"")
+        self._counters = dict.fromkeys(
+            ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "writes", "blocks"), 0
+        )
+
+    def _live(self) -> RedisLike:
+        if self.client is None:
+            raise PoolUnavailableError("the group is not attached to the pool")
+        return self.client
+
+    def location(self, ref: BlockRef) -> bytes:
+        return self.names.block(ref.ns_digest, ref.key)
+
+    def _field(self, location: Hashable) -> bytes:
+        if not isinstance(location, bytes) or not location.startswith(self._block_prefix):
+            raise TypeError("not a pool location")
+        return location[len(self._block_prefix) :]
+
+    # -- LowerTier ---------------------------------------------------------------------------
+
+    def slot_class(self, ref: BlockRef) -> int:
+        return 0  # the pool server manages its own memory
+
+    async def encode(self, ref: BlockRef, payload: memoryview) -> bytes:
+        """The value for ``ref`` (header and payload, compressed when configured)."""
+        raw = payload[: ref.raw_bytes]
+        if ref.compress or self.config.compress:
+            packed = await anyio.to_thread.run_sync(compress, raw)
+            if len(packed) < ref.raw_bytes:
+                return encode_header(ref, len(packed), True) + packed
+        return encode_header(ref, ref.raw_bytes, False) + raw
+
+    async def store(self, ref: BlockRef, payload: memoryview) -> Hashable:
+        (location,) = await self.store_many([(ref, await self.encode(ref, payload))])
+        return location
+
+    async def store_many(self, values: Sequence[tuple[BlockRef, bytes]]) -> list[bytes]:
+        """Write encoded blocks and their manifest entries in one pipeline; their locations."""
+        client = self._live()
+        locations = [self.location(ref) for ref, _ in values]
+        manifest = {
+            location[len(self._block_prefix) :]: _manifest_encoder.encode(
+                ManifestEntry(ref.raw_bytes, ref.checksum, ref.seq, ref.compress)
+            )
+            for location, (ref, _) in zip(locations, values, strict=True)
+        }
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                for location, (_, value) in zip(locations, values, strict=True):
+                    pipe.set(location, value)
+                pipe.hset(self.names.manifest(), mapping=manifest)  # type: ignore[arg-type]
+                pipe.hdel(self.names.intents(), *manifest)
+                await pipe.execute()
+        except redis.exceptions.ResponseError as exc:
+            if str(exc).startswith("OOM"):
+                raise MediumFullError(f"the pool is full: {exc}") from None
+            raise _pool_error(exc, "write") from None
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _pool_error(exc, "write") from None
+        self._counters["writes"] += len(values)
+        self._counters["bytes_written"] += sum(len(value) for _, value in values)
+        return locations
+
+    async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
+        client = self._live()
+        try:
+            reply = await client.get(location)  # type: ignore[arg-type]
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _pool_error(exc, "read") from None
+        if reply is None:
+            self._counters["misses"] += 1
+            raise BlockNotFoundError("block is no longer in the pool")
+        value = _as_bytes(reply)
+        try:
+            if len(value) < THREAD_CHECKSUM_BYTES:
+                _unpack_into(ref, value, dest)
+            else:
+                await anyio.to_thread.run_sync(_unpack_into, ref, value, dest)
+        except (CorruptValue, zstandard.ZstdError) as exc:
+            self._counters["corrupt"] += 1
+            log.warning("pool value of block %s is not intact (%s): a miss", ref.key.hex(), exc)
+            raise BlockNotFoundError(f"pool copy unreadable: {exc}") from None
+        self._counters["hits"] += 1
+        self._counters["bytes_read"] += len(value)
+
+    async def discard(self, location: Hashable) -> None:
+        field = self._field(location)
+        client = self._live()
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.delete(location)  # type: ignore[arg-type]
+                pipe.hdel(self.names.manifest(), field)
+                await pipe.execute()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _pool_error(exc, "delete") from None
+
+    async def sync(self) -> None:
+        """Durability is the pool server's (``appendfsync``); nothing is buffered here."""
+
+    def recovered(self) -> Sequence[Recovered]:
+        return ()  # the pool is indexed when the group attaches: see :meth:`manifest`
+
+    def statistics(self) -> TierStatistics:
+        c = self._counters
+        return TierStatistics(
+            "pool",
+            c["blocks"],
+            0,
+            0,
+            c["hits"],
+            c["misses"],
+            0,
+            c["bytes_read"],
+            c["bytes_written"],
+        )
+
+    # -- what the group shares ---------------------------------------------------------------
+
+    def note_blocks(self, count: int) -> None:
+        self._counters["blocks"] = count
+
+    async def exists(self, locations: Sequence[bytes]) -> list[bool]:
+        """Which of ``locations`` hold a value now (one pipeline)."""
+        client = self._live()
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                for location in locations:
+                    pipe.exists(location)
+                found = await pipe.execute()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _pool_error(exc, "lookup") from None
+        return [bool(n) for n in found]
+
+    async def manifest(self) -> AsyncIterator[tuple[BlockRef, bytes]]:
+        """Every block this rank's manifest lists, as (ref, location)."""
+        client = self._live()
+        try:
+            async for field, raw in client.hscan_iter(self.names.manifest(), count=_SCAN_COUNT):
+                ns_digest, key = field[:16], field[16:]
+                try:
+                    entry = _manifest_decoder.decode(raw)
+                except msgspec.DecodeError:
+                    log.warning("ignoring an unreadable manifest entry in the pool")
+                    continue
+                ref = BlockRef(
+                    ns_digest, key, entry.raw_bytes, entry.checksum, entry.seq, entry.compress
+                )
+                yield ref, self._block_prefix + field
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _pool_error(exc, "manifest scan") from None
+
+    async def note_intents(self, refs: Sequence[BlockRef]) -> None:
+        """Record that these blocks are committed here and on their way to the pool."""
+        if not refs:
+            return
+        client = self._live()
+        mapping: dict[FieldT, EncodableT] = {ref.ns_digest + ref.key: ref.seq for ref in refs}
+        try:
+            await client.hset(self.names.intents(), mapping=mapping)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _pool_error(exc, "intent record") from None
+
+    async def intents(self) -> list[tuple[bytes, bytes]]:
+        """(ns digest, key) of blocks committed on this rank that never reached the pool."""
+        client = self._live()
+        try:
+            fields = await client.hkeys(self.names.intents())
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _pool_error(exc, "intent scan") from None
+        return [(f[:16], f[16:]) for f in map(_as_bytes, fields)]
+
+    async def forget_intents(self, fields: Sequence[bytes]) -> None:
+        if fields:
+            try:
+                await self._live().hdel(self.names.intents(), *fields)
+            except (redis.exceptions.RedisError, OSError) as exc:
+                raise _pool_error(exc, "intent cleanup") from None
+
+    async def publish_namespaces(self, specs: dict[bytes, NamespaceSpec]) -> None:
+        if not specs:
+            return
+        mapping: dict[FieldT, EncodableT] = {
+            digest: msgspec.msgpack.encode(spec) for digest, spec in specs.items()
+        }
+        try:
+            await self._live().hset(self.names.namespaces, mapping=mapping)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _pool_error(exc, "namespace publish") from None
+
+    async def namespaces(self) -> list[NamespaceSpec]:
+        try:
+            raw = await self._live().hvals(self.names.namespaces)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _pool_error(exc, "namespace fetch") from None
+        specs = []
+        for value in raw:
+            try:
+                specs.append(_spec_decoder.decode(_as_bytes(value)))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.warning("ignoring an unreadable namespace in the pool")
+        return specs
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    """The client never decodes replies (``decode_responses`` is off): values are bytes."""
+    if isinstance(value, str):
+        raise TypeError("the pool client must not decode replies")
+    return value
+
+
+def _unpack_into(ref: BlockRef, value: bytes, dest: memoryview) -> None:
+    compressed, payload = decode_header(ref, value)
+    if compressed:
+        written = decompress_into(payload, dest[: ref.raw_bytes])
+        verify_payload(ref, dest[:written])
+    else:
+        verify_payload(ref, payload)
+        dest[: ref.raw_bytes] = payload
