@@ -21,6 +21,7 @@ from rich.console import Console
 
 from kvtierd import __version__
 from kvtierd.cli import ctl_commands as commands
+from kvtierd.cli import ctl_pool
 from kvtierd.client import KvtierError
 from kvtierd.config import default_socket_path
 from kvtierd.keys import MAX_KEY_BYTES
@@ -140,6 +141,24 @@ def build_parser() -> argparse.ArgumentParser:
     forget = add("forget", "Remove blocks, by key, from every tier of one namespace.")
     _forget_options(forget)
     _json_option(forget)
+    pool = add("pool", "The shared pool: this rank's standing, or a pre-flight check.")
+    pool_sub = pool.add_subparsers(dest="pool_command", metavar="POOL_COMMAND", required=True)
+    _json_option(
+        pool_sub.add_parser(
+            "status",
+            parents=common,
+            help="attached or local and why, epoch, members, refusals, backlog",
+        )
+    )
+    check = pool_sub.add_parser(
+        "check",
+        parents=common,
+        help="run the checks a rank runs before voting (no daemon needed)",
+    )
+    check.add_argument(
+        "--config", metavar="FILE", type=Path, help="the daemon's configuration (TOML)"
+    )
+    _json_option(check)
     return parser
 
 
@@ -178,6 +197,10 @@ def _run(args: argparse.Namespace, options: commands.CommandOptions) -> int:
         return commands.top(options, interval_s=args.interval, iterations=args.iterations)
     if command == "flush":
         return commands.flush(options, interval_s=args.interval)
+    if command == "pool":
+        if args.pool_command == "status":
+            return ctl_pool.pool_status(options)
+        return ctl_pool.pool_check(options, config_path=args.config)
     assert command == "forget"
     selector = commands.NamespaceSelector(
         args.namespace, args.tenant, args.rank, args.world_size, args.block_bytes, args.model_id

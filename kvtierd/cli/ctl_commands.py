@@ -53,6 +53,7 @@ __all__ = [
     "CommandError",
     "CommandOptions",
     "NamespaceSelector",
+    "connect_daemon",
     "evict",
     "find_namespace",
     "flush",
@@ -60,6 +61,7 @@ __all__ = [
     "forget",
     "ls",
     "print_json",
+    "show",
     "stats",
     "status",
     "top",
@@ -84,7 +86,7 @@ class CommandOptions:
     error_console: Console
 
 
-def _connect(options: CommandOptions) -> Client:
+def connect_daemon(options: CommandOptions) -> Client:
     return connect(options.socket, client_name=_client_name(), timeout_s=options.timeout_s)
 
 
@@ -104,14 +106,14 @@ def print_json(document: Any) -> None:
 def status(options: CommandOptions) -> int:
     """Whether the daemon answers; with ``--json`` a ``ready`` record even when it does not."""
     try:
-        with _connect(options) as client:
+        with connect_daemon(options) as client:
             record = client.stats()
     except KvtierError as exc:
         if not options.json:
             raise
         print_json(not_ready_record(options.socket, str(exc)))
         return 1
-    return _show(
+    return show(
         options,
         lambda: status_record(options.socket, record),
         lambda: status_view(options.socket, record),
@@ -119,20 +121,18 @@ def status(options: CommandOptions) -> int:
 
 
 def stats(options: CommandOptions) -> int:
-    with _connect(options) as client:
+    with connect_daemon(options) as client:
         record = client.stats()
-    return _show(options, lambda: stats_record(record), lambda: stats_view(record))
+    return show(options, lambda: stats_record(record), lambda: stats_view(record))
 
 
 def ls(options: CommandOptions) -> int:
-    with _connect(options) as client:
+    with connect_daemon(options) as client:
         namespaces = client.namespaces()
-    return _show(
-        options, lambda: namespaces_record(namespaces), lambda: namespaces_view(namespaces)
-    )
+    return show(options, lambda: namespaces_record(namespaces), lambda: namespaces_view(namespaces))
 
 
-def _show(options: CommandOptions, record: Callable[[], Any], view: Callable[[], Any]) -> int:
+def show(options: CommandOptions, record: Callable[[], Any], view: Callable[[], Any]) -> int:
     """Print the JSON record with ``--json``, else the rich view; exit status 0."""
     if options.json:
         print_json(record())
@@ -153,7 +153,7 @@ def top(options: CommandOptions, *, interval_s: float, iterations: int | None) -
     header = Text(
         f"kvtierctl top: {options.socket}, every {interval_s:g}s (Ctrl-C quits)", style="dim"
     )
-    with _connect(options) as client:
+    with connect_daemon(options) as client:
         live = Live(console=console, auto_refresh=False) if console.is_terminal else None
         try:
             if live is not None:
@@ -252,7 +252,7 @@ class _Backlog:
 
 def evict(options: CommandOptions) -> int:
     """Drop the DRAM copies of every clean, unleased block of every namespace."""
-    with _connect(options) as client:
+    with connect_daemon(options) as client:
         evicted = client.evict()
     if options.json:
         print_json({"evicted_blocks": evicted})
@@ -313,7 +313,7 @@ def find_namespace(
 
 def forget(options: CommandOptions, *, selector: NamespaceSelector, keys: Sequence[bytes]) -> int:
     """Remove ``keys`` from every tier of the selected namespace."""
-    with _connect(options) as client:
+    with connect_daemon(options) as client:
         info = find_namespace(client.namespaces(), selector)
         layout = info.get("layout")
         namespace = client.namespace(

@@ -48,6 +48,8 @@ from kvtierd.protocol.messages import (
     ListNsReply,
     ListNsRequest,
     Message,
+    PoolStatusReply,
+    PoolStatusRequest,
     ReadReply,
     ReleaseRequest,
     StatfsReply,
@@ -256,6 +258,13 @@ class AsyncClient:
         reply = await self._call(ListNsRequest())
         assert isinstance(reply, ListNsReply)
         return [as_dict(info) for info in reply.namespaces]
+
+    async def pool_status(self) -> dict[str, Any]:
+        """Where the daemon stands with the shared pool (``state`` "none" without one)."""
+        reply = await self._call(PoolStatusRequest())
+        assert isinstance(reply, PoolStatusReply)
+        result: dict[str, Any] = as_dict(reply)
+        return result
 
     async def evict(self) -> int:
         reply = await self._call(EvictRequest(all_namespaces=True))

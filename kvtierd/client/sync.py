@@ -41,6 +41,8 @@ from kvtierd.protocol.messages import (
     ListNsReply,
     ListNsRequest,
     Message,
+    PoolStatusReply,
+    PoolStatusRequest,
     StatfsReply,
     StatfsRequest,
 )
@@ -190,6 +192,13 @@ class Client:
         reply = self._call(ListNsRequest())
         assert isinstance(reply, ListNsReply)
         return [as_dict(info) for info in reply.namespaces]
+
+    def pool_status(self) -> dict[str, Any]:
+        """Where the daemon stands with the shared pool (``state`` "none" without one)."""
+        reply = self._call(PoolStatusRequest())
+        assert isinstance(reply, PoolStatusReply)
+        result: dict[str, Any] = as_dict(reply)
+        return result
 
     def evict(self) -> int:
         """Drop every clean, unleased block from DRAM (admin)."""

@@ -37,7 +37,7 @@ REPLY_MAGIC = b"KVTR"
 PROTOCOL_VERSION = 1
 #: Raised whenever a field is appended to a body (minor 1: ``OpenNsRequest.create``; minor 2:
 #: ``OpenNsRequest.sparse`` and HINT's query fields).
-PROTOCOL_MINOR = 2
+PROTOCOL_MINOR = 3
 HEADER_BYTES = 32
 #: A frame may never be larger than this unless INIT negotiated otherwise.
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
@@ -68,6 +68,7 @@ class Opcode(enum.IntEnum):
     DESTROY = 12
     LIST_NS = 13
     EVICT = 14
+    POOL_STATUS = 15
 
 
 class FrameFlags(enum.IntFlag):

@@ -48,6 +48,8 @@ __all__ = [
     "NamespaceInfo",
     "OpenNsReply",
     "OpenNsRequest",
+    "PoolStatusReply",
+    "PoolStatusRequest",
     "ReadReply",
     "ReadRequest",
     "ReleaseReply",
@@ -308,6 +310,36 @@ class StatfsReply(Message, frozen=True):
     tiers: list[TierStatistics]
 
 
+class PoolStatusRequest(Message, frozen=True):
+    pass
+
+
+class PoolStatusReply(Message, frozen=True):
+    """Where this daemon stands with the shared pool (``state`` "none": no pool configured)."""
+
+    state: str
+    reason: str = ""
+    address: str = ""
+    group: str = ""
+    rank: int = 0
+    world_size: int = 1
+    write_policy: str = ""
+    epoch: int = 0
+    members: list[int] = []
+    refusals: dict[int, str] = {}
+    changed_at: float = 0.0
+    backlog_blocks: int = 0
+    backlog_bytes: int = 0
+    unreached: int = 0
+    restored: int = 0
+    written: int = 0
+    write_failures: int = 0
+    skipped: int = 0
+    lost: int = 0
+    group_lookups: int = 0
+    pool_hits: int = 0
+
+
 class DestroyRequest(Message, frozen=True):
     pass
 
@@ -337,6 +369,7 @@ REQUEST_TYPES: Final[dict[Opcode, type[Message]]] = {
     Opcode.DESTROY: DestroyRequest,
     Opcode.LIST_NS: ListNsRequest,
     Opcode.EVICT: EvictRequest,
+    Opcode.POOL_STATUS: PoolStatusRequest,
 }
 
 REPLY_TYPES: Final[dict[Opcode, type[Message]]] = {
@@ -354,6 +387,7 @@ REPLY_TYPES: Final[dict[Opcode, type[Message]]] = {
     Opcode.DESTROY: DestroyReply,
     Opcode.LIST_NS: ListNsReply,
     Opcode.EVICT: EvictReply,
+    Opcode.POOL_STATUS: PoolStatusReply,
 }
 
 OPCODE_OF: Final[dict[type[Message], Opcode]] = {

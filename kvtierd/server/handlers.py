@@ -43,6 +43,7 @@ from kvtierd.protocol.messages import (
     NamespaceInfo,
     OpenNsReply,
     OpenNsRequest,
+    PoolStatusReply,
     ReadReply,
     ReadRequest,
     ReleaseReply,
@@ -197,6 +198,39 @@ async def hint(session: Session, header: RequestHeader, msg: HintRequest) -> Mes
     return HintReply(planned, selection.ranked, selection.predicted)
 
 
+async def pool_status(session: Session, header: RequestHeader, msg: Message) -> Message:
+    store = session.daemon.store
+    link = store.pool
+    if link is None:
+        return PoolStatusReply("none", "no pool is configured (pool.url is empty)")
+    status = link.membership.status
+    config = link.config
+    counters = link.counters
+    return PoolStatusReply(
+        status.state.value,
+        status.reason,
+        link.membership.address,
+        link.tier.names.group,
+        config.rank,
+        config.world_size,
+        config.write_policy.value,
+        status.epoch,
+        list(status.members),
+        dict(status.refusals),
+        status.changed_at,
+        len(link.pending),
+        link.pending_bytes,
+        len(link.unreached),
+        counters["restored"],
+        counters["written"],
+        counters["write_failures"],
+        counters["skipped"],
+        counters["lost"],
+        counters["group_lookups"],
+        store.counters["pool_hits"],
+    )
+
+
 async def statfs(session: Session, header: RequestHeader, msg: Message) -> Message:
     return session.daemon.statistics()
 
@@ -246,4 +280,5 @@ HANDLERS: dict[Opcode, Handler] = {
     Opcode.DESTROY: destroy,
     Opcode.LIST_NS: list_ns,
     Opcode.EVICT: evict,
+    Opcode.POOL_STATUS: pool_status,
 }

@@ -60,6 +60,7 @@ _INLINE = frozenset(
         Opcode.LIST_NS,
         Opcode.EVICT,
         Opcode.DESTROY,
+        Opcode.POOL_STATUS,
     }
 )
 

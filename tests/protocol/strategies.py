@@ -92,6 +92,11 @@ def _for_type(info: msgspec.inspect.Type) -> st.SearchStrategy[Any]:
     if isinstance(info, msgspec.inspect.ListType):
         low, high = _length(info.min_length, info.max_length, MAX_DRAWN_ITEMS)
         return st.lists(_for_type(info.item_type), min_size=low, max_size=high)
+    if isinstance(info, msgspec.inspect.DictType):
+        low, high = _length(info.min_length, info.max_length, MAX_DRAWN_ITEMS)
+        return st.dictionaries(
+            _for_type(info.key_type), _for_type(info.value_type), min_size=low, max_size=high
+        )
     if isinstance(info, msgspec.inspect.UnionType):
         return st.one_of(*(_for_type(t) for t in info.types))
     if isinstance(info, msgspec.inspect.NoneType):

@@ -71,6 +71,7 @@ _DEFAULTS: dict[Opcode, Message] = {
     Opcode.DESTROY: DestroyRequest(),
     Opcode.LIST_NS: REQUEST_TYPES[Opcode.LIST_NS](),
     Opcode.EVICT: REQUEST_TYPES[Opcode.EVICT](),
+    Opcode.POOL_STATUS: REQUEST_TYPES[Opcode.POOL_STATUS](),
 }
 
 
