@@ -124,6 +124,8 @@ def describe_failure(exc: BaseException) -> str:
     if isinstance(cause, ssl.SSLError):
         return f"TLS failed: {cause.reason or cause}"
     text = str(exc).splitlines()[0] if str(exc) else ""
+    if " of pipeline caused error: " in text:  # drop the command: it quotes keys and values
+        text = text.split(" of pipeline caused error: ", 1)[1]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

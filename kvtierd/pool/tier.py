@@ -113,10 +113,8 @@ class PoolTier(LowerTier):
                 pipe.hset(self.names.manifest(), mapping=manifest)  # type: ignore[arg-type]
                 pipe.hdel(self.names.intents(), *manifest)
                 await pipe.execute()
-        except redis.exceptions.ResponseError as exc:
-            if str(exc).startswith("OOM"):
-                raise MediumFullError(f"the pool is full: {exc}") from None
-            raise _pool_error(exc, "write") from None
+        except redis.exceptions.OutOfMemoryError:
+            raise MediumFullError("the pool is full (its maxmemory is reached)") from None
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _pool_error(exc, "write") from None
         self._counters["writes"] += len(values)

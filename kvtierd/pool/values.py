@@ -2,10 +2,11 @@
 
 A block is one value::
 
-    header (48 bytes, little-endian)
-        magic "KVTP", format version u16, flags u16 (bit 0: zstd)
+    header (56 bytes, little-endian)
+        magic "KVTP", format version u16, flags u16 (bit 0: zstd; others must be 0)
         raw length u64, stored length u64, xxh3-64 of the raw bytes u64, seq u64
         xxh3-64 of the namespace digest + key u64 (what the value claims to be)
+        xxh3-64 of the 48 bytes above
     payload (stored length bytes: the raw block, or its zstd frame)
 
 A value that is short, has another magic or version, claims another block, or whose payload
@@ -47,7 +48,8 @@ _MAGIC = b"KVTP"
 _VERSION = 1
 _FLAG_ZSTD = 1
 _HEADER = struct.Struct("<4sHHQQQQQ")
-HEADER_BYTES = _HEADER.size
+_CHECK = struct.Struct("<Q")
+HEADER_BYTES = _HEADER.size + _CHECK.size
 
 
 class CorruptValue(ValueError):
@@ -69,9 +71,10 @@ def _identity(ref: BlockRef) -> int:
 
 def encode_header(ref: BlockRef, stored_bytes: int, compressed: bool) -> bytes:
     flags = _FLAG_ZSTD if compressed else 0
-    return _HEADER.pack(
+    header = _HEADER.pack(
         _MAGIC, _VERSION, flags, ref.raw_bytes, stored_bytes, ref.checksum, ref.seq, _identity(ref)
     )
+    return header + _CHECK.pack(checksum(header))
 
 
 def decode_header(ref: BlockRef, value: bytes | memoryview) -> tuple[bool, memoryview]:
@@ -82,6 +85,9 @@ def decode_header(ref: BlockRef, value: bytes | memoryview) -> tuple[bool, memor
     magic, version, flags, raw, stored, digest, _seq, identity = _HEADER.unpack_from(value)
     if magic != _MAGIC or version != _VERSION:
         raise CorruptValue(f"not a kvtierd block (magic {magic!r}, version {version})")
+    (check,) = _CHECK.unpack_from(value, _HEADER.size)
+    if check != checksum(memoryview(value)[: _HEADER.size]) or flags & ~_FLAG_ZSTD:
+        raise CorruptValue("damaged header")
     if identity != _identity(ref):
         raise CorruptValue("value belongs to another block")
     if raw != ref.raw_bytes or digest != ref.checksum:
