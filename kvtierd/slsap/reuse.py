@@ -120,6 +120,9 @@ class ReuseModel:
         self._reuses = np.zeros((NUM_CLASSES, AGE_BUCKETS), dtype=np.float64)
         self._ends = np.zeros((NUM_CLASSES, AGE_BUCKETS), dtype=np.float64)
         self._density = np.ones((NUM_CLASSES, AGE_BUCKETS), dtype=np.float64)
+        # The same table as nested lists: one block's lookup is a per-event cost, and list
+        # indexing is several times cheaper than a numpy scalar read.
+        self._density_rows: list[list[float]] = self._density.tolist()
         self._probability = np.ones((NUM_CLASSES, AGE_BUCKETS), dtype=np.float64)
         self.refits = 0
 
@@ -160,6 +163,7 @@ class ReuseModel:
         with np.errstate(divide="ignore", invalid="ignore"):
             self._density = np.where(life_above > 0, hits_above / life_above, 0.0)
             self._probability = np.where(events_above > 0, hits_above / events_above, 0.0)
+        self._density_rows = self._density.tolist()
         self._reuses *= self.decay
         self._ends *= self.decay
         self.refits += 1
@@ -172,7 +176,10 @@ class ReuseModel:
 
     def density_of(self, klass: int, age: float) -> float:
         """:meth:`density` of one block, without numpy overhead."""
-        return float(self._density[klass, age_bucket_of(age)])
+        if age <= 0:
+            return self._density_rows[klass][0]
+        bucket = int(math.log2(age + 1.0) * SUB_BUCKETS)
+        return self._density_rows[klass][bucket if bucket < AGE_BUCKETS else AGE_BUCKETS - 1]
 
     def reuse_probability(self, classes: npt.ArrayLike, ages: npt.ArrayLike) -> FloatArray:
         """P(named again | tracked and unnamed up to ``ages``) for each (class, age)."""
