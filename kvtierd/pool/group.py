@@ -10,7 +10,11 @@ sans-IO :class:`~kvtierd.pool.consensus.RankState` with one loop of *ticks* ever
   a round is open each tick reads the votes and :func:`~kvtierd.pool.consensus.tally` decides;
 * every other rank asks for a round when it connects (``INCR`` on the counter), then each tick
   reads the proposal and the decision and does what :meth:`RankState.next_step` says: vote (after
-  running the caller's ``probe``), adopt, or wait;
+  running the caller's ``probe``), adopt, or wait; it asks again when a decision attached the
+  group without counting this process's vote;
+* when a round attaches, the leader takes the counter as read after the votes as served: every
+  request before it came from a rank counted in the round or one that will ask again, so a
+  follower that connected just after the proposal does not cause a second round;
 * every ``heartbeat_s`` a rank asks the server for its run id. An error, no reply within
   :attr:`op_timeout_s`, or a different run id (the server restarted: redis-py reconnects under us,
   so a restart can be invisible otherwise) means the pool was lost: the rank turns LOCAL, closes
@@ -150,6 +154,8 @@ class GroupMembership:
         self._seen_requests: int | None = None
         self._retry_at: float | None = None
         self._refused_in_a_row = 0
+        # follower only: the last attaching decision that did not count this process's vote
+        self._uncounted_round: RoundId | None = None
 
     # -- public ----------------------------------------------------------------------------
 
@@ -267,8 +273,7 @@ class GroupMembership:
             self._seen_requests = -1  # always propose right after connecting
             self._retry_at = None
         else:
-            await self._pool(client.incr(self._keys.round_requests))
-            await self._pool(client.expire(self._keys.round_requests, _RECORD_TTL_S))
+            await self._request_round(client)
         tick_s = self.heartbeat_s / 4
         next_beat = anyio.current_time() + self.heartbeat_s
         while True:
@@ -333,6 +338,12 @@ class GroupMembership:
         decision = tally(proposal, votes, self._state.world_size, timed_out)
         if decision is None:
             return
+        if decision.attached:
+            # Every request made before the votes were read came from a process that either
+            # has its vote counted here (served) or will see this decision is not its own and
+            # ask again (:meth:`_follow`). Without this, a follower that connected just after
+            # the proposal was out gets a second, needless round that un-attaches the group.
+            self._seen_requests = await self._round_requests(client)
         await self._pool(client.set(self._keys.decision, encode(decision), ex=_RECORD_TTL_S))
         self._round = None
         if decision.attached:
@@ -369,6 +380,8 @@ class GroupMembership:
         elif isinstance(step, Adopt):
             self._adopt(step.decision)
         else:
+            if decision is not None and self._not_counted_in(decision):
+                await self._request_round(client)
             old = self.status
             grace_s = 2 * self.heartbeat_s
             if self._state.decision_overdue(
@@ -376,6 +389,20 @@ class GroupMembership:
             ):
                 self._publish(old)
                 log.warning("group %s: %s", self.group_id, self.status.reason)
+
+    def _not_counted_in(self, decision: Decision) -> bool:
+        """Whether ``decision`` attached the group without this process's vote (it counted an
+        earlier process of this rank, or this one voted too late): true once per decision."""
+        if not decision.attached or decision.voters.get(self._state.rank) == self._state.voter:
+            return False
+        if decision.round == self._uncounted_round:
+            return False
+        self._uncounted_round = decision.round
+        return True
+
+    async def _request_round(self, client: RedisLike) -> None:
+        await self._pool(client.incr(self._keys.round_requests))
+        await self._pool(client.expire(self._keys.round_requests, _RECORD_TTL_S))
 
     def _decode(self, decode: Callable[[bytes], _T], raw: bytes | str | None) -> _T | None:
         if raw is None:

@@ -1,0 +1,366 @@
+"""The pool tier end to end: real kvtierd daemons as TP ranks on lab "hosts", a real redis-server.
+
+Each test builds a TP2 group (or a single rank) of :class:`Rank` daemons on ``lab.hosts[0]`` and
+``lab.hosts[1]`` with the pool on ``lab.hosts[2]`` (network namespaces joined by a bridge, or
+loopback when namespaces cannot be made: the lab picks, the scenarios are the same). Every block
+is 64 KiB of seeded random bytes, different per rank, so a byte-exact comparison catches a block
+served to the wrong rank or key. What a daemon decided is read from its ``daemon.log``: every
+wait is a poll with a deadline that fails with the logs' tails, never a sleep or a wall-time
+assertion.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from kvtierd.client import Client, connect
+from kvtierd.client.sync import Namespace
+from kvtierd.testing import DaemonProcess
+from tests.support.netns import LoopbackHost, LoopbackLab, NetnsHost, NetnsLab
+from tests.support.redis_server import (
+    RedisCluster,
+    RedisServer,
+    require_redis_server,
+)
+
+pytestmark = pytest.mark.redis
+
+Lab = NetnsLab | LoopbackLab
+Host = NetnsHost | LoopbackHost
+T = TypeVar("T")
+
+BLOCK = 64 << 10
+NS = "tp-model"
+GROUP = "tp-a"
+WAIT_S = 30.0
+
+
+# -- data --------------------------------------------------------------------------------------
+
+
+def keys(tag: str, count: int, start: int = 0) -> list[bytes]:
+    return [f"{tag}-{i:04d}".encode() for i in range(start, start + count)]
+
+
+def payload(rank: int, key: bytes) -> bytes:
+    """The 64 KiB ``rank`` stores under ``key``: seeded, so any daemon's copy can be checked."""
+    return random.Random(f"{rank}/{key.hex()}").randbytes(BLOCK)
+
+
+def put(ns: Namespace, rank: int, batch: Sequence[bytes]) -> None:
+    assert ns.put(list(batch), [payload(rank, key) for key in batch]) == len(batch)
+
+
+def assert_exact(ns: Namespace, rank: int, batch: Sequence[bytes]) -> None:
+    with ns.get(list(batch)) as views:
+        for key, view in zip(batch, views, strict=True):
+            assert bytes(view[:BLOCK]) == payload(rank, key), f"rank {rank} key {key!r} differs"
+
+
+# -- daemons -----------------------------------------------------------------------------------
+
+
+def toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def pool_toml(
+    url: str, *, rank: int = 0, world_size: int = 2, group: str = GROUP, **extra: Any
+) -> str:
+    """A daemon config with ``[pool]`` at ``url`` and short timings (plaintext allowed for
+    ``redis://`` unless ``allow_plaintext`` is given)."""
+    fields: dict[str, Any] = {
+        "url": url,
+        "group_id": group,
+        "rank": rank,
+        "world_size": world_size,
+        "vote_timeout_s": 1.0,
+        "heartbeat_s": 0.2,
+        "timeout_s": 1.0,
+    }
+    if url.startswith("redis://"):
+        fields["allow_plaintext"] = True
+    fields.update(extra)
+    lines = ["[daemon]", "shutdown_grace_s = 4", "", "[pool]"]
+    lines += [f"{name} = {toml_value(value)}" for name, value in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
+class Rank:
+    """One TP rank: a kvtierd on a host, in a directory of its own that survives restarts.
+
+    :meth:`log` is the daemon log since the last :meth:`mark` (every start marks), so waiting for
+    a line never matches what an earlier life of the daemon wrote."""
+
+    def __init__(self, host: Host, directory: Path, rank: int, config: str, world_size: int = 2):
+        self.host = host
+        self.directory = directory
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config
+        self.daemon: DaemonProcess | None = None
+        self._mark = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / "daemon.log"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.directory / "data"
+
+    @property
+    def socket(self) -> Path:
+        return self.directory / "kvtierd.sock"
+
+    @property
+    def running(self) -> bool:
+        return self.daemon is not None and self.daemon.running
+
+    def full_log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def mark(self) -> None:
+        self._mark = self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def log(self) -> str:
+        return self.full_log()[self._mark :]
+
+    def make_daemon(self) -> DaemonProcess:
+        return self.host.daemon(
+            self.directory, dram_size="32M", nvme_size="64M", config_text=self.config
+        )
+
+    def start(self) -> Rank:
+        self.mark()
+        self.daemon = self.make_daemon()
+        self.daemon.start()
+        return self
+
+    def stop(self) -> None:
+        if self.daemon is not None and self.daemon.running:
+            assert self.daemon.stop() == 0, self.full_log()[-3000:]
+
+    def kill(self) -> None:
+        if self.daemon is not None:
+            self.daemon.kill()
+
+    def wipe(self) -> None:
+        assert not self.running
+        shutil.rmtree(self.data_dir)
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator[Client]:
+        with connect(self.socket, timeout_s=60) as client:
+            yield client
+
+    @contextlib.contextmanager
+    def ns(self, name: str = NS, *, world_size: int | None = None) -> Iterator[Namespace]:
+        """This rank's share of namespace ``name`` (TP ``world_size``, this rank's by default)."""
+        size = self.world_size if world_size is None else world_size
+        with self.client() as client:
+            yield client.namespace(
+                name, block_bytes=BLOCK, rank=self.rank if size > 1 else 0, world_size=size
+            )
+
+    def __repr__(self) -> str:
+        return f"<Rank {self.rank} on {self.host.name}>"
+
+
+class Fleet:
+    """Creates ranks and pool servers for a test and kills whatever is still running after it."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.ranks: list[Rank] = []
+        self.servers: list[RedisServer | RedisCluster] = []
+
+    def rank(
+        self, host: Host, rank: int, config: str, *, world_size: int = 2, name: str = ""
+    ) -> Rank:
+        directory = self.tmp_path / (name or f"rank{rank}-{host.name}")
+        made = Rank(host, directory, rank, config, world_size)
+        self.ranks.append(made)
+        return made
+
+    def group(self, lab: Lab, url: str, **extra: Any) -> list[Rank]:
+        """Two ranks of ``GROUP`` on hosts 0 and 1 with pool ``url`` (not started)."""
+        return [self.rank(lab.hosts[r], r, pool_toml(url, rank=r, **extra)) for r in range(2)]
+
+    def pool(self, lab: Lab, **kwargs: Any) -> RedisServer:
+        """A started pool server on ``lab.hosts[2]`` (AOF persistence on)."""
+        require_redis_server()
+        server = lab.hosts[2].redis_server(self.tmp_path / "pool", **kwargs)
+        self.servers.append(server)
+        return server.start()
+
+    def close(self) -> None:
+        for made in self.ranks:
+            made.kill()
+        for server in self.servers:
+            with contextlib.suppress(Exception):
+                server.stop()
+            if isinstance(server, RedisServer):
+                server.kill()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    made = Fleet(tmp_path)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def in_parallel(calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Run ``calls`` at once (daemons of a group start together, like the hosts of a job)."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
+
+
+def tails(ranks: Sequence[Rank], lines: int = 40) -> str:
+    parts = []
+    for made in ranks:
+        tail = "\n".join(made.full_log().splitlines()[-lines:])
+        parts.append(f"--- {made} daemon.log (tail) ---\n{tail}")
+    return "\n".join(parts)
+
+
+def wait_until(
+    predicate: Callable[[], T], what: str, ranks: Sequence[Rank], timeout_s: float = WAIT_S
+) -> T:
+    """``predicate()`` once truthy; after ``timeout_s`` the test fails with the logs' tails."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"{what}: not within {timeout_s:.0f} s\n{tails(ranks)}")
+        time.sleep(0.05)
+
+
+def wait_logged(ranks: Sequence[Rank], pattern: str, what: str) -> None:
+    """Every rank has logged a line matching ``pattern`` since its mark."""
+    regex = re.compile(pattern)
+    wait_until(lambda: all(regex.search(r.log()) for r in ranks), what, ranks)
+
+
+def wait_restored(ranks: Sequence[Rank]) -> None:
+    """Every rank attached since its mark and finished the restore that follows an attach."""
+    wait_logged(ranks, r"attached to the pool \(epoch \d+", "ranks attached to the pool")
+    wait_logged(ranks, r"pool restore: \d+ block\(s\) indexed", "restore after the attach")
+
+
+def start_group(ranks: Sequence[Rank]) -> None:
+    in_parallel([r.start for r in ranks])
+    wait_restored(ranks)
+
+
+def block_keys(client: Any) -> list[bytes]:
+    return sorted(client.scan_iter(match=b"kvt:b:*", count=1000))
+
+
+def group_lookups(ranks: Sequence[Rank], batch: Sequence[bytes]) -> list[int]:
+    hits = []
+    for made in ranks:
+        with made.ns() as ns:
+            hits.append(ns.lookup(list(batch), promote=False))
+    return hits
+
+
+# -- TP2 attach, shares, group-consistent lookups, restore after both restart wiped ------------
+
+
+def test_tp2_attach_write_shares_and_restore_after_both_restart_wiped(
+    lab: Lab, fleet: Fleet
+) -> None:
+    server = fleet.pool(lab)
+    ranks = fleet.group(lab, server.url)
+    start_group(ranks)
+    # Rank 0 writes 8 blocks, rank 1 only the first 5: the group holds a 5-block prefix.
+    chain = keys("chain", 8)
+    written = {0: chain, 1: chain[:5]}
+    for made in ranks:
+        with made.ns() as ns:
+            put(ns, made.rank, written[made.rank])
+            assert_exact(ns, made.rank, written[made.rank])
+    assert group_lookups(ranks, chain) == [5, 5]
+    assert group_lookups(ranks, chain[:3]) == [3, 3]
+    with server.client() as pool:  # write-through: COMMIT returned after the pool had them
+        assert len(block_keys(pool)) == 13
+        assert pool.hlen(f"kvt:{{{GROUP}}}:m:0") == 8
+        assert pool.hlen(f"kvt:{{{GROUP}}}:m:1") == 5
+
+    # Both hosts lose their disks; the group restores its prefix from the pool alone.
+    in_parallel([made.stop for made in ranks])
+    for made in ranks:
+        made.wipe()
+    start_group(ranks)
+    for made in ranks:
+        with made.ns() as ns:
+            assert ns.lookup_tiers(chain, promote=False) == ["pool"] * 5, tails(ranks)
+            assert_exact(ns, made.rank, chain[:5])
+            assert ns.lookup_tiers(chain[:5]) == ["dram"] * 5  # promoted by the reads
+    assert group_lookups(ranks, chain) == [5, 5]
+    # Rank 1 catches up: the group's prefix grows on both ranks at once.
+    with ranks[1].ns() as ns:
+        put(ns, 1, chain[5:7])
+    assert group_lookups(ranks, chain) == [7, 7]
+    with ranks[0].ns() as ns:
+        assert_exact(ns, 0, chain[5:8])  # rank 0's own share beyond the prefix is in the pool
+
+
+# -- one rank configured differently -----------------------------------------------------------
+
+
+def test_mismatched_rank_keeps_the_group_local_with_the_reason_on_both(
+    lab: Lab, fleet: Fleet
+) -> None:
+    server = fleet.pool(lab)
+    ranks = [
+        fleet.rank(lab.hosts[0], 0, pool_toml(server.url, rank=0)),
+        fleet.rank(lab.hosts[1], 1, pool_toml(server.url, rank=1, compress=True)),
+    ]
+    in_parallel([r.start for r in ranks])
+    wait_logged(
+        ranks,
+        rf"group {GROUP} stays local \(epoch \d+\): rank 1 refused: pool config digest",
+        "the refusal logged on both ranks",
+    )
+    assert re.search(r"rank 1 votes no in round epoch \d+: pool config digest", ranks[1].log())
+    assert "attached to the pool" not in ranks[0].log() + ranks[1].log()
+    # Both serve from their local tiers: writes, lookups and reads work, nothing reaches the pool.
+    for made in ranks:
+        solo = keys(f"solo{made.rank}", 4)
+        with made.ns("solo", world_size=1) as ns:
+            put(ns, 0, solo)
+            assert ns.lookup_tiers(solo) == ["dram"] * 4
+            assert_exact(ns, 0, solo)
+        with made.ns() as ns:
+            put(ns, made.rank, keys("tp", 3))
+            assert_exact(ns, made.rank, keys("tp", 3))
+    # A TP group that cannot check its peers' shares claims nothing, identically on both ranks.
+    assert group_lookups(ranks, keys("tp", 3)) == [0, 0]
+    with server.client() as pool:
+        assert block_keys(pool) == []
