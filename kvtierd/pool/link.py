@@ -52,7 +52,6 @@ log = logging.getLogger("kvtierd.pool")
 _BATCH_BLOCKS = 16
 _BATCH_BYTES = 32 << 20
 _WRITERS = 4
-_INITIAL_REASON = "not connected to the pool yet"
 
 
 class PoolLink:
@@ -85,7 +84,7 @@ class PoolLink:
         self.settled = anyio.Event()
         self._wake = anyio.Event()
         self._progress = anyio.Event()
-        self._attached_epoch = 0
+        self._attached_round: tuple[int, str] | None = None
         self._published: set[bytes] = set()  # namespace digests the pool's catalog has
         self._tg: TaskGroup | None = None
 
@@ -99,13 +98,15 @@ class PoolLink:
         """The membership's ``on_change``: hand the tier a client only while attached."""
         if status.state is GroupState.ATTACHED:
             self.tier.client = self.membership.client
-            if status.epoch != self._attached_epoch and self._tg is not None:
-                self._attached_epoch = status.epoch
+            # (epoch, nonce): a pool that lost its data counts epochs from 1 again
+            attached_round = (status.epoch, status.nonce)
+            if attached_round != self._attached_round and self._tg is not None:
+                self._attached_round = attached_round
                 self._tg.start_soon(self._restore_logged)
             self._kick()
         else:
             self.tier.client = None
-            if status.state is GroupState.LOCAL and status.reason != _INITIAL_REASON:
+            if status.state is GroupState.LOCAL:  # refused or unreachable: an outcome too
                 self.settled.set()
             self._kick()
 
@@ -177,7 +178,11 @@ class PoolLink:
             try:
                 await self.tier.note_intents([b.ref for b in batch])
                 await self._write(batch)
-            except (PoolUnavailableError, MediumFullError) as exc:
+            except MediumFullError as exc:  # retrying would not make room: stay local
+                self.counters["write_failures"] += 1
+                self.counters["skipped"] += len(batch)
+                log.warning("%s: %d block(s) stay local", exc, len(batch))
+            except PoolUnavailableError as exc:
                 self.counters["write_failures"] += 1
                 log.warning("pool write-back paused: %s", exc)
                 for block in batch:

@@ -27,6 +27,7 @@ from anyio.abc import TaskGroup
 
 from kvtierd.errors import BlockNotFoundError, InvalidRequestError, KvtierError, NoSpaceError
 from kvtierd.io import IoBackend
+from kvtierd.pool.connect import PoolUnavailableError
 from kvtierd.store.arena import Arena
 from kvtierd.store.codec import checksum_off_loop
 from kvtierd.store.index import Block, BlockIndex, Lease, Owner, PendingWrite
@@ -296,6 +297,11 @@ class BlockStore:
             slot = await self._allocate_dram(block.ref.raw_bytes)
             try:
                 await source.load(block.ref, location, self._slot_view(slot))
+            except PoolUnavailableError as exc:  # the pool went away: a miss, not an error
+                self.allocator.free(slot)
+                raise BlockNotFoundError(
+                    f"block is only in the pool, now out of reach: {exc}"
+                ) from None
             except BaseException as exc:
                 self.allocator.free(slot)
                 # A FORGET during the read has already dropped the copy (and tombstoned it).
