@@ -86,6 +86,12 @@ def _share(tier: Tier) -> str:
     return format_ratio(used / capacity if capacity else None)
 
 
+def _capacity(tier: Tier) -> str:
+    """A tier's capacity; a shared pool's is the server's business ("–")."""
+    capacity = int(tier["capacity_bytes"])
+    return format_bytes(capacity) if capacity else _NONE
+
+
 def _tier_hit_ratio(tier: Tier) -> str:
     return format_ratio(hit_ratio(int(tier["hits"]), int(tier["misses"])))
 
@@ -99,7 +105,7 @@ _Column = tuple[str, Callable[[Tier, TierRates | None], str]]
 _SPACE: list[_Column] = [
     ("blocks", lambda t, r: _count(t["blocks"])),
     ("used", lambda t, r: format_bytes(int(t["used_bytes"]))),
-    ("capacity", lambda t, r: format_bytes(int(t["capacity_bytes"]))),
+    ("capacity", lambda t, r: _capacity(t)),
     ("use", lambda t, r: _share(t)),
     ("evictions", lambda t, r: _count(t["evictions"])),
 ]
@@ -164,7 +170,7 @@ def status_view(socket: Path, stats: Stats) -> RenderableType:
     ]
     for tier in stats["tiers"]:
         used = format_bytes(int(tier["used_bytes"]))
-        capacity = format_bytes(int(tier["capacity_bytes"]))
+        capacity = _capacity(tier)
         blocks = _plural(int(tier["blocks"]), "block")
         rows.append((str(tier["name"]), f"{blocks}, {used} of {capacity} ({_share(tier)})"))
     dirty = _plural(int(stats["dirty_blocks"]), "dirty block")

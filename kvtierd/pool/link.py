@@ -263,13 +263,15 @@ class PoolLink:
             await anyio.to_thread.run_sync(registry.save)
         restored = 0
         in_pool: set[bytes] = set()
+        listed_bytes = 0
         async for ref, location in self.tier.manifest():
             in_pool.add(ref.ns_digest + ref.key)
+            listed_bytes += ref.raw_bytes
             if self.store.adopt_pool_copy(ref, location):
                 restored += 1
             if len(in_pool) % 1024 == 0:
                 await anyio.lowlevel.checkpoint()
-        self.tier.note_blocks(len(in_pool))
+        self.tier.note_blocks(len(in_pool), listed_bytes)
         unreached: list[tuple[bytes, bytes]] = []
         stale: list[bytes] = []
         for ns_digest, key in await self.tier.intents():

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Hashable, Sequence
+from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import redis.exceptions
 import zstandard
@@ -43,6 +45,11 @@ __all__ = ["PoolTier"]
 
 log = logging.getLogger("kvtierd.pool")
 _SCAN_COUNT = 1000
+#: Small values read together go out as one pipeline (one connection, one write, the replies
+#: read in one go): for blocks of tens of KiB redis-py's cost per command, not the bytes, bounds
+#: a restore. Larger values are read with a GET each, in parallel.
+_COALESCE_BELOW = THREAD_CHECKSUM_BYTES
+_COALESCE_MAX = 64
 _manifest_encoder = msgspec.msgpack.Encoder()
 _manifest_decoder = msgspec.msgpack.Decoder(ManifestEntry)
 _spec_decoder = msgspec.msgpack.Decoder(NamespaceSpec)
@@ -59,10 +66,25 @@ class PoolTier(LowerTier):
     def __init__(self, config: PoolConfig, names: PoolNames) -> None:
         self.config = config
         self.names = names
+        # Reads hold at most 3/4 of the client's connections, and wait for one beyond that:
+        # redis-py refuses a connection past max_connections ("Too many connections"), which
+        # failed a READ of more pool-only blocks than that; writes and the consensus keep theirs.
+        self._read_slots = anyio.Semaphore(max(1, config.max_connections * 3 // 4))
+        self._gets: _Gets | None = None
         self.client: RedisLike | None = None
         self._block_prefix = names.block(b"", b"")
         self._counters = dict.fromkeys(
-            ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "writes", "blocks"), 0
+            (
+                "hits",
+                "misses",
+                "corrupt",
+                "bytes_read",
+                "bytes_written",
+                "writes",
+                "blocks",
+                "stored_bytes",
+            ),
+            0,
         )
 
     def _live(self) -> RedisLike:
@@ -97,34 +119,54 @@ class PoolTier(LowerTier):
         return location
 
     async def store_many(self, values: Sequence[tuple[BlockRef, bytes]]) -> list[bytes]:
-        """Write encoded blocks and their manifest entries in one pipeline; their locations."""
+        """Write encoded blocks, then the manifest entries of the values the pool took; their
+        locations. Raises when the pool refused any value: the manifest never lists a value the
+        pool does not hold, and a refused block's intent stays."""
         client = self._live()
         locations = [self.location(ref) for ref, _ in values]
-        manifest = {
-            location[len(self._block_prefix) :]: _manifest_encoder.encode(
-                ManifestEntry(ref.raw_bytes, ref.checksum, ref.seq, ref.compress)
-            )
-            for location, (ref, _) in zip(locations, values, strict=True)
-        }
         try:
+            # Values first, each judged on its own reply: a pipeline is not a transaction, and a
+            # manifest entry written beside a refused SET (full pool, ACL) would make a wiped host
+            # restore a block the pool never had, and clear the intent that reports it.
             async with client.pipeline(transaction=False) as pipe:
                 for location, (_, value) in zip(locations, values, strict=True):
                     pipe.set(location, value)
-                pipe.hset(self.names.manifest(), mapping=manifest)  # type: ignore[arg-type]
-                pipe.hdel(self.names.intents(), *manifest)
-                await pipe.execute()
+                replies = await pipe.execute(raise_on_error=False)
+            stored = [
+                (location, ref, len(value))
+                for location, (ref, value), reply in zip(locations, values, replies, strict=True)
+                if not isinstance(reply, BaseException)
+            ]
+            if stored:
+                manifest = {
+                    location[len(self._block_prefix) :]: _manifest_encoder.encode(
+                        ManifestEntry(ref.raw_bytes, ref.checksum, ref.seq, ref.compress)
+                    )
+                    for location, ref, _ in stored
+                }
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.hset(self.names.manifest(), mapping=manifest)  # type: ignore[arg-type]
+                    pipe.hdel(self.names.intents(), *manifest)
+                    await pipe.execute()
+                self._counters["writes"] += len(stored)
+                self._counters["bytes_written"] += sum(size for _, _, size in stored)
+            for reply in replies:
+                if isinstance(reply, BaseException):
+                    raise reply
         except redis.exceptions.OutOfMemoryError:
             raise MediumFullError("the pool is full (its maxmemory is reached)") from None
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _pool_error(exc, "write") from None
-        self._counters["writes"] += len(values)
-        self._counters["bytes_written"] += sum(len(value) for _, value in values)
         return locations
 
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
         client = self._live()
         try:
-            reply = await client.get(location)  # type: ignore[arg-type]
+            if ref.raw_bytes < _COALESCE_BELOW:
+                reply = await self._get_together(client, location)  # type: ignore[arg-type]
+            else:
+                async with self._read_slots:
+                    reply = await client.get(location)  # type: ignore[arg-type]
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _pool_error(exc, "read") from None
         if reply is None:
@@ -143,6 +185,39 @@ class PoolTier(LowerTier):
         self._counters["hits"] += 1
         self._counters["bytes_read"] += len(value)
 
+    async def _get_together(self, client: RedisLike, location: bytes) -> Any:
+        """GET ``location`` in one pipeline with the small GETs issued meanwhile (those of the
+        same READ, and those that arrive while it waits for a connection)."""
+        gets = self._gets
+        if gets is not None and len(gets.keys) < _COALESCE_MAX:
+            position = len(gets.keys)
+            gets.keys.append(location)
+            await gets.done.wait()
+            if gets.error is not None:
+                raise gets.error
+            if gets.replies is None:  # the pipeline's task was cancelled: read on our own
+                async with self._read_slots:
+                    return await client.get(location)
+            return gets.replies[position]
+        gets = self._gets = _Gets(location)
+        try:
+            async with self._read_slots:
+                await anyio.lowlevel.checkpoint()  # the other GETs of this READ join here
+                if self._gets is gets:
+                    self._gets = None
+                async with client.pipeline(transaction=False) as pipe:
+                    for key in gets.keys:
+                        pipe.get(key)
+                    gets.replies = await pipe.execute()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            gets.error = exc
+            raise
+        finally:
+            if self._gets is gets:
+                self._gets = None
+            gets.done.set()
+        return gets.replies[0]
+
     async def discard(self, location: Hashable) -> None:
         field = self._field(location)
         client = self._live()
@@ -150,9 +225,10 @@ class PoolTier(LowerTier):
             async with client.pipeline(transaction=False) as pipe:
                 pipe.delete(location)  # type: ignore[arg-type]
                 pipe.hdel(self.names.manifest(), field)
-                await pipe.execute()
+                deleted, _ = await pipe.execute()
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _pool_error(exc, "delete") from None
+        self._counters["blocks"] -= int(deleted)
 
     async def sync(self) -> None:
         """Durability is the pool server's (``appendfsync``); nothing is buffered here."""
@@ -165,7 +241,7 @@ class PoolTier(LowerTier):
         return TierStatistics(
             "pool",
             c["blocks"],
-            0,
+            c["stored_bytes"],
             0,
             c["hits"],
             c["misses"],
@@ -176,8 +252,10 @@ class PoolTier(LowerTier):
 
     # -- what the group shares ---------------------------------------------------------------
 
-    def note_blocks(self, count: int) -> None:
+    def note_blocks(self, count: int, stored_bytes: int) -> None:
+        """What this rank's manifest lists (after a restore): blocks and their raw bytes."""
         self._counters["blocks"] = count
+        self._counters["stored_bytes"] = stored_bytes
 
     async def exists(self, locations: Sequence[bytes]) -> list[bool]:
         """Which of ``locations`` hold a value now (one pipeline)."""
@@ -259,6 +337,18 @@ class PoolTier(LowerTier):
             except (msgspec.DecodeError, msgspec.ValidationError):
                 log.warning("ignoring an unreadable namespace in the pool")
         return specs
+
+
+class _Gets:
+    """Small GETs that go to the pool together, as one pipeline."""
+
+    __slots__ = ("done", "error", "keys", "replies")
+
+    def __init__(self, key: bytes) -> None:
+        self.keys = [key]
+        self.replies: list[Any] | None = None
+        self.error: BaseException | None = None
+        self.done = anyio.Event()
 
 
 def _as_bytes(value: bytes | str) -> bytes:

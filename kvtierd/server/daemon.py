@@ -83,6 +83,8 @@ class Daemon:
                     lower.bytes_written,
                 )
             )
+        if store.pool is not None:  # counted by the pool tier itself; blocks = its manifest
+            tiers.append(store.pool.tier.statistics())
         return StatfsReply(
             __version__,
             time.monotonic() - self.started,
