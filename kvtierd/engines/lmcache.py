@@ -29,9 +29,12 @@ promotes NVMe hits into the arena and leases them) and wraps each extent of the 
 tensor in a ``TensorMemoryObj`` whose allocator is the lease: when LMCache drops its last
 reference to every object of one READ, the lease is RELEASEd. A key missing at READ (evicted or
 forgotten since LOOKUP) ends the hit there: the keys before it are read, the rest answer
-``None``, which LMCache treats as a shorter hit. With ``local_cpu: true`` LMCache would keep
-retrieved objects in its own hot cache indefinitely, which would pin arena blocks; in that mode
-blocks are copied into LMCache-allocated objects and the lease released at once.
+``None``, which LMCache treats as a shorter hit. At most half the arena is leased per call:
+the rest of a larger read is copied a batch at a time into objects from LMCache's CPU pool (and
+each batch's lease released at once), so a request larger than the DRAM tier still completes;
+a READ answered ``ENOSPC`` because free slots await write-back is retried once after FSYNC.
+With ``local_cpu: true`` LMCache would keep retrieved objects in its own hot cache
+indefinitely, which would pin arena blocks; in that mode every block is copied out that way.
 
 *Writes.* ``batched_submit_put_task`` ALLOCs arena slots for the keys not stored yet, copies each
 object's bytes in and COMMITs; a key becomes visible to any LOOKUP only at COMMIT, and a copy
