@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Hashable, Sequence
-from typing import Any
 
 import anyio
-import anyio.lowlevel
 import msgspec
 import redis.exceptions
 import zstandard
@@ -45,11 +43,6 @@ __all__ = ["PoolTier"]
 
 log = logging.getLogger("kvtierd.pool")
 _SCAN_COUNT = 1000
-#: Small values read together go out as one pipeline (one connection, one write, the replies
-#: read in one go): for blocks of tens of KiB redis-py's cost per command, not the bytes, bounds
-#: a restore. Larger values are read with a GET each, in parallel.
-_COALESCE_BELOW = THREAD_CHECKSUM_BYTES
-_COALESCE_MAX = 64
 _manifest_encoder = msgspec.msgpack.Encoder()
 _manifest_decoder = msgspec.msgpack.Decoder(ManifestEntry)
 _spec_decoder = msgspec.msgpack.Decoder(NamespaceSpec)
@@ -70,7 +63,6 @@ class PoolTier(LowerTier):
         # redis-py refuses a connection past max_connections ("Too many connections"), which
         # failed a READ of more pool-only blocks than that; writes and the consensus keep theirs.
         self._read_slots = anyio.Semaphore(max(1, config.max_connections * 3 // 4))
-        self._gets: _Gets | None = None
         self.client: RedisLike | None = None
         self._block_prefix = names.block(b"", b"")
         self._counters = dict.fromkeys(
@@ -162,11 +154,8 @@ class PoolTier(LowerTier):
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
         client = self._live()
         try:
-            if ref.raw_bytes < _COALESCE_BELOW:
-                reply = await self._get_together(client, location)  # type: ignore[arg-type]
-            else:
-                async with self._read_slots:
-                    reply = await client.get(location)  # type: ignore[arg-type]
+            async with self._read_slots:
+                reply = await client.get(location)  # type: ignore[arg-type]
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _pool_error(exc, "read") from None
         if reply is None:
@@ -184,39 +173,6 @@ class PoolTier(LowerTier):
             raise BlockNotFoundError(f"pool copy unreadable: {exc}") from None
         self._counters["hits"] += 1
         self._counters["bytes_read"] += len(value)
-
-    async def _get_together(self, client: RedisLike, location: bytes) -> Any:
-        """GET ``location`` in one pipeline with the small GETs issued meanwhile (those of the
-        same READ, and those that arrive while it waits for a connection)."""
-        gets = self._gets
-        if gets is not None and len(gets.keys) < _COALESCE_MAX:
-            position = len(gets.keys)
-            gets.keys.append(location)
-            await gets.done.wait()
-            if gets.error is not None:
-                raise gets.error
-            if gets.replies is None:  # the pipeline's task was cancelled: read on our own
-                async with self._read_slots:
-                    return await client.get(location)
-            return gets.replies[position]
-        gets = self._gets = _Gets(location)
-        try:
-            async with self._read_slots:
-                await anyio.lowlevel.checkpoint()  # the other GETs of this READ join here
-                if self._gets is gets:
-                    self._gets = None
-                async with client.pipeline(transaction=False) as pipe:
-                    for key in gets.keys:
-                        pipe.get(key)
-                    gets.replies = await pipe.execute()
-        except (redis.exceptions.RedisError, OSError) as exc:
-            gets.error = exc
-            raise
-        finally:
-            if self._gets is gets:
-                self._gets = None
-            gets.done.set()
-        return gets.replies[0]
 
     async def discard(self, location: Hashable) -> None:
         field = self._field(location)
@@ -337,18 +293,6 @@ class PoolTier(LowerTier):
             except (msgspec.DecodeError, msgspec.ValidationError):
                 log.warning("ignoring an unreadable namespace in the pool")
         return specs
-
-
-class _Gets:
-    """Small GETs that go to the pool together, as one pipeline."""
-
-    __slots__ = ("done", "error", "keys", "replies")
-
-    def __init__(self, key: bytes) -> None:
-        self.keys = [key]
-        self.replies: list[Any] | None = None
-        self.error: BaseException | None = None
-        self.done = anyio.Event()
 
 
 def _as_bytes(value: bytes | str) -> bytes:
