@@ -74,6 +74,8 @@ class PoolLink:
         )
         self.pending: dict[tuple[bytes, bytes], Block] = {}
         self.pending_bytes = 0
+        #: Blocks a writer took from ``pending`` and is writing now (FSYNC waits for them too).
+        self.in_flight = 0
         self.unreached: list[tuple[bytes, bytes]] = []
         self.restored = 0
         self.counters = dict.fromkeys(
@@ -127,7 +129,7 @@ class PoolLink:
     async def close(self, grace_s: float) -> None:
         """Give queued writes up to ``grace_s`` to reach the pool, then stop everything."""
         with anyio.CancelScope(shield=True):
-            if self.pending and self.attached:
+            if (self.pending or self.in_flight) and self.attached:
                 await self.drain(grace_s)
             if self.pending:
                 log.warning(
@@ -175,6 +177,7 @@ class PoolLink:
                 await self._wake.wait()
                 continue
             batch = self._take_batch()
+            self.in_flight += len(batch)
             try:
                 await self.tier.note_intents([b.ref for b in batch])
                 await self._write(batch)
@@ -188,9 +191,12 @@ class PoolLink:
                 for block in batch:
                     if not block.forgotten:
                         self._queue(block)
+                self.in_flight -= len(batch)  # back in ``pending``: no longer on its way
+                batch = []
                 with anyio.move_on_after(1.0):
                     await self._wake.wait()
             finally:
+                self.in_flight -= len(batch)
                 self._kick()
 
     def _take_batch(self) -> list[Block]:
@@ -237,9 +243,9 @@ class PoolLink:
         """Wait until nothing committed so far waits for the pool; ``False`` when the group is
         detached (the blocks wait for the next attach) or ``timeout_s`` passed."""
         with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
-            while self.pending and self.attached:
+            while (self.pending or self.in_flight) and self.attached:
                 await self._progress.wait()
-        return not self.pending
+        return not self.pending and not self.in_flight
 
     # -- restore -----------------------------------------------------------------------------
 

@@ -26,11 +26,16 @@ import pytest
 
 from kvtierd.client import Client, connect
 from kvtierd.client.sync import Namespace
+from kvtierd.config import load_config
+from kvtierd.errors import BlockNotFoundError, ConfigError
 from kvtierd.testing import DaemonProcess
 from tests.support.netns import LoopbackHost, LoopbackLab, NetnsHost, NetnsLab
 from tests.support.redis_server import (
     RedisCluster,
     RedisServer,
+    make_other_ca,
+    make_tls,
+    require_redis_cli,
     require_redis_server,
 )
 
@@ -364,3 +369,362 @@ def test_mismatched_rank_keeps_the_group_local_with_the_reason_on_both(
     assert group_lookups(ranks, keys("tp", 3)) == [0, 0]
     with server.client() as pool:
         assert block_keys(pool) == []
+
+
+# -- pool restart ------------------------------------------------------------------------------
+
+
+def test_pool_restart_ranks_reattach_and_no_engine_call_fails(lab: Lab, fleet: Fleet) -> None:
+    server = fleet.pool(lab)
+    ranks = fleet.group(lab, server.url)
+    start_group(ranks)
+    before = keys("before", 4)
+    during: list[bytes] = []
+    with contextlib.ExitStack() as stack:
+        # One long-lived engine connection per rank, as an engine holds it across a pool outage.
+        spaces = [stack.enter_context(made.ns()) for made in ranks]
+        for made, ns in zip(ranks, spaces, strict=True):
+            put(ns, made.rank, before)
+        assert group_lookups(ranks, before) == [4, 4]
+
+        def engine_step() -> None:
+            """What an engine does per request; any exception fails the test."""
+            key = f"during-{len(during):04d}".encode()
+            for made, ns in zip(ranks, spaces, strict=True):
+                put(ns, made.rank, [key])
+                ns.lookup(before + during + [key])  # any answer; never an error
+                assert_exact(ns, made.rank, [*before, *during[-3:], key])
+            during.append(key)
+
+        def drive(pattern: str, what: str) -> None:
+            """Engine steps until every rank logged ``pattern`` since its mark."""
+            regex = re.compile(pattern)
+            deadline = time.monotonic() + WAIT_S
+            while not all(regex.search(made.log()) for made in ranks):
+                if time.monotonic() >= deadline:
+                    pytest.fail(f"{what}: not within {WAIT_S:.0f} s\n{tails(ranks)}")
+                engine_step()
+
+        for made in ranks:
+            made.mark()
+        server.stop()
+        drive(r"serving from the local tiers", "both ranks noticed the pool is gone")
+        for _ in range(3):
+            engine_step()
+        for made in ranks:
+            made.mark()
+        server.start()
+        drive(r"pool restore: \d+ block\(s\) indexed", "both ranks reattached and restored")
+        assert all(re.search(r"attached to the pool \(epoch \d+", made.log()) for made in ranks)
+        # What was committed during the outage reaches the pool once attached: the group's
+        # prefix grows back to everything, on both ranks.
+        everything = before + during
+        wait_until(
+            lambda: group_lookups(ranks, everything) == [len(everything)] * 2,
+            "blocks committed during the outage written to the pool",
+            ranks,
+        )
+        for made, ns in zip(ranks, spaces, strict=True):
+            assert_exact(ns, made.rank, everything)
+
+
+# -- a rank killed -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["leader", "follower"])
+def test_rank_killed_restarts_and_restores(lab: Lab, fleet: Fleet, victim: int) -> None:
+    server = fleet.pool(lab)
+    ranks = fleet.group(lab, server.url)
+    start_group(ranks)
+    chain = keys("kill", 6)
+    for made in ranks:
+        with made.ns() as ns:
+            put(ns, made.rank, chain)
+    assert group_lookups(ranks, chain) == [6, 6]
+    dead, survivor = ranks[victim], ranks[1 - victim]
+    dead.kill()  # SIGKILL: no shutdown, whatever was on its way to the NVMe tier is lost
+    assert group_lookups([survivor], chain) == [6]  # the survivor still answers for the group
+    survivor.mark()
+    dead.start()
+    wait_restored(ranks)
+    with dead.ns() as ns:
+        tiers = ns.lookup_tiers(chain, promote=False)
+        assert len(tiers) == 6, tiers
+        assert set(tiers) <= {"nvme", "pool"}, tiers
+        assert_exact(ns, dead.rank, chain)
+    assert group_lookups(ranks, chain) == [6, 6]
+
+
+# -- a rank's disk wiped -----------------------------------------------------------------------
+
+
+def secret_file(path: Path, secret: str, mode: int = 0o600) -> Path:
+    path.write_text(secret + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_wiped_rank_restores_what_reached_the_pool_and_reports_what_did_not(
+    lab: Lab, fleet: Fleet, tmp_path: Path
+) -> None:
+    """Write-back: blocks A reach the pool; for blocks B the pool takes the intents but refuses
+    the values (an ACL that makes block keys read-only: the state a crash between intent and
+    value leaves); blocks C are committed while the pool is down. Rank 1 is killed and its disk
+    wiped: it restores A, reports B (log and intents), and serves neither B nor C."""
+    admin_password, password = "admin-secret-0123", "rank-secret-4567"
+    server = fleet.pool(lab, users={"admin": admin_password, "kvtierd": password})
+    secret = secret_file(tmp_path / "pool.secret", password)
+    ranks = fleet.group(
+        lab,
+        server.url,
+        username="kvtierd",
+        password_file=str(secret),
+        write_policy="write-back",
+    )
+    start_group(ranks)
+    reached, refused, offline = keys("wb", 4), keys("wb", 3, start=4), keys("wb", 2, start=7)
+    everything = reached + refused + offline
+    for made in ranks:
+        with made.client() as client:
+            ns = client.namespace(NS, block_bytes=BLOCK, rank=made.rank, world_size=2)
+            put(ns, made.rank, reached)
+            client.fsync()  # fsync_waits: returns once the pool holds them
+    manifests = [f"kvt:{{{GROUP}}}:m:{r}" for r in range(2)]
+    intents = [f"kvt:{{{GROUP}}}:i:{r}" for r in range(2)]
+    with server.client() as admin:
+        assert [admin.hlen(m) for m in manifests] == [4, 4]
+        admin.execute_command(
+            "ACL", "SETUSER", "kvtierd", "resetkeys", f"~kvt:{{{GROUP}}}:*", "%R~kvt:b:*"
+        )
+        for made in ranks:
+            with made.ns() as ns:
+                put(ns, made.rank, refused)  # committed locally; write-back keeps trying
+
+        def intent_keys(rank: int) -> set[bytes]:
+            return {field[16:] for field in admin.hkeys(intents[rank])}
+
+        wait_until(
+            lambda: all(intent_keys(r) == set(refused) for r in range(2)),
+            "intents recorded for the refused values",
+            ranks,
+        )
+        wait_logged(ranks, r"pool write-back paused: .*write failed", "the refusal logged")
+        # The manifest lists only what the pool holds; the intents of refused values stay.
+        assert [admin.hlen(m) for m in manifests] == [4, 4]
+        assert all(intent_keys(r) == set(refused) for r in range(2))
+
+    server.stop()
+    for made in ranks:
+        with made.ns() as ns:
+            put(ns, made.rank, offline)  # the pool is down: committed locally all the same
+    wiped = ranks[1]
+    wiped.kill()
+    wiped.wipe()
+    ranks[0].mark()
+    server.start()  # its configuration gives the rank user full access again
+    wiped.start()
+    wait_restored(ranks)
+
+    found = re.search(r"(\d+) block\(s\) committed on rank 1 never reached the pool", wiped.log())
+    assert found is not None, tails([wiped])
+    assert int(found.group(1)) == len(refused)
+    with server.client() as admin:
+        assert {field[16:] for field in admin.hkeys(intents[1])} == set(refused)
+    with wiped.ns() as ns:
+        assert ns.lookup_tiers(everything, promote=False) == ["pool"] * len(reached)
+        assert_exact(ns, 1, reached)
+        for key in refused + offline:
+            with pytest.raises(BlockNotFoundError), ns.get([key]):
+                pass
+    # Rank 0 kept all its blocks and writes them once attached; the group still answers the
+    # wiped rank's prefix on both ranks.
+    with server.client() as admin:
+        wait_until(lambda: admin.hlen(manifests[0]) == len(everything), "rank 0 caught up", ranks)
+    assert group_lookups(ranks, everything) == [len(reached)] * 2
+    with ranks[0].ns() as ns:
+        assert_exact(ns, 0, everything)
+
+
+def test_write_back_fsync_returns_once_the_pool_holds_every_block(lab: Lab, fleet: Fleet) -> None:
+    """FSYNC with ``fsync_waits`` must also wait for the batches already on their way."""
+    server = fleet.pool(lab)
+    made = fleet.rank(
+        lab.hosts[0],
+        0,
+        pool_toml(server.url, world_size=1, group="solo-wb", write_policy="write-back"),
+        world_size=1,
+    )
+    start_group([made])
+    manifest = "kvt:{solo-wb}:m:0"
+    with made.client() as client, server.client() as pool:
+        ns = client.namespace("wb", block_bytes=BLOCK)
+        for round_ in range(4):
+            batch = keys(f"fsync{round_}", 24)
+            put(ns, 0, batch)
+            client.fsync()
+            assert pool.hlen(manifest) == 24 * (round_ + 1)
+            assert len(block_keys(pool)) == 24 * (round_ + 1)
+
+
+# -- TLS, plaintext, credentials ---------------------------------------------------------------
+
+
+def test_tls_plaintext_refused_wrong_ca_refused_right_ca_attaches(
+    lab: Lab, fleet: Fleet, tmp_path: Path
+) -> None:
+    tls = make_tls(tmp_path / "tls", hostnames=[lab.hosts[2].address])
+    server = fleet.pool(lab, tls=tls)
+    plain_url = server.url.replace("rediss://", "redis://")
+    other_ca = make_other_ca(tmp_path / "other")
+    plaintext = fleet.rank(
+        lab.hosts[0],
+        0,
+        pool_toml(plain_url, world_size=1, group="plain"),
+        world_size=1,
+        name="plaintext",
+    )
+    wrong_ca = fleet.rank(
+        lab.hosts[1],
+        0,
+        pool_toml(server.url, world_size=1, group="wrongca", ca_file=str(other_ca)),
+        world_size=1,
+        name="wrong-ca",
+    )
+    in_parallel([plaintext.start, wrong_ca.start])
+    wait_logged([plaintext], r"pool unreachable: .*serving from the local tiers", "plaintext")
+    wait_logged([wrong_ca], r"unreachable: TLS failed: .*serving from the local tiers", "CA")
+    assert "CERTIFICATE_VERIFY_FAILED" in wrong_ca.log()
+    for made in (plaintext, wrong_ca):
+        assert "attached to the pool" not in made.log()
+        with made.ns("solo") as ns:  # local tiers serve as usual
+            put(ns, 0, keys("local", 2))
+            assert ns.lookup_tiers(keys("local", 2)) == ["dram", "dram"]
+            assert_exact(ns, 0, keys("local", 2))
+    in_parallel([plaintext.stop, wrong_ca.stop])
+
+    # The right CA attaches a TP2 group over TLS (rank 1 also presents a client certificate).
+    ranks = [
+        fleet.rank(lab.hosts[0], 0, pool_toml(server.url, rank=0, ca_file=str(tls.ca_cert))),
+        fleet.rank(
+            lab.hosts[1],
+            1,
+            pool_toml(
+                server.url,
+                rank=1,
+                ca_file=str(tls.ca_cert),
+                cert_file=str(tls.client_cert),
+                key_file=str(tls.client_key),
+            ),
+        ),
+    ]
+    start_group(ranks)
+    chain = keys("tls", 3)
+    for made in ranks:
+        with made.ns() as ns:
+            put(ns, made.rank, chain)
+    assert group_lookups(ranks, chain) == [3, 3]
+    with server.client() as pool:
+        assert len(block_keys(pool)) == 6
+    assert not any("plaintext" in made.log() for made in ranks)
+
+
+def test_plaintext_url_without_opt_in_is_refused_at_start(tmp_path: Path) -> None:
+    config = tmp_path / "kvtierd.toml"
+    config.write_text('[pool]\nurl = "redis://127.0.0.1:6390"\n')
+    with pytest.raises(ConfigError, match="allow_plaintext"):
+        load_config(config)
+    daemon = DaemonProcess(
+        tmp_path / "daemon",
+        dram_size="32M",
+        nvme_size="64M",
+        config_text='[pool]\nurl = "redis://127.0.0.1:6390"\n',
+    )
+    with pytest.raises(RuntimeError, match="allow_plaintext") as failed:
+        daemon.start(timeout_s=20)
+    assert "kvtierd exited" in str(failed.value)
+
+
+def test_acl_password_file_attaches_and_an_open_one_is_refused(
+    redis_acl: tuple[RedisServer, str, str], fleet: Fleet, tmp_path: Path
+) -> None:
+    server, user, password = redis_acl
+    lab = LoopbackLab(tmp_path / "lo", hosts=1)
+    host = lab.hosts[0]
+    exposed = secret_file(tmp_path / "exposed.secret", password, mode=0o640)
+    refused = fleet.rank(
+        host,
+        0,
+        pool_toml(server.url, world_size=1, group="acl", username=user, password_file=str(exposed)),
+        world_size=1,
+        name="exposed",
+    )
+    with pytest.raises(RuntimeError, match="accessible to group or others") as failed:
+        refused.start()
+    assert password not in str(failed.value)
+
+    private = secret_file(tmp_path / "private.secret", password)
+    wrong = secret_file(tmp_path / "wrong.secret", "not-the-password")
+    good = fleet.rank(
+        host,
+        0,
+        pool_toml(server.url, world_size=1, group="acl", username=user, password_file=str(private)),
+        world_size=1,
+        name="good",
+    )
+    bad = fleet.rank(
+        host,
+        0,
+        pool_toml(server.url, world_size=1, group="acl2", username=user, password_file=str(wrong)),
+        world_size=1,
+        name="bad",
+    )
+    in_parallel([good.start, bad.start])
+    wait_restored([good])
+    wait_logged([bad], r"authentication refused", "the wrong password refused")
+    assert "attached to the pool" not in bad.log()
+    for made in (good, bad):
+        assert password not in made.full_log()
+        assert "not-the-password" not in made.full_log()
+    chain = keys("acl", 3)
+    with good.ns() as ns:
+        put(ns, 0, chain)
+        assert ns.lookup(chain) == 3
+    with server.client() as pool:
+        assert len(block_keys(pool)) == 3
+
+
+# -- cluster mode ------------------------------------------------------------------------------
+
+
+def test_cluster_of_three_masters_attach_write_wipe_restore(lab: Lab, fleet: Fleet) -> None:
+    require_redis_server()
+    require_redis_cli()
+    pool_host = lab.hosts[2]
+    cluster = RedisCluster(
+        fleet.tmp_path / "cluster", 3, host=pool_host.address, netns=pool_host.netns
+    )
+    fleet.servers.append(cluster)
+    cluster.start()
+    ranks = fleet.group(lab, cluster.url, cluster=True)
+    start_group(ranks)
+    chain = keys("cluster", 8)
+    for made in ranks:
+        with made.ns() as ns:
+            put(ns, made.rank, chain)
+    assert group_lookups(ranks, chain) == [8, 8]
+    per_master = []
+    for node in cluster.nodes:
+        with node.client() as client:
+            per_master.append(len(block_keys(client)))
+    assert sum(per_master) == 16
+    assert sum(1 for count in per_master if count) >= 2, per_master
+
+    in_parallel([made.stop for made in ranks])
+    for made in ranks:
+        made.wipe()
+    start_group(ranks)
+    for made in ranks:
+        with made.ns() as ns:
+            assert ns.lookup_tiers(chain, promote=False) == ["pool"] * 8
+            assert_exact(ns, made.rank, chain)
+    assert group_lookups(ranks, chain) == [8, 8]
