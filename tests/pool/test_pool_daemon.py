@@ -594,6 +594,7 @@ def test_tls_plaintext_refused_wrong_ca_refused_right_ca_attaches(
     wait_logged([plaintext], r"pool unreachable: .*serving from the local tiers", "plaintext")
     wait_logged([wrong_ca], r"unreachable: TLS failed: .*serving from the local tiers", "CA")
     assert "CERTIFICATE_VERIFY_FAILED" in wrong_ca.log()
+    assert "is plaintext (pool.allow_plaintext = true)" in plaintext.log()  # warned at start
     for made in (plaintext, wrong_ca):
         assert "attached to the pool" not in made.log()
         with made.ns("solo") as ns:  # local tiers serve as usual
@@ -625,7 +626,7 @@ def test_tls_plaintext_refused_wrong_ca_refused_right_ca_attaches(
     assert group_lookups(ranks, chain) == [3, 3]
     with server.client() as pool:
         assert len(block_keys(pool)) == 6
-    assert not any("plaintext" in made.log() for made in ranks)
+    assert not any("is plaintext (pool.allow_plaintext" in made.log() for made in ranks)
 
 
 def test_plaintext_url_without_opt_in_is_refused_at_start(tmp_path: Path) -> None:
