@@ -1,0 +1,479 @@
+"""Peer benchmark: the same workload through kvtierd and through LMCache 0.5.6, with memcpy and
+fio as the limits, in one run.
+
+Workload, per chunk shape: N chunks are written once; then every round has each system answer a
+lookup over all N keys and copy every chunk into a caller's buffer (``numpy.copyto`` from
+whatever buffer the system hands back), in two request sizes: one chunk per request (latency is
+per chunk) and ``--batch`` chunks per request (an engine's request for a whole prefix).
+
+* *cold*: one system at a time, in an order that rotates every round (the disk is bimodal, see
+  ``../shared/PLATFORM.md``, so compare within a round): kvtierd's DRAM is evicted and its reads
+  come from NVMe through O_DIRECT; LMCache's disk paths have their files' page-cache pages
+  dropped (``fsync`` + ``POSIX_FADV_DONTNEED``); fio reads the same number of bytes from
+  kvtierd's data file at the disk's best (2 MiB random reads at ``--fio-qd``).
+* *warm*: after one untimed read of every chunk through every system, every system's requests
+  interleaved request by request (order rotating), so that all of them share the machine's
+  moments; on 2 shared vCPUs memory bandwidth swings 2-3x within seconds.
+
+After every request or pass, outside the timed window, every byte is compared with what was
+written. Systems: kvtierd through its client (LOOKUP, then leased READs); LMCache's CPU backend,
+disk backend (buffered and O_DIRECT), MP-mode ``fs_native`` L2 adapter and TCP server
+(``tools/bench_peers_lmcache.py``); LMCache's StorageManager with kvtierd as its storage plug-in
+(:mod:`kvtierd.engines.lmcache`); ``memcpy`` (numpy copy from process memory, the warm limit).
+
+``python tools/bench_peers.py --json`` prints one JSON object and records the results (tables and
+a plot) in the ``peers`` section of ``docs/benchmarks.md``; ``--no-record`` only prints. The
+daemon's data and LMCache's files go to ``$BENCH_DIR`` (default ``/var/tmp``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib
+from bench_peers_lmcache import GB, ChunkShape, FsNativeDriver, ManagerDriver, TcpServer
+from references import fio_json
+
+from kvtierd.client import Layout, chain_keys, connect
+from kvtierd.testing import DaemonProcess
+
+MiB = 1 << 20
+SHAPES = {
+    "llama8b": ChunkShape("llama8b", 32, 8, 128, 256, "float16"),  # 32 MiB per chunk
+    "smollm2": ChunkShape("smollm2", 30, 3, 64, 512, "float32"),  # 22.5 MiB per block
+}
+KVTIERD = "kvtierd"
+ADAPTER = "LMCache on kvtierd"
+LMC_CPU = "LMCache CPU"
+LMC_DISK = ("LMCache disk", "LMCache disk O_DIRECT", "LMCache fs_native")
+LMC_TCP = "LMCache TCP server"
+MEMCPY, FIO = "memcpy", "fio"
+
+
+class Driver(Protocol):
+    name: str
+    cold: bool
+
+    def write(self, chunks: list[np.ndarray]) -> None: ...
+    def drop(self) -> None: ...
+    def lookup(self) -> int: ...
+    def read(self, i: int, dst: np.ndarray) -> None: ...
+    def read_many(self, first: int, dsts: list[np.ndarray]) -> None: ...
+    def close(self) -> None: ...
+
+
+class KvtierdDriver:
+    """kvtierd's own client: LOOKUP of the whole chain (which starts promotion), then one
+    leased READ per chunk, copied out of the shared arena."""
+
+    cold = True
+
+    def __init__(self, name: str, shape: ChunkShape, count: int, socket: Path) -> None:
+        self.name = name
+        self.client = connect(socket)
+        layout = Layout(
+            f"bench/{shape.name}",
+            shape.layers,
+            shape.kv_heads,
+            shape.head_dim,
+            shape.dtype,
+            shape.tokens,
+        )
+        self.ns = self.client.namespace(
+            f"bench/{shape.name}", block_bytes=shape.nbytes, layout=layout
+        )
+        self.keys = chain_keys(range(count), 1, self.ns.key_salt)
+
+    def write(self, chunks: list[np.ndarray]) -> None:
+        for start in range(0, len(chunks), 4):
+            self.ns.put(self.keys[start : start + 4], chunks[start : start + 4])
+        self.client.fsync()
+
+    def drop(self) -> None:
+        self.client.evict()
+
+    def lookup(self) -> int:
+        return self.ns.lookup(self.keys)
+
+    def read(self, i: int, dst: np.ndarray) -> None:
+        with self.ns.lease(self.keys[i : i + 1]) as lease:
+            np.copyto(dst, np.frombuffer(lease.views[0], np.uint8))
+
+    def read_many(self, first: int, dsts: list[np.ndarray]) -> None:
+        with self.ns.lease(self.keys[first : first + len(dsts)]) as lease:
+            for view, dst in zip(lease.views, dsts, strict=True):
+                np.copyto(dst, np.frombuffer(view, np.uint8))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class MemcpyDriver:
+    """The warm limit: the chunks copied from process memory."""
+
+    name, cold = MEMCPY, False
+
+    def __init__(self) -> None:
+        self.chunks: list[np.ndarray] = []
+
+    def write(self, chunks: list[np.ndarray]) -> None:
+        self.chunks = [c.copy() for c in chunks]
+
+    def drop(self) -> None:
+        pass
+
+    def lookup(self) -> int:
+        return len(self.chunks)
+
+    def read(self, i: int, dst: np.ndarray) -> None:
+        np.copyto(dst, self.chunks[i])
+
+    def read_many(self, first: int, dsts: list[np.ndarray]) -> None:
+        for i, dst in enumerate(dsts, first):
+            np.copyto(dst, self.chunks[i])
+
+    def close(self) -> None:
+        self.chunks = []
+
+
+def _summary(lat: list[float], total_bytes: int, wall: float) -> dict[str, float]:
+    return {
+        "gbps": total_bytes / wall / 1e9,
+        "p50_ms": benchlib.percentile(lat, 50) * 1e3,
+        "p99_ms": benchlib.percentile(lat, 99) * 1e3,
+    }
+
+
+def timed_pass(
+    drv: Driver, chunks: list[np.ndarray], dsts: list[np.ndarray], batch: int
+) -> tuple[dict[str, float], list[float]]:
+    """Lookup, then every chunk copied into ``dsts``: one chunk per request (``batch`` 1, the
+    latencies are per chunk) or ``batch`` chunks per request (latencies per request)."""
+    for dst in dsts:
+        dst.fill(0)
+    started = time.perf_counter()
+    hits = drv.lookup()
+    lat = []
+    for first in range(0, len(dsts), batch):
+        t0 = time.perf_counter()
+        if batch == 1:
+            drv.read(first, dsts[first])
+        else:
+            drv.read_many(first, dsts[first : first + batch])
+        lat.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - started
+    if hits != len(chunks):
+        raise RuntimeError(f"{drv.name}: lookup found {hits} of {len(chunks)} chunks")
+    for i, (dst, chunk) in enumerate(zip(dsts, chunks, strict=True)):
+        if not np.array_equal(dst, chunk):
+            raise RuntimeError(f"{drv.name}: chunk {i} read back differs from what was written")
+    return _summary(lat, sum(c.nbytes for c in chunks), wall), lat
+
+
+def interleaved_pass(
+    drivers: list[Driver], chunks: list[np.ndarray], scratch: list[np.ndarray], per_request: int
+) -> dict[str, tuple[dict[str, float], list[float]]]:
+    """Warm reads of every system interleaved request by request (the order rotating each
+    request), so that they share the machine's moments: on 2 shared vCPUs memory bandwidth
+    swings 2-3x within seconds. Each system's figure is its lookup plus its own requests."""
+    spent = {d.name: 0.0 for d in drivers}
+    lat: dict[str, list[float]] = {d.name: [] for d in drivers}
+    for drv in drivers:  # untimed: warm means read once since the last cold pass of anyone
+        drv.lookup()  # (kvtierd's EVICT empties every namespace of the daemon)
+        for i in range(len(chunks)):
+            drv.read(i, scratch[0])
+    for drv in drivers:
+        t0 = time.perf_counter()
+        hits = drv.lookup()
+        spent[drv.name] += time.perf_counter() - t0
+        if hits != len(chunks):
+            raise RuntimeError(f"{drv.name}: lookup found {hits} of {len(chunks)} chunks")
+    for k, first in enumerate(range(0, len(chunks), per_request)):
+        group = chunks[first : first + per_request]
+        for drv in drivers[k % len(drivers) :] + drivers[: k % len(drivers)]:
+            dsts = scratch[: len(group)]
+            for dst in dsts:
+                dst.fill(0)
+            t0 = time.perf_counter()
+            if per_request == 1:
+                drv.read(first, dsts[0])
+            else:
+                drv.read_many(first, dsts)
+            elapsed = time.perf_counter() - t0
+            spent[drv.name] += elapsed
+            lat[drv.name].append(elapsed)
+            for i, (dst, chunk) in enumerate(zip(dsts, group, strict=True), first):
+                if not np.array_equal(dst, chunk):
+                    raise RuntimeError(f"{drv.name}: chunk {i} read back differs")
+    total = sum(c.nbytes for c in chunks)
+    return {name: (_summary(lat[name], total, spent[name]), lat[name]) for name in spent}
+
+
+def fio_pass(data_file: Path, used: int, nbytes: int, qd: int) -> dict[str, float]:
+    """``nbytes`` of kvtierd's data file read by fio at the disk's best (2 MiB random reads at
+    queue depth ``qd``, io_uring, O_DIRECT); its latencies are per 2 MiB read."""
+    job = fio_json(
+        [
+            "--rw=randread",
+            "--bs=2M",
+            f"--iodepth={qd}",
+            f"--filename={data_file}",
+            f"--size={used}",
+            "--readonly",
+            f"--io_size={nbytes}",
+        ]
+    )["jobs"][0]["read"]
+    pct = job["clat_ns"]["percentile"]
+    return {
+        "gbps": job["bw_bytes"] / 1e9,
+        "p50_ms": pct["50.000000"] / 1e6,
+        "p99_ms": pct["99.000000"] / 1e6,
+    }
+
+
+def _systems(
+    work: Path,
+    shape: ChunkShape,
+    count: int,
+    batch: int,
+    daemon: DaemonProcess,
+    evict: Any,
+    tcp_url: str,
+) -> list[Any]:
+    staging = ((batch + 4) * shape.nbytes + 64 * MiB) / GB  # LMCache's CPU pool as staging
+    disk = count * shape.nbytes * 1.3 / GB
+    drivers: list[Any] = [
+        KvtierdDriver(KVTIERD, shape, count, daemon.socket),
+        ManagerDriver(
+            ADAPTER,
+            shape,
+            count,
+            "kvtierd",
+            evict=evict,
+            local_cpu=False,
+            max_local_cpu_size=staging,
+            storage_plugins=["kvtierd"],
+            extra_config={
+                "storage_plugin.kvtierd.module_path": "kvtierd.engines.lmcache",
+                "storage_plugin.kvtierd.class_name": "KvtierdBackend",
+                "kvtierd.socket": str(daemon.socket),
+            },
+        ),
+        ManagerDriver(
+            LMC_CPU,
+            shape,
+            count,
+            "LocalCPUBackend",
+            local_cpu=True,
+            max_local_cpu_size=(count * shape.nbytes * 1.1 + 256 * MiB) / GB,
+        ),
+    ]
+    for name, odirect in ((LMC_DISK[0], False), (LMC_DISK[1], True)):
+        path = work / name.replace(" ", "-")
+        drivers.append(
+            ManagerDriver(
+                name,
+                shape,
+                count,
+                "LocalDiskBackend",
+                cold_dir=path,
+                local_cpu=False,
+                max_local_cpu_size=staging,
+                local_disk=f"file://{path}/",
+                max_local_disk_size=disk,
+                extra_config={"use_odirect": odirect},
+            )
+        )
+    drivers.append(FsNativeDriver(LMC_DISK[2], shape, count, work / "fs-native", batch=batch))
+    drivers.append(
+        ManagerDriver(
+            LMC_TCP,
+            shape,
+            count,
+            "RemoteBackend",
+            local_cpu=False,
+            max_local_cpu_size=staging,
+            remote_url=tcp_url,
+            remote_serde="naive",
+        )
+    )
+    drivers.append(MemcpyDriver())
+    return drivers
+
+
+def bench_shape(
+    work: Path, shape: ChunkShape, count: int, rounds: int, batch: int, fio_qd: int
+) -> dict[str, Any]:
+    rng = np.random.default_rng(7)
+    chunks = [
+        rng.integers(0, 1 << 63, shape.nbytes // 8, dtype=np.uint64).view(np.uint8)
+        for _ in range(count)
+    ]
+    dsts = [np.ones(shape.nbytes, np.uint8) for _ in range(count)]
+    total = count * shape.nbytes
+    dram = 2 * total + 256 * MiB
+    nvme = 2 * count * (shape.nbytes + MiB) + 512 * MiB
+    result: dict[str, Any] = {
+        "shape": shape.describe(),
+        "chunks": count,
+        "batch": batch,
+        "write_gbps": {},
+        "rounds": [],
+    }
+    with DaemonProcess(
+        work / "kvtierd", dram_size=f"{dram >> 20}M", nvme_size=f"{nvme >> 20}M"
+    ) as daemon:
+        admin = connect(daemon.socket)
+        server = TcpServer(work / "lmcache-server.log")
+        drivers: list[Any] = []
+        try:
+            drivers = _systems(work, shape, count, batch, daemon, admin.evict, server.url)
+            for drv in drivers:
+                t0 = time.perf_counter()
+                drv.write(chunks)
+                result["write_gbps"][drv.name] = total / (time.perf_counter() - t0) / 1e9
+            admin.fsync()
+            used = admin.stats()["tiers"][1]["used_bytes"]
+            samples: dict[str, dict[str, list[float]]] = {}
+            order = [*drivers, FIO]
+            for r in range(rounds):
+                rotated = order[r % len(order) :] + order[: r % len(order)]
+                record: dict[str, Any] = {
+                    "order": [d if isinstance(d, str) else d.name for d in rotated]
+                }
+                for drv in rotated:  # cold: one system at a time, each emptying its caches
+                    if drv == FIO:
+                        fio = fio_pass(
+                            daemon.data_dir / "nvme.data", used, count * shape.nbytes, fio_qd
+                        )
+                        record[FIO] = {"cold": fio, "cold_batch": fio}
+                    elif drv.cold:
+                        for mode, per_request in (("cold", 1), ("cold_batch", batch)):
+                            drv.drop()
+                            figures, lat = timed_pass(drv, chunks, dsts, per_request)
+                            record.setdefault(drv.name, {})[mode] = figures
+                            samples.setdefault(drv.name, {}).setdefault(mode, []).extend(lat)
+                warm = [d for d in rotated if d != FIO]
+                for mode, per_request in (("warm", 1), ("warm_batch", batch)):
+                    passes = interleaved_pass(warm, chunks, dsts[:per_request], per_request)
+                    for name, (figures, lat) in passes.items():
+                        record.setdefault(name, {})[mode] = figures
+                        samples.setdefault(name, {}).setdefault(mode, []).extend(lat)
+                result["rounds"].append(record)
+                print(f"{shape.name} round {r + 1}/{rounds} done", file=sys.stderr)
+            result["latency_ms"] = {
+                name: {
+                    mode: {
+                        "p50": benchlib.percentile(lat, 50) * 1e3,
+                        "p99": benchlib.percentile(lat, 99) * 1e3,
+                    }
+                    for mode, lat in modes.items()
+                }
+                for name, modes in samples.items()
+            }
+        finally:
+            for drv in drivers:
+                drv.close()
+            server.close()
+            admin.close()
+    result.update(summarise(result["rounds"]))
+    return result
+
+
+MODES = ("cold", "warm", "cold_batch", "warm_batch")
+
+
+def _median(rounds: list[dict[str, Any]], name: str, mode: str) -> float | None:
+    values = [r[name][mode]["gbps"] for r in rounds if mode in r.get(name, {})]
+    return benchlib.median(values) if values else None
+
+
+def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians per system and mode, and the per-round ratios behind the targets."""
+    names = sorted({n for r in rounds for n in r if n != "order"})
+    medians = {n: {m: v for m in MODES if (v := _median(rounds, n, m)) is not None} for n in names}
+
+    def ratios(name: str, mode: str, ref: str) -> list[float]:
+        out = []
+        for r in rounds:
+            if mode in r.get(name, {}):
+                if ref == "best LMCache disk":
+                    denominator = max(r[n][mode]["gbps"] for n in LMC_DISK if n in r)
+                else:
+                    denominator = r[ref][mode]["gbps"]
+                out.append(r[name][mode]["gbps"] / denominator)
+        return out
+
+    refs = {
+        "cold": (FIO, "best LMCache disk"),
+        "warm": (LMC_CPU, MEMCPY, LMC_TCP),
+    }
+    out: dict[str, Any] = {"median_gbps": medians, "ratios": {}}
+    for system in (KVTIERD, ADAPTER, LMC_CPU):
+        table: dict[str, Any] = {}
+        for mode in MODES:
+            for ref in refs[mode.split("_")[0]]:
+                if ref == system or (system == LMC_CPU and ref != MEMCPY):
+                    continue
+                values = ratios(system, mode, ref)
+                if values:
+                    table[f"{mode} vs {ref}"] = {
+                        "per_round": values,
+                        "median": benchlib.median(values),
+                    }
+        out["ratios"][system] = table
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--shapes", default="llama8b,smollm2")
+    parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8, help="chunks per request, batched modes")
+    parser.add_argument("--fio-qd", type=int, default=16)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+    result: dict[str, Any] = {
+        "machine": benchlib.machine(),
+        "lmcache": _lmcache_version(),
+        "fio_qd": args.fio_qd,
+    }
+    result["shapes"] = []
+    result["load_average"] = {"start": os.getloadavg()}
+    for name in args.shapes.split(","):
+        with tempfile.TemporaryDirectory(
+            prefix="kvtierd-peers-", dir=os.environ.get("BENCH_DIR", "/var/tmp")
+        ) as tmp:
+            result["shapes"].append(
+                bench_shape(
+                    Path(tmp), SHAPES[name], args.chunks, args.rounds, args.batch, args.fio_qd
+                )
+            )
+    result["load_average"]["end"] = os.getloadavg()
+    benchlib.emit(result, args.json)
+    if not args.no_record:
+        from bench_peers_report import record_peers
+
+        record_peers(result)
+    return 0
+
+
+def _lmcache_version() -> str:
+    from importlib.metadata import version
+
+    return version("lmcache")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
