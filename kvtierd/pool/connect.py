@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from kvtierd.config import PoolConfig
 from kvtierd.errors import StorageIOError
@@ -91,6 +93,10 @@ def _client_kwargs(config: PoolConfig) -> dict[str, Any]:
         "socket_read_size": _READ_BYTES,
         "max_connections": config.max_connections,
         "client_name": "kvtierd",
+        # No silent retries inside redis-py (its default backs off for seconds): a failed
+        # command must fail at once, the group membership reconnects with its own back-off and
+        # engines fall back to the local tiers meanwhile.
+        "retry": Retry(NoBackoff(), 0),
     }
     db = parts.path.strip("/")
     if db:
