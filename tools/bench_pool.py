@@ -427,6 +427,15 @@ def markdown(result: dict[str, Any]) -> str:
     ttft = result.get("ttft")
     if ttft:
         lines += ["", *_ttft_markdown(ttft)]
+    load = result.get("load_average")
+    if load:
+        lines += [
+            "",
+            f"One-minute load average {load['start'][0]:.1f} at the start and "
+            f"{load['end'][0]:.1f} at the end, on 2 cores: other jobs shared the machine, so "
+            "absolute figures (recompute and forward times included) are far below this "
+            "machine's quiet ones (`ttft` section); compare within the run.",
+        ]
     lines += [
         "",
         "![pool restore](benchmarks/pool.png)",
