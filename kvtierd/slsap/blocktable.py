@@ -68,6 +68,11 @@ class BlockTable:
             out.append(slot)
         return np.asarray(out, dtype=np.int64)
 
+    def slot_for(self, key: Hashable) -> int:
+        """The slot of ``key``, allocating a fresh ghost slot when it is untracked."""
+        slot = self._index.get(key)
+        return self._allocate(key) if slot is None else slot
+
     def _allocate(self, key: Hashable) -> int:
         if not self._free:
             self._grow()

@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtierd.slsap.blocktable import BlockTable
-from kvtierd.slsap.reuse import ReuseModel, block_class
+from kvtierd.slsap.reuse import ReuseModel, block_class, block_class_of
 from kvtierd.store.policy import AccessContext, CachePolicy
 
 __all__ = ["SlsapConfig", "SlsapPolicy", "SlsapStatistics"]
@@ -135,14 +135,29 @@ class SlsapPolicy(CachePolicy):
 
     def _observe_one(self, block: Hashable, context: AccessContext | None) -> int:
         """The slot of ``block``, observing it as a one-block reference unless the request in
-        ``context`` already named it through :meth:`observe_request`."""
+        ``context`` already named it through :meth:`observe_request`. Scalar code throughout:
+        this runs for every block a store inserts or reads, where numpy's per-call overhead
+        would dominate."""
         rid = context.request_id if context is not None else -1
-        slot = self._table.find(block)
-        if slot >= 0 and rid >= 0 and self._table.request[slot] == rid:
+        t = self._table
+        slot = t.find(block)
+        if slot >= 0 and rid >= 0 and t.request[slot] == rid:
             return slot
         if slot < 0:
-            slot = int(self._table.slots_of((block,))[0])
-        self._observe(np.asarray([slot], dtype=np.int64), np.asarray([-1]), 0, -1)
+            slot = t.slot_for(block)
+        self._clock += 1
+        self._references += 1
+        count = int(t.count[slot])
+        if count > 0:
+            self._model.record_reuse_of(int(t.klass[slot]), self._clock - float(t.last[slot]))
+        count += 1
+        t.count[slot] = count
+        t.klass[slot] = block_class_of(count, -1, 0)
+        t.last[slot] = self._clock
+        t.request[slot] = -1
+        t.version[slot] += 1
+        if self._references >= self._next_maintenance:
+            self._maintain()
         return slot
 
     # -- CachePolicy -------------------------------------------------------------------------

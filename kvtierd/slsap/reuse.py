@@ -42,6 +42,7 @@ __all__ = [
     "age_bucket",
     "age_bucket_of",
     "block_class",
+    "block_class_of",
 ]
 
 SUB_BUCKETS = 4
@@ -101,6 +102,21 @@ def block_class(count: npt.ArrayLike, tail: npt.ArrayLike, length: npt.ArrayLike
     return np.asarray((freq * TAIL_CLASSES + tail_c) * LENGTH_CLASSES + len_c, dtype=np.int64)
 
 
+_FREQ_LIST: list[int] = _FREQ_LUT.tolist()
+_LENGTH_LIST: list[int] = _LENGTH_LUT.tolist()
+
+
+def block_class_of(count: int, tail: int, length: int) -> int:
+    """:func:`block_class` of one block, without numpy overhead (the per-event path)."""
+    freq = _FREQ_LIST[1 if count < 1 else 16 if count > 16 else count]
+    tail_c = TAIL_CLASSES - 1 if tail < 0 else min(tail, TAIL_CLASSES - 1)
+    if count >= 2:
+        len_c = LENGTH_CLASSES - 1
+    else:
+        len_c = _LENGTH_LIST[0 if length < 0 else 64 if length > 64 else length]
+    return (freq * TAIL_CLASSES + tail_c) * LENGTH_CLASSES + len_c
+
+
 class ReuseModel:
     """Per-class reuse/end histograms and the hit-density table derived from them.
 
@@ -129,6 +145,10 @@ class ReuseModel:
     def record_reuse(self, classes: npt.ArrayLike, ages: npt.ArrayLike) -> None:
         """Blocks of ``classes`` were named again at ``ages``."""
         self._add(self._reuses, classes, ages)
+
+    def record_reuse_of(self, klass: int, age: float) -> None:
+        """:meth:`record_reuse` of one block, without numpy overhead."""
+        self._reuses[klass, age_bucket_of(age)] += 1.0
 
     def record_end(self, classes: npt.ArrayLike, ages: npt.ArrayLike) -> None:
         """Blocks of ``classes`` stopped being tracked at ``ages`` without a reuse (censored)."""
