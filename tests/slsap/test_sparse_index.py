@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvtierd.errors import BlockNotFoundError, ConfigError, InvalidRequestError
-from kvtierd.slsap.sparse import SparseConfig, SparseIndex, summarize_keys
+from kvtierd.slsap.sparse import BlockSummary, SparseConfig, SparseIndex, summarize_keys
 
 DIM, TOKENS = 16, 4
 
@@ -99,7 +99,7 @@ def test_config_validation() -> None:
     with pytest.raises(ConfigError):
         _config(layers=())
     with pytest.raises(ConfigError):
-        _config(sketch_bits=100)
+        _config(shortlist_radius=1.5)
     with pytest.raises(ConfigError):
         _config(candidate_factor=32.0)
     assert SparseConfig.for_model(30, 9, 3, 64).layers == tuple(range(2, 30))
@@ -133,3 +133,27 @@ def test_many_removals_compact_without_losing_blocks() -> None:
     for row in full:
         assert set(row[row >= 0].tolist()) == live
     assert set(index.select(q, 40).blocks().tolist()) <= live
+
+
+def test_blocks_added_after_clustering_are_found_and_selection_is_deterministic() -> None:
+    """Blocks inserted one at a time after the clusters were fitted (the unsorted delta, then
+    merged lists) are pooled like the others; two indices fed the same calls agree exactly."""
+    rng = np.random.default_rng(6)
+    direction = rng.standard_normal(DIM).astype(np.float32)
+    direction /= np.linalg.norm(direction)
+    n, late = 2000, 300
+    boxes = _planted(n + late, {n + 17: direction, n + 250: direction, 700: direction})
+    indices = [SparseIndex(_config()) for _ in range(2)]
+    for index in indices:
+        index.insert_many(np.arange(n), np.arange(n), boxes[:n])
+        for i in range(n, n + late):
+            index.insert(i, i, _summary(boxes[i]))
+    a, b = (index.select(_query(direction), budget_blocks=5) for index in indices)
+    assert np.array_equal(a.block_ids, b.block_ids)
+    for row in a.block_ids:
+        assert set(row[2:].tolist()) == {n + 17, n + 250, 700}
+
+
+def _summary(box: np.ndarray) -> BlockSummary:
+    """A BlockSummary of the 2 indexed layers from a stacked ``[2, 2, 3, DIM]`` box."""
+    return BlockSummary(box[:, :, 0], box[:, :, 1], box[:, :, 2], TOKENS)

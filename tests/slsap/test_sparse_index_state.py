@@ -17,7 +17,6 @@ CONFIG = SparseConfig(
     kv_heads=1,
     head_dim=DIM,
     recent_blocks=2,
-    sketch_bits=64,
     pool_factor=4.0,
     candidate_factor=2.0,
     pool_min_blocks=16,  # the clusters serve from 17 blocks up

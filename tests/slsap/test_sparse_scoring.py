@@ -7,7 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from kvtierd.slsap.sparse.scoring import box_log_mass, group_mass, mean_logit, quest_bound
+from kvtierd.slsap.sparse.scoring import (
+    box_log_mass,
+    box_spread,
+    group_mass,
+    mean_logit,
+    quest_bound,
+)
 
 finite = st.floats(-8, 8, allow_nan=False, width=32)
 
@@ -51,3 +57,18 @@ def test_group_mass_sums_shares_over_heads() -> None:
     np.testing.assert_allclose(mass, [[1 / 3, 1 / 3, 1 + 1 / 3]], rtol=1e-6)
     masked = group_mass(logits, valid=np.array([[True, True, False]]))
     np.testing.assert_allclose(masked, [[1.0, 1.0, 0.0]], rtol=1e-6)
+
+
+def test_box_spread_is_the_estimate_minus_the_bound() -> None:
+    """The index scores candidates as Quest's bound plus ``box_spread`` (many groups at once):
+    the same figure as ``box_log_mass``."""
+    rng = np.random.default_rng(1)
+    keys = rng.standard_normal((2, 5, 4, 16)).astype(np.float32) * 2  # [groups, n, tokens, d]
+    q = rng.standard_normal((2, 3, 16)).astype(np.float32)  # [groups, heads, d]
+    boxes = np.stack([_boxes(k) for k in keys])  # [groups, n, 3, d]
+    radius = (boxes[:, :, 1] - boxes[:, :, 0]) / 2
+    spread = box_spread(np.abs(q) / 4, radius)  # [groups, heads, n]
+    for g in range(2):
+        want = box_log_mass(q[g][None], boxes[g]) - quest_bound(q[g][None], boxes[g])  # [n, h]
+        np.testing.assert_allclose(spread[g].T, want, atol=1e-4)
+    assert np.all(spread <= 0)

@@ -10,7 +10,6 @@ moving for the next step). See ``docs/slsap-sparse.md``.
 from kvtierd.slsap.sparse.config import RerankScore, Selection, SparseConfig
 from kvtierd.slsap.sparse.index import SparseIndex
 from kvtierd.slsap.sparse.ivf import ClusterLists
-from kvtierd.slsap.sparse.lsh import SimHashSketches
 from kvtierd.slsap.sparse.summary import (
     BlockLayout,
     BlockSummary,
@@ -26,7 +25,6 @@ __all__ = [
     "ClusterLists",
     "RerankScore",
     "Selection",
-    "SimHashSketches",
     "SparseConfig",
     "SparseIndex",
     "keys_from_block",

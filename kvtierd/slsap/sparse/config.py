@@ -42,18 +42,20 @@ class SparseConfig:
         sink_blocks: first positions always selected (the attention sink).
         recent_blocks: newest indexed positions always selected (the current, partial block is
             the engine's own and never indexed).
-        sketch_bits: SimHash bits per (block, group) that order the pool (a multiple of 64;
-            ``sketch_bits / 8 * groups`` bytes per block).
         pool_factor: blocks per group the clusters return, as a multiple of the free budget.
-        pool_min_blocks: sequences up to this many blocks skip the tables: the pool is every
-            block (the sketch scan is linear but cheap, and exact where it matters most).
-        candidate_factor: candidates per group kept from the pool by sketch similarity and
-            scored exactly, as a multiple of the free budget.
+        pool_min_blocks: sequences up to this many blocks skip the clusters: the pool is every
+            block (one matrix product over them is cheap, and exact where it matters most).
+        candidate_factor: candidates per group kept from the pool by the shortlist bound and
+            scored with ``score``, as a multiple of the free budget.
+        shortlist_radius: weight of the half-width term in the shortlist bound
+            ``q.c + shortlist_radius * |q|.r`` (1 is Quest's bound; 0.5 follows the box
+            estimate of attention mass more closely, see ``docs/slsap-sparse.md``).
         reserve_factor: extra ranked blocks per group, as a share of the free budget, named for
             the next step's prefetch.
         score: candidate re-rank score.
-        summary_dtype: storage dtype of the boxes (float16 halves memory; scores use float32).
-        seed: seed of the SimHash projections and of k-means.
+        summary_dtype: storage dtype of the mean keys (read by the mean-key baseline only; the
+            boxes are kept as float32 centre and half-width, which the bounds read directly).
+        seed: seed of k-means.
     """
 
     layers: tuple[int, ...]
@@ -62,10 +64,10 @@ class SparseConfig:
     head_dim: int
     sink_blocks: int = 1
     recent_blocks: int = 1
-    sketch_bits: int = 1024
-    pool_factor: float = 16.0
+    pool_factor: float = 8.0
     pool_min_blocks: int = 1024
-    candidate_factor: float = 4.0
+    candidate_factor: float = 2.0
+    shortlist_radius: float = 0.5
     reserve_factor: float = 0.25
     score: RerankScore = RerankScore.BOX_MASS
     summary_dtype: str = "float16"
@@ -86,8 +88,8 @@ class SparseConfig:
             raise ConfigError("reserve_factor must be >= 0")
         if self.pool_min_blocks < 0:
             raise ConfigError("pool_min_blocks must be >= 0")
-        if self.sketch_bits <= 0 or self.sketch_bits % 64:
-            raise ConfigError("sketch_bits must be a positive multiple of 64")
+        if not 0 <= self.shortlist_radius <= 1:
+            raise ConfigError("shortlist_radius must be in [0, 1]")
         if self.summary_dtype not in ("float16", "float32"):
             raise ConfigError(f"summary_dtype must be float16 or float32, not {self.summary_dtype}")
 

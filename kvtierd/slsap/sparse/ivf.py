@@ -19,17 +19,28 @@ the next merge. Slots are small integers owned by :class:`~.index.SparseIndex`.
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ClusterLists"]
+__all__ = ["ClusterLists", "take_rows"]
 
 F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
+B = npt.NDArray[np.bool_]
+T = TypeVar("T", bound=np.generic)
 _ELEMENTS = 1 << 23  # bound on temporaries of the distance computations
 _SPREAD_WEIGHT = 0.5
 _DELTA_MAX = 4096
+_PER_SQRT = 4  # clusters per sqrt(n): finer clusters make a smaller pool hold the answer
+
+
+def take_rows(values: npt.NDArray[T], columns: I64) -> npt.NDArray[T]:
+    """``np.take_along_axis(values, columns, 1)`` for 2-D arrays, in two fast calls."""
+    width = values.shape[1]
+    offsets = np.arange(0, values.shape[0] * width, width, dtype=np.int64)[:, None]
+    return np.take(values.reshape(-1), columns + offsets)
 
 
 class ClusterLists:
@@ -43,8 +54,10 @@ class ClusterLists:
         self._sizes = np.zeros((groups, 0), dtype=np.int64)
         self._assign = np.zeros((0, groups), dtype=np.int64)
         self._live = np.zeros(0, dtype=bool)
+        self._score_t = np.zeros((groups, 2 * dim, 0), dtype=np.float32)
         self._keys = np.zeros(0, dtype=np.uint64)
         self._slots = np.zeros(0, dtype=np.int64)
+        self._offsets = np.zeros(1, dtype=np.int64)
         self._delta: list[int] = []
         self._count = 0
 
@@ -53,13 +66,22 @@ class ClusterLists:
         return self._centroids.shape[1] > 0
 
     def memory_bytes(self) -> int:
-        arrays = (self._centroids, self._spread, self._sizes, self._assign, self._keys, self._slots)
+        arrays = (
+            self._centroids,
+            self._spread,
+            self._score_t,
+            self._sizes,
+            self._assign,
+            self._keys,
+            self._slots,
+            self._offsets,
+        )
         return sum(int(a.nbytes) for a in arrays) + int(self._live.nbytes)
 
     def fit(self, slots: I64, vectors: F32) -> None:
         """Cluster ``vectors`` ``[n, groups, dim]`` of ``slots`` afresh and rebuild the lists."""
         n = len(slots)
-        k = max(1, min(n, math.ceil(2 * math.sqrt(n))))
+        k = max(1, min(n, math.ceil(_PER_SQRT * math.sqrt(n))))
         sample = vectors[self._rng.choice(n, size=min(n, 32 * k), replace=False)]
         centroids = sample[self._rng.choice(len(sample), size=k, replace=False)].transpose(1, 0, 2)
         centroids = np.ascontiguousarray(centroids, dtype=np.float32)
@@ -68,6 +90,8 @@ class ClusterLists:
         self._centroids = centroids
         assign = self._nearest(vectors, centroids)  # [n, groups]
         self._spread = self._member_spread(vectors, assign, k)
+        stacked = np.concatenate([centroids, _SPREAD_WEIGHT * self._spread], axis=2)
+        self._score_t = np.ascontiguousarray(stacked.transpose(0, 2, 1), dtype=np.float32)
         self._live = np.zeros(max(int(slots.max(initial=-1)) + 1, 64), dtype=bool)
         self._assign = np.zeros((len(self._live), self.groups), dtype=np.int64)
         self._sizes = np.zeros((self.groups, k), dtype=np.int64)
@@ -89,33 +113,68 @@ class ClusterLists:
             self._count -= len(slots)
             np.subtract.at(self._sizes, (np.arange(self.groups), self._assign[slots]), 1)
 
-    def pool(self, queries: F32, target: int) -> tuple[I64, I64]:
-        """Members of each group's best clusters, about ``target`` per group: ``(groups,
-        slots)`` sorted by group. ``queries`` is ``[groups, heads, dim]``."""
-        score = np.einsum("ghd,gkd->ghk", queries, self._centroids)
-        score += _SPREAD_WEIGHT * np.einsum("ghd,gkd->ghk", np.abs(queries), self._spread)
-        order = np.argsort(-score.max(axis=1), axis=1)  # [groups, k]
-        sizes = np.take_along_axis(self._sizes, order, axis=1)
-        taken = (np.cumsum(sizes, axis=1) - sizes) < target
+    def pool(self, queries: F32, target: int) -> tuple[I64, B]:
+        """Members of each group's best clusters, at least ``target`` per group where the group
+        has them: ``(slots, valid)``, both ``[groups, width]``, a group's members in the order of
+        their clusters' scores, padded (``valid`` False, slot 0) to the widest group.
+
+        ``queries`` is ``[groups, heads, 2 * dim]``: the scaled query, then its absolute value
+        (the form :meth:`~.index.SparseIndex.select` builds once for its own bound). A cluster's
+        score for a head is ``q.centroid + 0.5 |q|.spread``; each head's scores are taken relative
+        to its best cluster (softmax normalises each head on its own), and a cluster counts with
+        its best head.
+        """
+        groups, k = self.groups, self._centroids.shape[1]
+        score = np.matmul(queries, self._score_t)  # [groups, heads, k]
+        score -= score.max(axis=2, keepdims=True)
+        best = score.max(axis=1)  # [groups, k]
+        # Only the best clusters are needed in order: sort a generous top slice, not all k.
+        mean_size = max(1.0, self._count / (groups * k))
+        head = min(k, 2 * math.ceil(target / mean_size) + 8)
+        if head < k:
+            order = np.argpartition(-best, head - 1, axis=1)[:, :head]
+            order = take_rows(order, np.argsort(-take_rows(best, order), axis=1))
+        else:
+            order = np.argsort(-best, axis=1)
+        sizes = take_rows(self._sizes, order)
+        cum = np.cumsum(sizes, axis=1)
+        if head < k and int(cum[:, -1].min()) < target:  # rare: uneven clusters, sort them all
+            order = np.argsort(-best, axis=1)
+            sizes = np.take_along_axis(self._sizes, order, axis=1)
+            cum = np.cumsum(sizes, axis=1)
+        taken = (cum - sizes) < target
         g, rank = np.nonzero(taken)
-        keys = (g.astype(np.uint64) << np.uint64(32)) | order[g, rank].astype(np.uint64)
-        lo = np.searchsorted(self._keys, keys)
-        hi = np.searchsorted(self._keys, keys + np.uint64(1))
-        lens = hi - lo
-        idx = np.repeat(lo - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+        cluster = order[g, rank]
+        flat = g * k + cluster
+        lo = self._offsets[flat]
+        lens = self._offsets[flat + 1] - lo
+        total = int(lens.sum())
+        idx = np.repeat(lo - np.cumsum(lens) + lens, lens) + np.arange(total)
         found_g, found_s = np.repeat(g, lens), self._slots[idx]
+        counts = np.bincount(found_g, minlength=groups)
         if self._delta:
             d = np.asarray(self._delta, dtype=np.int64)
-            d_keys = (np.arange(self.groups, dtype=np.uint64) << np.uint64(32)) | self._assign[
-                d
-            ].astype(np.uint64)
-            hit_row, hit_g = np.nonzero(np.isin(d_keys, keys))
+            chosen = np.zeros((groups, k), dtype=bool)
+            chosen[g, cluster] = True
+            hit_g, hit_row = np.nonzero(chosen[np.arange(groups), self._assign[d]].T)
+            extra = np.bincount(hit_g, minlength=groups)
             found_g = np.concatenate([found_g, hit_g])
             found_s = np.concatenate([found_s, d[hit_row]])
-        keep = self._live[found_s]
-        found_g, found_s = found_g[keep], found_s[keep]
-        order2 = np.lexsort((found_s, found_g))
-        return found_g[order2].astype(np.int64), found_s[order2].astype(np.int64)
+            before = np.cumsum(counts) - counts
+            rank_in = np.concatenate(
+                [
+                    np.arange(total) - before[found_g[:total]],
+                    counts[hit_g] + np.arange(len(hit_g)) - (np.cumsum(extra) - extra)[hit_g],
+                ]
+            )
+            counts = counts + extra
+        else:
+            rank_in = np.arange(total) - (np.cumsum(counts) - counts)[found_g]
+        slots = np.zeros((groups, int(counts.max(initial=0))), dtype=np.int64)
+        valid = np.zeros(slots.shape, dtype=bool)
+        slots[found_g, rank_in] = found_s
+        valid[found_g, rank_in] = self._live[found_s]
+        return slots, valid
 
     def _insert(self, slots: I64, assign: I64) -> None:
         needed = int(slots.max(initial=-1)) + 1
@@ -143,17 +202,23 @@ class ClusterLists:
         slots = np.concatenate([self._slots[old], np.repeat(fresh, self.groups)])
         order = np.argsort(keys, kind="stable")
         self._keys, self._slots = keys[order], slots[order]
+        k = self._centroids.shape[1]
+        flat = (self._keys >> np.uint64(32)).astype(np.int64) * k + (
+            self._keys & np.uint64(0xFFFFFFFF)
+        ).astype(np.int64)
+        self._offsets = np.r_[0, np.cumsum(np.bincount(flat, minlength=self.groups * k))]
 
     def _nearest(self, vectors: F32, centroids: F32) -> I64:
         """Index ``[n, groups]`` of the nearest centroid (squared Euclidean distance)."""
         n, k = len(vectors), centroids.shape[1]
         out = np.empty((n, self.groups), dtype=np.int64)
-        norms = np.einsum("gkd,gkd->gk", centroids, centroids)
+        norms = np.einsum("gkd,gkd->gk", centroids, centroids)[:, None, :]
+        cent_t = np.ascontiguousarray(centroids.transpose(0, 2, 1))  # [groups, d, k]
         step = max(1, _ELEMENTS // max(1, self.groups * k))
         for lo in range(0, n, step):
-            part = vectors[lo : lo + step].astype(np.float32, copy=False)
-            dist = norms[None] - 2 * np.einsum("ngd,gkd->ngk", part, centroids)
-            out[lo : lo + step] = dist.argmin(axis=2)
+            part = np.ascontiguousarray(vectors[lo : lo + step].transpose(1, 0, 2), np.float32)
+            dist = norms - 2 * np.matmul(part, cent_t)  # [groups, n, k]
+            out[lo : lo + step] = dist.argmin(axis=2).T
         return out
 
     def _cluster_sums(self, vectors: F32, assign: I64, k: int, power: int = 1) -> F32:

@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 __all__ = [
     "box_log_mass",
+    "box_spread",
     "group_mass",
     "mean_logit",
     "quest_bound",
@@ -74,9 +75,38 @@ def box_log_mass(queries: F32, boxes: F32) -> F32:
     best = np.einsum("...hd,...d->...h", q, centre) + np.einsum(
         "...hd,...d->...h", np.abs(q), radius
     )
-    width = np.maximum(np.abs(q) * (2 * radius)[..., None, :], _TINY)
-    spread = np.log(-np.expm1(-width) / width).sum(axis=-1)
+    spread = _log_box_factor(np.abs(q) * (-2 * radius)[..., None, :]).sum(axis=-1)
     return np.asarray(best + spread, dtype=np.float32)
+
+
+def box_spread(abs_queries: F32, radius: F32) -> F32:
+    """The box's correction to Quest's bound in :func:`box_log_mass`, for many candidates of
+    many groups at once: ``sum_d log((1 - e^-w) / w)``, ``w = 2 |q_d| r_d``.
+
+    Args:
+        abs_queries: ``[groups, heads, d]`` absolute values of the *scaled* queries
+            (``|q| / sqrt(d)``), all > 0.
+        radius: ``[groups, n, d]`` half-widths of the candidates' boxes, all > 0 (the caller
+            keeps both away from zero: no width may be 0 here).
+
+    Returns:
+        ``[groups, heads, n]`` float32, all <= 0.
+    """
+    neg_width = radius[:, None, :, :] * (-2 * abs_queries)[:, :, None, :]  # [g, heads, n, d]
+    factor = _log_box_factor(neg_width, clamp=False)
+    # The sum over d as a matrix-vector product: BLAS does it ~4x faster than a reduction.
+    out: F32 = np.matmul(factor, np.ones(factor.shape[-1], dtype=np.float32))
+    return out
+
+
+def _log_box_factor(neg_width: F32, *, clamp: bool = True) -> F32:
+    """``log((1 - e^-w) / w)`` elementwise from ``-w`` (overwritten), stable for every w >= 0
+    (``clamp`` False: the caller guarantees w > 0)."""
+    if clamp:
+        np.minimum(neg_width, -_TINY, out=neg_width)
+    factor = np.expm1(neg_width)
+    factor /= neg_width
+    return np.log(factor, out=factor)
 
 
 def group_mass(logits: F32, valid: npt.NDArray[np.bool_] | None = None) -> F32:
