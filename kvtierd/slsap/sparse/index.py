@@ -1,35 +1,33 @@
 """The sparse-attention block index of one sequence: insert, remove, select, predict.
 
 Theory of operation. A decode step's query attends mostly to a few blocks. For each (layer, KV
-head), called a *group*, the index keeps every block's box (min, max, mean key, see
-:mod:`.summary`), a SimHash sketch of its centred box centre (:mod:`.lsh`) and, once the sequence
-is long, its cluster (:mod:`.ivf`). Selecting for a query runs in four stages, all vectorised over
-the groups:
+head), called a *group*, the index keeps every block's box as float32 centre ``c`` and half-width
+``r`` (from the min and max keys, see :mod:`.summary`), its mean key, and, once the sequence is
+long, its cluster (:mod:`.ivf`). Selecting for a query runs in four stages, all vectorised over
+the groups, on ``[groups, heads, candidates]`` arrays (reductions run along the last axis):
 
 1. **Forced**: the first ``sink_blocks`` positions (attention sinks) and the newest
    ``recent_blocks`` positions are always selected, ahead of everything else.
 2. **Pool** (sub-linear): the members of the query's best k-means clusters, about
    ``pool_factor`` times the free budget per group; a sequence of at most ``pool_min_blocks``
    blocks (or of at most that pool) pools every block.
-3. **Shortlist**: the pool is ordered by Hamming similarity of ``sketch_bits``-bit SimHash
-   sketches of ``centre - mu`` against the query (``mu`` the running mean of the centres: queries
-   and keys live in different places, and centring spreads the keys around the origin, where
-   random hyperplanes resolve angles); ``candidate_factor`` times the free budget are kept.
-4. **Re-rank**: candidates are scored exactly from their boxes (``score``, default the box
-   estimate of attention mass), the query heads of a group are combined by summing their
-   softmax shares, and the best ``budget - forced`` are kept per group, followed by a reserve of
-   the next best for :meth:`SparseIndex.predict_next`.
+3. **Shortlist**: one matrix product of the pooled boxes with the query heads gives
+   ``q.c + shortlist_radius * |q|.r`` (Quest's bound is ``q.c + |q|.r``; half the width term
+   follows the box estimate of attention mass more closely); the ``candidate_factor`` times the
+   free budget with the largest group mass of that score are kept.
+4. **Re-rank**: candidates are scored from their boxes (``score``, default the box estimate of
+   attention mass: Quest's bound plus :func:`~.scoring.box_spread`), the query heads of a group
+   are combined by summing their softmax shares, and the best ``budget - forced`` are kept per
+   group, followed by a reserve of the next best for :meth:`SparseIndex.predict_next`.
 
-Why not hash for the Quest bound directly: it is an inner product ``q.c + |q|.r`` (box centre
-``c``, half-width ``r``), and the MIPS-to-cosine transform (Neyshabur and Srebro, ICML 2015)
-would make it an angle, but the completing coordinate ``sqrt(M^2 - |x|^2)`` dominates every key
-and crushes the angles: on real SmolLM2 keys and on synthetic clusters the candidates were
-barely better than random. ``|q|.r`` is nearly the same for every block; the centre carries the
-ranking. ``mu`` is re-frozen, and every sketch recomputed, each time the index doubles up to
-1,024 blocks; clusters are refitted each time it grows 4x beyond ``pool_min_blocks``.
+The shortlist replaced 1,024-bit SimHash sketches of the centred centres: on the pool, an exact
+product costs less than gathering and popcounting the sketches, and it ranks better, so half as
+many candidates get the expensive score (``docs/slsap-sparse.md``). Boxes are float32 because
+numpy widens float16 at ~1.5 ns an element, more than the product itself.
 
 Block ids are the caller's integers (the daemon's block handles); positions are block indices in
-the sequence (position 0 holds the first ``block_tokens`` tokens).
+the sequence (position 0 holds the first ``block_tokens`` tokens). Everything is deterministic:
+the same calls give the same selections.
 """
 
 from __future__ import annotations
@@ -296,7 +294,7 @@ class SparseIndex:
 
     def _compact(self) -> None:
         """Move the live blocks to slots ``0..n-1`` (slots of removed blocks are not reused
-        until then, so no stale cluster or sketch entry can name a new block)."""
+        until then, so no stale cluster entry can name a new block)."""
         live = np.flatnonzero(self._live[: self._next]).astype(np.int64)
         n = len(live)
         self._boxes[:n], self._means[:n] = self._boxes[live], self._means[live]
