@@ -245,7 +245,7 @@ class BlockStore:
 
         async def one(block: Block) -> None:
             try:
-                await self._make_resident(block)
+                await self._make_resident(block, wait=True)
             except KvtierError as exc:
                 errors.append(exc)
 
@@ -278,7 +278,9 @@ class BlockStore:
             released += 1
         return released
 
-    async def _make_resident(self, block: Block) -> None:
+    async def _make_resident(self, block: Block, *, wait: bool = False) -> None:
+        """Promote ``block`` into DRAM. ``wait``: a demand read, which may wait (up to
+        ``alloc_wait_s``) for write-back to free a slot rather than fail with ENOSPC."""
         while block.loading is not None:
             await block.loading.wait()
         if block.forgotten:
@@ -294,7 +296,7 @@ class BlockStore:
         block.loading = anyio.Event()
         block.pins += 1
         try:
-            slot = await self._allocate_dram(block.ref.raw_bytes)
+            slot = await self._allocate_dram(block.ref.raw_bytes, wait=wait)
             try:
                 await source.load(block.ref, location, self._slot_view(slot))
             except PoolUnavailableError as exc:  # the pool went away: a miss, not an error
