@@ -35,6 +35,12 @@ class BlockLease:
         release_views(self.views)
         release()
 
+    def __enter__(self) -> BlockLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
 
 @dataclass
 class BlockWrite:

@@ -251,14 +251,19 @@ class Namespace(NamespaceBase[Client]):
     def lease(self, keys: Sequence[bytes]) -> Iterator[BlockLease]:
         """Lease the blocks: views and extents (offsets into :meth:`Client.arena_buffer`),
         valid until the ``with`` block ends or ``release()`` is called."""
-        c = self.client
-        leases, extents = c.run(ops.read(self.handle.ns, keys, c.max_keys))
-        views = [c.arena.view(e.offset, e.length) for e in extents]
-        lease = BlockLease(list(keys), extents, views, lambda: c.run(ops.release(leases)))
+        lease = self.acquire(keys)
         try:
             yield lease
         finally:
             lease.release()
+
+    def acquire(self, keys: Sequence[bytes]) -> BlockLease:
+        """:meth:`lease` for a lease that outlives one block of code (an engine that hands the
+        views to another component): call ``release()`` when done, or use it in ``with``."""
+        c = self.client
+        leases, extents = c.run(ops.read(self.handle.ns, keys, c.max_keys))
+        views = [c.arena.view(e.offset, e.length) for e in extents]
+        return BlockLease(list(keys), extents, views, lambda: c.run(ops.release(leases)))
 
     @contextlib.contextmanager
     def write(self, keys: Sequence[bytes]) -> Iterator[BlockWrite]:

@@ -162,6 +162,23 @@ def test_write_in_place_then_lease_without_copies(daemon: DaemonProcess) -> None
         assert client.stats()["leases"] == 0
 
 
+def test_an_acquired_lease_lives_until_released(daemon: DaemonProcess) -> None:
+    with connect(daemon.socket) as client:
+        ns = client.namespace("acq", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 3), 16, ns.key_salt)
+        data = _blocks(3)
+        ns.put(keys, data)
+        leases = [ns.acquire(keys[:2]), ns.acquire(keys[2:])]  # held across calls
+        assert client.stats()["leased_blocks"] == 3
+        assert ns.forget(keys) == 3  # a leased copy stays readable until released
+        assert [bytes(v) for lease in leases for v in lease.views] == [bytes(d) for d in data]
+        leases[0].release()
+        leases[0].release()  # idempotent
+        with leases[1]:  # also a context manager
+            pass
+        assert client.stats()["leases"] == 0
+
+
 def test_a_write_that_raises_is_never_visible(daemon: DaemonProcess) -> None:
     with connect(daemon.socket) as client:
         ns = client.namespace("t", block_bytes=BLOCK)
