@@ -140,8 +140,11 @@ class PoolTier(LowerTier):
                     pipe.hset(self.names.manifest(), mapping=manifest)  # type: ignore[arg-type]
                     pipe.hdel(self.names.intents(), *manifest)
                     await pipe.execute()
+                written = sum(size for _, _, size in stored)
                 self._counters["writes"] += len(stored)
-                self._counters["bytes_written"] += sum(size for _, _, size in stored)
+                self._counters["blocks"] += len(stored)
+                self._counters["bytes_written"] += written
+                self._counters["stored_bytes"] += written
             for reply in replies:
                 if isinstance(reply, BaseException):
                     raise reply
