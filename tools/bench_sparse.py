@@ -10,9 +10,10 @@ one topic, so the right answer is a few hundred blocks out of many. The budget i
 blocks (2K tokens of 16-token blocks), because an engine's HBM budget does not grow with the
 context: that is what makes sub-linear selection possible at all.
 
-Per size: median wall time of ``SparseIndex.select`` (cluster pool -> sketch shortlist -> box
-re-rank) and of the strongest full scan we could write (Quest's bound as two matrix products
-over every block, then ``argpartition``), the overlap of the selection with an exact box
+Per size: median wall time of ``SparseIndex.select`` (cluster pool -> box shortlist -> box
+re-rank) and of the strongest full scan we could write (Quest's bound as one matrix product over
+every block, float32 and dimension-major, then ``argpartition``), timed back to back on the
+same queries, the overlap of the selection with an exact box
 scan's, the build time, and the index's memory. Records section ``sparse_scaling`` of
 ``docs/benchmarks.md`` (table and ``docs/benchmarks/sparse_scaling.png``) with ``--record``.
 """
@@ -253,11 +254,13 @@ def record(result: dict[str, Any]) -> None:
         "",
         f"`python tools/bench_sparse.py --groups {result['groups']} --record`: "
         f"{result['groups']} (layer, KV head) group(s), head_dim 64, 3 query heads each, "
-        f"synthetic boxes, budget {BUDGET} blocks per group; median of {result['repeats']} "
-        "queries, one BLAS thread. "
-        "The full scan is Quest's bound as two matrix products over every block plus argpartition. "
-        "Overlap: share of the selection that an exact box-score scan also selects; mass: "
-        "estimated attention mass of the selection over that of the exact scan's.",
+        f"synthetic boxes, budget {BUDGET} blocks per group; {result['repeats']} queries x "
+        f"{result['rounds']} rounds, select and full scan timed back to back on each query "
+        "(order alternating), medians; speedup: median of the per-query ratios; one BLAS "
+        "thread. The full scan is Quest's bound as one matrix product over every block "
+        "(float32, dimension-major: the fastest layout we found) plus softmax shares and "
+        "argpartition. Overlap: share of the selection that an exact box-score scan also "
+        "selects; mass: estimated attention mass of the selection over that of the exact scan's.",
         "",
         "| blocks | select ms | full scan ms | speedup | growth per 10x | overlap | mass | build s "
         "| insert us | remove us | index MiB |",
