@@ -60,6 +60,7 @@ class ClusterLists:
         self._assign = np.zeros((0, groups), dtype=np.int64)
         self._live = np.zeros(0, dtype=bool)
         self._score_t = np.zeros((groups, 2 * dim, 0), dtype=np.float32)
+        self._prepared = self._prepare(self._centroids)
         self._keys = np.zeros(0, dtype=np.uint64)
         self._slots = np.zeros(0, dtype=np.int64)
         self._offsets = np.zeros(1, dtype=np.int64)
@@ -76,6 +77,7 @@ class ClusterLists:
             self._centroids,
             self._spread,
             self._score_t,
+            self._prepared[1],
             self._sizes,
             self._assign,
             self._keys,
@@ -94,6 +96,7 @@ class ClusterLists:
         for _ in range(self.iterations):
             centroids = self._update(sample, self._nearest(sample, centroids), centroids)
         self._centroids = centroids
+        self._prepared = self._prepare(centroids)
         assign = self._nearest(vectors, centroids)  # [n, groups]
         self._spread = self._member_spread(vectors, assign, k)
         stacked = np.concatenate([centroids, _SPREAD_WEIGHT * self._spread], axis=2)
@@ -108,7 +111,7 @@ class ClusterLists:
     def add(self, slots: I64, vectors: F32) -> None:
         """Put new ``slots`` with ``vectors`` ``[n, groups, dim]`` into their nearest clusters."""
         if self.fitted and len(slots):
-            self._insert(slots, self._nearest(vectors, self._centroids))
+            self._insert(slots, self._nearest(vectors, self._centroids, self._prepared))
 
     def discard(self, slots: I64) -> None:
         """Forget ``slots`` (ignored for slots never added)."""
@@ -223,18 +226,26 @@ class ClusterLists:
         ).astype(np.int64)
         self._offsets = np.r_[0, np.cumsum(np.bincount(flat, minlength=self.groups * k))]
 
-    def _nearest(self, vectors: F32, centroids: F32) -> I64:
-        """Index ``[n, groups]`` of the nearest centroid (squared Euclidean distance)."""
+    def _nearest(
+        self, vectors: F32, centroids: F32, prepared: tuple[F32, F32] | None = None
+    ) -> I64:
+        """Index ``[n, groups]`` of the nearest centroid (squared Euclidean distance);
+        ``prepared``: :meth:`_prepare` of ``centroids``, if kept."""
         n, k = len(vectors), centroids.shape[1]
         out = np.empty((n, self.groups), dtype=np.int64)
-        norms = np.einsum("gkd,gkd->gk", centroids, centroids)[:, None, :]
-        cent_t = np.ascontiguousarray(centroids.transpose(0, 2, 1))  # [groups, d, k]
+        norms, cent_t = prepared or self._prepare(centroids)
         step = max(1, _ELEMENTS // max(1, self.groups * k))
         for lo in range(0, n, step):
             part = np.ascontiguousarray(vectors[lo : lo + step].transpose(1, 0, 2), np.float32)
             dist = norms - 2 * np.matmul(part, cent_t)  # [groups, n, k]
             out[lo : lo + step] = dist.argmin(axis=2).T
         return out
+
+    @staticmethod
+    def _prepare(centroids: F32) -> tuple[F32, F32]:
+        """Squared norms ``[groups, 1, k]`` and the transposed ``[groups, d, k]`` centroids."""
+        norms = np.einsum("gkd,gkd->gk", centroids, centroids)[:, None, :]
+        return norms, np.ascontiguousarray(centroids.transpose(0, 2, 1))
 
     def _cluster_sums(self, vectors: F32, assign: I64, k: int, power: int = 1) -> F32:
         """Per (group, cluster): the sum of members' ``vectors ** power``, ``[groups, k, dim]``."""
