@@ -14,16 +14,26 @@ its model's (:class:`LayoutMismatchError`), so no block is ever read under anoth
 *Keys.* :func:`kvtierd.keys.chain_keys` over the token ids with the namespace's salt: key ``i``
 names the tokens ``[0, (i + 1) * block_tokens)``. Only full blocks get keys.
 
-*Restore with no copy of our own.* READ leases the blocks in the daemon's arena, which this
-process already maps. The adapter views the mapping once as a torch tensor, and each leased
-extent (runs of adjacent extents coalesced) as ``[blocks, 2L, kv_heads, block_tokens,
-head_dim]``. The restored cache's layers (:class:`RestoredLayer`) hold those views as a pending
-prefix; the model's first ``update`` of each layer, during the forward over the uncached
-suffix, allocates the layer's tensor for prefix plus suffix and copies the prefix out of the
-arena and the suffix's new states into it. A resident ``DynamicCache`` makes the same copy
-(``torch.cat``) on the same forward, so restoring from DRAM costs only the LOOKUP and READ round
-trips beyond the forward itself. The lease is held until that forward has returned: a leased
-slot is never evicted or reused.
+*Restore: one copy, into memory prepared beforehand.* READ leases the blocks in the daemon's
+arena, which this process already maps. The adapter views the mapping once as a torch tensor,
+and each leased extent (runs of adjacent extents coalesced) as ``[blocks, 2L, kv_heads,
+block_tokens, head_dim]``, and copies every run, all layers at once, into the prompt's
+:class:`~kvtierd.engines.hf_cache.KvSlab`: a ``[2L, kv_heads, capacity, head_dim]`` tensor
+allocated and pre-faulted ahead (:meth:`HfKvAdapter.reserve`, :meth:`HfKvAdapter.recycle`),
+whose planes the cache's :class:`~kvtierd.engines.hf_cache.SlabLayer` layers view. The forward over
+the uncached suffix then writes its new states in place: no ``torch.cat``, no fresh memory (first
+touch of fresh memory ran at 1-3 GB/s here: a ``DynamicCache`` forward at 8K spent ~0.15 s
+faulting in its new 188 MB cache). Each lease is released as soon as its blocks are copied,
+before the forward.
+
+*Reads overlap the copy.* When some hits are below DRAM, LOOKUP has started promoting all of
+them, and the adapter READs in batches of ``_READ_BATCH_BLOCKS``: while it copies one batch the
+daemon keeps reading the next ones from disk.
+
+*One-token attention.* The adapter switches a model on ``"sdpa"`` attention to
+:mod:`kvtierd.engines.hf_attention` (opt out with ``packed_decode_attention=False``): one-token
+forwards pack each KV head's query heads into one SDPA call (transformers' own ``pack_gqa``),
+several times faster on CPU than SDPA's ``enable_gqa``; prompts are computed as before.
 
 *At least one token is forwarded.* The first generated token needs the logits of the prompt's
 last token, so at most ``len(prompt) - 1`` tokens are restored; when every block of the prompt
@@ -32,8 +42,9 @@ is cached, the last token's K/V is left out of the restore and recomputed.
 *Missing blocks.* LOOKUP answers how many *leading* keys are present, so a block missing in the
 middle of the prefix ends the hit there (a shorter hit, never an error). A block can also vanish
 between LOOKUP and READ (evicted, forgotten, or torn on disk and so refused by the daemon): READ
-then fails with :class:`~kvtierd.errors.BlockNotFoundError` and the adapter looks up again, a
-bounded number of times, then computes the whole prompt.
+then fails with :class:`~kvtierd.errors.BlockNotFoundError`: the blocks copied so far stay, and
+the adapter looks up the rest again, a bounded number of times; what is not restored is
+computed.
 
 *Store.* After the forward the full blocks that were not restored are gathered from the cache
 into layer-major buffers and PUT (two-phase: ALLOC, copy, COMMIT); blocks already stored are
@@ -43,8 +54,8 @@ skipped by the daemon.
 no bfloat16); nothing is ever cast. A cache whose tensors are not in the namespace's dtype is
 refused.
 
-Supported models: decoder-only causal LMs whose every layer is full attention with a
-``DynamicCache`` (Llama, Mistral without sliding window, Qwen2, SmolLM2, ...); batch size 1.
+Supported models: decoder-only causal LMs whose every layer is full attention with
+``DynamicCache`` layers (Llama, Mistral without sliding window, Qwen2, SmolLM2, ...); batch size 1.
 """
 
 from __future__ import annotations
@@ -59,7 +70,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvtierd.client import BlockNotFoundError, Client, Layout, Namespace, chain_keys, ops
-from kvtierd.engines.hf_cache import BlockRun, RestoredLayer, gather_blocks, restored_cache
+from kvtierd.engines.hf_attention import use_packed_decode_attention
+from kvtierd.engines.hf_cache import BlockRun, KvSlab, copy_run, gather_blocks, slab_cache
 from kvtierd.errors import KvtierError
 from kvtierd.protocol.messages import Extent
 
@@ -77,6 +89,11 @@ __all__ = [
 DEFAULT_BLOCK_TOKENS = 64
 #: How many times a prefix whose block vanished after LOOKUP is looked up again.
 _READ_ATTEMPTS = 3
+#: Blocks per READ when some come from below DRAM: LOOKUP has started promoting every hit, and
+#: the copy of one batch into the cache overlaps the disk reads of the next ones.
+_READ_BATCH_BLOCKS = 16
+#: Tokens a prefill's cache holds beyond the prompt before a layer must move (decode steps).
+DEFAULT_HEADROOM_TOKENS = 256
 #: Blocks gathered per PUT: bounds the store buffer (64 MiB for SmolLM2 in fp32).
 _STORE_CHUNK_BLOCKS = 16
 
@@ -149,13 +166,12 @@ class PrefillResult:
 
 
 @dataclass
-class _Leased:
-    """The leased prefix of one prefill (``hits == 0``: nothing leased)."""
+class _Restored:
+    """The restored prefix of one prefill: ``hits`` blocks, ``tokens`` tokens."""
 
     hits: int = 0
+    tokens: int = 0
     tiers: list[str] = field(default_factory=list)
-    leases: list[int] = field(default_factory=list)
-    extents: list[Extent] = field(default_factory=list)
     lookup_s: float = 0.0
     read_s: float = 0.0
     retries: int = 0
@@ -167,8 +183,19 @@ class HfKvAdapter:
     Not thread-safe: one adapter serves one sequence at a time (like the model it wraps).
     """
 
-    def __init__(self, model: Any, namespace: Namespace, *, model_id: str) -> None:
+    def __init__(
+        self,
+        model: Any,
+        namespace: Namespace,
+        *,
+        model_id: str,
+        packed_decode_attention: bool = True,
+    ) -> None:
         """Use ``namespace`` for ``model``'s blocks.
+
+        With ``packed_decode_attention`` a model on ``"sdpa"`` attention is switched to
+        :func:`~kvtierd.engines.hf_attention.packed_decode_sdpa` (one-token forwards several
+        times faster on CPU; prompts unchanged).
 
         Raises:
             LayoutMismatchError: the namespace declares no layout, or one that is not this
@@ -187,11 +214,15 @@ class HfKvAdapter:
                 f"namespace blocks are {namespace.block_bytes} bytes, the model's "
                 f"{_block_bytes(expected)}"
             )
+        if packed_decode_attention:
+            use_packed_decode_attention(model)
         self.model = model
         self.namespace = namespace
         self.layout = expected
         self.dtype: torch.dtype = model.dtype
+        self.headroom_tokens = DEFAULT_HEADROOM_TOKENS
         self._arena: torch.Tensor | None = None
+        self._spare: KvSlab | None = None
         self._store_buffer: torch.Tensor | None = None
 
     @classmethod
@@ -203,13 +234,16 @@ class HfKvAdapter:
         model_id: str,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         tenant: str = "default",
+        packed_decode_attention: bool = True,
     ) -> HfKvAdapter:
         """Open (creating if needed) ``model``'s namespace, named after ``model_id``."""
         layout = model_layout(model, model_id=model_id, block_tokens=block_tokens)
         namespace = client.namespace(
             f"hf/{model_id}"[:255], block_bytes=_block_bytes(layout), layout=layout, tenant=tenant
         )
-        return cls(model, namespace, model_id=model_id)
+        return cls(
+            model, namespace, model_id=model_id, packed_decode_attention=packed_decode_attention
+        )
 
     @property
     def block_tokens(self) -> int:
@@ -223,6 +257,41 @@ class HfKvAdapter:
         """How many leading tokens of ``token_ids`` are cached (a multiple of the block size);
         starts promoting them into DRAM."""
         return self.namespace.lookup(self.keys(token_ids)) * self.block_tokens
+
+    # -- slabs ------------------------------------------------------------------------------
+
+    def reserve(self, tokens: int) -> None:
+        """Prepare (allocate and pre-fault) the K/V memory of a prompt of up to ``tokens``
+        tokens now, so that the next :meth:`prefill` does not pay for first-touching it. What
+        an engine does once at start-up with its KV pool; :meth:`recycle` keeps it going."""
+        capacity = tokens + self.headroom_tokens
+        if self._spare is None or self._spare.capacity < capacity:
+            self._spare = None  # free the smaller one first
+            self._spare = self._new_slab(capacity)
+
+    def recycle(self, cache: DynamicCache) -> None:
+        """Give ``cache``'s memory back for the next :meth:`prefill` (the caller is done with
+        it: it is overwritten). A cache that is not one of this adapter's is ignored."""
+        slab = getattr(cache, "kvtierd_slab", None)
+        layout = self.layout
+        if not isinstance(slab, KvSlab) or not slab.fits(
+            layout.layers, layout.kv_heads, layout.head_dim, self.dtype
+        ):
+            return
+        if self._spare is None or self._spare.capacity < slab.capacity:
+            self._spare = slab
+        cache.layers = []
+
+    def _new_slab(self, capacity: int) -> KvSlab:
+        layout = self.layout
+        return KvSlab(layout.layers, layout.kv_heads, layout.head_dim, capacity, self.dtype)
+
+    def _take_slab(self, tokens: int) -> KvSlab:
+        spare = self._spare
+        if spare is not None and spare.capacity >= tokens:
+            self._spare = None
+            return spare
+        return self._new_slab(tokens + self.headroom_tokens)
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -242,27 +311,21 @@ class HfKvAdapter:
             raise ValueError("a prompt has at least one token")
         started = time.perf_counter()
         usable = self.keys(ids)[: -(-(len(ids) - 1) // self.block_tokens)]
-        leased = self._acquire(usable)
-        cached = min(leased.hits * self.block_tokens, len(ids) - 1)
-        cache: DynamicCache | None = None
-        try:
-            cache = self._restored_cache(leased.extents, cached) if cached else self._empty_cache()
-            t0 = time.perf_counter()
-            logits = self.forward(ids[cached:], cache)
-            forward_s = time.perf_counter() - t0
-        finally:
-            if leased.leases:
-                self._settle(cache)
-                client = self.namespace.client
-                client.run(ops.release(leased.leases))
+        slab = self._take_slab(len(ids))
+        restored = self._restore(usable, slab.planes, len(ids) - 1)
+        cached = restored.tokens
+        cache = slab_cache(self.model.config, slab, cached)
+        t0 = time.perf_counter()
+        logits = self.forward(ids[cached:], cache)
+        forward_s = time.perf_counter() - t0
         ttft_s = time.perf_counter() - started
         by_tier: dict[str, int] = {}
-        for tier in leased.tiers:
+        for tier in restored.tiers:
             by_tier[tier] = by_tier.get(tier, 0) + 1
         stored, store_s = 0, 0.0
         if store:
             t1 = time.perf_counter()
-            stored = self.store(ids, cache, first_block=leased.hits)
+            stored = self.store(ids, cache, first_block=restored.hits)
             store_s = time.perf_counter() - t1
         return PrefillResult(
             logits=logits,
@@ -270,45 +333,88 @@ class HfKvAdapter:
             prompt_tokens=len(ids),
             cached_tokens=cached,
             computed_tokens=len(ids) - cached,
-            hit_blocks=leased.hits,
+            hit_blocks=restored.hits,
             blocks_by_tier=by_tier,
             stored_blocks=stored,
-            lookup_s=leased.lookup_s,
-            read_s=leased.read_s,
+            lookup_s=restored.lookup_s,
+            read_s=restored.read_s,
             forward_s=forward_s,
             ttft_s=ttft_s,
             store_s=store_s,
-            retries=leased.retries,
+            retries=restored.retries,
         )
 
-    def _acquire(self, keys: Sequence[bytes]) -> _Leased:
-        """LOOKUP ``keys`` and lease the hit prefix; a block that vanished after LOOKUP makes
-        it look up again, at most ``_READ_ATTEMPTS`` times in all, then it is a miss."""
+    def _restore(self, keys: Sequence[bytes], planes: torch.Tensor, limit: int) -> _Restored:
+        """LOOKUP ``keys``, then READ the hit prefix in order and copy it into ``planes`` (at
+        most ``limit`` tokens), releasing each lease as soon as its blocks are copied.
+
+        Blocks all in DRAM are read with one READ. Otherwise LOOKUP has started promoting every
+        hit, and READs of ``_READ_BATCH_BLOCKS`` blocks let the copy of one batch overlap the
+        disk reads of the next. A block that vanished after LOOKUP fails its READ: the blocks
+        copied so far stay, the rest is looked up again (``_READ_ATTEMPTS`` times in all).
+        """
         client = self.namespace.client
         ns = self.namespace.handle.ns
-        leased = _Leased()
+        restored = _Restored()
+        done = 0
         for attempt in range(_READ_ATTEMPTS):
-            if not keys:
+            if done >= len(keys):
                 break
             t0 = time.perf_counter()
-            tiers = self.namespace.lookup_tiers(keys)
-            hits = len(tiers)
+            tiers = self.namespace.lookup_tiers(keys[done:])
             t1 = time.perf_counter()
-            leased.lookup_s += t1 - t0
-            if not hits:
+            restored.lookup_s += t1 - t0
+            if not tiers:
                 break
+            restored.tiers = restored.tiers[:done] + tiers
+            total = done + len(tiers)
+            batch = len(tiers) if all(t == "dram" for t in tiers) else _READ_BATCH_BLOCKS
+            failed = False
             try:
-                # The leases stay with the restored cache until its layers copied the prefix
-                # out (Namespace.lease would end them with the ``with`` block).
-                leases, extents = client.run(ops.read(ns, keys[:hits], client.max_keys))
-            except BlockNotFoundError:
-                leased.retries = attempt + 1
-                continue
+                while done < total:
+                    stop = min(done + batch, total)
+                    try:
+                        leases, extents = client.run(ops.read(ns, keys[done:stop], client.max_keys))
+                    except BlockNotFoundError:
+                        failed = True
+                        break
+                    try:
+                        self._copy_in(planes, extents, done, limit)
+                    finally:
+                        client.run(ops.release(leases))
+                    done = stop
             finally:
-                leased.read_s += time.perf_counter() - t1
-            leased.hits, leased.tiers, leased.leases, leased.extents = hits, tiers, leases, extents
-            break
-        return leased
+                restored.read_s += time.perf_counter() - t1
+            if not failed:
+                break
+            restored.retries = attempt + 1
+        restored.hits = done
+        restored.tiers = restored.tiers[:done]
+        restored.tokens = min(done * self.block_tokens, limit)
+        return restored
+
+    def _copy_in(
+        self, planes: torch.Tensor, extents: Sequence[Extent], first_block: int, limit: int
+    ) -> None:
+        """Copy the leased blocks ``first_block ..`` (``extents``) into ``planes``, tokens
+        below ``limit`` only: one strided copy per run of blocks adjacent in the arena."""
+        layout = self.layout
+        bt, block_bytes = self.block_tokens, self.namespace.block_bytes
+        shape = (2 * layout.layers, layout.kv_heads, bt, layout.head_dim)
+        arena = self._arena_tensor()
+        needed = min(len(extents), -(-(limit - first_block * bt) // bt))
+        first = 0
+        while first < needed:
+            last = first + 1
+            while last < needed and extents[last].offset == extents[last - 1].offset + block_bytes:
+                last += 1
+            if any(e.length != block_bytes for e in extents[first:last]):
+                raise LayoutMismatchError("the daemon served a block of another size")
+            offset, count = extents[first].offset, last - first
+            view = arena[offset : offset + count * block_bytes].view(self.dtype).view(count, *shape)
+            start = (first_block + first) * bt
+            copy_run(planes, BlockRun(start, min(count * bt, limit - start), view), bt)
+            first = last
 
     def forward(self, token_ids: Sequence[int], cache: DynamicCache) -> torch.Tensor:
         """Forward ``token_ids`` onto ``cache`` (which grows by them); the last token's logits
@@ -323,9 +429,6 @@ class HfKvAdapter:
         logits: torch.Tensor = out.logits[0, -1]
         return logits
 
-    def _empty_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
-
     def _arena_tensor(self) -> torch.Tensor:
         if self._arena is None:
             buffer = self.namespace.client.arena_buffer()
@@ -334,36 +437,6 @@ class HfKvAdapter:
                 warnings.filterwarnings("ignore", message=".*not writable.*")
                 self._arena = torch.frombuffer(buffer, dtype=torch.uint8)
         return self._arena
-
-    def _restored_cache(self, extents: Sequence[Extent], tokens: int) -> DynamicCache:
-        """A cache whose first ``tokens`` positions are the leased ``extents`` (no copy yet)."""
-        layout = self.layout
-        bt, block_bytes = self.block_tokens, self.namespace.block_bytes
-        shape = (2 * layout.layers, layout.kv_heads, bt, layout.head_dim)
-        arena = self._arena_tensor()
-        runs: list[BlockRun] = []
-        first, needed = 0, -(-tokens // bt)
-        while first < needed:
-            last = first + 1
-            while last < needed and extents[last].offset == extents[last - 1].offset + block_bytes:
-                last += 1
-            if any(e.length != block_bytes for e in extents[first:last]):
-                raise LayoutMismatchError("the daemon served a block of another size")
-            offset, count = extents[first].offset, last - first
-            view = arena[offset : offset + count * block_bytes].view(self.dtype).view(count, *shape)
-            runs.append(BlockRun(first * bt, min(count * bt, tokens - first * bt), view))
-            first = last
-        cache, _ = restored_cache(self.model.config, layout.layers, runs, bt)
-        return cache
-
-    @staticmethod
-    def _settle(cache: DynamicCache | None) -> None:
-        """Before the lease goes: no layer may still point into the arena."""
-        if cache is None:
-            return
-        for layer in cache.layers:
-            if isinstance(layer, RestoredLayer) and layer.pending:
-                layer.discard()
 
     # -- store -------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Moving K/V between transformers' ``DynamicCache`` and kvtierd's layer-major blocks.
+"""Moving K/V between transformers' caches and kvtierd's layer-major blocks.
 
 A block is a C-contiguous ``[2L, kv_heads, block_tokens, head_dim]`` tensor: plane ``2l`` is
 layer ``l``'s K, plane ``2l + 1`` its V. A cache layer is ``[1, kv_heads, tokens, head_dim]``.
@@ -6,16 +6,18 @@ Block ``b`` of a layer is therefore the token slice ``[b * bt, (b + 1) * bt)``; 
 adjacent blocks, seen as ``[kv_heads, n, bt, head_dim]`` (a split of the token dimension, always
 a view), matches the run's plane permuted to heads-first.
 
-Restore direction: :class:`RestoredLayer` keeps the prefix in the leased arena blocks; the first
-layer the forward reaches copies every plane of every run at once (one strided ``copy_`` per
-run: the daemon may scatter blocks over the arena, and a copy per block and plane would cost
-thousands of calls) into one tensor that also has room for the forward's new states.
+The cache the adapter builds is a :class:`KvSlab`: one preallocated, pre-faulted
+``[2L, kv_heads, capacity, head_dim]`` tensor, every layer a :class:`SlabLayer` over two of its
+planes. Restoring copies each leased run of blocks into the slab with one strided ``copy_``
+(every plane at once: the daemon may scatter blocks over the arena, and a copy per block and
+plane would cost thousands of calls); the forward then appends its new states in place, as do
+later decode steps, until the capacity is reached (then the layer moves to a larger buffer).
+Nothing is concatenated and no fresh memory is touched on the way to the first token.
 Store direction: :func:`gather_blocks` copies token ranges of a cache into block order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +25,18 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 __all__ = [
-    "ArenaPrefix",
     "BlockRun",
-    "RestoredLayer",
+    "KvSlab",
+    "SlabLayer",
+    "copy_run",
     "gather_blocks",
     "prefix_cache",
-    "restored_cache",
+    "resident_cache",
+    "slab_cache",
 ]
+
+#: Tokens a layer that outgrows its slab gains beyond what it needs (at least).
+_GROWTH_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -45,39 +52,31 @@ class BlockRun:
     view: torch.Tensor
 
 
-@dataclass
-class ArenaPrefix:
-    """The restored prefix that every :class:`RestoredLayer` of one cache still points into.
+class KvSlab:
+    """The K/V memory of one sequence: ``planes`` ``[2L, kv_heads, capacity, head_dim]``.
 
-    The first layer to need its tensors copies the whole prefix, every plane, out of the arena
-    into one ``[2L, kv_heads, tokens + extra, head_dim]`` tensor (``planes``), one strided copy
-    per run however the daemon placed the blocks; each layer then keeps views of its two
-    planes. ``pending_layers`` counts the layers that still point into the arena: the lease on
-    the blocks may go only when it is 0 (or after :meth:`RestoredLayer.discard`).
+    Allocated once and pre-faulted (every page written), so neither the restore's copy nor the
+    forward touches fresh memory: first touch of anonymous memory runs at 1-3 GB/s on the
+    machines here, several times slower than copying into memory already mapped.
     """
 
-    runs: list[BlockRun]
-    tokens: int
-    block_tokens: int
-    pending_layers: int
-    planes: torch.Tensor | None = None
-    extra: int = 0
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype
+    ) -> None:
+        self.planes = torch.empty((2 * layers, kv_heads, capacity, head_dim), dtype=dtype)
+        self.planes.view(torch.uint8).view(-1)[::4096].zero_()  # one write per page faults it
 
-    def copy_out(self, extra: int) -> torch.Tensor:
-        """``planes``, copied out of the arena on the first call with room for ``extra`` more
-        tokens after the prefix."""
-        if self.planes is None:
-            first = self.runs[0].view
-            count, heads, head_dim = first.shape[1], first.shape[2], first.shape[4]
-            shape = (count, heads, self.tokens + extra, head_dim)
-            planes = torch.empty(shape, dtype=first.dtype)
-            for run in self.runs:
-                _copy_run(planes, run, self.block_tokens)
-            self.planes, self.extra = planes, extra
-        return self.planes
+    @property
+    def capacity(self) -> int:
+        return int(self.planes.shape[2])
+
+    def fits(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+        planes = self.planes
+        shape = (int(planes.shape[0]), int(planes.shape[1]), int(planes.shape[3]))
+        return planes.dtype == dtype and shape == (2 * layers, kv_heads, head_dim)
 
 
-def _copy_run(planes: torch.Tensor, run: BlockRun, bt: int) -> None:
+def copy_run(planes: torch.Tensor, run: BlockRun, bt: int) -> None:
     """Copy ``run`` (``[blocks, 2L, heads, bt, dim]``) into ``planes`` ``[2L, heads, T, dim]``."""
     count, heads, _, head_dim = planes.shape
     full, rest = divmod(run.tokens, bt)
@@ -89,111 +88,92 @@ def _copy_run(planes: torch.Tensor, run: BlockRun, bt: int) -> None:
         planes[:, :, begin : begin + rest, :].copy_(run.view[full, :, :, :rest, :])
 
 
-class RestoredLayer(DynamicLayer):  # type: ignore[no-untyped-call]
-    """A ``DynamicLayer`` whose first ``tokens`` positions still lie in leased arena blocks.
+class SlabLayer(DynamicLayer):  # type: ignore[no-untyped-call]
+    """A ``DynamicLayer`` whose K and V live in preallocated ``[1, kv_heads, capacity,
+    head_dim]`` buffers: ``keys``/``values`` are views of their first ``length`` positions and
+    ``update`` writes the new states after them in place (no ``torch.cat``).
 
-    Its first ``update`` (the forward over the suffix) takes views of its planes in the
-    prefix's copy (:meth:`ArenaPrefix.copy_out`, made by the first layer with room for the new
-    tokens) and writes the new states after the prefix: one copy of the prefix, the same one
-    ``DynamicLayer`` makes with ``torch.cat``. Reading ``keys`` or ``values`` earlier copies the
-    prefix alone. From then on it is a plain ``DynamicLayer``.
+    Anything ``DynamicLayer`` does to ``keys``/``values`` keeps working: a crop leaves a shorter
+    view of the same buffer (appends continue after it); any other tensor assigned to them is
+    moved into a buffer of this layer's own at the next ``update``.
     """
 
-    def __init__(self, prefix: ArenaPrefix, index: int) -> None:
-        self._prefix: ArenaPrefix | None = prefix
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
-        self._index = index
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        first = prefix.runs[0].view
-        self.device = first.device
-        self.dtype = first.dtype
+        self._key_buffer, self._value_buffer = keys, values
+        self.device, self.dtype = keys.device, keys.dtype
         self.is_initialized = True
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
 
-    # ``DynamicLayer`` assigns and reads ``keys``/``values`` as plain attributes.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        if self._prefix is not None:
-            self._materialise(None, None)
-        return self._keys
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        self._keys = value
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        if self._prefix is not None:
-            self._materialise(None, None)
-        return self._values
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        self._values = value
-
-    @property
-    def pending(self) -> bool:
-        """Whether the prefix still lies in the arena (its lease must be held)."""
-        return self._prefix is not None
-
-    def get_seq_length(self) -> int:
-        if self._prefix is not None:
-            return self._prefix.tokens
-        return int(super().get_seq_length())
+    def _length_in_buffer(self) -> int | None:
+        """``keys``' length when ``keys``/``values`` are still prefix views of the buffers."""
+        keys, values = self.keys, self.values
+        if keys is None or values is None or (keys.numel() == 0 and values.numel() == 0):
+            return 0  # (an empty view's data_ptr() is 0)
+        for tensor, buffer in ((keys, self._key_buffer), (values, self._value_buffer)):
+            if (
+                tensor.data_ptr() != buffer.data_ptr()
+                or tensor.stride() != buffer.stride()
+                or tensor.shape[:2] != buffer.shape[:2]
+                or tensor.shape[3] != buffer.shape[3]
+            ):
+                return None
+        return int(keys.shape[2])
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._prefix is None:
+        if key_states.shape[0] != self._key_buffer.shape[0] or key_states.dtype != self.dtype:
             keys, values = super().update(key_states, value_states, *args, **kwargs)
             return keys, values
-        if key_states.shape[0] != 1:
-            raise ValueError("a restored cache holds one sequence (batch size 1)")
-        self._materialise(key_states, value_states)
-        assert self._keys is not None
-        assert self._values is not None
-        return self._keys, self._values
+        length = self._length_in_buffer()
+        new = key_states.shape[-2]
+        capacity = self._key_buffer.shape[2]
+        if length is None or length + new > capacity:
+            self._move(new)
+            length = self._length_in_buffer()
+            assert length is not None
+        end = length + new
+        self._key_buffer[:, :, length:end].copy_(key_states)
+        self._value_buffer[:, :, length:end].copy_(value_states)
+        self.is_initialized = True
+        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+        return self.keys, self.values
 
-    def discard(self) -> None:
-        """Drop the arena prefix without copying it. The layer is left empty and its cache must
-        be thrown away; for when the forward failed and the lease is about to go."""
-        if self._prefix is not None:
-            self._prefix.pending_layers -= 1
-            self._prefix = None
-        self._keys = self._values = None
-        self.is_initialized = False
+    def _move(self, extra: int) -> None:
+        """Into buffers of this layer's own with room for ``extra`` more tokens."""
+        keys, values = self.keys, self.values
+        length = 0 if keys is None else int(keys.shape[2])
+        capacity = length + extra + max(_GROWTH_TOKENS, length // 4)
+        shape = (*self._key_buffer.shape[:2], capacity, self._key_buffer.shape[3])
+        self._key_buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self._value_buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if keys is not None and values is not None and length:
+            self._key_buffer[:, :, :length].copy_(keys)
+            self._value_buffer[:, :, :length].copy_(values)
+        self.keys = self._key_buffer[:, :, :length]
+        self.values = self._value_buffer[:, :, :length]
 
-    def _materialise(self, new_keys: torch.Tensor | None, new_values: torch.Tensor | None) -> None:
-        prefix = self._prefix
-        assert prefix is not None
-        extra = 0 if new_keys is None else new_keys.shape[-2]
-        planes = prefix.copy_out(extra)
-        keys, values = planes[2 * self._index], planes[2 * self._index + 1]
-        tokens = prefix.tokens
-        if prefix.extra == extra:
-            if new_keys is not None and new_values is not None:
-                keys[:, tokens:, :].copy_(new_keys[0])
-                values[:, tokens:, :].copy_(new_values[0])
-            self._keys, self._values = keys[None], values[None]
-        else:  # copied out earlier with another length: the prefix, then the usual append
-            self._keys, self._values = keys[None, :, :tokens], values[None, :, :tokens]
-            if new_keys is not None and new_values is not None:
-                self._keys = torch.cat([self._keys, new_keys], dim=-2)
-                self._values = torch.cat([self._values, new_values], dim=-2)
-        prefix.pending_layers -= 1
-        self._prefix = None
+    def reset(self) -> None:
+        super().reset()
+        self.keys = self._key_buffer[:, :, :0]
+        self.values = self._value_buffer[:, :, :0]
+        self.is_initialized = True
 
 
-def restored_cache(
-    config: Any, layers: int, runs: Sequence[BlockRun], block_tokens: int
-) -> tuple[DynamicCache, ArenaPrefix]:
-    """A ``DynamicCache`` for ``config`` whose layers hold ``runs`` (which must cover
-    ``[0, tokens)`` in order) without copying them yet."""
-    tokens = runs[-1].start + runs[-1].tokens
-    prefix = ArenaPrefix(list(runs), tokens, block_tokens, layers)
+def slab_cache(config: Any, slab: KvSlab, length: int) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose layers are :class:`SlabLayer`\\ s over ``slab``,
+    holding its first ``length`` positions (already written there)."""
+    planes = slab.planes
+    if length > slab.capacity:
+        raise ValueError(f"a slab of {slab.capacity} tokens cannot hold {length}")
     cache = DynamicCache(config=config)
-    cache.layers = [RestoredLayer(prefix, i) for i in range(layers)]
-    return cache, prefix
+    cache.layers = [
+        SlabLayer(planes[2 * i][None], planes[2 * i + 1][None], length)
+        for i in range(planes.shape[0] // 2)
+    ]
+    cache.kvtierd_slab = slab  # type: ignore[attr-defined]
+    return cache
 
 
 def gather_blocks(
@@ -226,8 +206,10 @@ def gather_blocks(
 
 def prefix_cache(config: Any, cache: DynamicCache, tokens: int) -> DynamicCache:
     """A new ``DynamicCache`` holding views of the first ``tokens`` positions of ``cache`` (no
-    copy: the next forward copies them, as it would a cache kept in memory). ``cache`` itself
-    is left as it is. The resident reference that restored caches are measured against."""
+    copy: the next forward concatenates onto them, as a plain ``DynamicCache`` kept in memory
+    does). ``cache`` itself is left as it is. The reference the tests and the fidelity tool
+    compare restored caches against: another cache class than the adapter's, so that equal
+    logits also show that the in-place cache computes exactly what ``DynamicCache`` does."""
     layers: list[Any] = []
     for layer in cache.layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
@@ -242,3 +224,17 @@ def prefix_cache(config: Any, cache: DynamicCache, tokens: int) -> DynamicCache:
     out = DynamicCache(config=config)
     out.layers = layers
     return out
+
+
+def resident_cache(config: Any, cache: DynamicCache, tokens: int, slab: KvSlab) -> DynamicCache:
+    """The first ``tokens`` positions of ``cache`` copied into ``slab``, as the adapter's own
+    kind of cache: what a restore builds, had the prefix been kept in memory all along (the
+    reference of the TTFT limit: the same cache, so the same forward)."""
+    planes = slab.planes
+    for index, layer in enumerate(cache.layers):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise ValueError("the cache has an empty layer")
+        planes[2 * index, :, :tokens].copy_(keys[0, :, :tokens])
+        planes[2 * index + 1, :, :tokens].copy_(values[0, :, :tokens])
+    return slab_cache(config, slab, tokens)

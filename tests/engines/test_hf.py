@@ -232,3 +232,70 @@ def test_prompts_have_the_exact_length_and_follow_ups_extend_them(loaded: Any) -
     )
     with pytest.raises(ValueError, match="document has"):
         document_prompt(tokenizer, TEXT, None, tokens=5000)
+
+
+def test_cache_outgrows_its_slab(adapter: Any, prompt: list[int]) -> None:
+    """Decode steps past the slab's capacity move a layer to a larger buffer, same bits."""
+    from kvtierd.engines.hf_fidelity import compare, greedy_continue
+
+    first = adapter.prefill(prompt)
+    adapter.headroom_tokens = 2
+    restored = adapter.prefill(prompt, store=False)
+    assert restored.cache.kvtierd_slab.capacity == len(prompt) + 2
+    logits, cache = _resident(adapter, first.cache, prompt, len(prompt) - 1)
+    resident = greedy_continue(adapter.model, cache, logits, 6)
+    replay = greedy_continue(
+        adapter.model, restored.cache, restored.logits, 6, forced=resident.tokens
+    )
+    assert compare(resident, replay).bitwise_equal
+    assert restored.cache.get_seq_length() == len(prompt) + 5
+    _assert_same_cache(restored.cache, cache)
+
+
+def test_reserved_and_recycled_slabs_are_reused(adapter: Any, prompt: list[int]) -> None:
+    import torch
+
+    adapter.reserve(len(prompt))
+    spare = adapter._spare
+    first = adapter.prefill(prompt)
+    assert first.cache.kvtierd_slab is spare
+    assert adapter._spare is None
+    adapter.recycle(first.cache)
+    assert adapter._spare is spare
+    again = adapter.prefill(prompt, store=False)  # restored into the recycled slab
+    assert again.cache.kvtierd_slab is spare
+    fresh = adapter.prefill(prompt, store=False)  # into a new one: the same bits
+    assert torch.equal(again.logits, fresh.logits)
+    _assert_same_cache(again.cache, fresh.cache)
+
+
+def test_packed_decode_attention(loaded: Any, prompt: list[int]) -> None:
+    """Prompts compute exactly what transformers' sdpa computes; a one-token step differs only
+    by rounding (transformers' pack_gqa arithmetic instead of SDPA's enable_gqa)."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvtierd.engines.hf_attention import PACKED_SDPA, use_packed_decode_attention
+
+    model = loaded.model
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits
+            token = torch.tensor([[int(logits[0, -1].argmax())]])
+            step = model(input_ids=token, cache=cache, use_cache=True).logits[0, -1]
+        return logits, step
+
+    before = model.config._attn_implementation
+    try:
+        model.set_attn_implementation("sdpa")
+        stock_prompt, stock_step = run()
+        assert use_packed_decode_attention(model)
+        assert model.config._attn_implementation == PACKED_SDPA
+        packed_prompt, packed_step = run()
+        assert torch.equal(packed_prompt, stock_prompt)
+        assert int(packed_step.argmax()) == int(stock_step.argmax())
+        assert float((packed_step.float() - stock_step.float()).abs().max()) < 1.0
+    finally:
+        model.set_attn_implementation(before)
