@@ -171,7 +171,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"SmolLM2-135M-Instruct ({result['dtype']}, lossless blocks of "
         f"{result['block_tokens']} tokens): {result['steps']} greedy tokens continued from the "
         "cache restored cold from the NVMe tier against the same cache kept in memory, same "
-        "computation path (prefix cache + forward of the last prompt token), restored side "
+        "computation path (prefix cache + forward of the last prompt token; the resident side a "
+        "plain `DynamicCache`, the restored side the adapter's in-place cache, both on the "
+        f"model's `{result.get('attn_implementation', 'sdpa')}` attention), restored side "
         "teacher-forced. TV: total variation between the top-20 distributions of each step. "
         "The 8K prompt is 8128 tokens so that the 64 continued tokens stay inside the model's "
         "8192-token context.",
@@ -223,6 +225,7 @@ def main() -> int:
         "dtype": args.dtype,
         "block_tokens": args.block_tokens,
         "steps": args.steps,
+        "attn_implementation": loaded.model.config._attn_implementation,
         **summary(results),
         "results": results,
         "machine": machine(),
