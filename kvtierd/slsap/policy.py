@@ -193,23 +193,26 @@ class SlsapPolicy(CachePolicy):
         if count <= 0 or t.resident_count == 0:
             return chosen
         self._refresh_queue()
+        resident, version, keys = t.resident, t.version, t.keys
+        queue, versions = self._queue, self._queue_versions
         rebuilt = False
         i = self._cursor
         while len(chosen) < count:
-            if i >= len(self._queue):
+            if i >= len(queue):
                 if rebuilt:
                     break
                 self._build_queue()
+                queue, versions = self._queue, self._queue_versions
                 rebuilt, i = True, 0
                 continue
-            slot = self._queue[i]
-            valid = t.resident[slot] and t.version[slot] == self._queue_versions[i]
+            slot = queue[i]
+            valid = resident[slot] and version[slot] == versions[i]
             if not valid or slot in taken:
                 if i == self._cursor and not valid:
                     self._cursor += 1
                 i += 1
                 continue
-            key = t.keys[slot]
+            key = keys[slot]
             if evictable(key):
                 chosen.append(key)
                 taken.add(slot)
@@ -291,17 +294,23 @@ class SlsapPolicy(CachePolicy):
         self._queue_built_at = self._references
 
     def _weakest_density(self) -> float | None:
+        # Called for every admission: locals instead of attribute lookups in the loop.
         t = self._table
         if t.resident_count == 0:
             return None
         self._refresh_queue()
+        resident, version = t.resident, t.version
         for attempt in range(2):
-            while self._cursor < len(self._queue):
-                slot = self._queue[self._cursor]
-                if t.resident[slot] and t.version[slot] == self._queue_versions[self._cursor]:
+            queue, versions, cursor = self._queue, self._queue_versions, self._cursor
+            end = len(queue)
+            while cursor < end:
+                slot = queue[cursor]
+                if resident[slot] and version[slot] == versions[cursor]:
+                    self._cursor = cursor
                     age = self._clock - float(t.last[slot])
                     return self._model.density_of(int(t.klass[slot]), age)
-                self._cursor += 1
+                cursor += 1
+            self._cursor = cursor
             if attempt == 0:
                 self._build_queue()
         return None

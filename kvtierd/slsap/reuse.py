@@ -93,11 +93,14 @@ _LENGTH_LUT[0] = LENGTH_CLASSES - 1
 def block_class(count: npt.ArrayLike, tail: npt.ArrayLike, length: npt.ArrayLike) -> IntArray:
     """The class of blocks named by ``count`` distinct requests, ``tail`` blocks before the end
     of a request of ``length`` blocks. ``tail < 0`` or ``length <= 0`` mean unknown."""
+    # np.minimum/np.maximum rather than np.clip: the same result without clip's Python-level
+    # wrapper, which costs more than the work on the short arrays of one request.
     c = np.asarray(count, dtype=np.int64)
-    freq = _FREQ_LUT[np.clip(c, 1, 16)]
+    freq = _FREQ_LUT[np.minimum(np.maximum(c, 1), 16)]
     t = np.asarray(tail, dtype=np.int64)
     tail_c = np.where(t < 0, TAIL_CLASSES - 1, np.minimum(t, TAIL_CLASSES - 1))
-    len_c = _LENGTH_LUT[np.clip(np.asarray(length, dtype=np.int64), 0, 64)]
+    length_a = np.asarray(length, dtype=np.int64)
+    len_c = _LENGTH_LUT[np.minimum(np.maximum(length_a, 0), 64)]
     len_c = np.where(c >= 2, LENGTH_CLASSES - 1, len_c)
     return np.asarray((freq * TAIL_CLASSES + tail_c) * LENGTH_CLASSES + len_c, dtype=np.int64)
 
