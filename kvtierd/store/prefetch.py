@@ -121,6 +121,8 @@ class Prefetcher:
         store = self._store
         while True:
             await anyio.sleep(_TICK_S)
+            store.dram_policy.new_period()
+            store.lower_policy.new_period()
             await store.dram_policy.flush_gradually()
             await store.lower_policy.flush_gradually()
             if self.bandwidth_bytes_s and store.lower is not None and not store.demand_promotions:

@@ -38,7 +38,7 @@ class ReuseCandidates(Protocol):
 
 
 _MAX_DEFERRED = 65536
-#: Request chains queued between two flushes (one flush per 100 ms): about 320 LOOKUPs/s are
+#: Request chains admitted per period (the prefetcher's 100 ms tick): about 320 LOOKUPs/s are
 #: modelled in full, far above an engine's request rate; beyond that, chains are sampled.
 _MAX_PENDING_REQUESTS = 32
 
@@ -83,10 +83,17 @@ class TierPolicy:
                 journal.popleft()()
             await anyio.lowlevel.checkpoint()
 
+    def new_period(self) -> None:
+        """Start a sampling period: :data:`_MAX_PENDING_REQUESTS` more chains may be queued.
+        (Counting chains until they are *applied* instead bounded only the queue, not the rate:
+        under a LOOKUP storm the flusher drained and refilled it without pause, a third of the
+        daemon's CPU.)"""
+        self._pending_requests = 0
+
     def observe_request(self, ids: Sequence[Hashable], now: float, request_id: int) -> None:
         """Queue a request's chain for the model. Under a LOOKUP storm (more than
-        :data:`_MAX_PENDING_REQUESTS` between two flushes) further chains are sampled out:
-        they only teach the model, and bookkeeping must not become the daemon's bottleneck."""
+        :data:`_MAX_PENDING_REQUESTS` in one period) further chains are sampled out: they only
+        teach the model, and bookkeeping must not become the daemon's bottleneck."""
         if self._observer is None:  # isinstance on a Protocol costs ~20 us: checked once
             return
         if self._pending_requests >= _MAX_PENDING_REQUESTS:
@@ -101,7 +108,6 @@ class TierPolicy:
         return self._observer is not None and self._pending_requests < _MAX_PENDING_REQUESTS
 
     def _observe(self, ids: Sequence[Hashable], now: float, request_id: int) -> None:
-        self._pending_requests -= 1
         if self._observer is not None:
             self._observer.observe_request(ids, now, request_id)
 
