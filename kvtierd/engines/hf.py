@@ -21,9 +21,9 @@ block_tokens, head_dim]``, and copies every run, all layers at once, into the pr
 :class:`~kvtierd.engines.hf_cache.KvSlab`: a ``[2L, kv_heads, capacity, head_dim]`` tensor
 allocated and pre-faulted ahead (:meth:`HfKvAdapter.reserve`, :meth:`HfKvAdapter.recycle`),
 whose planes the cache's :class:`~kvtierd.engines.hf_cache.SlabLayer` layers view. The forward over
-the uncached suffix then writes its new states in place: no ``torch.cat``, no fresh memory (first
-touch of fresh memory ran at 1-3 GB/s here: a ``DynamicCache`` forward at 8K spent ~0.15 s
-faulting in its new 188 MB cache). Each lease is released as soon as its blocks are copied,
+the uncached suffix then writes its new states in place: no ``torch.cat``, no fresh memory (on
+the shared machines here copying 188 MB into fresh memory took 0.23-0.29 s under load, into
+pre-faulted memory 0.05 s). Each lease is released as soon as its blocks are copied,
 before the forward.
 
 *Reads overlap the copy.* When some hits are below DRAM, LOOKUP has started promoting all of
