@@ -107,7 +107,11 @@ class LengthRun:
         self.prompt = prompt
         self.args = args
         self.adapter = HfKvAdapter.open(
-            client, loaded.model, model_id=MODEL_ID, block_tokens=args.block_tokens
+            client,
+            loaded.model,
+            model_id=MODEL_ID,
+            block_tokens=args.block_tokens,
+            packed_decode_attention=not getattr(args, "stock_attention", False),
         )
         self.keys = self.adapter.keys(prompt)
         self.times: dict[str, list[float]] = {}
@@ -326,6 +330,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5, help="runs of the DRAM and NVMe cases")
     parser.add_argument("--partial-runs", type=int, default=3)
     parser.add_argument("--recompute-runs", type=int, default=3)
+    parser.add_argument(
+        "--stock-attention",
+        action="store_true",
+        help="keep transformers' sdpa for one-token steps (default: the adapter's packed "
+        "decode attention, opted into here as an engine would use its fastest decode kernel)",
+    )
     args = parser.parse_args()
     reason = check_inputs(args.data)
     if reason is not None:

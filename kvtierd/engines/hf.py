@@ -30,10 +30,12 @@ before the forward.
 them, and the adapter READs in batches of ``_READ_BATCH_BLOCKS``: while it copies one batch the
 daemon keeps reading the next ones from disk.
 
-*One-token attention.* The adapter switches a model on ``"sdpa"`` attention to
-:mod:`kvtierd.engines.hf_attention` (opt out with ``packed_decode_attention=False``): one-token
-forwards pack each KV head's query heads into one SDPA call (transformers' own ``pack_gqa``),
-several times faster on CPU than SDPA's ``enable_gqa``; prompts are computed as before.
+*One-token attention* (opt-in, ``packed_decode_attention=True``): a model on ``"sdpa"``
+attention is switched to :mod:`kvtierd.engines.hf_attention`, whose one-token forwards pack each
+KV head's query heads into one SDPA call (transformers' own ``pack_gqa``), several times faster
+on CPU than SDPA's ``enable_gqa``; prompts are computed as before. Off by default: its rounding
+differs from stock attention, and a library must not change its caller's model numerics
+unasked.
 
 *At least one token is forwarded.* The first generated token needs the logits of the prompt's
 last token, so at most ``len(prompt) - 1`` tokens are restored; when every block of the prompt
@@ -189,13 +191,13 @@ class HfKvAdapter:
         namespace: Namespace,
         *,
         model_id: str,
-        packed_decode_attention: bool = True,
+        packed_decode_attention: bool = False,
     ) -> None:
         """Use ``namespace`` for ``model``'s blocks.
 
-        With ``packed_decode_attention`` a model on ``"sdpa"`` attention is switched to
-        :func:`~kvtierd.engines.hf_attention.packed_decode_sdpa` (one-token forwards several
-        times faster on CPU; prompts unchanged).
+        With ``packed_decode_attention`` (off by default) a model on ``"sdpa"`` attention is
+        switched to :func:`~kvtierd.engines.hf_attention.packed_decode_sdpa` (one-token forwards
+        several times faster on CPU, prompts unchanged, decode rounding not stock's).
 
         Raises:
             LayoutMismatchError: the namespace declares no layout, or one that is not this
@@ -234,7 +236,7 @@ class HfKvAdapter:
         model_id: str,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         tenant: str = "default",
-        packed_decode_attention: bool = True,
+        packed_decode_attention: bool = False,
     ) -> HfKvAdapter:
         """Open (creating if needed) ``model``'s namespace, named after ``model_id``."""
         layout = model_layout(model, model_id=model_id, block_tokens=block_tokens)
