@@ -26,7 +26,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvtierd.config import PoolConfig
-from kvtierd.errors import StorageIOError
+from kvtierd.errors import KvtierError, StorageIOError
 
 __all__ = [
     "PoolUnavailableError",
@@ -118,7 +118,7 @@ def _client_kwargs(config: PoolConfig) -> dict[str, Any]:
 
 def describe_failure(exc: BaseException) -> str:
     """A log-safe reason for a failed pool operation."""
-    if isinstance(exc, PoolUnavailableError):
+    if isinstance(exc, KvtierError):  # ours carry a log-safe message already
         return str(exc)
     if isinstance(exc, redis.exceptions.AuthenticationError | redis.exceptions.NoPermissionError):
         return f"authentication refused ({type(exc).__name__})"

@@ -35,14 +35,15 @@ import random
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeAlias, TypeVar
+from typing import TypeVar
 
 import anyio
 import redis.asyncio
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
-from kvtierd.errors import ConfigError, KvtierError, RemoteProtocolError, TimedOutError
+from kvtierd.errors import ConfigError, RemoteProtocolError, TimedOutError
+from kvtierd.pool.connect import RedisLike, describe_failure
 from kvtierd.pool.consensus import (
     FORMAT_VERSION,
     Adopt,
@@ -68,8 +69,6 @@ __all__ = ["GroupMembership", "GroupState", "GroupStatus", "RedisLike"]
 
 log = logging.getLogger("kvtierd.pool")
 
-RedisLike: TypeAlias = "redis.asyncio.Redis | RedisCluster"
-
 _T = TypeVar("_T")
 
 #: Proposal, decision and counters outlive any round; a day after a group's last round they go.
@@ -82,14 +81,6 @@ class _PoolLost(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def _describe(exc: BaseException) -> str:
-    """A log-safe one-line reason: our errors carry one; others give their type and first line."""
-    if isinstance(exc, KvtierError):
-        return str(exc)
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _as_bytes(value: bytes | str) -> bytes:
@@ -229,7 +220,7 @@ class GroupMembership:
             try:
                 return await self._connect()
             except Exception as exc:  # the caller's factory: any failure means "try again later"
-                self._lose(f"pool unreachable: {_describe(exc)}")
+                self._lose(f"pool unreachable: {describe_failure(exc)}")
             await anyio.sleep(self._delay(attempt))
             attempt = min(attempt + 1, 32)
 
@@ -250,7 +241,7 @@ class GroupMembership:
                 f"pool unreachable: no reply within {self.op_timeout_s:.1f} s"
             ) from None
         except (redis.exceptions.RedisError, OSError) as exc:
-            raise _PoolLost(f"pool unreachable: {_describe(exc)}") from None
+            raise _PoolLost(f"pool unreachable: {describe_failure(exc)}") from None
 
     async def _run_id(self, client: RedisLike) -> str:
         """The run id of the server holding the group's slot: it changes when that server
@@ -441,7 +432,7 @@ class GroupMembership:
         except TimeoutError:
             return f"pool probe did not finish within {limit_s:.1f} s"
         except Exception as exc:  # the caller's probe: any failure is a reason to vote no
-            return _describe(exc)
+            return describe_failure(exc)
         return None
 
     def _adopt(self, decision: Decision) -> None:
