@@ -201,11 +201,17 @@ class BlockStore:
         return started
 
     async def _prefetch_one(self, block: Block) -> None:
+        limit = self._promote_limit
+        try:  # acquire() yields to the loop even when a token is free: try without first
+            limit.acquire_nowait()
+        except anyio.WouldBlock:
+            await limit.acquire()
         try:
-            async with self._promote_limit:
-                await self._make_resident(block)
+            await self._make_resident(block)
         except KvtierError as exc:
             log.debug("prefetch of a block failed: %s", exc)
+        finally:
+            limit.release()
 
     async def read(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease:
         """Make every block of ``keys`` resident, lease them to ``owner``."""
@@ -241,6 +247,9 @@ class BlockStore:
 
     async def _make_all_resident(self, blocks: list[Block]) -> None:
         """Promote concurrently (the disk wants queue depth); raise the first failure."""
+        if len(blocks) == 1:  # no task group for one block: the common small READ
+            await self._make_resident(blocks[0], wait=True)
+            return
         errors: list[KvtierError] = []
 
         async def one(block: Block) -> None:
