@@ -53,7 +53,17 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": _git_commit(),
+        # the arena's page size follows it (docs/operations.md, huge pages)
+        "shmem_thp": _shmem_thp(),
     }
+
+
+def _shmem_thp() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        return "unknown"
+    return next((w.strip("[]") for w in text.split() if w.startswith("[")), "unknown")
 
 
 def _git_commit() -> str:
@@ -104,6 +114,6 @@ def record(name: str, markdown: str, result: dict[str, Any]) -> Path:
 def machine_line(info: dict[str, Any]) -> str:
     return (
         f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "
-        f"kernel {info['kernel']}, Python {info['python']}; "
-        f"{info['date']}, commit {info['commit']}."
+        f"kernel {info['kernel']}, Python {info['python']}, "
+        f"shmem THP {info.get('shmem_thp', 'unknown')}; {info['date']}, commit {info['commit']}."
     )
