@@ -221,8 +221,9 @@ class PoolConfig(_Section):
 
     def digest(self) -> str:
         """What every rank of the group must agree on, hashed (no secrets, no local paths)."""
+        # Not the url: two hosts may name one pool differently (an address, a name). Ranks on
+        # different pools never vote together anyway: the proposal lives in the leader's pool.
         shared = [
-            self.url.lower().rstrip("/"),
             self.cluster,
             self.tls,
             self.compress,

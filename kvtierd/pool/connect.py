@@ -29,6 +29,7 @@ from kvtierd.config import PoolConfig
 from kvtierd.errors import KvtierError, StorageIOError
 
 __all__ = [
+    "POOL_ERRORS",
     "PoolUnavailableError",
     "RedisLike",
     "connect_pool",
@@ -39,6 +40,15 @@ __all__ = [
 ]
 
 RedisLike: TypeAlias = "aioredis.Redis | RedisCluster"
+
+#: What a pool operation may raise. ``RedisClusterException`` (and its ``SlotNotCoveredError``)
+#: is not a ``RedisError``: a cluster client re-initialising against a cluster that is down
+#: raises it, and it must never escape into the daemon's task group.
+POOL_ERRORS: tuple[type[BaseException], ...] = (
+    redis.exceptions.RedisError,
+    redis.exceptions.RedisClusterException,
+    OSError,
+)
 
 #: hiredis reads a reply in pieces of this size: KV blocks are megabytes, so read big pieces.
 _READ_BYTES = 1 << 20
@@ -141,7 +151,12 @@ async def connect_pool(config: PoolConfig) -> RedisLike:
     client: RedisLike
     try:
         client = RedisCluster(**kwargs) if config.cluster else aioredis.Redis(**kwargs)
-    except (redis.exceptions.RedisError, OSError, ValueError) as exc:
+    except (
+        redis.exceptions.RedisError,
+        redis.exceptions.RedisClusterException,
+        OSError,
+        ValueError,
+    ) as exc:
         raise PoolUnavailableError(
             f"pool {pool_address(config)}: {describe_failure(exc)}"
         ) from None
@@ -149,7 +164,7 @@ async def connect_pool(config: PoolConfig) -> RedisLike:
         if isinstance(client, RedisCluster):
             await client.initialize()
         await client.ping()
-    except (redis.exceptions.RedisError, OSError) as exc:
+    except POOL_ERRORS as exc:
         await client.aclose()
         raise PoolUnavailableError(
             f"pool {pool_address(config)} unreachable: {describe_failure(exc)}"
@@ -165,7 +180,7 @@ async def probe(client: RedisLike, config: PoolConfig) -> None:
         await client.set(key, value, px=30_000)
         seen = await client.get(key)
         await client.delete(key)
-    except (redis.exceptions.RedisError, OSError) as exc:
+    except POOL_ERRORS as exc:
         raise PoolUnavailableError(f"pool probe failed: {describe_failure(exc)}") from None
     if seen != value:
         raise PoolUnavailableError("pool probe read back different bytes than it wrote")

@@ -38,12 +38,10 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import anyio
-import redis.asyncio
-import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
 from kvtierd.errors import ConfigError, RemoteProtocolError, TimedOutError
-from kvtierd.pool.connect import RedisLike, describe_failure
+from kvtierd.pool.connect import POOL_ERRORS, RedisLike, describe_failure
 from kvtierd.pool.consensus import (
     FORMAT_VERSION,
     Adopt,
@@ -228,7 +226,7 @@ class GroupMembership:
         try:
             with anyio.move_on_after(self.op_timeout_s):
                 await client.aclose()
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except POOL_ERRORS as exc:
             log.debug("group %s: closing the pool client failed: %s", self.group_id, exc)
 
     async def _pool(self, op: Awaitable[_T]) -> _T:
@@ -240,14 +238,17 @@ class GroupMembership:
             raise _PoolLost(
                 f"pool unreachable: no reply within {self.op_timeout_s:.1f} s"
             ) from None
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except POOL_ERRORS as exc:
             raise _PoolLost(f"pool unreachable: {describe_failure(exc)}") from None
 
     async def _run_id(self, client: RedisLike) -> str:
         """The run id of the server holding the group's slot: it changes when that server
         restarts (or, in a cluster, when another node takes the slot over)."""
         if isinstance(client, RedisCluster):
-            node = client.get_node_from_key(self._keys.epoch)
+            try:  # synchronous, and raises SlotNotCoveredError while the cluster is down
+                node = client.get_node_from_key(self._keys.epoch)
+            except POOL_ERRORS as exc:
+                raise _PoolLost(f"pool unreachable: {describe_failure(exc)}") from None
             info = await self._pool(client.info("server", target_nodes=node))
         else:
             info = await self._pool(client.info("server"))

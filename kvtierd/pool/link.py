@@ -76,6 +76,9 @@ class PoolLink:
         self.pending_bytes = 0
         #: Blocks a writer took from ``pending`` and is writing now (FSYNC waits for them too).
         self.in_flight = 0
+        self._in_flight_blocks: list[Block] = []
+        #: ids FORGET dropped while a restore runs (it must not index them again)
+        self._restore_forgets: set[tuple[bytes, bytes]] | None = None
         self.unreached: list[tuple[bytes, bytes]] = []
         self.restored = 0
         self.counters = dict.fromkeys(
@@ -159,8 +162,11 @@ class PoolLink:
         self._kick()
 
     def _queue(self, block: Block) -> None:
-        if block.id in self.pending or block.pool is not None:
+        queued = self.pending.get(block.id)
+        if queued is block or block.pool is not None or block.forgotten:
             return
+        if queued is not None:  # a forgotten block's entry: the key was committed again
+            self._unqueue(queued)
         if self.pending_bytes + block.ref.raw_bytes > self.config.writeback_bytes:
             self.counters["skipped"] += 1
             return
@@ -178,6 +184,7 @@ class PoolLink:
                 continue
             batch = self._take_batch()
             self.in_flight += len(batch)
+            self._in_flight_blocks.extend(batch)
             try:
                 await self.tier.note_intents([b.ref for b in batch])
                 await self._write(batch)
@@ -185,18 +192,20 @@ class PoolLink:
                 self.counters["write_failures"] += 1
                 self.counters["skipped"] += len(batch)
                 log.warning("%s: %d block(s) stay local", exc, len(batch))
-            except PoolUnavailableError as exc:
+            except KvtierError as exc:  # unreachable, or a refusal that may pass: retry
                 self.counters["write_failures"] += 1
                 log.warning("pool write-back paused: %s", exc)
                 for block in batch:
                     if not block.forgotten:
                         self._queue(block)
                 self.in_flight -= len(batch)  # back in ``pending``: no longer on its way
+                self._in_flight_blocks = [b for b in self._in_flight_blocks if b not in batch]
                 batch = []
                 with anyio.move_on_after(1.0):
                     await self._wake.wait()
             finally:
                 self.in_flight -= len(batch)
+                self._in_flight_blocks = [b for b in self._in_flight_blocks if b not in batch]
                 self._kick()
 
     def _take_batch(self) -> list[Block]:
@@ -213,39 +222,79 @@ class PoolLink:
         return batch
 
     async def _write(self, blocks: list[Block]) -> None:
-        """Write ``blocks`` (made resident and pinned meanwhile) with their manifest entries."""
+        """Write ``blocks`` (made resident and pinned meanwhile) with their manifest entries.
+        Raises the pool's first refusal after recording what did land."""
         unknown = {b.ns.digest: b.ns.spec for b in blocks if b.ns.digest not in self._published}
         if unknown:  # a wiped host must learn the namespace before it can index the blocks
             await self.tier.publish_namespaces(unknown)
             self._published.update(unknown)
         pinned: list[Block] = []
+        later: list[Block] = []
+        error: KvtierError | None = None
         try:
             values = []
             for block in blocks:
-                if not await self.store.pin_resident(block):
-                    self.counters["lost"] += 1
+                try:
+                    if not await self.store.pin_resident(block):
+                        self.counters["lost"] += 1  # no copy left anywhere
+                        continue
+                except KvtierError:  # no DRAM slot free now, or the disk failed: later
+                    later.append(block)
                     continue
                 pinned.append(block)
                 values.append(
                     (block.ref, await self.tier.encode(block.ref, self.store.view(block)))
                 )
-            locations = await self.tier.store_many(values) if values else []
+            locations, error = await self.tier.store_many(values) if values else ([], None)
         finally:
             for block in pinned:
                 self.store.unpin(block)
         for block, location in zip(pinned, locations, strict=True):
-            if block.forgotten:
+            if location is None:
+                continue
+            if block.forgotten:  # FORGET ran during the write: take the copy back out
+                if self.store.block_by_id(*block.id) is None:
+                    await self._delete_quietly(location)
                 continue
             block.pool = location
             self.counters["written"] += 1
+        for block in later:
+            self._queue(block)
+        if error is not None:
+            raise error
 
-    async def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait until nothing committed so far waits for the pool; ``False`` when the group is
-        detached (the blocks wait for the next attach) or ``timeout_s`` passed."""
+    async def _delete_quietly(self, location: bytes) -> None:
+        try:
+            await self.tier.discard(location)
+        except KvtierError as exc:
+            log.warning("a block forgotten during its pool write stays in the pool: %s", exc)
+
+    def forgotten(self, block: Block) -> None:
+        """FORGET dropped ``block``: a restore running now must not index it again."""
+        if self.pending.get(block.id) is block:
+            self._unqueue(block)
+        if self._restore_forgets is not None:
+            self._restore_forgets.add(block.id)
+
+    async def drain(self, timeout_s: float | None = None, *, up_to_seq: int | None = None) -> bool:
+        """Wait until no block committed up to ``up_to_seq`` (all, by default) waits for the
+        pool; ``False`` when the group detached (the blocks wait for the next attach), the
+        writers made no progress for ``stall_s`` (a pool that refuses every write must not stall
+        FSYNC), or ``timeout_s`` passed."""
+        stall_s = 2 * self.config.timeout_s + 2.0
+
+        def waiting() -> bool:
+            blocks = [*self.pending.values(), *self._in_flight_blocks]
+            return any(up_to_seq is None or b.ref.seq <= up_to_seq for b in blocks)
+
         with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
-            while (self.pending or self.in_flight) and self.attached:
-                await self._progress.wait()
-        return not self.pending and not self.in_flight
+            while waiting() and self.attached:
+                with anyio.move_on_after(stall_s) as stalled:
+                    await self._progress.wait()
+                if stalled.cancelled_caught:
+                    log.warning("the pool takes no writes: FSYNC returns the local guarantee")
+                    break
+        return not waiting()
 
     # -- restore -----------------------------------------------------------------------------
 
@@ -254,6 +303,8 @@ class PoolLink:
             await self.restore()
         except KvtierError as exc:
             log.warning("restore from the pool interrupted: %s (retried at the next attach)", exc)
+        except Exception:  # a background task: log it, never take the daemon down
+            log.exception("restore from the pool failed (retried at the next attach)")
         finally:
             self.settled.set()
 
@@ -270,14 +321,27 @@ class PoolLink:
         restored = 0
         in_pool: set[bytes] = set()
         listed_bytes = 0
-        async for ref, location in self.tier.manifest():
-            in_pool.add(ref.ns_digest + ref.key)
-            listed_bytes += ref.raw_bytes
-            if self.store.adopt_pool_copy(ref, location):
-                restored += 1
-            if len(in_pool) % 1024 == 0:
-                await anyio.lowlevel.checkpoint()
+        forgets: set[tuple[bytes, bytes]] = set()
+        self._restore_forgets = forgets
+        try:
+            async for ref, location in self.tier.manifest():
+                in_pool.add(ref.ns_digest + ref.key)
+                listed_bytes += ref.raw_bytes
+                # a page of the manifest is read ahead: skip what FORGET dropped since
+                forgotten = (ref.ns_digest, ref.key) in forgets
+                if not forgotten and self.store.adopt_pool_copy(ref, location):
+                    restored += 1
+                if len(in_pool) % 1024 == 0:
+                    await anyio.lowlevel.checkpoint()
+        finally:
+            self._restore_forgets = None
         self.tier.note_blocks(len(in_pool), listed_bytes)
+        # A pool that lost its data (no persistence): local blocks whose copy is gone there go
+        # back to the backlog instead of pointing at nothing.
+        for indexed in self.store.index.blocks():
+            if indexed.pool is not None and indexed.ns.digest + indexed.key not in in_pool:
+                self.store.drop_pool_copy(indexed)
+                self._queue(indexed)
         unreached: list[tuple[bytes, bytes]] = []
         stale: list[bytes] = []
         for ns_digest, key in await self.tier.intents():

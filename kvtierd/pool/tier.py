@@ -23,8 +23,8 @@ import zstandard
 from redis.typing import EncodableT, FieldT
 
 from kvtierd.config import PoolConfig
-from kvtierd.errors import BlockNotFoundError
-from kvtierd.pool.connect import PoolUnavailableError, RedisLike, describe_failure
+from kvtierd.errors import BlockNotFoundError, KvtierError
+from kvtierd.pool.connect import POOL_ERRORS, PoolUnavailableError, RedisLike, describe_failure
 from kvtierd.pool.values import (
     CorruptValue,
     ManifestEntry,
@@ -107,13 +107,22 @@ class PoolTier(LowerTier):
         return encode_header(ref, ref.raw_bytes, False) + raw
 
     async def store(self, ref: BlockRef, payload: memoryview) -> Hashable:
-        (location,) = await self.store_many([(ref, await self.encode(ref, payload))])
+        (location,), error = await self.store_many([(ref, await self.encode(ref, payload))])
+        if error is not None:
+            raise error
+        assert location is not None
         return location
 
-    async def store_many(self, values: Sequence[tuple[BlockRef, bytes]]) -> list[bytes]:
-        """Write encoded blocks, then the manifest entries of the values the pool took; their
-        locations. Raises when the pool refused any value: the manifest never lists a value the
-        pool does not hold, and a refused block's intent stays."""
+    async def store_many(
+        self, values: Sequence[tuple[BlockRef, bytes]]
+    ) -> tuple[list[bytes | None], KvtierError | None]:
+        """Write encoded blocks, then the manifest entries of the values the pool took.
+
+        Returns each value's location (``None`` where the pool refused it) and the first
+        refusal as an error (:class:`MediumFullError` for a full pool): the caller records the
+        values that did land before it reacts, and the manifest never lists a value the pool
+        does not hold. Raises :class:`PoolUnavailableError` when the pool cannot be reached.
+        """
         client = self._live()
         locations = [self.location(ref) for ref, _ in values]
         try:
@@ -145,14 +154,22 @@ class PoolTier(LowerTier):
                 self._counters["blocks"] += len(stored)
                 self._counters["bytes_written"] += written
                 self._counters["stored_bytes"] += written
-            for reply in replies:
-                if isinstance(reply, BaseException):
-                    raise reply
-        except redis.exceptions.OutOfMemoryError:
-            raise MediumFullError("the pool is full (its maxmemory is reached)") from None
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except POOL_ERRORS as exc:
             raise _pool_error(exc, "write") from None
-        return locations
+        outcome: list[bytes | None] = []
+        error: KvtierError | None = None
+        for location, reply in zip(locations, replies, strict=True):
+            if not isinstance(reply, BaseException):
+                outcome.append(location)
+                continue
+            outcome.append(None)
+            if error is None:
+                error = (
+                    MediumFullError("the pool is full (its maxmemory is reached)")
+                    if isinstance(reply, redis.exceptions.OutOfMemoryError)
+                    else _pool_error(reply, "write")
+                )
+        return outcome, error
 
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
         client = self._live()
@@ -164,7 +181,7 @@ class PoolTier(LowerTier):
             await self._read_slots.acquire()
         try:
             reply = await client.get(location)  # type: ignore[arg-type]
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except POOL_ERRORS as exc:
             raise _pool_error(exc, "read") from None
         finally:
             self._read_slots.release()
@@ -191,8 +208,9 @@ class PoolTier(LowerTier):
             async with client.pipeline(transaction=False) as pipe:
                 pipe.delete(location)  # type: ignore[arg-type]
                 pipe.hdel(self.names.manifest(), field)
-                deleted, _ = await pipe.execute()
-        except (redis.exceptions.RedisError, OSError) as exc:
+                pipe.hdel(self.names.intents(), field)  # a forgotten block is not "unreached"
+                deleted, _, _ = await pipe.execute()
+        except POOL_ERRORS as exc:
             raise _pool_error(exc, "delete") from None
         self._counters["blocks"] -= int(deleted)
 
@@ -231,7 +249,7 @@ class PoolTier(LowerTier):
                 for location in locations:
                     pipe.exists(location)
                 found = await pipe.execute()
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except POOL_ERRORS as exc:
             raise _pool_error(exc, "lookup") from None
         return [bool(n) for n in found]
 
@@ -250,7 +268,7 @@ class PoolTier(LowerTier):
                     ns_digest, key, entry.raw_bytes, entry.checksum, entry.seq, entry.compress
                 )
                 yield ref, self._block_prefix + field
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except POOL_ERRORS as exc:
             raise _pool_error(exc, "manifest scan") from None
 
     async def note_intents(self, refs: Sequence[BlockRef]) -> None:
@@ -261,7 +279,7 @@ class PoolTier(LowerTier):
         mapping: dict[FieldT, EncodableT] = {ref.ns_digest + ref.key: ref.seq for ref in refs}
         try:
             await client.hset(self.names.intents(), mapping=mapping)
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except POOL_ERRORS as exc:
             raise _pool_error(exc, "intent record") from None
 
     async def intents(self) -> list[tuple[bytes, bytes]]:
@@ -269,7 +287,7 @@ class PoolTier(LowerTier):
         client = self._live()
         try:
             fields = await client.hkeys(self.names.intents())
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except POOL_ERRORS as exc:
             raise _pool_error(exc, "intent scan") from None
         return [(f[:16], f[16:]) for f in map(_as_bytes, fields)]
 
@@ -277,7 +295,7 @@ class PoolTier(LowerTier):
         if fields:
             try:
                 await self._live().hdel(self.names.intents(), *fields)
-            except (redis.exceptions.RedisError, OSError) as exc:
+            except POOL_ERRORS as exc:
                 raise _pool_error(exc, "intent cleanup") from None
 
     async def publish_namespaces(self, specs: dict[bytes, NamespaceSpec]) -> None:
@@ -288,13 +306,13 @@ class PoolTier(LowerTier):
         }
         try:
             await self._live().hset(self.names.namespaces, mapping=mapping)
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except POOL_ERRORS as exc:
             raise _pool_error(exc, "namespace publish") from None
 
     async def namespaces(self) -> list[NamespaceSpec]:
         try:
             raw = await self._live().hvals(self.names.namespaces)
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except POOL_ERRORS as exc:
             raise _pool_error(exc, "namespace fetch") from None
         specs = []
         for value in raw:

@@ -318,7 +318,7 @@ class BlockStore:
                 # A FORGET during the read has already dropped the copy (and tombstoned it).
                 if isinstance(exc, BlockNotFoundError):
                     if from_pool and block.pool is not None:
-                        self._drop_pool_copy(block)
+                        self.drop_pool_copy(block)
                         self.counters["lost"] += 1
                     elif not from_pool and block.lower is not None:
                         await self._drop_lower(block)
@@ -477,10 +477,11 @@ class BlockStore:
         """Return once every block committed so far is durable; their count."""
         if self.lower is None:
             raise InvalidRequestError("no durable tier is configured (nvme.size = 0)")
-        await self.writeback.drain(self._seq)
+        seq = self._seq  # later commits are the next FSYNC's: they must not starve this one
+        await self.writeback.drain(seq)
         await self.lower.sync()
         if self.pool is not None and self.pool.config.fsync_waits:
-            await self.pool.drain()
+            await self.pool.drain(up_to_seq=seq)
         return sum(ns.nvme_blocks for ns in self.registry)
 
     # -- removal -----------------------------------------------------------------------------
@@ -493,6 +494,8 @@ class BlockStore:
                 continue
             self.index.remove(block)
             self.sparse.forget(block)
+            if self.pool is not None:
+                self.pool.forgotten(block)
             if block.dram is not None and block.pins == 0:
                 self._drop_dram(block)
             if block.lower is not None:
@@ -537,7 +540,9 @@ class BlockStore:
             self.index.remove(block)
         await self.lower.discard(location)
 
-    def _drop_pool_copy(self, block: Block) -> None:
+    def drop_pool_copy(self, block: Block) -> None:
+        """The pool no longer holds ``block``: forget the location (and the block, if it was
+        its last copy)."""
         block.pool = None
         if not block.has_copy:
             self.index.remove(block)
@@ -546,7 +551,7 @@ class BlockStore:
         assert self.pool is not None
         assert block.pool is not None
         location = block.pool
-        self._drop_pool_copy(block)
+        self.drop_pool_copy(block)
         try:
             await self.pool.tier.discard(location)
         except KvtierError as exc:  # the value stays until the pool evicts it; never indexed
@@ -573,15 +578,19 @@ class BlockStore:
         return True
 
     async def pin_resident(self, block: Block) -> bool:
-        """Pin ``block`` in DRAM, promoting it if needed; ``False`` when it has no copy left."""
+        """Pin ``block`` in DRAM, promoting it if needed; ``False`` when it has no copy left.
+        Raises what else stops the promotion (no free slot now, a disk error)."""
         if block.forgotten:
             return False
         block.pins += 1
         try:
             await self._make_resident(block)
-        except KvtierError:
+        except BlockNotFoundError:
             self._unpin(block)
             return False
+        except BaseException:
+            self._unpin(block)
+            raise
         return True
 
     def unpin(self, block: Block) -> None:

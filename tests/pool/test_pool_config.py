@@ -39,9 +39,7 @@ def test_the_secret_never_appears_in_the_error() -> None:
 
 def test_pool_under_trio_is_refused() -> None:
     with pytest.raises(ConfigError, match="asyncio"):
-        load_config(
-            overrides={"pool": {"url": "rediss://pool"}, "daemon": {"runtime": "trio"}}
-        )
+        load_config(overrides={"pool": {"url": "rediss://pool"}, "daemon": {"runtime": "trio"}})
 
 
 def test_digest_covers_what_ranks_share_and_not_local_paths() -> None:
@@ -51,7 +49,12 @@ def test_digest_covers_what_ranks_share_and_not_local_paths() -> None:
         overrides=_pool(**base, rank=1, ca_file="/other/ca.pem", username="rank1")
     ).pool.digest()
     assert same == digest
-    for change in ({"compress": True}, {"key_prefix": "x"}, {"url": "rediss://other:6380"}):
+    # the same pool named by another host's name for it: still the same configuration
+    assert (
+        load_config(overrides=_pool(**{**base, "url": "rediss://10.0.0.7:6380"})).pool.digest()
+        == digest
+    )
+    for change in ({"compress": True}, {"key_prefix": "x"}, {"cluster": True}):
         assert load_config(overrides=_pool(**{**base, **change})).pool.digest() != digest
 
 

@@ -66,7 +66,12 @@ def _block(i: int, *, compressible: bool = False) -> tuple[BlockRef, memoryview]
 async def test_blocks_come_back_exact(redis_server: RedisServer, client: RedisLike) -> None:
     tier = _tier(redis_server, client)
     blocks = [_block(i) for i in range(8)]
-    locations = await tier.store_many([(ref, await tier.encode(ref, raw)) for ref, raw in blocks])
+    stored, error = await tier.store_many(
+        [(ref, await tier.encode(ref, raw)) for ref, raw in blocks]
+    )
+    assert error is None
+    locations = [location for location in stored if location is not None]
+    assert len(locations) == len(blocks)
     for (ref, raw), location in zip(blocks, locations, strict=True):
         dest = bytearray(BLOCK)
         await tier.load(ref, location, memoryview(dest))
