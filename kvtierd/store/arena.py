@@ -102,8 +102,8 @@ class Arena:
         if not huge:  # transparent huge pages, where shmem_enabled allows them (advise)
             with contextlib.suppress(OSError):
                 mapping.madvise(mmap.MADV_HUGEPAGE)
-            if _shmem_thp() in ("never", "deny"):
-                log.warning(
+            if _shmem_thp() in ("never", "deny"):  # a hint, like the hugetlb one above
+                log.info(
                     "the arena is on 4 KiB pages: no hugetlb pages are reserved and "
                     "transparent_hugepage/shmem_enabled is %r; clients copy out of it about "
                     "10 %% slower (reserve vm.nr_hugepages, or set shmem_enabled to advise)",

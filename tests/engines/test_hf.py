@@ -61,7 +61,13 @@ def client(tmp_path: Path) -> Iterator[Any]:
     from kvtierd.client import connect
     from kvtierd.testing import DaemonProcess
 
-    with DaemonProcess(tmp_path / "kvtierd") as daemon, connect(daemon.socket) as client:
+    # No idle-disk reuse promotions: after an EVICT they would bring blocks back into DRAM
+    # within a tick, and the tests name the tier each restore must come from.
+    no_reuse = "[dram]\nprefetch_bytes_per_s = 0\n"
+    with (
+        DaemonProcess(tmp_path / "kvtierd", config_text=no_reuse) as daemon,
+        connect(daemon.socket) as client,
+    ):
         yield client
 
 
