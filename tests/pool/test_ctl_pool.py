@@ -120,6 +120,6 @@ def test_check_without_a_pool_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = tmp_path / "kvtierd.toml"
-    config.write_text("[dram]\nsize = \"64M\"\n")
+    config.write_text('[dram]\nsize = "64M"\n')
     assert main(["pool", "check", "--config", str(config)]) != 0
     assert "no pool is configured" in capsys.readouterr().err
