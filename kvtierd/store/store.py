@@ -13,6 +13,12 @@ Invariants the tests check:
 
 Background work (promotions started by LOOKUP/HINT, write-back) runs in the task group the store
 is opened with (:func:`kvtierd.store.open_store`), never detached.
+
+Why one module of this size: this class is the only code that changes the index, the pins and
+the arena slots, so the invariants above can be read and checked in one place. What can live
+apart already does: policies (``policy``, ``tracking``), tiers (``nvme``, ``kvtierd.pool``),
+write-back, prefetch, sparse retrieval, and the pool's own bookkeeping (``kvtierd.pool.link``),
+which reaches the index only through the few methods at the end of this class.
 """
 
 from __future__ import annotations
