@@ -49,9 +49,13 @@ class Prefetcher:
         self._planners: dict[int, PrefetchPlanner] = {}
         self._scope: anyio.CancelScope | None = None
         self._stopped = False
+        #: Set by EVICT: the room it made stays free until requests come again (else the idle
+        #: disk would promote the evicted blocks straight back as reuse candidates).
+        self.reuse_paused = False
 
     def on_lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Report a LOOKUP's chain to the policies; returns the request id for its READ."""
+        self.reuse_paused = False
         request_id = next(self._ids)
         store = self._store
         if not keys or not (store.dram_policy.wants_request or store.lower_policy.wants_request):
@@ -125,7 +129,8 @@ class Prefetcher:
             store.lower_policy.new_period()
             await store.dram_policy.flush_gradually()
             await store.lower_policy.flush_gradually()
-            if self.bandwidth_bytes_s and store.lower is not None and not store.demand_promotions:
+            idle = not store.demand_promotions and not self.reuse_paused
+            if self.bandwidth_bytes_s and store.lower is not None and idle:
                 self._promote_reuse()
 
     def _promote_reuse(self) -> None:

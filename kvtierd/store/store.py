@@ -519,6 +519,7 @@ class BlockStore:
         for block in victims:
             self._drop_dram(block)
         self.counters["dram_evictions"] += len(victims)
+        self.prefetcher.reuse_paused = True
         return len(victims)
 
     def _dram_evictable(self, block: Block) -> bool:
