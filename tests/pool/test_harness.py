@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import ssl
 import subprocess
 import time
@@ -21,6 +20,7 @@ from tests.support.netns import (
     NetnsHost,
     NetnsLab,
     cleanup_leftovers,
+    pid_alive,
     require_netns,
 )
 from tests.support.redis_server import (
@@ -315,7 +315,7 @@ def test_daemon_runs_on_a_lab_host(lab: Lab) -> None:
 
 def test_leftovers_of_a_dead_run_are_removed() -> None:
     require_netns()
-    dead = next(pid for pid in range(32000, 300, -1) if not _pid_alive(pid))
+    dead = next(pid for pid in range(32000, 300, -1) if not pid_alive(pid))
     netns, bridge, veth = f"kvt{dead}l0h0", f"kvb{dead:x}l0", f"kvv{dead:x}l0h0"
     try:
         subprocess.run(["ip", "netns", "add", netns], check=True)
@@ -339,13 +339,3 @@ def test_leftovers_of_a_dead_run_are_removed() -> None:
         subprocess.run(["ip", "link", "del", veth], capture_output=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
         subprocess.run(["ip", "netns", "del", netns], capture_output=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

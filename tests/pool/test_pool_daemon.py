@@ -282,6 +282,14 @@ def start_group(ranks: Sequence[Rank]) -> None:
     wait_restored(ranks)
 
 
+def restart_group_wiped(ranks: Sequence[Rank]) -> None:
+    """Every host loses its disk: stop the ranks, wipe their data, start them again."""
+    in_parallel([made.stop for made in ranks])
+    for made in ranks:
+        made.wipe()
+    start_group(ranks)
+
+
 def block_keys(client: Any) -> list[bytes]:
     return sorted(client.scan_iter(match=b"kvt:b:*", count=1000))
 
@@ -318,10 +326,7 @@ def test_tp2_attach_write_shares_and_restore_after_both_restart_wiped(
         assert pool.hlen(f"kvt:{{{GROUP}}}:m:1") == 5
 
     # Both hosts lose their disks; the group restores its prefix from the pool alone.
-    in_parallel([made.stop for made in ranks])
-    for made in ranks:
-        made.wipe()
-    start_group(ranks)
+    restart_group_wiped(ranks)
     for made in ranks:
         with made.ns() as ns:
             assert ns.lookup_tiers(chain, promote=False) == ["pool"] * 5, tails(ranks)
@@ -720,10 +725,7 @@ def test_cluster_of_three_masters_attach_write_wipe_restore(lab: Lab, fleet: Fle
     assert sum(per_master) == 16
     assert sum(1 for count in per_master if count) >= 2, per_master
 
-    in_parallel([made.stop for made in ranks])
-    for made in ranks:
-        made.wipe()
-    start_group(ranks)
+    restart_group_wiped(ranks)
     for made in ranks:
         with made.ns() as ns:
             assert ns.lookup_tiers(chain, promote=False) == ["pool"] * 8

@@ -60,6 +60,7 @@ __all__ = [
     "cleanup_leftovers",
     "netns_available",
     "open_lab",
+    "pid_alive",
     "require_netns",
 ]
 
@@ -84,7 +85,8 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -155,13 +157,13 @@ def cleanup_leftovers() -> list[str]:
         for link in links:
             name = link.get("ifname", "").split("@")[0]
             match = pattern.match(name)
-            dead = match is not None and not _alive(int(match.group(1), 16))
+            dead = match is not None and not pid_alive(int(match.group(1), 16))
             if dead and _ip("link", "del", name, check=False).returncode == 0:
                 removed.append(name)
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         match = _NETNS_RE.match(name)
-        if match and not _alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             for pid in _ip("netns", "pids", name, check=False).stdout.split():
                 # A process left in a dead run's namespace is that run's orphan.
                 with contextlib.suppress(ProcessLookupError, ValueError):
