@@ -75,12 +75,10 @@ class PoolLink:
         self.pending: dict[tuple[bytes, bytes], Block] = {}
         self.pending_bytes = 0
         #: Blocks a writer took from ``pending`` and is writing now (FSYNC waits for them too).
-        self.in_flight = 0
-        self._in_flight_blocks: list[Block] = []
+        self._in_flight: set[Block] = set()  # taken from ``pending``, being written
         #: ids FORGET dropped while a restore runs (it must not index them again)
         self._restore_forgets: set[tuple[bytes, bytes]] | None = None
         self.unreached: list[tuple[bytes, bytes]] = []
-        self.restored = 0
         self.counters = dict.fromkeys(
             ("written", "write_failures", "skipped", "restored", "lost", "group_lookups"), 0
         )
@@ -94,6 +92,11 @@ class PoolLink:
         self._tg: TaskGroup | None = None
 
     # -- state -------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Blocks being written to the pool now."""
+        return len(self._in_flight)
 
     @property
     def attached(self) -> bool:
@@ -183,8 +186,7 @@ class PoolLink:
                 await self._wake.wait()
                 continue
             batch = self._take_batch()
-            self.in_flight += len(batch)
-            self._in_flight_blocks.extend(batch)
+            self._in_flight.update(batch)
             try:
                 await self.tier.note_intents([b.ref for b in batch])
                 await self._write(batch)
@@ -198,14 +200,11 @@ class PoolLink:
                 for block in batch:
                     if not block.forgotten:
                         self._queue(block)
-                self.in_flight -= len(batch)  # back in ``pending``: no longer on its way
-                self._in_flight_blocks = [b for b in self._in_flight_blocks if b not in batch]
-                batch = []
+                self._in_flight.difference_update(batch)  # back in ``pending``
                 with anyio.move_on_after(1.0):
                     await self._wake.wait()
             finally:
-                self.in_flight -= len(batch)
-                self._in_flight_blocks = [b for b in self._in_flight_blocks if b not in batch]
+                self._in_flight.difference_update(batch)
                 self._kick()
 
     def _take_batch(self) -> list[Block]:
@@ -284,7 +283,7 @@ class PoolLink:
         stall_s = 2 * self.config.timeout_s + 2.0
 
         def waiting() -> bool:
-            blocks = [*self.pending.values(), *self._in_flight_blocks]
+            blocks = [*self.pending.values(), *self._in_flight]
             return any(up_to_seq is None or b.ref.seq <= up_to_seq for b in blocks)
 
         with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
@@ -355,7 +354,6 @@ class PoolLink:
                 unreached.append((ns_digest, key))
         await self.tier.forget_intents(stale)
         self.unreached = unreached
-        self.restored += restored
         self.counters["restored"] += restored
         if unreached:
             log.warning(
@@ -379,16 +377,13 @@ class PoolLink:
         """Whether LOOKUP for ``ns`` must ask the pool (an attached TP group)."""
         return self.attached and ns.spec.world_size > 1
 
-    async def group_hits(self, ns: Namespace, keys: list[bytes]) -> int | None:
-        """Leading keys whose every rank's share is in the pool; ``None`` if the pool failed."""
+    async def group_hits(self, ns: Namespace, keys: list[bytes]) -> int:
+        """Leading keys whose every rank's share is in the pool. Raises
+        :class:`PoolUnavailableError` when the pool cannot answer."""
         self.counters["group_lookups"] += 1
         names = self.tier.names
         locations = [names.block(digest, key) for digest in ns.rank_digests for key in keys]
-        try:
-            found = await self.tier.exists(locations)
-        except PoolUnavailableError as exc:
-            log.debug("group lookup fell back to local tiers: %s", exc)
-            return None
+        found = await self.tier.exists(locations)
         hits = len(keys)
         for rank in range(len(ns.rank_digests)):
             row = found[rank * len(keys) : (rank + 1) * len(keys)]

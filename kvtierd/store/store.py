@@ -166,8 +166,10 @@ class BlockStore:
         rank's share of it is in the pool, so every rank answers the same. Falls back to the
         local answer when the pool fails."""
         assert self.pool is not None
-        group_hits = await self.pool.group_hits(ns, keys)
-        if group_hits is None:
+        try:
+            group_hits = await self.pool.group_hits(ns, keys)
+        except PoolUnavailableError as exc:
+            log.debug("group lookup fell back to the local tiers: %s", exc)
             return self.lookup(ns, keys, promote=promote)
         self.prefetcher.on_lookup(ns, keys)
         own = self._leading_usable(ns, keys[:group_hits])
