@@ -83,6 +83,7 @@ class AsyncClient:
         self._arena: ClientArena | None = None
         self.max_keys = 1
         self.daemon_version = ""
+        self.daemon_minor = 0
         janitor_send, janitor_receive = anyio.create_memory_object_stream[Message](1024)
         self._janitor_send: MemoryObjectSendStream[Message] = janitor_send
         self._janitor_receive: MemoryObjectReceiveStream[Message] = janitor_receive
@@ -166,6 +167,7 @@ class AsyncClient:
         self._arena = ClientArena(fds[0], reply.arena_bytes)
         self.max_keys = reply.max_keys
         self.daemon_version = reply.daemon_version
+        self.daemon_minor = reply.minor
 
     async def _read_replies(self) -> None:
         try:
@@ -312,17 +314,26 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
             yield lease.views
 
     @contextlib.asynccontextmanager
-    async def lease(self, keys: Sequence[bytes]) -> AsyncIterator[BlockLease]:
-        """As :meth:`Namespace.lease`; the lease ends when the ``async with`` block does."""
-        c = self.client
-        leases, extents = await c.run(ops.read(self.handle.ns, keys, c.max_keys))
-        lease = BlockLease(list(keys), extents, [c.arena.view(e.offset, e.length) for e in extents])
+    async def lease(
+        self, keys: Sequence[bytes], *, resident_only: bool = False
+    ) -> AsyncIterator[BlockLease]:
+        """As :meth:`Namespace.lease` (``resident_only`` as in :meth:`Namespace.acquire`); the
+        lease ends when the ``async with`` block does."""
+        c, ns = self.client, self.handle.ns
+        if resident_only:
+            op = ops.read_resident(ns, keys, c.max_keys, c.daemon_minor)
+        else:
+            op = ops.read(ns, keys, c.max_keys)
+        leases, extents = await c.run(op)
+        views = [c.arena.view(e.offset, e.length) for e in extents]
+        lease = BlockLease(list(keys[: len(extents)]), extents, views)
         try:
             yield lease
         finally:
             lease.release()
-            with anyio.CancelScope(shield=True):
-                await c.run(ops.release(leases))
+            if leases:
+                with anyio.CancelScope(shield=True):
+                    await c.run(ops.release(leases))
 
     @contextlib.asynccontextmanager
     async def write(self, keys: Sequence[bytes]) -> AsyncIterator[BlockWrite]:

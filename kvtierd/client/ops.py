@@ -35,6 +35,8 @@ from kvtierd.protocol.messages import (
     Message,
     ReadReply,
     ReadRequest,
+    ReadResidentReply,
+    ReadResidentRequest,
     ReleaseRequest,
 )
 
@@ -131,6 +133,35 @@ def _grants(
 def read(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[tuple[list[int], list[Extent]]]:
     """Lease the blocks of ``keys``: ``(lease ids, extents)``."""
     return (yield from _grants(ns, keys, max_keys, ReadRequest, release))
+
+
+#: The first protocol minor whose daemons know READ_RESIDENT.
+RESIDENT_ONLY_MINOR = 4
+
+
+def read_resident(
+    ns: int, keys: Sequence[bytes], max_keys: int, daemon_minor: int
+) -> Op[tuple[list[int], list[Extent]]]:
+    """Lease the leading ``keys`` that are in DRAM now (READ_RESIDENT): never waits on a lower
+    tier, never fails on a miss; the extents may be fewer than the keys. A daemon older than
+    the opcode (``daemon_minor``) is asked nothing: no lease."""
+    leases: list[int] = []
+    extents: list[Extent] = []
+    if daemon_minor < RESIDENT_ONLY_MINOR:
+        return leases, extents
+    try:
+        for chunk in _chunks(keys, max_keys) if keys else []:
+            reply: ReadResidentReply = yield ReadResidentRequest(list(chunk)), ns
+            if reply.extents:
+                leases.append(reply.lease)
+                extents.extend(reply.extents)
+            if len(reply.extents) < len(chunk):
+                break
+    except BaseException:
+        if leases:
+            yield from release(leases)
+        raise
+    return leases, extents
 
 
 def release(leases: list[int]) -> Op[None]:

@@ -63,6 +63,7 @@ class Client:
         self._arena: ClientArena | None = None
         self.max_keys = 1
         self.daemon_version = ""
+        self.daemon_minor = 0
 
     # -- transport ---------------------------------------------------------------------------
 
@@ -141,6 +142,7 @@ class Client:
         self._arena = ClientArena(fds[0], reply.arena_bytes)
         self.max_keys = reply.max_keys
         self.daemon_version = reply.daemon_version
+        self.daemon_minor = reply.minor
 
     @property
     def arena(self) -> ClientArena:
@@ -248,22 +250,32 @@ class Namespace(NamespaceBase[Client]):
             yield lease.views
 
     @contextlib.contextmanager
-    def lease(self, keys: Sequence[bytes]) -> Iterator[BlockLease]:
+    def lease(self, keys: Sequence[bytes], *, resident_only: bool = False) -> Iterator[BlockLease]:
         """Lease the blocks: views and extents (offsets into :meth:`Client.arena_buffer`),
-        valid until the ``with`` block ends or ``release()`` is called."""
-        lease = self.acquire(keys)
+        valid until the ``with`` block ends or ``release()`` is called. ``resident_only``: see
+        :meth:`acquire`."""
+        lease = self.acquire(keys, resident_only=resident_only)
         try:
             yield lease
         finally:
             lease.release()
 
-    def acquire(self, keys: Sequence[bytes]) -> BlockLease:
+    def acquire(self, keys: Sequence[bytes], *, resident_only: bool = False) -> BlockLease:
         """:meth:`lease` for a lease that outlives one block of code (an engine that hands the
-        views to another component): call ``release()`` when done, or use it in ``with``."""
-        c = self.client
-        leases, extents = c.run(ops.read(self.handle.ns, keys, c.max_keys))
+        views to another component): call ``release()`` when done, or use it in ``with``.
+
+        ``resident_only`` leases just the leading keys that are in DRAM now (``lease.keys`` is
+        that prefix, possibly empty) and never waits or fails on a miss: called right after
+        :meth:`lookup`, it holds the DRAM hits so that reading them later costs no round trip
+        and no eviction can take them. A daemon older than protocol minor 4 leases nothing."""
+        c, ns = self.client, self.handle.ns
+        if resident_only:
+            leases, extents = c.run(ops.read_resident(ns, keys, c.max_keys, c.daemon_minor))
+        else:
+            leases, extents = c.run(ops.read(ns, keys, c.max_keys))
         views = [c.arena.view(e.offset, e.length) for e in extents]
-        return BlockLease(list(keys), extents, views, lambda: c.run(ops.release(leases)))
+        release = (lambda: c.run(ops.release(leases))) if leases else None
+        return BlockLease(list(keys[: len(extents)]), extents, views, release)
 
     @contextlib.contextmanager
     def write(self, keys: Sequence[bytes]) -> Iterator[BlockWrite]:

@@ -52,6 +52,8 @@ __all__ = [
     "PoolStatusRequest",
     "ReadReply",
     "ReadRequest",
+    "ReadResidentReply",
+    "ReadResidentRequest",
     "ReleaseReply",
     "ReleaseRequest",
     "StatfsReply",
@@ -186,6 +188,19 @@ class ReadRequest(Message, frozen=True):
 
 
 class ReadReply(Message, frozen=True):
+    lease: U64
+    extents: list[Extent]
+
+
+class ReadResidentRequest(Message, frozen=True):
+    """READ_RESIDENT (minor 4): lease the leading keys that are in DRAM now; never waits."""
+
+    keys: Keys
+
+
+class ReadResidentReply(Message, frozen=True):
+    """As :class:`ReadReply`; ``extents`` may be fewer than the keys (none: ``lease`` 0)."""
+
     lease: U64
     extents: list[Extent]
 
@@ -370,6 +385,7 @@ REQUEST_TYPES: Final[dict[Opcode, type[Message]]] = {
     Opcode.LIST_NS: ListNsRequest,
     Opcode.EVICT: EvictRequest,
     Opcode.POOL_STATUS: PoolStatusRequest,
+    Opcode.READ_RESIDENT: ReadResidentRequest,
 }
 
 REPLY_TYPES: Final[dict[Opcode, type[Message]]] = {
@@ -388,6 +404,7 @@ REPLY_TYPES: Final[dict[Opcode, type[Message]]] = {
     Opcode.LIST_NS: ListNsReply,
     Opcode.EVICT: EvictReply,
     Opcode.POOL_STATUS: PoolStatusReply,
+    Opcode.READ_RESIDENT: ReadResidentReply,
 }
 
 OPCODE_OF: Final[dict[type[Message], Opcode]] = {

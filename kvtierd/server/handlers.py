@@ -46,9 +46,12 @@ from kvtierd.protocol.messages import (
     PoolStatusReply,
     ReadReply,
     ReadRequest,
+    ReadResidentReply,
+    ReadResidentRequest,
     ReleaseReply,
     ReleaseRequest,
 )
+from kvtierd.store.index import Lease
 from kvtierd.store.namespaces import Compression, Namespace, NamespaceSpec
 
 if TYPE_CHECKING:
@@ -131,12 +134,25 @@ async def lookup(session: Session, header: RequestHeader, msg: LookupRequest) ->
 
 async def read(session: Session, header: RequestHeader, msg: ReadRequest) -> Message:
     lease = await session.daemon.store.read(session.owner, _namespace(session, header), msg.keys)
-    extents = [
+    return ReadReply(lease.id, _extents(lease))
+
+
+async def read_resident(
+    session: Session, header: RequestHeader, msg: ReadResidentRequest
+) -> Message:
+    store = session.daemon.store
+    lease = store.lease_resident(session.owner, _namespace(session, header), msg.keys)
+    if lease is None:
+        return ReadResidentReply(0, [])
+    return ReadResidentReply(lease.id, _extents(lease))
+
+
+def _extents(lease: Lease) -> list[Extent]:
+    return [
         Extent(b.dram.offset, b.ref.raw_bytes, b.ref.checksum)
         for b in lease.blocks
         if b.dram is not None
     ]
-    return ReadReply(lease.id, extents)
 
 
 async def release(session: Session, header: RequestHeader, msg: ReleaseRequest) -> Message:
@@ -281,4 +297,5 @@ HANDLERS: dict[Opcode, Handler] = {
     Opcode.LIST_NS: list_ns,
     Opcode.EVICT: evict,
     Opcode.POOL_STATUS: pool_status,
+    Opcode.READ_RESIDENT: read_resident,
 }

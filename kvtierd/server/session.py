@@ -62,6 +62,7 @@ _INLINE = frozenset(
         Opcode.EVICT,
         Opcode.DESTROY,
         Opcode.POOL_STATUS,
+        Opcode.READ_RESIDENT,
     }
 )
 

@@ -245,6 +245,28 @@ class BlockStore:
             for block in blocks:
                 self._unpin(block)
             raise
+        return self._lease(owner, ns, keys, blocks)
+
+    def lease_resident(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease | None:
+        """Lease the leading ``keys`` that are in DRAM now, stopping at the first that is not
+        (missing, on a lower tier only, or still loading): never waits, never a miss error.
+        ``None`` when the first key is not resident. What an engine calls right after LOOKUP
+        to hold its DRAM hits, so that reading them later costs no round trip."""
+        blocks: list[Block] = []
+        for key in keys:
+            block = self.index.get(ns, key)
+            if block is None or block.dram is None or block.loading is not None:
+                break
+            blocks.append(block)
+        if not blocks:
+            return None
+        for block in blocks:
+            block.pins += 1
+        self.counters["dram_hits"] += len(blocks)
+        return self._lease(owner, ns, keys[: len(blocks)], blocks)
+
+    def _lease(self, owner: Owner, ns: Namespace, keys: list[bytes], blocks: list[Block]) -> Lease:
+        """Note the (pinned) ``blocks`` read and lease them to ``owner``."""
         now = time.monotonic()
         request_id = self.prefetcher.request_for_read(ns, keys)
         for position, block in enumerate(blocks):

@@ -131,3 +131,57 @@ async def test_a_leased_block_is_never_evicted_or_reused(daemon: DaemonProcess) 
         await client.evict()
         async with ns.get(keys) as views:
             assert [bytes(v) for v in views] == [b.tobytes() for b in blocks]
+
+
+#: Background promotions off, so that only the test decides what is in DRAM.
+NO_PREFETCH = "[dram]\nprefetch_bytes_per_s = 0\n"
+
+
+@pytest.mark.anyio
+async def test_read_resident_leases_the_leading_dram_hits_and_never_waits(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    with DaemonProcess(tmp_path / "kvtierd", config_text=NO_PREFETCH) as daemon:
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("resident", block_bytes=MIB)
+            keys = [b"resident-%03d" % i + bytes(4) for i in range(6)]
+            blocks = [rng.integers(0, 256, MIB, dtype=np.uint8) for _ in keys]
+            await ns.put(keys, blocks)
+            await client.fsync()
+            await client.evict()  # all six on NVMe only
+            async with ns.lease(keys, resident_only=True) as lease:
+                assert lease.keys == [] and lease.views == []  # nothing resident: no lease
+            async with ns.get(keys[:3]) as _:  # READ promotes the first three
+                pass
+            assert await ns.lookup_tiers(keys, promote=False) == ["dram"] * 3 + ["nvme"] * 3
+            async with ns.lease(keys + [b"never-stored-key"], resident_only=True) as lease:
+                assert lease.keys == keys[:3]
+                assert [bytes(v) for v in lease.views] == [b.tobytes() for b in blocks[:3]]
+                # a READ_RESIDENT promotes nothing: the NVMe blocks stay where they were
+                assert await ns.lookup_tiers(keys, promote=False) == ["dram"] * 3 + ["nvme"] * 3
+                # and what it holds is leased: EVICT cannot take it
+                await client.evict()
+                assert (await client.stats())["leased_blocks"] == 3
+                assert [bytes(v) for v in lease.views] == [b.tobytes() for b in blocks[:3]]
+            stats = await client.stats()
+            assert stats["leases"] == 0
+            await client.evict()
+            assert await ns.lookup_tiers(keys, promote=False) == ["nvme"] * 6
+
+
+def test_read_resident_sync_client_and_an_older_daemon(tmp_path: Path) -> None:
+    with DaemonProcess(tmp_path / "kvtierd", config_text=NO_PREFETCH) as daemon:
+        with connect(daemon.socket) as client:
+            ns = client.namespace("resident", block_bytes=MIB)
+            keys = [b"sync-%03d" % i + bytes(8) for i in range(4)]
+            ns.put(keys, [np.full(MIB, i, np.uint8) for i in range(4)])
+            with ns.acquire(keys, resident_only=True) as lease:  # just written: in DRAM
+                assert lease.keys == keys
+                assert [v[0] for v in lease.views] == [0, 1, 2, 3]
+                assert client.stats()["leased_blocks"] == 4
+            assert client.stats()["leases"] == 0
+            # a daemon that predates READ_RESIDENT is not asked: the lease is empty, no error
+            client.daemon_minor = 3
+            lease = ns.acquire(keys, resident_only=True)
+            assert lease.keys == [] and lease.extents == []
+            lease.release()
+            assert client.stats()["leases"] == 0

@@ -50,6 +50,7 @@ from kvtierd.protocol.messages import (
     LookupRequest,
     Message,
     ReadRequest,
+    ReadResidentRequest,
     StatfsRequest,
     encode_body,
 )
@@ -61,6 +62,7 @@ _DEFAULTS: dict[Opcode, Message] = {
     Opcode.OPEN_NS: REQUEST_TYPES[Opcode.OPEN_NS]("ns", 4096),
     Opcode.LOOKUP: LookupRequest([b"k"]),
     Opcode.READ: ReadRequest([b"k"]),
+    Opcode.READ_RESIDENT: ReadResidentRequest([b"k"]),
     Opcode.RELEASE: REQUEST_TYPES[Opcode.RELEASE]([1]),
     Opcode.ALLOC: REQUEST_TYPES[Opcode.ALLOC]([b"k"]),
     Opcode.COMMIT: REQUEST_TYPES[Opcode.COMMIT](1),
