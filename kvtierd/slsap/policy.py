@@ -29,15 +29,14 @@ Decisions:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from kvtierd.slsap.blocktable import BlockTable
-from kvtierd.slsap.reuse import ReuseModel, block_class, block_class_of
+from kvtierd.slsap.blocktable import VERSION_MASK, BlockTable
+from kvtierd.slsap.reuse import ReuseModel, block_class_of, request_block_classes
 from kvtierd.store.policy import AccessContext, CachePolicy
 
 __all__ = ["SlsapConfig", "SlsapPolicy", "SlsapStatistics"]
@@ -89,8 +88,11 @@ class SlsapPolicy(CachePolicy):
         self._references = 0
         self._next_maintenance = self.config.min_refit_events
         self._peak_resident = 0
-        self._queue: list[int] = []
-        self._queue_versions: list[int] = []
+        # The victim queue: slots in eviction order and their versions when it was ranked. Kept
+        # as memoryviews over the ranked arrays: only its head is read before the next ranking,
+        # so converting the whole of it to lists would cost more than it saves.
+        self._queue: memoryview[int] = np.zeros(0, dtype=np.int64).data
+        self._queue_versions: memoryview[int] = np.zeros(0, dtype=np.uint32).data
         self._cursor = 0
         self._queue_built_at = -1
 
@@ -126,7 +128,7 @@ class SlsapPolicy(CachePolicy):
         if seen.size:
             self._model.record_reuse(t.klass[seen], self._clock - t.last[seen])
         t.count[slots] += 1
-        t.klass[slots] = block_class(t.count[slots], tails, length)
+        t.klass[slots] = request_block_classes(t.count[slots], tails, length)
         t.last[slots] = self._clock
         t.request[slots] = rid
         t.version[slots] += 1
@@ -141,21 +143,21 @@ class SlsapPolicy(CachePolicy):
         rid = context.request_id if context is not None else -1
         t = self._table
         slot = t.find(block)
-        if slot >= 0 and rid >= 0 and t.request[slot] == rid:
+        if slot >= 0 and rid >= 0 and t.request_cells[slot] == rid:
             return slot
         if slot < 0:
             slot = t.slot_for(block)
         self._clock += 1
         self._references += 1
-        count = int(t.count[slot])
+        count = t.count_cells[slot]
         if count > 0:
-            self._model.record_reuse_of(int(t.klass[slot]), self._clock - float(t.last[slot]))
+            self._model.record_reuse_of(t.klass_cells[slot], self._clock - t.last_cells[slot])
         count += 1
-        t.count[slot] = count
-        t.klass[slot] = block_class_of(count, -1, 0)
-        t.last[slot] = self._clock
-        t.request[slot] = -1
-        t.version[slot] += 1
+        t.count_cells[slot] = count
+        t.klass_cells[slot] = block_class_of(count, -1, 0)
+        t.last_cells[slot] = self._clock
+        t.request_cells[slot] = -1
+        t.version_cells[slot] = (t.version_cells[slot] + 1) & VERSION_MASK
         if self._references >= self._next_maintenance:
             self._maintain()
         return slot
@@ -169,7 +171,7 @@ class SlsapPolicy(CachePolicy):
         weakest = self._weakest_density()
         if weakest is None:
             return True
-        mine = self._model.density_of(int(self._table.klass[slot]), 0.0)
+        mine = self._model.density_of(self._table.klass_cells[slot], 0.0)
         return mine >= weakest
 
     def inserted(self, block: Hashable, now: float, context: AccessContext | None = None) -> None:
@@ -181,9 +183,10 @@ class SlsapPolicy(CachePolicy):
         self._observe_one(block, context)
 
     def removed(self, block: Hashable) -> None:
-        slot = self._table.find(block)
-        if slot >= 0 and self._table.resident[slot]:
-            self._table.set_resident(slot, False)
+        t = self._table
+        slot = t.find(block)
+        if slot >= 0 and t.resident_cells[slot]:
+            t.set_resident(slot, False)
 
     def victims(self, count: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
         """Up to ``count`` residents, lowest density first, all satisfying ``evictable``."""
@@ -193,7 +196,7 @@ class SlsapPolicy(CachePolicy):
         if count <= 0 or t.resident_count == 0:
             return chosen
         self._refresh_queue()
-        resident, version, keys = t.resident, t.version, t.keys
+        resident, version, keys = t.resident_cells, t.version_cells, t.keys
         queue, versions = self._queue, self._queue_versions
         rebuilt = False
         i = self._cursor
@@ -230,7 +233,7 @@ class SlsapPolicy(CachePolicy):
         if slot < 0:
             return 0.0
         t = self._table
-        return self._model.density_of(int(t.klass[slot]), self._clock - float(t.last[slot]))
+        return self._model.density_of(t.klass_cells[slot], self._clock - t.last_cells[slot])
 
     def promotion_candidates(self, limit: int) -> list[Hashable]:
         """Up to ``limit`` ghosts (tracked, not resident) denser than the weakest resident,
@@ -258,7 +261,7 @@ class SlsapPolicy(CachePolicy):
             ghosts=t.ghost_count,
             references=self._references,
             refits=self._model.refits,
-            memory_bytes=t.nbytes() + 2 * sys.getsizeof(self._queue),
+            memory_bytes=t.nbytes() + self._queue.nbytes + self._queue_versions.nbytes,
         )
 
     # -- internals ---------------------------------------------------------------------------
@@ -288,8 +291,8 @@ class SlsapPolicy(CachePolicy):
         res = t.resident_slots()
         dens = self._model.density(t.klass[res], self._clock - t.last[res])
         queue = res[np.lexsort((t.last[res], dens))]
-        self._queue = queue.tolist()
-        self._queue_versions = t.version[queue].tolist()
+        self._queue = queue.data
+        self._queue_versions = t.version[queue].data
         self._cursor = 0
         self._queue_built_at = self._references
 
@@ -299,7 +302,7 @@ class SlsapPolicy(CachePolicy):
         if t.resident_count == 0:
             return None
         self._refresh_queue()
-        resident, version = t.resident, t.version
+        resident, version = t.resident_cells, t.version_cells
         for attempt in range(2):
             queue, versions, cursor = self._queue, self._queue_versions, self._cursor
             end = len(queue)
@@ -307,8 +310,8 @@ class SlsapPolicy(CachePolicy):
                 slot = queue[cursor]
                 if resident[slot] and version[slot] == versions[cursor]:
                     self._cursor = cursor
-                    age = self._clock - float(t.last[slot])
-                    return self._model.density_of(int(t.klass[slot]), age)
+                    age = self._clock - t.last_cells[slot]
+                    return self._model.density_of(t.klass_cells[slot], age)
                 cursor += 1
             self._cursor = cursor
             if attempt == 0:

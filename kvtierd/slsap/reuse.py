@@ -43,6 +43,7 @@ __all__ = [
     "age_bucket_of",
     "block_class",
     "block_class_of",
+    "request_block_classes",
 ]
 
 SUB_BUCKETS = 4
@@ -103,6 +104,23 @@ def block_class(count: npt.ArrayLike, tail: npt.ArrayLike, length: npt.ArrayLike
     len_c = _LENGTH_LUT[np.minimum(np.maximum(length_a, 0), 64)]
     len_c = np.where(c >= 2, LENGTH_CLASSES - 1, len_c)
     return np.asarray((freq * TAIL_CLASSES + tail_c) * LENGTH_CLASSES + len_c, dtype=np.int64)
+
+
+# block_class of every (count 0-16, known tail 0-3, length 0-64): what the class depends on once
+# counts and lengths are clamped to the ranges its lookup tables cover.
+_CLASS_TABLE = block_class(
+    np.arange(17)[:, None, None], np.arange(TAIL_CLASSES)[None, :, None], np.arange(65)
+)
+
+
+def request_block_classes(counts: npt.ArrayLike, tails: npt.ArrayLike, length: int) -> IntArray:
+    """:func:`block_class` of blocks named by one request of ``length`` blocks, with ``counts``
+    >= 0 and known ``tails`` (>= 0): one lookup in a precomputed table, where the general
+    function takes a dozen numpy calls (a per-request cost)."""
+    by_count_and_tail = _CLASS_TABLE[:, :, 0 if length < 0 else 64 if length > 64 else length]
+    return np.asarray(
+        by_count_and_tail[np.minimum(counts, 16), np.minimum(tails, TAIL_CLASSES - 1)], np.int64
+    )
 
 
 _FREQ_LIST: list[int] = _FREQ_LUT.tolist()

@@ -13,6 +13,7 @@ from kvtierd.slsap.reuse import (
     age_bucket,
     age_bucket_of,
     block_class,
+    request_block_classes,
 )
 
 
@@ -39,6 +40,16 @@ def test_classes_cover_the_range_and_separate_signals() -> None:
     # Length matters only for blocks named once.
     assert block_class(2, 0, 2) == block_class(2, 0, 100)
     assert block_class(1, 0, 2) != block_class(1, 0, 100)
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 100), st.integers(0, 100)), min_size=1, max_size=20),
+    st.integers(-5, 200),
+)
+def test_request_classes_agree_with_block_class(blocks: list[tuple[int, int]], length: int) -> None:
+    counts, tails = np.array(blocks, dtype=np.int32).T
+    expected = block_class(counts, tails, length)
+    assert request_block_classes(counts, tails, length).tolist() == expected.tolist()
 
 
 def test_untrained_model_is_neutral() -> None:
