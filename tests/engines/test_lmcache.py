@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,6 +192,47 @@ def test_prefix_hit_is_kvtierd_lookup(engine: Engine, daemon: DaemonProcess) -> 
     assert int(mask.sum()) == 5 * CHUNK
     assert bool(mask[: 5 * CHUNK].all())
     assert same_bytes(out[:, :, : 5 * CHUNK], kv[:, :, : 5 * CHUNK])
+
+
+def test_lookup_pins_hold_the_dram_hits_until_retrieved(
+    engine: Engine, daemon: DaemonProcess
+) -> None:
+    ids, kv = tokens(512), random_kv(512, seed=5)
+    engine.store(ids, kv)
+    keys = [block_key(k.chunk_hash) for k in engine.keys(ids)]
+    # what LMCache's engine does for a request: lookup with pin, retrieve, unpin
+    assert engine.engine.lookup(ids, lookup_id="request-1", pin=True) == 512
+    with connect(daemon.socket) as client:
+        assert client.stats()["leased_blocks"] == 32
+        client.evict()  # an EVICT between lookup and retrieve cannot take pinned blocks
+        ns = engine.namespace(client, ids)
+        assert ns.lookup_tiers(keys, promote=False) == ["dram"] * 32
+    mask, out = engine.retrieve(ids)
+    assert bool(mask.all())
+    assert same_bytes(out, kv)
+    stats = engine.backend.statistics()
+    assert (stats.read_chunks, stats.pinned_chunks, stats.errors) == (32, 32, 0)
+    with connect(daemon.socket) as client:
+        assert client.stats()["leased_blocks"] == 32  # retrieved, but still pinned
+        engine.engine.lookup_unpin("request-1")
+        assert _no_leases_soon(client)
+        client.evict()
+        ns = engine.namespace(client, ids)
+        assert ns.lookup_tiers(keys, promote=False) == ["nvme"] * 32
+    # pinned again, undone before any retrieve: nothing stays leased
+    assert engine.engine.lookup(ids, lookup_id="request-2", pin=True) == 512
+    engine.engine.lookup_unpin("request-2")
+    with connect(daemon.socket) as client:
+        assert _no_leases_soon(client)
+
+
+def _no_leases_soon(client: Any) -> bool:
+    """RELEASE goes out without waiting for its reply, on the backend's own connection, so
+    another connection sees it take effect a moment later."""
+    deadline = time.monotonic() + 10
+    while client.stats()["leases"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return client.stats()["leases"] == 0
 
 
 def test_failed_store_is_never_visible(engine: Engine) -> None:

@@ -149,11 +149,12 @@ async def test_read_resident_leases_the_leading_dram_hits_and_never_waits(tmp_pa
             await client.fsync()
             await client.evict()  # all six on NVMe only
             async with ns.lease(keys, resident_only=True) as lease:
-                assert lease.keys == [] and lease.views == []  # nothing resident: no lease
+                assert lease.keys == []
+                assert lease.views == []
             async with ns.get(keys[:3]) as _:  # READ promotes the first three
                 pass
             assert await ns.lookup_tiers(keys, promote=False) == ["dram"] * 3 + ["nvme"] * 3
-            async with ns.lease(keys + [b"never-stored-key"], resident_only=True) as lease:
+            async with ns.lease([*keys, b"never-stored-key"], resident_only=True) as lease:
                 assert lease.keys == keys[:3]
                 assert [bytes(v) for v in lease.views] == [b.tobytes() for b in blocks[:3]]
                 # a READ_RESIDENT promotes nothing: the NVMe blocks stay where they were
@@ -169,19 +170,22 @@ async def test_read_resident_leases_the_leading_dram_hits_and_never_waits(tmp_pa
 
 
 def test_read_resident_sync_client_and_an_older_daemon(tmp_path: Path) -> None:
-    with DaemonProcess(tmp_path / "kvtierd", config_text=NO_PREFETCH) as daemon:
-        with connect(daemon.socket) as client:
-            ns = client.namespace("resident", block_bytes=MIB)
-            keys = [b"sync-%03d" % i + bytes(8) for i in range(4)]
-            ns.put(keys, [np.full(MIB, i, np.uint8) for i in range(4)])
-            with ns.acquire(keys, resident_only=True) as lease:  # just written: in DRAM
-                assert lease.keys == keys
-                assert [v[0] for v in lease.views] == [0, 1, 2, 3]
-                assert client.stats()["leased_blocks"] == 4
-            assert client.stats()["leases"] == 0
-            # a daemon that predates READ_RESIDENT is not asked: the lease is empty, no error
-            client.daemon_minor = 3
-            lease = ns.acquire(keys, resident_only=True)
-            assert lease.keys == [] and lease.extents == []
-            lease.release()
-            assert client.stats()["leases"] == 0
+    with (
+        DaemonProcess(tmp_path / "kvtierd", config_text=NO_PREFETCH) as daemon,
+        connect(daemon.socket) as client,
+    ):
+        ns = client.namespace("resident", block_bytes=MIB)
+        keys = [b"sync-%03d" % i + bytes(8) for i in range(4)]
+        ns.put(keys, [np.full(MIB, i, np.uint8) for i in range(4)])
+        with ns.acquire(keys, resident_only=True) as lease:  # just written: in DRAM
+            assert lease.keys == keys
+            assert [v[0] for v in lease.views] == [0, 1, 2, 3]
+            assert client.stats()["leased_blocks"] == 4
+        assert client.stats()["leases"] == 0
+        # a daemon that predates READ_RESIDENT is not asked: the lease is empty, no error
+        client.daemon_minor = 3
+        lease = ns.acquire(keys, resident_only=True)
+        assert lease.keys == []
+        assert lease.extents == []
+        lease.release()
+        assert client.stats()["leases"] == 0
