@@ -16,7 +16,8 @@ per chunk) and ``--batch`` chunks per request (an engine's request for a whole p
   moments; on 2 shared vCPUs memory bandwidth swings 2-3x within seconds.
 
 After every request or pass, outside the timed window, every byte is compared with what was
-written. Systems: kvtierd through its client (LOOKUP, then leased READs); LMCache's CPU backend,
+written. Systems: kvtierd through its client (LOOKUP and READ_RESIDENT, then copies and
+leased READs; and with one leased READ per request); LMCache's CPU backend,
 disk backend (buffered and O_DIRECT), MP-mode ``fs_native`` L2 adapter and TCP server
 (``tools/bench_peers_lmcache.py``); LMCache's StorageManager with kvtierd as its storage plug-in
 (:mod:`kvtierd.engines.lmcache`); ``memcpy`` (numpy copy from process memory, the warm limit).
@@ -41,9 +42,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 from bench_peers_lmcache import GB, ChunkShape, FsNativeDriver, ManagerDriver, TcpServer
+from bench_peers_report import (
+    ADAPTER,
+    KVTIERD,
+    KVTIERD_READ,
+    LMC_CPU,
+    LMC_TCP,
+    SYSTEMS_WITH_TARGETS,
+)
 from references import fio_json
 
-from kvtierd.client import Layout, chain_keys, connect
+from kvtierd.client import BlockLease, Layout, chain_keys, connect
 from kvtierd.testing import DaemonProcess
 
 MiB = 1 << 20
@@ -51,11 +60,7 @@ SHAPES = {
     "llama8b": ChunkShape("llama8b", 32, 8, 128, 256, "float16"),  # 32 MiB per chunk
     "smollm2": ChunkShape("smollm2", 30, 3, 64, 512, "float32"),  # 22.5 MiB per block
 }
-KVTIERD = "kvtierd"
-ADAPTER = "LMCache on kvtierd"
-LMC_CPU = "LMCache CPU"
 LMC_DISK = ("LMCache disk", "LMCache disk O_DIRECT", "LMCache fs_native")
-LMC_TCP = "LMCache TCP server"
 MEMCPY, FIO = "memcpy", "fio"
 
 
@@ -72,13 +77,21 @@ class Driver(Protocol):
 
 
 class KvtierdDriver:
-    """kvtierd's own client: LOOKUP of the whole chain (which starts promotion), then one
-    leased READ per chunk, copied out of the shared arena."""
+    """kvtierd's own client: LOOKUP of the whole chain (which starts promotion), then each chunk
+    copied out of the shared arena. With ``hold`` (what docs/client.md tells engines to do) the
+    LOOKUP is followed by READ_RESIDENT, which leases the chunks already in DRAM, so loading
+    one of them is a copy with no round trip, and the lease ends after the last of them; the
+    chunks not held (cold reads) are READ one request at a time. Without ``hold`` every request
+    is a leased READ."""
 
     cold = True
 
-    def __init__(self, name: str, shape: ChunkShape, count: int, socket: Path) -> None:
+    def __init__(
+        self, name: str, shape: ChunkShape, count: int, socket: Path, *, hold: bool
+    ) -> None:
         self.name = name
+        self.hold = hold
+        self.held: BlockLease | None = None
         self.client = connect(socket)
         layout = Layout(
             f"bench/{shape.name}",
@@ -99,21 +112,40 @@ class KvtierdDriver:
         self.client.fsync()
 
     def drop(self) -> None:
+        self._let_go()
         self.client.evict()
 
     def lookup(self) -> int:
-        return self.ns.lookup(self.keys)
+        self._let_go()
+        hits = self.ns.lookup(self.keys)
+        if self.hold:
+            self.held = self.ns.acquire(self.keys[:hits], resident_only=True)
+        return hits
 
     def read(self, i: int, dst: np.ndarray) -> None:
-        with self.ns.lease(self.keys[i : i + 1]) as lease:
-            np.copyto(dst, np.frombuffer(lease.views[0], np.uint8))
+        self.read_many(i, [dst])
 
     def read_many(self, first: int, dsts: list[np.ndarray]) -> None:
-        with self.ns.lease(self.keys[first : first + len(dsts)]) as lease:
+        held = len(self.held.views) if self.held is not None else 0
+        end = first + len(dsts)
+        if end <= held:
+            assert self.held is not None
+            for view, dst in zip(self.held.views[first:end], dsts, strict=True):
+                np.copyto(dst, np.frombuffer(view, np.uint8))
+            if end == held:
+                self._let_go()
+            return
+        with self.ns.lease(self.keys[first:end]) as lease:
             for view, dst in zip(lease.views, dsts, strict=True):
                 np.copyto(dst, np.frombuffer(view, np.uint8))
 
+    def _let_go(self) -> None:
+        if self.held is not None:
+            self.held.release()
+            self.held = None
+
     def close(self) -> None:
+        self._let_go()
         self.client.close()
 
 
@@ -252,7 +284,8 @@ def _systems(
     staging = ((batch + 4) * shape.nbytes + 64 * MiB) / GB  # LMCache's CPU pool as staging
     disk = count * shape.nbytes * 1.3 / GB
     drivers: list[Any] = [
-        KvtierdDriver(KVTIERD, shape, count, daemon.socket),
+        KvtierdDriver(KVTIERD, shape, count, daemon.socket, hold=True),
+        KvtierdDriver(KVTIERD_READ, shape, count, daemon.socket, hold=False),
         ManagerDriver(
             ADAPTER,
             shape,
@@ -418,7 +451,7 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "warm": (LMC_CPU, MEMCPY, LMC_TCP),
     }
     out: dict[str, Any] = {"median_gbps": medians, "ratios": {}}
-    for system in (KVTIERD, ADAPTER, LMC_CPU):
+    for system in SYSTEMS_WITH_TARGETS:
         table: dict[str, Any] = {}
         for mode in MODES:
             for ref in refs[mode.split("_")[0]]:

@@ -1,7 +1,9 @@
 """LMCache's storage paths as drivers of the peer benchmark (``tools/bench_peers.py``).
 
 Each driver stores N chunks, answers a lookup over all their keys, and copies chunk ``i`` into a
-caller's buffer, through LMCache's own code as an engine would run it:
+caller's buffer, through LMCache's own code as an engine would run it (the ``StorageManager``
+drivers look up with ``pin=True`` and unpin once the last chunk is read, as LMCache's engine
+does around a retrieve):
 
 * ``LMCache CPU``: its ``StorageManager`` with ``LocalCPUBackend`` (in-process hot cache);
 * ``LMCache disk`` / ``LMCache disk O_DIRECT``: ``LocalDiskBackend`` (CPU pool as staging only),
@@ -140,6 +142,7 @@ class ManagerDriver:
         ]
         self._shapes = metadata.get_shapes(shape.tokens)
         self._dtypes = metadata.get_dtypes()
+        self._pinned: list[Any] = []
 
     def write(self, chunks: list[np.ndarray], batch: int = 4) -> None:
         for start in range(0, len(chunks), batch):
@@ -169,14 +172,23 @@ class ManagerDriver:
             time.sleep(0.002)
 
     def drop(self) -> None:
+        self._unpin()
         if self._cold_dir is not None:
             _drop_page_cache(self._cold_dir)
         if self._evict is not None:
             self._evict()
 
     def lookup(self) -> int:
-        hits, _ = self.manager.batched_contains(self.keys, [self.location])
+        """As LMCache's engine looks up a request: with ``pin``, undone once it is retrieved."""
+        self._unpin()
+        hits, _ = self.manager.batched_contains(self.keys, [self.location], pin=True)
+        self._pinned = self.keys[: int(hits)]
         return int(hits)
+
+    def _unpin(self) -> None:
+        if self._pinned:
+            self.manager.batched_unpin(self._pinned, [self.location])
+            self._pinned = []
 
     def read(self, i: int, dst: np.ndarray) -> None:
         self.read_many(i, [dst])
@@ -194,8 +206,11 @@ class ManagerDriver:
             for obj in objs:
                 if obj is not None:
                     obj.ref_count_down()
+        if first + len(dsts) == len(self._pinned):
+            self._unpin()
 
     def close(self) -> None:
+        self._unpin()
         LMCacheEngineBuilder.destroy(self.instance)
         with contextlib.suppress(RuntimeError):
             self.manager.loop.close()
