@@ -111,7 +111,9 @@ class SlsapPolicy(CachePolicy):
         n = len(unique)
         slots = self._table.slots_of(unique)
         fresh = self._table.request[slots] != request_id if request_id >= 0 else None
-        if fresh is not None and not fresh.all():
+        # count_nonzero rather than fresh.all(), whose Python-level wrapper costs several times
+        # more than the test on one request's blocks.
+        if fresh is not None and np.count_nonzero(fresh) < n:
             keep = np.flatnonzero(fresh)
             slots, tails = slots[keep], (n - 1 - keep)
         else:
@@ -124,11 +126,13 @@ class SlsapPolicy(CachePolicy):
         t = self._table
         self._clock += len(slots)
         self._references += len(slots)
-        seen = slots[t.count[slots] > 0]
+        counts = t.count[slots]
+        seen = slots[counts > 0]
         if seen.size:
             self._model.record_reuse(t.klass[seen], self._clock - t.last[seen])
-        t.count[slots] += 1
-        t.klass[slots] = request_block_classes(t.count[slots], tails, length)
+        counts += 1
+        t.count[slots] = counts
+        t.klass[slots] = request_block_classes(counts, tails, length)
         t.last[slots] = self._clock
         t.request[slots] = rid
         t.version[slots] += 1
@@ -176,8 +180,10 @@ class SlsapPolicy(CachePolicy):
 
     def inserted(self, block: Hashable, now: float, context: AccessContext | None = None) -> None:
         slot = self._observe_one(block, context)
-        self._table.set_resident(slot, True)
-        self._peak_resident = max(self._peak_resident, self._table.resident_count)
+        t = self._table
+        t.set_resident(slot, True)
+        if t.resident_count > self._peak_resident:
+            self._peak_resident = t.resident_count
 
     def accessed(self, block: Hashable, now: float, context: AccessContext | None = None) -> None:
         self._observe_one(block, context)
@@ -282,8 +288,11 @@ class SlsapPolicy(CachePolicy):
         self._next_maintenance = self._references + period
 
     def _refresh_queue(self) -> None:
-        stale_after = max(64, self._table.resident_count // 8)
-        if self._queue_built_at < 0 or self._references - self._queue_built_at > stale_after:
+        # Re-rank after max(64, residents / 8) references, without max()'s call: this runs for
+        # every admission and eviction.
+        built_at = self._queue_built_at
+        since = self._references - built_at
+        if built_at < 0 or (since > 64 and since > self._table.resident_count // 8):
             self._build_queue()
 
     def _build_queue(self) -> None:
@@ -297,23 +306,28 @@ class SlsapPolicy(CachePolicy):
         self._queue_built_at = self._references
 
     def _weakest_density(self) -> float | None:
-        # Called for every admission: locals instead of attribute lookups in the loop.
+        # The first queued slot still resident and unchanged since the ranking; the queue is
+        # re-ranked once if it runs out. Called for every admission: locals instead of attribute
+        # lookups in the loop.
         t = self._table
         if t.resident_count == 0:
             return None
         self._refresh_queue()
         resident, version = t.resident_cells, t.version_cells
-        for attempt in range(2):
-            queue, versions, cursor = self._queue, self._queue_versions, self._cursor
-            end = len(queue)
-            while cursor < end:
+        queue, versions, cursor = self._queue, self._queue_versions, self._cursor
+        rebuilt = False
+        while True:
+            if cursor < len(queue):
                 slot = queue[cursor]
                 if resident[slot] and version[slot] == versions[cursor]:
                     self._cursor = cursor
                     age = self._clock - t.last_cells[slot]
                     return self._model.density_of(t.klass_cells[slot], age)
                 cursor += 1
-            self._cursor = cursor
-            if attempt == 0:
+            elif rebuilt:
+                self._cursor = cursor
+                return None
+            else:
                 self._build_queue()
-        return None
+                queue, versions, cursor = self._queue, self._queue_versions, 0
+                rebuilt = True
