@@ -66,7 +66,8 @@ def _plot(result: dict[str, Any]) -> str:
             f"({s['layers']} layers, {s['kv_heads']} KV heads, head dim {s['head_dim']}, "
             f"{s['dtype']}, {s['tokens']} tokens) x {shape['chunks']}"
         )
-        ax.legend(fontsize=7, ncol=3)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
+        ax.legend(fontsize=7, ncol=3, loc="upper right")
     fig.tight_layout()
     benchlib.ASSETS.mkdir(parents=True, exist_ok=True)
     fig.savefig(benchlib.ASSETS / f"{NAME}.png", dpi=100)
