@@ -64,10 +64,15 @@ class Prefetcher:
         now = time.monotonic()
         for policy in (self._store.dram_policy, self._store.lower_policy):
             policy.observe_request(ids, now, request_id)
-        self._recent[ids[0]] = request_id
+        self.hand_on(ns, keys[0], request_id)
+        return request_id
+
+    def hand_on(self, ns: Namespace, key: bytes, request_id: int) -> None:
+        """The rest of request ``request_id``'s chain, from ``key`` on, will be READ later:
+        that READ belongs to the same request (it was observed once, at its LOOKUP)."""
+        self._recent[(ns.digest, key)] = request_id
         if len(self._recent) > _RECENT_LOOKUPS:
             self._recent.popitem(last=False)
-        return request_id
 
     def request_for_read(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """The id of the LOOKUP that named this prefix; a READ without one is observed as a

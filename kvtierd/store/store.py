@@ -148,7 +148,7 @@ class BlockStore:
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True
     ) -> tuple[int, bytes]:
         """Hits for ``ns``'s whole TP group, and the tier of each hit of ``ns``'s own share."""
-        self.prefetcher.on_lookup(ns, keys)
+        request_id = self.prefetcher.on_lookup(ns, keys)
         own = self._leading_usable(ns, keys)
         hits = len(own)
         if ns.spec.world_size > 1:
@@ -157,7 +157,7 @@ class BlockStore:
                     return 0, b""
                 if member is not ns:
                     hits = min(hits, len(self._leading_usable(member, keys[:hits])))
-        return self._answer(own[:hits], promote)
+        return self._answer(own[:hits], promote, request_id)
 
     async def lookup_group(
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True
@@ -171,9 +171,9 @@ class BlockStore:
         except PoolUnavailableError as exc:
             log.debug("group lookup fell back to the local tiers: %s", exc)
             return self.lookup(ns, keys, promote=promote)
-        self.prefetcher.on_lookup(ns, keys)
+        request_id = self.prefetcher.on_lookup(ns, keys)
         own = self._leading_usable(ns, keys[:group_hits])
-        return self._answer(own, promote)
+        return self._answer(own, promote, request_id)
 
     def needs_group_lookup(self, ns: Namespace) -> bool:
         return self.pool is not None and self.pool.group_lookup(ns)
@@ -187,35 +187,38 @@ class BlockStore:
                 return found[:i]
         return found
 
-    def _answer(self, own: list[Block], promote: bool) -> tuple[int, bytes]:
+    def _answer(self, own: list[Block], promote: bool, request_id: int) -> tuple[int, bytes]:
         if promote:
-            self.prefetch(own)
+            self.prefetch(own, request_id)
         dram, nvme, pool = int(ServedBy.DRAM), int(ServedBy.NVME), int(ServedBy.POOL)
         tiers = bytes(
             [dram if b.dram is not None else nvme if b.lower is not None else pool for b in own]
         )
         return len(own), tiers
 
-    def prefetch(self, blocks: list[Block]) -> int:
-        """Start promoting the non-resident ``blocks`` into DRAM, first block first."""
+    def prefetch(self, blocks: list[Block], request_id: int = -1) -> int:
+        """Start promoting the non-resident ``blocks`` into DRAM, first block first.
+        ``request_id``: the LOOKUP whose chain ``blocks`` is (from its head), which the policy
+        has observed already, so a promotion is not a reference of its own."""
         started = 0
-        for block in blocks:
+        for position, block in enumerate(blocks):
             if block.resident or block.loading is not None or self._tg is None:
                 continue
             block.prefetched = True
-            self._tg.start_soon(self._prefetch_one, block)
+            context = AccessContext(request_id, position=position)
+            self._tg.start_soon(self._prefetch_one, block, context)
             started += 1
         self.counters["prefetch_promoted"] += started
         return started
 
-    async def _prefetch_one(self, block: Block) -> None:
+    async def _prefetch_one(self, block: Block, context: AccessContext) -> None:
         limit = self._promote_limit
         try:  # acquire() yields to the loop even when a token is free: try without first
             limit.acquire_nowait()
         except anyio.WouldBlock:
             await limit.acquire()
         try:
-            await self._make_resident(block)
+            await self._make_resident(block, context=context)
         except KvtierError as exc:
             log.debug("prefetch of a block failed: %s", exc)
         finally:
@@ -232,20 +235,23 @@ class BlockStore:
             blocks.append(block)
         for block in blocks:
             block.pins += 1
+        request_id = self.prefetcher.request_for_read(ns, keys)
         try:
-            missing = [b for b in blocks if not b.resident]
+            missing = [(i, b) for i, b in enumerate(blocks) if not b.resident]
             self.counters["dram_hits"] += len(blocks) - len(missing)
             if missing:  # DRAM hits need no task: the common case stays cheap
                 self.demand_promotions += 1
                 try:
-                    await self._make_all_resident(missing)
+                    await self._make_all_resident(
+                        [(b, AccessContext(request_id, position=i)) for i, b in missing]
+                    )
                 finally:
                     self.demand_promotions -= 1
         except BaseException:
             for block in blocks:
                 self._unpin(block)
             raise
-        return self._lease(owner, ns, keys, blocks)
+        return self._lease(owner, blocks, request_id)
 
     def lease_resident(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease | None:
         """Lease the leading ``keys`` that are in DRAM now, stopping at the first that is not
@@ -263,34 +269,37 @@ class BlockStore:
         for block in blocks:
             block.pins += 1
         self.counters["dram_hits"] += len(blocks)
-        return self._lease(owner, ns, keys[: len(blocks)], blocks)
-
-    def _lease(self, owner: Owner, ns: Namespace, keys: list[bytes], blocks: list[Block]) -> Lease:
-        """Note the (pinned) ``blocks`` read and lease them to ``owner``."""
-        now = time.monotonic()
         request_id = self.prefetcher.request_for_read(ns, keys)
+        if len(blocks) < len(keys):  # the rest is READ later, as part of the same request
+            self.prefetcher.hand_on(ns, keys[len(blocks)], request_id)
+        return self._lease(owner, blocks, request_id)
+
+    def _lease(self, owner: Owner, blocks: list[Block], request_id: int) -> Lease:
+        """Note the (pinned) ``blocks`` read as part of request ``request_id`` and lease them
+        to ``owner``."""
+        now = time.monotonic()
         for position, block in enumerate(blocks):
             self._note_read(block, now, AccessContext(request_id, position=position))
         lease = Lease(Owner.next_id(), blocks)
         owner.leases[lease.id] = lease
         return lease
 
-    async def _make_all_resident(self, blocks: list[Block]) -> None:
+    async def _make_all_resident(self, blocks: list[tuple[Block, AccessContext]]) -> None:
         """Promote concurrently (the disk wants queue depth); raise the first failure."""
         if len(blocks) == 1:  # no task group for one block: the common small READ
-            await self._make_resident(blocks[0], wait=True)
+            await self._make_resident(blocks[0][0], wait=True, context=blocks[0][1])
             return
         errors: list[KvtierError] = []
 
-        async def one(block: Block) -> None:
+        async def one(block: Block, context: AccessContext) -> None:
             try:
-                await self._make_resident(block, wait=True)
+                await self._make_resident(block, wait=True, context=context)
             except KvtierError as exc:
                 errors.append(exc)
 
         async with anyio.create_task_group() as tg:
-            for block in blocks:
-                tg.start_soon(one, block)
+            for block, context in blocks:
+                tg.start_soon(one, block, context)
         if errors:
             raise errors[0]
 
@@ -317,9 +326,12 @@ class BlockStore:
             released += 1
         return released
 
-    async def _make_resident(self, block: Block, *, wait: bool = False) -> None:
+    async def _make_resident(
+        self, block: Block, *, wait: bool = False, context: AccessContext | None = None
+    ) -> None:
         """Promote ``block`` into DRAM. ``wait``: a demand read, which may wait (up to
-        ``alloc_wait_s``) for write-back to free a slot rather than fail with ENOSPC."""
+        ``alloc_wait_s``) for write-back to free a slot rather than fail with ENOSPC.
+        ``context``: the request it is promoted for, if any (told to the DRAM policy)."""
         while block.loading is not None:
             await block.loading.wait()
         if block.forgotten:
@@ -356,7 +368,7 @@ class BlockStore:
                 raise
             block.dram = slot
             block.ns.dram_blocks += 1
-            self.dram_policy.inserted(block, time.monotonic())
+            self.dram_policy.inserted(block, time.monotonic(), context)
             self.counters["pool_hits" if from_pool else "lower_hits"] += 1
             self.counters["promotions"] += 1
         finally:
