@@ -51,6 +51,7 @@ from kvtierd.protocol.messages import (
     PoolStatusReply,
     PoolStatusRequest,
     ReadReply,
+    ReadResidentReply,
     ReleaseRequest,
     StatfsReply,
     StatfsRequest,
@@ -60,6 +61,8 @@ __all__ = ["AsyncClient", "AsyncNamespace", "connect_async"]
 
 T = TypeVar("T")
 _RECEIVE_BYTES = 1 << 16
+#: How long a cancelled operation may take to give back what it was granted.
+_UNWIND_S = 5.0
 
 
 class _Waiter:
@@ -140,11 +143,37 @@ class AsyncClient:
                     reply = await self._call(*call)
                 except KvtierError as exc:
                     call = op.throw(exc)
+                except BaseException as exc:  # cancelled while waiting for the reply
+                    await self._unwind(op, exc)
+                    raise
                 else:
                     call = op.send(reply)
         except StopIteration as stop:
             result: T = stop.value
             return result
+
+    async def _unwind(self, op: ops.Op[Any], exc: BaseException) -> None:
+        """An operation interrupted while it waited: let its clean-up (giving back the leases
+        and writes that earlier replies of a multi-request operation granted) run to its end,
+        shielded from the cancellation and bounded in time. The interrupted request's own
+        reply is given back when it arrives (``_clean_up``)."""
+        with anyio.move_on_after(_UNWIND_S, shield=True):
+            try:
+                call = op.throw(exc)
+                while True:
+                    if isinstance(call, ops.NoWait):
+                        await self._send_only(call.message, call.ns)
+                        call = op.send(None)
+                        continue
+                    try:
+                        reply = await self._call(*call)
+                    except KvtierError as error:
+                        call = op.throw(error)
+                    else:
+                        call = op.send(reply)
+            except BaseException:  # the operation re-raised: its clean-up is done
+                return
+        op.close()
 
     async def _handshake(self, client_name: str) -> None:
         _, frame = self._conn.request(init_request(client_name))
@@ -206,7 +235,9 @@ class AsyncClient:
     def _clean_up(self, event: ReplyReceived) -> None:
         message = event.message
         with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
-            if isinstance(message, ReadReply):
+            if isinstance(message, ReadReply) or (
+                isinstance(message, ReadResidentReply) and message.lease
+            ):
                 self._janitor_send.send_nowait(ReleaseRequest([message.lease]))
             elif isinstance(message, AllocReply):
                 self._janitor_send.send_nowait(CommitRequest(message.write, abort=True))

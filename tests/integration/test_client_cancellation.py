@@ -18,15 +18,26 @@ BLOCK = 64 << 10
 
 
 @pytest.mark.anyio
-async def test_cancelled_gets_release_their_leases(daemon: DaemonProcess) -> None:
+@pytest.mark.parametrize(
+    ("keys_per_request", "resident_only"),
+    [(None, False), (None, True), (3, False), (3, True)],
+    ids=["read", "read-resident", "read-in-3", "read-resident-in-3"],
+)
+async def test_cancelled_gets_release_their_leases(
+    daemon: DaemonProcess, keys_per_request: int | None, resident_only: bool
+) -> None:
+    """Cancelled at any moment, also between the requests of one lease that takes several
+    (``keys_per_request``): every lease granted is given back."""
     rng = random.Random(5)
     async with connect_async(daemon.socket) as client:
         ns = await client.namespace("t", block_bytes=BLOCK)
         keys = chain_keys(range(16 * 8), 16, ns.key_salt)
         await ns.put(keys, [np.full(BLOCK, 3, np.uint8)] * 8)
+        if keys_per_request is not None:
+            client.max_keys = keys_per_request
         for _ in range(200):
             with anyio.move_on_after(rng.uniform(0, 0.002)):
-                async with ns.get(keys):
+                async with ns.lease(keys, resident_only=resident_only):
                     await anyio.lowlevel.checkpoint()
         await ns.lookup(keys)  # the janitor's releases are ahead of this on the connection
         for _ in range(100):
