@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import threading
 from collections.abc import Iterator, Sequence
@@ -149,6 +150,20 @@ class Client:
         if self._arena is None:
             raise BrokenConnectionError("the client is closed")
         return self._arena
+
+    def connected(self) -> bool:
+        """Whether the connection is still open at both ends, without reading from it (a
+        ``poll`` for hang-up, which sees the daemon's close even behind unread replies). Leases
+        last as long as the connection: an engine that keeps views across calls checks this
+        before it trusts them."""
+        if self._sock.fileno() < 0:
+            return False
+        poller = select.poll()
+        poller.register(self._sock, select.POLLRDHUP)
+        return not any(
+            events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
+            for _, events in poller.poll(0)
+        )
 
     # -- API ---------------------------------------------------------------------------------
 

@@ -50,10 +50,11 @@ tier, for the whole TP group, and it starts promoting NVMe hits into DRAM at onc
 engine pins what its lookup found until it has retrieved it (``pin=True``, undone by
 ``unpin``): the hits already in DRAM are then leased at once (READ_RESIDENT), so no eviction can
 take them, and the retrieve turns them into memory objects with no request to the daemon
-(about 0.15-0.2 ms saved per chunk). Each pin keeps its lease until it is undone and every
-object made from it is freed; at most half the arena is pinned, past that a pin is
-just the lookup. Hits on NVMe are not pinned: blocks leave DRAM for NVMe, not for nowhere, and
-a block that did vanish is a shorter hit at READ.
+(about 0.15-0.2 ms saved per chunk). Each lease lasts until its pins are undone and every
+object made from it is freed; pin leases hold at most half the arena, past that a pin is just
+the lookup (:mod:`kvtierd.engines.lmcache_pins`). Hits on NVMe are not leased: blocks leave
+DRAM for NVMe, not for nowhere, and a block that did vanish is a shorter hit at READ. With
+``local_cpu: true`` (reads copied out) a pin is only the lookup.
 
 *Keys and namespaces* come from LMCache's ``CacheEngineKey`` and metadata without re-hashing
 (:mod:`kvtierd.engines.lmcache_keys`).
@@ -83,6 +84,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from kvtierd.client import Client, Namespace, connect, ops
 from kvtierd.engines.lmcache_keys import NamespaceSpec, block_key, namespace_spec
+from kvtierd.engines.lmcache_pins import PinTable, SharedLease
 from kvtierd.errors import (
     BlockNotFoundError,
     BrokenConnectionError,
@@ -117,36 +119,6 @@ class BackendStatistics:
     errors: int
 
 
-class _SharedLease:
-    """A lease with several holders: the memory objects made from it (it is their "allocator",
-    so LMCache's ``free`` lets go of one) and the keys LMCache pinned with it. RELEASEd when the
-    last holder lets go."""
-
-    def __init__(self, release: Callable[[], object], holders: int) -> None:
-        self._release = release
-        self._holders = holders
-        self._lock = threading.Lock()
-
-    def hold(self) -> None:
-        with self._lock:
-            self._holders += 1
-
-    def let_go(self) -> None:
-        with self._lock:
-            self._holders -= 1
-            if self._holders:
-                return
-        with contextlib.suppress(KvtierError):  # a closed connection released it already
-            self._release()
-
-    def free(self, memory_obj: Any) -> None:
-        with self._lock:
-            if not memory_obj.is_valid():  # freed already (LMCache's __del__ frees again)
-                return
-            memory_obj.invalidate()
-        self.let_go()
-
-
 @dataclass
 class _Session:
     """One connection to the daemon, its arena as a tensor, and the namespaces opened on it."""
@@ -155,20 +127,17 @@ class _Session:
     arena: torch.Tensor
     namespaces: dict[tuple[Any, ...], Namespace] = field(default_factory=dict)
     cuda_registered: int = 0
-    #: LMCache's lookup pins held on this connection: (ns handle, block key) -> one (lease,
-    #: extent) per pin, newest last. A key pinned twice is in two leases.
-    pins: dict[tuple[int, bytes], list[tuple[_SharedLease, Extent]]] = field(default_factory=dict)
-    pinned_blocks: int = 0
-    pins_lock: threading.Lock = field(default_factory=threading.Lock)
+    pins: PinTable = field(default_factory=lambda: PinTable(0))
 
     @classmethod
-    def open(cls, socket_path: str | None) -> _Session:
+    def open(cls, socket_path: str | None, chunk_bytes: int) -> _Session:
         client = connect(socket_path, client_name="kvtierd-lmcache")
         with warnings.catch_warnings():
             # The shared arena is read-only in this process; only ever read through this tensor.
             warnings.filterwarnings("ignore", message=".*not writable.*")
             arena = torch.frombuffer(client.arena_buffer(), dtype=torch.uint8)
-        session = cls(client, arena)
+        arena_blocks = client.arena.size_bytes // chunk_bytes
+        session = cls(client, arena, pins=PinTable(arena_blocks // _PIN_ARENA_SHARE))
         if torch.cuda.is_available():  # pinned: copies to HBM are DMA with no staging copy
             cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
             status = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
@@ -234,7 +203,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
     def _session(self) -> _Session:
         with self._lock:
             if self._session_now is None:
-                self._session_now = _Session.open(self._socket)
+                self._session_now = _Session.open(self._socket, self._chunk_bytes)
             return self._session_now
 
     def _drop(self, session: _Session | None) -> None:
@@ -315,38 +284,45 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         (READ_RESIDENT), so retrieving them needs no READ."""
         self._counts["lookups"] += 1
 
+        pin = pin and self._zero_copy  # copied-out reads would not use a pin's lease
+
         def lookup(session: _Session) -> int:
             hits = 0
-            for ns, idx in self._runs(session, keys):
-                block_keys = [block_key(keys[i].chunk_hash) for i in idx]
-                found = ns.lookup(block_keys)
-                if pin and found:
-                    self._pin(session, ns, block_keys[:found])
-                hits += found
-                if found < len(idx):
-                    break
+            pinned: list[Any] = []
+            try:
+                for ns, idx in self._runs(session, keys):
+                    block_keys = [block_key(keys[i].chunk_hash) for i in idx]
+                    found = ns.lookup(block_keys)
+                    if pin and found:
+                        pinned += self._pin(session, ns, block_keys[:found])
+                    hits += found
+                    if found < len(idx):
+                        break
+            except BaseException:  # answered as a miss: LMCache will not unpin these
+                session.pins.undo(pinned)
+                raise
             return hits
 
         return self._call("lookup", lookup, 0) if keys else 0
 
-    def _pin(self, session: _Session, ns: Namespace, keys: list[bytes]) -> None:
-        """Lease the leading ``keys`` that are in DRAM, one pin each. At most half the
-        arena is pinned this way (pins LMCache never undoes must not starve the arena); past
-        that a pin is only the lookup, as before READ_RESIDENT."""
-        budget = session.client.arena.size_bytes // self._chunk_bytes // _PIN_ARENA_SHARE
-        with session.pins_lock:
-            keys = keys[: max(0, budget - session.pinned_blocks)]
-        if not keys:
-            return
-        lease = ns.acquire(keys, resident_only=True)
-        if not lease.extents:
-            return
-        shared = _SharedLease(lease.release, len(lease.extents))
-        handle = ns.handle.ns
-        with session.pins_lock:
-            for key, extent in zip(lease.keys, lease.extents, strict=True):
-                session.pins.setdefault((handle, key), []).append((shared, extent))
-            session.pinned_blocks += len(lease.extents)
+    def _pin(self, session: _Session, ns: Namespace, keys: list[bytes]) -> list[Any]:
+        """One pin per hit (:mod:`kvtierd.engines.lmcache_pins`): the leading ones in DRAM
+        leased at once (READ_RESIDENT) within the pin budget, the others empty."""
+        reserved = session.pins.reserve(len(keys))
+        lease = None
+        if reserved:
+            try:
+                lease = ns.acquire(keys[:reserved], resident_only=True)
+            except BaseException:
+                session.pins.unreserve(reserved)
+                raise
+            if any(e.length != self._chunk_bytes for e in lease.extents):
+                lease.release()
+                session.pins.unreserve(reserved)
+                raise RemoteProtocolError(
+                    f"the daemon answered blocks that are not {self._chunk_bytes} bytes"
+                )
+        return session.pins.add(ns.handle.ns, keys, lease, reserved)
 
     def contains(self, key: Any, pin: bool = False) -> bool:
         return self.batched_contains([key], pin) == 1
@@ -371,17 +347,8 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
             return True
         ident = (key.model_name, key.world_size, key.worker_id, key.dtype, key.tags)
         ns = session.namespaces.get(ident)
-        if ns is None:
-            return True
-        with session.pins_lock:
-            held = session.pins.get((ns.handle.ns, block_key(key.chunk_hash)))
-            if not held:
-                return True
-            shared, _ = held.pop()
-            if not held:
-                del session.pins[(ns.handle.ns, block_key(key.chunk_hash))]
-            session.pinned_blocks -= 1
-        shared.let_go()
+        if ns is not None:
+            session.pins.unpin(ns.handle.ns, block_key(key.chunk_hash))
         return True
 
     def touch_cache(self) -> None:
@@ -481,7 +448,8 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         arena_blocks = max(1, session.client.arena.size_bytes // self._chunk_bytes)
         lease_budget = arena_blocks // 2 if self._zero_copy else 0
         objs: list[Any] = self._pinned_objects(session, ns, keys) if self._zero_copy else []
-        lease_budget += len(objs)
+        # pins hold part of that half already: READs lease the rest of it, copies beyond
+        lease_budget = len(objs) + max(0, lease_budget - session.pins.held_blocks)
         while len(objs) < len(keys):
             zero_copy = len(objs) < lease_budget
             step = lease_budget - len(objs) if zero_copy else max(1, arena_blocks // 8)
@@ -494,18 +462,16 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
 
     def _pinned_objects(self, session: _Session, ns: Namespace, keys: list[bytes]) -> list[Any]:
         """Memory objects for the leading ``keys`` a lookup pinned: each holds its lease until
-        LMCache frees it, whether or not the pin is undone first."""
-        objs: list[Any] = []
-        with session.pins_lock:
-            for key in keys:
-                held = session.pins.get((ns.handle.ns, key))
-                if not held:
-                    break
-                shared, e = held[-1]
-                shared.hold()
-                view = session.arena[e.offset : e.offset + e.length]
-                objs.append(TensorMemoryObj(view, self._meta(e), shared))
-        self._counts["pinned_chunks"] += len(objs)
+        LMCache frees it, whether or not the pin is undone first. None once the daemon has
+        closed the connection: it released the leases then, and may reuse their slots."""
+        if not session.client.connected():
+            return []
+        objs = [
+            TensorMemoryObj(session.arena[e.offset : e.offset + e.length], self._meta(e), lease)
+            for lease, e in session.pins.take(ns.handle.ns, keys)
+        ]
+        with self._lock:
+            self._counts["pinned_chunks"] += len(objs)
         return objs
 
     def _read_batch(
@@ -531,7 +497,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
                 f"the daemon answered blocks that are not {self._chunk_bytes} bytes"
             )
         if zero_copy:
-            owner = _SharedLease(lambda: client.run(ops.release(leases)), len(extents))
+            owner = SharedLease(lambda: client.run(ops.release(leases)), len(extents))
             return [
                 TensorMemoryObj(session.arena[e.offset : e.offset + e.length], self._meta(e), owner)
                 for e in extents

@@ -226,6 +226,37 @@ def test_lookup_pins_hold_the_dram_hits_until_retrieved(
         assert _no_leases_soon(client)
 
 
+def test_unpinning_a_chunk_found_on_nvme_leaves_other_lookups_pins(
+    engine: Engine, daemon: DaemonProcess
+) -> None:
+    ids, kv = tokens(512), random_kv(512, seed=6)
+    engine.store(ids, kv)
+    keys = [block_key(k.chunk_hash) for k in engine.keys(ids)]
+    with connect(daemon.socket) as client:
+        client.fsync()
+        client.evict()
+        ns = engine.namespace(client, ids)
+        # request 1 finds every chunk on NVMe (its pins lease nothing) and promotes them
+        assert engine.engine.lookup(ids, lookup_id="request-1", pin=True) == 512
+        deadline = time.monotonic() + 30
+        while ns.lookup_tiers(keys, promote=False) != ["dram"] * 32:
+            assert time.monotonic() < deadline, "LOOKUP's promotions did not finish"
+            time.sleep(0.01)
+        assert client.stats()["leased_blocks"] == 0
+        # request 2 finds them in DRAM and leases them
+        assert engine.engine.lookup(ids, lookup_id="request-2", pin=True) == 512
+        assert client.stats()["leased_blocks"] == 32
+        engine.engine.lookup_unpin("request-1")  # must not take request 2's pins
+        time.sleep(0.3)  # a RELEASE it sent would have reached the daemon by now
+        assert client.stats()["leased_blocks"] == 32
+        mask, out = engine.retrieve(ids)
+        assert bool(mask.all())
+        assert same_bytes(out, kv)
+        assert engine.backend.statistics().pinned_chunks == 32
+        engine.engine.lookup_unpin("request-2")
+        assert _no_leases_soon(client)
+
+
 def _no_leases_soon(client: Any) -> bool:
     """RELEASE goes out without waiting for its reply, on the backend's own connection, so
     another connection sees it take effect a moment later."""

@@ -154,10 +154,13 @@ async def test_read_resident_leases_the_leading_dram_hits_and_never_waits(tmp_pa
             async with ns.get(keys[:3]) as _:  # READ promotes the first three
                 pass
             assert await ns.lookup_tiers(keys, promote=False) == ["dram"] * 3 + ["nvme"] * 3
+            promotions = (await client.stats())["promotions"]
             async with ns.lease([*keys, b"never-stored-key"], resident_only=True) as lease:
                 assert lease.keys == keys[:3]
                 assert [bytes(v) for v in lease.views] == [b.tobytes() for b in blocks[:3]]
                 # a READ_RESIDENT promotes nothing: the NVMe blocks stay where they were
+                await anyio.sleep(0.2)  # (a promotion it had started would be done by now)
+                assert (await client.stats())["promotions"] == promotions
                 assert await ns.lookup_tiers(keys, promote=False) == ["dram"] * 3 + ["nvme"] * 3
                 # and what it holds is leased: EVICT cannot take it
                 await client.evict()
@@ -189,3 +192,19 @@ def test_read_resident_sync_client_and_an_older_daemon(tmp_path: Path) -> None:
         assert lease.extents == []
         lease.release()
         assert client.stats()["leases"] == 0
+
+
+def test_connected_sees_the_daemon_close_behind_unread_replies(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path / "kvtierd").start()
+    try:
+        client = connect(daemon.socket)
+        ns = client.namespace("alive", block_bytes=MIB)
+        ns.put([b"alive-key-00001"], [np.zeros(MIB, np.uint8)])
+        with ns.get([b"alive-key-00001"]):
+            pass  # its RELEASE is answered, and nobody reads that reply
+        assert client.connected()
+        daemon.stop()
+        assert not client.connected()
+        client.close()
+    finally:
+        daemon.kill()
