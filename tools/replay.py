@@ -13,6 +13,12 @@ references per second with every call into the policy timed, and memory per trac
 draws ``docs/benchmarks/slsap_replay.png`` and, with ``--record``, writes the ``slsap_replay``
 section of ``docs/benchmarks.md``.
 
+    python tools/replay.py --workloads [--record]
+
+runs every policy at the same capacities on three seeded workload-model traces (conversation,
+agent, RAG; ``kvtierd.replay.workloads``), the check that SLSAP's defaults are not fitted to the
+one real trace, and records the ``slsap_workloads`` section.
+
     python tools/replay.py --mode daemon --requests 1000 [--capacity 0.10] [--speed 4] [--record]
 
 replays against a real kvtierd (64 KiB blocks) with a queue-and-prefill-rate engine model, SLSAP
@@ -60,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--block-bytes", type=int, default=65536)
     parser.add_argument("--json", action="store_true", help="one JSON object on one line")
     parser.add_argument("--sweep", action="store_true", help="the benchmark: all policies, 4 sizes")
+    parser.add_argument(
+        "--workloads", action="store_true", help="all policies, 4 sizes, workload-model traces"
+    )
     parser.add_argument("--record", action="store_true", help="record the results in docs/")
     parser.add_argument("--mode", choices=("simulation", "daemon"), default="simulation")
     parser.add_argument("--requests", type=int, default=0, help="replay only the first N")
@@ -71,6 +80,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="daemon mode: the engine model's prefill rate",
     )
     args = parser.parse_args(argv)
+    if args.workloads:
+        from replay_workloads import record_workloads_mode, workloads_mode
+
+        result = workloads_mode(SWEEP_CAPACITIES, args.block_bytes)
+        if args.record:
+            record_workloads_mode(result)
+        benchlib.emit(result, args.json)
+        return 0
     requests = read_mooncake(args.trace)
     if args.requests:
         requests = requests[: args.requests]
