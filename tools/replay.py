@@ -39,6 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchlib
+from replay_plot import draw_hit_ratios
 
 from kvtierd.replay import (
     ArrivalFeed,
@@ -232,25 +233,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = [100 * row["capacity"] for row in result["capacities"]]
-    for policy in ALL_POLICIES:
-        ys = [row["hit_ratio"][policy.value] for row in result["capacities"]]
-        label = f"{policy.value} (offline, sees the future)" if policy.offline else policy.value
-        style = "--" if policy.offline else "-"
-        ax.plot(
-            xs,
-            ys,
-            style,
-            marker="o",
-            label=label,
-            linewidth=2.2 if policy.value == "slsap" else 1.2,
-        )
-    ax.set_xscale("log")
-    ax.set_xticks(xs, [f"{x:g}%" for x in xs])
-    ax.set_xlabel("DRAM capacity (share of distinct blocks)")
+    draw_hit_ratios(ax, result["capacities"])
     ax.set_ylabel("block hit ratio")
     ax.set_title("Mooncake FAST'25 synthetic trace: hit ratio vs capacity")
-    ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import benchlib
+from replay_plot import draw_hit_ratios
 
 from kvtierd.replay import PolicyName, capacity_in_blocks, simulate
 from kvtierd.replay.workloads import KINDS, workload_trace
@@ -67,23 +68,8 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     traces = result["traces"]
     fig, axes = plt.subplots(1, len(traces), figsize=(4.2 * len(traces), 3.8), squeeze=False)
     for ax, trace in zip(axes[0], traces, strict=True):
-        xs = [100 * row["capacity"] for row in trace["capacities"]]
-        for policy in PolicyName:
-            ys = [row["hit_ratio"][policy.value] for row in trace["capacities"]]
-            ax.plot(
-                xs,
-                ys,
-                "--" if policy.offline else "-",
-                marker="o",
-                markersize=3,
-                label=f"{policy.value} (offline)" if policy.offline else policy.value,
-                linewidth=2.2 if policy.value == "slsap" else 1.0,
-            )
-        ax.set_xscale("log")
-        ax.set_xticks(xs, [f"{x:g}%" for x in xs])
+        draw_hit_ratios(ax, trace["capacities"], markersize=3)
         ax.set_title(f"{trace['kind']} ({trace['references']:,} references)", fontsize=10)
-        ax.set_xlabel("capacity (share of distinct blocks)")
-        ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("block hit ratio")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()

@@ -132,8 +132,16 @@ class AsyncClient:
                 raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
 
     async def run(self, op: ops.Op[T]) -> T:
+        """Drive a sans-IO operation to its result."""
         try:
             call = next(op)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+        return await self._drive(op, call)
+
+    async def _drive(self, op: ops.Op[T], call: ops.Call, *, unwinding: bool = False) -> T:
+        try:
             while True:
                 if isinstance(call, ops.NoWait):
                     await self._send_only(call.message, call.ns)
@@ -144,7 +152,8 @@ class AsyncClient:
                 except KvtierError as exc:
                     call = op.throw(exc)
                 except BaseException as exc:  # cancelled while waiting for the reply
-                    await self._unwind(op, exc)
+                    if not unwinding:
+                        await self._unwind(op, exc)
                     raise
                 else:
                     call = op.send(reply)
@@ -157,22 +166,11 @@ class AsyncClient:
         and writes that earlier replies of a multi-request operation granted) run to its end,
         shielded from the cancellation and bounded in time. The interrupted request's own
         reply is given back when it arrives (``_clean_up``)."""
-        with anyio.move_on_after(_UNWIND_S, shield=True):
-            try:
-                call = op.throw(exc)
-                while True:
-                    if isinstance(call, ops.NoWait):
-                        await self._send_only(call.message, call.ns)
-                        call = op.send(None)
-                        continue
-                    try:
-                        reply = await self._call(*call)
-                    except KvtierError as error:
-                        call = op.throw(error)
-                    else:
-                        call = op.send(reply)
-            except BaseException:  # the operation re-raised: its clean-up is done
-                return
+        with (
+            anyio.move_on_after(_UNWIND_S, shield=True),
+            contextlib.suppress(BaseException),  # the operation re-raised: clean-up done
+        ):
+            await self._drive(op, op.throw(exc), unwinding=True)
         op.close()
 
     async def _handshake(self, client_name: str) -> None:

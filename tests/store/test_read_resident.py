@@ -5,60 +5,67 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import anyio
 import pytest
 
 from kvtierd.slsap import SlsapPolicy
 from kvtierd.store.index import Owner
+from kvtierd.store.namespaces import Namespace
+from kvtierd.store.store import BlockStore
 from tests.store.test_store_pressure import key_of, put, small_store
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 
+async def on_nvme_only(store: BlockStore, ns: Namespace, count: int) -> list[bytes]:
+    """``count`` blocks written, made durable and evicted from DRAM; the policy's events so far
+    delivered."""
+    owner = Owner()
+    keys = [key_of(i) for i in range(count)]
+    for key in keys:
+        await put(store, owner, ns, key)
+    await store.fsync()
+    store.evict_dram(ns)
+    store.dram_policy.flush()
+    return keys
+
+
+def references(store: BlockStore) -> int:
+    """The references the DRAM tier's reuse model has observed (its events delivered first)."""
+    store.dram_policy.flush()
+    policy = store.dram_policy.policy
+    assert isinstance(policy, SlsapPolicy)
+    return policy.statistics().references
+
+
 async def test_lookup_read_resident_then_read_is_one_request(tmp_path: Path) -> None:
     async with small_store(tmp_path, 1 << 20) as (store, ns):
         owner = Owner()
-        keys = [key_of(i) for i in range(6)]
-        for key in keys:
-            await put(store, owner, ns, key)
-        await store.fsync()
-        store.evict_dram(ns)
+        keys = await on_nvme_only(store, ns, 6)
         held = await store.read(owner, ns, keys[:3])  # the first three back in DRAM
         store.release(owner, [held.id])
-        policy = store.dram_policy.policy
-        assert isinstance(policy, SlsapPolicy)
         hits, _ = store.lookup(ns, keys, promote=False)
         assert hits == 6
-        store.dram_policy.flush()
-        observed = policy.statistics().references
+        observed = references(store)
         lease = store.lease_resident(owner, ns, keys)
         assert lease is not None
         assert [b.key for b in lease.blocks] == keys[:3]
         rest = await store.read(owner, ns, keys[3:])
-        store.dram_policy.flush()
         # one LOOKUP, one request: neither the partial lease nor the READ of the rest was
         # observed as a request of its own
-        assert policy.statistics().references == observed
+        assert references(store) == observed
         store.release(owner, [lease.id, rest.id])
         assert store.lease_resident(owner, ns, [b"not-stored" + bytes(6)]) is None
 
 
 async def test_a_lookup_promotion_is_not_a_second_reference(tmp_path: Path) -> None:
     async with small_store(tmp_path, 1 << 20) as (store, ns):
-        owner = Owner()
-        keys = [key_of(i) for i in range(4)]
-        for key in keys:
-            await put(store, owner, ns, key)
-        await store.fsync()
-        store.evict_dram(ns)
-        policy = store.dram_policy.policy
-        assert isinstance(policy, SlsapPolicy)
-        store.dram_policy.flush()
-        before = policy.statistics().references
+        keys = await on_nvme_only(store, ns, 4)
+        before = references(store)
         store.lookup(ns, keys)  # observes the chain, promotes its four blocks
-        with anyio.fail_after(30):
-            while any(b.dram is None for k in keys if (b := store.index.get(ns, k))):
-                await anyio.sleep(0.01)
-        store.dram_policy.flush()
-        # one reference per block for the LOOKUP, none for the promotions it started
-        assert policy.statistics().references - before == len(keys)
+        owner = Owner()
+        lease = await store.read(owner, ns, keys)  # waits for those promotions
+        assert all(block.dram is not None for block in lease.blocks)
+        # one reference per block for the LOOKUP, none for the promotions it started nor for
+        # the READ of its chain
+        assert references(store) - before == len(keys)
+        store.release(owner, [lease.id])
