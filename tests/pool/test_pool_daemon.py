@@ -726,8 +726,11 @@ def test_cluster_of_three_masters_attach_write_wipe_restore(lab: Lab, fleet: Fle
     assert sum(1 for count in per_master if count) >= 2, per_master
 
     restart_group_wiped(ranks)
+    # On a loaded machine a heartbeat can miss its 1 s command timeout right after the attach:
+    # that rank turns local (0 across hosts) until the group decides again. Wait for the
+    # group's answer, then check what each rank restored.
+    wait_until(lambda: group_lookups(ranks, chain) == [8, 8], "group lookups restored", ranks)
     for made in ranks:
         with made.ns() as ns:
-            assert ns.lookup_tiers(chain, promote=False) == ["pool"] * 8
+            assert ns.lookup_tiers(chain, promote=False) == ["pool"] * 8, tails(ranks)
             assert_exact(ns, made.rank, chain)
-    assert group_lookups(ranks, chain) == [8, 8]
