@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from kvtierd.slsap.blocktable import VERSION_MASK, BlockTable
 from kvtierd.slsap.reuse import ReuseModel, block_class_of, request_block_classes
-from kvtierd.store.policy import AccessContext, CachePolicy
+from kvtierd.store.policy import PROMOTED_REQUEST, AccessContext, CachePolicy
 
 __all__ = ["SlsapConfig", "SlsapPolicy", "SlsapStatistics"]
 
@@ -141,7 +141,8 @@ class SlsapPolicy(CachePolicy):
 
     def _observe_one(self, block: Hashable, context: AccessContext | None) -> int:
         """The slot of ``block``, observing it as a one-block reference unless the request in
-        ``context`` already named it through :meth:`observe_request`. Scalar code throughout:
+        ``context`` already named it through :meth:`observe_request`, or ``context`` is a
+        promotion (``PROMOTED_REQUEST``: in the tier, not read). Scalar code throughout:
         this runs for every block a store inserts or reads, where numpy's per-call overhead
         would dominate."""
         rid = context.request_id if context is not None else -1
@@ -151,6 +152,8 @@ class SlsapPolicy(CachePolicy):
             return slot
         if slot < 0:
             slot = t.slot_for(block)
+        if rid == PROMOTED_REQUEST:  # promoted into the tier, not read: no reference
+            return slot
         self._clock += 1
         self._references += 1
         count = t.count_cells[slot]

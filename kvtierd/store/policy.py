@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["AccessContext", "CachePolicy", "LruPolicy", "ServedBy"]
+__all__ = ["PROMOTED_REQUEST", "PROMOTION", "AccessContext", "CachePolicy", "LruPolicy", "ServedBy"]
 
 
 class ServedBy(enum.IntEnum):
@@ -42,6 +42,12 @@ class AccessContext:
     session: bytes = b""
     position: int = 0
     served_by: ServedBy = ServedBy.DRAM
+
+
+#: ``request_id`` of an insertion that is no access: the block was promoted into the tier
+#: (prefetch, a LOOKUP's or HINT's promotion, a reuse guess) and nobody has read it yet.
+PROMOTED_REQUEST = -2
+PROMOTION = AccessContext(PROMOTED_REQUEST)
 
 
 class CachePolicy(abc.ABC):

@@ -2,8 +2,11 @@
 
 The store calls :meth:`Prefetcher.on_lookup` for every LOOKUP: the request's whole key chain
 goes to the policies that observe requests (the SLSAP reuse model learns from hits and misses
-alike), and the request gets an id that the READ of the same prefix reuses, so one request is
-counted once. HINT's queue goes through the pure :class:`~kvtierd.slsap.planner.PrefetchPlanner`:
+alike), and each block remembers the request that named it, so that its READ is told to the
+policies as part of that request (:meth:`Prefetcher.read_contexts`): one request is counted once.
+Promotions are not accesses (the store inserts them with ``PROMOTION``): only requests and READs
+count as references. HINT's queue goes through the pure
+:class:`~kvtierd.slsap.planner.PrefetchPlanner`:
 requests earliest first, each head first, within ``bandwidth_bytes_s`` for the next second.
 
 While no demand promotion is running, :meth:`Prefetcher.run` asks the DRAM policy for blocks it
@@ -26,13 +29,15 @@ import anyio
 from kvtierd.slsap.planner import PrefetchPlanner, QueuedRequest
 from kvtierd.store.index import Block
 from kvtierd.store.namespaces import Namespace
+from kvtierd.store.policy import AccessContext
 
 if TYPE_CHECKING:
     from kvtierd.store.store import BlockStore
 
 __all__ = ["Prefetcher"]
 
-_RECENT_LOOKUPS = 4096
+#: Blocks named by LOOKUPs whose READs are remembered (the oldest are forgotten first).
+_NAMED_BLOCKS = 1 << 16
 _TICK_S = 0.1
 #: A HINT's queued requests are assumed to start this far apart (the engine gives no times).
 _QUEUE_SPACING_S = 0.05
@@ -45,7 +50,9 @@ class Prefetcher:
         self._store = store
         self.bandwidth_bytes_s = bandwidth_bytes_s
         self._ids = itertools.count(1)
-        self._recent: OrderedDict[Hashable, int] = OrderedDict()
+        #: (namespace digest, key) -> (request id, position, READs still expected) of the
+        #: latest request that named the block.
+        self._named: OrderedDict[tuple[bytes, bytes], tuple[int, int, int]] = OrderedDict()
         self._planners: dict[int, PrefetchPlanner] = {}
         self._scope: anyio.CancelScope | None = None
         self._stopped = False
@@ -53,32 +60,58 @@ class Prefetcher:
         #: disk would promote the evicted blocks straight back as reuse candidates).
         self.reuse_paused = False
 
-    def on_lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        """Report a LOOKUP's chain to the policies; returns the request id for its READ."""
+    def on_lookup(self, ns: Namespace, keys: Sequence[bytes]) -> None:
+        """Report a LOOKUP's (or a queued request's) chain to the policies, and remember which
+        request named each of its blocks, for the READs to come."""
         self.reuse_paused = False
-        request_id = next(self._ids)
+        request_id = self._observe(ns, keys)
+        if request_id < 0:
+            return
+        named = self._named
+        for position, key in enumerate(keys):
+            entry = named.pop((ns.digest, key), None)
+            reads = entry[2] + 1 if entry is not None else 1
+            named[(ns.digest, key)] = (request_id, position, reads)
+        while len(named) > _NAMED_BLOCKS:
+            named.popitem(last=False)
+
+    def _observe(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Give the chain to the policies as one request; its id, or -1 if every policy's
+        sampler turned it away (a LOOKUP storm)."""
         store = self._store
         if not keys or not (store.dram_policy.wants_request or store.lower_policy.wants_request):
-            return request_id
+            return -1
+        request_id = next(self._ids)
         ids = [(ns.digest, key) for key in keys]
         now = time.monotonic()
-        for policy in (self._store.dram_policy, self._store.lower_policy):
+        for policy in (store.dram_policy, store.lower_policy):
             policy.observe_request(ids, now, request_id)
-        self.hand_on(ns, keys[0], request_id)
         return request_id
 
-    def hand_on(self, ns: Namespace, key: bytes, request_id: int) -> None:
-        """The rest of request ``request_id``'s chain, from ``key`` on, will be READ later:
-        that READ belongs to the same request (it was observed once, at its LOOKUP)."""
-        self._recent[(ns.digest, key)] = request_id
-        if len(self._recent) > _RECENT_LOOKUPS:
-            self._recent.popitem(last=False)
-
-    def request_for_read(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        """The id of the LOOKUP that named this prefix; a READ without one is observed as a
-        request of its own (one batched observation instead of one per block)."""
-        request_id = self._recent.pop((ns.digest, keys[0]), -1) if keys else -1
-        return request_id if request_id >= 0 else self.on_lookup(ns, keys)
+    def read_contexts(self, ns: Namespace, keys: Sequence[bytes]) -> list[AccessContext]:
+        """The telemetry of a READ of ``keys``: a block a LOOKUP named (and no READ has taken
+        since) is read as part of that request, which the policies counted already; the others
+        are observed now, together, as one request of their own. So a request is counted once
+        however its READs are cut (batches, READ_RESIDENT then READ) and whatever other
+        requests named the same blocks meanwhile."""
+        contexts: list[AccessContext | None] = []
+        unnamed: list[int] = []
+        named = self._named
+        for i, key in enumerate(keys):
+            entry = named.pop((ns.digest, key), None)
+            if entry is None:
+                contexts.append(None)
+                unnamed.append(i)
+                continue
+            request_id, position, reads = entry
+            if reads > 1:  # other LOOKUPs named it too: their READs are still to come
+                named[(ns.digest, key)] = (request_id, position, reads - 1)
+            contexts.append(AccessContext(request_id, position=position))
+        if unnamed:
+            request_id = self._observe(ns, [keys[i] for i in unnamed])
+            for position, i in enumerate(unnamed):
+                contexts[i] = AccessContext(request_id, position=position)
+        return [c for c in contexts if c is not None]
 
     def plan_queue(self, ns: Namespace, queue: Sequence[Sequence[bytes]]) -> list[Block]:
         """The blocks to promote for an engine's queue (HINT), in the order to promote them."""
@@ -87,10 +120,10 @@ class Prefetcher:
             ns.spec.block_bytes, PrefetchPlanner(ns.spec.block_bytes)
         )
         now = time.monotonic()
+        for keys in queue:  # each queued request is named once, as a LOOKUP names it
+            self.on_lookup(ns, keys)
         queued = [
-            QueuedRequest(
-                self.on_lookup(ns, keys), [(ns.digest, k) for k in keys], now + i * _QUEUE_SPACING_S
-            )
+            QueuedRequest(i, [(ns.digest, k) for k in keys], now + i * _QUEUE_SPACING_S)
             for i, keys in enumerate(queue)
         ]
         plan = planner.plan(

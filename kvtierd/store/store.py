@@ -38,7 +38,7 @@ from kvtierd.store.arena import Arena
 from kvtierd.store.codec import checksum_off_loop
 from kvtierd.store.index import Block, BlockIndex, Lease, Owner, PendingWrite
 from kvtierd.store.namespaces import Namespace, NamespaceRegistry
-from kvtierd.store.policy import AccessContext, CachePolicy, ServedBy
+from kvtierd.store.policy import PROMOTION, AccessContext, CachePolicy, ServedBy
 from kvtierd.store.prefetch import Prefetcher
 from kvtierd.store.slots import Slot, SlotAllocator
 from kvtierd.store.sparse import SparseRetrieval
@@ -148,7 +148,7 @@ class BlockStore:
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True
     ) -> tuple[int, bytes]:
         """Hits for ``ns``'s whole TP group, and the tier of each hit of ``ns``'s own share."""
-        request_id = self.prefetcher.on_lookup(ns, keys)
+        self.prefetcher.on_lookup(ns, keys)
         own = self._leading_usable(ns, keys)
         hits = len(own)
         if ns.spec.world_size > 1:
@@ -157,7 +157,7 @@ class BlockStore:
                     return 0, b""
                 if member is not ns:
                     hits = min(hits, len(self._leading_usable(member, keys[:hits])))
-        return self._answer(own[:hits], promote, request_id)
+        return self._answer(own[:hits], promote)
 
     async def lookup_group(
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True
@@ -171,9 +171,9 @@ class BlockStore:
         except PoolUnavailableError as exc:
             log.debug("group lookup fell back to the local tiers: %s", exc)
             return self.lookup(ns, keys, promote=promote)
-        request_id = self.prefetcher.on_lookup(ns, keys)
+        self.prefetcher.on_lookup(ns, keys)
         own = self._leading_usable(ns, keys[:group_hits])
-        return self._answer(own, promote, request_id)
+        return self._answer(own, promote)
 
     def needs_group_lookup(self, ns: Namespace) -> bool:
         return self.pool is not None and self.pool.group_lookup(ns)
@@ -187,38 +187,35 @@ class BlockStore:
                 return found[:i]
         return found
 
-    def _answer(self, own: list[Block], promote: bool, request_id: int) -> tuple[int, bytes]:
+    def _answer(self, own: list[Block], promote: bool) -> tuple[int, bytes]:
         if promote:
-            self.prefetch(own, request_id)
+            self.prefetch(own)
         dram, nvme, pool = int(ServedBy.DRAM), int(ServedBy.NVME), int(ServedBy.POOL)
         tiers = bytes(
             [dram if b.dram is not None else nvme if b.lower is not None else pool for b in own]
         )
         return len(own), tiers
 
-    def prefetch(self, blocks: list[Block], request_id: int = -1) -> int:
-        """Start promoting the non-resident ``blocks`` into DRAM, first block first.
-        ``request_id``: the LOOKUP whose chain ``blocks`` is (from its head), which the policy
-        has observed already, so a promotion is not a reference of its own."""
+    def prefetch(self, blocks: list[Block]) -> int:
+        """Start promoting the non-resident ``blocks`` into DRAM, first block first."""
         started = 0
-        for position, block in enumerate(blocks):
+        for block in blocks:
             if block.resident or block.loading is not None or self._tg is None:
                 continue
             block.prefetched = True
-            context = AccessContext(request_id, position=position)
-            self._tg.start_soon(self._prefetch_one, block, context)
+            self._tg.start_soon(self._prefetch_one, block)
             started += 1
         self.counters["prefetch_promoted"] += started
         return started
 
-    async def _prefetch_one(self, block: Block, context: AccessContext) -> None:
+    async def _prefetch_one(self, block: Block) -> None:
         limit = self._promote_limit
         try:  # acquire() yields to the loop even when a token is free: try without first
             limit.acquire_nowait()
         except anyio.WouldBlock:
             await limit.acquire()
         try:
-            await self._make_resident(block, context=context)
+            await self._make_resident(block)
         except KvtierError as exc:
             log.debug("prefetch of a block failed: %s", exc)
         finally:
@@ -235,23 +232,21 @@ class BlockStore:
             blocks.append(block)
         for block in blocks:
             block.pins += 1
-        request_id = self.prefetcher.request_for_read(ns, keys)
+        contexts = self.prefetcher.read_contexts(ns, keys)
         try:
-            missing = [(i, b) for i, b in enumerate(blocks) if not b.resident]
+            missing = [(b, c) for b, c in zip(blocks, contexts, strict=True) if not b.resident]
             self.counters["dram_hits"] += len(blocks) - len(missing)
             if missing:  # DRAM hits need no task: the common case stays cheap
                 self.demand_promotions += 1
                 try:
-                    await self._make_all_resident(
-                        [(b, AccessContext(request_id, position=i)) for i, b in missing]
-                    )
+                    await self._make_all_resident(missing)
                 finally:
                     self.demand_promotions -= 1
         except BaseException:
             for block in blocks:
                 self._unpin(block)
             raise
-        return self._lease(owner, blocks, request_id)
+        return self._lease(owner, blocks, contexts)
 
     def lease_resident(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease | None:
         """Lease the leading ``keys`` that are in DRAM now, stopping at the first that is not
@@ -269,17 +264,15 @@ class BlockStore:
         for block in blocks:
             block.pins += 1
         self.counters["dram_hits"] += len(blocks)
-        request_id = self.prefetcher.request_for_read(ns, keys)
-        if len(blocks) < len(keys):  # the rest is READ later, as part of the same request
-            self.prefetcher.hand_on(ns, keys[len(blocks)], request_id)
-        return self._lease(owner, blocks, request_id)
+        contexts = self.prefetcher.read_contexts(ns, keys[: len(blocks)])
+        return self._lease(owner, blocks, contexts)
 
-    def _lease(self, owner: Owner, blocks: list[Block], request_id: int) -> Lease:
-        """Note the (pinned) ``blocks`` read as part of request ``request_id`` and lease them
-        to ``owner``."""
+    def _lease(self, owner: Owner, blocks: list[Block], contexts: list[AccessContext]) -> Lease:
+        """Note the (pinned) ``blocks`` read (``contexts``: as part of which requests) and
+        lease them to ``owner``."""
         now = time.monotonic()
-        for position, block in enumerate(blocks):
-            self._note_read(block, now, AccessContext(request_id, position=position))
+        for block, context in zip(blocks, contexts, strict=True):
+            self._note_read(block, now, context)
         lease = Lease(Owner.next_id(), blocks)
         owner.leases[lease.id] = lease
         return lease
@@ -327,11 +320,12 @@ class BlockStore:
         return released
 
     async def _make_resident(
-        self, block: Block, *, wait: bool = False, context: AccessContext | None = None
+        self, block: Block, *, wait: bool = False, context: AccessContext = PROMOTION
     ) -> None:
         """Promote ``block`` into DRAM. ``wait``: a demand read, which may wait (up to
         ``alloc_wait_s``) for write-back to free a slot rather than fail with ENOSPC.
-        ``context``: the request it is promoted for, if any (told to the DRAM policy)."""
+        ``context``: the READ it is promoted for, told to the DRAM policy (by default it is
+        not an access: a prefetch, or a copy the pool needs)."""
         while block.loading is not None:
             await block.loading.wait()
         if block.forgotten:

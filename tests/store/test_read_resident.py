@@ -1,5 +1,6 @@
-"""READ_RESIDENT in the store: it leases only the leading DRAM blocks, and the READ of the rest
-of the chain that follows is part of the same request for the reuse model, not a second one."""
+"""READ_RESIDENT in the store, and how READs reach the reuse model: each request is counted
+once, however its READs are cut and whatever other requests share its blocks, and promotions
+are no references."""
 
 from __future__ import annotations
 
@@ -68,4 +69,45 @@ async def test_a_lookup_promotion_is_not_a_second_reference(tmp_path: Path) -> N
         # one reference per block for the LOOKUP, none for the promotions it started nor for
         # the READ of its chain
         assert references(store) - before == len(keys)
+        store.release(owner, [lease.id])
+
+
+async def test_a_read_with_no_lookup_counts_every_time(tmp_path: Path) -> None:
+    async with small_store(tmp_path, 1 << 20) as (store, ns):
+        owner = Owner()
+        keys = await on_nvme_only(store, ns, 4)
+        for _ in range(3):
+            before = references(store)
+            lease = await store.read(owner, ns, keys)
+            store.release(owner, [lease.id])
+            assert references(store) - before == len(keys)
+
+
+async def test_requests_sharing_a_prefix_and_reads_in_batches_count_once(tmp_path: Path) -> None:
+    async with small_store(tmp_path, 1 << 20) as (store, ns):
+        owner = Owner()
+        keys = await on_nvme_only(store, ns, 8)
+        a, b = keys[:6], [*keys[:2], *keys[6:]]  # a system prompt both start with
+        before = references(store)
+        store.lookup(ns, a)
+        store.lookup(ns, b)
+        assert references(store) - before == len(a) + len(b)
+        observed = references(store)
+        leases = [await store.read(owner, ns, a[:3]), await store.read(owner, ns, a[3:])]
+        leases.append(await store.read(owner, ns, b))
+        assert references(store) == observed  # both requests' READs were already counted
+        store.release(owner, [lease.id for lease in leases])
+        again = await store.read(owner, ns, a[:2])  # no LOOKUP named these since: new
+        assert references(store) - observed == 2
+        store.release(owner, [again.id])
+
+
+async def test_hinted_promotions_are_not_references(tmp_path: Path) -> None:
+    async with small_store(tmp_path, 1 << 20) as (store, ns):
+        owner = Owner()
+        keys = await on_nvme_only(store, ns, 4)
+        before = references(store)
+        assert store.prefetch(store.prefetcher.plan_queue(ns, [keys])) == len(keys)
+        lease = await store.read(owner, ns, keys)  # waits for the promotions
+        assert references(store) - before == len(keys)  # the queued request, once
         store.release(owner, [lease.id])
