@@ -101,6 +101,7 @@ class AsyncClient:
         if self._broken is not None:
             raise self._broken
         waiter = _Waiter()
+        sent = False
         try:
             async with self._send_lock:
                 unique, frame = self._conn.request(message, ns)
@@ -109,13 +110,17 @@ class AsyncClient:
                     await self._stream.send(frame)
                 except (anyio.BrokenResourceError, OSError) as exc:
                     raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+                sent = True
             await waiter.done.wait()
         except BaseException:
             # Cancelled while sending or waiting: whatever the daemon grants (a lease, an
-            # allocation) must still be given back, now if the reply is here, else on arrival.
+            # allocation) must still be given back, now if the reply is here, else on arrival;
+            # and a COMMIT that never left must not leave its write pending.
             waiter.abandoned = True
             if waiter.event is not None:
                 self._clean_up(waiter.event)
+            elif not sent:
+                self._unsent(message)
             raise
         if waiter.event is None:
             raise self._broken or BrokenConnectionError("connection closed")
@@ -124,12 +129,18 @@ class AsyncClient:
     async def _send_only(self, message: Message, ns: int) -> None:
         if self._broken is not None:
             raise self._broken
-        async with self._send_lock:
-            _, frame = self._conn.request(message, ns)
-            try:
-                await self._stream.send(frame)
-            except (anyio.BrokenResourceError, OSError) as exc:
-                raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+        sent = False
+        try:
+            async with self._send_lock:
+                _, frame = self._conn.request(message, ns)
+                try:
+                    await self._stream.send(frame)
+                except (anyio.BrokenResourceError, OSError) as exc:
+                    raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+                sent = True
+        finally:
+            if not sent:  # cancelled before it left: a RELEASE must still go out
+                self._unsent(message)
 
     async def run(self, op: ops.Op[T]) -> T:
         """Drive a sans-IO operation to its result."""
@@ -143,15 +154,15 @@ class AsyncClient:
     async def _drive(self, op: ops.Op[T], call: ops.Call, *, unwinding: bool = False) -> T:
         try:
             while True:
-                if isinstance(call, ops.NoWait):
-                    await self._send_only(call.message, call.ns)
-                    call = op.send(None)
-                    continue
                 try:
-                    reply = await self._call(*call)
+                    if isinstance(call, ops.NoWait):
+                        await self._send_only(call.message, call.ns)
+                        reply = None
+                    else:
+                        reply = await self._call(*call)
                 except KvtierError as exc:
                     call = op.throw(exc)
-                except BaseException as exc:  # cancelled while waiting for the reply
+                except BaseException as exc:  # cancelled while sending or waiting
                     if not unwinding:
                         await self._unwind(op, exc)
                     raise
@@ -229,6 +240,15 @@ class AsyncClient:
                 self._clean_up(event)
             waiter.event = event
             waiter.done.set()
+
+    def _unsent(self, message: Message) -> None:
+        """A request cancelled before it was sent: what it would have given back (a RELEASE, a
+        COMMIT's write) is given back by the janitor instead."""
+        with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
+            if isinstance(message, ReleaseRequest):
+                self._janitor_send.send_nowait(message)
+            elif isinstance(message, CommitRequest):
+                self._janitor_send.send_nowait(CommitRequest(message.write, abort=True))
 
     def _clean_up(self, event: ReplyReceived) -> None:
         message = event.message

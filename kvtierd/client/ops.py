@@ -211,10 +211,16 @@ def alloc(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[tuple[list[int], 
 
 
 def commit(ns: int, writes: Sequence[int], *, abort: bool = False) -> Op[int]:
-    """COMMIT (or abort) every write; returns the keys now stored."""
+    """COMMIT (or abort) every write; returns the keys now stored. Interrupted, it aborts the
+    writes it had not reached (a write is all or nothing, and none is left pending)."""
     stored = 0
-    for write in writes:
-        reply: CommitReply = yield CommitRequest(write, abort=abort), ns
+    for i, write in enumerate(writes):
+        try:
+            reply: CommitReply = yield CommitRequest(write, abort=abort), ns
+        except BaseException:
+            for rest in writes[i + 1 :]:
+                yield CommitRequest(rest, abort=True), ns
+            raise
         stored += reply.committed
     return stored
 

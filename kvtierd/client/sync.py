@@ -7,6 +7,7 @@ Use :func:`kvtierd.client.connect`. Every method may raise the
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import select
@@ -44,6 +45,7 @@ from kvtierd.protocol.messages import (
     Message,
     PoolStatusReply,
     PoolStatusRequest,
+    ReleaseRequest,
     StatfsReply,
     StatfsRequest,
 )
@@ -61,6 +63,7 @@ class Client:
         self._sock = sock
         self._conn = conn
         self._lock = threading.Lock()
+        self._releases: collections.deque[int] = collections.deque()
         self._arena: ClientArena | None = None
         self.max_keys = 1
         self.daemon_version = ""
@@ -110,25 +113,50 @@ class Client:
                 fds.extend(received)
             self._conn.receive_data(data)
 
+    def release_soon(self, leases: Sequence[int]) -> None:
+        """RELEASE ``leases`` without waiting, from any thread and from a finalizer: sent now
+        when no call is in progress, else by the call in progress as it ends (a finalizer can
+        run inside a call on its own thread, which must not wait for the connection it holds)."""
+        self._releases.extend(leases)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._send_releases()
+            finally:
+                self._lock.release()
+
+    def _send_releases(self) -> None:
+        """Send the pending RELEASEs (the lock held), a frame of up to ``max_keys`` at a time."""
+        pending = self._releases
+        while pending:
+            batch = [pending.popleft() for _ in range(min(len(pending), self.max_keys))]
+            with contextlib.suppress(KvtierError):  # a closed connection released them
+                self._send_only(ReleaseRequest(batch), 0)
+
     def run(self, op: ops.Op[T]) -> T:
         """Drive a sans-IO operation to its result."""
         with self._lock:
             try:
-                call = next(op)
-                while True:
-                    if isinstance(call, ops.NoWait):
-                        self._send_only(call.message, call.ns)
-                        call = op.send(None)
-                        continue
-                    try:
-                        reply = self._call(*call)
-                    except KvtierError as exc:
-                        call = op.throw(exc)
-                    else:
-                        call = op.send(reply)
-            except StopIteration as stop:
-                result: T = stop.value
-                return result
+                return self._run(op)
+            finally:
+                self._send_releases()
+
+    def _run(self, op: ops.Op[T]) -> T:
+        try:
+            call = next(op)
+            while True:
+                if isinstance(call, ops.NoWait):
+                    self._send_only(call.message, call.ns)
+                    call = op.send(None)
+                    continue
+                try:
+                    reply = self._call(*call)
+                except KvtierError as exc:
+                    call = op.throw(exc)
+                else:
+                    call = op.send(reply)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
 
     def _handshake(self, client_name: str) -> None:
         unique, frame = self._conn.request(init_request(client_name))
@@ -156,10 +184,11 @@ class Client:
         ``poll`` for hang-up, which sees the daemon's close even behind unread replies). Leases
         last as long as the connection: an engine that keeps views across calls checks this
         before it trusts them."""
-        if self._sock.fileno() < 0:
+        fd = self._sock.fileno()  # once: another thread may close the socket meanwhile
+        if fd < 0:
             return False
         poller = select.poll()
-        poller.register(self._sock, select.POLLRDHUP)
+        poller.register(fd, select.POLLRDHUP)
         return not any(
             events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
             for _, events in poller.poll(0)
@@ -289,7 +318,7 @@ class Namespace(NamespaceBase[Client]):
         else:
             leases, extents = c.run(ops.read(ns, keys, c.max_keys))
         views = [c.arena.view(e.offset, e.length) for e in extents]
-        release = (lambda: c.run(ops.release(leases))) if leases else None
+        release = (lambda: c.release_soon(leases)) if leases else None
         return BlockLease(list(keys[: len(extents)]), extents, views, release)
 
     @contextlib.contextmanager

@@ -497,7 +497,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
                 f"the daemon answered blocks that are not {self._chunk_bytes} bytes"
             )
         if zero_copy:
-            owner = SharedLease(lambda: client.run(ops.release(leases)), len(extents))
+            owner = SharedLease(lambda: client.release_soon(leases), len(extents))
             return [
                 TensorMemoryObj(session.arena[e.offset : e.offset + e.length], self._meta(e), owner)
                 for e in extents

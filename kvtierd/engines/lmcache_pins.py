@@ -31,7 +31,8 @@ __all__ = ["PinTable", "SharedLease"]
 
 class SharedLease:
     """A lease with several holders, RELEASEd (``release``) when the last one lets go; then
-    ``on_released`` runs."""
+    ``on_released`` runs. ``release`` must not wait for the connection (the last holder can be
+    a finalizer inside a call): the client's ``release_soon``."""
 
     def __init__(
         self,
@@ -42,7 +43,9 @@ class SharedLease:
         self._release = release
         self._holders = holders
         self._on_released = on_released
-        self._lock = threading.Lock()
+        # Re-entrant: LMCache frees memory objects from __del__, which the garbage collector
+        # may run on a thread that holds this lock already.
+        self._lock = threading.RLock()
 
     def hold(self) -> None:
         with self._lock:
@@ -87,7 +90,7 @@ class PinTable:
         self.held_blocks = 0
         """Blocks of pin leases not released yet (reserved ones included)."""
         self._pins: dict[PinKey, list[_Pin]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant, as SharedLease's (a finalizer may unreserve)
 
     def reserve(self, wanted: int) -> int:
         """Room for up to ``wanted`` leased blocks within the budget; give back what goes

@@ -47,6 +47,25 @@ async def test_cancelled_gets_release_their_leases(
         assert (await client.stats())["leases"] == 0
 
 
+@pytest.mark.anyio
+async def test_cancelled_puts_leave_no_write_pending(daemon: DaemonProcess) -> None:
+    """A put of several ALLOC/COMMIT requests, cancelled at any moment: no write stays pending
+    (what was allocated is committed or aborted), and what is stored is whole."""
+    rng = random.Random(6)
+    async with connect_async(daemon.socket) as client:
+        ns = await client.namespace("t", block_bytes=BLOCK)
+        client.max_keys = 3
+        for round_ in range(60):
+            keys = chain_keys(range(16 * (8 * round_), 16 * (8 * round_ + 8)), 16, ns.key_salt)
+            with anyio.move_on_after(rng.uniform(0, 0.004)):
+                await ns.put(keys, [np.full(BLOCK, round_, np.uint8)] * 8)
+        for _ in range(100):
+            if (await client.stats())["pending_writes"] == 0:
+                break
+            await anyio.sleep(0.01)
+        assert (await client.stats())["pending_writes"] == 0
+
+
 def test_a_timed_out_sync_call_drops_the_connection_and_its_leases(daemon: DaemonProcess) -> None:
     assert daemon.process is not None
     with connect(daemon.socket) as client:

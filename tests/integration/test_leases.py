@@ -154,13 +154,13 @@ async def test_read_resident_leases_the_leading_dram_hits_and_never_waits(tmp_pa
             async with ns.get(keys[:3]) as _:  # READ promotes the first three
                 pass
             assert await ns.lookup_tiers(keys, promote=False) == ["dram"] * 3 + ["nvme"] * 3
-            promotions = (await client.stats())["promotions"]
+            started = (await client.stats())["prefetch_promoted"]
             async with ns.lease([*keys, b"never-stored-key"], resident_only=True) as lease:
                 assert lease.keys == keys[:3]
                 assert [bytes(v) for v in lease.views] == [b.tobytes() for b in blocks[:3]]
-                # a READ_RESIDENT promotes nothing: the NVMe blocks stay where they were
-                await anyio.sleep(0.2)  # (a promotion it had started would be done by now)
-                assert (await client.stats())["promotions"] == promotions
+                # a READ_RESIDENT promotes nothing (a promotion is counted as it starts, before
+                # the reply): the NVMe blocks stay where they were
+                assert (await client.stats())["prefetch_promoted"] == started
                 assert await ns.lookup_tiers(keys, promote=False) == ["dram"] * 3 + ["nvme"] * 3
                 # and what it holds is leased: EVICT cannot take it
                 await client.evict()
@@ -208,3 +208,25 @@ def test_connected_sees_the_daemon_close_behind_unread_replies(tmp_path: Path) -
         client.close()
     finally:
         daemon.kill()
+
+
+def test_a_release_from_inside_a_call_waits_for_that_call_not_for_the_lock(
+    tmp_path: Path,
+) -> None:
+    """A lease can end in a finalizer (LMCache frees memory objects from ``__del__``) on a
+    thread that is inside a call on the same connection: the RELEASE must not wait for the
+    connection's lock (a deadlock); it goes out when that call ends."""
+    with (
+        DaemonProcess(tmp_path / "kvtierd") as daemon,
+        connect(daemon.socket) as client,
+        connect(daemon.socket) as observer,
+    ):
+        ns = client.namespace("finalizer", block_bytes=MIB)
+        keys = [b"final-%03d" % i + bytes(7) for i in range(2)]
+        ns.put(keys, [np.zeros(MIB, np.uint8)] * 2)
+        lease = ns.acquire(keys)
+        with client._lock:  # as if this thread were inside a call
+            lease.release()  # returns at once
+        assert observer.stats()["leases"] == 1  # still held: nothing was sent yet
+        ns.lookup(keys)  # the next call sends it as it ends...
+        assert client.stats()["leases"] == 0  # ...before any later request of the connection
