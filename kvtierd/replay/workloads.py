@@ -94,7 +94,12 @@ def workload_trace(kind: str, requests: int = 4000, seed: int = 1) -> list[Trace
 
 
 def _zipf_index(rng: np.random.Generator, a: float, n: int) -> int:
-    return (int(rng.zipf(a)) - 1) % n
+    """An index in ``range(n)`` drawn from Zipf(``a``) truncated to ``n`` values (draws past
+    ``n`` are drawn again: folding them back would flatten the tail)."""
+    while True:
+        rank = int(rng.zipf(a))
+        if rank <= n:
+            return rank - 1
 
 
 def _as_prefix_ids(chains: list[tuple[float, list[int]]]) -> list[TraceRequest]:

@@ -26,16 +26,19 @@ def test_a_workload_trace_follows_the_mooncake_rules(kind: str) -> None:
 
 def test_the_mixes_differ_as_documented() -> None:
     def continued(kind: str) -> float:
-        """Share of requests that extend an earlier request's whole chain."""
+        """Share of requests that extend an earlier request's whole chain (a session's next
+        turn: 1-3 new blocks after a chain some request ended with)."""
         requests = workload_trace(kind, 2000, seed=1)
-        seen: set[int] = set()
+        chain_ends: set[int] = set()
         extended = 0
         for request in requests:
-            extended += len(request.hash_ids) > 1 and request.hash_ids[-2] in seen
-            seen.update(request.hash_ids)
+            ids = request.hash_ids
+            extended += any(ids[-k - 1] in chain_ends for k in range(1, min(3, len(ids) - 1) + 1))
+            chain_ends.add(ids[-1])
         return extended / len(requests)
 
-    assert continued("rag") < continued("conversation") < continued("agent")
+    for kind, mix in KINDS.items():
+        assert continued(kind) == pytest.approx(mix.continue_share, abs=0.05), kind
 
 
 def test_bad_parameters_are_refused() -> None:
