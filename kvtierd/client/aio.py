@@ -51,7 +51,6 @@ from kvtierd.protocol.messages import (
     PoolStatusReply,
     PoolStatusRequest,
     ReadReply,
-    ReadResidentReply,
     ReleaseRequest,
     StatfsReply,
     StatfsRequest,
@@ -253,9 +252,7 @@ class AsyncClient:
     def _clean_up(self, event: ReplyReceived) -> None:
         message = event.message
         with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
-            if isinstance(message, ReadReply) or (
-                isinstance(message, ReadResidentReply) and message.lease
-            ):
+            if isinstance(message, ReadReply) and message.lease:  # READ_RESIDENT's too
                 self._janitor_send.send_nowait(ReleaseRequest([message.lease]))
             elif isinstance(message, AllocReply):
                 self._janitor_send.send_nowait(CommitRequest(message.write, abort=True))
@@ -368,11 +365,14 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
     ) -> AsyncIterator[BlockLease]:
         """As :meth:`Namespace.lease` (``resident_only`` as in :meth:`Namespace.acquire`); the
         lease ends when the ``async with`` block does."""
-        c, ns = self.client, self.handle.ns
-        if resident_only:
-            op = ops.read_resident(ns, keys, c.max_keys, c.daemon_minor)
-        else:
-            op = ops.read(ns, keys, c.max_keys)
+        c = self.client
+        op = ops.lease(
+            self.handle.ns,
+            keys,
+            c.max_keys,
+            resident_only=resident_only,
+            daemon_minor=c.daemon_minor,
+        )
         leases, extents = await c.run(op)
         views = [c.arena.view(e.offset, e.length) for e in extents]
         lease = BlockLease(list(keys[: len(extents)]), extents, views)

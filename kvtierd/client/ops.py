@@ -164,6 +164,16 @@ def read_resident(
     return leases, extents
 
 
+def lease(
+    ns: int, keys: Sequence[bytes], max_keys: int, *, resident_only: bool, daemon_minor: int
+) -> Op[tuple[list[int], list[Extent]]]:
+    """:func:`read`, or with ``resident_only`` :func:`read_resident`: what both clients'
+    ``lease`` calls."""
+    if resident_only:
+        return (yield from read_resident(ns, keys, max_keys, daemon_minor))
+    return (yield from read(ns, keys, max_keys))
+
+
 def release(leases: list[int]) -> Op[None]:
     yield NoWait(ReleaseRequest(leases))
 

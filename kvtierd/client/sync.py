@@ -312,11 +312,15 @@ class Namespace(NamespaceBase[Client]):
         that prefix, possibly empty) and never waits or fails on a miss: called right after
         :meth:`lookup`, it holds the DRAM hits so that reading them later costs no round trip
         and no eviction can take them. A daemon older than protocol minor 4 leases nothing."""
-        c, ns = self.client, self.handle.ns
-        if resident_only:
-            leases, extents = c.run(ops.read_resident(ns, keys, c.max_keys, c.daemon_minor))
-        else:
-            leases, extents = c.run(ops.read(ns, keys, c.max_keys))
+        c = self.client
+        op = ops.lease(
+            self.handle.ns,
+            keys,
+            c.max_keys,
+            resident_only=resident_only,
+            daemon_minor=c.daemon_minor,
+        )
+        leases, extents = c.run(op)
         views = [c.arena.view(e.offset, e.length) for e in extents]
         release = (lambda: c.release_soon(leases)) if leases else None
         return BlockLease(list(keys[: len(extents)]), extents, views, release)

@@ -125,9 +125,9 @@ class _Session:
 
     client: Client
     arena: torch.Tensor
+    pins: PinTable
     namespaces: dict[tuple[Any, ...], Namespace] = field(default_factory=dict)
     cuda_registered: int = 0
-    pins: PinTable = field(default_factory=lambda: PinTable(0))
 
     @classmethod
     def open(cls, socket_path: str | None, chunk_bytes: int) -> _Session:
@@ -316,12 +316,11 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
             except BaseException:
                 session.pins.unreserve(reserved)
                 raise
-            if any(e.length != self._chunk_bytes for e in lease.extents):
-                lease.release()
+            try:
+                self._require_chunks(lease.extents, lease.release)
+            except RemoteProtocolError:
                 session.pins.unreserve(reserved)
-                raise RemoteProtocolError(
-                    f"the daemon answered blocks that are not {self._chunk_bytes} bytes"
-                )
+                raise
         return session.pins.add(ns.handle.ns, keys, lease, reserved)
 
     def contains(self, key: Any, pin: bool = False) -> bool:
@@ -491,11 +490,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         except NoSpaceError:  # the arena is full of leases: a shorter hit, not a failure
             log.debug("kvtierd arena full of leases; %d blocks answered as misses", len(keys))
             return []
-        if any(e.length != self._chunk_bytes for e in extents):
-            client.run(ops.release(leases))
-            raise RemoteProtocolError(
-                f"the daemon answered blocks that are not {self._chunk_bytes} bytes"
-            )
+        self._require_chunks(extents, lambda: client.release_soon(leases))
         if zero_copy:
             owner = SharedLease(lambda: client.release_soon(leases), len(extents))
             return [
@@ -519,6 +514,15 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         finally:
             client.run(ops.release(leases))
         return objs
+
+    def _require_chunks(self, extents: Sequence[Extent], release: Callable[[], object]) -> None:
+        """Blocks of another size than a chunk mean a daemon serving other data: give the lease
+        back and fail."""
+        if any(e.length != self._chunk_bytes for e in extents):
+            release()
+            raise RemoteProtocolError(
+                f"the daemon answered blocks that are not {self._chunk_bytes} bytes"
+            )
 
     @staticmethod
     def _lease(

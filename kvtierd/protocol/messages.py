@@ -198,11 +198,9 @@ class ReadResidentRequest(Message, frozen=True):
     keys: Keys
 
 
-class ReadResidentReply(Message, frozen=True):
-    """As :class:`ReadReply`; ``extents`` may be fewer than the keys (none: ``lease`` 0)."""
-
-    lease: U64
-    extents: list[Extent]
+class ReadResidentReply(ReadReply, frozen=True):
+    """READ's reply (its own type, so each opcode has one); ``extents`` may be fewer than the
+    keys (none: ``lease`` 0, nothing to RELEASE)."""
 
 
 class ReleaseRequest(Message, frozen=True):

@@ -94,24 +94,24 @@ class Prefetcher:
         are observed now, together, as one request of their own. So a request is counted once
         however its READs are cut (batches, READ_RESIDENT then READ) and whatever other
         requests named the same blocks meanwhile."""
-        contexts: list[AccessContext | None] = []
-        unnamed: list[int] = []
-        named = self._named
-        for i, key in enumerate(keys):
-            entry = named.pop((ns.digest, key), None)
-            if entry is None:
-                contexts.append(None)
-                unnamed.append(i)
-                continue
-            request_id, position, reads = entry
-            if reads > 1:  # other LOOKUPs named it too: their READs are still to come
-                named[(ns.digest, key)] = (request_id, position, reads - 1)
-            contexts.append(AccessContext(request_id, position=position))
-        if unnamed:
-            request_id = self._observe(ns, [keys[i] for i in unnamed])
-            for position, i in enumerate(unnamed):
-                contexts[i] = AccessContext(request_id, position=position)
-        return [c for c in contexts if c is not None]
+        entries = [self._take_read(ns, key) for key in keys]
+        unnamed = [key for key, entry in zip(keys, entries, strict=True) if entry is None]
+        fresh = self._observe(ns, unnamed) if unnamed else -1
+        positions = iter(range(len(unnamed)))
+        return [
+            AccessContext(fresh, position=next(positions))
+            if entry is None
+            else AccessContext(entry[0], position=entry[1])
+            for entry in entries
+        ]
+
+    def _take_read(self, ns: Namespace, key: bytes) -> tuple[int, int, int] | None:
+        """The (request id, position, READs expected) of the request that named ``key``, with
+        one READ taken from it; None when no LOOKUP named it since its last READ."""
+        entry = self._named.pop((ns.digest, key), None)
+        if entry is not None and entry[2] > 1:  # other LOOKUPs named it too: READs to come
+            self._named[(ns.digest, key)] = (entry[0], entry[1], entry[2] - 1)
+        return entry
 
     def plan_queue(self, ns: Namespace, queue: Sequence[Sequence[bytes]]) -> list[Block]:
         """The blocks to promote for an engine's queue (HINT), in the order to promote them."""
