@@ -24,7 +24,8 @@ Decisions:
   unique tail of a prompt, a one-off document) does not push out a shared prefix.
 - Maintenance every ``refit_ratio`` of the tracked blocks' worth of references (at least
   ``min_refit_events``): ghosts beyond ``ghost_ratio`` times the peak resident count are dropped,
-  oldest first, and recorded as censored ends; the density table is refitted.
+  oldest first, and recorded as censored ends; the density table is refitted, for residence
+  horizons of at least ``horizon_turnovers`` times the cache's measured turnover time.
 """
 
 from __future__ import annotations
@@ -58,12 +59,19 @@ class SlsapConfig:
     needs about one observation per age scale before its own shape dominates."""
     decay: float = 0.9
     """Histogram weight kept at each refit (LHD's EWMA): memory of a few tracking turnovers."""
+    horizon_turnovers: float = 2.0
+    """The shortest residence a density may assume, in cache turnovers (residents over
+    insertions per reference, measured between refits): a horizon much shorter than the time a
+    block stays once admitted is one the policy cannot act on, and over one the density table
+    chases the noise of its sparse buckets (see ``ReuseModel.refit``)."""
 
     def __post_init__(self) -> None:
         if self.ghost_ratio < 0 or self.min_ghosts < 0:
             raise ValueError("ghost limits must be >= 0")
         if self.refit_ratio <= 0 or self.min_refit_events < 1:
             raise ValueError("refit period must be positive")
+        if self.horizon_turnovers < 0:
+            raise ValueError("horizon_turnovers must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +96,10 @@ class SlsapPolicy(CachePolicy):
         self._references = 0
         self._next_maintenance = self.config.min_refit_events
         self._peak_resident = 0
+        # Insertions and references since the last refit: the cache's turnover time.
+        self._insertions = 0
+        self._references_at_refit = 0
+        self._turnover = 0.0
         # The victim queue: slots in eviction order and their versions when it was ranked. Kept
         # as memoryviews over the ranked arrays: only its head is read before the next ranking,
         # so converting the whole of it to lists would cost more than it saves.
@@ -185,6 +197,7 @@ class SlsapPolicy(CachePolicy):
         slot = self._observe_one(block, context)
         t = self._table
         t.set_resident(slot, True)
+        self._insertions += 1
         if t.resident_count > self._peak_resident:
             self._peak_resident = t.resident_count
 
@@ -285,7 +298,16 @@ class SlsapPolicy(CachePolicy):
             self._model.record_end(t.klass[oldest], self._clock - t.last[oldest])
             t.drop(oldest)
         tracked = t.tracked_slots()
-        self._model.refit(t.klass[tracked], self._clock - t.last[tracked])
+        if self._insertions:
+            # Little's law: residents / (insertions per reference) is how long a block stays.
+            since = self._references - self._references_at_refit
+            self._turnover = t.resident_count * since / self._insertions
+        self._insertions, self._references_at_refit = 0, self._references
+        self._model.refit(
+            t.klass[tracked],
+            self._clock - t.last[tracked],
+            min_horizon=cfg.horizon_turnovers * self._turnover,
+        )
         self._queue_built_at = -1
         period = max(cfg.min_refit_events, int(cfg.refit_ratio * len(t)))
         self._next_maintenance = self._references + period

@@ -7,13 +7,21 @@ named. The model learns, per class, the distribution of the age at which a block
 (a *reuse*) or is dropped from tracking without one (an *end*, a censored observation).
 
 From these two histograms it derives the *hit density* of a block of class ``c`` at age ``a``
-(Beckmann et al., "LHD: Improving Cache Hit Rate by Maximizing Hit Density", NSDI 2018):
+(Beckmann et al., "LHD: Improving Cache Hit Rate by Maximizing Hit Density", NSDI 2018): the
+expected number of hits per unit of cache space-time the block will earn if kept. Kept how
+long? A cache does not keep a block forever: it keeps it until it is read or until it stops
+being worth its room. So the density is taken at the best *horizon*: the block stays until it is
+reused or reaches age ``h``, whichever comes first, and
 
-    density(c, a) = P(reused after a | survived to a) / E[remaining lifetime | survived to a]
+    density(c, a) = max over h of  P(reused in (a, h] | survived to a)
+                                   / E[residence until reuse or h | survived to a]
 
-which is the expected number of hits per unit of cache space-time the block will earn if kept.
-Evicting the lowest density and admitting only blocks denser than the weakest resident is the
-space-time optimal greedy rule when reuse times are independent per class.
+over horizons ``h`` at least ``min_horizon`` references beyond ``a`` (the refit's argument: a
+horizon shorter than a block's stay once admitted is one the policy cannot act on) or never.
+A class read again soon or never (a RAG document's next question, a session's next turn) is
+worth a short trial; without horizons its never-reused majority would count as resident
+forever. Evicting the lowest density and admitting only blocks denser than the weakest resident
+is the space-time optimal greedy rule when reuse times are independent per class.
 
 Ages are bucketed on a log2 scale (``SUB_BUCKETS`` per octave), so the model has no time unit to
 tune: the same table covers reuse after ten references and after ten million. Censored ends are
@@ -63,6 +71,8 @@ NUM_CLASSES = FREQUENCY_CLASSES * TAIL_CLASSES * LENGTH_CLASSES
 
 _EDGES = np.exp2(np.arange(AGE_BUCKETS + 1, dtype=np.float64) / SUB_BUCKETS) - 1.0
 _MIDS = (_EDGES[:-1] + _EDGES[1:]) / 2.0
+_TINY = 1e-30
+"""Added to every residence, so that a class with nothing left to observe has density 0."""
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -183,27 +193,29 @@ class ReuseModel:
         elif flat.size:
             np.add.at(hist.reshape(-1), flat, 1.0)
 
-    def refit(self, open_classes: npt.ArrayLike = (), open_ages: npt.ArrayLike = ()) -> None:
+    def refit(
+        self,
+        open_classes: npt.ArrayLike = (),
+        open_ages: npt.ArrayLike = (),
+        *,
+        min_horizon: float = 0.0,
+    ) -> None:
         """Recompute the density table from the histograms, then decay the histograms.
 
         ``open_classes``/``open_ages`` describe the blocks tracked now, not yet named again:
         censored at their current age for this fit only (they are still open, so they must not
         accumulate). Without them a class whose blocks are never reused would look perfect
-        until its blocks expire from tracking.
+        until its blocks expire from tracking. ``min_horizon`` (references, >= 0) is the
+        shortest residence a density may assume (module docstring).
         """
+        if min_horizon < 0:
+            raise ValueError("min_horizon must be >= 0")
         ends = self._ends.copy()
         self._add(ends, open_classes, open_ages)
         if self._reuses.sum() + ends.sum() <= 0:
             return
         r, e = _shrink(self._reuses, ends, self.prior_events)
-        tot = r + e
-        hits_above = _suffix(r)
-        events_above = _suffix(tot)
-        age_mass_above = _suffix(tot * _MIDS) + _suffix(e * _MIDS)
-        life_above = age_mass_above - events_above * _MIDS + events_above
-        with np.errstate(divide="ignore", invalid="ignore"):
-            self._density = np.where(life_above > 0, hits_above / life_above, 0.0)
-            self._probability = np.where(events_above > 0, hits_above / events_above, 0.0)
+        self._density, self._probability = _horizon_density(r, e, min_horizon)
         self._density_rows = self._density.tolist()
         self._reuses *= self.decay
         self._ends *= self.decay
@@ -254,6 +266,54 @@ def _shrink(reuses: FloatArray, ends: FloatArray, weight: float) -> tuple[FloatA
     )
 
 
-def _suffix(values: FloatArray) -> FloatArray:
-    """Sums over ages at or above each bucket, along the last axis."""
-    return np.asarray(np.cumsum(values[..., ::-1], axis=-1)[..., ::-1], dtype=np.float64)
+def _horizon_density(
+    reuses: FloatArray, ends: FloatArray, min_horizon: float
+) -> tuple[FloatArray, FloatArray]:
+    """Hit density and reuse probability per (class, age bucket) (module docstring).
+
+    A block of class ``c`` at age bucket ``a`` kept until it is reused or reaches the end of
+    bucket ``h`` earns ``hits(a, h)`` hits in ``life(a, h)`` references of residence; its density
+    is the best ratio over the horizons that end at least ``min_horizon`` references after its
+    age, and the last bucket (never). Both are differences of running sums over ages,
+    ``hits = Q[h] - P[a]`` and ``life = X[h] - Y[a]``, so the table is one broadcast over
+    (class, age, horizon), in float32 to halve its memory traffic (a refit is a per-event cost).
+    """
+    # An end (tracking stopped without a reuse) at age b is given a residual life of b: as an
+    # event it sits one octave later.
+    shifted = np.zeros_like(ends)
+    shifted[:, SUB_BUCKETS:] = ends[:, :-SUB_BUCKETS]
+    shifted[:, -1] += ends[:, -SUB_BUCKETS:].sum(axis=1)
+    events = reuses + shifted
+    used = np.flatnonzero(events.any(axis=0))
+    width = int(used[-1]) + 1 if used.size else 1
+    r, n = reuses[:, :width], events[:, :width]
+    mids = _MIDS[:width]
+    hits_to = np.cumsum(r, axis=1)  # reuses at or below each bucket
+    events_to = np.cumsum(n, axis=1)
+    mass_to = np.cumsum(n * (mids + 1.0), axis=1)
+    total = events_to[:, -1:]
+    hits_before, events_before = hits_to - r, events_to - n
+    mass_before = mass_to - n * (mids + 1.0)
+    horizons = np.arange(width)
+    ends_at = _EDGES[horizons + 1] + 1.0
+    q = hits_to[:, horizons]
+    x = mass_to[:, horizons] + (total - events_to[:, horizons]) * ends_at
+    p = hits_before
+    y = mass_before + mids * (total - events_before)
+    # Horizons a block at each age cannot use get an infinite life; a life of 0 (no events
+    # left) has no hits either.
+    unreachable = (_EDGES[horizons + 1][None, :] < mids[:, None] + min_horizon) | (
+        horizons[None, :] < np.arange(width)[:, None]
+    )
+    unreachable[:, -1] = False
+    penalty = np.where(unreachable, np.inf, _TINY).astype(np.float32)
+    life = x.astype(np.float32)[:, None, :] - y.astype(np.float32)[:, :, None]
+    life += penalty
+    ratio = q.astype(np.float32)[:, None, :] - p.astype(np.float32)[:, :, None]
+    ratio /= life
+    density = np.zeros(reuses.shape)
+    density[:, :width] = np.maximum(ratio.max(axis=2), 0.0)
+    probability = np.zeros(reuses.shape)
+    alive = total - events_before
+    np.divide(hits_to[:, -1:] - hits_before, alive, out=probability[:, :width], where=alive > 0)
+    return density, probability

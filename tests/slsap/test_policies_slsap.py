@@ -112,6 +112,8 @@ def test_config_is_validated() -> None:
         SlsapConfig(ghost_ratio=-1)
     with pytest.raises(ValueError, match="refit"):
         SlsapConfig(refit_ratio=0)
+    with pytest.raises(ValueError, match="horizon_turnovers"):
+        SlsapConfig(horizon_turnovers=-0.5)
 
 
 class ContractMachine(RuleBasedStateMachine):
