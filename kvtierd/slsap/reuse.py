@@ -215,7 +215,15 @@ class ReuseModel:
         if self._reuses.sum() + ends.sum() <= 0:
             return
         r, e = _shrink(self._reuses, ends, self.prior_events)
-        self._density, self._probability = _horizon_density(r, e, min_horizon)
+        # A class with no observations of its own has the shape of its (frequency, tail)
+        # parent, bit for bit, like its empty siblings (most classes always: length splits only
+        # blocks named once), and a density does not depend on scale: each shape is fitted once.
+        own = (self._reuses.any(axis=1) | ends.any(axis=1)).astype(bool)
+        classes = np.arange(NUM_CLASSES)
+        shape = np.where(own, classes, NUM_CLASSES + classes // LENGTH_CLASSES)
+        _, first, inverse = np.unique(shape, return_index=True, return_inverse=True)
+        density, probability = _horizon_density(r[first], e[first], min_horizon)
+        self._density, self._probability = density[inverse], probability[inverse]
         self._density_rows = self._density.tolist()
         self._reuses *= self.decay
         self._ends *= self.decay

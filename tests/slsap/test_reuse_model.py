@@ -13,6 +13,8 @@ from kvtierd.slsap.reuse import (
     NUM_CLASSES,
     SUB_BUCKETS,
     ReuseModel,
+    _horizon_density,
+    _shrink,
     age_bucket,
     age_bucket_of,
     block_class,
@@ -167,3 +169,16 @@ def test_density_is_the_best_horizon_by_brute_force(min_horizon: float) -> None:
 def test_negative_horizon_is_refused() -> None:
     with pytest.raises(ValueError, match="min_horizon"):
         ReuseModel().refit(min_horizon=-1.0)
+
+
+def test_classes_without_data_share_their_parents_fit() -> None:
+    # refit fits each distinct shape once; the table must be the one fitted class by class.
+    rng = np.random.default_rng(11)
+    model = ReuseModel()
+    classes = block_class(rng.integers(1, 40, 400), rng.integers(0, 6, 400), 30)
+    model.record_reuse(classes[:300], rng.exponential(500, 300))
+    model.record_end(classes[300:], rng.exponential(5000, 100))
+    reuses, ends = model._reuses.copy(), model._ends.copy()
+    model.refit(min_horizon=200.0)
+    expected, _ = _horizon_density(*_shrink(reuses, ends, model.prior_events), 200.0)
+    assert np.array_equal(model._density, expected)
