@@ -30,6 +30,7 @@ Decisions:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -70,8 +71,8 @@ class SlsapConfig:
             raise ValueError("ghost limits must be >= 0")
         if self.refit_ratio <= 0 or self.min_refit_events < 1:
             raise ValueError("refit period must be positive")
-        if self.horizon_turnovers < 0:
-            raise ValueError("horizon_turnovers must be >= 0")
+        if not 0 <= self.horizon_turnovers < math.inf:
+            raise ValueError("horizon_turnovers must be finite and >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +100,6 @@ class SlsapPolicy(CachePolicy):
         # Insertions and references since the last refit: the cache's turnover time.
         self._insertions = 0
         self._references_at_refit = 0
-        self._turnover = 0.0
         # The victim queue: slots in eviction order and their versions when it was ranked. Kept
         # as memoryviews over the ranked arrays: only its head is read before the next ranking,
         # so converting the whole of it to lists would cost more than it saves.
@@ -298,15 +298,15 @@ class SlsapPolicy(CachePolicy):
             self._model.record_end(t.klass[oldest], self._clock - t.last[oldest])
             t.drop(oldest)
         tracked = t.tracked_slots()
-        if self._insertions:
-            # Little's law: residents / (insertions per reference) is how long a block stays.
-            since = self._references - self._references_at_refit
-            self._turnover = t.resident_count * since / self._insertions
+        # Little's law: residents / (insertions per reference) is how long a block stays. With
+        # no insertion since the last refit it is longer than that period: count one.
+        since = self._references - self._references_at_refit
+        turnover = t.resident_count * since / max(self._insertions, 1)
         self._insertions, self._references_at_refit = 0, self._references
         self._model.refit(
             t.klass[tracked],
             self._clock - t.last[tracked],
-            min_horizon=cfg.horizon_turnovers * self._turnover,
+            min_horizon=cfg.horizon_turnovers * turnover,
         )
         self._queue_built_at = -1
         period = max(cfg.min_refit_events, int(cfg.refit_ratio * len(t)))

@@ -208,7 +208,7 @@ class ReuseModel:
         until its blocks expire from tracking. ``min_horizon`` (references, >= 0) is the
         shortest residence a density may assume (module docstring).
         """
-        if min_horizon < 0:
+        if not min_horizon >= 0:  # NaN too
             raise ValueError("min_horizon must be >= 0")
         ends = self._ends.copy()
         self._add(ends, open_classes, open_ages)
@@ -284,7 +284,7 @@ def _horizon_density(
     is the best ratio over the horizons that end at least ``min_horizon`` references after its
     age, and the last bucket (never). Both are differences of running sums over ages,
     ``hits = Q[h] - P[a]`` and ``life = X[h] - Y[a]``, so the table is one broadcast over
-    (class, age, horizon), in float32 to halve its memory traffic (a refit is a per-event cost).
+    (class, age, horizon).
     """
     # An end (tracking stopped without a reuse) at age b is given a residual life of b: as an
     # event it sits one octave later.
@@ -308,19 +308,22 @@ def _horizon_density(
     x = mass_to[:, horizons] + (total - events_to[:, horizons]) * ends_at
     p = hits_before
     y = mass_before + mids * (total - events_before)
-    # Horizons a block at each age cannot use get an infinite life; a life of 0 (no events
-    # left) has no hits either.
+    # Rounding can leave a difference of running sums a hair below its true value, which is
+    # never below zero for hits, nor below the hits for a residence (each hit is at least one
+    # reference of it): clamp both, so a density is in [0, 1] whatever the magnitudes. Horizons
+    # a block at an age cannot use get an infinite residence; _TINY keeps 0 / 0 at 0.
     unreachable = (_EDGES[horizons + 1][None, :] < mids[:, None] + min_horizon) | (
         horizons[None, :] < np.arange(width)[:, None]
     )
     unreachable[:, -1] = False
-    penalty = np.where(unreachable, np.inf, _TINY).astype(np.float32)
-    life = x.astype(np.float32)[:, None, :] - y.astype(np.float32)[:, :, None]
-    life += penalty
-    ratio = q.astype(np.float32)[:, None, :] - p.astype(np.float32)[:, :, None]
+    ratio = q[:, None, :] - p[:, :, None]
+    np.maximum(ratio, 0.0, out=ratio)
+    life = x[:, None, :] - y[:, :, None]
+    np.maximum(life, ratio, out=life)
+    life += np.where(unreachable, np.inf, _TINY)
     ratio /= life
     density = np.zeros(reuses.shape)
-    density[:, :width] = np.maximum(ratio.max(axis=2), 0.0)
+    density[:, :width] = ratio.max(axis=2)
     probability = np.zeros(reuses.shape)
     alive = total - events_before
     np.divide(hits_to[:, -1:] - hits_before, alive, out=probability[:, :width], where=alive > 0)

@@ -112,8 +112,30 @@ def test_config_is_validated() -> None:
         SlsapConfig(ghost_ratio=-1)
     with pytest.raises(ValueError, match="refit"):
         SlsapConfig(refit_ratio=0)
-    with pytest.raises(ValueError, match="horizon_turnovers"):
-        SlsapConfig(horizon_turnovers=-0.5)
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="horizon_turnovers"):
+            SlsapConfig(horizon_turnovers=bad)
+
+
+def test_horizons_start_at_the_measured_turnover(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Little's law between refits: residents * references / insertions, times the config's
+    # number of turnovers; a period without insertions counts one.
+    policy = SlsapPolicy(SlsapConfig(min_refit_events=100, refit_ratio=1e-9, horizon_turnovers=2))
+    horizons: list[float] = []
+    refit = policy._model.refit
+    monkeypatch.setattr(
+        policy._model,
+        "refit",
+        lambda *args, min_horizon: horizons.append(min_horizon) or refit(*args),
+    )
+    for i in range(50):  # 50 references, 50 insertions
+        policy.inserted(f"b{i}", 0.0)
+    for i in range(50):  # 50 references, no insertion
+        policy.accessed(f"b{i}", 0.0)
+    assert horizons == [2 * 50 * 100 / 50]
+    for i in range(100):  # a period with no insertion at all
+        policy.accessed(f"b{i % 50}", 0.0)
+    assert horizons == [200.0, 2 * 50 * 100 / 1]
 
 
 class ContractMachine(RuleBasedStateMachine):
