@@ -13,14 +13,15 @@ from replay_plot import draw_hit_ratios
 from kvtierd.replay import PolicyName, capacity_in_blocks, simulate
 from kvtierd.replay.workloads import KINDS, workload_trace
 
-REQUESTS, SEED = 4000, 1
+REQUESTS, SEEDS = 4000, (1, 2, 3)
+"""Three draws of each mix, so that a margin one draw's randomness decides shows as such."""
 
 
 def workloads_mode(capacities: tuple[float, ...], block_bytes: int) -> dict[str, Any]:
     policies = tuple(PolicyName)
     traces: list[dict[str, Any]] = []
-    for kind in KINDS:
-        requests = workload_trace(kind, REQUESTS, SEED)
+    for kind, seed in ((kind, seed) for seed in SEEDS for kind in KINDS):
+        requests = workload_trace(kind, REQUESTS, seed)
         rows = []
         for capacity in capacities:
             blocks = capacity_in_blocks(capacity, requests)
@@ -43,7 +44,7 @@ def workloads_mode(capacities: tuple[float, ...], block_bytes: int) -> dict[str,
             {
                 "kind": kind,
                 "requests": REQUESTS,
-                "seed": SEED,
+                "seed": seed,
                 "references": sum(len(r.hash_ids) for r in requests),
                 "capacities": rows,
             }
@@ -66,11 +67,17 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     traces = result["traces"]
-    fig, axes = plt.subplots(1, len(traces), figsize=(4.2 * len(traces), 3.8), squeeze=False)
-    for ax, trace in zip(axes[0], traces, strict=True):
+    rows = len({trace["seed"] for trace in traces})
+    cols = len(traces) // rows
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
+    for ax, trace in zip(axes.flat, traces, strict=True):
         draw_hit_ratios(ax, trace["capacities"], markersize=3)
-        ax.set_title(f"{trace['kind']} ({trace['references']:,} references)", fontsize=10)
-    axes[0][0].set_ylabel("block hit ratio")
+        ax.set_title(
+            f"{trace['kind']}, seed {trace['seed']} ({trace['references']:,} references)",
+            fontsize=10,
+        )
+    for row in axes:
+        row[0].set_ylabel("block hit ratio")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -84,22 +91,24 @@ def record_workloads_mode(result: dict[str, Any]) -> None:
     lines = [
         "## SLSAP reuse policy on workload-model traces (simulation)",
         "",
-        "`tools/replay.py --workloads --record`: the same policies and defaults on three seeded "
-        "traces with other structure than the Mooncake one (conversation sessions, agent loops, "
-        "RAG documents; the model is `kvtierd/replay/workloads.py`), so that a default fitted to "
-        "one trace would show. They are not evidence about production workloads.",
+        "`tools/replay.py --workloads --record`: the same policies and defaults on three draws "
+        f"(seeds {', '.join(map(str, SEEDS))}) of three traces with other structure than the "
+        "Mooncake one (conversation sessions, agent loops, RAG documents; the model is "
+        "`kvtierd/replay/workloads.py`), so that a default fitted to one trace would show. They "
+        "are not evidence about production workloads.",
         f"SLSAP is the best online policy in {result['slsap_best_online']} of {result['cells']} "
         f"cells, ties in {result['slsap_ties']}; its worst margin to the best other online "
         f"policy is {result['worst_margin']:+.4f}.",
         "",
-        "| trace | capacity | " + " | ".join(names) + " | SLSAP - best other online |",
-        "|---|---|" + "---:|" * (len(names) + 1),
+        "| trace | seed | capacity | " + " | ".join(names) + " | SLSAP - best other online |",
+        "|---|---|---|" + "---:|" * (len(names) + 1),
     ]
     for trace in result["traces"]:
         for row in trace["capacities"]:
             cells = " | ".join(f"{row['hit_ratio'][n]:.4f}" for n in names)
             lines.append(
-                f"| {trace['kind']} | {100 * row['capacity']:g} % ({row['capacity_blocks']}) "
+                f"| {trace['kind']} | {trace['seed']} "
+                f"| {100 * row['capacity']:g} % ({row['capacity_blocks']}) "
                 f"| {cells} | {row['slsap_margin']:+.4f} ({row['best_other_online']}) |"
             )
     lines += ["", "![hit ratio vs capacity](benchmarks/slsap_workloads.png)"]
