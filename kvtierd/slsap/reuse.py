@@ -218,7 +218,7 @@ class ReuseModel:
         # A class with no observations of its own has the shape of its (frequency, tail)
         # parent, bit for bit, like its empty siblings (most classes always: length splits only
         # blocks named once), and a density does not depend on scale: each shape is fitted once.
-        own = (self._reuses.any(axis=1) | ends.any(axis=1)).astype(bool)
+        own = self._reuses.any(axis=1) | ends.any(axis=1)
         classes = np.arange(NUM_CLASSES)
         shape = np.where(own, classes, NUM_CLASSES + classes // LENGTH_CLASSES)
         _, first, inverse = np.unique(shape, return_index=True, return_inverse=True)
@@ -302,20 +302,20 @@ def _horizon_density(
     total = events_to[:, -1:]
     hits_before, events_before = hits_to - r, events_to - n
     mass_before = mass_to - n * (mids + 1.0)
-    horizons = np.arange(width)
-    ends_at = _EDGES[horizons + 1] + 1.0
-    q = hits_to[:, horizons]
-    x = mass_to[:, horizons] + (total - events_to[:, horizons]) * ends_at
-    p = hits_before
+    ends_at = _EDGES[1 : width + 1]  # the age at which a horizon ends, per bucket
+    # hits(a, h) = q[h] - p[a]; life(a, h) = x[h] - y[a]
+    q, p = hits_to, hits_before
+    x = mass_to + (total - events_to) * (ends_at + 1.0)
     y = mass_before + mids * (total - events_before)
     # Rounding can leave a difference of running sums a hair below its true value, which is
     # never below zero for hits, nor below the hits for a residence (each hit is at least one
     # reference of it): clamp both, so a density is in [0, 1] whatever the magnitudes. Horizons
     # a block at an age cannot use get an infinite residence; _TINY keeps 0 / 0 at 0.
-    unreachable = (_EDGES[horizons + 1][None, :] < mids[:, None] + min_horizon) | (
-        horizons[None, :] < np.arange(width)[:, None]
+    buckets = np.arange(width)
+    unreachable = (ends_at[None, :] < mids[:, None] + min_horizon) | (
+        buckets[None, :] < buckets[:, None]
     )
-    unreachable[:, -1] = False
+    unreachable[:, -1] = False  # never
     ratio = q[:, None, :] - p[:, :, None]
     np.maximum(ratio, 0.0, out=ratio)
     life = x[:, None, :] - y[:, :, None]
