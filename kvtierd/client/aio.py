@@ -366,16 +366,8 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
         """As :meth:`Namespace.lease` (``resident_only`` as in :meth:`Namespace.acquire`); the
         lease ends when the ``async with`` block does."""
         c = self.client
-        op = ops.lease(
-            self.handle.ns,
-            keys,
-            c.max_keys,
-            resident_only=resident_only,
-            daemon_minor=c.daemon_minor,
-        )
-        leases, extents = await c.run(op)
-        views = [c.arena.view(e.offset, e.length) for e in extents]
-        lease = BlockLease(list(keys[: len(extents)]), extents, views)
+        leases, extents = await c.run(self._lease_op(keys, resident_only))
+        lease = self._block_lease(keys, extents)
         try:
             yield lease
         finally:

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
 from kvtierd import __version__
+from kvtierd.client import ops
+from kvtierd.client.arena import ClientArena
+from kvtierd.client.blocks import BlockLease
 from kvtierd.config import default_socket_path
 from kvtierd.errors import (
     AccessDeniedError,
@@ -25,6 +29,7 @@ from kvtierd.errors import (
 )
 from kvtierd.protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, ReplyReceived
 from kvtierd.protocol.messages import (
+    Extent,
     InitReply,
     InitRequest,
     Layout,
@@ -33,7 +38,18 @@ from kvtierd.protocol.messages import (
     OpenNsRequest,
 )
 
-ClientT = TypeVar("ClientT")
+
+class ClientState(Protocol):
+    """What a namespace reads of its client, sync or async, once connected."""
+
+    max_keys: int
+    daemon_minor: int
+
+    @property
+    def arena(self) -> ClientArena: ...
+
+
+ClientT = TypeVar("ClientT", bound=ClientState)
 
 __all__ = [
     "NamespaceBase",
@@ -98,6 +114,28 @@ class NamespaceBase(Generic[ClientT]):
     def layout(self) -> Layout | None:
         """The layout the namespace was opened with."""
         return self.handle.layout
+
+    def _lease_op(
+        self, keys: Sequence[bytes], resident_only: bool
+    ) -> ops.Op[tuple[list[int], list[Extent]]]:
+        c = self.client
+        return ops.lease(
+            self.handle.ns,
+            keys,
+            c.max_keys,
+            resident_only=resident_only,
+            daemon_minor=c.daemon_minor,
+        )
+
+    def _block_lease(
+        self,
+        keys: Sequence[bytes],
+        extents: list[Extent],
+        release: Callable[[], object] | None = None,
+    ) -> BlockLease:
+        """The lease of ``keys``' leading ``len(extents)`` blocks, viewed in the arena."""
+        views = [self.client.arena.view(e.offset, e.length) for e in extents]
+        return BlockLease(list(keys[: len(extents)]), extents, views, release)
 
 
 def resolve_socket(socket_path: str | os.PathLike[str] | None) -> Path:

@@ -313,17 +313,9 @@ class Namespace(NamespaceBase[Client]):
         :meth:`lookup`, it holds the DRAM hits so that reading them later costs no round trip
         and no eviction can take them. A daemon older than protocol minor 4 leases nothing."""
         c = self.client
-        op = ops.lease(
-            self.handle.ns,
-            keys,
-            c.max_keys,
-            resident_only=resident_only,
-            daemon_minor=c.daemon_minor,
-        )
-        leases, extents = c.run(op)
-        views = [c.arena.view(e.offset, e.length) for e in extents]
+        leases, extents = c.run(self._lease_op(keys, resident_only))
         release = (lambda: c.release_soon(leases)) if leases else None
-        return BlockLease(list(keys[: len(extents)]), extents, views, release)
+        return self._block_lease(keys, extents, release)
 
     @contextlib.contextmanager
     def write(self, keys: Sequence[bytes]) -> Iterator[BlockWrite]:
