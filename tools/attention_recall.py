@@ -202,9 +202,7 @@ def plot_and_record(result: dict[str, Any], data: str) -> None:
     ax.set_title(f"SmolLM2-135M, {result['tokens']} tokens, {len(result['documents'])} documents")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    benchlib.ASSETS.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(benchlib.ASSETS / "sparse_recall.png", dpi=110)
+    benchlib.save_figure(fig, "sparse_recall.png")
     rows = [
         "| budget | " + " | ".join(MAIN_METHODS) + " | slsap / oracle | lead time |",
         "|---|" + "---|" * (len(MAIN_METHODS) + 2),

@@ -39,11 +39,7 @@ def _plot(result: dict[str, Any]) -> str:
     ax.set_ylabel("kvtierd / reference (median of rounds)")
     ax.set_title("kvtierd against references measured in the same run")
     ax.legend()
-    fig.tight_layout()
-    path = benchlib.ASSETS / "daemon.png"
-    benchlib.ASSETS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return "benchmarks/daemon.png"
+    return benchlib.save_figure(fig, "daemon.png")
 
 
 def record_daemon(result: dict[str, Any]) -> None:

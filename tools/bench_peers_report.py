@@ -68,10 +68,7 @@ def _plot(result: dict[str, Any]) -> str:
         )
         ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
         ax.legend(fontsize=7, ncol=3, loc="upper right")
-    fig.tight_layout()
-    benchlib.ASSETS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(benchlib.ASSETS / f"{NAME}.png", dpi=100)
-    return f"benchmarks/{NAME}.png"
+    return benchlib.save_figure(fig, f"{NAME}.png", dpi=100)
 
 
 def _order(medians: dict[str, Any]) -> list[str]:

@@ -337,7 +337,7 @@ def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 # -- report ------------------------------------------------------------------------------------
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot(result: dict[str, Any]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -382,10 +382,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_ylabel("time to first token (s, median)")
         ax.set_title(f"SmolLM2-135M, {result['ttft']['prompt_tokens']}-token prompt")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    benchlib.save_figure(fig, "pool.png")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -478,7 +475,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.report:
         result = json.loads(args.report.read_text())
-        plot(result, benchlib.ASSETS / "pool.png")
+        plot(result)
         benchlib.record("pool", markdown(result), result)
         return 0
     batches = [int(b) for b in args.batches.split(",")]
@@ -515,7 +512,7 @@ def main() -> int:
     result["machine"] = benchlib.machine()
     complete = not (args.skip_restore or args.skip_ttft or args.blocks)
     if complete and not args.no_record and result["ttft"]:
-        plot(result, benchlib.ASSETS / "pool.png")
+        plot(result)
         benchlib.record("pool", markdown(result), result)
     benchlib.emit(result, args.json)
     return 0

@@ -246,9 +246,7 @@ def record(result: dict[str, Any]) -> None:
     ax.set_ylabel("median query time (ms)")
     ax.grid(alpha=0.3, which="both")
     ax.legend()
-    fig.tight_layout()
-    benchlib.ASSETS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(benchlib.ASSETS / "sparse_scaling.png", dpi=110)
+    benchlib.save_figure(fig, "sparse_scaling.png")
     lines = [
         "## Sparse selection scaling (SLSAP)",
         "",

@@ -111,6 +111,18 @@ def record(name: str, markdown: str, result: dict[str, Any]) -> Path:
     return DOC
 
 
+def save_figure(fig: Any, name: str, dpi: int = 110) -> str:
+    """Lay ``fig`` out, write it to ``docs/benchmarks/<name>`` and close it; returns the path
+    ``docs/benchmarks.md`` links it by."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    fig.savefig(ASSETS / name, dpi=dpi)
+    plt.close(fig)
+    return f"benchmarks/{name}"
+
+
 def machine_line(info: dict[str, Any]) -> str:
     return (
         f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "

@@ -234,7 +234,7 @@ def sweep(requests: Sequence[TraceRequest], trace: Path, block_bytes: int) -> di
     }
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot(result: dict[str, Any]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,14 +245,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("block hit ratio")
     ax.set_title("Mooncake FAST'25 synthetic trace: hit ratio vs capacity")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    benchlib.save_figure(fig, "slsap_replay.png")
 
 
 def record(result: dict[str, Any]) -> None:
-    benchlib.ASSETS.mkdir(parents=True, exist_ok=True)
-    plot(result, benchlib.ASSETS / "slsap_replay.png")
+    plot(result)
     names = [p.value for p in ALL_POLICIES]
     lines = [
         "## SLSAP reuse policy: trace replay (simulation)",

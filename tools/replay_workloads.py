@@ -4,7 +4,6 @@ fitted to the one real trace. Records the ``slsap_workloads`` section of docs/be
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import benchlib
@@ -60,7 +59,7 @@ def workloads_mode(capacities: tuple[float, ...], block_bytes: int) -> dict[str,
     }
 
 
-def _plot(result: dict[str, Any], path: Path) -> None:
+def _plot(result: dict[str, Any]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,14 +78,11 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     for row in axes:
         row[0].set_ylabel("block hit ratio")
     axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    benchlib.save_figure(fig, "slsap_workloads.png", dpi=100)
 
 
 def record_workloads_mode(result: dict[str, Any]) -> None:
-    benchlib.ASSETS.mkdir(parents=True, exist_ok=True)
-    _plot(result, benchlib.ASSETS / "slsap_workloads.png")
+    _plot(result)
     names = [p.value for p in PolicyName]
     lines = [
         "## SLSAP reuse policy on workload-model traces (simulation)",

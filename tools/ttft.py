@@ -43,7 +43,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchlib import ASSETS, emit, machine, machine_line, median, record
+from benchlib import emit, machine, machine_line, median, record, save_figure
 from fidelity import (
     MODEL_ID,
     bench_daemon,
@@ -250,7 +250,7 @@ class LengthRun:
         }
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+def plot(results: dict[str, dict[str, Any]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -279,10 +279,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     ax.set_title("TTFT vs context: SmolLM2-135M on 2 vCPUs")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, "ttft.png")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -374,7 +371,7 @@ def main() -> int:
         "machine": machine(),
     }
     if not args.tokens and not args.no_record:
-        plot(results, ASSETS / "ttft.png")
+        plot(results)
         record("ttft", markdown(result), result)
     emit(result, args.json)
     return 0
