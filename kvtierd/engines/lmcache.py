@@ -64,6 +64,10 @@ that is unreachable must not fail the serving engine: a ``KvtierError`` (daemon 
 restarted, out of space) is logged, counted in :meth:`KvtierdBackend.statistics`, and answered
 as a miss or a skipped store. A broken connection is re-established once per call, so a
 restarted daemon is used again at once (and serves what its NVMe tier recovered).
+
+*Why one module of about 600 lines:* it is one class, the interface LMCache loads by name, and
+what it does not need to hold is already elsewhere (keys in ``lmcache_keys``, pins in
+``lmcache_pins``, the protocol in :mod:`kvtierd.client`).
 """
 
 from __future__ import annotations
