@@ -26,6 +26,7 @@ question about the same keys, so every rank answers the same hit length.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -36,7 +37,7 @@ from anyio.abc import TaskGroup
 
 from kvtierd.config import PoolConfig, PoolWritePolicy
 from kvtierd.errors import KvtierError
-from kvtierd.pool.connect import PoolUnavailableError, connect_pool, pool_address, probe
+from kvtierd.pool.connect import connect_pool, pool_address, probe
 from kvtierd.pool.group import GroupMembership, GroupState, GroupStatus
 from kvtierd.pool.tier import PoolTier
 from kvtierd.store.index import Block
@@ -111,16 +112,21 @@ class PoolLink:
             if attached_round != self._attached_round and self._tg is not None:
                 self._attached_round = attached_round
                 self._tg.start_soon(self._restore_logged)
-            self._kick()
         else:
             self.tier.client = None
             if status.state is GroupState.LOCAL:  # refused or unreachable: an outcome too
                 self.settled.set()
-            self._kick()
+        self._kick()
+        self._progressed()
 
     def _kick(self) -> None:
+        """Wake the writers: there is work, or the pool may take it now."""
         self._wake.set()
         self._wake = anyio.Event()
+
+    def _progressed(self) -> None:
+        """Blocks stopped waiting for the pool (written, given up, or the group changed): what
+        :meth:`drain` waits for. A failed attempt is not progress."""
         self._progress.set()
         self._progress = anyio.Event()
 
@@ -157,7 +163,7 @@ class PoolLink:
             try:
                 await self._write(blocks)
                 return
-            except (PoolUnavailableError, MediumFullError) as exc:
+            except KvtierError as exc:  # the pool refused, or no DRAM slot for a block
                 log.warning("write-through to the pool failed, block(s) stay local: %s", exc)
                 self.counters["write_failures"] += 1
         for block in blocks:
@@ -191,20 +197,22 @@ class PoolLink:
                 await self.tier.note_intents([b.ref for b in batch])
                 await self._write(batch)
             except MediumFullError as exc:  # retrying would not make room: stay local
+                left = [b for b in batch if b.pool is None and self.pending.get(b.id) is not b]
                 self.counters["write_failures"] += 1
-                self.counters["skipped"] += len(batch)
-                log.warning("%s: %d block(s) stay local", exc, len(batch))
+                self.counters["skipped"] += len(left)
+                log.warning("%s: %d block(s) stay local", exc, len(left))
             except KvtierError as exc:  # unreachable, or a refusal that may pass: retry
                 self.counters["write_failures"] += 1
                 log.warning("pool write-back paused: %s", exc)
                 for block in batch:
-                    if not block.forgotten:
-                        self._queue(block)
+                    self._queue(block)
                 self._in_flight.difference_update(batch)  # back in ``pending``
                 with anyio.move_on_after(1.0):
                     await self._wake.wait()
             finally:
                 self._in_flight.difference_update(batch)
+                if any(self.pending.get(b.id) is not b for b in batch):  # some stopped waiting
+                    self._progressed()
                 self._kick()
 
     def _take_batch(self) -> list[Block]:
@@ -222,14 +230,16 @@ class PoolLink:
 
     async def _write(self, blocks: list[Block]) -> None:
         """Write ``blocks`` (made resident and pinned meanwhile) with their manifest entries.
-        Raises the pool's first refusal after recording what did land."""
+        Raises the pool's first refusal, or else the first block that could not be made
+        resident (no DRAM slot free now), after recording what did land and queueing those
+        blocks again, so that the caller backs off instead of retrying at once."""
         unknown = {b.ns.digest: b.ns.spec for b in blocks if b.ns.digest not in self._published}
         if unknown:  # a wiped host must learn the namespace before it can index the blocks
             await self.tier.publish_namespaces(unknown)
             self._published.update(unknown)
         pinned: list[Block] = []
         later: list[Block] = []
-        error: KvtierError | None = None
+        pin_error: KvtierError | None = None
         try:
             values = []
             for block in blocks:
@@ -237,8 +247,9 @@ class PoolLink:
                     if not await self.store.pin_resident(block):
                         self.counters["lost"] += 1  # no copy left anywhere
                         continue
-                except KvtierError:  # no DRAM slot free now, or the disk failed: later
+                except KvtierError as exc:  # no DRAM slot free now, or the disk failed: later
                     later.append(block)
+                    pin_error = pin_error or exc
                     continue
                 pinned.append(block)
                 values.append(
@@ -261,6 +272,8 @@ class PoolLink:
             self._queue(block)
         if error is not None:
             raise error
+        if pin_error is not None:
+            raise pin_error
 
     async def _delete_quietly(self, location: bytes) -> None:
         try:
@@ -283,8 +296,10 @@ class PoolLink:
         stall_s = 2 * self.config.timeout_s + 2.0
 
         def waiting() -> bool:
-            blocks = [*self.pending.values(), *self._in_flight]
-            return any(up_to_seq is None or b.ref.seq <= up_to_seq for b in blocks)
+            if up_to_seq is None:
+                return bool(self.pending or self._in_flight)
+            blocks = itertools.chain(self.pending.values(), self._in_flight)
+            return any(b.ref.seq <= up_to_seq for b in blocks)
 
         with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
             while waiting() and self.attached:
@@ -317,6 +332,8 @@ class PoolLink:
         self._published.update(ns.digest for ns in adopted if ns is not None)
         if any(adopted):
             await anyio.to_thread.run_sync(registry.save)
+        # Blocks with a pool copy before the scan; writers land more while it runs.
+        had_pool = [b for b in self.store.index.blocks() if b.pool is not None]
         restored = 0
         in_pool: set[bytes] = set()
         listed_bytes = 0
@@ -337,7 +354,7 @@ class PoolLink:
         self.tier.note_blocks(len(in_pool), listed_bytes)
         # A pool that lost its data (no persistence): local blocks whose copy is gone there go
         # back to the backlog instead of pointing at nothing.
-        for indexed in self.store.index.blocks():
+        for indexed in had_pool:
             if indexed.pool is not None and indexed.ns.digest + indexed.key not in in_pool:
                 self.store.drop_pool_copy(indexed)
                 self._queue(indexed)
@@ -369,6 +386,7 @@ class PoolLink:
             time.monotonic() - started,
         )
         self._kick()
+        self._progressed()
         return restored
 
     # -- lookups -----------------------------------------------------------------------------

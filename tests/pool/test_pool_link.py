@@ -1,5 +1,6 @@
 """The store's link to the pool against a real redis-server, in process: FORGET racing the
-write-back, and a key committed again after FORGET (review findings, 2026-11-29)."""
+write-back, a key committed again after FORGET, and FSYNC against a pool that refuses every block
+(review findings, 2026-11-29)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def anyio_backend() -> str:
     return "asyncio"  # redis-py's asyncio client
 
 
-def _config(directory: Path, url: str) -> Config:
+def _config(directory: Path, url: str, **pool: object) -> Config:
     return load_config(
         None,
         {
@@ -40,6 +41,7 @@ def _config(directory: Path, url: str) -> Config:
                 "write_policy": "write-back",
                 "vote_timeout_s": 1.0,
                 "heartbeat_s": 0.2,
+                **pool,
             },
         },
     )
@@ -95,3 +97,28 @@ async def test_a_key_committed_again_after_forget_reaches_the_pool(
         assert slot is not None
         assert bytes(store.arena.view[slot.offset : slot.offset + 4096]) == b"c" * 4096
         store.release(owner, [lease.id])
+
+
+async def test_fsync_gives_up_on_a_pool_that_refuses_every_block(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # The group's own keys may still be written, so the rank stays attached; every block's SET
+    # is refused (NOPERM), a refusal that may pass, so the writer retries it. A retry is not
+    # progress: FSYNC must return the local guarantee after the stall time, not wait forever.
+    with redis_server.client() as admin:
+        admin.execute_command(
+            "ACL", "SETUSER", "default", "-set", "(+set %W~*:proposal %W~*:decision %W~*:probe:*)"
+        )
+    owner = Owner("t")
+    async with open_store(_config(tmp_path / "a", redis_server.url, timeout_s=1.0)) as store:
+        assert store.pool is not None
+        with anyio.fail_after(20):
+            await store.pool.settled.wait()  # restored after attaching, or gone local
+        assert store.pool.attached
+        ns, _ = store.registry.open(SPEC, ROOT)
+        await _put(store, owner, ns, b"R" * 16, b"r" * 4096)
+        with anyio.fail_after(30):  # the stall time is 2 * timeout_s + 2 s
+            await store.fsync()
+        assert store.pool.attached
+        assert store.pool.pending  # still waiting for the pool, retried in the background
+        assert store.pool.counters["write_failures"] >= 1
