@@ -50,6 +50,9 @@ POOL_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
 )
 
+#: Building a client also rejects malformed options with ValueError.
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (*POOL_ERRORS, ValueError)
+
 #: hiredis reads a reply in pieces of this size: KV blocks are megabytes, so read big pieces.
 _READ_BYTES = 1 << 20
 
@@ -151,12 +154,7 @@ async def connect_pool(config: PoolConfig) -> RedisLike:
     client: RedisLike
     try:
         client = RedisCluster(**kwargs) if config.cluster else aioredis.Redis(**kwargs)
-    except (
-        redis.exceptions.RedisError,
-        redis.exceptions.RedisClusterException,
-        OSError,
-        ValueError,
-    ) as exc:
+    except _CONNECT_ERRORS as exc:
         raise PoolUnavailableError(
             f"pool {pool_address(config)}: {describe_failure(exc)}"
         ) from None

@@ -264,7 +264,7 @@ class PoolLink:
                 continue
             if block.forgotten:  # FORGET ran during the write: take the copy back out
                 if self.store.block_by_id(*block.id) is None:
-                    await self._delete_quietly(location)
+                    await self.tier.discard_quietly(location)
                 continue
             block.pool = location
             self.counters["written"] += 1
@@ -274,12 +274,6 @@ class PoolLink:
             raise error
         if pin_error is not None:
             raise pin_error
-
-    async def _delete_quietly(self, location: bytes) -> None:
-        try:
-            await self.tier.discard(location)
-        except KvtierError as exc:
-            log.warning("a block forgotten during its pool write stays in the pool: %s", exc)
 
     def forgotten(self, block: Block) -> None:
         """FORGET dropped ``block``: a restore running now must not index it again."""

@@ -214,6 +214,14 @@ class PoolTier(LowerTier):
             raise _pool_error(exc, "delete") from None
         self._counters["blocks"] -= int(deleted)
 
+    async def discard_quietly(self, location: Hashable) -> None:
+        """:meth:`discard` for a block nothing indexes any more (FORGET dropped it): a failure
+        is logged, and the value stays until the pool evicts it, never restored."""
+        try:
+            await self.discard(location)
+        except KvtierError as exc:
+            log.warning("a forgotten block stays in the pool until it is evicted: %s", exc)
+
     async def sync(self) -> None:
         """Durability is the pool server's (``appendfsync``); nothing is buffered here."""
 

@@ -102,12 +102,13 @@ class Arena:
         if not huge:  # transparent huge pages, where shmem_enabled allows them (advise)
             with contextlib.suppress(OSError):
                 mapping.madvise(mmap.MADV_HUGEPAGE)
-            if _shmem_thp() in ("never", "deny"):  # a hint, like the hugetlb one above
+            thp = _shmem_thp()
+            if thp in ("never", "deny"):  # a hint, like the hugetlb one above
                 log.info(
                     "the arena is on 4 KiB pages: no hugetlb pages are reserved and "
                     "transparent_hugepage/shmem_enabled is %r; clients copy out of it about "
                     "10 %% slower (reserve vm.nr_hugepages, or set shmem_enabled to advise)",
-                    _shmem_thp(),
+                    thp,
                 )
         prefaulted = prefault and cls._prefault(mapping)
         locked = cls._lock(mapping, size_bytes, mlock)

@@ -589,10 +589,7 @@ class BlockStore:
         assert block.pool is not None
         location = block.pool
         self.drop_pool_copy(block)
-        try:
-            await self.pool.tier.discard(location)
-        except KvtierError as exc:  # the value stays until the pool evicts it; never indexed
-            log.warning("could not delete a forgotten block from the pool: %s", exc)
+        await self.pool.tier.discard_quietly(location)
 
     # -- what the pool link needs ------------------------------------------------------------
 
