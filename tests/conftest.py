@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvtierd.io.probe import BindingVerdict, probe_binding
+
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
@@ -17,3 +19,20 @@ def daemon(tmp_path):  # type: ignore[no-untyped-def]
 
     with DaemonProcess(tmp_path / "kvtierd") as process:
         yield process
+
+
+@pytest.fixture(scope="session")
+def uring_verdict() -> BindingVerdict:
+    """What the probe says of the liburing binding set-up installed, found once, in a child
+    process: a binding that crashes must fail its one test, not kill pytest."""
+    return probe_binding()
+
+
+@pytest.fixture
+def uring_works(uring_verdict: BindingVerdict) -> None:
+    """Skip a test that loads the liburing binding in-process unless its probe passed."""
+    if not uring_verdict.ok:
+        pytest.skip(
+            "the liburing binding failed its probe (test_the_installed_binding_passes_its_probe "
+            f"says why): {uring_verdict.detail}"
+        )

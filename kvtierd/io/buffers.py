@@ -1,4 +1,4 @@
-"""Raw addresses of caller buffers, the registered (fixed) buffer table, and kernel iovec segments.
+"""Raw addresses of caller buffers and the registered (fixed) buffer table.
 
 Theory of operation
 -------------------
@@ -6,16 +6,6 @@ The io_uring backend hands the kernel *addresses*. Python buffers do not expose 
 :func:`buffer_address` reads it through numpy (which works for read-only views too) and lets go of
 the export at once: nothing here keeps a caller's buffer exported, so the caller can always
 ``release()`` its memoryviews and close its mmap.
-
-The PyPI ``liburing`` package builds ``struct iovec`` arrays only from Python buffer objects
-(``Iovec([...])``), and every ``Iovec`` it builds takes an export of each object that it never
-gives back. Were those objects the caller's memoryviews, the arena mmap could never be closed.
-So the objects handed to ``Iovec`` are *segments*: a ``memoryview`` over a ``ctypes`` array placed
-at the raw address (``from_address``), which owns nothing and pins nothing. A segment leaks (its
-export count never returns to zero) but it is small, and :class:`SegmentCache` keeps one per
-distinct ``(address, length)``, which for the daemon (fixed arena slots, reused forever) is a
-bounded set. The kernel reads a request's iovec array when the request is issued; the backend
-keeps the ``Iovec`` alive until the completion anyway.
 
 Registered buffers: Linux refuses to register one buffer larger than 1 GiB (``EFAULT``), so
 :class:`FixedRegions` registers an arena as consecutive chunks of at most ``chunk_bytes``, buffer
@@ -27,17 +17,16 @@ address, with the same pages) for the backend's lifetime.
 
 from __future__ import annotations
 
-import ctypes
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from kvtierd.io.binding import Span
+
 __all__ = [
     "MAX_FIXED_CHUNK_BYTES",
     "FixedRegions",
-    "SegmentCache",
     "Span",
     "advance_spans",
     "buffer_address",
@@ -45,9 +34,6 @@ __all__ = [
 
 #: The kernel's limit on one registered buffer.
 MAX_FIXED_CHUNK_BYTES = 1 << 30
-
-#: A buffer as the kernel sees it: (address, length in bytes).
-Span = tuple[int, int]
 
 
 def buffer_address(view: memoryview) -> int:
@@ -101,37 +87,3 @@ class FixedRegions:
                 return None
             index = first
         return index
-
-
-class SegmentCache:
-    """One never-freed segment object per ``(address, length)``, for building ``Iovec`` arrays.
-
-    Bounded: past ``capacity`` distinct spans the least recently used entry is dropped (its
-    segment stays leaked, a few hundred bytes), so a workload of ever-new buffers leaks slowly
-    instead of growing the cache without end.
-    """
-
-    def __init__(self, capacity: int = 1 << 16) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be positive")
-        self._capacity = capacity
-        self._segments: OrderedDict[Span, memoryview] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._segments)
-
-    def segments(self, spans: Sequence[Span]) -> list[memoryview]:
-        """A segment per span, in order, suitable for ``liburing.Iovec``."""
-        return [self._segment(span) for span in spans]
-
-    def _segment(self, span: Span) -> memoryview:
-        segment = self._segments.get(span)
-        if segment is not None:
-            self._segments.move_to_end(span)
-            return segment
-        address, length = span
-        segment = memoryview((ctypes.c_char * length).from_address(address))
-        self._segments[span] = segment
-        if len(self._segments) > self._capacity:
-            self._segments.popitem(last=False)
-        return segment

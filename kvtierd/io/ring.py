@@ -6,7 +6,8 @@ io_uring is two rings shared with the kernel. We write submission queue entries 
 them with ``io_uring_enter`` (``io_uring_submit``); the kernel consumes them *in order* and later
 posts one completion queue entry (CQE) per request, carrying our 64-bit ``user_data`` and the
 result (bytes moved, or ``-errno``). Until its CQE is posted the kernel may read or write the
-request's buffers; after it, it never touches them again.
+request's buffers; after it, it never touches them again. The ring itself comes from a binding
+of liburing (:mod:`kvtierd.io.binding`), which prepares and tags an SQE in one call.
 
 * Everything runs on the event-loop thread: preparing SQEs, submitting, reaping. No locks.
 * Completions wake the loop through an eventfd registered with the ring
@@ -45,9 +46,10 @@ from collections.abc import AsyncIterator, Callable
 
 import anyio
 import anyio.abc
-import liburing
+import anyio.lowlevel
 
 from kvtierd.errors import ClosedError, StorageIOError
+from kvtierd.io.binding import RawRing, UringBinding
 
 __all__ = ["CompletionRing", "open_completion_ring"]
 
@@ -58,14 +60,16 @@ DRAIN_TIMEOUT_S = 30.0
 _RETRY_SUBMIT_S = 0.001
 _TRANSIENT = frozenset({errno.EAGAIN, errno.EBUSY, errno.EINTR})
 
-Prep = Callable[[liburing.SQE], None]
+#: Queues one request tagged with the given token; returns what must live until its completion.
+Prep = Callable[[int], object]
 
 
 class _Waiter:
-    __slots__ = ("done", "result", "submitted", "token")
+    __slots__ = ("done", "keepalive", "result", "submitted", "token")
 
-    def __init__(self, token: int) -> None:
+    def __init__(self, token: int, keepalive: object) -> None:
         self.token = token
+        self.keepalive = keepalive  # the iovec array the kernel may read until the completion
         self.done = anyio.Event()
         self.result = 0
         self.submitted = False
@@ -74,9 +78,11 @@ class _Waiter:
 class CompletionRing:
     """One io_uring with its eventfd; use it through :func:`open_completion_ring`."""
 
-    def __init__(self, entries: int, *, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
-        self._ring = liburing.Ring()
-        self._cqe = liburing.Cqe()
+    def __init__(
+        self, binding: UringBinding, entries: int, *, drain_timeout_s: float = DRAIN_TIMEOUT_S
+    ) -> None:
+        self._binding = binding
+        self._raw: RawRing | None = None
         self._efd = -1
         self._entries = entries
         self._drain_timeout_s = drain_timeout_s
@@ -88,14 +94,15 @@ class CompletionRing:
         self._closing = False
         self._drained = anyio.Event()
         self._reaper_scope: anyio.CancelScope | None = None
-        self._initialised = False
         #: Requests handed to the kernel by :meth:`run`, and those of them that completed.
         self.submitted = 0
         self.completed = 0
 
     @property
-    def ring(self) -> liburing.Ring:
-        return self._ring
+    def raw(self) -> RawRing:
+        """The binding's ring, for registrations and opcode checks (not for submitting)."""
+        assert self._raw is not None, "the ring is not set up"
+        return self._raw
 
     async def run(self, prep: Prep) -> int:
         """Submit one request prepared by ``prep`` and return its result (``-errno`` on error).
@@ -121,7 +128,7 @@ class CompletionRing:
 
     async def probe(self, timeout_s: float) -> None:
         """Prove that a request completes and wakes the loop; raises :class:`StorageIOError`."""
-        waiter = self._prepare(liburing.io_uring_prep_nop)
+        waiter = self._prepare(self.raw.prep_nop)
         with anyio.move_on_after(timeout_s):
             await waiter.done.wait()
         if not waiter.done.is_set():
@@ -135,19 +142,12 @@ class CompletionRing:
             raise ClosedError("the io_uring backend is closed")
         if self._broken is not None:
             raise StorageIOError(f"io_uring is broken: {self._broken}") from self._broken
-        sqe = liburing.io_uring_get_sqe(self._ring)
-        if sqe is None:  # impossible while the semaphore bounds requests to the SQ size
-            raise StorageIOError("io_uring submission queue is full")
-        try:
-            prep(sqe)
-        except BaseException:
-            # The SQE is already claimed and will be submitted: never with stale contents.
-            liburing.io_uring_prep_nop(sqe)
-            liburing.io_uring_sqe_set_data64(sqe, 0)
-            raise
         token = next(self._tokens)
-        liburing.io_uring_sqe_set_data64(sqe, token)
-        waiter = _Waiter(token)
+        try:
+            keepalive = prep(token)
+        except OSError as exc:  # EBUSY: impossible while the semaphore bounds the SQ
+            raise StorageIOError(f"io_uring: cannot queue a request: {exc}") from exc
+        waiter = _Waiter(token, keepalive)
         self._waiters[token] = waiter
         self._unsubmitted.append(waiter)
         self._flush()
@@ -158,7 +158,7 @@ class CompletionRing:
         if not self._unsubmitted or self._broken is not None:
             return
         try:
-            consumed = liburing.io_uring_submit(self._ring) or 0
+            consumed = self.raw.submit()
         except OSError as exc:
             if exc.errno in _TRANSIENT:
                 return
@@ -187,19 +187,11 @@ class CompletionRing:
                 self._reap()
 
     def _reap(self) -> None:
-        for _ in range(liburing.io_uring_cq_ready(self._ring)):
-            liburing.io_uring_peek_cqe(self._ring, self._cqe)
-            entry = self._cqe[0]
-            assert entry is not None
-            token = entry.user_data
-            try:
-                result = entry.res or 0
-            except OSError as exc:  # the binding raises for a negative result
-                result = -(exc.errno or errno.EIO)
-            liburing.io_uring_cqe_seen(self._ring, entry)
+        for token, result in self.raw.reap():
             waiter = self._waiters.pop(token, None)
             if waiter is not None:
                 waiter.result = result
+                waiter.keepalive = None
                 waiter.done.set()
         self._check_drained()
 
@@ -209,10 +201,9 @@ class CompletionRing:
 
     def _setup(self) -> None:
         try:
-            liburing.io_uring_queue_init(self._entries, self._ring)
-            self._initialised = True
+            self._raw = self._binding.open_ring(self._entries)
             self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            liburing.io_uring_register_eventfd(self._ring, self._efd)
+            self._raw.register_eventfd(self._efd)
         except OSError as exc:
             self._teardown()
             raise StorageIOError(f"io_uring set-up failed: {exc}") from exc
@@ -225,13 +216,10 @@ class CompletionRing:
         if not self._waiters:
             return
         logger.warning("closing io_uring: cancelling %d stuck requests", len(self._waiters))
-        sqe = liburing.io_uring_get_sqe(self._ring)
-        if sqe is not None and self._broken is None:
-            flags = liburing.IORING_ASYNC_CANCEL_ANY | liburing.IORING_ASYNC_CANCEL_ALL
-            liburing.io_uring_prep_cancel64(sqe, 0, flags)
-            liburing.io_uring_sqe_set_data64(sqe, 0)  # no waiter has token 0
+        if self._broken is None:
             with contextlib.suppress(OSError):
-                liburing.io_uring_submit(self._ring)
+                self.raw.prep_cancel_all(0)  # no waiter has token 0
+                self.raw.submit()
         with anyio.move_on_after(self._drain_timeout_s, shield=True):
             await self._drained.wait()
 
@@ -245,9 +233,8 @@ class CompletionRing:
         self._waiters.clear()
 
     def _teardown(self) -> None:
-        if self._initialised:
-            self._initialised = False
-            liburing.io_uring_queue_exit(self._ring)
+        if self._raw is not None:
+            self._raw.close()
         if self._efd >= 0:
             os.close(self._efd)
             self._efd = -1
@@ -255,14 +242,15 @@ class CompletionRing:
 
 @contextlib.asynccontextmanager
 async def open_completion_ring(
-    entries: int, *, drain_timeout_s: float = DRAIN_TIMEOUT_S
+    binding: UringBinding, entries: int, *, drain_timeout_s: float = DRAIN_TIMEOUT_S
 ) -> AsyncIterator[CompletionRing]:
-    """A ready ring with at most ``entries`` requests in flight and its reaper task running.
+    """A ready ring of ``binding`` with at most ``entries`` requests in flight and its reaper
+    task running. Raises :class:`StorageIOError` when the ring cannot be set up.
 
     Leaving the context refuses new requests, drains the in-flight ones (see the module
     docstring), stops the reaper and tears the ring down, whatever happened inside.
     """
-    ring = CompletionRing(entries, drain_timeout_s=drain_timeout_s)
+    ring = CompletionRing(binding, entries, drain_timeout_s=drain_timeout_s)
     ring._setup()
     # The caller's error is re-raised as itself, not wrapped in the task group's ExceptionGroup
     # (cancellation still passes through the group, where cancel scopes expect it).

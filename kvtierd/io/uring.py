@@ -6,16 +6,13 @@ Each call becomes one ``IORING_OP_READV``/``WRITEV`` request, or ``READV_FIXED``
 (Linux 6.15+) when every buffer lies inside one chunk of the registered arena
 (:class:`kvtierd.io.buffers.FixedRegions`). A fixed request skips pinning and unpinning the pages
 on every call: the kernel pinned them once, at registration, which saves most of the kernel's CPU
-per request. The single-buffer ``read_fixed``/``write_fixed`` forms of the PyPI binding accept only
-``bytearray``/``bytes`` (unaligned, copied), so the vectored fixed forms serve one buffer too.
-``fdatasync`` is ``IORING_OP_FSYNC`` with ``IORING_FSYNC_DATASYNC``.
+per request. The vectored fixed forms serve a single buffer too. ``fdatasync`` is
+``IORING_OP_FSYNC`` with ``IORING_FSYNC_DATASYNC``.
 
 The kernel may complete a request partially (end of file, full disk); the remainder is
 resubmitted until done or until a request moves nothing. Requests go through
 :class:`kvtierd.io.ring.CompletionRing`, which owns the eventfd wake-ups, the queue-depth bound and
-the cancellation shield; ``iovec`` arrays are built from never-freed segment objects
-(:class:`kvtierd.io.buffers.SegmentCache`) because the binding leaks an export of whatever it is
-given.
+the cancellation shield, over a binding of liburing (:mod:`kvtierd.io.binding`).
 
 Registration is synchronous and pins every page of the arena: about 25-30 ms per GiB when the
 memory is already faulted in, seconds per GiB when it is not (pre-fault the arena first). The
@@ -32,8 +29,6 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
 
-import liburing
-
 from kvtierd.errors import StorageIOError
 from kvtierd.io.base import (
     IoBackend,
@@ -44,14 +39,8 @@ from kvtierd.io.base import (
     os_error,
     short_transfer_error,
 )
-from kvtierd.io.buffers import (
-    MAX_FIXED_CHUNK_BYTES,
-    FixedRegions,
-    SegmentCache,
-    Span,
-    advance_spans,
-    buffer_address,
-)
+from kvtierd.io.binding import FSYNC_DATASYNC, RingOp, Span, UringBinding, load_binding
+from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES, FixedRegions, advance_spans, buffer_address
 from kvtierd.io.ring import DRAIN_TIMEOUT_S, CompletionRing, open_completion_ring
 
 __all__ = ["PROBE_TIMEOUT_S", "UringBackend", "open_uring_backend"]
@@ -74,7 +63,6 @@ class UringBackend(IoBackend):
         self.supports_fixed_buffers = fixed_opcodes
         self._fixed_chunk_bytes = fixed_chunk_bytes
         self._regions: FixedRegions | None = None
-        self._segments = SegmentCache()
         self._counters = OpCounters()
 
     def register_buffer(self, buffer: memoryview) -> None:
@@ -91,10 +79,8 @@ class UringBackend(IoBackend):
         (view,) = check_request(0, 0, [buffer])
         regions = FixedRegions(buffer_address(view), view.nbytes, self._fixed_chunk_bytes)
         chunks = regions.chunks()
-        # Segments, not the caller's view: liburing.Iovec never releases what it is given.
-        iovec = liburing.Iovec(SegmentCache(capacity=len(chunks)).segments(chunks))
         try:
-            liburing.io_uring_register_buffers(self._ring.ring, iovec)
+            self._ring.raw.register_buffers(chunks)
         except OSError as exc:
             raise os_error("register_buffers", -1, 0, exc.errno or errno.EIO) from exc
         self._regions = regions
@@ -113,7 +99,7 @@ class UringBackend(IoBackend):
     async def fdatasync(self, fd: int) -> None:
         if fd < 0:
             raise os_error("fdatasync", fd, 0, errno.EBADF)
-        result = await self._ring.run(partial(_prep_fsync, fd=fd))
+        result = await self._ring.run(partial(self._ring.raw.prep_fsync, fd, FSYNC_DATASYNC))
         if result < 0:
             raise os_error("fdatasync", fd, 0, -result) from OSError(-result, os.strerror(-result))
         self._counters.fsyncs += 1
@@ -142,48 +128,36 @@ class UringBackend(IoBackend):
     async def _submit_once(
         self, op: str, fd: int, offset: int, spans: list[Span], index: int | None
     ) -> int:
-        # Kept referenced here until the completion: the kernel reads the iovec array at issue.
-        iovec = liburing.Iovec(self._segments.segments(spans))
-        prep = partial(_prep_rw, op=op, fd=fd, iovec=iovec, offset=offset, index=index)
+        if op == "readv":
+            opcode = RingOp.READV if index is None else RingOp.READV_FIXED
+        else:
+            opcode = RingOp.WRITEV if index is None else RingOp.WRITEV_FIXED
+        prep = partial(
+            self._ring.raw.prep_rw, opcode, fd, spans, offset, -1 if index is None else index
+        )
         result = await self._ring.run(prep)
         if result < 0:
             raise os_error(op, fd, offset, -result) from OSError(-result, os.strerror(-result))
         return result
 
 
-def _prep_rw(
-    sqe: liburing.SQE, *, op: str, fd: int, iovec: liburing.Iovec, offset: int, index: int | None
-) -> None:
-    if op == "readv":
-        if index is None:
-            liburing.io_uring_prep_readv(sqe, fd, iovec, offset, 0)
-        else:
-            liburing.io_uring_prep_readv_fixed(sqe, fd, iovec, index, offset, 0)
-    elif index is None:
-        liburing.io_uring_prep_writev(sqe, fd, iovec, offset, 0)
-    else:
-        liburing.io_uring_prep_writev_fixed(sqe, fd, iovec, index, offset, 0)
-
-
-def _prep_fsync(sqe: liburing.SQE, *, fd: int) -> None:
-    liburing.io_uring_prep_fsync(sqe, fd, liburing.IORING_FSYNC_DATASYNC)
-
-
-def _fixed_opcodes_supported() -> bool:
-    supported = liburing.probe() or {}
-    return bool(supported.get("IORING_OP_READV_FIXED") and supported.get("IORING_OP_WRITEV_FIXED"))
+def _fixed_opcodes_supported(ring: CompletionRing) -> bool:
+    return ring.raw.supports(RingOp.READV_FIXED) and ring.raw.supports(RingOp.WRITEV_FIXED)
 
 
 @contextlib.asynccontextmanager
 async def open_uring_backend(
     queue_depth: int = 64,
     *,
+    binding: UringBinding | None = None,
     fixed_chunk_bytes: int = MAX_FIXED_CHUNK_BYTES,
     drain_timeout_s: float = DRAIN_TIMEOUT_S,
 ) -> AsyncIterator[UringBackend]:
     """An io_uring backend proven to work (a NOP completed through the eventfd).
 
-    ``fixed_chunk_bytes`` (at most 1 GiB, the kernel's limit) is how a registered buffer is split
+    ``binding`` drives the ring (default: :data:`kvtierd.io.binding.DEFAULT_BINDING`, loaded
+    here: a caller that cannot afford to lose its process probes it first, as
+    :func:`kvtierd.io.open_io_backend` does). ``fixed_chunk_bytes`` (at most 1 GiB, the kernel's limit) is how a registered buffer is split
     into fixed buffer indices; tests lower it. ``drain_timeout_s`` bounds how long closing waits
     for requests that do not finish (see :mod:`kvtierd.io.ring`). Raises :class:`StorageIOError`
     when io_uring is unavailable (``io_uring_disabled``, seccomp, old kernel) or does not
@@ -192,11 +166,15 @@ async def open_uring_backend(
     """
     if not 0 < fixed_chunk_bytes <= MAX_FIXED_CHUNK_BYTES:
         raise ValueError(f"fixed_chunk_bytes must be in 1..{MAX_FIXED_CHUNK_BYTES}")
-    try:
-        fixed_opcodes = _fixed_opcodes_supported()
-    except (OSError, RuntimeError) as exc:  # liburing reports a refused io_uring_setup (seccomp,
-        # io_uring_disabled) as RuntimeError; either way the caller may fall back to threads
-        raise StorageIOError(f"io_uring probe failed: {exc}") from exc
-    async with open_completion_ring(queue_depth, drain_timeout_s=drain_timeout_s) as ring:
+    if binding is None:
+        try:
+            binding = load_binding()
+        except ImportError as exc:
+            raise StorageIOError(f"the io_uring binding cannot be imported: {exc}") from exc
+    async with open_completion_ring(binding, queue_depth, drain_timeout_s=drain_timeout_s) as ring:
+        try:
+            fixed_opcodes = _fixed_opcodes_supported(ring)
+        except OSError as exc:
+            raise StorageIOError(f"io_uring opcode probe failed: {exc}") from exc
         await ring.probe(PROBE_TIMEOUT_S)
         yield UringBackend(ring, fixed_opcodes=fixed_opcodes, fixed_chunk_bytes=fixed_chunk_bytes)

@@ -22,6 +22,8 @@ ARENA_BYTES = 4 << 20
 @pytest.fixture(params=[IoBackendKind.IO_URING, IoBackendKind.THREADS], ids=str)
 def backend_kind(request: pytest.FixtureRequest) -> IoBackendKind:
     kind: IoBackendKind = request.param
+    if kind is IoBackendKind.IO_URING:
+        request.getfixturevalue("uring_works")
     return kind
 
 

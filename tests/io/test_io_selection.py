@@ -1,25 +1,35 @@
-"""How a backend is chosen: by name, once, in :func:`kvtierd.io.open_io_backend`."""
+"""How a backend is chosen: by name, once, in :func:`kvtierd.io.open_io_backend`, and only after
+the liburing binding survived its probe in a child process."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
+from pathlib import Path
 
 import pytest
 
-import kvtierd.io
 from kvtierd.errors import StorageIOError
-from kvtierd.io import IoBackend, IoBackendKind, open_io_backend
+from kvtierd.io import IoBackendKind, open_io_backend
 
 pytestmark = pytest.mark.anyio
 
+STANDINS = Path(__file__).parent / "standins"
 
+
+@pytest.fixture
+def standins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the stand-in bindings importable in the probe's child process."""
+    monkeypatch.setenv("PYTHONPATH", str(STANDINS))
+
+
+@pytest.mark.usefixtures("uring_works")
 async def test_auto_picks_io_uring_here(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="kvtierd.io")
     async with open_io_backend() as backend:
         assert backend.kind is IoBackendKind.IO_URING
         assert backend.supports_fixed_buffers
     assert "io backend: io_uring (queue depth 64, fixed buffers supported)" in caplog.text
+    assert "io_uring binding: liburing" in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -30,30 +40,31 @@ async def test_threads_by_name_or_member(name: str) -> None:
         assert not backend.supports_fixed_buffers
 
 
-async def test_auto_falls_back_to_threads_and_says_why(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.usefixtures("standins")
+async def test_auto_falls_back_to_threads_when_the_binding_dies(
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    def unavailable(queue_depth: int) -> contextlib.AbstractAsyncContextManager[IoBackend]:
-        raise StorageIOError("io_uring set-up failed: [Errno 1] Operation not permitted")
-
-    monkeypatch.setattr(kvtierd.io, "_open_uring", unavailable)
     caplog.set_level(logging.INFO, logger="kvtierd.io")
-    async with open_io_backend("auto") as backend:
+    async with open_io_backend("auto", binding="sigill_binding") as backend:
         assert backend.kind is IoBackendKind.THREADS
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert "falling back to threads" in warnings[0].getMessage()
-    assert "Operation not permitted" in warnings[0].getMessage()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "io_uring unavailable, falling back to threads: the liburing binding sigill_binding "
+        "died with SIGILL: this CPU lacks an instruction it was built for"
+    ]
     assert "io backend: threads" in caplog.text
 
 
-async def test_explicit_io_uring_does_not_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    def unavailable(queue_depth: int) -> contextlib.AbstractAsyncContextManager[IoBackend]:
-        raise StorageIOError("io_uring set-up failed")
+@pytest.mark.usefixtures("standins")
+async def test_explicit_io_uring_does_not_fall_back() -> None:
+    with pytest.raises(StorageIOError, match="sigill_binding died with SIGILL"):
+        async with open_io_backend("io_uring", binding="sigill_binding"):
+            pass  # pragma: no cover
 
-    monkeypatch.setattr(kvtierd.io, "_open_uring", unavailable)
-    with pytest.raises(StorageIOError, match="set-up failed"):
-        async with open_io_backend("io_uring"):
+
+async def test_a_binding_that_is_not_installed_is_unavailable() -> None:
+    with pytest.raises(StorageIOError, match="not installed: No module named 'no_such_binding'"):
+        async with open_io_backend("io_uring", binding="no_such_binding"):
             pass  # pragma: no cover
 
 

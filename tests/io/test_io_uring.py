@@ -15,7 +15,7 @@ import pytest
 from kvtierd.errors import StorageIOError
 from kvtierd.io.uring import open_uring_backend
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("uring_works")]
 
 BLOCK = 4096
 MIB = 1 << 20
@@ -120,7 +120,7 @@ async def test_a_failed_preparation_leaves_the_ring_usable(data_fd: int, arena: 
     async with open_uring_backend(4) as backend:
         ring = backend._ring
 
-        def broken_prep(sqe: object) -> None:
+        def broken_prep(tag: int) -> object:
             raise TypeError("bad argument")
 
         with pytest.raises(TypeError, match="bad argument"):
