@@ -1,8 +1,11 @@
 """Daemon configuration: a TOML file over embedded defaults, every field validated.
 
 The defaults are the struct defaults below; a file overrides any subset of them and command-line
-flags override the file. Unknown keys, wrong types and impossible values are refused with a
-:class:`ConfigError` whose message names the field (``$.dram.size``) and what is wrong.
+flags override the file. Unknown keys, wrong types, values out of range and broken rules between
+fields are all refused together: one :class:`ConfigError` lists each problem on its own line,
+naming the field (``dram.size``), or the flag that set it (``--dram-size``), and what is wrong
+(:mod:`kvtierd.config_reader` does the reading). Modes are enums, so a bad value is answered with
+the allowed ones.
 
 Where the daemon keeps its socket and data when nothing says otherwise:
 
@@ -20,18 +23,22 @@ import os
 import re
 import socket
 import tomllib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
 
-from kvtierd.errors import ConfigError
+from kvtierd.config_reader import read_config
+from kvtierd.errors import ConfigError, ConfigProblem
+from kvtierd.io.base import IoBackendKind
 
 __all__ = [
     "ByteSize",
     "Config",
     "DaemonConfig",
     "DramConfig",
+    "LogLevel",
     "NvmeConfig",
     "PolicyKind",
     "PoolConfig",
@@ -59,10 +66,18 @@ def parse_size(text: str | int) -> ByteSize:
         if text < 0:
             raise ValueError(f"a size cannot be negative: {text}")
         return ByteSize(text)
-    match = _SIZE.match(str(text))
+    match = _SIZE.match(text) if isinstance(text, str) else None
     if not match:
         raise ValueError(f"not a size: {text!r} (use bytes or a suffix: K, M, G, T)")
     return ByteSize(int(float(match[1]) * _UNITS[match[2].lower()]))
+
+
+def _show_size(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that divides it: ``1048576`` is ``"1M"``."""
+    for suffix in "PTGMK":
+        if nbytes and nbytes % _UNITS[suffix.lower()] == 0:
+            return f"{nbytes // _UNITS[suffix.lower()]}{suffix}"
+    return str(nbytes)
 
 
 class Runtime(enum.StrEnum):
@@ -83,21 +98,45 @@ class PolicyKind(enum.StrEnum):
     SLSAP = "slsap"
 
 
+class LogLevel(enum.StrEnum):
+    """The least severe log records written; read in any case (``"INFO"`` is ``info``)."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+    @classmethod
+    def _missing_(cls, value: object) -> LogLevel | None:
+        return cls.__members__.get(value.upper()) if isinstance(value, str) else None
+
+
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Count = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
+    """A table of the configuration. Its rules between fields are ``_broken_rules``, checked at
+    construction; each problem's ``where`` is relative to the table (``size``, not
+    ``dram.size``), and any broken rule raises one :class:`ConfigError` listing them all."""
+
+    def __post_init__(self) -> None:
+        if problems := list(self._broken_rules()):
+            raise ConfigError(f"invalid {type(self).__name__}:", problems)
+
+    def _broken_rules(self) -> Iterator[ConfigProblem]:
+        return iter(())
 
 
 class DaemonConfig(_Section):
     socket: str = ""
-    socket_mode: Annotated[str, msgspec.Meta(pattern=r"^0?[0-7]{3}$")] = "0660"
+    socket_mode: Annotated[
+        str, msgspec.Meta(pattern=r"^0?[0-7]{3}$", description='an octal mode such as "0660"')
+    ] = "0660"
     socket_group: str = ""
     data_dir: str = ""
     runtime: Runtime = Runtime.ASYNCIO
-    log_level: Annotated[str, msgspec.Meta(pattern=r"^(?i:debug|info|warning|error)$")] = "info"
+    log_level: LogLevel = LogLevel.INFO
     max_connections: Count = 256
     max_inflight: Count = 256
     max_frame_bytes: ByteSize = ByteSize(1 << 20)
@@ -105,11 +144,16 @@ class DaemonConfig(_Section):
     metrics_address: str = "127.0.0.1"
     shutdown_grace_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
 
-    def __post_init__(self) -> None:
+    def _broken_rules(self) -> Iterator[ConfigProblem]:
         if not 4096 <= self.max_frame_bytes <= 64 << 20:
-            raise ValueError("max_frame_bytes must be between 4K and 64M")
+            frame = _show_size(self.max_frame_bytes)
+            yield ConfigProblem("max_frame_bytes", f"{frame} is out of range 4K..64M")
         if self.metrics_port and self.metrics_address not in ("127.0.0.1", "::1", "localhost"):
-            raise ValueError("metrics are served on loopback only (127.0.0.1, ::1, localhost)")
+            yield ConfigProblem(
+                "metrics_address",
+                f"{self.metrics_address!r} is not loopback: metrics are served on "
+                "127.0.0.1, ::1 or localhost only",
+            )
 
 
 class DramConfig(_Section):
@@ -122,15 +166,15 @@ class DramConfig(_Section):
     #: second, and reuse promotions run only while no demand read waits on the disk. 0: none.
     prefetch_bytes_per_s: ByteSize = ByteSize(512 << 20)
 
-    def __post_init__(self) -> None:
+    def _broken_rules(self) -> Iterator[ConfigProblem]:
         if self.size < 16 << 20:
-            raise ValueError("dram.size must be at least 16M")
+            yield ConfigProblem("size", f"{_show_size(self.size)} is below the minimum 16M")
 
 
 class NvmeConfig(_Section):
     size: ByteSize = ByteSize(4 << 30)
     path: str = ""
-    io_backend: Annotated[str, msgspec.Meta(pattern=r"^(auto|io_uring|threads)$")] = "auto"
+    io_backend: IoBackendKind = IoBackendKind.AUTO
     queue_depth: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
     segment_bytes: ByteSize = ByteSize(64 << 20)
     writeback_concurrency: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
@@ -139,11 +183,16 @@ class NvmeConfig(_Section):
     #: per-LOOKUP telemetry cost.
     policy: PolicyKind = PolicyKind.LRU
 
-    def __post_init__(self) -> None:
+    def _broken_rules(self) -> Iterator[ConfigProblem]:
         if self.size and self.size < 64 << 20:
-            raise ValueError("nvme.size must be 0 (no disk tier) or at least 64M")
+            yield ConfigProblem(
+                "size", f"{_show_size(self.size)} is neither 0 (no disk tier) nor at least 64M"
+            )
         if self.segment_bytes < 1 << 20 or self.segment_bytes % 4096:
-            raise ValueError("nvme.segment_bytes must be a multiple of 4K, at least 1M")
+            yield ConfigProblem(
+                "segment_bytes",
+                f"must be a multiple of 4K and at least 1M, not {_show_size(self.segment_bytes)}",
+            )
 
 
 class PoolWritePolicy(enum.StrEnum):
@@ -176,39 +225,60 @@ class PoolConfig(_Section):
     compress: bool = False
     #: FSYNC also waits until the pool holds every block committed before it.
     fsync_waits: bool = True
-    key_prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")] = "kvt"
+    key_prefix: Annotated[
+        str,
+        msgspec.Meta(
+            pattern=r"^[A-Za-z0-9_.-]{1,32}$",
+            description="a prefix of 1 to 32 letters, digits, '_', '.' or '-'",
+        ),
+    ] = "kvt"
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 5.0
     max_connections: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
     #: The TP group: every rank of it names the same ``group_id`` and ``world_size``.
-    group_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{0,128}$")] = ""
+    group_id: Annotated[
+        str,
+        msgspec.Meta(
+            pattern=r"^[A-Za-z0-9_.:-]{0,128}$",
+            description="a group id of up to 128 letters, digits, '_', '.', ':' or '-'",
+        ),
+    ] = ""
     rank: Annotated[int, msgspec.Meta(ge=0)] = 0
     world_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     vote_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 5.0
     heartbeat_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
 
-    def __post_init__(self) -> None:
+    def _broken_rules(self) -> Iterator[ConfigProblem]:
         if not self.url:
             return
-        scheme = self.url.split("://", 1)[0].lower() if "://" in self.url else ""
+        # The url is never quoted back: it may carry a password.
+        scheme, separator, rest = self.url.partition("://")
+        scheme = scheme.lower() if separator else ""
         if scheme not in ("redis", "rediss"):
-            raise ValueError("pool.url must be redis://host:port or rediss://host:port")
-        if "@" in self.url.split("://", 1)[1]:
-            raise ValueError(
-                "pool.url must not carry credentials: use pool.username and pool.password_file"
+            yield ConfigProblem("url", "must be redis://host:port or rediss://host:port")
+        if "@" in rest:
+            yield ConfigProblem(
+                "url", "must not carry credentials: use pool.username and pool.password_file"
             )
         if scheme == "redis" and not self.allow_plaintext:
-            raise ValueError(
-                "pool.url is plaintext (redis://): use rediss:// with TLS, or set "
-                "pool.allow_plaintext = true to accept an unencrypted pool"
+            yield ConfigProblem(
+                "url",
+                "is plaintext (redis://): use rediss:// with TLS, or set "
+                "pool.allow_plaintext = true to accept an unencrypted pool",
             )
-        if scheme == "redis" and (self.ca_file or self.cert_file):
-            raise ValueError("pool.ca_file / cert_file are set but pool.url is not rediss://")
-        if bool(self.cert_file) != bool(self.key_file):
-            raise ValueError("pool.cert_file and pool.key_file go together")
+        for name in ("ca_file", "cert_file"):
+            if scheme == "redis" and getattr(self, name):
+                yield ConfigProblem(name, "is set, but pool.url is not rediss://")
+        for given, other in (("cert_file", "key_file"), ("key_file", "cert_file")):
+            if getattr(self, given) and not getattr(self, other):
+                yield ConfigProblem(given, f"is set without pool.{other} (the two go together)")
         if self.rank >= self.world_size:
-            raise ValueError(f"pool.rank {self.rank} is outside world_size {self.world_size}")
+            yield ConfigProblem(
+                "rank",
+                f"{self.rank} is outside world_size {self.world_size} "
+                f"(ranks are 0..{self.world_size - 1})",
+            )
         if self.world_size > 1 and not self.group_id:
-            raise ValueError("pool.group_id is required when world_size > 1")
+            yield ConfigProblem("group_id", "is required when world_size > 1")
 
     @property
     def group(self) -> str:
@@ -250,11 +320,11 @@ class Config(_Section):
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
     tenants: list[TenantConfig] = []
 
-    def __post_init__(self) -> None:
+    def _broken_rules(self) -> Iterator[ConfigProblem]:
         if self.pool.url and self.daemon.runtime is Runtime.TRIO:
-            raise ValueError(
-                "the pool runs on redis-py's asyncio client: set daemon.runtime = asyncio "
-                "(or leave pool.url empty)"
+            yield ConfigProblem(
+                "daemon.runtime",
+                "the pool runs on redis-py's asyncio client: use asyncio, or leave pool.url empty",
             )
 
     @property
@@ -290,29 +360,36 @@ def default_data_dir() -> Path:
     return Path("/var/lib/kvtierd")
 
 
-def _dec_hook(kind: type, value: Any) -> Any:
-    if kind is ByteSize:
-        return parse_size(value)
-    raise NotImplementedError(f"cannot read {kind.__name__} from configuration")
-
-
 def load_config(
-    path: Path | None = None, overrides: dict[str, dict[str, Any]] | None = None
+    path: Path | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    flags: Mapping[tuple[str, str], str] | None = None,
 ) -> Config:
     """Read ``path`` (or only the defaults), apply ``overrides`` (``{"dram": {"size": "2G"}}``)
-    and validate. Raises :class:`ConfigError` naming the offending field."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
+    and validate everything.
+
+    ``flags`` maps an override's (section, field) to the command-line flag that set it
+    (``{("dram", "size"): "--dram-size"}``): a problem in that value names the flag, not the
+    file. Raises :class:`ConfigError` whose ``problems`` list everything wrong at once; a file
+    that cannot be read or is not TOML is one problem.
+    """
+    raw = _read_toml(path) if path is not None else {}
+    blame: dict[str, str] = {}
     for section, values in (overrides or {}).items():
-        raw.setdefault(section, {}).update(values)
+        table = raw.setdefault(section, {})
+        if isinstance(table, dict):  # else the file's value is reported: it is not a table
+            table.update(values)
+        for name in values:
+            if flag := (flags or {}).get((section, name)):
+                blame[f"{section}.{name}"] = flag
+    return read_config(Config, raw, parsers={ByteSize: parse_size}, blame=blame, source=path)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        return msgspec.convert(raw, Config, dec_hook=_dec_hook, strict=True)
-    except msgspec.ValidationError as exc:
-        where = f" in {path}" if path else ""
-        raise ConfigError(f"invalid configuration{where}: {exc}") from exc
+        return tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc

@@ -13,6 +13,8 @@ exactly one class, so the client raises what the server meant; :func:`error_from
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 __all__ = [
     "ERRNO_TO_ERROR",
@@ -22,6 +24,7 @@ __all__ = [
     "BusyError",
     "ClosedError",
     "ConfigError",
+    "ConfigProblem",
     "DaemonNotRunningError",
     "InvalidRequestError",
     "KvtierError",
@@ -129,10 +132,32 @@ class DaemonNotRunningError(BrokenConnectionError):
     errno = errno.ECONNREFUSED
 
 
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One thing wrong with the configuration: ``where`` is the field (``dram.size``), the
+    command-line flag that set it (``--dram-size``) or ``""``; ``message`` says what is wrong."""
+
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}" if self.where else self.message
+
+
 class ConfigError(KvtierError, ValueError):
-    """The configuration is invalid; the message names the field and what is wrong."""
+    """The configuration is invalid; :attr:`problems` says where and what, one per problem.
+
+    ``ConfigError(message)`` is one problem with no ``where``, and ``str()`` is the message.
+    ``ConfigError(heading, problems)`` carries them all; ``str()`` is the heading, then each
+    problem on its own line, indented two spaces, as ``where: message``.
+    """
 
     errno = errno.EINVAL
+
+    def __init__(self, message: str, problems: Iterable[ConfigProblem] = ()) -> None:
+        listed = tuple(problems)
+        self.problems: tuple[ConfigProblem, ...] = listed or (ConfigProblem("", message),)
+        super().__init__(message + "".join(f"\n  {problem}" for problem in listed))
 
 
 #: errno -> the class the client raises. One class per errno: subclasses that share an errno

@@ -1,8 +1,8 @@
 """``kvtierctl``: inspect and administer a running kvtierd.
 
-Commands: ``status``, ``stats``, ``top``, ``ls``, ``flush``, ``evict``, ``forget``; see
-``docs/kvtierctl.md``. Every command takes ``--socket`` (default ``$KVTIERD_SOCKET`` or the
-configured path) before or after its name.
+Commands: ``status``, ``stats``, ``top``, ``ls``, ``flush``, ``evict``, ``forget``, ``pool``,
+``doctor``; see ``docs/kvtierctl.md``. Every command takes ``--socket`` (default
+``$KVTIERD_SOCKET`` or the configured path) before or after its name.
 
 Exit status: 0 on success; 1 when the daemon is not running, refused the request or failed
 (one line on stderr, never a traceback; ``status --json`` prints ``{"ready": false, ...}``
@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop after N refreshes (default: until Ctrl-C)",
     )
     _json_option(add("ls", "Namespaces with their block counts per tier."))
+    _json_option(
+        add(
+            "doctor",
+            "What this host gives the running daemon and what it falls back from (admin; "
+            "before a start, run kvtierd --check).",
+        )
+    )
     flush = add("flush", "Write every dirty block to disk (FSYNC), with a progress bar.")
     flush.add_argument(
         "--interval",
@@ -190,6 +197,7 @@ def _run(args: argparse.Namespace, options: commands.CommandOptions) -> int:
         "stats": commands.stats,
         "ls": commands.ls,
         "evict": commands.evict,
+        "doctor": commands.doctor,
     }
     if command in simple:
         return simple[command](options)

@@ -46,7 +46,14 @@ from kvtierd.cli.ctl_records import (
     stats_record,
     status_record,
 )
-from kvtierd.cli.ctl_views import format_bytes, namespaces_view, stats_view, status_view, top_view
+from kvtierd.cli.ctl_views import (
+    doctor_view,
+    format_bytes,
+    namespaces_view,
+    stats_view,
+    status_view,
+    top_view,
+)
 from kvtierd.client import AsyncClient, Client, KvtierError, Layout, connect, connect_async
 
 __all__ = [
@@ -54,6 +61,7 @@ __all__ = [
     "CommandOptions",
     "NamespaceSelector",
     "connect_daemon",
+    "doctor",
     "evict",
     "find_namespace",
     "flush",
@@ -130,6 +138,14 @@ def ls(options: CommandOptions) -> int:
     with connect_daemon(options) as client:
         namespaces = client.namespaces()
     return show(options, lambda: namespaces_record(namespaces), lambda: namespaces_view(namespaces))
+
+
+def doctor(options: CommandOptions) -> int:
+    """The running daemon's report on its host; exit status 1 if a check failed."""
+    with connect_daemon(options) as client:
+        checks = client.doctor()
+    show(options, lambda: checks, lambda: doctor_view(checks))
+    return int(any(check["status"] == "fail" for check in checks))
 
 
 def show(options: CommandOptions, record: Callable[[], Any], view: Callable[[], Any]) -> int:

@@ -20,6 +20,7 @@ from rich.text import Text
 from kvtierd.cli.ctl_records import Rates, Stats, TierRates, hit_ratio, prefetch_accuracy
 
 __all__ = [
+    "doctor_view",
     "format_bytes",
     "format_duration",
     "format_ratio",
@@ -154,6 +155,22 @@ def _key_values(rows: Sequence[tuple[str, str]]) -> Table:
     for key, value in rows:
         grid.add_row(key, value)
     return grid
+
+
+_CHECK_STYLES = {"ok": "green", "fallback": "yellow", "fail": "bold red"}
+
+
+def doctor_view(checks: Sequence[Mapping[str, str]]) -> RenderableType:
+    """``doctor``: one line per check, its status coloured; details wrap, subjects do not."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column("status", no_wrap=True)
+    table.add_column("subject", style="bold", no_wrap=True)
+    table.add_column("what the host gives the daemon, what it falls back from")
+    for check in checks:
+        status = check["status"]
+        table.add_row(Text(status, style=_CHECK_STYLES.get(status, "")), check["subject"],
+                      check["detail"])  # fmt: skip
+    return table
 
 
 def status_view(socket: Path, stats: Stats) -> RenderableType:

@@ -1,28 +1,54 @@
 """``kvtierd``: run the daemon in the foreground (systemd's ``Type=notify`` service).
 
-Flags override the configuration file, which overrides the embedded defaults. Exit status:
-0 after a clean stop, 2 for an invalid configuration or command line, 1 when the daemon cannot
-start (no memory for the arena, no room for the data file, socket in use).
+Flags override the configuration file, which overrides the embedded defaults. Before the arena
+is created the daemon checks everything that could stop it (:mod:`kvtierd.server.preflight`)
+and refuses to start on the first run of any failure, one line each. ``kvtierd --check`` runs
+the same checks, prints what the host gives the daemon and what it would fall back from, and
+exits.
+
+Exit status: 0 after a clean stop (``--check``: the daemon would start), 2 for an invalid
+configuration or command line, 1 when the environment stops the daemon (no memory for the
+arena, no room for the data file, socket or port in use, a read-only directory), 130 when
+interrupted before it was serving.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
-import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 from kvtierd import __version__
+from kvtierd.cli.logs import configure_logging
 from kvtierd.config import Config, Runtime, load_config
 from kvtierd.errors import ConfigError, KvtierError
 from kvtierd.server.daemon import serve_daemon
+from kvtierd.server.preflight import (
+    CheckStatus,
+    HostCheck,
+    check_config_error,
+    check_host,
+    exit_status,
+    probe_io_uring,
+    render,
+)
 
 __all__ = ["main", "parse_args"]
+
+#: Each flag that overrides a configuration field: (section, field) -> (flag, attribute).
+FLAGS: dict[tuple[str, str], tuple[str, str]] = {
+    ("daemon", "socket"): ("--socket", "socket"),
+    ("daemon", "data_dir"): ("--data-dir", "data_dir"),
+    ("daemon", "runtime"): ("--runtime", "runtime"),
+    ("daemon", "log_level"): ("--log-level", "log_level"),
+    ("dram", "size"): ("--dram-size", "dram_size"),
+    ("nvme", "size"): ("--nvme-size", "nvme_size"),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,49 +60,99 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nvme-size", help="NVMe tier size, 0 disables it (nvme.size)")
     parser.add_argument("--runtime", choices=[r.value for r in Runtime], help="event loop")
     parser.add_argument("--log-level", help="debug, info, warning or error")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the configuration and what this host gives the daemon, one line each, "
+        "then exit: 0 when the daemon would start as configured",
+    )
     parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     return parser.parse_args(argv)
 
 
-def build_config(args: argparse.Namespace) -> Config:
-    overrides: dict[str, dict[str, Any]] = {}
-    pairs = {
-        ("daemon", "socket"): args.socket,
-        ("daemon", "data_dir"): args.data_dir,
-        ("daemon", "runtime"): args.runtime,
-        ("daemon", "log_level"): args.log_level,
-        ("dram", "size"): args.dram_size,
-        ("nvme", "size"): args.nvme_size,
+def _given(args: argparse.Namespace) -> dict[tuple[str, str], tuple[str, Any]]:
+    """The fields the command line set: (section, field) -> (flag, value)."""
+    return {
+        where: (flag, getattr(args, attribute))
+        for where, (flag, attribute) in FLAGS.items()
+        if getattr(args, attribute) is not None
     }
-    for (section, field), value in pairs.items():
-        if value is not None:
-            overrides.setdefault(section, {})[field] = value
-    return load_config(args.config, overrides)
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """The configuration the flags and the file give; raises :class:`ConfigError`."""
+    overrides: dict[str, dict[str, Any]] = {}
+    for (section, field), (_, value) in _given(args).items():
+        overrides.setdefault(section, {})[field] = value
+    flags = {where: flag for where, (flag, _) in _given(args).items()}
+    return load_config(args.config, overrides, flags=flags)
+
+
+def blame(args: argparse.Namespace) -> dict[str, str]:
+    """``"dram.size" -> "--dram-size"`` for every field a flag set."""
+    return {f"{section}.{field}": flag for (section, field), (flag, _) in _given(args).items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        return check(args) if args.check else run(args)
+    except KeyboardInterrupt:
+        print("kvtierd: interrupted", file=sys.stderr)
+        return 130
+
+
+def check(args: argparse.Namespace) -> int:
+    """``kvtierd --check``: print every check, one line each; the exit status of a start."""
+    source = str(args.config) if args.config else "the embedded defaults"
+    try:
         config = build_config(args)
     except ConfigError as exc:
-        print(f"kvtierd: {exc}", file=sys.stderr)
-        return 2
-    # journald stamps every line itself; elsewhere the time is part of the line.
-    stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
-    logging.basicConfig(
-        level=config.daemon.log_level.upper(),
-        format=stamp + "%(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+        checks = check_config_error(exc)
+    else:
+        verdict = probe_io_uring(config, use_cache=False)
+        valid = HostCheck("config", CheckStatus.OK, f"valid: {source}")
+        checks = [valid, *check_host(config, verdict, blame(args))]
+    print(render(checks))
+    status = exit_status(checks)
+    failed = sum(c.status is CheckStatus.FAIL for c in checks)
+    print(
+        f"kvtierd would start ({source})"
+        if status == 0
+        else f"kvtierd would not start: {failed} problem(s) above (exit status {status})"
     )
+    return status
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check, then serve until stopped."""
+    try:
+        config = build_config(args)
+    except ConfigError as exc:
+        print(f"kvtierd: {exc}", file=sys.stderr)  # the file, then one line per problem
+        return 2
+    configure_logging(config.daemon.log_level.value)
+    verdict = probe_io_uring(config, use_cache=True)
+    checks = check_host(config, verdict, blame(args))
+    if exit_status(checks):
+        return _refuse(checks)
     backend = config.daemon.runtime.value
     options = {"use_uvloop": True} if backend == "asyncio" and _have_uvloop() else {}
+    serve = partial(serve_daemon, config, startup=checks, io_verdict=verdict)
     try:
-        anyio.run(serve_daemon, config, backend=backend, backend_options=options)
+        anyio.run(serve, backend=backend, backend_options=options)
     except BaseExceptionGroup as group:
         return _report(_first_leaf(group))
     except (KvtierError, OSError) as exc:
         return _report(exc)
     return 0
+
+
+def _refuse(checks: list[HostCheck]) -> int:
+    """Print each failed check as one line; the exit status they call for."""
+    for failure in (c for c in checks if c.status is CheckStatus.FAIL):
+        print(f"kvtierd: {failure.detail}", file=sys.stderr)
+    return exit_status(checks)
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:

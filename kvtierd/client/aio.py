@@ -40,6 +40,8 @@ from kvtierd.protocol.messages import (
     AllocReply,
     CommitRequest,
     DestroyRequest,
+    DoctorReply,
+    DoctorRequest,
     EvictReply,
     EvictRequest,
     FsyncReply,
@@ -306,6 +308,15 @@ class AsyncClient:
         reply = await self._call(ListNsRequest())
         assert isinstance(reply, ListNsReply)
         return [as_dict(info) for info in reply.namespaces]
+
+    async def doctor(self) -> list[dict[str, str]]:
+        """The daemon's report on its host (admin): one ``{subject, status, detail}`` per check,
+        ``status`` ok, fallback or fail."""
+        reply = await self._call(DoctorRequest())
+        assert isinstance(reply, DoctorReply)
+        return [
+            {"subject": c.subject, "status": c.status, "detail": c.detail} for c in reply.checks
+        ]
 
     async def pool_status(self) -> dict[str, Any]:
         """Where the daemon stands with the shared pool (``state`` "none" without one)."""

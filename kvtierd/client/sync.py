@@ -35,6 +35,8 @@ from kvtierd.errors import BrokenConnectionError, KvtierError, TimedOutError
 from kvtierd.protocol import NEED_DATA, ClientConnection, ConnectionClosed, ReplyReceived
 from kvtierd.protocol.messages import (
     DestroyRequest,
+    DoctorReply,
+    DoctorRequest,
     EvictReply,
     EvictRequest,
     FsyncReply,
@@ -238,6 +240,15 @@ class Client:
         reply = self._call(ListNsRequest())
         assert isinstance(reply, ListNsReply)
         return [as_dict(info) for info in reply.namespaces]
+
+    def doctor(self) -> list[dict[str, str]]:
+        """The daemon's report on its host (admin): one ``{subject, status, detail}`` per check,
+        ``status`` ok, fallback or fail."""
+        reply = self._call(DoctorRequest())
+        assert isinstance(reply, DoctorReply)
+        return [
+            {"subject": c.subject, "status": c.status, "detail": c.detail} for c in reply.checks
+        ]
 
     def pool_status(self) -> dict[str, Any]:
         """Where the daemon stands with the shared pool (``state`` "none" without one)."""

@@ -20,7 +20,7 @@ import anyio.to_thread
 
 from kvtierd.errors import StorageIOError
 from kvtierd.io.base import IoBackend, IoBackendKind, IoStatistics
-from kvtierd.io.binding import DEFAULT_BINDING, load_binding
+from kvtierd.io.binding import configured_binding, load_binding
 from kvtierd.io.probe import BindingVerdict, probe_binding
 from kvtierd.io.threads import open_thread_backend
 from kvtierd.io.uring import open_uring_backend
@@ -37,13 +37,14 @@ def open_io_backend(
     kind: IoBackendKind | str = IoBackendKind.AUTO,
     *,
     queue_depth: int = 64,
-    binding: str = DEFAULT_BINDING,
+    binding: str | None = None,
     verdict: BindingVerdict | None = None,
 ) -> contextlib.AbstractAsyncContextManager[IoBackend]:
     """The backend named by ``kind``, keeping at most ``queue_depth`` operations in the kernel.
 
     ``kind`` is an :class:`IoBackendKind` or its value (``"io_uring"``, ``"threads"``,
-    ``"auto"``). For io_uring, ``binding`` names the module that binds liburing, and ``verdict``
+    ``"auto"``). For io_uring, ``binding`` names the module that binds liburing (default:
+    :func:`kvtierd.io.binding.configured_binding`), and ``verdict``
     is what :func:`kvtierd.io.probe.probe_binding` said of it (probed here, in a child process,
     when not given). Raises :class:`ValueError` at once for an unknown name or a queue depth
     outside 1..4096; entering raises :class:`StorageIOError` when ``io_uring`` was asked for
@@ -57,7 +58,7 @@ def open_io_backend(
         raise ValueError(f"unknown io backend {kind!r}; valid names: {valid}") from None
     if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
         raise ValueError(f"queue_depth must be in 1..{MAX_QUEUE_DEPTH}, not {queue_depth}")
-    return _open(chosen, queue_depth, binding, verdict)
+    return _open(chosen, queue_depth, binding or configured_binding(), verdict)
 
 
 @contextlib.asynccontextmanager

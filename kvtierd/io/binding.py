@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import enum
 import importlib
+import os
 from collections.abc import Sequence
 from typing import Protocol, cast
 
 __all__ = [
+    "BINDING_ENV",
     "DEFAULT_BINDING",
     "FSYNC_DATASYNC",
     "Completion",
@@ -28,11 +30,15 @@ __all__ = [
     "RingOp",
     "Span",
     "UringBinding",
+    "configured_binding",
     "load_binding",
 ]
 
 #: The module the daemon drives io_uring through unless told otherwise.
 DEFAULT_BINDING = "kvtierd.io.liburing_cffi"
+#: The environment variable that names another binding module (tests point it at stand-ins that
+#: crash or hang; the daemon probes whatever it names like any other binding).
+BINDING_ENV = "KVTIERD_IO_URING_BINDING"
 
 #: A buffer as the kernel sees it: (address, length in bytes).
 Span = tuple[int, int]
@@ -105,7 +111,13 @@ class UringBinding(Protocol):
         """One line naming the binding and the liburing it runs on, for logs."""
 
 
-def load_binding(name: str = DEFAULT_BINDING) -> UringBinding:
-    """Import the binding module ``name``. Only after :func:`kvtierd.io.probe.probe_binding`
-    said it survives: importing runs its native code. Raises ``ImportError``."""
-    return cast(UringBinding, importlib.import_module(name))
+def configured_binding() -> str:
+    """The binding module's name: ``$KVTIERD_IO_URING_BINDING``, else :data:`DEFAULT_BINDING`."""
+    return os.environ.get(BINDING_ENV) or DEFAULT_BINDING
+
+
+def load_binding(name: str | None = None) -> UringBinding:
+    """Import the binding module ``name`` (default :func:`configured_binding`). Only after
+    :func:`kvtierd.io.probe.probe_binding` said it survives: importing runs its native code.
+    Raises ``ImportError``."""
+    return cast(UringBinding, importlib.import_module(name or configured_binding()))

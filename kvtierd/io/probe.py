@@ -5,13 +5,13 @@ Theory of operation
 A binding is native code. Built for an instruction this CPU lacks, its first call kills the
 whole process with SIGILL: no exception, no log line, and under systemd's ``Restart=`` a restart
 loop. So no process that cannot afford to die runs a binding first: :func:`probe_binding`
-starts a child Python (:func:`child_main` with the binding's name and a directory), which imports the binding and makes every
-call the backend will make (ring set-up, eventfd registration, the opcode probe, buffer
-registration, fixed and plain vectored ``O_DIRECT`` writes and reads of a scratch file in
-``DIR``, ``fdatasync``, a NOP, a cancellation), waiting for each completion through the eventfd,
-and prints a verdict as one JSON line. The parent reads how the child ended: a verdict, a
-signal, a non-zero exit, or nothing before the timeout (a hang; the child is killed). Only an
-``ok`` verdict lets a caller import the binding.
+starts a child Python (:func:`child_main`, given the binding's name and a directory), which
+imports the binding and makes every call the backend will make (ring set-up, eventfd
+registration, the opcode probe, buffer registration, fixed and plain vectored ``O_DIRECT``
+writes and reads of a scratch file in the directory, ``fdatasync``, a NOP, a cancellation),
+waiting for each completion through the eventfd, and prints a verdict as one JSON line. The
+parent reads how the child ended: a verdict, a signal, a non-zero exit, or nothing before the
+timeout (a hang; the child is killed). Only an ``ok`` verdict lets a caller import the binding.
 
 :func:`cached_probe` keeps an ``ok`` verdict in a file, keyed on everything that could change
 it: the binding's name, the interpreter, the kernel, the CPU's feature flags, and the size and
@@ -38,7 +38,13 @@ from pathlib import Path
 import msgspec
 
 import kvtierd
-from kvtierd.io.binding import DEFAULT_BINDING, FSYNC_DATASYNC, RawRing, RingOp, load_binding
+from kvtierd.io.binding import (
+    FSYNC_DATASYNC,
+    RawRing,
+    RingOp,
+    configured_binding,
+    load_binding,
+)
 from kvtierd.io.buffers import buffer_address
 
 __all__ = ["PROBE_TIMEOUT_S", "BindingVerdict", "FileStamp", "cached_probe", "probe_binding"]
@@ -104,7 +110,7 @@ class _ProbeFailure(Exception):
 
 
 def probe_binding(
-    binding: str = DEFAULT_BINDING,
+    binding: str | None = None,
     *,
     directory: Path | None = None,
     timeout_s: float = PROBE_TIMEOUT_S,
@@ -112,11 +118,13 @@ def probe_binding(
 ) -> BindingVerdict:
     """Run the self-test of ``binding`` in a child process and say how it ended.
 
-    ``directory`` holds the scratch file (it should be where the data file lives, so that
+    ``binding`` defaults to :func:`kvtierd.io.binding.configured_binding`. ``directory`` holds
+    the scratch file (it should be where the data file lives, so that
     ``O_DIRECT`` is tried on that file system; default: the system's temporary directory).
     ``launcher`` is prepended to the child's command line (an emulator such as
     ``qemu-x86_64 -cpu Haswell``). Never raises for anything the child does.
     """
+    binding = binding or configured_binding()
     scratch = directory if directory is not None else Path(tempfile.gettempdir())
     command = [*launcher, sys.executable, "-c", _CHILD, binding, str(scratch)]
     env = dict(os.environ)
@@ -135,10 +143,12 @@ def probe_binding(
         return BindingVerdict(binding, False, f"the io_uring probe could not start: {exc}")
     try:
         out, err = child.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    except BaseException as exc:  # a timeout, or the caller interrupted (Ctrl-C): never orphan it
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)
         child.communicate()
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            raise
         return BindingVerdict(
             binding,
             False,
@@ -169,7 +179,7 @@ def _interpret(binding: str, returncode: int, out: bytes, err: bytes) -> Binding
 
 def cached_probe(
     cache: Path,
-    binding: str = DEFAULT_BINDING,
+    binding: str | None = None,
     *,
     directory: Path | None = None,
     timeout_s: float = PROBE_TIMEOUT_S,
@@ -177,10 +187,15 @@ def cached_probe(
     """:func:`probe_binding`, unless ``cache`` holds an ``ok`` verdict reached under the same
     conditions (see the module docstring). Stores a new ``ok`` verdict in ``cache`` when it can
     (a cache that cannot be written only costs the next start a probe)."""
+    binding = binding or configured_binding()
     key = _cache_key(binding)
     with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
         entry = msgspec.json.decode(cache.read_bytes(), type=_CacheEntry)
-        if entry.key == key and entry.verdict.ok and all(f.unchanged() for f in entry.verdict.files):
+        if (
+            entry.key == key
+            and entry.verdict.ok
+            and all(f.unchanged() for f in entry.verdict.files)
+        ):
             return msgspec.structs.replace(entry.verdict, cached=True)
     verdict = probe_binding(binding, directory=directory, timeout_s=timeout_s)
     if verdict.ok:
@@ -259,9 +274,7 @@ class _Runner:
         return self.tag
 
 
-def _transfer(
-    runner: _Runner, step: str, op: RingOp, fd: int, address: int, index: int
-) -> None:
+def _transfer(runner: _Runner, step: str, op: RingOp, fd: int, address: int, index: int) -> None:
     iovecs = runner.ring.prep_rw(op, fd, [(address, _PAGE)], 0, index, runner.next_tag())
     result = runner.run(step)
     del iovecs  # referenced until the completion was reaped
@@ -355,4 +368,3 @@ def child_main(argv: list[str]) -> int:
     verdict = _self_test(binding_name, Path(directory))
     sys.stdout.write(msgspec.json.encode(verdict).decode() + "\n")
     return 0
-

@@ -155,10 +155,11 @@ async def open_uring_backend(
 ) -> AsyncIterator[UringBackend]:
     """An io_uring backend proven to work (a NOP completed through the eventfd).
 
-    ``binding`` drives the ring (default: :data:`kvtierd.io.binding.DEFAULT_BINDING`, loaded
+    ``binding`` drives the ring (default: :func:`kvtierd.io.binding.configured_binding`, loaded
     here: a caller that cannot afford to lose its process probes it first, as
-    :func:`kvtierd.io.open_io_backend` does). ``fixed_chunk_bytes`` (at most 1 GiB, the kernel's limit) is how a registered buffer is split
-    into fixed buffer indices; tests lower it. ``drain_timeout_s`` bounds how long closing waits
+    :func:`kvtierd.io.open_io_backend` does). ``fixed_chunk_bytes`` (at most 1 GiB, the
+    kernel's limit) is how a registered buffer is split into fixed buffer indices; tests lower
+    it. ``drain_timeout_s`` bounds how long closing waits
     for requests that do not finish (see :mod:`kvtierd.io.ring`). Raises :class:`StorageIOError`
     when io_uring is unavailable (``io_uring_disabled``, seccomp, old kernel) or does not
     complete requests. Leaving the context drains the in-flight requests and tears the ring

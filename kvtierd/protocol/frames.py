@@ -37,8 +37,8 @@ REPLY_MAGIC = b"KVTR"
 PROTOCOL_VERSION = 1
 #: Raised whenever a field is appended to a body (minor 1: ``OpenNsRequest.create``; minor 2:
 #: ``OpenNsRequest.sparse`` and HINT's query fields; minor 3: the POOL_STATUS opcode; minor 4:
-#: the READ_RESIDENT opcode).
-PROTOCOL_MINOR = 4
+#: the READ_RESIDENT opcode; minor 5: the DOCTOR opcode).
+PROTOCOL_MINOR = 5
 HEADER_BYTES = 32
 #: A frame may never be larger than this unless INIT negotiated otherwise.
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
@@ -71,6 +71,7 @@ class Opcode(enum.IntEnum):
     EVICT = 14
     POOL_STATUS = 15
     READ_RESIDENT = 16
+    DOCTOR = 17
 
 
 class FrameFlags(enum.IntFlag):

@@ -27,6 +27,8 @@ __all__ = [
     "CommitRequest",
     "DestroyReply",
     "DestroyRequest",
+    "DoctorReply",
+    "DoctorRequest",
     "ErrorReply",
     "EvictReply",
     "EvictRequest",
@@ -37,6 +39,7 @@ __all__ = [
     "FsyncRequest",
     "HintReply",
     "HintRequest",
+    "HostCheckRecord",
     "InitReply",
     "InitRequest",
     "Layout",
@@ -353,6 +356,24 @@ class PoolStatusReply(Message, frozen=True):
     pool_hits: int = 0
 
 
+class DoctorRequest(Message, frozen=True):
+    pass
+
+
+class HostCheckRecord(Message, frozen=True):
+    """One line of the daemon's report on its host: ``status`` is ok, fallback or fail."""
+
+    subject: ShortText
+    status: ShortText
+    detail: Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+class DoctorReply(Message, frozen=True):
+    """What the host gives the daemon and what it fell back from (``kvtierctl doctor``)."""
+
+    checks: list[HostCheckRecord]
+
+
 class DestroyRequest(Message, frozen=True):
     pass
 
@@ -383,6 +404,7 @@ REQUEST_TYPES: Final[dict[Opcode, type[Message]]] = {
     Opcode.LIST_NS: ListNsRequest,
     Opcode.EVICT: EvictRequest,
     Opcode.POOL_STATUS: PoolStatusRequest,
+    Opcode.DOCTOR: DoctorRequest,
     Opcode.READ_RESIDENT: ReadResidentRequest,
 }
 
@@ -402,6 +424,7 @@ REPLY_TYPES: Final[dict[Opcode, type[Message]]] = {
     Opcode.LIST_NS: ListNsReply,
     Opcode.EVICT: EvictReply,
     Opcode.POOL_STATUS: PoolStatusReply,
+    Opcode.DOCTOR: DoctorReply,
     Opcode.READ_RESIDENT: ReadResidentReply,
 }
 

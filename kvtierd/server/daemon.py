@@ -18,7 +18,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,13 @@ from anyio.abc import SocketStream, TaskStatus, UNIXSocketStream
 from kvtierd import __version__
 from kvtierd.config import Config
 from kvtierd.errors import BusyError, ConfigError
+from kvtierd.io import BindingVerdict
 from kvtierd.protocol import ServerConnection
 from kvtierd.protocol.messages import StatfsReply, TierStatistics
+from kvtierd.server.doctor import RunningFacts, running_report
 from kvtierd.server.metrics import serve_metrics
 from kvtierd.server.notify import Notifier
+from kvtierd.server.preflight import HostCheck
 from kvtierd.server.session import Session, peer_credentials
 from kvtierd.store.lifecycle import open_store
 from kvtierd.store.store import BlockStore
@@ -45,9 +48,12 @@ log = logging.getLogger("kvtierd")
 class Daemon:
     """What every session shares: the configuration, the store and the counters."""
 
-    def __init__(self, config: Config, store: BlockStore) -> None:
+    def __init__(
+        self, config: Config, store: BlockStore, startup: Sequence[HostCheck] = ()
+    ) -> None:
         self.config = config
         self.store = store
+        self.startup = tuple(startup)
         self.sessions: set[Session] = set()
         self.requests = 0
         self.started = time.monotonic()
@@ -104,6 +110,29 @@ class Daemon:
             c["prefetch_wasted_bytes"],
             tiers,
         )
+
+    async def doctor(self) -> list[HostCheck]:
+        """The report on this host: the start-up checks with what is known now in their place."""
+        store = self.store
+        backend = store.io_backend
+        stats = backend.statistics() if backend is not None else None
+        status = store.pool.membership.status if store.pool is not None else None
+        nvme = store.lower.statistics() if store.lower is not None else None
+        facts = RunningFacts(
+            config=self.config,
+            startup=self.startup,
+            io_kind=backend.kind if backend is not None else None,
+            fixed_ops=stats.fixed_ops if stats else 0,
+            io_ops=stats.completed - stats.fsyncs if stats else 0,
+            arena_bytes=store.arena.size_bytes,
+            nvme_used_bytes=nvme.used_bytes if nvme else 0,
+            nvme_capacity_bytes=nvme.capacity_bytes if nvme else 0,
+            hugepages=store.arena.info.hugepages,
+            locked=store.arena.info.locked,
+            pool_state=status.state.value if status else "",
+            pool_reason=status.reason if status else "",
+        )
+        return await anyio.to_thread.run_sync(running_report, facts)
 
     async def handle(self, stream: SocketStream) -> None:
         assert isinstance(stream, UNIXSocketStream)
@@ -209,35 +238,47 @@ def _exclusive(data_dir: Path) -> Iterator[None]:
 
 
 async def serve_daemon(
-    config: Config, *, task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED
+    config: Config,
+    *,
+    startup: Sequence[HostCheck] = (),
+    io_verdict: BindingVerdict | None = None,
+    task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the daemon until SIGTERM/SIGINT (or cancellation); returns after a clean stop."""
+    """Run the daemon until SIGTERM/SIGINT (or cancellation); returns after a clean stop.
+
+    ``startup`` is what :func:`kvtierd.server.preflight.check_host` found (kept for
+    ``kvtierctl doctor``) and ``io_verdict`` the liburing binding's probe verdict; without it the
+    io backend probes the binding itself.
+    """
     _tolerate_duplicate_readiness()
     notifier = Notifier()
     notifier.status("recovering")
     with _exclusive(config.data_path):
-        await _serve_locked(config, notifier, task_status)
+        async with open_store(config, io_verdict=io_verdict) as store, _listen(config) as listener:
+            await _serve(Daemon(config, store, startup), listener, notifier, task_status)
     log.info("kvtierd stopped cleanly")
 
 
-async def _serve_locked(
-    config: Config, notifier: Notifier, task_status: TaskStatus[Daemon]
+async def _serve(
+    daemon: Daemon,
+    listener: anyio.abc.SocketListener,
+    notifier: Notifier,
+    task_status: TaskStatus[Daemon],
 ) -> None:
-    async with open_store(config) as store, _listen(config) as listener:
-        daemon = Daemon(config, store)
-        async with anyio.create_task_group() as tg:
-            serving = anyio.CancelScope()
-            tg.start_soon(_serve_connections, listener, daemon, serving)
-            tg.start_soon(notifier.run_watchdog)
-            if config.daemon.metrics_port:
-                await tg.start(serve_metrics, daemon)
-            notifier.ready(f"serving on {config.socket_path}")
-            log.info("kvtierd %s ready on %s", __version__, config.socket_path)
-            task_status.started(daemon)
-            await _wait_for_stop_signal()
-            notifier.stopping()
-            await _drain(daemon, serving, config.daemon.shutdown_grace_s)
-            tg.cancel_scope.cancel()
+    config = daemon.config
+    async with anyio.create_task_group() as tg:
+        serving = anyio.CancelScope()
+        tg.start_soon(_serve_connections, listener, daemon, serving)
+        tg.start_soon(notifier.run_watchdog)
+        if config.daemon.metrics_port:
+            await tg.start(serve_metrics, daemon)
+        notifier.ready(f"serving on {config.socket_path}")
+        log.info("kvtierd %s ready on %s", __version__, config.socket_path)
+        task_status.started(daemon)
+        await _wait_for_stop_signal()
+        notifier.stopping()
+        await _drain(daemon, serving, config.daemon.shutdown_grace_s)
+        tg.cancel_scope.cancel()
 
 
 async def _wait_for_stop_signal() -> None:

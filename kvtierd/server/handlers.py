@@ -26,6 +26,7 @@ from kvtierd.protocol.messages import (
     CommitReply,
     CommitRequest,
     DestroyReply,
+    DoctorReply,
     EvictReply,
     EvictRequest,
     Extent,
@@ -34,6 +35,7 @@ from kvtierd.protocol.messages import (
     FsyncReply,
     HintReply,
     HintRequest,
+    HostCheckRecord,
     InitReply,
     InitRequest,
     ListNsReply,
@@ -247,6 +249,12 @@ async def pool_status(session: Session, header: RequestHeader, msg: Message) -> 
     )
 
 
+async def doctor(session: Session, header: RequestHeader, msg: Message) -> Message:
+    _require_admin(session, "the host report")
+    checks = await session.daemon.doctor()
+    return DoctorReply([HostCheckRecord(c.subject, c.status.value, c.detail) for c in checks])
+
+
 async def statfs(session: Session, header: RequestHeader, msg: Message) -> Message:
     return session.daemon.statistics()
 
@@ -298,4 +306,5 @@ HANDLERS: dict[Opcode, Handler] = {
     Opcode.EVICT: evict,
     Opcode.POOL_STATUS: pool_status,
     Opcode.READ_RESIDENT: read_resident,
+    Opcode.DOCTOR: doctor,
 }

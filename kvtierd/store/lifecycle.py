@@ -13,21 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 
 import anyio
 
 from kvtierd.config import Config, PolicyKind, PoolConfig
 from kvtierd.errors import ConfigError, StorageIOError
-from kvtierd.io import open_io_backend
+from kvtierd.io import BindingVerdict, open_io_backend
 from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES as FIXED_BUFFER_BYTES
 from kvtierd.pool.connect import PoolUnavailableError, pool_address, read_secret
 from kvtierd.pool.link import PoolLink
 from kvtierd.pool.tier import PoolTier
 from kvtierd.pool.values import PoolNames
 from kvtierd.slsap.policy import SlsapPolicy
-from kvtierd.store.arena import Arena
+from kvtierd.store.arena import HUGE_PAGE_BYTES, Arena
 from kvtierd.store.namespaces import NamespaceRegistry
 from kvtierd.store.nvme import open_nvme_tier
 from kvtierd.store.policy import CachePolicy, LruPolicy
@@ -36,7 +38,7 @@ from kvtierd.store.slots import SlotAllocator
 from kvtierd.store.staging import StagingPages
 from kvtierd.store.store import BlockStore
 
-__all__ = ["make_policy", "open_store"]
+__all__ = ["arena_bytes", "make_policy", "open_store", "staging_pages"]
 
 log = logging.getLogger("kvtierd.store")
 
@@ -68,6 +70,18 @@ async def _settle(link: PoolLink, config: PoolConfig) -> None:
     log.info("pool: %s%s", status.state.value, f" ({status.reason})" if status.reason else "")
 
 
+def staging_pages(config: Config) -> int:
+    """How many NVMe staging pages the arena holds ahead of its block slots."""
+    return 2 * config.nvme.queue_depth + 64
+
+
+def arena_bytes(config: Config) -> int:
+    """The size of the arena ``config`` asks for: the DRAM tier and the staging pages, in whole
+    huge pages (what the start-up checks compare with the memory available)."""
+    raw = config.dram.size + staging_pages(config) * PAGE_BYTES
+    return -(-raw // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+
+
 def make_policy(kind: PolicyKind) -> CachePolicy:
     """The one place a policy is chosen by name."""
     policies: dict[PolicyKind, type[CachePolicy]] = {
@@ -77,24 +91,52 @@ def make_policy(kind: PolicyKind) -> CachePolicy:
     return policies[kind]()
 
 
+class _Abandoned(Exception):
+    """Raised in the worker thread of an arena whose creation was cancelled."""
+
+
+async def _create_arena(config: Config) -> Arena:
+    """:meth:`Arena.create` in a worker thread. Pre-faulting a large arena takes seconds, so a
+    cancelled start-up (Ctrl-C) does not wait for it: the thread stops at its next chunk and
+    releases what it made."""
+    abandoned = threading.Event()
+
+    def checkpoint() -> None:
+        if abandoned.is_set():
+            raise _Abandoned
+
+    create = partial(
+        Arena.create,
+        arena_bytes(config),
+        hugepages=config.dram.hugepages,
+        mlock=config.dram.mlock,
+        prefault=config.dram.prefault,
+        checkpoint=checkpoint,
+    )
+    try:
+        return await anyio.to_thread.run_sync(create, abandon_on_cancel=True)
+    finally:
+        abandoned.set()  # after a return, too late to matter
+
+
 @contextlib.asynccontextmanager
-async def open_store(config: Config) -> AsyncIterator[BlockStore]:
-    """Yield a running :class:`BlockStore` for ``config``; closes it on exit."""
+async def open_store(
+    config: Config, *, io_verdict: BindingVerdict | None = None
+) -> AsyncIterator[BlockStore]:
+    """Yield a running :class:`BlockStore` for ``config``; closes it on exit. ``io_verdict`` is
+    the liburing binding's probe verdict, when the caller already has it."""
     data_dir = config.data_path
     await anyio.to_thread.run_sync(lambda: data_dir.mkdir(parents=True, exist_ok=True))
-    staging_count = 2 * config.nvme.queue_depth + 64
-    arena = await anyio.to_thread.run_sync(
-        lambda: Arena.create(
-            config.dram.size + staging_count * PAGE_BYTES,
-            hugepages=config.dram.hugepages,
-            mlock=config.dram.mlock,
-            prefault=config.dram.prefault,
-        )
-    )
+    staging_count = staging_pages(config)
+    arena = await _create_arena(config)
     try:
         async with contextlib.AsyncExitStack() as stack:
             backend = await stack.enter_async_context(
-                open_io_backend(config.nvme.io_backend, queue_depth=config.nvme.queue_depth)
+                open_io_backend(
+                    config.nvme.io_backend,
+                    queue_depth=config.nvme.queue_depth,
+                    verdict=io_verdict,
+                )
             )
             try:
                 backend.register_buffer(arena.view)

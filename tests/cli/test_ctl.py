@@ -282,6 +282,31 @@ def test_top_with_iterations_prints_each_sample_and_exits_0(shared: DaemonProces
     assert result.stderr == ""
 
 
+# -- doctor --------------------------------------------------------------------------------------
+
+
+def test_doctor_json_is_the_host_as_the_daemon_sees_it(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checks = {c["subject"]: c for c in _ctl_json(capsys, shared, "doctor")}
+    assert list(checks)[:2] == ["io_uring", "io"]
+    assert checks["io_uring"]["status"] == "ok"
+    assert checks["io"]["detail"].startswith("io_uring in use; ")
+    assert checks["memory"]["detail"].startswith("the arena holds 66 MiB; ")
+    assert checks["nvme"]["detail"].endswith(" of 256 MiB in use")
+    assert checks["socket"]["detail"].startswith(f"{shared.socket} (")
+    assert {c["status"] for c in checks.values()} <= {"ok", "fallback"}
+
+
+def test_doctor_for_people_is_a_table(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out = _ctl(capsys, shared, "doctor")
+    assert status == 0
+    assert re.search(r"ok\s+io\s+io_uring in use", out), out
+    assert "what the host gives the daemon" in out
+
+
 # -- failures --------------------------------------------------------------------------------------
 
 
@@ -296,7 +321,13 @@ def test_no_daemon_gives_one_line_and_exit_1(tmp_path: Path, command: list[str])
 
 @pytest.mark.parametrize(
     "command",
-    [["stats", "--json"], ["ls"], ["evict"], ["forget", "--namespace", "chat", "00"]],
+    [
+        ["stats", "--json"],
+        ["ls"],
+        ["evict"],
+        ["doctor"],
+        ["forget", "--namespace", "chat", "00"],
+    ],
 )
 def test_no_daemon_fails_the_same_way_in_every_command(
     tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
@@ -360,7 +391,9 @@ def test_version(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == f"kvtierctl {__version__}\n"
 
 
-@pytest.mark.parametrize("command", ["status", "stats", "top", "ls", "flush", "evict", "forget"])
+@pytest.mark.parametrize(
+    "command", ["status", "stats", "top", "ls", "flush", "evict", "forget", "doctor"]
+)
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])

@@ -45,9 +45,7 @@ def test_a_binding_that_dies_with_sigill_is_a_verdict() -> None:
 
 
 @pytest.mark.usefixtures("standins")
-def test_a_binding_that_hangs_is_killed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_binding_that_hangs_is_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pidfile = tmp_path / "pid"
     monkeypatch.setenv("KVTIERD_TEST_HANG_PIDFILE", str(pidfile))
     verdict = probe_binding("hang_binding", timeout_s=2.0)
@@ -84,7 +82,10 @@ def test_the_binding_uses_no_avx(uring_verdict: BindingVerdict) -> None:
     assert objects, uring_verdict
     for path in objects:
         listing = subprocess.run(
-            ["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True, check=True
+            ["objdump", "-d", "--no-show-raw-insn", path],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         wide = [line for line in listing.splitlines() if "%ymm" in line or "%zmm" in line]
         assert not wide, f"{path}: {wide[:3]}"

@@ -20,7 +20,10 @@ def _pool(**values: object) -> dict[str, dict[str, object]]:
         ({"url": "rediss://user:secret@pool:6379"}, "must not carry credentials"),
         ({"url": "redis://pool", "allow_plaintext": True, "ca_file": "/ca"}, "not rediss"),
         ({"url": "rediss://pool", "cert_file": "/c"}, "go together"),
-        ({"url": "rediss://pool", "world_size": 2}, "group_id is required"),
+        (
+            {"url": "rediss://pool", "world_size": 2},
+            "pool.group_id: is required when world_size > 1",
+        ),
         ({"url": "rediss://pool", "world_size": 2, "rank": 2, "group_id": "g"}, "outside"),
         ({"url": "rediss://pool", "group_id": "a{b}"}, "group_id"),
         ({"url": "rediss://pool", "key_prefix": "has space"}, "key_prefix"),

@@ -74,6 +74,7 @@ _DEFAULTS: dict[Opcode, Message] = {
     Opcode.LIST_NS: REQUEST_TYPES[Opcode.LIST_NS](),
     Opcode.EVICT: REQUEST_TYPES[Opcode.EVICT](),
     Opcode.POOL_STATUS: REQUEST_TYPES[Opcode.POOL_STATUS](),
+    Opcode.DOCTOR: REQUEST_TYPES[Opcode.DOCTOR](),
 }
 
 

@@ -1,0 +1,113 @@
+"""The running daemon's report on its host (``kvtierctl doctor``, the DOCTOR request).
+
+It starts from the start-up checks (:mod:`kvtierd.server.preflight`, as they were when the
+daemon started) and replaces what the daemon knows better now that it runs: which disk backend
+it uses, how the arena ended up (huge pages, locked), the memory and disk space left, where it
+serves metrics, where it stands with the pool. :class:`RunningFacts` is taken on the event
+loop; :func:`running_report` only reads host files, so it may run in a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtierd import host
+from kvtierd.config import Config, TriState
+from kvtierd.io import IoBackendKind
+from kvtierd.server.preflight import CheckStatus, HostCheck, size_text
+
+__all__ = ["RunningFacts", "running_report"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunningFacts:
+    """What the daemon knows of itself, copied on the event loop."""
+
+    config: Config
+    startup: tuple[HostCheck, ...]
+    io_kind: IoBackendKind | None
+    fixed_ops: int
+    io_ops: int
+    arena_bytes: int
+    nvme_used_bytes: int
+    nvme_capacity_bytes: int
+    hugepages: bool
+    locked: bool
+    pool_state: str
+    pool_reason: str
+
+
+def running_report(facts: RunningFacts) -> list[HostCheck]:
+    """The start-up checks, with the live lines in place of their start-up counterparts; the
+    backend in use follows the io_uring verdict."""
+    live = {check.subject: check for check in _live(facts)}
+    io = live.pop("io")
+    report: list[HostCheck] = []
+    for check in facts.startup:
+        report.append(live.pop(check.subject, check))
+        if check.subject == "io_uring":
+            report.append(io)
+    return report + list(live.values()) if facts.startup else [io, *live.values()]
+
+
+def _live(facts: RunningFacts) -> Sequence[HostCheck]:
+    config = facts.config
+    checks = [_io(facts), _arena_pages(facts), _arena_lock(facts), _memory(facts)]
+    free = host.free_disk_bytes(config.data_path)
+    checks.append(
+        HostCheck("data_dir", CheckStatus.OK, f"{config.data_path}: {size_text(free)} free now")
+    )
+    if facts.nvme_capacity_bytes:
+        used, capacity = size_text(facts.nvme_used_bytes), size_text(facts.nvme_capacity_bytes)
+        checks.append(HostCheck("nvme", CheckStatus.OK, f"{used} of {capacity} in use"))
+    if port := config.daemon.metrics_port:
+        where = f"http://{config.daemon.metrics_address}:{port}/metrics"
+        checks.append(HostCheck("metrics", CheckStatus.OK, f"serving {where}"))
+    if config.pool.url:
+        status = CheckStatus.OK if facts.pool_state == "attached" else CheckStatus.FALLBACK
+        reason = f" ({facts.pool_reason})" if facts.pool_reason else ""
+        checks.append(HostCheck("pool", status, f"{facts.pool_state}{reason}"))
+    return checks
+
+
+def _io(facts: RunningFacts) -> HostCheck:
+    kind = facts.io_kind
+    if kind is None:
+        return HostCheck("io", CheckStatus.OK, "no disk backend")
+    share = f"{facts.fixed_ops} of {facts.io_ops} transfers used fixed buffers"
+    if kind is IoBackendKind.IO_URING:
+        return HostCheck("io", CheckStatus.OK, f"io_uring in use; {share}")
+    asked = facts.config.nvme.io_backend
+    status = CheckStatus.OK if asked is IoBackendKind.THREADS else CheckStatus.FALLBACK
+    return HostCheck("io", status, f"threads in use (nvme.io_backend = {asked.value})")
+
+
+def _arena_pages(facts: RunningFacts) -> HostCheck:
+    if facts.hugepages:
+        return HostCheck("hugepages", CheckStatus.OK, "the arena is on hugetlb pages")
+    if facts.config.dram.hugepages is TriState.NEVER:
+        return HostCheck("hugepages", CheckStatus.OK, "off (dram.hugepages = never)")
+    return HostCheck(
+        "hugepages", CheckStatus.FALLBACK, "the arena is on ordinary pages (vm.nr_hugepages)"
+    )
+
+
+def _arena_lock(facts: RunningFacts) -> HostCheck:
+    if facts.locked:
+        return HostCheck("mlock", CheckStatus.OK, "the arena is locked in memory")
+    if facts.config.dram.mlock is TriState.NEVER:
+        return HostCheck("mlock", CheckStatus.OK, "off (dram.mlock = never)")
+    return HostCheck(
+        "mlock", CheckStatus.FALLBACK, "the arena is not locked: it may be swapped (LimitMEMLOCK)"
+    )
+
+
+def _memory(facts: RunningFacts) -> HostCheck:
+    available = host.memory_available()
+    shown = "unknown" if available is None else size_text(available)
+    return HostCheck(
+        "memory",
+        CheckStatus.OK,
+        f"the arena holds {size_text(facts.arena_bytes)}; {shown} available besides it",
+    )

@@ -1,0 +1,304 @@
+"""What stops the daemon at start-up is found before the arena is touched, and said in one line
+per problem with an exit status that says who must act (2 configuration, 1 environment);
+``kvtierd --check`` reports the same without starting anything."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtierd.client import connect
+from kvtierd.io.binding import BINDING_ENV
+from kvtierd.testing import DaemonProcess
+
+STANDINS = Path(__file__).parent.parent / "io" / "standins"
+
+
+def _kvtierd(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The daemon's command line run to completion, with its own socket and data directory
+    unless ``args`` name them."""
+    own = [] if "--socket" in args else ["--socket", str(tmp_path / "kvtierd.sock")]
+    own += [] if "--data-dir" in args else ["--data-dir", str(tmp_path / "data")]
+    sizes = ["--dram-size", "32M", "--nvme-size", "128M"]
+    return subprocess.run(
+        [sys.executable, "-m", "kvtierd", *own, *sizes, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, **(env or {})),
+    )
+
+
+def _refused(result: subprocess.CompletedProcess[str], status: int) -> str:
+    """The one line a refused start printed; the arena and the data file were never made."""
+    assert result.returncode == status, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "pre-faulting" not in result.stderr
+    assert " INFO " not in result.stderr  # nothing was logged: logging starts after the checks
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_a_socket_path_too_long_is_named_by_its_flag(tmp_path: Path) -> None:
+    path = tmp_path / ("s" * 120)
+    line = _refused(_kvtierd(tmp_path, "--socket", str(path)), 2)
+    length = len(os.fsencode(path))
+    assert line == (
+        f"kvtierd: --socket {path} is {length} bytes long; a Unix socket path holds at most 107"
+    )
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_socket_group_that_does_not_exist(tmp_path: Path) -> None:
+    config = tmp_path / "kvtierd.toml"
+    config.write_text('[daemon]\nsocket_group = "kvtierd-no-such-group"\n')
+    line = _refused(_kvtierd(tmp_path, "--config", str(config)), 2)
+    assert line == "kvtierd: daemon.socket_group 'kvtierd-no-such-group' does not exist"
+
+
+def test_a_metrics_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "kvtierd.toml"
+        config.write_text(f"[daemon]\nmetrics_port = {port}\n")
+        line = _refused(_kvtierd(tmp_path, "--config", str(config)), 1)
+    assert line == f"kvtierd: daemon.metrics_port {port} on 127.0.0.1 is in use"
+
+
+def test_a_data_dir_that_is_a_file(tmp_path: Path) -> None:
+    file = tmp_path / "data"
+    file.write_text("")
+    line = _refused(_kvtierd(tmp_path, "--data-dir", str(file)), 1)
+    assert line == f"kvtierd: --data-dir {file}: {file} is not a directory"
+
+
+@pytest.fixture
+def read_only(tmp_path: Path) -> Iterator[Path]:
+    """A read-only file system (a tmpfs mounted ``ro``), as a root daemon meets it."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)])
+    if done.returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_data_dir_on_a_read_only_file_system(tmp_path: Path, read_only: Path) -> None:
+    data = read_only / "data"
+    line = _refused(_kvtierd(tmp_path, "--data-dir", str(data)), 1)
+    assert line == f"kvtierd: --data-dir {data}: {read_only} is on a read-only file system"
+
+
+def test_a_socket_on_a_read_only_file_system(tmp_path: Path, read_only: Path) -> None:
+    path = read_only / "kvtierd.sock"
+    line = _refused(_kvtierd(tmp_path, "--socket", str(path)), 1)
+    assert line == f"kvtierd: --socket {path}: {read_only} is on a read-only file system"
+
+
+def test_an_arena_larger_than_the_memory_available(tmp_path: Path) -> None:
+    line = _refused(_kvtierd(tmp_path, "--dram-size", "64T"), 1)
+    assert line.startswith("kvtierd: --dram-size = 64 TiB needs a 64.0 TiB arena, but only ")
+    assert line.endswith("is available (MemAvailable): lower --dram-size or free memory")
+
+
+def test_an_nvme_tier_larger_than_the_disk(tmp_path: Path) -> None:
+    line = _refused(_kvtierd(tmp_path, "--nvme-size", "64P"), 1)
+    path = tmp_path / "data" / "nvme.data"
+    assert line.startswith(f"kvtierd: --nvme-size = 65536 TiB does not fit in {path}: ")
+    assert not path.exists()
+
+
+def test_configuration_errors_all_at_once(tmp_path: Path) -> None:
+    config = tmp_path / "kvtierd.toml"
+    config.write_text('[dram]\nsise = "1G"\n[nvme]\nio_backend = "uring"\n')
+    result = _kvtierd(tmp_path, "--config", str(config), "--dram-size", "lots")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"kvtierd: invalid configuration in {config}:",
+        '  dram.sise: unknown key (did you mean "size"?)',
+        "  --dram-size: not a size: 'lots' (use bytes or a suffix: K, M, G, T)",
+        "  nvme.io_backend: 'uring' is not one of: io_uring, threads, auto",
+    ]
+
+
+@pytest.fixture
+def sigill_binding() -> dict[str, str]:
+    """Point the daemon at a liburing binding that dies with SIGILL, as the PyPI wheel did on
+    CPUs without AVX-512."""
+    return {BINDING_ENV: "sigill_binding", "PYTHONPATH": str(STANDINS)}
+
+
+def test_explicit_io_uring_whose_binding_dies_exits_2(
+    tmp_path: Path, sigill_binding: dict[str, str]
+) -> None:
+    config = tmp_path / "kvtierd.toml"
+    config.write_text('[nvme]\nio_backend = "io_uring"\n')
+    line = _refused(_kvtierd(tmp_path, "--config", str(config), env=sigill_binding), 2)
+    assert line == (
+        "kvtierd: nvme.io_backend = io_uring, but the liburing binding sigill_binding died with "
+        "SIGILL: this CPU lacks an instruction it was built for"
+    )
+
+
+def test_auto_whose_binding_dies_serves_on_threads_with_one_warning(
+    tmp_path: Path, sigill_binding: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in sigill_binding.items():
+        monkeypatch.setenv(name, value)
+    with DaemonProcess(tmp_path) as daemon, connect(daemon.socket) as client:
+        assert client.stats()["io_backend"] == "threads"
+        doctor = {check["subject"]: check for check in client.doctor()}
+    warnings = [line for line in daemon.log().splitlines() if " WARNING " in line]
+    assert warnings == [
+        warnings[0].split(" WARNING ")[0] + " WARNING kvtierd.io: io_uring unavailable, falling "
+        "back to threads: the liburing binding sigill_binding died with SIGILL: this CPU lacks "
+        "an instruction it was built for"
+    ]
+    assert doctor["io_uring"]["status"] == "fallback"
+    assert doctor["io"] == {
+        "subject": "io",
+        "status": "fallback",
+        "detail": "threads in use (nvme.io_backend = auto)",
+    }
+
+
+def test_the_daemon_on_this_machine_uses_io_uring(tmp_path: Path) -> None:
+    with DaemonProcess(tmp_path) as daemon, connect(daemon.socket) as client:
+        assert client.stats()["io_backend"] == "io_uring"
+    assert "io backend: io_uring" in daemon.log()
+
+
+def _wait_for(predicate: object, timeout_s: float = 30.0) -> None:
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("runtime", ["asyncio", "trio"])
+def test_ctrl_c_while_the_arena_is_pre_faulted(tmp_path: Path, runtime: str) -> None:
+    log = tmp_path / "daemon.log"
+    with open(log, "wb") as out:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "kvtierd", "--socket", str(tmp_path / "s"), "--data-dir",
+             str(tmp_path / "data"), "--dram-size", "4G", "--nvme-size", "128M", "--runtime",
+             runtime],
+            stdout=out, stderr=out,
+        )  # fmt: skip
+    try:
+        _wait_for(lambda: b"pre-faulting" in log.read_bytes())
+        daemon.send_signal(signal.SIGINT)
+        assert daemon.wait(timeout=30) == 130
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            daemon.kill()
+    text = log.read_text()
+    assert "Traceback" not in text
+    assert text.splitlines()[-1] == "kvtierd: interrupted"
+
+
+def test_ctrl_c_while_the_binding_is_probed(tmp_path: Path) -> None:
+    pidfile = tmp_path / "probe.pid"
+    env = dict(
+        os.environ,
+        **{BINDING_ENV: "hang_binding", "PYTHONPATH": str(STANDINS)},
+        KVTIERD_TEST_HANG_PIDFILE=str(pidfile),
+    )
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "kvtierd", "--socket", str(tmp_path / "s"), "--data-dir",
+         str(tmp_path / "data"), "--dram-size", "32M", "--nvme-size", "128M"],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        _wait_for(pidfile.exists)
+        _wait_for(lambda: pidfile.read_text() != "")
+        daemon.send_signal(signal.SIGINT)
+        _, err = daemon.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            daemon.kill()
+    assert daemon.returncode == 130
+    assert err.splitlines() == ["kvtierd: interrupted"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pidfile.read_text()), 0)  # the probe's child did not outlive it
+
+
+def test_journal_lines_carry_their_priority(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    daemon = DaemonProcess(tmp_path)
+    daemon.log_path.parent.mkdir(parents=True, exist_ok=True)
+    daemon.log_path.touch()
+    st = daemon.log_path.stat()
+    monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+    monkeypatch.setenv(BINDING_ENV, "sigill_binding")  # for one WARNING
+    monkeypatch.setenv("PYTHONPATH", str(STANDINS))
+    with daemon:
+        pass
+    lines = daemon.log().splitlines()
+    assert "<6>INFO kvtierd: kvtierd " in "\n".join(lines)  # "... ready on ..."
+    assert [line for line in lines if line.startswith("<4>")] == [
+        "<4>WARNING kvtierd.io: io_uring unavailable, falling back to threads: the liburing "
+        "binding sigill_binding died with SIGILL: this CPU lacks an instruction it was built for"
+    ]
+    assert all(line[:3] in ("<6>", "<4>") for line in lines), lines
+
+
+# -- kvtierd --check ------------------------------------------------------------------------
+
+
+def _check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return _kvtierd(tmp_path, "--check", *args)
+
+
+def test_check_reports_every_subject_and_changes_nothing(tmp_path: Path) -> None:
+    result = _check(tmp_path)
+    assert result.returncode == 0, result.stdout
+    lines = result.stdout.splitlines()
+    subjects = [line.split()[1] for line in lines[:-1]]
+    assert subjects == [
+        "config", "io_uring", "hugepages", "thp", "mlock", "memory", "data_dir", "nvme",
+        "socket", "metrics", "pool",
+    ]  # fmt: skip
+    assert lines[0].split()[0] == "ok"
+    assert lines[1].startswith("ok        io_uring  kernel.io_uring_disabled = 0; liburing ")
+    assert lines[-1] == "kvtierd would start (the embedded defaults)"
+    assert list(tmp_path.iterdir()) == []  # no data dir, no socket, no cache
+
+
+def test_check_lists_every_problem_and_exits_with_the_worst(tmp_path: Path) -> None:
+    result = _check(tmp_path, "--nvme-size", "64P", "--socket", str(tmp_path / ("s" * 120)))
+    assert result.returncode == 2
+    failed = [line for line in result.stdout.splitlines() if line.startswith("fail")]
+    assert [line.split()[1] for line in failed] == ["nvme", "socket"]
+    assert result.stdout.splitlines()[-1] == (
+        "kvtierd would not start: 2 problem(s) above (exit status 2)"
+    )
+
+
+def test_check_of_an_invalid_configuration(tmp_path: Path) -> None:
+    result = _check(tmp_path, "--dram-size", "lots", "--nvme-size", "1M")
+    assert result.returncode == 2
+    assert result.stdout.splitlines() == [
+        "fail      config    --dram-size: not a size: 'lots' (use bytes or a suffix: K, M, G, T)",
+        "fail      config    --nvme-size: 1M is neither 0 (no disk tier) nor at least 64M",
+        "kvtierd would not start: 2 problem(s) above (exit status 2)",
+    ]
