@@ -122,8 +122,8 @@ def test_a_failed_verdict_is_not_cached(tmp_path: Path) -> None:
 
 def test_the_child_prints_one_json_verdict(tmp_path: Path) -> None:
     child = subprocess.run(
-        [sys.executable, "-c", "import sys; from kvtierd.io.probe import child_main; "
-         "sys.exit(child_main(sys.argv[1:]))", "no_such_binding", str(tmp_path)],
+        [sys.executable, "-c", "import sys; from kvtierd.io.selftest import main; "
+         "sys.exit(main(sys.argv[1:]))", "no_such_binding", str(tmp_path)],
         capture_output=True, check=True,
     )  # fmt: skip
     verdict = msgspec.json.decode(child.stdout, type=BindingVerdict)
