@@ -43,9 +43,11 @@ int kvt_prep_cancel_all(struct io_uring *ring, uint64_t user_data);
 unsigned kvt_reap(struct io_uring *ring, uint64_t *user_data, int32_t *results, unsigned max);
 int kvt_opcode_supported(struct io_uring *ring, int opcode);
 int kvt_version(int *major, int *minor);
+const char *kvt_library_path(void);
 """
 
 SOURCE = r"""
+#include <dlfcn.h>
 #include <errno.h>
 #include <stdint.h>
 #include <liburing.h>
@@ -123,6 +125,15 @@ int kvt_opcode_supported(struct io_uring *ring, int opcode)
     supported = io_uring_opcode_supported(probe, opcode);
     io_uring_free_probe(probe);
     return supported;
+}
+
+/* The file liburing was loaded from ("" when linked in statically), as the dynamic linker says. */
+const char *kvt_library_path(void)
+{
+    Dl_info info;
+    if (dladdr((void *) &io_uring_queue_init, &info) && info.dli_fname != NULL)
+        return info.dli_fname;
+    return "";
 }
 
 /* The liburing version this module was compiled against. */

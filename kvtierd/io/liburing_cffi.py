@@ -118,8 +118,7 @@ def describe() -> str:
 
 
 def _mapped_liburing() -> Path:
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        path = line.split(maxsplit=5)[-1]
-        if "/liburing.so" in path:
-            return Path(path)
-    return Path("liburing (statically linked)")
+    """The file liburing was loaded from (another liburing in the process cannot be mistaken
+    for it: the dynamic linker is asked where this module's ``io_uring_queue_init`` lives)."""
+    path = os.fsdecode(_ffi.string(_lib.kvt_library_path()))
+    return Path(path).resolve() if path else Path("liburing (statically linked)")

@@ -165,7 +165,11 @@ def _self_test(binding_name: str, directory: Path) -> BindingVerdict:
         ring.close()
     spec = sys.modules[binding_name].__file__
     files = sorted((_mapped_objects() - before) | ({spec} if spec else set()))
-    mode = "fixed vectored buffers" if fixed else "no fixed vectored buffers (Linux < 6.15)"
+    mode = (
+        "fixed vectored buffers"
+        if fixed
+        else "no fixed vectored buffers (READV_FIXED/WRITEV_FIXED: Linux 6.15, or the binding)"
+    )
     return BindingVerdict(
         binding_name,
         True,
