@@ -53,7 +53,18 @@ def running_report(facts: RunningFacts) -> list[HostCheck]:
 
 def _live(facts: RunningFacts) -> Sequence[HostCheck]:
     config = facts.config
-    checks = [_io(facts), _arena_pages(facts), _arena_lock(facts), _memory(facts)]
+    dram = config.dram
+    pages = _arena_feature(
+        "hugepages", facts.hugepages, dram.hugepages, "dram.hugepages",
+        yes="the arena is on hugetlb pages",
+        no="the arena is on ordinary pages (vm.nr_hugepages)",
+    )  # fmt: skip
+    lock = _arena_feature(
+        "mlock", facts.locked, dram.mlock, "dram.mlock",
+        yes="the arena is locked in memory",
+        no="the arena is not locked: it may be swapped (LimitMEMLOCK)",
+    )  # fmt: skip
+    checks = [_io(facts), pages, lock, _memory(facts)]
     free = host.free_disk_bytes(config.data_path)
     checks.append(
         HostCheck("data_dir", CheckStatus.OK, f"{config.data_path}: {size_text(free)} free now")
@@ -83,24 +94,15 @@ def _io(facts: RunningFacts) -> HostCheck:
     return HostCheck("io", status, f"threads in use (nvme.io_backend = {asked.value})")
 
 
-def _arena_pages(facts: RunningFacts) -> HostCheck:
-    if facts.hugepages:
-        return HostCheck("hugepages", CheckStatus.OK, "the arena is on hugetlb pages")
-    if facts.config.dram.hugepages is TriState.NEVER:
-        return HostCheck("hugepages", CheckStatus.OK, "off (dram.hugepages = never)")
-    return HostCheck(
-        "hugepages", CheckStatus.FALLBACK, "the arena is on ordinary pages (vm.nr_hugepages)"
-    )
-
-
-def _arena_lock(facts: RunningFacts) -> HostCheck:
-    if facts.locked:
-        return HostCheck("mlock", CheckStatus.OK, "the arena is locked in memory")
-    if facts.config.dram.mlock is TriState.NEVER:
-        return HostCheck("mlock", CheckStatus.OK, "off (dram.mlock = never)")
-    return HostCheck(
-        "mlock", CheckStatus.FALLBACK, "the arena is not locked: it may be swapped (LimitMEMLOCK)"
-    )
+def _arena_feature(
+    subject: str, got: bool, mode: TriState, field: str, *, yes: str, no: str
+) -> HostCheck:
+    """How the arena ended up on one of its optional features (huge pages, mlock)."""
+    if got:
+        return HostCheck(subject, CheckStatus.OK, yes)
+    if mode is TriState.NEVER:
+        return HostCheck(subject, CheckStatus.OK, f"off ({field} = never)")
+    return HostCheck(subject, CheckStatus.FALLBACK, no)
 
 
 def _memory(facts: RunningFacts) -> HostCheck:

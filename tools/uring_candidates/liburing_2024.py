@@ -25,21 +25,18 @@ from __future__ import annotations
 
 import errno
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtierd.io.binding import Completion, RingOp, Span
+from uring_candidates.package_ring import PackageRing
 from uring_candidates.segments import SegmentCache
 
 __all__ = ["Ring2024", "describe", "open_ring"]
 
 VERSION = "2024.5.3"
-# UAPI values: the package's own enum constants are not exported by its dynamic importer.
-_IORING_ASYNC_CANCEL_ALL = 1 << 0
-_IORING_ASYNC_CANCEL_ANY = 1 << 2
 
 
 def _import() -> Any:
@@ -59,19 +56,15 @@ def _import() -> Any:
 _lu: Any = _import()
 
 
-class Ring2024:
+class Ring2024(PackageRing):
     """A :class:`kvtierd.io.binding.RawRing` over ``liburing.io_uring`` (no fixed opcodes)."""
 
     def __init__(self, entries: int) -> None:
-        self._ring = _lu.io_uring()
-        _lu.io_uring_queue_init(entries, self._ring)
-        self._open = True
+        ring = _lu.io_uring()
+        _lu.io_uring_queue_init(entries, ring)
+        super().__init__(_lu, ring)
         self._cqe = _lu.io_uring_cqe()
         self._segments = SegmentCache()
-        self._supported: dict[int, bool] = {}
-
-    def register_eventfd(self, fd: int) -> None:
-        _lu.io_uring_register_eventfd(self._ring, fd)
 
     def register_buffers(self, spans: Sequence[Span]) -> None:
         iovec = _lu.iovec(SegmentCache(len(spans)).segments(spans))
@@ -80,11 +73,7 @@ class Ring2024:
     def supports(self, op: RingOp) -> bool:
         if op in (RingOp.READV_FIXED, RingOp.WRITEV_FIXED):
             return False  # the API cannot prepare them (module docstring)
-        if not self._supported:
-            probe = _lu.io_uring_get_probe_ring(self._ring)
-            self._supported = {o: bool(_lu.io_uring_opcode_supported(probe, o)) for o in RingOp}
-            _lu.io_uring_free_probe(probe)
-        return self._supported[op]
+        return super().supports(op)
 
     def prep_rw(
         self, op: RingOp, fd: int, spans: Sequence[Span], offset: int, buf_index: int, tag: int
@@ -100,27 +89,6 @@ class Ring2024:
         _lu.io_uring_sqe_set_data64(sqe, tag)
         return iovec
 
-    def prep_fsync(self, fd: int, flags: int, tag: int) -> None:
-        sqe = self._sqe()
-        _lu.io_uring_prep_fsync(sqe, fd, flags)
-        _lu.io_uring_sqe_set_data64(sqe, tag)
-
-    def prep_nop(self, tag: int) -> None:
-        sqe = self._sqe()
-        _lu.io_uring_prep_nop(sqe)
-        _lu.io_uring_sqe_set_data64(sqe, tag)
-
-    def prep_cancel_all(self, tag: int) -> None:
-        sqe = self._sqe()
-        _lu.io_uring_prep_cancel64(sqe, 0, _IORING_ASYNC_CANCEL_ALL | _IORING_ASYNC_CANCEL_ANY)
-        _lu.io_uring_sqe_set_data64(sqe, tag)
-
-    def submit(self) -> int:
-        return int(_lu.io_uring_submit(self._ring))
-
-    def ready(self) -> int:
-        return int(_lu.io_uring_cq_ready(self._ring))
-
     def reap(self) -> list[Completion]:
         completions: list[Completion] = []
         for _ in range(_lu.io_uring_cq_ready(self._ring)):
@@ -129,17 +97,6 @@ class Ring2024:
             completions.append((self._cqe.user_data, self._cqe.res))
             _lu.io_uring_cqe_seen(self._ring, self._cqe)
         return completions
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            _lu.io_uring_queue_exit(self._ring)
-
-    def _sqe(self) -> Any:
-        sqe = _lu.io_uring_get_sqe(self._ring)
-        if not sqe:
-            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
-        return sqe
 
 
 def open_ring(entries: int) -> Ring2024:

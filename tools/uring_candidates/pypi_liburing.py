@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import importlib.machinery
 import importlib.util
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from kvtierd.io.binding import Completion, RingOp, Span
+from uring_candidates.package_ring import PackageRing
 from uring_candidates.segments import SegmentCache
 
 __all__ = ["PypiRing", "describe", "open_ring"]
@@ -65,36 +65,23 @@ def _oserror(exc: Exception, call: str) -> OSError:
     return OSError(errno.EIO, f"{call}: {exc}")  # the wheel raises RuntimeError for some refusals
 
 
-class PypiRing:
+class PypiRing(PackageRing):
     """A :class:`kvtierd.io.binding.RawRing` over ``liburing.Ring``."""
 
     def __init__(self, entries: int) -> None:
-        self._ring = _lu.Ring()
+        ring = _lu.Ring()
         try:
-            _lu.io_uring_queue_init(entries, self._ring)
+            _lu.io_uring_queue_init(entries, ring)
         except Exception as exc:
             raise _oserror(exc, "io_uring_queue_init") from exc
-        self._open = True
+        super().__init__(_lu, ring)
         self._cqe = _lu.Cqe()
         self._segments = SegmentCache()
-        self._supported: dict[int, bool] = {}
-
-    def register_eventfd(self, fd: int) -> None:
-        _lu.io_uring_register_eventfd(self._ring, fd)
 
     def register_buffers(self, spans: Sequence[Span]) -> None:
         # Segments of their own, outside the request cache: the wheel keeps these exported.
         iovec = _lu.Iovec(SegmentCache(len(spans)).segments(spans))
         _lu.io_uring_register_buffers(self._ring, iovec)
-
-    def supports(self, op: RingOp) -> bool:
-        if not self._supported:
-            probe = _lu.io_uring_get_probe_ring(self._ring)
-            if probe is None:
-                raise OSError(errno.ENOSYS, "io_uring_get_probe_ring failed")
-            self._supported = {o: bool(_lu.io_uring_opcode_supported(probe, o)) for o in RingOp}
-            _lu.io_uring_free_probe(probe)
-        return self._supported[op]
 
     def prep_rw(
         self, op: RingOp, fd: int, spans: Sequence[Span], offset: int, buf_index: int, tag: int
@@ -119,28 +106,6 @@ class PypiRing:
         _lu.io_uring_sqe_set_data64(sqe, tag)
         return iovec
 
-    def prep_fsync(self, fd: int, flags: int, tag: int) -> None:
-        sqe = self._sqe()
-        _lu.io_uring_prep_fsync(sqe, fd, flags)
-        _lu.io_uring_sqe_set_data64(sqe, tag)
-
-    def prep_nop(self, tag: int) -> None:
-        sqe = self._sqe()
-        _lu.io_uring_prep_nop(sqe)
-        _lu.io_uring_sqe_set_data64(sqe, tag)
-
-    def prep_cancel_all(self, tag: int) -> None:
-        sqe = self._sqe()
-        flags = _lu.IORING_ASYNC_CANCEL_ANY | _lu.IORING_ASYNC_CANCEL_ALL
-        _lu.io_uring_prep_cancel64(sqe, 0, flags)
-        _lu.io_uring_sqe_set_data64(sqe, tag)
-
-    def submit(self) -> int:
-        return int(_lu.io_uring_submit(self._ring) or 0)
-
-    def ready(self) -> int:
-        return int(_lu.io_uring_cq_ready(self._ring))
-
     def reap(self) -> list[Completion]:
         completions: list[Completion] = []
         for _ in range(_lu.io_uring_cq_ready(self._ring)):
@@ -153,17 +118,6 @@ class PypiRing:
             completions.append((entry.user_data, result))
             _lu.io_uring_cqe_seen(self._ring, entry)
         return completions
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            _lu.io_uring_queue_exit(self._ring)
-
-    def _sqe(self) -> Any:
-        sqe = _lu.io_uring_get_sqe(self._ring)
-        if sqe is None:
-            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
-        return sqe
 
 
 def open_ring(entries: int) -> PypiRing:
