@@ -23,9 +23,9 @@ import os
 import re
 import socket
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -68,7 +68,7 @@ def parse_size(text: str | int) -> ByteSize:
         return ByteSize(text)
     match = _SIZE.match(text) if isinstance(text, str) else None
     if not match:
-        raise ValueError(f"not a size: {text!r} (use bytes or a suffix: K, M, G, T)")
+        raise ValueError(f"not a size: {text!r} (use bytes or a suffix: K, M, G, T, P)")
     return ByteSize(int(float(match[1]) * _UNITS[match[2].lower()]))
 
 
@@ -115,13 +115,27 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Count = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
 
 
+#: A rule on one field's value alone: what is wrong with it, or ``None``.
+FieldRule = Callable[[Any], "str | None"]
+
+
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A table of the configuration. Its rules between fields are ``_broken_rules``, checked at
-    construction; each problem's ``where`` is relative to the table (``size``, not
+    """A table of the configuration. ``field_rules`` judge one field's value alone (the reader
+    applies them as it reads each field, so they are reported whatever else is wrong);
+    ``_broken_rules`` are the rules between fields, checked once every field is valid. Both are
+    checked at construction; each problem's ``where`` is relative to the table (``size``, not
     ``dram.size``), and any broken rule raises one :class:`ConfigError` listing them all."""
 
+    field_rules: ClassVar[Mapping[str, FieldRule]] = {}
+
     def __post_init__(self) -> None:
-        if problems := list(self._broken_rules()):
+        problems = [
+            ConfigProblem(field, message)
+            for field, rule in self.field_rules.items()
+            if (message := rule(getattr(self, field))) is not None
+        ]
+        problems += self._broken_rules()
+        if problems:
             raise ConfigError(f"invalid {type(self).__name__}:", problems)
 
     def _broken_rules(self) -> Iterator[ConfigProblem]:
@@ -144,10 +158,13 @@ class DaemonConfig(_Section):
     metrics_address: str = "127.0.0.1"
     shutdown_grace_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
 
+    field_rules: ClassVar[Mapping[str, FieldRule]] = {
+        "max_frame_bytes": lambda n: (
+            None if 4096 <= n <= 64 << 20 else f"{_show_size(n)} is out of range 4K..64M"
+        ),
+    }
+
     def _broken_rules(self) -> Iterator[ConfigProblem]:
-        if not 4096 <= self.max_frame_bytes <= 64 << 20:
-            frame = _show_size(self.max_frame_bytes)
-            yield ConfigProblem("max_frame_bytes", f"{frame} is out of range 4K..64M")
         if self.metrics_port and self.metrics_address not in ("127.0.0.1", "::1", "localhost"):
             yield ConfigProblem(
                 "metrics_address",
@@ -166,9 +183,9 @@ class DramConfig(_Section):
     #: second, and reuse promotions run only while no demand read waits on the disk. 0: none.
     prefetch_bytes_per_s: ByteSize = ByteSize(512 << 20)
 
-    def _broken_rules(self) -> Iterator[ConfigProblem]:
-        if self.size < 16 << 20:
-            yield ConfigProblem("size", f"{_show_size(self.size)} is below the minimum 16M")
+    field_rules: ClassVar[Mapping[str, FieldRule]] = {
+        "size": lambda n: None if n >= 16 << 20 else f"{_show_size(n)} is below the minimum 16M",
+    }
 
 
 class NvmeConfig(_Section):
@@ -183,16 +200,18 @@ class NvmeConfig(_Section):
     #: per-LOOKUP telemetry cost.
     policy: PolicyKind = PolicyKind.LRU
 
-    def _broken_rules(self) -> Iterator[ConfigProblem]:
-        if self.size and self.size < 64 << 20:
-            yield ConfigProblem(
-                "size", f"{_show_size(self.size)} is neither 0 (no disk tier) nor at least 64M"
-            )
-        if self.segment_bytes < 1 << 20 or self.segment_bytes % 4096:
-            yield ConfigProblem(
-                "segment_bytes",
-                f"must be a multiple of 4K and at least 1M, not {_show_size(self.segment_bytes)}",
-            )
+    field_rules: ClassVar[Mapping[str, FieldRule]] = {
+        "size": lambda n: (
+            None
+            if n == 0 or n >= 64 << 20
+            else f"{_show_size(n)} is neither 0 (no disk tier) nor at least 64M"
+        ),
+        "segment_bytes": lambda n: (
+            None
+            if n >= 1 << 20 and n % 4096 == 0
+            else f"must be a multiple of 4K and at least 1M, not {_show_size(n)}"
+        ),
+    }
 
 
 class PoolWritePolicy(enum.StrEnum):

@@ -114,7 +114,9 @@ class _Reader:
             if key not in fields:
                 self.report(_join(path, key), _unknown(key, list(fields)))
             else:
-                values[fields[key].name] = self.read(fields[key].type, item, _join(path, key))
+                name = fields[key].name
+                values[name] = self.read(fields[key].type, item, _join(path, key))
+                values[name] = self.apply_rule(kind, name, values[name], _join(path, key))
         missing = [key for key, field in fields.items() if field.required and key not in value]
         for key in missing:
             self.report(_join(path, key), "required, but not given")
@@ -126,6 +128,13 @@ class _Reader:
             for problem in exc.problems:
                 self.report(_join(path, problem.where), problem.message)
             return _INVALID
+
+    def apply_rule(self, kind: type[msgspec.Struct], name: str, value: Any, path: str) -> Any:
+        """``value``, or the report of the one-field rule of ``kind`` it breaks."""
+        rule = getattr(kind, "field_rules", {}).get(name)
+        if rule is None or isinstance(value, _Invalid) or (message := rule(value)) is None:
+            return value
+        return self.report(path, message)
 
     def read_list(self, item_kind: Any, value: Any, path: str) -> Any:
         if not isinstance(value, list):

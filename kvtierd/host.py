@@ -21,9 +21,11 @@ __all__ = [
     "free_hugepage_bytes",
     "has_capability",
     "hugepage_bytes",
+    "io_uring_disabled",
     "memlock_limit",
     "memory_available",
     "nearest_existing",
+    "process_shmem_bytes",
     "shmem_thp_mode",
 ]
 
@@ -75,6 +77,23 @@ def shmem_thp_mode() -> str:
     return chosen[0].strip("[]") if chosen else ""
 
 
+def io_uring_disabled() -> str:
+    """``kernel.io_uring_disabled`` (0 allowed, 1 for a group only, 2 off; "" when unknown)."""
+    try:
+        return (_PROC / "sys" / "kernel" / "io_uring_disabled").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_shmem_bytes(pid: int) -> int:
+    """The shared memory process ``pid`` has resident (``RssShmem``): a daemon's arena."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in (_PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def nearest_existing(path: Path) -> Path:
     """``path``, or its closest ancestor that exists."""
     while not path.exists() and path != path.parent:
@@ -106,10 +125,11 @@ def has_capability(capability: int) -> bool:
 
 def cgroup_memory_headroom() -> int | None:
     """How many more bytes this process's memory cgroup (and its ancestors) allow, ``None``
-    when no limit applies or none can be read. cgroup v2 (``memory.max``) and v1
+    when no limit applies or none can be read: the limit less the usage, plus the inactive page
+    cache the kernel would reclaim first. cgroup v2 (``memory.max``) and v1
     (``memory.limit_in_bytes``) are both understood."""
     headrooms: list[int] = []
-    for directory, limit_name, usage_name in _memory_cgroups():
+    for directory, limit_name, usage_name, inactive_name in _memory_cgroups():
         with contextlib.suppress(OSError, ValueError):
             limit_text = (directory / limit_name).read_text().strip()
             if limit_text == "max":
@@ -118,24 +138,36 @@ def cgroup_memory_headroom() -> int | None:
             if limit >= _V1_UNLIMITED:
                 continue
             usage = int((directory / usage_name).read_text().strip())
-            headrooms.append(max(0, limit - usage))
+            headrooms.append(max(0, limit - usage + _stat(directory, inactive_name)))
     return min(headrooms) if headrooms else None
 
 
-def _memory_cgroups() -> list[tuple[Path, str, str]]:
+def _stat(directory: Path, name: str) -> int:
+    """One counter of a cgroup's ``memory.stat`` (0 when absent): here the inactive page cache,
+    which the kernel reclaims before it refuses the cgroup memory (kubelet's working set)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in (directory / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == name:
+                return int(value)
+    return 0
+
+
+def _memory_cgroups() -> list[tuple[Path, str, str, str]]:
     """The memory cgroup directories that bound this process, innermost first."""
     try:
         lines = (_PROC / "self" / "cgroup").read_text().splitlines()
     except OSError:
         return []
-    found: list[tuple[Path, str, str]] = []
+    found: list[tuple[Path, str, str, str]] = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "" and (_CGROUP_ROOT / "cgroup.controllers").exists():
-            found += [(d, "memory.max", "memory.current") for d in _chain(_CGROUP_ROOT, path)]
+            names = ("memory.max", "memory.current", "inactive_file")
+            found += [(d, *names) for d in _chain(_CGROUP_ROOT, path)]
         elif "memory" in controllers.split(","):
             mount = _CGROUP_ROOT / "memory"
-            names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
             found += [(d, *names) for d in _chain(mount, path)]
     return found
 

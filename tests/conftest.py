@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvtierd.io.probe import BindingVerdict, probe_binding
+
+#: Stand-in liburing bindings that crash or hang on purpose (``tests/io/standins``).
+STANDIN_BINDINGS = Path(__file__).parent / "io" / "standins"
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -36,3 +41,11 @@ def uring_works(uring_verdict: BindingVerdict) -> None:
             "the liburing binding failed its probe (test_the_installed_binding_passes_its_probe "
             f"says why): {uring_verdict.detail}"
         )
+
+
+@pytest.fixture
+def standins(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Make the stand-in bindings importable by name in child processes (the probe's, the
+    daemon's); returns their directory."""
+    monkeypatch.setenv("PYTHONPATH", str(STANDIN_BINDINGS))
+    return STANDIN_BINDINGS

@@ -157,7 +157,7 @@ def _key_values(rows: Sequence[tuple[str, str]]) -> Table:
     return grid
 
 
-_CHECK_STYLES = {"ok": "green", "fallback": "yellow", "fail": "bold red"}
+_CHECK_STYLES = {"ok": "green", "fallback": "yellow", "fail": "bold red", "skipped": "dim"}
 
 
 def doctor_view(checks: Sequence[Mapping[str, str]]) -> RenderableType:

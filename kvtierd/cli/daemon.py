@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 
 from kvtierd import __version__
-from kvtierd.cli.logs import configure_logging
+from kvtierd.cli.logs import configure_logging, print_error
 from kvtierd.config import Config, Runtime, load_config
 from kvtierd.errors import ConfigError, KvtierError
 from kvtierd.server.daemon import serve_daemon
@@ -40,26 +40,27 @@ from kvtierd.server.preflight import (
 
 __all__ = ["main", "parse_args"]
 
-#: Each flag that overrides a configuration field: (section, field) -> (flag, attribute).
+#: Each flag that overrides a configuration field: (section, field) -> (flag, help).
 FLAGS: dict[tuple[str, str], tuple[str, str]] = {
-    ("daemon", "socket"): ("--socket", "socket"),
-    ("daemon", "data_dir"): ("--data-dir", "data_dir"),
-    ("daemon", "runtime"): ("--runtime", "runtime"),
-    ("daemon", "log_level"): ("--log-level", "log_level"),
-    ("dram", "size"): ("--dram-size", "dram_size"),
-    ("nvme", "size"): ("--nvme-size", "nvme_size"),
+    ("daemon", "socket"): ("--socket", "Unix socket path"),
+    ("daemon", "data_dir"): ("--data-dir", "state directory"),
+    ("dram", "size"): ("--dram-size", "arena size, e.g. 512M or 4G"),
+    ("nvme", "size"): ("--nvme-size", "NVMe tier size, 0 disables it"),
+    ("daemon", "runtime"): ("--runtime", "event loop: asyncio or trio"),
+    ("daemon", "log_level"): ("--log-level", "debug, info, warning or error"),
 }
+
+
+def _attribute(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvtierd", description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, help="TOML configuration file")
-    parser.add_argument("--socket", help="Unix socket path (daemon.socket)")
-    parser.add_argument("--data-dir", help="state directory (daemon.data_dir)")
-    parser.add_argument("--dram-size", help="arena size, e.g. 512M or 4G (dram.size)")
-    parser.add_argument("--nvme-size", help="NVMe tier size, 0 disables it (nvme.size)")
-    parser.add_argument("--runtime", choices=[r.value for r in Runtime], help="event loop")
-    parser.add_argument("--log-level", help="debug, info, warning or error")
+    for (section, field), (flag, text) in FLAGS.items():
+        choices = [r.value for r in Runtime] if flag == "--runtime" else None
+        parser.add_argument(flag, choices=choices, help=f"{text} ({section}.{field})")
     parser.add_argument(
         "--check",
         action="store_true",
@@ -73,9 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _given(args: argparse.Namespace) -> dict[tuple[str, str], tuple[str, Any]]:
     """The fields the command line set: (section, field) -> (flag, value)."""
     return {
-        where: (flag, getattr(args, attribute))
-        for where, (flag, attribute) in FLAGS.items()
-        if getattr(args, attribute) is not None
+        where: (flag, getattr(args, _attribute(flag)))
+        for where, (flag, _) in FLAGS.items()
+        if getattr(args, _attribute(flag)) is not None
     }
 
 
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return check(args) if args.check else run(args)
     except KeyboardInterrupt:
-        print("kvtierd: interrupted", file=sys.stderr)
+        print_error("kvtierd: interrupted")
         return 130
 
 
@@ -112,7 +113,7 @@ def check(args: argparse.Namespace) -> int:
     else:
         verdict = probe_io_uring(config, use_cache=False)
         valid = HostCheck("config", CheckStatus.OK, f"valid: {source}")
-        checks = [valid, *check_host(config, verdict, blame(args))]
+        checks = [valid, *check_host(config, verdict, blame(args), restart=True)]
     print(render(checks))
     status = exit_status(checks)
     failed = sum(c.status is CheckStatus.FAIL for c in checks)
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
     except ConfigError as exc:
-        print(f"kvtierd: {exc}", file=sys.stderr)  # the file, then one line per problem
+        print_error(f"kvtierd: {exc}")  # the file, then one line per problem
         return 2
     configure_logging(config.daemon.log_level.value)
     verdict = probe_io_uring(config, use_cache=True)
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 def _refuse(checks: list[HostCheck]) -> int:
     """Print each failed check as one line; the exit status they call for."""
     for failure in (c for c in checks if c.status is CheckStatus.FAIL):
-        print(f"kvtierd: {failure.detail}", file=sys.stderr)
+        print_error(f"kvtierd: {failure.detail}")
     return exit_status(checks)
 
 
@@ -163,10 +164,10 @@ def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
 def _report(exc: BaseException) -> int:
     """Print a start-up failure as one line; re-raise what is not an expected failure."""
     if isinstance(exc, ConfigError):
-        print(f"kvtierd: {exc}", file=sys.stderr)
+        print_error(f"kvtierd: {exc}")
         return 2
     if isinstance(exc, KvtierError | OSError):
-        print(f"kvtierd: cannot run: {exc}", file=sys.stderr)
+        print_error(f"kvtierd: cannot run: {exc}")
         return 1
     raise exc
 

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TextIO
 
-__all__ = ["JournalFormatter", "configure_logging", "stream_is_journal"]
+__all__ = ["JournalFormatter", "configure_logging", "print_error", "stream_is_journal"]
 
 _FORMAT = "%(levelname)s %(name)s: %(message)s"
 
@@ -57,3 +57,10 @@ def configure_logging(level: str, stream: TextIO = sys.stderr) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s " + _FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def print_error(text: str, stream: TextIO = sys.stderr) -> None:
+    """Print why the daemon stops (before or instead of logging): at error priority, every
+    line, when ``stream`` is the journal, so ``journalctl -p err`` shows it."""
+    prefix = f"<{syslog_priority(logging.ERROR)}>" if stream_is_journal(stream) else ""
+    print("\n".join(prefix + line for line in text.splitlines()), file=stream)

@@ -94,6 +94,8 @@ async def _open_uring(
     """The io_uring backend on ``binding``, which must have passed its probe."""
     if verdict is None:
         verdict = await anyio.to_thread.run_sync(partial(probe_binding, binding))
+    if verdict.binding != binding:
+        raise StorageIOError(f"the probe's verdict is about {verdict.binding}, not {binding}")
     if not verdict.ok:
         raise StorageIOError(verdict.detail)
     try:

@@ -12,7 +12,9 @@ through an ABI binding, so each request kind is one C function that claims an SQ
 and tags it in a single call, and completions are reaped in batches into caller arrays. The
 fixed vectored opcodes (``READV_FIXED``/``WRITEV_FIXED``, Linux 6.15) are newer than some
 distributions' liburing headers; they are ordinary read/write SQEs with another opcode and a
-buffer index, so the opcode number comes from the caller (the kernel's UAPI value).
+buffer index, so the opcode number comes from the caller (the kernel's UAPI value). Only
+liburing 2.0's API is used (tags and cancel flags are set on the SQE's fields, not through the
+2.2 helpers), so the distributions of the last years all build it; checked with Debian's 2.3.
 
 The extension is optional: without liburing's headers the build skips it with a warning and
 kvtierd uses its thread-pool backend (``kvtierd --check`` says why).
@@ -52,6 +54,10 @@ SOURCE = r"""
 #include <stdint.h>
 #include <liburing.h>
 
+/* The cancel flags of Linux 5.19, by their UAPI values: headers before liburing 2.2 lack them. */
+#define KVT_ASYNC_CANCEL_ALL (1U << 0)
+#define KVT_ASYNC_CANCEL_ANY (1U << 2)
+
 /* Each prep claims an SQE, prepares it and tags it in one call: -EBUSY when the SQ is full. */
 
 /* A vectored read or write; buf_index >= 0 makes it a fixed-buffer request (opcode given). */
@@ -64,7 +70,7 @@ int kvt_prep_rw(struct io_uring *ring, int opcode, int fd, const struct iovec *i
     io_uring_prep_rw(opcode, sqe, fd, iovecs, nr, offset);
     if (buf_index >= 0)
         sqe->buf_index = (__u16) buf_index;
-    io_uring_sqe_set_data64(sqe, user_data);
+    sqe->user_data = user_data;
     return 0;
 }
 
@@ -74,7 +80,7 @@ int kvt_prep_fsync(struct io_uring *ring, int fd, unsigned flags, uint64_t user_
     if (sqe == NULL)
         return -EBUSY;
     io_uring_prep_fsync(sqe, fd, flags);
-    io_uring_sqe_set_data64(sqe, user_data);
+    sqe->user_data = user_data;
     return 0;
 }
 
@@ -84,7 +90,7 @@ int kvt_prep_nop(struct io_uring *ring, uint64_t user_data)
     if (sqe == NULL)
         return -EBUSY;
     io_uring_prep_nop(sqe);
-    io_uring_sqe_set_data64(sqe, user_data);
+    sqe->user_data = user_data;
     return 0;
 }
 
@@ -94,8 +100,9 @@ int kvt_prep_cancel_all(struct io_uring *ring, uint64_t user_data)
     struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
     if (sqe == NULL)
         return -EBUSY;
-    io_uring_prep_cancel64(sqe, 0, IORING_ASYNC_CANCEL_ALL | IORING_ASYNC_CANCEL_ANY);
-    io_uring_sqe_set_data64(sqe, user_data);
+    io_uring_prep_rw(IORING_OP_ASYNC_CANCEL, sqe, -1, NULL, 0, 0);
+    sqe->cancel_flags = KVT_ASYNC_CANCEL_ALL | KVT_ASYNC_CANCEL_ANY;
+    sqe->user_data = user_data;
     return 0;
 }
 
@@ -151,7 +158,9 @@ int kvt_version(int *major, int *minor)
 }
 """
 
-_GENERIC_TARGET = {"x86_64": ["-march=x86-64", "-mtune=generic"]}
+#: ``-march=x86-64`` undoes a ``-march=native``; ``-mno-avx`` also undoes an explicit ``-mavx2``
+#: or ``-mavx512f`` (each implies AVX, and turning AVX off turns them off).
+_GENERIC_TARGET = {"x86_64": ["-march=x86-64", "-mtune=generic", "-mno-avx"]}
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)
@@ -159,8 +168,8 @@ ffibuilder.set_source(
     "kvtierd.io._liburing",
     SOURCE,
     libraries=["uring"],
-    # The generic target, stated last so that a CFLAGS=-march=native in the build environment
-    # cannot make the module unusable on the next host.
+    # The generic target, stated last so that CFLAGS in the build environment (-march=native,
+    # -mavx512f) cannot make the module unusable on the next host.
     extra_compile_args=_GENERIC_TARGET.get(platform.machine(), []),
     optional=True,
 )

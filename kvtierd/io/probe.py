@@ -14,9 +14,10 @@ parent reads how the child ended: a verdict, a signal, a non-zero exit, or nothi
 timeout (a hang; the child is killed). Only an ``ok`` verdict lets a caller import the binding.
 
 :func:`cached_probe` keeps an ``ok`` verdict in a file, keyed on everything that could change
-it: the binding's name, the interpreter, the kernel, the CPU's feature flags, and the size and
-modification time of every shared object the binding loaded in the child. Any change, and any
-failed verdict, probes again.
+it: the binding's name, kvtierd's version, the interpreter, the kernel, the CPU's feature flags,
+what steers the dynamic linker (``LD_LIBRARY_PATH``, ``LD_PRELOAD``, ``/etc/ld.so.cache``), and
+the contents (SHA-256) of the self-test and of every file the binding loaded in the child. Any
+change, and any failed verdict, probes again.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ __all__ = ["PROBE_TIMEOUT_S", "BindingVerdict", "FileStamp", "cached_probe", "pr
 PROBE_TIMEOUT_S = 10.0
 
 _CHILD = "import sys; from kvtierd.io.selftest import main; sys.exit(main(sys.argv[1:]))"
-_SIGNAL_MEANING = {
+_SIGNAL_MEANING: dict[int, str] = {
     signal.SIGILL: "this CPU lacks an instruction it was built for",
     signal.SIGSEGV: "it accessed memory it does not own",
     signal.SIGBUS: "it accessed memory that is not there",
@@ -52,16 +53,16 @@ _SIGNAL_MEANING = {
 
 
 class FileStamp(msgspec.Struct, frozen=True):
-    """A file a verdict depends on, as it was when the verdict was reached."""
+    """A file a verdict depends on, by the SHA-256 of its contents when the verdict was reached
+    (a size and a time can be forged by ``touch``; the few hundred KiB hash in about a ms)."""
 
     path: str
-    size: int
-    mtime_ns: int
+    sha256: str
 
     @classmethod
     def of(cls, path: str) -> FileStamp:
-        st = os.stat(path)
-        return cls(path, st.st_size, st.st_mtime_ns)
+        with open(path, "rb") as file:
+            return cls(path, hashlib.file_digest(file, "sha256").hexdigest())
 
     def unchanged(self) -> bool:
         try:
@@ -90,6 +91,8 @@ class BindingVerdict(msgspec.Struct, frozen=True):
 class _CacheEntry(msgspec.Struct, frozen=True):
     key: str
     verdict: BindingVerdict
+    #: Files the verdict rests on besides the binding's own: the self-test, the linker's cache.
+    context: tuple[FileStamp, ...] = ()
 
 
 def probe_binding(
@@ -109,7 +112,10 @@ def probe_binding(
     """
     binding = binding or configured_binding()
     scratch = directory if directory is not None else Path(tempfile.gettempdir())
-    command = [*launcher, sys.executable, "-c", _CHILD, binding, str(scratch)]
+    command = [
+        *launcher, sys.executable, "-c", _CHILD, binding, str(scratch), str(os.getpid()),
+        str(timeout_s),
+    ]  # fmt: skip
     env = dict(os.environ)
     root = str(Path(kvtierd.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
@@ -143,20 +149,26 @@ def probe_binding(
 
 
 def _interpret(binding: str, returncode: int, out: bytes, err: bytes) -> BindingVerdict:
+    """A verdict counts only from a child that exited 0 and spoke of ``binding``."""
     if returncode < 0:
-        signum = signal.Signals(-returncode)
-        meaning = _SIGNAL_MEANING.get(signum, "it was killed")
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        meaning = _SIGNAL_MEANING.get(-returncode, "it was killed")
         return BindingVerdict(
             binding,
             False,
-            f"the liburing binding {binding} died with {signum.name}: {meaning}",
-            signal=signum.name,
+            f"the liburing binding {binding} died with {name}: {meaning}",
+            signal=name,
         )
     lines = out.decode(errors="replace").strip().splitlines()
-    if lines:
-        with contextlib.suppress(msgspec.DecodeError):
-            return msgspec.json.decode(lines[-1], type=BindingVerdict)
-    last = (err.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+    if returncode == 0 and lines:
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            verdict = msgspec.json.decode(lines[-1], type=BindingVerdict)
+            if verdict.binding == binding:
+                return msgspec.structs.replace(verdict, cached=False)
+    last = (err.decode(errors="replace").strip().splitlines() or ["no verdict"])[-1]
     return BindingVerdict(binding, False, f"the io_uring probe exited with {returncode}: {last}")
 
 
@@ -174,25 +186,32 @@ def cached_probe(
     key = _cache_key(binding)
     with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
         entry = msgspec.json.decode(cache.read_bytes(), type=_CacheEntry)
-        if (
-            entry.key == key
-            and entry.verdict.ok
-            and all(f.unchanged() for f in entry.verdict.files)
-        ):
+        stamps = (*entry.verdict.files, *entry.context)
+        if entry.key == key and entry.verdict.ok and all(f.unchanged() for f in stamps):
             return msgspec.structs.replace(entry.verdict, cached=True)
     verdict = probe_binding(binding, directory=directory, timeout_s=timeout_s)
     if verdict.ok:
         with contextlib.suppress(OSError):
             partial = cache.with_name(cache.name + ".tmp")
-            partial.write_bytes(msgspec.json.encode(_CacheEntry(key, verdict)))
+            partial.write_bytes(msgspec.json.encode(_CacheEntry(key, verdict, _context())))
             os.replace(partial, cache)
     return verdict
 
 
 def _cache_key(binding: str) -> str:
     uname = os.uname()
-    parts = [binding, sys.executable, sys.version, uname.release, uname.version, _cpu_flags()]
+    parts = [
+        binding, kvtierd.__version__, sys.executable, sys.version, uname.release, uname.version,
+        _cpu_flags(), os.environ.get("LD_LIBRARY_PATH", ""), os.environ.get("LD_PRELOAD", ""),
+    ]  # fmt: skip
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _context() -> tuple[FileStamp, ...]:
+    """The files besides the binding's that a verdict rests on: the self-test that reached it,
+    and the dynamic linker's cache (a new liburing in /usr/local, then ldconfig)."""
+    paths = [str(Path(__file__).with_name("selftest.py")), "/etc/ld.so.cache"]
+    return tuple(FileStamp.of(path) for path in paths if os.path.exists(path))
 
 
 def _cpu_flags() -> str:

@@ -16,7 +16,6 @@ import grp
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -35,7 +34,7 @@ from kvtierd.protocol.messages import StatfsReply, TierStatistics
 from kvtierd.server.doctor import RunningFacts, running_report
 from kvtierd.server.metrics import serve_metrics
 from kvtierd.server.notify import Notifier
-from kvtierd.server.preflight import HostCheck
+from kvtierd.server.preflight import HostCheck, socket_answers
 from kvtierd.server.session import Session, peer_credentials
 from kvtierd.store.lifecycle import open_store
 from kvtierd.store.store import BlockStore
@@ -208,15 +207,9 @@ def _prepare_socket_dir(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.is_socket():
         return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        path.unlink()  # a stale socket left by a daemon that crashed
-        return
-    finally:
-        probe.close()
-    raise BusyError(f"another kvtierd is listening on {path}")
+    if socket_answers(path):
+        raise BusyError(f"another kvtierd is listening on {path}")
+    path.unlink()  # a stale socket left by a daemon that crashed
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvtierd import host
 from kvtierd.config import Config, TriState
@@ -43,8 +44,11 @@ __all__ = [
     "check_config_error",
     "check_host",
     "exit_status",
+    "lock_holder",
     "probe_io_uring",
     "render",
+    "size_text",
+    "socket_answers",
 ]
 
 #: ``sizeof(sockaddr_un.sun_path)`` less the terminating NUL.
@@ -123,32 +127,78 @@ def probe_io_uring(config: Config, *, use_cache: bool) -> BindingVerdict | None:
 
 
 def check_host(
-    config: Config, verdict: BindingVerdict | None, blame: Mapping[str, str] | None = None
+    config: Config,
+    verdict: BindingVerdict | None,
+    blame: Mapping[str, str] | None = None,
+    *,
+    restart: bool = False,
 ) -> list[HostCheck]:
-    """Every start-up check of ``config`` on this host (see the module docstring)."""
+    """Every start-up check of ``config`` on this host (see the module docstring).
+
+    ``restart``: the checks are for restarting the daemon that runs on this data directory now
+    (``kvtierd --check`` before ``systemctl restart``), so what that daemon holds (its data
+    directory lock, its socket, presumably its metrics port, its arena's memory) counts as
+    released. Without it, another daemon holding any of them is a failure.
+    """
 
     def name(field: str) -> str:
         return (blame or {}).get(field, field)
 
+    running = lock_holder(config.data_path) if restart else None
     need = arena_bytes(config)
     hugetlb = config.dram.hugepages is not TriState.NEVER and host.free_hugepage_bytes() >= need
-    data_dir = _data_dir(config.data_path, name("daemon.data_dir"))
+    data_dir = _guard("data_dir", _data_dir, config.data_path, name("daemon.data_dir"), running)
     if data_dir.status is CheckStatus.FAIL and config.nvme.size and not config.nvme.path:
         nvme = HostCheck("nvme", CheckStatus.SKIPPED, "the NVMe file lies in data_dir (above)")
     else:
-        nvme = _nvme(config, name)
+        nvme = _guard("nvme", _nvme, config, name)
     return [
         _io_uring(config, verdict, name),
         _hugepages(config, need, name),
         _shmem_thp(hugetlb),
-        _mlock(config, need),
-        _memory(need, hugetlb, config, name),
+        _mlock(config, need, name),
+        _memory(need, hugetlb, config, name, running),
         data_dir,
         nvme,
-        _socket(config, name),
-        _metrics(config, name),
-        _pool(config),
+        _guard("socket", _socket, config, name, running),
+        _guard("metrics", _metrics, config, name, running),
+        _guard("pool", _pool, config),
     ]
+
+
+def _guard(subject: str, check: Callable[..., HostCheck], *args: Any) -> HostCheck:
+    """``check(*args)``, or a failure saying why the file system would not answer it (a
+    directory that may not be searched, a path that vanished meanwhile)."""
+    try:
+        return check(*args)
+    except OSError as exc:
+        return _fail(subject, f"cannot check: {exc}")
+
+
+def lock_holder(data_dir: Path) -> str | None:
+    """The pid (as the lock file says it) of the daemon holding ``data_dir``, or ``None``."""
+    try:
+        fd = os.open(data_dir / "kvtierd.lock", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+    return None
+
+
+def socket_answers(path: Path) -> bool:
+    """Whether a daemon accepts connections on ``path`` (at most 1 s to find out)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def exit_status(checks: Iterable[HostCheck]) -> int:
@@ -172,9 +222,7 @@ def _io_uring(config: Config, verdict: BindingVerdict | None, name: Namer) -> Ho
     kind = config.nvme.io_backend
     if kind is IoBackendKind.THREADS or verdict is None:
         return _ok("io_uring", f"not used ({name('nvme.io_backend')} = threads)")
-    setting = ""
-    with contextlib.suppress(OSError):
-        setting = Path("/proc/sys/kernel/io_uring_disabled").read_text().strip()
+    setting = host.io_uring_disabled()
     kernel = f"kernel.io_uring_disabled = {setting}; " if setting else ""
     if verdict.ok:
         return _ok("io_uring", f"{kernel}{verdict.detail}")
@@ -212,10 +260,10 @@ def _shmem_thp(hugetlb: bool) -> HostCheck:
     return _ok("thp", f"transparent_hugepage/shmem_enabled is {mode or 'unknown'!r}")
 
 
-def _mlock(config: Config, need: int) -> HostCheck:
+def _mlock(config: Config, need: int, name: Namer) -> HostCheck:
     mode = config.dram.mlock
     if mode is TriState.NEVER:
-        return _ok("mlock", "off (dram.mlock = never)")
+        return _ok("mlock", f"off ({name('dram.mlock')} = never)")
     if host.has_capability(host.CAP_IPC_LOCK):
         return _ok("mlock", "CAP_IPC_LOCK: the arena can be locked and registered with io_uring")
     limit = host.memlock_limit()
@@ -227,15 +275,19 @@ def _mlock(config: Config, need: int) -> HostCheck:
         "(it may be swapped) nor registered as io_uring fixed buffers (LimitMEMLOCK=infinity)"
     )
     if mode is TriState.ALWAYS:
-        return _fail("mlock", f"dram.mlock = always, but {detail}")
+        return _fail("mlock", f"{name('dram.mlock')} = always, but {detail}")
     return _fallback("mlock", detail)
 
 
-def _memory(need: int, hugetlb: bool, config: Config, name: Namer) -> HostCheck:
+def _memory(
+    need: int, hugetlb: bool, config: Config, name: Namer, running: str | None
+) -> HostCheck:
     if hugetlb:
         return _ok("memory", f"the {size_text(need)} arena comes from reserved hugetlb pages")
+    # The running daemon's arena is given back when it stops.
+    freed = host.process_shmem_bytes(int(running)) if running and running.isdigit() else 0
     limits = [
-        (value, source)
+        (value + freed, source)
         for value, source in (
             (host.memory_available(), "MemAvailable"),
             (host.cgroup_memory_headroom(), "the memory cgroup's limit"),
@@ -252,7 +304,9 @@ def _memory(need: int, hugetlb: bool, config: Config, name: Namer) -> HostCheck:
             f"arena, but only {size_text(available)} is available ({source}): lower "
             f"{name('dram.size')} or free memory",
         )
-    return _ok("memory", f"{size_text(need)} arena, {size_text(available)} available ({source})")
+    also = f", with the running daemon's {size_text(freed)}" if freed else ""
+    detail = f"{size_text(need)} arena, {size_text(available)} available ({source}{also})"
+    return _ok("memory", detail)
 
 
 def _directory_problem(path: Path) -> str | None:
@@ -269,21 +323,16 @@ def _directory_problem(path: Path) -> str | None:
     return None
 
 
-def _data_dir(data_dir: Path, field: str) -> HostCheck:
+def _data_dir(data_dir: Path, field: str, running: str | None) -> HostCheck:
     if (problem := _directory_problem(data_dir)) is not None:
         return _fail("data_dir", f"{field} {data_dir}: {problem}")
-    lock = data_dir / "kvtierd.lock"
-    with contextlib.suppress(FileNotFoundError):
-        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            return _fail("data_dir", f"{data_dir} is in use by another kvtierd (pid {holder})")
-        finally:
-            os.close(fd)
-    free = host.free_disk_bytes(data_dir)
-    return _ok("data_dir", f"{data_dir} is writable, {size_text(free)} free")
+    free = f"{data_dir} is writable, {size_text(host.free_disk_bytes(data_dir))} free"
+    if running is not None:
+        held = f"the running kvtierd (pid {running}) holds it until it stops"
+        return _ok("data_dir", f"{free}; {held}")
+    if (holder := lock_holder(data_dir)) is not None:
+        return _fail("data_dir", f"{field} {data_dir} is in use by another kvtierd (pid {holder})")
+    return _ok("data_dir", free)
 
 
 def _nvme(config: Config, name: Namer) -> HostCheck:
@@ -316,7 +365,7 @@ def _nvme(config: Config, name: Namer) -> HostCheck:
                f"{size_text(free)} free")  # fmt: skip
 
 
-def _socket(config: Config, name: Namer) -> HostCheck:
+def _socket(config: Config, name: Namer, running: str | None) -> HostCheck:
     path = config.socket_path
     length = len(os.fsencode(path))
     if length > MAX_SOCKET_PATH_BYTES:
@@ -330,21 +379,16 @@ def _socket(config: Config, name: Namer) -> HostCheck:
         return _fail("socket", f"{name('daemon.socket')} {path}: {problem}")
     if path.exists() and not path.is_socket():
         return _fail("socket", f"{name('daemon.socket')} {path} exists and is not a socket")
-    if path.is_socket() and _answers(path):
-        return _fail("socket", f"another kvtierd is listening on {path}")
+    listening = path.is_socket() and socket_answers(path)
+    if listening and running is None:
+        return _fail("socket", f"{name('daemon.socket')} {path}: another kvtierd is listening")
     group = config.daemon.socket_group
     if group and (refused := _group_problem(group, name("daemon.socket_group"))) is not None:
         return refused
-    return _ok("socket", f"{path} ({length} of {MAX_SOCKET_PATH_BYTES} bytes), directory writable")
-
-
-def _answers(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except OSError:
-            return False
-    return True
+    where = f"{path} ({length} of {MAX_SOCKET_PATH_BYTES} bytes), directory writable"
+    if listening:
+        where += f"; the running kvtierd (pid {running}) listens until it stops"
+    return _ok("socket", where)
 
 
 def _group_problem(group: str, field: str) -> HostCheck | None:
@@ -359,18 +403,20 @@ def _group_problem(group: str, field: str) -> HostCheck | None:
     return None
 
 
-def _metrics(config: Config, name: Namer) -> HostCheck:
+def _metrics(config: Config, name: Namer, running: str | None) -> HostCheck:
     port, address = config.daemon.metrics_port, config.daemon.metrics_address
     if not port:
         return _ok("metrics", f"off ({name('daemon.metrics_port')} = 0)")
     try:
-        family, kind, proto, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[
-            0
-        ]
+        addresses = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, where = addresses[0]
         with socket.socket(family, kind, proto) as trial:
             trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
             trial.bind(where)
     except OSError as exc:
+        if exc.errno == errno.EADDRINUSE and running is not None:
+            detail = f"{address}:{port} in use, presumably by the running kvtierd (pid {running})"
+            return _ok("metrics", detail)
         if exc.errno == errno.EADDRINUSE:
             why = "is in use"
         elif exc.errno == errno.EACCES:

@@ -86,9 +86,9 @@ class Arena:
         """Create, map and prepare the arena. Raises :class:`NoSpaceError` when the kernel
         refuses the memory and :class:`StorageIOError` when a feature set to ``always`` fails.
 
-        ``checkpoint`` runs between pre-fault chunks and may raise to give up (the daemon passes
-        ``anyio.from_thread.check_cancelled``, so Ctrl-C ends a long pre-fault within a chunk);
-        whatever was created is released before the exception leaves."""
+        ``checkpoint`` runs between pre-fault chunks and may raise to give up (the store's
+        lifecycle raises once its start-up was cancelled, so Ctrl-C ends a long pre-fault within
+        a chunk); whatever was created is released before the exception leaves."""
         size_bytes = -(-size_bytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
         fd, huge = cls._open_memfd(size_bytes, hugepages)
         try:

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from kvtierd import host
 from kvtierd.client import connect
 from kvtierd.io.binding import BINDING_ENV
 from kvtierd.testing import DaemonProcess
-
-STANDINS = Path(__file__).parent.parent / "io" / "standins"
 
 
 def _kvtierd(
@@ -133,16 +132,16 @@ def test_configuration_errors_all_at_once(tmp_path: Path) -> None:
     assert result.stderr.splitlines() == [
         f"kvtierd: invalid configuration in {config}:",
         '  dram.sise: unknown key (did you mean "size"?)',
-        "  --dram-size: not a size: 'lots' (use bytes or a suffix: K, M, G, T)",
+        "  --dram-size: not a size: 'lots' (use bytes or a suffix: K, M, G, T, P)",
         "  nvme.io_backend: 'uring' is not one of: io_uring, threads, auto",
     ]
 
 
 @pytest.fixture
-def sigill_binding() -> dict[str, str]:
+def sigill_binding(standins: Path) -> dict[str, str]:
     """Point the daemon at a liburing binding that dies with SIGILL, as the PyPI wheel did on
     CPUs without AVX-512."""
-    return {BINDING_ENV: "sigill_binding", "PYTHONPATH": str(STANDINS)}
+    return {BINDING_ENV: "sigill_binding", "PYTHONPATH": str(standins)}
 
 
 def test_explicit_io_uring_whose_binding_dies_exits_2(
@@ -193,8 +192,12 @@ def _wait_for(predicate: object, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.skipif(
+    (host.memory_available() or 0) < 8 << 30, reason="needs 8 GiB free for a slow 4 GiB pre-fault"
+)
 @pytest.mark.parametrize("runtime", ["asyncio", "trio"])
 def test_ctrl_c_while_the_arena_is_pre_faulted(tmp_path: Path, runtime: str) -> None:
+    # 4 GiB of first touches take seconds here (0.4-3 GB/s): the signal lands inside them.
     log = tmp_path / "daemon.log"
     with open(log, "wb") as out:
         daemon = subprocess.Popen(
@@ -215,13 +218,10 @@ def test_ctrl_c_while_the_arena_is_pre_faulted(tmp_path: Path, runtime: str) -> 
     assert text.splitlines()[-1] == "kvtierd: interrupted"
 
 
+@pytest.mark.usefixtures("standins")
 def test_ctrl_c_while_the_binding_is_probed(tmp_path: Path) -> None:
     pidfile = tmp_path / "probe.pid"
-    env = dict(
-        os.environ,
-        **{BINDING_ENV: "hang_binding", "PYTHONPATH": str(STANDINS)},
-        KVTIERD_TEST_HANG_PIDFILE=str(pidfile),
-    )
+    env = dict(os.environ, **{BINDING_ENV: "hang_binding"}, KVTIERD_TEST_HANG_PIDFILE=str(pidfile))
     daemon = subprocess.Popen(
         [sys.executable, "-m", "kvtierd", "--socket", str(tmp_path / "s"), "--data-dir",
          str(tmp_path / "data"), "--dram-size", "32M", "--nvme-size", "128M"],
@@ -241,6 +241,7 @@ def test_ctrl_c_while_the_binding_is_probed(tmp_path: Path) -> None:
         os.kill(int(pidfile.read_text()), 0)  # the probe's child did not outlive it
 
 
+@pytest.mark.usefixtures("standins")
 def test_journal_lines_carry_their_priority(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -250,7 +251,6 @@ def test_journal_lines_carry_their_priority(
     st = daemon.log_path.stat()
     monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
     monkeypatch.setenv(BINDING_ENV, "sigill_binding")  # for one WARNING
-    monkeypatch.setenv("PYTHONPATH", str(STANDINS))
     with daemon:
         pass
     lines = daemon.log().splitlines()
@@ -279,7 +279,7 @@ def test_check_reports_every_subject_and_changes_nothing(tmp_path: Path) -> None
         "socket", "metrics", "pool",
     ]  # fmt: skip
     assert lines[0].split()[0] == "ok"
-    assert lines[1].startswith("ok        io_uring  kernel.io_uring_disabled = 0; liburing ")
+    assert lines[1].startswith("ok        io_uring  kernel.io_uring_disabled = "), lines[1]
     assert lines[-1] == "kvtierd would start (the embedded defaults)"
     assert list(tmp_path.iterdir()) == []  # no data dir, no socket, no cache
 
@@ -298,7 +298,48 @@ def test_check_of_an_invalid_configuration(tmp_path: Path) -> None:
     result = _check(tmp_path, "--dram-size", "lots", "--nvme-size", "1M")
     assert result.returncode == 2
     assert result.stdout.splitlines() == [
-        "fail      config    --dram-size: not a size: 'lots' (use bytes or a suffix: K, M, G, T)",
+        "fail      config    --dram-size: not a size: 'lots' "
+        "(use bytes or a suffix: K, M, G, T, P)",
         "fail      config    --nvme-size: 1M is neither 0 (no disk tier) nor at least 64M",
         "kvtierd would not start: 2 problem(s) above (exit status 2)",
     ]
+
+
+def test_check_beside_the_running_daemon_judges_a_restart(tmp_path: Path) -> None:
+    """What the running daemon holds (its data directory, its socket) is released by the
+    restart the operator checks for: not a failure."""
+    with DaemonProcess(tmp_path, dram_size="32M", nvme_size="128M") as daemon:
+        assert daemon.process is not None
+        pid = daemon.process.pid
+        result = _check(
+            tmp_path, "--socket", str(daemon.socket), "--data-dir", str(daemon.data_dir)
+        )
+        assert result.returncode == 0, result.stdout
+        lines = {line.split()[1]: line for line in result.stdout.splitlines()[:-1]}
+        assert lines["data_dir"].endswith(
+            f"the running kvtierd (pid {pid}) holds it until it stops"
+        )
+        assert lines["socket"].endswith(f"the running kvtierd (pid {pid}) listens until it stops")
+        assert "with the running daemon's" in lines["memory"]
+        # Starting a second daemon there is refused, naming what it collides with.
+        second = _kvtierd(
+            tmp_path, "--socket", str(daemon.socket), "--data-dir", str(daemon.data_dir)
+        )
+        assert second.returncode == 1
+        assert second.stderr.splitlines() == [
+            f"kvtierd: --data-dir {daemon.data_dir} is in use by another kvtierd (pid {pid})",
+            f"kvtierd: --socket {daemon.socket}: another kvtierd is listening",
+        ]
+
+
+def test_a_refused_start_under_the_journal_is_an_error(tmp_path: Path) -> None:
+    stderr = tmp_path / "stderr"
+    with open(stderr, "w") as out:
+        st = stderr.stat()
+        env = dict(os.environ, JOURNAL_STREAM=f"{st.st_dev}:{st.st_ino}")
+        done = subprocess.run(
+            [sys.executable, "-m", "kvtierd", "--socket", str(tmp_path / ("s" * 120))],
+            stderr=out, env=env, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 2
+    assert stderr.read_text().startswith("<3>kvtierd: --socket ")

@@ -4,29 +4,27 @@ hang, fail) becomes a verdict with a reason, and the caller lives on."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from kvtierd.io.probe import BindingVerdict, FileStamp, cached_probe, probe_binding
+import kvtierd.io
+from kvtierd.io.probe import BindingVerdict, FileStamp, _interpret, cached_probe, probe_binding
 
-STANDINS = Path(__file__).parent / "standins"
-#: QEMU's user-mode CPU models have no AVX-512 (and Haswell has AVX2, as x86-64-v3 does).
-EMULATED_CPU = ["qemu-x86_64", "-cpu", "Haswell"]
-
-
-@pytest.fixture
-def standins(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", str(STANDINS))
+#: READV_FIXED/WRITEV_FIXED arrived in Linux 6.15.
+KERNEL_HAS_FIXED_VECTORED = tuple(map(int, os.uname().release.split(".")[:2])) >= (6, 15)
 
 
 def test_the_installed_binding_passes_its_probe(uring_verdict: BindingVerdict) -> None:
     assert uring_verdict.ok, f"the liburing binding set-up installed is unusable: {uring_verdict}"
-    assert uring_verdict.fixed_buffers, "this kernel (6.15+) has the fixed vectored opcodes"
+    if KERNEL_HAS_FIXED_VECTORED:
+        assert uring_verdict.fixed_buffers, "Linux 6.15+ has the fixed vectored opcodes"
     assert uring_verdict.detail.startswith("liburing ")
     loaded = {Path(stamp.path).name for stamp in uring_verdict.files}
     assert "liburing_cffi.py" in loaded
@@ -65,19 +63,30 @@ def test_a_missing_binding_is_a_verdict() -> None:
 
 
 @pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (qemu-x86_64)")
-def test_the_installed_binding_survives_a_cpu_without_avx512() -> None:
+@pytest.mark.parametrize("cpu", ["Haswell", "Nehalem"])  # x86-64-v3 without AVX-512; v2, no AVX
+def test_the_installed_binding_survives_an_older_cpu(cpu: str) -> None:
     # The PyPI liburing wheel died here with SIGILL. Under the emulator io_uring itself is
     # missing (ENOSYS), but everything up to the first system call runs on the emulated CPU.
-    verdict = probe_binding(launcher=EMULATED_CPU, timeout_s=120)
+    verdict = probe_binding(launcher=["qemu-x86_64", "-cpu", cpu], timeout_s=120)
     assert not verdict.signal, verdict.detail
     assert not verdict.hung, verdict.detail
     assert verdict.ok or "Function not implemented" in verdict.detail, verdict.detail
 
 
+#: An instruction of the VEX or EVEX encodings (AVX, AVX2, AVX-512): its mnemonic starts with
+#: "v" (the few legacy "v" instructions are virtualisation and segment checks: excluded).
+_VEX = re.compile(r"^\s*[0-9a-f]+:\s+v(?!m|err|erw)[a-z0-9]+\s", re.MULTILINE)
+
+
+def _disassembly(path: str) -> str:
+    command = ["objdump", "-d", "--no-show-raw-insn", path]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
 def test_the_binding_uses_no_avx(uring_verdict: BindingVerdict) -> None:
-    """No AVX or AVX-512 register in any native object the binding loads: it runs on
-    x86-64-v2 CPUs too (the emulator test cannot reach the code behind io_uring_setup)."""
+    """No AVX or AVX-512 instruction in any native object the binding loads: it runs on
+    x86-64-v2 CPUs too (the emulator cannot reach the code behind io_uring_setup)."""
     objects = [s.path for s in uring_verdict.files if ".so" in Path(s.path).name]
     assert objects, uring_verdict
     for path in objects:
@@ -87,12 +96,35 @@ def test_the_binding_uses_no_avx(uring_verdict: BindingVerdict) -> None:
             text=True,
             check=True,
         ).stdout
-        wide = [line for line in listing.splitlines() if "%ymm" in line or "%zmm" in line]
-        assert not wide, f"{path}: {wide[:3]}"
+        assert not _VEX.findall(listing), f"{path}: {_VEX.findall(listing)[:3]}"
+
+
+def test_the_build_is_generic_whatever_cflags_say(tmp_path: Path) -> None:
+    """CFLAGS asking for AVX-512 (a build host's habit) do not reach the module."""
+    if shutil.which("objdump") is None or shutil.which("gcc") is None:
+        pytest.skip("needs gcc and objdump")
+    build = Path(kvtierd.io.__file__).with_name("_liburing_build.py")
+    script = (
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location('b', {str(build)!r}); "
+        "b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b); "
+        "print(b.ffibuilder.compile(tmpdir=sys.argv[1]))"
+    )
+    env = dict(os.environ, CFLAGS="-O3 -march=native -mavx512f -mavx2")
+    built = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True
+    )
+    if built.returncode != 0 and "liburing.h" in built.stderr:
+        pytest.skip("liburing's headers are not installed")
+    assert built.returncode == 0, built.stderr
+    listing = _disassembly(built.stdout.strip().splitlines()[-1])
+    assert not _VEX.findall(listing), _VEX.findall(listing)[:3]
 
 
 @pytest.mark.usefixtures("uring_works")
-def test_an_ok_verdict_is_cached_until_what_it_rests_on_changes(tmp_path: Path) -> None:
+def test_an_ok_verdict_is_cached_until_what_it_rests_on_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = tmp_path / "io_uring.verdict"
     first = cached_probe(cache, directory=tmp_path)
     assert first.ok
@@ -112,6 +144,11 @@ def test_an_ok_verdict_is_cached_until_what_it_rests_on_changes(tmp_path: Path) 
     cache.write_bytes(b"{not json")
     assert not cached_probe(cache, directory=tmp_path).cached
 
+    # The dynamic linker told to look elsewhere may load another liburing: probe again.
+    assert cached_probe(cache, directory=tmp_path).cached
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))
+    assert not cached_probe(cache, directory=tmp_path).cached
+
 
 @pytest.mark.usefixtures("standins")
 def test_a_failed_verdict_is_not_cached(tmp_path: Path) -> None:
@@ -123,8 +160,50 @@ def test_a_failed_verdict_is_not_cached(tmp_path: Path) -> None:
 def test_the_child_prints_one_json_verdict(tmp_path: Path) -> None:
     child = subprocess.run(
         [sys.executable, "-c", "import sys; from kvtierd.io.selftest import main; "
-         "sys.exit(main(sys.argv[1:]))", "no_such_binding", str(tmp_path)],
+         "sys.exit(main(sys.argv[1:]))", "no_such_binding", str(tmp_path), str(os.getpid()),
+         "10"],
         capture_output=True, check=True,
     )  # fmt: skip
     verdict = msgspec.json.decode(child.stdout, type=BindingVerdict)
     assert (verdict.binding, verdict.ok) == ("no_such_binding", False)
+
+
+def test_only_a_clean_exit_that_names_the_binding_is_a_verdict() -> None:
+    ok = msgspec.json.encode(BindingVerdict("other", True, "fine")) + b"\n"
+    assert not _interpret("mine", 0, ok, b"").ok  # about another binding
+    ok = msgspec.json.encode(BindingVerdict("mine", True, "fine")) + b"\n"
+    assert _interpret("mine", 0, ok, b"").ok
+    assert not _interpret("mine", 3, ok, b"").ok  # a verdict, but not a clean exit
+    died = _interpret("mine", -35, b"", b"")  # a real-time signal has no Signals member
+    assert (died.ok, died.signal) == (False, "signal 35")
+
+
+@pytest.mark.usefixtures("standins")
+def test_the_child_dies_with_its_parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pidfile = tmp_path / "pid"
+    monkeypatch.setenv("KVTIERD_TEST_HANG_PIDFILE", str(pidfile))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "from kvtierd.io.probe import probe_binding; "
+         "probe_binding('hang_binding', timeout_s=60)"],
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not (pidfile.exists() and pidfile.read_text()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        parent.kill()  # as SIGTERM or the OOM killer would, leaving no time to clean up
+        parent.wait()
+        child = int(pidfile.read_text())
+        while _alive(child):
+            assert time.monotonic() < deadline, "the probe's child outlived its parent"
+            time.sleep(0.02)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

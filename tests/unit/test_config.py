@@ -23,7 +23,7 @@ from kvtierd.errors import ConfigError, ConfigProblem
 from kvtierd.io.base import IoBackendKind
 
 FLAGS = {("dram", "size"): "--dram-size", ("daemon", "runtime"): "--runtime"}
-SIZE_HINT = "(use bytes or a suffix: K, M, G, T)"
+SIZE_HINT = "(use bytes or a suffix: K, M, G, T, P)"
 
 
 def _problems(text: str, tmp_path: Path) -> tuple[ConfigProblem, ...]:
@@ -187,7 +187,7 @@ def test_a_bad_flag_is_blamed_on_the_flag_not_the_file(tmp_path: Path) -> None:
         load_config(path, {"dram": {"size": "lots"}}, flags=FLAGS)
     assert str(caught.value) == (
         "invalid configuration:\n"
-        "  --dram-size: not a size: 'lots' (use bytes or a suffix: K, M, G, T)"
+        "  --dram-size: not a size: 'lots' (use bytes or a suffix: K, M, G, T, P)"
     )
 
 
@@ -217,7 +217,7 @@ def test_an_override_without_a_flag_names_the_field() -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(overrides={"dram": {"size": "lots"}}, flags={("nvme", "size"): "--nvme-size"})
     assert caught.value.problems == (
-        ConfigProblem("dram.size", "not a size: 'lots' (use bytes or a suffix: K, M, G, T)"),
+        ConfigProblem("dram.size", "not a size: 'lots' (use bytes or a suffix: K, M, G, T, P)"),
     )
 
 
@@ -254,3 +254,20 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
         str(caught.value)
         == f"cannot read config {tmp_path / 'absent.toml'}: No such file or directory"
     )
+
+
+def test_one_field_rules_are_reported_whatever_else_is_wrong(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[dram]\nsize = "1M"\nmlock = "sometimes"\n'
+        '[nvme]\nsize = "1M"\nsegment_bytes = "3K"\nqueue_depth = 0\n'
+    )
+    with pytest.raises(ConfigError) as error:
+        load_config(config)
+    assert [str(problem) for problem in error.value.problems] == [
+        "dram.size: 1M is below the minimum 16M",
+        "dram.mlock: 'sometimes' is not one of: auto, always, never",
+        "nvme.size: 1M is neither 0 (no disk tier) nor at least 64M",
+        "nvme.segment_bytes: must be a multiple of 4K and at least 1M, not 3K",
+        "nvme.queue_depth: 0 is out of range 1..4096",
+    ]
