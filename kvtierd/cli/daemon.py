@@ -27,16 +27,9 @@ from kvtierd import __version__
 from kvtierd.cli.logs import configure_logging, print_error
 from kvtierd.config import Config, Runtime, load_config
 from kvtierd.errors import ConfigError, KvtierError
+from kvtierd.server.checks import CheckStatus, HostCheck, exit_status, render
 from kvtierd.server.daemon import serve_daemon
-from kvtierd.server.preflight import (
-    CheckStatus,
-    HostCheck,
-    check_config_error,
-    check_host,
-    exit_status,
-    probe_io_uring,
-    render,
-)
+from kvtierd.server.preflight import check_config_error, check_host, probe_io_uring
 
 __all__ = ["main", "parse_args"]
 

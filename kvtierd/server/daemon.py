@@ -31,10 +31,11 @@ from kvtierd.errors import BusyError, ConfigError
 from kvtierd.io import BindingVerdict
 from kvtierd.protocol import ServerConnection
 from kvtierd.protocol.messages import StatfsReply, TierStatistics
+from kvtierd.server.checks import HostCheck
 from kvtierd.server.doctor import RunningFacts, running_report
 from kvtierd.server.metrics import serve_metrics
 from kvtierd.server.notify import Notifier
-from kvtierd.server.preflight import HostCheck, socket_answers
+from kvtierd.server.preflight import socket_answers
 from kvtierd.server.session import Session, peer_credentials
 from kvtierd.store.lifecycle import open_store
 from kvtierd.store.store import BlockStore

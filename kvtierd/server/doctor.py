@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvtierd import host
 from kvtierd.config import Config, TriState
 from kvtierd.io import IoBackendKind
-from kvtierd.server.preflight import CheckStatus, HostCheck, size_text
+from kvtierd.server.checks import CheckStatus, HostCheck, size_text
 
 __all__ = ["RunningFacts", "running_report"]
 

@@ -4,7 +4,8 @@ Pre-faulting a large arena takes seconds and preallocating the NVMe file minutes
 found after them (a socket path too long, a port in use, a read-only directory) costs all that
 time on every restart, and an arena larger than the memory there is ends in the OOM killer with
 no message at all. So :func:`check_host` inspects the host against the configuration first,
-without changing anything, and returns one :class:`HostCheck` per subject: what the host gives
+without changing anything, and returns one :class:`~kvtierd.server.checks.HostCheck` per
+subject (:mod:`kvtierd.server.checks` has the report's vocabulary): what the host gives
 the daemon (``ok``), what it falls back from (``fallback``: it runs, without something it would
 use) and what stops it (``fail``, with the exit status: 2 for a configuration that must change,
 1 for an environment that must). The daemon refuses to start on any failure; ``kvtierd --check``
@@ -17,7 +18,6 @@ prints them all.
 from __future__ import annotations
 
 import contextlib
-import enum
 import errno
 import fcntl
 import grp
@@ -25,8 +25,7 @@ import os
 import pwd
 import socket
 import stat
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +34,14 @@ from kvtierd.config import Config, TriState
 from kvtierd.errors import ConfigError
 from kvtierd.io import IoBackendKind
 from kvtierd.io.probe import BindingVerdict, cached_probe, probe_binding
+from kvtierd.server.checks import CheckStatus, Fault, HostCheck, size_text
 from kvtierd.store.lifecycle import arena_bytes
 
 __all__ = [
-    "CheckStatus",
-    "Fault",
-    "HostCheck",
     "check_config_error",
     "check_host",
-    "exit_status",
     "lock_holder",
     "probe_io_uring",
-    "render",
-    "size_text",
     "socket_answers",
 ]
 
@@ -55,33 +49,6 @@ __all__ = [
 MAX_SOCKET_PATH_BYTES = 107
 #: Where the io_uring verdict is cached, in the data directory.
 VERDICT_CACHE = "io_uring.verdict"
-
-
-class CheckStatus(enum.StrEnum):
-    OK = "ok"
-    #: The daemon runs, without something it would use.
-    FALLBACK = "fallback"
-    #: The daemon would not start.
-    FAIL = "fail"
-    #: Not checked, because what it depends on failed.
-    SKIPPED = "skipped"
-
-
-class Fault(enum.IntEnum):
-    """Who must act on a failure, as the exit status says it."""
-
-    ENVIRONMENT = 1
-    CONFIGURATION = 2
-
-
-@dataclass(frozen=True, slots=True)
-class HostCheck:
-    """One line of the report: ``subject`` (``memory``, ``socket``, ...) and what was found."""
-
-    subject: str
-    status: CheckStatus
-    detail: str
-    fault: Fault | None = None
 
 
 def _ok(subject: str, detail: str) -> HostCheck:
@@ -94,16 +61,6 @@ def _fallback(subject: str, detail: str) -> HostCheck:
 
 def _fail(subject: str, detail: str, fault: Fault = Fault.ENVIRONMENT) -> HostCheck:
     return HostCheck(subject, CheckStatus.FAIL, detail, fault)
-
-
-def size_text(nbytes: int) -> str:
-    """``1.5 GiB``, ``512 MiB``, ``8 KiB``."""
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            value = nbytes / (1 << shift)
-            exact = value == int(value) or value >= 100
-            return f"{value:.0f} {unit}" if exact else f"{value:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 def check_config_error(error: ConfigError) -> list[HostCheck]:
@@ -199,18 +156,6 @@ def socket_answers(path: Path) -> bool:
         except OSError:
             return False
     return True
-
-
-def exit_status(checks: Iterable[HostCheck]) -> int:
-    """2 if the configuration must change, 1 if the environment must, else 0."""
-    return max(
-        (int(c.fault) for c in checks if c.status is CheckStatus.FAIL and c.fault), default=0
-    )
-
-
-def render(checks: Iterable[HostCheck]) -> str:
-    """The report, one aligned line per check."""
-    return "\n".join(f"{c.status.value:<9} {c.subject:<9} {c.detail}" for c in checks)
 
 
 # -- the checks -----------------------------------------------------------------------------
