@@ -30,12 +30,17 @@ def syslog_priority(levelno: int) -> int:
     return next((priority for level, priority in _PRIORITIES if levelno >= level), 7)
 
 
+def with_priority(text: str, levelno: int) -> str:
+    """``text`` with every line prefixed by the journal's ``<priority>`` of ``levelno``."""
+    prefix = f"<{syslog_priority(levelno)}>"
+    return "\n".join(prefix + line for line in text.splitlines())
+
+
 class JournalFormatter(logging.Formatter):
     """Prefixes every line of a record with ``<priority>``."""
 
     def format(self, record: logging.LogRecord) -> str:
-        prefix = f"<{syslog_priority(record.levelno)}>"
-        return "\n".join(prefix + line for line in super().format(record).splitlines())
+        return with_priority(super().format(record), record.levelno)
 
 
 def stream_is_journal(stream: TextIO) -> bool:
@@ -62,5 +67,4 @@ def configure_logging(level: str, stream: TextIO = sys.stderr) -> None:
 def print_error(text: str, stream: TextIO = sys.stderr) -> None:
     """Print why the daemon stops (before or instead of logging): at error priority, every
     line, when ``stream`` is the journal, so ``journalctl -p err`` shows it."""
-    prefix = f"<{syslog_priority(logging.ERROR)}>" if stream_is_journal(stream) else ""
-    print("\n".join(prefix + line for line in text.splitlines()), file=stream)
+    print(with_priority(text, logging.ERROR) if stream_is_journal(stream) else text, file=stream)
