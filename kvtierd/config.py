@@ -38,6 +38,7 @@ __all__ = [
     "Config",
     "DaemonConfig",
     "DramConfig",
+    "LimitsConfig",
     "LogLevel",
     "NvmeConfig",
     "PolicyKind",
@@ -152,11 +153,23 @@ class DaemonConfig(_Section):
     runtime: Runtime = Runtime.ASYNCIO
     log_level: LogLevel = LogLevel.INFO
     max_connections: Count = 256
+    #: At most this many connections of one peer uid (root and the daemon's own uid included),
+    #: so that no single uid can take every connection slot; capped by ``max_connections``.
+    max_connections_per_uid: Count = 64
+    #: A connection must have INIT answered within this many seconds, or it is closed.
+    handshake_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
+    #: A connection that sent no request for this long, with nothing in flight, leased or
+    #: being written, gives its slot up when a new connection would otherwise be refused
+    #: (``max_connections`` or ``max_connections_per_uid`` reached). 0: never.
+    idle_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 300.0
     max_inflight: Count = 256
     max_frame_bytes: ByteSize = ByteSize(1 << 20)
     metrics_port: Port = 0
     metrics_address: str = "127.0.0.1"
     shutdown_grace_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+    #: The secret mixed into every tenant's key salt (32 random bytes, made at first start,
+    #: mode 0600). Hosts that share a pool must share this file. Default: ``<data_dir>/key.secret``.
+    key_secret_file: str = ""
 
     field_rules: ClassVar[Mapping[str, FieldRule]] = {
         "max_frame_bytes": lambda n: (
@@ -195,6 +208,11 @@ class NvmeConfig(_Section):
     queue_depth: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
     segment_bytes: ByteSize = ByteSize(64 << 20)
     writeback_concurrency: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    #: Daemon-private memory committed blocks are copied into (at COMMIT while there is room,
+    #: else at write-back, verified) before they are written: no client can change what
+    #: reaches the disk. Used only while blocks await write-back; at least twice the largest
+    #: block (limits.max_block_bytes is kept for write-back's own copies).
+    staging_bytes: ByteSize = ByteSize(256 << 20)
     preallocate: bool = True
     #: LRU by default: the disk tier evicts rarely, and a second reuse model would double the
     #: per-LOOKUP telemetry cost.
@@ -324,12 +342,49 @@ class PoolConfig(_Section):
         return hashlib.sha256(msgspec.json.encode(shared)).hexdigest()[:16]
 
 
+Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+
 class TenantConfig(_Section):
-    """Who may open namespaces of tenant ``name``: peers whose uid or gid is listed."""
+    """Who may open namespaces of tenant ``name`` (peers whose uid or gid is listed), and the
+    DRAM region its blocks live in: ``dram_size`` bytes, or ``dram_share`` of ``dram.size``;
+    with neither, an equal part of what the sized tenants leave. The default region (the
+    namespaces of tenants not listed: root's only) gets what the tenants leave."""
 
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
     uids: list[int] = []
     gids: list[int] = []
+    dram_size: ByteSize = ByteSize(0)
+    dram_share: Share = 0.0
+
+    def _broken_rules(self) -> Iterator[ConfigProblem]:
+        if self.dram_size and self.dram_share:
+            yield ConfigProblem("dram_share", "give dram_size or dram_share, not both")
+
+
+class LimitsConfig(_Section):
+    """Bounds on what one request, connection or tenant may ask of the daemon."""
+
+    #: Largest TP group a namespace may declare (work per LOOKUP grows with it).
+    max_world_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 256
+    #: Largest block a namespace may declare; write-back stages one such block at a time.
+    max_block_bytes: ByteSize = ByteSize(64 << 20)
+    #: Namespaces one tenant may create, and all tenants together (EDQUOT beyond).
+    max_namespaces_per_tenant: Count = 1024
+    max_namespaces: Count = 16384
+    #: Share of its tenant's DRAM region one connection may hold in leases and pending ALLOCs.
+    connection_pinned_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.75
+    #: Leases and pending ALLOCs one connection may hold open at once (EDQUOT beyond).
+    max_leases_per_connection: Count = 65536
+    max_pending_writes_per_connection: Count = 4096
+    #: Memory for sparse-attention block summaries; the least recently used go beyond it.
+    sparse_summary_bytes: ByteSize = ByteSize(256 << 20)
+
+    field_rules: ClassVar[Mapping[str, FieldRule]] = {
+        "max_block_bytes": lambda n: (
+            None if 4096 <= n <= 1 << 30 else f"{_show_size(n)} is out of range 4K..1G"
+        ),
+    }
 
 
 class Config(_Section):
@@ -337,14 +392,74 @@ class Config(_Section):
     dram: DramConfig = msgspec.field(default_factory=DramConfig)
     nvme: NvmeConfig = msgspec.field(default_factory=NvmeConfig)
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     tenants: list[TenantConfig] = []
 
     def _broken_rules(self) -> Iterator[ConfigProblem]:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            yield ConfigProblem("tenants", "a tenant is listed twice")
+        if self.tenants and self.dram.hugepages is TriState.ALWAYS:
+            yield ConfigProblem(
+                "dram.hugepages",
+                '"always" with [[tenants]]: a client that punches a hole in hugetlb memory '
+                'while the host\'s pool is empty would make the daemon fault; use "auto"',
+            )
+        try:
+            self.dram_regions()
+        except ValueError as exc:
+            yield ConfigProblem("tenants", str(exc))
+        if self.nvme.size and 2 * self.limits.max_block_bytes > self.nvme.staging_bytes:
+            yield ConfigProblem(
+                "limits.max_block_bytes",
+                f"{_show_size(self.limits.max_block_bytes)} exceeds half of nvme.staging_bytes "
+                f"({_show_size(self.nvme.staging_bytes)}): write-back could not stage it",
+            )
         if self.pool.url and self.daemon.runtime is Runtime.TRIO:
             yield ConfigProblem(
                 "daemon.runtime",
                 "the pool runs on redis-py's asyncio client: use asyncio, or leave pool.url empty",
             )
+
+    def dram_regions(self) -> list[tuple[str | None, int]]:
+        """The DRAM tier split into regions: ``(tenant name, bytes)``, tenant ``None`` for the
+        default region (namespaces of tenants not listed), each a whole number of 2 MiB pages.
+        Raises ``ValueError`` when the listed sizes leave a region no room."""
+        page = 2 << 20
+        total = self.dram.size - self.dram.size % page
+        fixed = {
+            t.name: t.dram_size or int(t.dram_share * total)
+            for t in self.tenants
+            if t.dram_size or t.dram_share
+        }
+        fixed = {name: size - size % page for name, size in fixed.items()}
+        for name, size in fixed.items():
+            if size < page:
+                raise ValueError(f"tenant {name!r} is given less than one 2M page of DRAM")
+        rest = total - sum(fixed.values())
+        unsized = [t.name for t in self.tenants if t.name not in fixed]
+        # The unsized tenants split the rest; the default region (root's only, once tenants
+        # are listed) gets what they leave: all of it when every tenant is sized.
+        shares = max(1, len(unsized))
+        part = (rest // shares) // page * page if rest > 0 else 0
+        if rest < 0:
+            raise ValueError(
+                f"the tenants' DRAM ({_show_size(sum(fixed.values()))}) exceeds dram.size "
+                f"({_show_size(total)})"
+            )
+        if unsized and part < page:
+            raise ValueError(
+                f"no DRAM is left for tenant(s) {', '.join(map(repr, unsized))}: give them "
+                "dram_size or dram_share, or raise dram.size"
+            )
+        regions: list[tuple[str | None, int]] = [
+            (t.name, fixed.get(t.name, part)) for t in self.tenants
+        ]
+        default = rest - part * len(unsized)
+        default -= default % page
+        if default >= page:
+            regions.insert(0, (None, default))
+        return regions
 
     @property
     def socket_path(self) -> Path:
@@ -353,6 +468,11 @@ class Config(_Section):
     @property
     def data_path(self) -> Path:
         return Path(self.daemon.data_dir) if self.daemon.data_dir else default_data_dir()
+
+    @property
+    def key_secret_path(self) -> Path:
+        secret = self.daemon.key_secret_file
+        return Path(secret) if secret else self.data_path / "key.secret"
 
 
 def _checkout_root() -> Path | None:

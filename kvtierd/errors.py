@@ -25,11 +25,13 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "ConfigProblem",
+    "CorruptBlockError",
     "DaemonNotRunningError",
     "InvalidRequestError",
     "KvtierError",
     "LocalProtocolError",
     "NoSpaceError",
+    "QuotaError",
     "RemoteProtocolError",
     "StorageIOError",
     "TimedOutError",
@@ -53,6 +55,11 @@ class BlockNotFoundError(KvtierError, KeyError):
         return Exception.__str__(self)
 
 
+class CorruptBlockError(BlockNotFoundError):
+    """A block read from DRAM did not hash to its committed checksum: a client of its tenant
+    changed it after COMMIT. A miss (``ENOENT``), raised by the client library; never data."""
+
+
 class InvalidRequestError(KvtierError, ValueError):
     """A well-formed request asked for something impossible (``EINVAL``)."""
 
@@ -63,6 +70,17 @@ class NoSpaceError(KvtierError, OSError):
     """No room in the arena or on disk, even after eviction (``ENOSPC``)."""
 
     errno = errno.ENOSPC
+
+    def __init__(self, *args: object) -> None:
+        KvtierError.__init__(self, *args)
+
+
+class QuotaError(KvtierError, OSError):
+    """A limit of the connection or the tenant is reached (``EDQUOT``): what it holds (leases,
+    pending writes, namespaces) must be given back first. Never answered by evicting another
+    tenant's blocks."""
+
+    errno = errno.EDQUOT
 
     def __init__(self, *args: object) -> None:
         KvtierError.__init__(self, *args)
@@ -169,6 +187,7 @@ ERRNO_TO_ERROR: dict[int, type[KvtierError]] = {
         BlockNotFoundError,
         InvalidRequestError,
         NoSpaceError,
+        QuotaError,
         AccessDeniedError,
         RemoteProtocolError,
         BusyError,

@@ -77,6 +77,9 @@ class DaemonProcess:
                     return self
             except DaemonNotRunningError:
                 time.sleep(0.05)
+            except BaseException:  # it answered, but not as a ready daemon: do not leave it
+                self.kill()
+                raise
         self.kill()
         raise RuntimeError(f"kvtierd did not become ready in {timeout_s} s:\n{self.log()}")
 

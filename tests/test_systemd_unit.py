@@ -182,7 +182,7 @@ def _seconds(value: str) -> float:
 def _fields() -> list[tuple[str, str]]:
     """(section, field) for every scalar setting of :class:`Config`."""
     out = []
-    for section in ("daemon", "dram", "nvme"):
+    for section in ("daemon", "dram", "nvme", "limits"):
         struct = getattr(Config(), section)
         out += [(section, name) for name in struct.__struct_fields__]
     return out
@@ -219,7 +219,13 @@ def test_configuration_reference_documents_every_field() -> None:
     text = CONFIG_DOC.read_text()
     missing = [f"{s}.{n}" for s, n in _fields() if f"`{s}.{n}`" not in text]
     assert missing == []
-    for name in ("tenants.name", "tenants.uids", "tenants.gids"):
+    for name in (
+        "tenants.name",
+        "tenants.uids",
+        "tenants.gids",
+        "tenants.dram_size",
+        "tenants.dram_share",
+    ):
         assert f"`{name}`" in text
 
 

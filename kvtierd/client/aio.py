@@ -11,6 +11,7 @@ releases the lease or aborts the write.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -24,6 +25,7 @@ from kvtierd.client import ops
 from kvtierd.client.arena import ClientArena
 from kvtierd.client.base import (
     NamespaceBase,
+    Regions,
     as_dict,
     check_init,
     handle_of,
@@ -34,8 +36,14 @@ from kvtierd.client.base import (
     resolve_socket,
 )
 from kvtierd.client.blocks import BlockLease, BlockWrite, release_views
-from kvtierd.errors import BrokenConnectionError, KvtierError
-from kvtierd.protocol import NEED_DATA, ClientConnection, ConnectionClosed, ReplyReceived
+from kvtierd.errors import BrokenConnectionError, CorruptBlockError, KvtierError
+from kvtierd.protocol import (
+    NEED_DATA,
+    ClientConnection,
+    ConnectionClosed,
+    FrameFlags,
+    ReplyReceived,
+)
 from kvtierd.protocol.messages import (
     AllocReply,
     CommitRequest,
@@ -50,6 +58,7 @@ from kvtierd.protocol.messages import (
     ListNsReply,
     ListNsRequest,
     Message,
+    OpenNsReply,
     PoolStatusReply,
     PoolStatusRequest,
     ReadReply,
@@ -67,12 +76,14 @@ _UNWIND_S = 5.0
 
 
 class _Waiter:
-    __slots__ = ("abandoned", "done", "event")
+    __slots__ = ("abandoned", "done", "event", "fds")
 
     def __init__(self) -> None:
         self.done = anyio.Event()
         self.event: ReplyReceived | None = None
         self.abandoned = False
+        #: Descriptors passed with the reply (an OPEN_NS reply's region).
+        self.fds: list[int] = []
 
 
 class AsyncClient:
@@ -84,21 +95,27 @@ class AsyncClient:
         self._send_lock = anyio.Lock()
         self._waiters: dict[int, _Waiter] = {}
         self._broken: KvtierError | None = None
-        self._arena: ClientArena | None = None
+        self._regions = Regions()
+        self._closed = False
+        #: Descriptors received and not yet matched to their reply frame, in arrival order.
+        self._received_fds: collections.deque[int] = collections.deque()
         self.max_keys = 1
+        self.corrupt_reads = 0
         self.daemon_version = ""
         self.daemon_minor = 0
         janitor_send, janitor_receive = anyio.create_memory_object_stream[Message](1024)
         self._janitor_send: MemoryObjectSendStream[Message] = janitor_send
         self._janitor_receive: MemoryObjectReceiveStream[Message] = janitor_receive
 
-    @property
-    def arena(self) -> ClientArena:
-        if self._arena is None:
+    def region(self, region: int) -> ClientArena:
+        """The mapping of tenant region ``region`` (passed at OPEN_NS)."""
+        if self._closed:
             raise BrokenConnectionError("the client is closed")
-        return self._arena
+        return self._regions.get(region)
 
-    async def _call(self, message: Message, ns: int = 0) -> Message:
+    async def _call(self, message: Message, ns: int = 0, fds: list[int] | None = None) -> Message:
+        """Send ``message`` and wait for its reply; descriptors passed with the reply are
+        appended to ``fds`` (when given; else closed)."""
         if self._broken is not None:
             raise self._broken
         waiter = _Waiter()
@@ -118,6 +135,8 @@ class AsyncClient:
             # allocation) must still be given back, now if the reply is here, else on arrival;
             # and a COMMIT that never left must not leave its write pending.
             waiter.abandoned = True
+            _close_all(waiter.fds)  # a region descriptor nobody will map
+            waiter.fds = []
             if waiter.event is not None:
                 self._clean_up(waiter.event)
             elif not sent:
@@ -125,6 +144,10 @@ class AsyncClient:
             raise
         if waiter.event is None:
             raise self._broken or BrokenConnectionError("connection closed")
+        if fds is not None:
+            fds.extend(waiter.fds)
+        else:
+            _close_all(waiter.fds)
         return message_of(waiter.event)
 
     async def _send_only(self, message: Message, ns: int) -> None:
@@ -202,8 +225,8 @@ class AsyncClient:
             event = self._conn.next_event()
             if isinstance(event, ReplyReceived):
                 break
-        reply = check_init(message_of(event), fds)
-        self._arena = ClientArena(fds[0], reply.arena_bytes)
+        _close_all(fds)  # INIT passes no memory (protocol minor 6)
+        reply = check_init(message_of(event))
         self.max_keys = reply.max_keys
         self.daemon_version = reply.daemon_version
         self.daemon_minor = reply.minor
@@ -211,10 +234,13 @@ class AsyncClient:
     async def _read_replies(self) -> None:
         try:
             while True:
+                # With descriptors: a region passed with a reply must not be dropped by a
+                # plain read (the kernel closes descriptors nobody asked for).
                 try:
-                    data = await self._stream.receive(_RECEIVE_BYTES)
+                    data, fds = await self._stream.receive_fds(_RECEIVE_BYTES, 4)
                 except anyio.EndOfStream:
-                    data = b""
+                    data, fds = b"", []
+                self._received_fds.extend(fds)
                 self._conn.receive_data(data)
                 if not self._dispatch():
                     return
@@ -234,9 +260,19 @@ class AsyncClient:
             if event.header.unique == 0:
                 self._fail(event.error or BrokenConnectionError("kvtierd closed the connection"))
                 return False
+            fds = (
+                [self._received_fds.popleft()]
+                if event.header.flags & FrameFlags.FD_ATTACHED and self._received_fds
+                else []
+            )
             waiter = self._waiters.pop(event.header.unique, None)
             if waiter is None:
+                _close_all(fds)
                 continue
+            if waiter.abandoned:
+                _close_all(fds)
+            else:
+                waiter.fds = fds
             if waiter.abandoned:
                 self._clean_up(event)
             waiter.event = event
@@ -290,8 +326,16 @@ class AsyncClient:
         request = namespace_request(
             name, block_bytes, layout, rank, world_size, tenant, compression, create, sparse
         )
-        reply = await self._call(request)
-        return AsyncNamespace(self, handle_of(request, reply))
+        fds: list[int] = []
+        try:
+            reply = await self._call(request, fds=fds)
+            handle = handle_of(request, reply)
+            assert isinstance(reply, OpenNsReply)
+        except BaseException:
+            _close_all(fds)
+            raise
+        self._regions.adopt(reply, fds)  # takes the descriptors, even when it raises
+        return AsyncNamespace(self, handle)
 
     async def fsync(self) -> int:
         reply = await self._call(FsyncRequest())
@@ -340,9 +384,10 @@ class AsyncClient:
                 await self._call(DestroyRequest())
         self._janitor_send.close()
         await self._stream.aclose()
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        self._closed = True
+        self._regions.close()
+        _close_all(list(self._received_fds))
+        self._received_fds.clear()
 
 
 class AsyncNamespace(NamespaceBase[AsyncClient]):
@@ -351,7 +396,7 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
     async def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
         c = self.client
         return await c.run(
-            ops.put(self.handle.ns, keys, blocks, self.block_bytes, c.arena, c.max_keys)
+            ops.put(self.handle.ns, keys, blocks, self.block_bytes, self.arena, c.max_keys)
         )
 
     async def lookup(self, keys: Sequence[bytes], *, promote: bool = True) -> int:
@@ -378,7 +423,13 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
         lease ends when the ``async with`` block does."""
         c = self.client
         leases, extents = await c.run(self._lease_op(keys, resident_only))
-        lease = self._block_lease(keys, extents)
+        try:
+            lease = self._block_lease(keys, extents, partial=resident_only)
+        except BaseException:
+            if leases:
+                with anyio.CancelScope(shield=True):
+                    await c.run(ops.release(leases))
+            raise
         try:
             yield lease
         finally:
@@ -392,7 +443,7 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
         """As :meth:`Namespace.write`: fill the slots in place; committed on a normal exit."""
         c = self.client
         writes, extents = await c.run(ops.alloc(self.handle.ns, keys, c.max_keys))
-        views = [c.arena.writable(e.offset, e.length) if e.length else None for e in extents]
+        views = [self.arena.writable(e.offset, e.length) if e.length else None for e in extents]
         try:
             yield BlockWrite(list(keys), views)
         except BaseException:
@@ -405,7 +456,11 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
 
     async def read_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
         c = self.client
-        return await c.run(ops.read_into(self.handle.ns, keys, buffers, c.arena, c.max_keys))
+        try:
+            return await c.run(ops.read_into(self.handle.ns, keys, buffers, self.arena, c.max_keys))
+        except CorruptBlockError:
+            c.corrupt_reads += 1
+            raise
 
     async def forget(self, keys: Sequence[bytes]) -> int:
         return await self.client.run(ops.forget(self.handle.ns, keys, self.client.max_keys))
@@ -461,3 +516,9 @@ async def connect_async(
         if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
             raise group.exceptions[0] from None
         raise
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -1,9 +1,14 @@
-"""The client's mapping of the daemon's arena, and byte views of caller buffers.
+"""The client's mappings of its tenants' DRAM regions, and byte views of caller buffers.
 
-The daemon passes the arena's memfd once, at INIT; the client maps it shared (pre-faulting the
-page tables, about 60 ms per GiB, so that the first copies run at memory speed) and from then on
-moves blocks with plain memory copies at the offsets the daemon names. On a CUDA host an engine
-can register this mapping as pinned memory (``cudaHostRegister``) and copy straight to HBM.
+The daemon passes a tenant's region (a sealed memfd) with every OPEN_NS reply that admits
+the client to that tenant; the client maps it shared (pre-faulting the page tables, about 60 ms
+per GiB, so that the first copies run at memory speed) and from then on moves blocks with plain
+memory copies at the offsets the daemon names. On a CUDA host an engine can register a mapping
+as pinned memory (``cudaHostRegister``) and copy straight to HBM.
+
+Readers verify: every block copied or leased out of a region is hashed (xxh3-64, 20+ GB/s)
+against the checksum the daemon took at COMMIT, because any client of the same tenant can
+write to the region; a block that does not match is a miss (:func:`verified_prefix`).
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ import os
 from typing import Any
 
 from kvtierd.errors import InvalidRequestError, RemoteProtocolError
-from kvtierd.store.arena import map_arena
+from kvtierd.protocol.messages import Extent
+from kvtierd.store.arena import map_region
+from kvtierd.store.records import checksum
 
-__all__ = ["ClientArena", "as_bytes_view"]
+__all__ = ["ClientArena", "as_bytes_view", "verified_prefix"]
 
 
 def as_bytes_view(obj: Any, *, writable: bool = False) -> memoryview:
@@ -32,12 +39,16 @@ def as_bytes_view(obj: Any, *, writable: bool = False) -> memoryview:
 
 
 class ClientArena:
-    """The arena as mapped in this process; owns the received descriptor."""
+    """One tenant region as mapped in this process; owns the received descriptor."""
 
     def __init__(self, fd: int, size_bytes: int) -> None:
         self.fd = fd
         self.size_bytes = size_bytes
-        self._mapping = map_arena(fd, size_bytes)
+        try:
+            self._mapping = map_region(fd, size_bytes)
+        except (OSError, ValueError) as exc:
+            os.close(fd)
+            raise RemoteProtocolError(f"cannot map the region the daemon passed: {exc}") from exc
         self._view = memoryview(self._mapping)
 
     def _check(self, offset: int, length: int) -> None:
@@ -59,7 +70,7 @@ class ClientArena:
         return self._view[offset : offset + length]
 
     def buffer(self) -> memoryview:
-        """The whole arena, read-only: an engine may wrap it once (``torch.frombuffer``) and
+        """The whole region, read-only: an engine may wrap it once (``torch.frombuffer``) and
         index it with the extents of its leases instead of making a view per block."""
         return self._view.toreadonly()
 
@@ -68,3 +79,11 @@ class ClientArena:
         with contextlib.suppress(BufferError):  # a caller's view keeps the mapping alive
             self._mapping.close()
         os.close(self.fd)
+
+
+def verified_prefix(views: list[memoryview], extents: list[Extent]) -> int:
+    """How many leading ``views`` hash to their extent's checksum (the rest are misses)."""
+    for i, (view, extent) in enumerate(zip(views, extents, strict=True)):
+        if checksum(view) != extent.checksum:
+            return i
+    return len(views)

@@ -17,17 +17,19 @@ import msgspec
 
 from kvtierd import __version__
 from kvtierd.client import ops
-from kvtierd.client.arena import ClientArena
-from kvtierd.client.blocks import BlockLease
+from kvtierd.client.arena import ClientArena, verified_prefix
+from kvtierd.client.blocks import BlockLease, release_views
 from kvtierd.config import default_socket_path
 from kvtierd.errors import (
     AccessDeniedError,
+    CorruptBlockError,
     DaemonNotRunningError,
     InvalidRequestError,
     KvtierError,
     RemoteProtocolError,
 )
 from kvtierd.protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, ReplyReceived
+from kvtierd.protocol.frames import PROTOCOL_MINOR
 from kvtierd.protocol.messages import (
     Extent,
     InitReply,
@@ -44,9 +46,10 @@ class ClientState(Protocol):
 
     max_keys: int
     daemon_minor: int
+    #: Blocks whose bytes did not match their checksum when read (each was a miss).
+    corrupt_reads: int
 
-    @property
-    def arena(self) -> ClientArena: ...
+    def region(self, region: int) -> ClientArena: ...
 
 
 ClientT = TypeVar("ClientT", bound=ClientState)
@@ -76,6 +79,7 @@ class NamespaceHandle:
     layout: Layout | None
     rank: int
     world_size: int
+    region: int
 
 
 def handle_of(request: OpenNsRequest, reply: Message) -> NamespaceHandle:
@@ -91,7 +95,40 @@ def handle_of(request: OpenNsRequest, reply: Message) -> NamespaceHandle:
         request.layout,
         request.rank,
         request.world_size,
+        reply.region,
     )
+
+
+class Regions:
+    """The tenant regions a client has mapped, by id (both clients keep one)."""
+
+    def __init__(self) -> None:
+        self._mapped: dict[int, ClientArena] = {}
+
+    def adopt(self, reply: OpenNsReply, fds: list[int]) -> None:
+        """Map the region an OPEN_NS reply passed (``fds``), unless it is mapped already (then
+        the descriptor is closed: every OPEN_NS reply carries its region)."""
+        if not fds:
+            if reply.region not in self._mapped:
+                raise RemoteProtocolError(f"the daemon did not pass region {reply.region}")
+            return
+        for extra in fds[1:]:
+            os.close(extra)
+        if reply.region in self._mapped:
+            os.close(fds[0])
+            return
+        self._mapped[reply.region] = ClientArena(fds[0], reply.region_bytes)  # closes on error
+
+    def get(self, region: int) -> ClientArena:
+        try:
+            return self._mapped[region]
+        except KeyError:
+            raise RemoteProtocolError(f"region {region} is not mapped") from None
+
+    def close(self) -> None:
+        for arena in self._mapped.values():
+            arena.close()
+        self._mapped.clear()
 
 
 class NamespaceBase(Generic[ClientT]):
@@ -115,6 +152,15 @@ class NamespaceBase(Generic[ClientT]):
         """The layout the namespace was opened with."""
         return self.handle.layout
 
+    @property
+    def arena(self) -> ClientArena:
+        """The mapping of this namespace's tenant region."""
+        return self.client.region(self.handle.region)
+
+    def arena_buffer(self) -> memoryview:
+        """This namespace's whole tenant region, read-only (index it with lease extents)."""
+        return self.arena.buffer()
+
     def _lease_op(
         self, keys: Sequence[bytes], resident_only: bool
     ) -> ops.Op[tuple[list[int], list[Extent]]]:
@@ -132,10 +178,27 @@ class NamespaceBase(Generic[ClientT]):
         keys: Sequence[bytes],
         extents: list[Extent],
         release: Callable[[], object] | None = None,
+        *,
+        partial: bool = False,
     ) -> BlockLease:
-        """The lease of ``keys``' leading ``len(extents)`` blocks, viewed in the arena."""
-        views = [self.client.arena.view(e.offset, e.length) for e in extents]
-        return BlockLease(list(keys[: len(extents)]), extents, views, release)
+        """The lease of ``keys``' leading ``len(extents)`` blocks, viewed in the region and
+        verified. A block that fails its checksum is a miss: with ``partial`` the lease stops
+        before it, else the lease is given back (``release``) and ``BlockNotFoundError`` raised."""
+        arena = self.arena
+        views = [arena.view(e.offset, e.length) for e in extents]
+        good = verified_prefix(views, extents)
+        if good < len(views):
+            self.client.corrupt_reads += 1
+            release_views(views[good:])
+            if not partial:
+                release_views(views)
+                if release is not None:
+                    release()
+                raise CorruptBlockError(
+                    f"block {keys[good].hex()} failed its checksum in DRAM (changed after "
+                    "commit by a client of its tenant): a miss"
+                )
+        return BlockLease(list(keys[:good]), extents[:good], views[:good], release)
 
 
 def resolve_socket(socket_path: str | os.PathLike[str] | None) -> Path:
@@ -144,16 +207,12 @@ def resolve_socket(socket_path: str | os.PathLike[str] | None) -> Path:
 
 def init_request(client_name: str) -> InitRequest:
     name = client_name or f"kvtierd-client/{__version__} pid {os.getpid()}"
-    return InitRequest(PROTOCOL_VERSION, 0, DEFAULT_MAX_FRAME_BYTES, name[:255])
+    return InitRequest(PROTOCOL_VERSION, PROTOCOL_MINOR, DEFAULT_MAX_FRAME_BYTES, name[:255])
 
 
-def check_init(reply: Message, fds: list[int]) -> InitReply:
+def check_init(reply: Message) -> InitReply:
     if not isinstance(reply, InitReply):
         raise RemoteProtocolError("INIT was not answered with INIT")
-    if len(fds) != 1:
-        for fd in fds:
-            os.close(fd)
-        raise RemoteProtocolError("the daemon did not pass the arena descriptor")
     return reply
 
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvtierd.client.arena import ClientArena, as_bytes_view
-from kvtierd.errors import InvalidRequestError
+from kvtierd.errors import CorruptBlockError, InvalidRequestError
 from kvtierd.protocol.messages import (
     AllocReply,
     AllocRequest,
@@ -39,6 +39,7 @@ from kvtierd.protocol.messages import (
     ReadResidentRequest,
     ReleaseRequest,
 )
+from kvtierd.store.records import checksum
 
 __all__ = [
     "Call",
@@ -275,19 +276,25 @@ def hint_attention(
 def read_into(
     ns: int, keys: Sequence[bytes], buffers: Sequence[Any], arena: ClientArena, max_keys: int
 ) -> Op[int]:
-    """Copy the blocks of ``keys`` into ``buffers`` and release them; returns bytes copied."""
+    """Copy the blocks of ``keys`` into ``buffers`` and release them; returns bytes copied.
+    Each copy is verified against its committed checksum (``CorruptBlockError``: a miss)."""
     if len(keys) != len(buffers):
         raise InvalidRequestError(f"{len(keys)} keys but {len(buffers)} buffers")
     targets = [as_bytes_view(b, writable=True) for b in buffers]
     leases, extents = yield from read(ns, keys, max_keys)
     copied = 0
     try:
-        for extent, target in zip(extents, targets, strict=True):
+        for i, (extent, target) in enumerate(zip(extents, targets, strict=True)):
             if len(target) < extent.length:
                 raise InvalidRequestError(
                     f"a buffer of {len(target)} bytes cannot hold {extent.length}"
                 )
             target[: extent.length] = arena.view(extent.offset, extent.length)
+            if checksum(target[: extent.length]) != extent.checksum:  # verify what we copied
+                raise CorruptBlockError(
+                    f"block {keys[i].hex()} failed its checksum in DRAM (changed after commit "
+                    "by a client of its tenant): a miss"
+                )
             copied += extent.length
     finally:
         yield from release(leases)

@@ -21,6 +21,7 @@ from kvtierd.client import ops
 from kvtierd.client.arena import ClientArena
 from kvtierd.client.base import (
     NamespaceBase,
+    Regions,
     as_dict,
     check_init,
     handle_of,
@@ -31,7 +32,7 @@ from kvtierd.client.base import (
     resolve_socket,
 )
 from kvtierd.client.blocks import BlockLease, BlockWrite, release_views
-from kvtierd.errors import BrokenConnectionError, KvtierError, TimedOutError
+from kvtierd.errors import BrokenConnectionError, CorruptBlockError, KvtierError, TimedOutError
 from kvtierd.protocol import NEED_DATA, ClientConnection, ConnectionClosed, ReplyReceived
 from kvtierd.protocol.messages import (
     DestroyRequest,
@@ -45,6 +46,7 @@ from kvtierd.protocol.messages import (
     ListNsReply,
     ListNsRequest,
     Message,
+    OpenNsReply,
     PoolStatusReply,
     PoolStatusRequest,
     ReleaseRequest,
@@ -66,18 +68,22 @@ class Client:
         self._conn = conn
         self._lock = threading.Lock()
         self._releases: collections.deque[int] = collections.deque()
-        self._arena: ClientArena | None = None
+        self._regions = Regions()
+        self._closed = False
         self.max_keys = 1
+        self.corrupt_reads = 0
         self.daemon_version = ""
         self.daemon_minor = 0
 
     # -- transport ---------------------------------------------------------------------------
 
-    def _call(self, message: Message, ns: int = 0) -> Message:
+    def _call(self, message: Message, ns: int = 0, fds: list[int] | None = None) -> Message:
+        """Send ``message`` and wait for its reply; descriptors passed with the reply are
+        appended to ``fds`` (when given)."""
         unique, frame = self._conn.request(message, ns)
         try:
             self._sock.sendall(frame)
-            return message_of(self._receive(unique))
+            return message_of(self._receive(unique, fds))
         except KvtierError:
             raise
         except BaseException as exc:
@@ -169,17 +175,20 @@ class Client:
             with contextlib.suppress(OSError):
                 message_of(self._receive(unique, fds))
             raise BrokenConnectionError(f"kvtierd closed the connection: {exc}") from exc
-        reply = check_init(message_of(self._receive(unique, fds)), fds)
-        self._arena = ClientArena(fds[0], reply.arena_bytes)
+        try:
+            reply = check_init(message_of(self._receive(unique, fds)))
+        finally:
+            for fd in fds:  # INIT passes no memory (protocol minor 6)
+                os.close(fd)
         self.max_keys = reply.max_keys
         self.daemon_version = reply.daemon_version
         self.daemon_minor = reply.minor
 
-    @property
-    def arena(self) -> ClientArena:
-        if self._arena is None:
+    def region(self, region: int) -> ClientArena:
+        """The mapping of tenant region ``region`` (passed at OPEN_NS)."""
+        if self._closed:
             raise BrokenConnectionError("the client is closed")
-        return self._arena
+        return self._regions.get(region)
 
     def connected(self) -> bool:
         """Whether the connection is still open at both ends, without reading from it (a
@@ -216,12 +225,17 @@ class Client:
         request = namespace_request(
             name, block_bytes, layout, rank, world_size, tenant, compression, create, sparse
         )
-        reply = self._call(request)
-        return Namespace(self, handle_of(request, reply))
-
-    def arena_buffer(self) -> memoryview:
-        """The whole shared arena, read-only (index it with lease extents)."""
-        return self.arena.buffer()
+        fds: list[int] = []
+        try:
+            reply = self._call(request, fds=fds)
+            handle = handle_of(request, reply)
+            assert isinstance(reply, OpenNsReply)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self._regions.adopt(reply, fds)  # takes the descriptors, even when it raises
+        return Namespace(self, handle)
 
     def fsync(self) -> int:
         """Block until every block committed so far is durable; returns durable blocks."""
@@ -267,9 +281,8 @@ class Client:
         with contextlib.suppress(KvtierError, OSError):
             self._call(DestroyRequest())
         self._sock.close()
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        self._closed = True
+        self._regions.close()
 
     def __enter__(self) -> Client:
         return self
@@ -285,7 +298,9 @@ class Namespace(NamespaceBase[Client]):
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
         c = self.client
-        return c.run(ops.put(self.handle.ns, keys, blocks, self.block_bytes, c.arena, c.max_keys))
+        return c.run(
+            ops.put(self.handle.ns, keys, blocks, self.block_bytes, self.arena, c.max_keys)
+        )
 
     def lookup(self, keys: Sequence[bytes], *, promote: bool = True) -> int:
         """How many leading ``keys`` are stored (for the whole TP group); with ``promote`` the
@@ -306,9 +321,9 @@ class Namespace(NamespaceBase[Client]):
 
     @contextlib.contextmanager
     def lease(self, keys: Sequence[bytes], *, resident_only: bool = False) -> Iterator[BlockLease]:
-        """Lease the blocks: views and extents (offsets into :meth:`Client.arena_buffer`),
-        valid until the ``with`` block ends or ``release()`` is called. ``resident_only``: see
-        :meth:`acquire`."""
+        """Lease the blocks: views and extents (offsets into :meth:`arena_buffer`), verified
+        against their checksums and valid until the ``with`` block ends or ``release()`` is
+        called. ``resident_only``: see :meth:`acquire`."""
         lease = self.acquire(keys, resident_only=resident_only)
         try:
             yield lease
@@ -326,7 +341,7 @@ class Namespace(NamespaceBase[Client]):
         c = self.client
         leases, extents = c.run(self._lease_op(keys, resident_only))
         release = (lambda: c.release_soon(leases)) if leases else None
-        return self._block_lease(keys, extents, release)
+        return self._block_lease(keys, extents, release, partial=resident_only)
 
     @contextlib.contextmanager
     def write(self, keys: Sequence[bytes]) -> Iterator[BlockWrite]:
@@ -335,7 +350,7 @@ class Namespace(NamespaceBase[Client]):
         visible, if it raises). The zero-copy form of :meth:`put`."""
         c = self.client
         writes, extents = c.run(ops.alloc(self.handle.ns, keys, c.max_keys))
-        views = [c.arena.writable(e.offset, e.length) if e.length else None for e in extents]
+        views = [self.arena.writable(e.offset, e.length) if e.length else None for e in extents]
         block = BlockWrite(list(keys), views)
         try:
             yield block
@@ -347,8 +362,13 @@ class Namespace(NamespaceBase[Client]):
         c.run(ops.commit(self.handle.ns, writes))
 
     def read_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
+        """Copy the blocks into ``buffers`` (each verified: ``CorruptBlockError`` is a miss)."""
         c = self.client
-        return c.run(ops.read_into(self.handle.ns, keys, buffers, c.arena, c.max_keys))
+        try:
+            return c.run(ops.read_into(self.handle.ns, keys, buffers, self.arena, c.max_keys))
+        except CorruptBlockError:
+            c.corrupt_reads += 1
+            raise
 
     def forget(self, keys: Sequence[bytes]) -> int:
         return self.client.run(ops.forget(self.handle.ns, keys, self.client.max_keys))

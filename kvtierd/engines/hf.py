@@ -72,6 +72,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvtierd.client import BlockNotFoundError, Client, Layout, Namespace, chain_keys, ops
+from kvtierd.client.arena import verified_prefix
 from kvtierd.engines.hf_attention import use_packed_decode_attention
 from kvtierd.engines.hf_cache import BlockRun, KvSlab, copy_run, gather_blocks, slab_cache
 from kvtierd.errors import KvtierError
@@ -380,10 +381,17 @@ class HfKvAdapter:
                     except BlockNotFoundError:
                         failed = True
                         break
+                    arena = self.namespace.arena
+                    views = [arena.view(e.offset, e.length) for e in extents]
+                    good = verified_prefix(views, extents)
                     try:
-                        self._copy_in(planes, extents, done, limit)
+                        self._copy_in(planes, extents[:good], done, limit)
                     finally:
                         client.run(ops.release(leases))
+                    if good < len(extents):  # changed after COMMIT: a miss from there on
+                        client.corrupt_reads += 1
+                        done += good
+                        break
                     done = stop
             finally:
                 restored.read_s += time.perf_counter() - t1
@@ -433,7 +441,7 @@ class HfKvAdapter:
 
     def _arena_tensor(self) -> torch.Tensor:
         if self._arena is None:
-            buffer = self.namespace.client.arena_buffer()
+            buffer = self.namespace.arena_buffer()
             with warnings.catch_warnings():
                 # The mapping is shared and only ever read through this tensor.
                 warnings.filterwarnings("ignore", message=".*not writable.*")

@@ -87,6 +87,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, Tensor
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from kvtierd.client import Client, Namespace, connect, ops
+from kvtierd.client.arena import verified_prefix
 from kvtierd.engines.lmcache_keys import NamespaceSpec, block_key, namespace_spec
 from kvtierd.engines.lmcache_pins import PinTable, SharedLease
 from kvtierd.errors import (
@@ -125,28 +126,40 @@ class BackendStatistics:
 
 @dataclass
 class _Session:
-    """One connection to the daemon, its arena as a tensor, and the namespaces opened on it."""
+    """One connection to the daemon, its tenant's region as a tensor (mapped when the first
+    namespace is opened: every namespace of a backend has the backend's tenant, so one region),
+    and the namespaces opened on it."""
 
     client: Client
-    arena: torch.Tensor
-    pins: PinTable
+    chunk_bytes: int
+    region: int = 0
+    region_bytes: int = 0
+    arena: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    pins: PinTable = field(default_factory=lambda: PinTable(0))
     namespaces: dict[tuple[Any, ...], Namespace] = field(default_factory=dict)
     cuda_registered: int = 0
 
     @classmethod
     def open(cls, socket_path: str | None, chunk_bytes: int) -> _Session:
-        client = connect(socket_path, client_name="kvtierd-lmcache")
+        return cls(connect(socket_path, client_name="kvtierd-lmcache"), chunk_bytes)
+
+    def attach(self, ns: Namespace) -> None:
+        """Map ``ns``'s region the first time; every later namespace shares it."""
+        if self.region_bytes:
+            if ns.handle.region != self.region:
+                raise ValueError("the namespaces of one LMCache backend must share a tenant")
+            return
+        arena_buffer = ns.arena_buffer()
         with warnings.catch_warnings():
-            # The shared arena is read-only in this process; only ever read through this tensor.
+            # The shared region is read-only in this process; only ever read through this tensor.
             warnings.filterwarnings("ignore", message=".*not writable.*")
-            arena = torch.frombuffer(client.arena_buffer(), dtype=torch.uint8)
-        arena_blocks = client.arena.size_bytes // chunk_bytes
-        session = cls(client, arena, pins=PinTable(arena_blocks // _PIN_ARENA_SHARE))
+            self.arena = torch.frombuffer(arena_buffer, dtype=torch.uint8)
+        self.region, self.region_bytes = ns.handle.region, len(arena_buffer)
+        self.pins = PinTable(self.region_bytes // self.chunk_bytes // _PIN_ARENA_SHARE)
         if torch.cuda.is_available():  # pinned: copies to HBM are DMA with no staging copy
             cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            status = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-            session.cuda_registered = arena.data_ptr() if int(status) == 0 else 0
-        return session
+            status = cudart.cudaHostRegister(self.arena.data_ptr(), self.arena.numel(), 0)
+            self.cuda_registered = self.arena.data_ptr() if int(status) == 0 else 0
 
     def close(self) -> None:
         if self.cuda_registered:
@@ -265,6 +278,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
                 world_size=spec.world_size,
                 tenant=self._tenant,
             )
+            session.attach(ns)
             session.namespaces[ident] = ns
         return ns
 
@@ -375,11 +389,10 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
             return
 
         def store(session: _Session) -> int:
-            per_write = max(
-                1, session.client.arena.size_bytes // _WRITE_ARENA_SHARE // self._chunk_bytes
-            )
             stored = 0
             for ns, idx in self._runs(session, [k for k, _ in full]):
+                # after _runs: opening the first namespace mapped the region
+                per_write = max(1, session.region_bytes // _WRITE_ARENA_SHARE // self._chunk_bytes)
                 for start in range(0, len(idx), per_write):
                     batch = [full[i] for i in idx[start : start + per_write]]
                     self._store_batch(session, ns, batch)
@@ -448,7 +461,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         (no request), then the rest by READ. At most half the arena is leased for zero-copy
         objects per call; beyond that, blocks are copied into LMCache's CPU pool a batch at a
         time, so a read larger than the arena still completes."""
-        arena_blocks = max(1, session.client.arena.size_bytes // self._chunk_bytes)
+        arena_blocks = max(1, session.region_bytes // self._chunk_bytes)
         lease_budget = arena_blocks // 2 if self._zero_copy else 0
         objs: list[Any] = self._pinned_objects(session, ns, keys) if self._zero_copy else []
         # pins hold part of that half already: READs lease the rest of it, copies beyond
@@ -536,11 +549,16 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         is retried once after FSYNC has made those slots clean, so evictable."""
         client = session.client
         try:
-            return client.run(ops.read(ns.handle.ns, keys, client.max_keys))
+            leases, extents = client.run(ops.read(ns.handle.ns, keys, client.max_keys))
         except NoSpaceError:
             with contextlib.suppress(InvalidRequestError):  # no NVMe tier: nothing to wait for
                 client.fsync()
-            return client.run(ops.read(ns.handle.ns, keys, client.max_keys))
+            leases, extents = client.run(ops.read(ns.handle.ns, keys, client.max_keys))
+        # Verified like the library's own reads: a block that fails its checksum ends the hit
+        good = verified_prefix([ns.arena.view(e.offset, e.length) for e in extents], extents)
+        if good < len(extents):
+            client.corrupt_reads += 1
+        return leases, extents[:good]
 
     def _meta(self, extent: Extent) -> Any:
         return MemoryObjMetadata(

@@ -238,6 +238,7 @@ class PoolLink:
             await self.tier.publish_namespaces(unknown)
             self._published.update(unknown)
         pinned: list[Block] = []
+        sent: list[Block] = []  # those of ``pinned`` whose value goes out, in order
         later: list[Block] = []
         pin_error: KvtierError | None = None
         try:
@@ -252,14 +253,17 @@ class PoolLink:
                     pin_error = pin_error or exc
                     continue
                 pinned.append(block)
-                values.append(
-                    (block.ref, await self.tier.encode(block.ref, self.store.view(block)))
-                )
+                source = await self.store.committed_bytes(block)
+                if source is None:  # its tenant changed it after COMMIT: never shared
+                    self.counters["skipped"] += 1
+                    continue
+                sent.append(block)
+                values.append((block.ref, await self.tier.encode(block.ref, memoryview(source))))
             locations, error = await self.tier.store_many(values) if values else ([], None)
         finally:
             for block in pinned:
                 self.store.unpin(block)
-        for block, location in zip(pinned, locations, strict=True):
+        for block, location in zip(sent, locations, strict=True):
             if location is None:
                 continue
             if block.forgotten:  # FORGET ran during the write: take the copy back out

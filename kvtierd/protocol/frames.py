@@ -21,6 +21,7 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "HEADER_BYTES",
     "MAX_KEYS_PER_REQUEST",
+    "MIN_CLIENT_MINOR",
     "MIN_MAX_FRAME_BYTES",
     "PROTOCOL_MINOR",
     "PROTOCOL_VERSION",
@@ -37,8 +38,12 @@ REPLY_MAGIC = b"KVTR"
 PROTOCOL_VERSION = 1
 #: Raised whenever a field is appended to a body (minor 1: ``OpenNsRequest.create``; minor 2:
 #: ``OpenNsRequest.sparse`` and HINT's query fields; minor 3: the POOL_STATUS opcode; minor 4:
-#: the READ_RESIDENT opcode; minor 5: the DOCTOR opcode).
-PROTOCOL_MINOR = 5
+#: the READ_RESIDENT opcode; minor 5: the DOCTOR opcode; minor 6: memory per tenant: INIT
+#: passes no descriptor, OPEN_NS passes its tenant region's, extents are region offsets, and
+#: a client must say minor >= 6 in INIT).
+PROTOCOL_MINOR = 6
+#: The oldest client minor a daemon serves: older clients expect the whole arena at INIT.
+MIN_CLIENT_MINOR = 6
 HEADER_BYTES = 32
 #: A frame may never be larger than this unless INIT negotiated otherwise.
 DEFAULT_MAX_FRAME_BYTES = 1 << 20

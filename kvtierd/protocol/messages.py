@@ -90,7 +90,8 @@ class InitRequest(Message, frozen=True):
 
 
 class InitReply(Message, frozen=True):
-    """The arena's memfd travels with this reply (``FrameFlags.FD_ATTACHED``).
+    """No memory travels with INIT (minor 6): a tenant's region is passed at OPEN_NS, once the
+    peer is admitted to it; ``arena_bytes`` is 0.
 
     ``max_frame_bytes`` is the negotiated limit on request frames, never below
     ``MIN_MAX_FRAME_BYTES`` (so an INIT always fits).
@@ -135,11 +136,15 @@ class OpenNsRequest(Message, frozen=True):
 
 
 class OpenNsReply(Message, frozen=True):
-    """``ns`` goes into later request headers; ``key_salt`` seeds ``chain_keys``."""
+    """``ns`` goes into later request headers; ``key_salt`` seeds ``chain_keys``. The
+    namespace's blocks live in DRAM region ``region`` of ``region_bytes``; every reply carries
+    that region's descriptor (``FrameFlags.FD_ATTACHED``), which a client maps once."""
 
     ns: U32
     key_salt: bytes
     digest: bytes
+    region: U32 = 0
+    region_bytes: U64 = 0
 
 
 class ListNsRequest(Message, frozen=True):
@@ -166,7 +171,8 @@ class ListNsReply(Message, frozen=True):
 
 
 class Extent(Message, frozen=True):
-    """A block's place in the arena: ``offset`` and ``length`` in bytes, xxh3-64 ``checksum``."""
+    """A block's place in its namespace's region: ``offset`` and ``length`` in bytes, xxh3-64
+    ``checksum`` of the committed bytes (a reader checks what it copies against it)."""
 
     offset: U64
     length: U64
@@ -324,6 +330,14 @@ class StatfsReply(Message, frozen=True):
     prefetch_used: int
     prefetch_wasted_bytes: int
     tiers: list[TierStatistics]
+    #: ``"host"`` (the admin's view) or ``"tenant"``: the figures of the caller's tenants only.
+    scope: str = "host"
+    sparse_summaries: int = 0
+    sparse_summary_bytes: int = 0
+    #: Blocks dropped because their tenant changed them after COMMIT.
+    corrupt_writebacks: int = 0
+    #: Sparse summaries dropped to stay within ``limits.sparse_summary_bytes``.
+    sparse_summaries_dropped: int = 0
 
 
 class PoolStatusRequest(Message, frozen=True):

@@ -5,6 +5,13 @@ with the configured mode and group, tells systemd READY=1 and serves until SIGTE
 Then it stops accepting, lets every session finish the requests it has in flight (for at most
 ``shutdown_grace_s``), tells systemd STOPPING=1, and closes the store, which writes back what is
 dirty and saves the index snapshot. Every task it starts lives in its task group.
+
+Admission. A new connection whose uid already has ``max_connections_per_uid`` open, or that
+finds ``max_connections`` open, is refused with an ``EBUSY`` frame, unless a connection counted
+by that limit is idle (``idle_timeout_s``): the one idle longest is closed instead, with an
+``EBUSY`` frame, and the new one takes its slot. Idle connections are closed for nothing else,
+since the client library does not reconnect. Each connection must then have INIT answered
+within ``handshake_timeout_s`` (:mod:`kvtierd.server.session`).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +44,32 @@ from kvtierd.server.metrics import serve_metrics
 from kvtierd.server.notify import Notifier
 from kvtierd.server.preflight import socket_answers
 from kvtierd.server.session import Session, peer_credentials
-from kvtierd.store.lifecycle import open_store
+from kvtierd.store.lifecycle import arena_bytes, open_store
+from kvtierd.store.namespaces import Namespace, PeerCredentials
+from kvtierd.store.regions import COUNTERS, TenantRegion
+from kvtierd.store.segments import slot_bytes_for
 from kvtierd.store.store import BlockStore
 
 __all__ = ["Daemon", "serve_daemon"]
 
 log = logging.getLogger("kvtierd")
+
+
+def _dram_statistics(
+    namespaces: list[Namespace], regions: list[TenantRegion], counts: Mapping[str, int]
+) -> TierStatistics:
+    """The DRAM tier's record over ``namespaces`` and their ``regions``."""
+    return TierStatistics(
+        "dram",
+        sum(ns.dram_blocks for ns in namespaces),
+        sum(r.allocator.used_bytes for r in regions),
+        sum(r.allocator.capacity for r in regions),
+        counts["dram_hits"],
+        counts["lower_hits"] + counts["misses"],
+        counts["dram_evictions"],
+        counts["bytes_read"],
+        counts["bytes_committed"],
+    )
 
 
 class Daemon:
@@ -55,25 +82,20 @@ class Daemon:
         self.store = store
         self.startup = tuple(startup)
         self.sessions: set[Session] = set()
+        #: The open sessions of each peer uid, which ``max_connections_per_uid`` bounds.
+        self.sessions_of_uid: dict[int, set[Session]] = {}
         self.requests = 0
         self.started = time.monotonic()
         self.idle = anyio.Event()
 
-    def statistics(self) -> StatfsReply:
+    def statistics(self, peer: PeerCredentials | None = None) -> StatfsReply:
+        """The STATFS record: the host's (``peer`` None: for the admin), or only what belongs to
+        the tenants ``peer`` is admitted to, so that no tenant sees another's traffic."""
+        if peer is not None:
+            return self._tenant_statistics(peer)
         store = self.store
         c = store.counters
-        dram = TierStatistics(
-            "dram",
-            sum(ns.dram_blocks for ns in store.registry),
-            store.allocator.used_bytes,
-            store.allocator.capacity,
-            c["dram_hits"],
-            c["lower_hits"] + c["misses"],
-            c["dram_evictions"],
-            c["bytes_read"],
-            c["bytes_committed"],
-        )
-        tiers = [dram]
+        tiers = [_dram_statistics(list(store.registry), list(store.regions), c)]
         if store.lower is not None:
             lower = store.lower.statistics()
             tiers.append(
@@ -109,6 +131,65 @@ class Daemon:
             c["prefetch_used"],
             c["prefetch_wasted_bytes"],
             tiers,
+            "host",
+            store.sparse.summaries,
+            store.sparse.summary_bytes,
+            c["corrupt_writebacks"],
+            store.sparse.summaries_dropped,
+        )
+
+    def _tenant_statistics(self, peer: PeerCredentials) -> StatfsReply:
+        """STATFS for a peer that is not the admin: its tenants' namespaces and regions, its
+        own uid's connections; nothing of anyone else (host-wide figures are 0)."""
+        store = self.store
+        registry = store.registry
+        namespaces = [ns for ns in registry if registry.may_use(ns.spec.tenant, peer)]
+        regions = {id(ns.region): ns.region for ns in namespaces if ns.region is not None}
+        counts = dict.fromkeys(COUNTERS, 0)
+        for region in regions.values():
+            for name, value in region.counters.items():
+                counts[name] += value
+        tiers = [_dram_statistics(namespaces, list(regions.values()), counts)]
+        if store.lower is not None:
+            lower = store.lower
+            tiers.append(
+                TierStatistics(
+                    "nvme",
+                    sum(ns.nvme_blocks for ns in namespaces),
+                    sum(ns.nvme_blocks * slot_bytes_for(ns.spec.block_bytes) for ns in namespaces),
+                    lower.statistics().capacity_bytes,
+                    counts["lower_hits"],
+                    0,
+                    0,
+                    0,
+                    0,
+                )
+            )
+        own = self.sessions_of_uid.get(peer.uid, set())
+        scope = {id(ns) for ns in namespaces}
+        dirty = [b for b in store.writeback.queued() if id(b.ns) in scope]
+        return StatfsReply(
+            __version__,
+            time.monotonic() - self.started,
+            store.io_backend.kind.value if store.io_backend else "none",
+            len(own),
+            sum(s.requests for s in own),
+            len(namespaces),
+            sum(len(s.owner.leases) for s in own),
+            sum(len(lease.blocks) for s in own for lease in s.owner.leases.values()),
+            sum(len(s.owner.writes) for s in own),
+            len(dirty),
+            sum(b.ref.raw_bytes for b in dirty),
+            sum(ns.nvme_blocks for ns in namespaces),
+            counts["promotions"],
+            0,
+            0,
+            0,
+            tiers,
+            "tenant",
+            0,
+            0,
+            counts["corrupt_writebacks"],
         )
 
     async def doctor(self) -> list[HostCheck]:
@@ -124,7 +205,7 @@ class Daemon:
             io_kind=backend.kind if backend is not None else None,
             fixed_ops=stats.fixed_ops if stats else 0,
             io_ops=stats.completed - stats.fsyncs if stats else 0,
-            arena_bytes=store.arena.size_bytes,
+            arena_bytes=arena_bytes(self.config),
             nvme_used_bytes=nvme.used_bytes if nvme else 0,
             nvme_capacity_bytes=nvme.capacity_bytes if nvme else 0,
             hugepages=store.arena.info.hugepages,
@@ -137,25 +218,87 @@ class Daemon:
     async def handle(self, stream: SocketStream) -> None:
         assert isinstance(stream, UNIXSocketStream)
         peer = peer_credentials(stream)
-        if len(self.sessions) >= self.config.daemon.max_connections:
-            log.warning("refusing pid %d: %d connections open", peer.pid, len(self.sessions))
-            frame = ServerConnection().fatal(BusyError("too many connections"))
+        refusal = self._make_room(peer.uid)
+        if refusal is not None:
+            log.warning("refusing pid %d uid %d: %s", peer.pid, peer.uid, refusal)
+            frame = ServerConnection().fatal(BusyError(refusal))
             with contextlib.suppress(anyio.BrokenResourceError, OSError):
-                await stream.send(frame)
+                await stream.send(frame)  # one small frame into a new socket: never waits
             await stream.aclose()
             return
         log.info("connection from pid %d uid %d gid %d", peer.pid, peer.uid, peer.gid)
         session = Session(self, stream, peer)
         self.sessions.add(session)
+        self.sessions_of_uid.setdefault(peer.uid, set()).add(session)
         if self.idle.is_set():
             self.idle = anyio.Event()
         try:
             await session.serve()
         finally:
-            self.sessions.discard(session)
+            self._forget(session)
             if not self.sessions:
                 self.idle.set()
             log.info("pid %d disconnected", peer.pid)
+
+    def _make_room(self, uid: int) -> str | None:
+        """``None`` when a new connection of ``uid`` fits in the limits, once an idle connection
+        counted by a limit it would break has given its slot up; else why it does not fit."""
+        limits = self.config.daemon
+        # A session that has said DESTROY is going (its client waited for the reply and may
+        # connect again at once): it holds no slot, unless it is stuck writing to its peer.
+        own = {s for s in self.sessions_of_uid.get(uid, set()) if not s.departing}
+        if len(own) >= limits.max_connections_per_uid and not self._reclaim(own):
+            return f"too many connections from uid {uid} ({len(own)} open)"
+        open_now = [s for s in self.sessions if not s.departing]
+        if len(open_now) >= limits.max_connections and not self._reclaim(self._busiest(open_now)):
+            return f"too many connections ({len(open_now)} open)"
+        return None
+
+    @staticmethod
+    def _busiest(sessions: list[Session]) -> set[Session]:
+        """The sessions of the uid that holds the most: at the global limit only that uid's
+        idle connections give up their slot, never a quieter uid's (another tenant's)."""
+        by_uid: dict[int, set[Session]] = {}
+        for session in sessions:
+            by_uid.setdefault(session.peer.uid, set()).add(session)
+        return max(by_uid.values(), key=len, default=set())
+
+    def _reclaim(self, candidates: set[Session]) -> bool:
+        """Close the connection idle longest among ``candidates``, if one is idle: no request
+        for ``idle_timeout_s`` and nothing in flight, leased or being written (closing it
+        would take an engine's views from under it). Whether one was closed."""
+        idle_s = self.config.daemon.idle_timeout_s
+        if not idle_s:
+            return False
+        now = time.monotonic()
+        idle = [
+            s
+            for s in candidates
+            if not s.closing
+            and now - s.last_request_s >= idle_s
+            and not (s.conn.in_flight or s.owner.leases or s.owner.writes)
+        ]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda s: s.last_request_s)
+        quiet_s = now - victim.last_request_s
+        log.warning(
+            "closing pid %d uid %d, idle for %.1f s, to admit a new connection",
+            victim.peer.pid,
+            victim.peer.uid,
+            quiet_s,
+        )
+        victim.close_with(BusyError(f"closed after {quiet_s:.1f} s idle: its slot was needed"))
+        self._forget(victim)
+        return True
+
+    def _forget(self, session: Session) -> None:
+        self.sessions.discard(session)
+        own = self.sessions_of_uid.get(session.peer.uid)
+        if own is not None:
+            own.discard(session)
+            if not own:
+                del self.sessions_of_uid[session.peer.uid]
 
 
 @contextlib.asynccontextmanager

@@ -3,7 +3,9 @@
 Handlers translate between wire messages and store calls and do nothing else; they raise
 :class:`~kvtierd.errors.KvtierError` subclasses, which the session turns into errno replies.
 Every handler receives the session (for its peer credentials, owner record and open
-namespaces) and the request header (for its namespace id).
+namespaces) and the request header (for its namespace id). Memory is handed out here and only
+here: a tenant's region descriptor goes with each OPEN_NS reply that admitted the peer
+to that tenant (with every OPEN_NS reply), and extents are offsets inside that region.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import anyio
 import numpy as np
 
 from kvtierd import __version__
-from kvtierd.errors import AccessDeniedError, InvalidRequestError
+from kvtierd.errors import AccessDeniedError, InvalidRequestError, NoSpaceError
 from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.protocol import MAX_KEYS_PER_REQUEST, PROTOCOL_VERSION, Opcode, RequestHeader
-from kvtierd.protocol.frames import MIN_MAX_FRAME_BYTES, PROTOCOL_MINOR
+from kvtierd.protocol.frames import MIN_CLIENT_MINOR, MIN_MAX_FRAME_BYTES, PROTOCOL_MINOR
 from kvtierd.protocol.messages import (
     AllocReply,
     AllocRequest,
@@ -70,8 +72,13 @@ def _namespace(session: Session, header: RequestHeader) -> Namespace:
     return session.daemon.store.registry.get(header.ns)
 
 
+def is_admin(session: Session) -> bool:
+    """Root and the daemon's own user see and may do everything."""
+    return session.peer.uid in (0, os.getuid())
+
+
 def _require_admin(session: Session, what: str) -> None:
-    if session.peer.uid not in (0, os.getuid()):
+    if not is_admin(session):
         raise AccessDeniedError(f"{what} is for the daemon's user or root")
 
 
@@ -81,11 +88,16 @@ async def init(session: Session, header: RequestHeader, msg: InitRequest) -> Mes
         raise InvalidRequestError(
             f"protocol major version {msg.major} is not supported ({PROTOCOL_VERSION})"
         )
+    if msg.minor < MIN_CLIENT_MINOR:
+        session.closing = True
+        raise InvalidRequestError(
+            f"client protocol minor {msg.minor} is too old: this daemon hands memory out per "
+            f"tenant at OPEN_NS (minor {MIN_CLIENT_MINOR}); upgrade the kvtierd client library"
+        )
     # int(): the daemon's own limit is a config ByteSize, which msgspec cannot encode
     limit = int(max(MIN_MAX_FRAME_BYTES, min(msg.max_frame_bytes, session.conn.max_frame_bytes)))
     session.conn.negotiate(limit)
     session.owner.name = msg.client_name
-    session.attach_fd = session.daemon.store.arena.fd
     # Bound the key count so that a request of max_keys maximal keys fits in a frame.
     max_keys = min(MAX_KEYS_PER_REQUEST, (limit - 64) // (MAX_KEY_BYTES + 3))
     return InitReply(
@@ -94,7 +106,7 @@ async def init(session: Session, header: RequestHeader, msg: InitRequest) -> Mes
         limit,
         session.daemon.config.daemon.max_inflight,
         max_keys,
-        session.daemon.store.arena.size_bytes,
+        0,
         __version__,
     )
 
@@ -117,11 +129,17 @@ async def open_ns(session: Session, header: RequestHeader, msg: OpenNsRequest) -
         msg.sparse,
     )
     registry = session.daemon.store.registry
-    ns, new = registry.open(spec, session.peer, create=msg.create)
-    if new:
+    ns, _ = registry.open(spec, session.peer, create=msg.create)
+    if registry.needs_save(ns):  # durable before anyone may write to it
         await anyio.to_thread.run_sync(registry.save)
+    region = ns.region
+    if region is None:
+        raise NoSpaceError(f"tenant {spec.tenant!r} has no DRAM region")
     session.namespaces.add(ns.id)
-    return OpenNsReply(ns.id, ns.key_salt, ns.digest)
+    # Every OPEN_NS reply carries its region (OPEN_NS is rare, and replies of concurrent opens
+    # may arrive in any order): a client keeps the first and closes the others.
+    session.reply_fds[header.unique] = [region.fd]
+    return OpenNsReply(ns.id, ns.key_salt, ns.digest, region.id, region.size_bytes)
 
 
 async def lookup(session: Session, header: RequestHeader, msg: LookupRequest) -> Message:
@@ -151,9 +169,9 @@ async def read_resident(
 
 def _extents(lease: Lease) -> list[Extent]:
     return [
-        Extent(b.dram.offset, b.ref.raw_bytes, b.ref.checksum)
+        Extent(b.ns.region.relative(b.dram.offset), b.ref.raw_bytes, b.ref.checksum)
         for b in lease.blocks
-        if b.dram is not None
+        if b.dram is not None and b.ns.region is not None
     ]
 
 
@@ -164,8 +182,12 @@ async def release(session: Session, header: RequestHeader, msg: ReleaseRequest) 
 async def alloc(session: Session, header: RequestHeader, msg: AllocRequest) -> Message:
     ns = _namespace(session, header)
     write = await session.daemon.store.alloc(session.owner, ns, msg.keys)
+    region = ns.region
+    assert region is not None  # the store allocated in it
     extents = [
-        Extent(slot.offset, ns.spec.block_bytes) if slot is not None else Extent(0, 0)
+        Extent(region.relative(slot.offset), ns.spec.block_bytes)
+        if slot is not None
+        else Extent(0, 0)
         for slot in write.slots
     ]
     return AllocReply(write.id, extents)
@@ -191,7 +213,13 @@ async def evict(session: Session, header: RequestHeader, msg: EvictRequest) -> M
 
 
 async def fsync(session: Session, header: RequestHeader, msg: Message) -> Message:
-    return FsyncReply(await session.daemon.store.fsync())
+    store = session.daemon.store
+    if is_admin(session):
+        return FsyncReply(await store.fsync())
+    if not session.namespaces:
+        raise InvalidRequestError("FSYNC needs a namespace open on this connection")
+    registry, peer = store.registry, session.peer
+    return FsyncReply(await store.fsync(lambda ns: registry.may_use(ns.spec.tenant, peer)))
 
 
 async def hint(session: Session, header: RequestHeader, msg: HintRequest) -> Message:
@@ -222,6 +250,8 @@ async def pool_status(session: Session, header: RequestHeader, msg: Message) -> 
     if link is None:
         return PoolStatusReply("none", "no pool is configured (pool.url is empty)")
     status = link.membership.status
+    if not is_admin(session):  # the pool's traffic is every tenant's: its state only
+        return PoolStatusReply(status.state.value, status.reason)
     config = link.config
     counters = link.counters
     return PoolStatusReply(
@@ -256,7 +286,9 @@ async def doctor(session: Session, header: RequestHeader, msg: Message) -> Messa
 
 
 async def statfs(session: Session, header: RequestHeader, msg: Message) -> Message:
-    return session.daemon.statistics()
+    if is_admin(session):
+        return session.daemon.statistics()
+    return session.daemon.statistics(session.peer)
 
 
 async def list_ns(session: Session, header: RequestHeader, msg: Message) -> Message:

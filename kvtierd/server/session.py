@@ -12,6 +12,13 @@ its leases are released and its uncommitted writes abandoned.
 
 Draining (SIGTERM): :meth:`Session.stop_reading` cancels only the reader; handlers already
 running finish and their replies are sent before the connection closes.
+
+Timing. A connection must have INIT answered within ``handshake_timeout_s`` (a frame still
+arriving counts as not done): a watchdog task closes it otherwise, with an ``ETIMEDOUT`` frame.
+:attr:`Session.last_request_s` is when the last complete request frame arrived, which the daemon
+reads to find idle connections; :meth:`Session.close_with` ends a session from outside. The last
+frame goes out only when no reply is half-written (the send lock is free), by one non-blocking
+write, so closing never waits on a peer that does not read.
 """
 
 from __future__ import annotations
@@ -19,12 +26,13 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import time
 from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import SocketAttribute, TaskGroup
 
-from kvtierd.errors import KvtierError, RemoteProtocolError, StorageIOError
+from kvtierd.errors import KvtierError, RemoteProtocolError, StorageIOError, TimedOutError
 from kvtierd.protocol import (
     NEED_DATA,
     ConnectionClosed,
@@ -33,6 +41,7 @@ from kvtierd.protocol import (
     Opcode,
     RequestReceived,
     ServerConnection,
+    ServerState,
 )
 from kvtierd.protocol.messages import ReadRequest
 from kvtierd.server.handlers import HANDLERS
@@ -48,6 +57,9 @@ __all__ = ["Session", "peer_credentials"]
 
 log = logging.getLogger("kvtierd.session")
 _RECEIVE_BYTES = 1 << 16
+#: A reply the peer does not take within this long ends its connection (a peer that stops
+#: reading must not hold its slot, its tasks and their frames for ever).
+SEND_TIMEOUT_S = 30.0
 _PEERCRED = struct.Struct("3i")
 
 #: Handlers that never wait on I/O run inline in the reader: no task, no hand-off, one less
@@ -85,22 +97,47 @@ class Session:
         self.conn = ServerConnection(daemon.config.daemon.max_frame_bytes)
         self.owner = Owner()
         self.namespaces: set[int] = set()
-        self.attach_fd: int | None = None
+        #: Descriptors to pass with the reply to request ``unique``.
+        self.reply_fds: dict[int, list[int]] = {}
+        self.requests = 0
         self.closing = False
         self._permits = anyio.Semaphore(daemon.config.daemon.max_inflight)
         self._send_lock = anyio.Lock()
         self._raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
         self._reader_scope = anyio.CancelScope()
+        self._session_scope = anyio.CancelScope()
+        self._handshake_scope = anyio.CancelScope()
+        #: ``time.monotonic()`` when the last request frame arrived (or the connection did).
+        self.last_request_s = time.monotonic()
+
+    @property
+    def departing(self) -> bool:
+        """It said DESTROY (or was closed) and is not stuck writing a reply: its slot is free."""
+        return self.closing and not self._send_lock.locked()
 
     def stop_reading(self) -> None:
         """Take no more requests; those in flight finish and are answered."""
         self._reader_scope.cancel()
 
+    def close_with(self, error: KvtierError) -> None:
+        """End the session now, requests in flight included; ``error`` is the last frame
+        when the stream is between frames and the socket takes it without waiting."""
+        if not self.closing and not self._send_lock.locked():
+            try:
+                self._raw.send(self.conn.fatal(error))
+            except OSError as exc:  # BlockingIOError included: a peer that does not read
+                log.debug("no last frame for pid %d: %s", self.peer.pid, exc)
+        self.closing = True
+        self._session_scope.cancel()
+
     async def serve(self) -> None:
         try:
-            async with anyio.create_task_group() as tg:
-                with self._reader_scope:
-                    await self._read(tg)
+            with self._session_scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._expire_handshake)
+                    with self._reader_scope:
+                        await self._read(tg)
+                    self._handshake_scope.cancel()
         except* (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as group:
             log.debug("connection from pid %d ended: %s", self.peer.pid, group.exceptions[0])
         finally:
@@ -108,7 +145,18 @@ class Session:
             with anyio.CancelScope(shield=True):
                 await self.stream.aclose()
 
+    async def _expire_handshake(self) -> None:
+        timeout_s = self.daemon.config.daemon.handshake_timeout_s
+        with self._handshake_scope:
+            await anyio.sleep(timeout_s)
+            if self.conn.state is not ServerState.AWAIT_INIT and not self._send_lock.locked():
+                return  # INIT answered just now; the reader has not said so yet
+            peer = self.peer
+            log.warning("pid %d uid %d sent no INIT in %g s", peer.pid, peer.uid, timeout_s)
+            self.close_with(TimedOutError(f"no INIT within {timeout_s:g} s"))
+
     async def _read(self, tg: TaskGroup) -> None:
+        handshaking = True
         while not self.closing:
             try:
                 data = await self.stream.receive(_RECEIVE_BYTES)
@@ -117,6 +165,9 @@ class Session:
             self.conn.receive_data(data)
             if not await self._dispatch_buffered(tg):
                 return
+            if handshaking and self.conn.state is not ServerState.AWAIT_INIT:
+                handshaking = False
+                self._handshake_scope.cancel()
 
     async def _dispatch_buffered(self, tg: TaskGroup) -> bool:
         """Serve every complete frame; ``False`` once the connection is done."""
@@ -131,6 +182,7 @@ class Session:
                 return True
             if isinstance(event, ConnectionClosed):
                 return False
+            self.last_request_s = time.monotonic()
             if isinstance(event, InvalidRequest):
                 await self._send(self.conn.reply_error(event.header, event.error))
                 continue
@@ -162,24 +214,36 @@ class Session:
     async def _handle(self, event: RequestReceived, permit: bool = False) -> None:
         header = event.header
         self.daemon.requests += 1
+        self.requests += 1
         fds: list[int] = []
         try:
             reply = await HANDLERS[Opcode(header.opcode)](self, header, event.message)
-            if header.opcode == Opcode.INIT and self.attach_fd is not None:
-                fds = [self.attach_fd]
+            fds = self.reply_fds.pop(header.unique, [])
             flags = FrameFlags.FD_ATTACHED if fds else FrameFlags.NONE
             frame = self.conn.reply(header, reply, flags)  # encoding can fail too
         except KvtierError as exc:
-            fds = []
+            fds = self._unsent_fds(header.unique)
             frame = self.conn.reply_error(header, exc)
         except Exception as exc:  # a bug must cost one request, never the daemon
             log.exception("handler for %s failed", Opcode(header.opcode).name)
-            fds = []
+            fds = self._unsent_fds(header.unique)
             frame = self.conn.reply_error(header, StorageIOError(f"internal error: {exc}"))
-        finally:
+        except BaseException:
             if permit:
                 self._permits.release()
-        await self._send(frame, fds)
+            raise
+        try:
+            await self._send(frame, fds)
+        finally:
+            # after the reply went out: a peer that does not read its replies runs out of
+            # permits, and its reader stops, instead of piling up tasks and frames
+            if permit:
+                self._permits.release()
+
+    def _unsent_fds(self, unique: int) -> list[int]:
+        """A reply that failed carries no descriptor."""
+        self.reply_fds.pop(unique, None)
+        return []
 
     async def _send(self, frame: bytes, fds: list[int] | None = None) -> None:
         """Write one reply; replies of concurrent handlers go out whole, in completion order.
@@ -199,10 +263,20 @@ class Session:
                     return
                 frame = frame[sent:]
             async with self._send_lock:
-                if fds:
-                    await self.stream.send_fds(frame, fds)
-                else:
-                    await self.stream.send(frame)
+                with anyio.fail_after(SEND_TIMEOUT_S):
+                    if fds:
+                        await self.stream.send_fds(frame, fds)
+                    else:
+                        await self.stream.send(frame)
+        except TimeoutError:
+            log.warning(
+                "pid %d uid %d read no reply for %g s: closing its connection",
+                self.peer.pid,
+                self.peer.uid,
+                SEND_TIMEOUT_S,
+            )
+            self.closing = True
+            self._session_scope.cancel()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             log.debug("cannot write to pid %d: %s", self.peer.pid, exc)
             self.stop_reading()

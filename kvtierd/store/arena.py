@@ -1,19 +1,34 @@
-"""The DRAM arena: one memfd, mapped shared by the daemon and by every client.
+"""The DRAM arena: one address range in the daemon, made of per-tenant shared-memory regions.
 
-Theory of operation. The daemon creates an anonymous memory file (``memfd_create``), sizes it and
-maps it ``MAP_SHARED``; clients receive the descriptor once, at INIT, through ``SCM_RIGHTS`` and
-map the same pages, so a block moves between daemon and engine as an offset and a length, never
-through the socket. Three properties are asked of the kernel, each optional and logged:
+Theory of operation. The daemon reserves one contiguous range of address space and fills it
+with regions: first its own **private** memory (the record-header pages; anonymous, never
+passed to anyone), then one **region per tenant** (and one for the default tenant), then more
+private memory for write-back staging, which is not pre-faulted, locked or registered with
+io_uring, so it costs memory only while used. Each tenant region is its own anonymous
+memory file (``memfd_create``), sized, sealed against shrinking and growing
+(``F_SEAL_SHRINK | F_SEAL_GROW``, then ``F_SEAL_SEAL``) and mapped ``MAP_FIXED | MAP_SHARED``
+at its place in the range. A client receives a region's
+descriptor through ``SCM_RIGHTS`` only once the daemon has admitted it to that tenant (at
+OPEN_NS), so it can map its tenant's bytes and no one else's; and since the region is sealed,
+nothing it does to the descriptor (``ftruncate``) can make the daemon's mapping fault. A block
+moves between daemon and engine as an offset and a length, never through the socket.
 
-* **huge pages**: ``MFD_HUGETLB`` when enough 2 MiB hugetlb pages are free (``auto``), which cuts
-  TLB misses on large copies; otherwise ordinary shmem pages;
+Keeping one range for everything lets io_uring register the resident part as fixed buffers at
+once, and lets the store address every slot by one offset. Three properties are asked of the kernel,
+each optional and logged:
+
+* **huge pages**: ``MFD_HUGETLB`` for a region when enough 2 MiB hugetlb pages are free
+  (``auto``), which cuts TLB misses on large copies; otherwise ordinary shmem pages with
+  ``MADV_HUGEPAGE``. With tenants configured, ``auto`` never picks hugetlb for a tenant region:
+  a client that punches a hole in hugetlb memory while the host's pool is empty would make the
+  daemon's next touch of those pages fault (SIGBUS), which shmem pages never do;
 * **pre-faulting**: ``MADV_POPULATE_WRITE`` at start-up, because the first touch of new memory
   runs at 0.4-3 GB/s against 20 GB/s afterwards, and io_uring buffer registration of an
   unfaulted GiB takes seconds instead of milliseconds;
 * **mlock**: pinned pages are never swapped (``auto`` tries and logs when ``RLIMIT_MEMLOCK``
   refuses; systemd's ``LimitMEMLOCK=infinity`` lifts it).
 
-The arena knows nothing about blocks: :mod:`kvtierd.store.slots` carves it.
+The arena knows nothing about blocks: :mod:`kvtierd.store.slots` carves its regions.
 """
 
 from __future__ import annotations
@@ -21,17 +36,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import logging
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtierd.config import TriState
 from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.host import free_hugepage_bytes, shmem_thp_mode
 
-__all__ = ["HUGE_PAGE_BYTES", "Arena", "ArenaInfo", "map_arena"]
+__all__ = ["HUGE_PAGE_BYTES", "Arena", "ArenaInfo", "Region", "map_region"]
 
 log = logging.getLogger("kvtierd.arena")
 
@@ -39,7 +55,17 @@ HUGE_PAGE_BYTES = 2 << 20
 #: Pre-faulting goes this far between checkpoints (0.1-0.5 s of first-touch work here).
 PREFAULT_CHUNK_BYTES = 256 << 20
 _MADV_POPULATE_WRITE = 23
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +76,26 @@ class ArenaInfo:
     hugepages: bool
     locked: bool
     prefaulted: bool
+    #: The part pre-faulted and locked (all but the lazy private memory at the end).
+    resident_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One tenant's part of the arena: ``size_bytes`` at arena offset ``base``, backed by the
+    sealed memory file ``fd`` (what a client of that tenant maps). ``id`` names it on the wire;
+    ``tenant`` is ``None`` for the default region."""
+
+    id: int
+    tenant: str | None
+    fd: int
+    base: int
+    size_bytes: int
+    hugepages: bool
+
+
+def _round_up(n: int, unit: int = HUGE_PAGE_BYTES) -> int:
+    return -(-n // unit) * unit
 
 
 def _address_of(mapping: mmap.mmap) -> int:
@@ -61,103 +107,169 @@ def _address_of(mapping: mmap.mmap) -> int:
 
 
 class Arena:
-    """A shared-memory region of ``size_bytes``; construct with :meth:`create`."""
+    """The daemon's address range: private memory at ``[0, private_bytes)``, then the regions.
+    Construct with :meth:`create`."""
 
-    def __init__(self, fd: int, mapping: mmap.mmap, info: ArenaInfo) -> None:
-        self.fd = fd
+    def __init__(
+        self,
+        mapping: mmap.mmap,
+        pad: int,
+        private_bytes: int,
+        regions: Sequence[Region],
+        info: ArenaInfo,
+    ) -> None:
         self._mapping = mapping
+        self._pad = pad
+        self._whole = memoryview(mapping)
+        self.view = self._whole[pad : pad + info.size_bytes]
+        self.private_bytes = private_bytes
+        self.regions = tuple(regions)
         self.info = info
-        self.view = memoryview(mapping)
 
     @property
     def size_bytes(self) -> int:
         return self.info.size_bytes
 
+    @property
+    def resident_bytes(self) -> int:
+        """The private memory and the regions: pre-faulted, locked, and what io_uring should
+        register (registering pins pages: the lazy memory after it would be resident too)."""
+        return self.info.resident_bytes or self.info.size_bytes
+
+    def lazy(self) -> memoryview:
+        """The lazy private memory at the end of the arena (at offset :attr:`resident_bytes`)."""
+        return self.view[self.resident_bytes :]
+
     @classmethod
     def create(
         cls,
-        size_bytes: int,
+        private_bytes: int,
+        regions: Sequence[tuple[str | None, int]] = (),
         *,
         hugepages: TriState = TriState.AUTO,
         mlock: TriState = TriState.AUTO,
         prefault: bool = True,
         checkpoint: Callable[[], None] = lambda: None,
+        tenants_isolated: bool = False,
+        lazy_bytes: int = 0,
     ) -> Arena:
-        """Create, map and prepare the arena. Raises :class:`NoSpaceError` when the kernel
-        refuses the memory and :class:`StorageIOError` when a feature set to ``always`` fails.
+        """Reserve, map and prepare the arena: ``private_bytes`` of daemon memory, then one
+        sealed region per ``(tenant, bytes)``, then ``lazy_bytes`` of private memory that is
+        neither pre-faulted nor locked (write-back staging: it costs memory only while used,
+        and lies past :attr:`resident_bytes`, the part to register with io_uring). Raises
+        :class:`NoSpaceError` when the kernel refuses the memory and :class:`StorageIOError`
+        when a feature set to ``always`` fails.
+
+        ``tenants_isolated``: the regions belong to mutually distrusting tenants, so ``auto``
+        does not choose hugetlb pages for them (see the module docstring).
 
         ``checkpoint`` runs between pre-fault chunks and may raise to give up (the store's
         lifecycle raises once its start-up was cancelled, so Ctrl-C ends a long pre-fault within
         a chunk); whatever was created is released before the exception leaves."""
-        size_bytes = -(-size_bytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-        fd, huge = cls._open_memfd(size_bytes, hugepages)
+        private_bytes = _round_up(max(private_bytes, 0))
+        sizes = [(tenant, _round_up(size)) for tenant, size in regions]
+        resident = private_bytes + sum(size for _, size in sizes)
+        total = resident + _round_up(max(lazy_bytes, 0))
+        if total <= 0:
+            raise ValueError("an arena needs some memory")
         try:
-            mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED)
+            mapping = mmap.mmap(-1, total + HUGE_PAGE_BYTES, flags=mmap.MAP_SHARED)
         except OSError as exc:
-            os.close(fd)
-            raise NoSpaceError(f"cannot map a {size_bytes}-byte arena: {exc.strerror}") from exc
-        if not huge:  # transparent huge pages, where shmem_enabled allows them (advise)
-            with contextlib.suppress(OSError):
-                mapping.madvise(mmap.MADV_HUGEPAGE)
-            thp = shmem_thp_mode()
-            if thp in ("never", "deny"):  # a hint, like the hugetlb one above
+            raise NoSpaceError(f"cannot reserve a {total}-byte arena: {exc.strerror}") from exc
+        pad = -_address_of(mapping) % HUGE_PAGE_BYTES
+        made: list[Region] = []
+        try:
+            huge_left = free_hugepage_bytes()
+            base = private_bytes
+            for number, (tenant, size) in enumerate(sizes, start=1):
+                want_huge = hugepages is TriState.ALWAYS or (
+                    hugepages is TriState.AUTO and not tenants_isolated and huge_left >= size
+                )
+                fd, huge = cls._open_memfd(tenant, size, want_huge, hugepages)
+                made.append(Region(number, tenant, fd, base, size, huge))
+                cls._map_fixed(mapping, pad + base, size, fd)
+                huge_left -= size if huge else 0
+                base += size
+            huge_all = bool(made) and all(r.hugepages for r in made)
+            with contextlib.suppress(OSError):  # transparent huge pages, where allowed
+                mapping.madvise(mmap.MADV_HUGEPAGE, pad, total)
+            if not huge_all and shmem_thp_mode() in ("never", "deny"):
                 log.info(
-                    "the arena is on 4 KiB pages: no hugetlb pages are reserved and "
+                    "the arena is on 4 KiB pages: no hugetlb pages are used and "
                     "transparent_hugepage/shmem_enabled is %r; clients copy out of it about "
                     "10 %% slower (reserve vm.nr_hugepages, or set shmem_enabled to advise)",
-                    thp,
+                    shmem_thp_mode(),
                 )
-        if prefault:
-            log.info("arena: pre-faulting %d MiB", size_bytes >> 20)
-        try:
-            prefaulted = prefault and cls._prefault(mapping, size_bytes, checkpoint)
-            locked = cls._lock(mapping, size_bytes, mlock)
+            if prefault:
+                log.info("arena: pre-faulting %d MiB", resident >> 20)
+            prefaulted = prefault and cls._prefault(mapping, pad, resident, checkpoint)
+            locked = cls._lock(_address_of(mapping) + pad, resident, mlock)
         except BaseException:
-            mapping.close()
-            os.close(fd)
+            with contextlib.suppress(BufferError):
+                mapping.close()
+            for region in made:
+                os.close(region.fd)
             raise
-        info = ArenaInfo(size_bytes, huge, locked, prefaulted)
+        info = ArenaInfo(total, huge_all, locked, prefaulted, resident)
         log.info(
-            "arena: %d MiB, hugepages=%s, mlock=%s, prefaulted=%s",
-            size_bytes >> 20,
-            huge,
+            "arena: %d MiB (%d MiB private, %d region(s)), hugepages=%s, mlock=%s, prefaulted=%s",
+            total >> 20,
+            private_bytes >> 20,
+            len(made),
+            huge_all,
             locked,
             prefaulted,
         )
-        return cls(fd, mapping, info)
+        return cls(mapping, pad, private_bytes, made, info)
 
     @staticmethod
-    def _open_memfd(size_bytes: int, hugepages: TriState) -> tuple[int, bool]:
-        want_huge = hugepages is TriState.ALWAYS or (
-            hugepages is TriState.AUTO and free_hugepage_bytes() >= size_bytes
-        )
+    def _open_memfd(
+        tenant: str | None, size_bytes: int, want_huge: bool, hugepages: TriState
+    ) -> tuple[int, bool]:
+        name = f"kvtierd-{tenant}" if tenant is not None else "kvtierd-default"
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         if want_huge:
-            fd = os.memfd_create("kvtierd-arena", os.MFD_CLOEXEC | os.MFD_HUGETLB)
+            fd = os.memfd_create(name, flags | os.MFD_HUGETLB)
             try:
                 os.ftruncate(fd, size_bytes)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
                 return fd, True
             except OSError as exc:
                 os.close(fd)
                 if hugepages is TriState.ALWAYS:
                     raise StorageIOError(f"hugetlb arena refused: {exc.strerror}") from exc
                 log.warning("hugetlb arena refused (%s); using ordinary pages", exc.strerror)
-        elif hugepages is TriState.AUTO:
-            log.info("not enough free hugetlb pages for the arena; using ordinary pages")
-        fd = os.memfd_create("kvtierd-arena", os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, flags)
         try:
             os.ftruncate(fd, size_bytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         except OSError as exc:
             os.close(fd)
             raise NoSpaceError(f"cannot size the arena: {exc.strerror}") from exc
         return fd, False
 
     @staticmethod
-    def _prefault(mapping: mmap.mmap, size_bytes: int, checkpoint: Callable[[], None]) -> bool:
+    def _map_fixed(mapping: mmap.mmap, offset: int, size_bytes: int, fd: int) -> None:
+        """Put ``fd``'s pages at ``offset`` of the reservation (replacing what was there)."""
+        address = _address_of(mapping) + offset
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        flags = mmap.MAP_SHARED | 0x10  # MAP_FIXED: inside our own reservation, by design
+        got = _libc.mmap(address, size_bytes, prot, flags, fd, 0)
+        if got != address:
+            err = ctypes.get_errno()
+            raise NoSpaceError(f"cannot map an arena region: {os.strerror(err)}")
+
+    @staticmethod
+    def _prefault(
+        mapping: mmap.mmap, offset: int, size_bytes: int, checkpoint: Callable[[], None]
+    ) -> bool:
         try:
             for start in range(0, size_bytes, PREFAULT_CHUNK_BYTES):
                 checkpoint()
                 mapping.madvise(
-                    _MADV_POPULATE_WRITE, start, min(PREFAULT_CHUNK_BYTES, size_bytes - start)
+                    _MADV_POPULATE_WRITE,
+                    offset + start,
+                    min(PREFAULT_CHUNK_BYTES, size_bytes - start),
                 )
         except OSError as exc:
             if exc.errno == 12:  # ENOMEM: the memory is not there; fail now, not on first use
@@ -167,10 +279,10 @@ class Arena:
         return True
 
     @staticmethod
-    def _lock(mapping: mmap.mmap, size_bytes: int, mode: TriState) -> bool:
+    def _lock(address: int, size_bytes: int, mode: TriState) -> bool:
         if mode is TriState.NEVER:
             return False
-        if _libc.mlock(ctypes.c_void_p(_address_of(mapping)), ctypes.c_size_t(size_bytes)) == 0:
+        if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size_bytes)) == 0:
             return True
         err = ctypes.get_errno()
         message = f"mlock of the arena failed: {os.strerror(err)} (raise LimitMEMLOCK)"
@@ -186,18 +298,31 @@ class Arena:
         return self.view[offset : offset + length]
 
     def close(self) -> None:
-        """Close the descriptor and unmap. A mapping that still has exported views (io_uring
+        """Close the descriptors and unmap. A mapping that still has exported views (io_uring
         keeps the registered buffer exported) is left to be unmapped at process exit."""
         self.view.release()
+        self._whole.release()
         try:
             self._mapping.close()
         except BufferError:
-            log.debug("arena views still exported; the mapping is released at exit")
-        os.close(self.fd)
+            # The address range stays reserved until exit, but not its memory: unlock it and
+            # give the pages back (a late reader sees zeroes, never a fault).
+            start, size = self._pad, self.info.size_bytes
+            _libc.munlock(
+                ctypes.c_void_p(_address_of(self._mapping) + start), ctypes.c_size_t(size)
+            )
+            with contextlib.suppress(OSError):
+                self._mapping.madvise(mmap.MADV_REMOVE, start, size)
+            log.debug("arena views still exported; its memory is released, the range at exit")
+        for region in self.regions:
+            os.close(region.fd)
 
 
-def map_arena(fd: int, size_bytes: int, *, populate: bool = True) -> mmap.mmap:
-    """Map a received arena descriptor (the client's side). ``populate`` builds the page tables
-    at once (about 60 ms per GiB here) so the first copies run at full speed."""
+def map_region(fd: int, size_bytes: int, *, populate: bool = True) -> mmap.mmap:
+    """Map a received region descriptor (the client's side). ``populate`` builds the page
+    tables at once (about 60 ms per GiB here) so the first copies run at full speed. Raises
+    ``OSError`` when the descriptor is not a region of at least ``size_bytes``."""
+    if os.fstat(fd).st_size < size_bytes:
+        raise OSError(f"the region descriptor holds {os.fstat(fd).st_size} bytes, not {size_bytes}")
     flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
     return mmap.mmap(fd, size_bytes, flags=flags)

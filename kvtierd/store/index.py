@@ -13,13 +13,14 @@ An :class:`Owner` is one client connection: its leases and its uncommitted write
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import cast
 
 import anyio
 
 from kvtierd.store.namespaces import Namespace
+from kvtierd.store.regions import TenantRegion
 from kvtierd.store.slots import Slot
 from kvtierd.store.tier import BlockRef
 
@@ -38,6 +39,10 @@ class Block:
     loading: anyio.Event | None = None
     forgotten: bool = False
     prefetched: bool = False
+    #: A promotion task is queued for it (at most one, however many LOOKUPs name it).
+    queued: bool = False
+    #: Its private copy, made at COMMIT, that write-back writes (``None``: copied there).
+    staged: Slot | None = None
     id: tuple[bytes, bytes] = field(init=False)
     """``(namespace digest, key)``: what policies know the block by."""
 
@@ -83,17 +88,26 @@ class Owner:
     name: str = ""
     leases: dict[int, Lease] = field(default_factory=dict)
     writes: dict[int, PendingWrite] = field(default_factory=dict)
+    #: Bytes held in leases and pending writes, by DRAM region id (its quota).
+    pinned: dict[int, int] = field(default_factory=dict)
 
     @staticmethod
     def next_id() -> int:
         return next(_ids)
 
+    def hold(self, region: TenantRegion | None, nbytes: int) -> None:
+        """Count ``nbytes`` more (or fewer, when negative) held in ``region``."""
+        if region is not None:
+            self.pinned[region.id] = self.pinned.get(region.id, 0) + nbytes
+
 
 class BlockIndex:
     """``(namespace digest, key) -> Block``, with per-namespace counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_remove: Callable[[Block], object] = lambda block: None) -> None:
+        """``on_remove`` is told of every block that leaves the index (its last copy went)."""
         self._blocks: dict[tuple[bytes, bytes], Block] = {}
+        self._on_remove = on_remove
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -114,6 +128,7 @@ class BlockIndex:
             del self._blocks[(block.ns.digest, block.key)]
             block.ns.blocks -= 1
             block.forgotten = True
+            self._on_remove(block)
 
     def leading_present(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
         """The blocks of the longest prefix of ``keys`` present in some tier."""

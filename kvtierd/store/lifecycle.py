@@ -1,6 +1,7 @@
 """Assembling the store from its configuration, and taking it apart in the right order.
 
-Opening: the arena is created and pre-faulted first (io_uring registers it as fixed buffers,
+Opening: the key secret is read (or made), the arena is created and pre-faulted (its private
+staging memory and one sealed region per tenant; io_uring registers it all as fixed buffers,
 which is fast only on faulted memory), then the I/O backend, then the NVMe tier, which recovers
 its index before anything is served; the store adopts what was recovered.
 
@@ -34,11 +35,12 @@ from kvtierd.store.namespaces import NamespaceRegistry
 from kvtierd.store.nvme import open_nvme_tier
 from kvtierd.store.policy import CachePolicy, LruPolicy
 from kvtierd.store.records import PAGE_BYTES
-from kvtierd.store.slots import SlotAllocator
-from kvtierd.store.staging import StagingPages
+from kvtierd.store.regions import Regions
+from kvtierd.store.secret import load_secret
+from kvtierd.store.staging import StagedCopies, StagingPages
 from kvtierd.store.store import BlockStore
 
-__all__ = ["arena_bytes", "make_policy", "open_store", "staging_pages"]
+__all__ = ["arena_bytes", "make_policy", "open_store", "staging_bytes", "staging_pages"]
 
 log = logging.getLogger("kvtierd.store")
 
@@ -75,11 +77,17 @@ def staging_pages(config: Config) -> int:
     return 2 * config.nvme.queue_depth + 64
 
 
+def staging_bytes(config: Config) -> int:
+    """The write-back staging memory (lazy: touched only while blocks await write-back)."""
+    return config.nvme.staging_bytes if config.nvme.size else 0
+
+
 def arena_bytes(config: Config) -> int:
-    """The size of the arena ``config`` asks for: the DRAM tier and the staging pages, in whole
-    huge pages (what the start-up checks compare with the memory available)."""
-    raw = config.dram.size + staging_pages(config) * PAGE_BYTES
-    return -(-raw // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    """The memory the arena ``config`` asks for takes at start-up, pre-faulted and locked: the
+    header pages and every tenant's region, in whole huge pages (what the start-up checks
+    compare with the memory available). The write-back staging comes on top, only while used."""
+    headers = -(-staging_pages(config) * PAGE_BYTES // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    return headers + sum(size for _, size in config.dram_regions())
 
 
 def make_policy(kind: PolicyKind) -> CachePolicy:
@@ -107,7 +115,10 @@ async def _create_arena(config: Config) -> Arena:
 
     create = partial(
         Arena.create,
-        arena_bytes(config),
+        staging_pages(config) * PAGE_BYTES,
+        config.dram_regions(),
+        tenants_isolated=bool(config.tenants),
+        lazy_bytes=staging_bytes(config),
         hugepages=config.dram.hugepages,
         mlock=config.dram.mlock,
         prefault=config.dram.prefault,
@@ -127,6 +138,7 @@ async def open_store(
     the liburing binding's probe verdict, when the caller already has it."""
     data_dir = config.data_path
     await anyio.to_thread.run_sync(lambda: data_dir.mkdir(parents=True, exist_ok=True))
+    secret = await anyio.to_thread.run_sync(load_secret, config.key_secret_path)
     staging_count = staging_pages(config)
     arena = await _create_arena(config)
     try:
@@ -139,7 +151,7 @@ async def open_store(
                 )
             )
             try:
-                backend.register_buffer(arena.view)
+                backend.register_buffer(arena.view[: arena.resident_bytes])
             except StorageIOError as exc:  # still correct without fixed buffers, only dearer
                 log.warning("arena not registered as io_uring fixed buffers: %s", exc)
             pages = StagingPages(arena.view[: staging_count * PAGE_BYTES], staging_count)
@@ -155,18 +167,30 @@ async def open_store(
                         preallocate=config.nvme.preallocate,
                     )
                 )
-            staging_bytes = staging_count * PAGE_BYTES
-            allocator = SlotAllocator(
-                staging_bytes, arena.size_bytes - staging_bytes, boundary=FIXED_BUFFER_BYTES
+            staged = None
+            if tier is not None:
+                staged = StagedCopies(
+                    arena.lazy()[: staging_bytes(config)],  # (the arena rounds it to 2 MiB)
+                    arena.resident_bytes,
+                    reserve=config.limits.max_block_bytes,
+                )
+            regions = Regions(arena.regions, boundary=FIXED_BUFFER_BYTES)
+            registry = NamespaceRegistry(
+                data_dir / "namespaces.catalog",
+                config.tenants,
+                secret=secret,
+                regions=regions,
+                limits=config.limits,
             )
-            registry = NamespaceRegistry(data_dir / "namespaces.catalog", config.tenants)
             store = BlockStore(
                 arena,
-                allocator,
+                regions,
                 registry,
-                make_policy(config.dram.policy),
+                partial(make_policy, config.dram.policy),
                 tier,
                 make_policy(config.nvme.policy),
+                staged=staged,
+                limits=config.limits,
                 writeback_workers=config.nvme.writeback_concurrency,
                 prefetch_bytes_per_s=config.dram.prefetch_bytes_per_s,
             )

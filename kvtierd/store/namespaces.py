@@ -5,11 +5,14 @@ A namespace's identity is its name, tenant, block size, layout and TP rank/world
 ever be served to the layout that wrote it. The ranks of one TP group share a ``group_digest``
 and therefore a ``key_salt``: the same tokens give the same keys on every rank, which is what
 lets a lookup answer for the whole group. The tenant enters the salt, so tenants never share
-keys.
+keys; and the salt is a keyed hash (BLAKE2b) under the daemon's secret
+(:mod:`kvtierd.store.secret`), so no one can compute another tenant's keys from public inputs
+and ask whether a prompt is cached for it.
 
 Access: with no ``[[tenants]]`` configured every peer that can open the socket may use every
 tenant; once any is configured, only listed tenants exist and each admits the uids and gids it
-lists (root always).
+lists (root always). Every number a request chooses is bounded here before anything is
+computed from it (``[limits]``), and namespaces are counted per tenant.
 
 The catalog (``namespaces.catalog``) lets a restarted daemon name the namespaces of recovered
 blocks before any client reopens them.
@@ -18,8 +21,8 @@ blocks before any client reopens them.
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +30,18 @@ from pathlib import Path
 import msgspec
 import xxhash
 
-from kvtierd.config import TenantConfig
-from kvtierd.errors import AccessDeniedError, BlockNotFoundError, InvalidRequestError
+from kvtierd.config import LimitsConfig, TenantConfig
+from kvtierd.errors import (
+    AccessDeniedError,
+    BlockNotFoundError,
+    InvalidRequestError,
+    NoSpaceError,
+    QuotaError,
+    StorageIOError,
+)
 from kvtierd.protocol.messages import Layout
+from kvtierd.store.catalog import CatalogCopy, CopyState, read_copies, write_copies
+from kvtierd.store.regions import Regions, TenantRegion
 
 __all__ = ["Compression", "Namespace", "NamespaceRegistry", "NamespaceSpec", "PeerCredentials"]
 
@@ -44,6 +56,9 @@ _DTYPE_BYTES = {
     "int8": 1,
     "uint8": 1,
 }
+#: Sanity bounds on a layout's fields (far beyond any model), so nothing sized by them can be
+#: made absurdly large by a client.
+_LAYOUT_BOUNDS = {"layers": 4096, "kv_heads": 4096, "head_dim": 65536, "block_tokens": 1 << 20}
 
 
 class Compression(enum.StrEnum):
@@ -73,11 +88,27 @@ class NamespaceSpec(msgspec.Struct, frozen=True, array_like=True):
     #: Summarise committed blocks for sparse-attention retrieval (HINT with queries).
     sparse: bool = False
 
-    def validate(self) -> NamespaceSpec:
-        """Return ``self`` or raise ``InvalidRequestError`` for an impossible combination."""
+    def validate(self, limits: LimitsConfig | None = None) -> NamespaceSpec:
+        """Return ``self`` or raise ``InvalidRequestError`` for an impossible combination or a
+        number beyond ``limits``."""
+        limits = limits or LimitsConfig()
+        if self.world_size > limits.max_world_size:
+            raise InvalidRequestError(
+                f"world_size {self.world_size} exceeds limits.max_world_size "
+                f"{limits.max_world_size}"
+            )
+        if self.block_bytes > limits.max_block_bytes:
+            raise InvalidRequestError(
+                f"block_bytes {self.block_bytes} exceeds limits.max_block_bytes "
+                f"{limits.max_block_bytes}"
+            )
         if not 0 <= self.rank < self.world_size:
             raise InvalidRequestError(f"rank {self.rank} outside world size {self.world_size}")
         layout = self.layout
+        if layout is not None:
+            for name, bound in _LAYOUT_BOUNDS.items():
+                if getattr(layout, name) > bound:
+                    raise InvalidRequestError(f"layout.{name} exceeds {bound}")
         if layout is not None and layout.dtype in _DTYPE_BYTES:
             expected = (
                 2
@@ -111,6 +142,8 @@ class Namespace:
     key_salt: bytes
     #: The digest of this namespace's share on every rank of its TP group (by rank).
     rank_digests: tuple[bytes, ...] = ()
+    #: Where its blocks live in DRAM (its tenant's region); ``None``: no region holds it.
+    region: TenantRegion | None = None
     dram_blocks: int = 0
     nvme_blocks: int = 0
     blocks: int = field(default=0)
@@ -123,7 +156,22 @@ class Namespace:
 class NamespaceRegistry:
     """All namespaces, by id and by digest, and the access rules."""
 
-    def __init__(self, catalog: Path | None, tenants: list[TenantConfig]) -> None:
+    def __init__(
+        self,
+        catalog: Path | None,
+        tenants: list[TenantConfig],
+        *,
+        secret: bytes,
+        regions: Regions | None = None,
+        limits: LimitsConfig | None = None,
+    ) -> None:
+        """``secret`` keys every salt; ``regions`` places each namespace's blocks."""
+        if len(secret) < 16:
+            raise ValueError("the key secret must hold at least 16 bytes")
+        self._secret = secret
+        self._regions = regions
+        self.limits = limits or LimitsConfig()
+        self._per_tenant: dict[str, int] = {}
         self._catalog = catalog
         self._tenants = {t.name: t for t in tenants}
         self._by_id: dict[int, Namespace] = {}
@@ -139,6 +187,14 @@ class NamespaceRegistry:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def may_use(self, tenant: str, peer: PeerCredentials) -> bool:
+        """Whether ``peer`` is admitted to ``tenant``."""
+        try:
+            self.check_access(tenant, peer)
+        except AccessDeniedError:
+            return False
+        return True
+
     def check_access(self, tenant: str, peer: PeerCredentials) -> None:
         if not self._tenants or peer.uid == 0:
             return
@@ -151,24 +207,46 @@ class NamespaceRegistry:
     ) -> tuple[Namespace, bool]:
         """The namespace for ``spec`` and whether it is new (the catalog needs saving).
         Raises ``BlockNotFoundError`` for an unknown namespace when ``create`` is false."""
-        spec.validate()
-        self.check_access(spec.tenant, peer)
+        self.check_access(spec.tenant, peer)  # first: a stranger learns nothing from errors
+        spec.validate(self.limits)
         digest = xxhash.xxh3_128_digest(spec.identity(with_rank=True))
         known = self._by_digest.get(digest)
         if known is not None:
             return known, False
         if not create:
             raise BlockNotFoundError(f"namespace {spec.name!r} with this identity does not exist")
+        region = self._regions.for_tenant(spec.tenant) if self._regions is not None else None
+        if self._regions is not None and region is None:
+            raise NoSpaceError(
+                f"tenant {spec.tenant!r} has no DRAM region (every byte went to listed tenants)"
+            )
+        if region is not None and spec.block_bytes > region.allocator.capacity:
+            raise NoSpaceError(
+                f"a {spec.block_bytes}-byte block does not fit tenant {spec.tenant!r}'s "
+                f"{region.allocator.capacity}-byte DRAM region"
+            )
+        limits = self.limits
+        if self._per_tenant.get(spec.tenant, 0) >= limits.max_namespaces_per_tenant:
+            raise QuotaError(
+                f"tenant {spec.tenant!r} has {limits.max_namespaces_per_tenant} namespaces "
+                "(limits.max_namespaces_per_tenant)"
+            )
+        if len(self._by_id) >= limits.max_namespaces:
+            raise QuotaError(f"the daemon holds {limits.max_namespaces} namespaces (limits)")
         return self._add(spec, digest), True
 
     def _add(self, spec: NamespaceSpec, digest: bytes) -> Namespace:
         group = xxhash.xxh3_128_digest(spec.identity(with_rank=False))
-        salt = xxhash.xxh3_128_digest(b"kvtierd/key-salt/v1" + group)
+        salt = hashlib.blake2b(
+            group, digest_size=16, key=self._secret, person=b"kvtierd-salt-v2"
+        ).digest()
         ranks = tuple(
             xxhash.xxh3_128_digest(msgspec.structs.replace(spec, rank=r).identity(with_rank=True))
             for r in range(spec.world_size)
         )
-        ns = Namespace(len(self._by_id) + 1, spec, digest, group, salt, ranks)
+        region = self._regions.for_tenant(spec.tenant) if self._regions is not None else None
+        ns = Namespace(len(self._by_id) + 1, spec, digest, group, salt, ranks, region)
+        self._per_tenant[spec.tenant] = self._per_tenant.get(spec.tenant, 0) + 1
         self._by_id[ns.id] = ns
         self._by_digest[digest] = ns
         self._groups.setdefault(group, {})[spec.rank] = ns
@@ -178,7 +256,7 @@ class NamespaceRegistry:
         """Add a namespace learnt from elsewhere (the pool); ``None`` when it is already known or
         invalid. The caller saves the catalog."""
         try:
-            spec.validate()
+            spec.validate(self.limits)
         except InvalidRequestError:
             return None
         digest = xxhash.xxh3_128_digest(spec.identity(with_rank=True))
@@ -201,29 +279,97 @@ class NamespaceRegistry:
         return [members.get(rank) for rank in range(ns.spec.world_size)]
 
     def save(self) -> None:
-        """Write the catalog atomically (small; called off the event loop)."""
+        """Write the catalog durably, both copies (:mod:`kvtierd.store.catalog`); small, called
+        off the event loop. Returns at once when there is nothing to write.
+
+        Raises ``NoSpaceError`` (``ENOSPC``, ``EDQUOT``) or ``StorageIOError`` when a namespace
+        not saved before could not be saved now: it stays unsaved (:meth:`needs_save`), so the
+        next caller retries, and nothing that depends on it may be acknowledged. Failing only to
+        rewrite a damaged copy, while every namespace is durable in the other, is logged.
+        """
         if self._catalog is None:
             return
         # Concurrent OPEN_NS calls save from several worker threads: one at a time, or they
         # share the temporary file and the catalog can end up interleaved or a rename fails.
         with self._save_lock:
-            data = msgspec.msgpack.encode([ns.spec for ns in list(self._by_id.values())])
-            tmp = self._catalog.with_suffix(".tmp")
-            with open(tmp, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self._catalog)
+            namespaces = list(self._by_id.values())
+            unsaved = [ns for ns in namespaces if ns.digest not in self._durable]
+            if not unsaved and not self._catalog_repair:
+                return
+            try:
+                specs = [ns.spec for ns in namespaces] + self._beyond_limits
+                write_copies(self._catalog, msgspec.msgpack.encode(specs))
+            except (NoSpaceError, StorageIOError) as exc:
+                if unsaved:
+                    raise
+                log.warning("%s; the damaged copy is rewritten at the next save", exc)
+                return
+            self._saved(namespaces)
 
     def _load(self, catalog: Path) -> None:
+        """Adopt the union of the catalog's readable copies; note whether one needs rewriting."""
+        #: Digests of the namespaces some intact copy of the catalog holds.
+        self._durable: set[bytes] = set()
+        #: Namespaces of the catalog beyond today's limits: not served, but kept in every save
+        #: (raising the limit again brings them and their blocks back).
+        self._beyond_limits: list[NamespaceSpec] = []
+        #: Whether a copy is damaged, missing, legacy or behind the other.
+        self._catalog_repair: bool = False
+        copies = read_copies(catalog)
+        readable = 0
+        for copy in copies:
+            specs = self._catalog_specs(copy)
+            if specs is None:
+                continue
+            readable += 1
+            for spec in specs:
+                try:  # a catalog an older daemon wrote may name a namespace beyond today's limits
+                    spec.validate(self.limits)
+                except InvalidRequestError as exc:
+                    log.warning("not serving namespace %r of the catalog: %s", spec.name, exc)
+                    if spec not in self._beyond_limits:
+                        self._beyond_limits.append(spec)
+                    continue
+                digest = xxhash.xxh3_128_digest(spec.identity(with_rank=True))
+                self._durable.add(digest)
+                if digest not in self._by_digest:
+                    self._add(spec, digest)
+        if readable == 0 and any(copy.state is not CopyState.MISSING for copy in copies):
+            log.error(
+                "no readable copy of the namespace catalog %s: blocks of the namespaces it "
+                "named cannot be recovered",
+                catalog,
+            )
+        # A damaged, missing or legacy copy, or two copies that differ (a crash between their
+        # writes): the next save rewrites both.
+        listed = {copy.payload for copy in copies}
+        self._catalog_repair = bool(self._durable) and (
+            len(listed) != 1 or any(copy.state is not CopyState.INTACT for copy in copies)
+        )
+
+    def needs_save(self, ns: Namespace) -> bool:
+        """Whether :meth:`save` must run (and succeed) before anything that names ``ns`` may
+        be acknowledged: ``True`` until a save that included ``ns`` succeeded, and while a
+        damaged copy of the catalog awaits rewriting. Always ``False`` without a catalog."""
+        if self._catalog is None:
+            return False
+        return self._catalog_repair or ns.digest not in self._durable
+
+    def _saved(self, namespaces: list[Namespace]) -> None:
+        """A save that held ``namespaces`` reached both copies."""
+        self._durable.update(ns.digest for ns in namespaces)
+        self._catalog_repair = False
+
+    @staticmethod
+    def _catalog_specs(copy: CatalogCopy) -> list[NamespaceSpec] | None:
+        """The specs of one copy, or ``None`` (logged) when it is missing or unusable."""
+        if copy.state is CopyState.MISSING:
+            return None
+        if copy.state is CopyState.DAMAGED:
+            log.warning("ignoring damaged namespace catalog copy %s: %s", copy.path, copy.problem)
+            return None
         try:
-            specs = msgspec.msgpack.decode(catalog.read_bytes(), type=list[NamespaceSpec])
-        except FileNotFoundError:
-            return
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("ignoring unreadable namespace catalog %s: %s", catalog, exc)
-            return
-        for spec in specs:
-            digest = xxhash.xxh3_128_digest(spec.identity(with_rank=True))
-            if digest not in self._by_digest:
-                self._add(spec, digest)
+            return msgspec.msgpack.decode(copy.payload, type=list[NamespaceSpec])
+        except msgspec.DecodeError as exc:  # ValidationError included
+            log.warning("ignoring damaged namespace catalog copy %s: %s", copy.path, exc)
+            return None

@@ -11,7 +11,9 @@ Guarantees this module gives the store:
 * ``store`` returns once the record is written (not yet durable); ``sync`` makes every
   returned ``store`` durable with one ``fdatasync``;
 * ``load`` fills the slot only with bytes whose header names the same namespace, key and
-  sequence number and whose xxh3-64 matches, else raises ``BlockNotFoundError``;
+  sequence number and whose xxh3-64 matches, else raises ``BlockNotFoundError``; so does a
+  record the medium cannot read (twice) or whose place is outside the file: a miss, after
+  which the store drops the copy, never an error on every READ;
 * ``discard`` overwrites the header page with zeroes, so recovery never resurrects the block.
 
 Optional zstd (per namespace) compresses through a bounce buffer in a worker thread, with one
@@ -38,7 +40,13 @@ from kvtierd.io import IoBackend
 from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.codec import checksum_off_loop, compress, decompress_into
 from kvtierd.store.policy import ServedBy
-from kvtierd.store.records import PAGE_BYTES, CorruptRecord, RecordHeader, Superblock
+from kvtierd.store.records import (
+    PAGE_BYTES,
+    CorruptRecord,
+    RecordHeader,
+    SegmentHeader,
+    Superblock,
+)
 from kvtierd.store.recovery import RecoveredIndex, load_snapshot, save_snapshot, scan
 from kvtierd.store.segments import DiskSlot, SegmentMap, slot_bytes_for
 from kvtierd.store.staging import StagingPages
@@ -128,11 +136,12 @@ class NvmeTier(LowerTier):
         if header is None or header.seq != ref.seq:
             raise BlockNotFoundError("the disk slot no longer holds this block")
         padded = -(-header.stored_bytes // PAGE_BYTES) * PAGE_BYTES
+        if slot.offset + PAGE_BYTES + padded > self._segmap.file_bytes:
+            self._counters["misses"] += 1
+            log.error("a block's place, offset %d, lies outside %s", slot.offset, self.path)
+            raise BlockNotFoundError("the block's disk slot lies outside the data file")
         async with self._pages.page() as page:
-            if header.flags & RecordHeader.FLAG_ZSTD:
-                await self._load_compressed(slot, page, padded, dest)
-            else:
-                await self._backend.readv(self._fd, slot.offset, [page, dest[:padded]])
+            await self._read_record(slot, header, page, padded, dest)
             self._verify_header(page, ref)
         if await checksum_off_loop(dest[: ref.raw_bytes]) != ref.checksum:
             self._counters["misses"] += 1
@@ -145,6 +154,26 @@ class NvmeTier(LowerTier):
         self._counters["hits"] += 1
         self._counters["bytes_read"] += PAGE_BYTES + padded
 
+    async def _read_record(
+        self, slot: DiskSlot, header: RecordHeader, page: memoryview, padded: int, dest: memoryview
+    ) -> None:
+        """Read the record into ``page`` and ``dest``, trying twice. A medium that still refuses
+        makes the block a miss (the store drops the copy), not an error on every READ."""
+        for attempt in (1, 2):
+            try:
+                if header.flags & RecordHeader.FLAG_ZSTD:
+                    await self._load_compressed(slot, page, padded, dest)
+                else:
+                    await self._backend.readv(self._fd, slot.offset, [page, dest[:padded]])
+                return
+            except StorageIOError as exc:
+                if attempt == 2:
+                    self._counters["misses"] += 1
+                    log.error(
+                        "cannot read the block at offset %d of %s: %s", slot.offset, self.path, exc
+                    )
+                    raise BlockNotFoundError(f"stored block unreadable: {exc}") from exc
+
     async def discard(self, location: Hashable) -> None:
         slot = self._slot(location)
         if self._records.pop(slot, None) is None:
@@ -153,6 +182,8 @@ class NvmeTier(LowerTier):
         self._segmap.free(slot)
 
     async def _tombstone(self, slot: DiskSlot) -> None:
+        if slot.offset + PAGE_BYTES > self._segmap.file_bytes:
+            return  # never write past the end of the file (it would grow a regular file)
         async with self._pages.page() as page:
             page[:] = bytes(PAGE_BYTES)
             await self._backend.writev(self._fd, slot.offset, [page])
@@ -286,6 +317,35 @@ def _prepare_file(path: Path, size_bytes: int, preallocate: bool) -> tuple[int, 
     return fd, size_bytes
 
 
+async def _open_superblock(
+    fd: int, path: Path, file_bytes: int, backend: IoBackend, pages: StagingPages
+) -> Superblock:
+    """The data file's superblock, written first for a new file. A damaged one (not zeroes) is
+    rebuilt from the first segment header, which names the file id too: one flipped bit in it
+    must not make every record of the file foreign."""
+    async with pages.page() as page:
+        await backend.readv(fd, 0, [page])
+        try:
+            return Superblock.unpack(page)
+        except CorruptRecord:
+            damaged = bytes(page).count(0) != PAGE_BYTES
+        file_id = None
+        if damaged:
+            await backend.readv(fd, PAGE_BYTES, [page])
+            with contextlib.suppress(CorruptRecord):
+                first = SegmentHeader.unpack(page)
+                file_id = first.file_id if first.start == PAGE_BYTES else None
+        superblock = Superblock(file_id or uuid.uuid4().bytes, file_bytes, time.time_ns())
+        page[:] = superblock.pack()
+        await backend.writev(fd, 0, [page])
+        await backend.fdatasync(fd)
+    if file_id is not None:
+        log.warning("the superblock of %s was damaged; rebuilt from its first segment", path)
+    else:
+        log.info("initialised NVMe data file %s (%d MiB)", path, file_bytes >> 20)
+    return superblock
+
+
 @contextlib.asynccontextmanager
 async def open_nvme_tier(
     path: Path,
@@ -301,19 +361,12 @@ async def open_nvme_tier(
     fd, file_bytes = await anyio.to_thread.run_sync(_prepare_file, path, size_bytes, preallocate)
     try:
         started = time.monotonic()
-        async with pages.page() as page:
-            await backend.readv(fd, 0, [page])
-            try:
-                superblock = Superblock.unpack(page)
-            except CorruptRecord:
-                superblock = Superblock(uuid.uuid4().bytes, file_bytes, time.time_ns())
-                page[:] = superblock.pack()
-                await backend.writev(fd, 0, [page])
-                await backend.fdatasync(fd)
-                log.info("initialised NVMe data file %s (%d MiB)", path, file_bytes >> 20)
+        superblock = await _open_superblock(fd, path, file_bytes, backend, pages)
         segmap = SegmentMap(superblock.file_id, file_bytes, segment_bytes)
         tier = NvmeTier(fd, path, segmap, backend, pages)
-        found = load_snapshot(path.parent, segmap) or await scan(fd, segmap, backend, pages)
+        found = await load_snapshot(path.parent, fd, segmap, backend, pages) or await scan(
+            fd, segmap, backend, pages
+        )
         await tier._adopt(found)
         log.info(
             "NVMe tier %s: %d blocks recovered by %s in %.3f s",

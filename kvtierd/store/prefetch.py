@@ -79,12 +79,15 @@ class Prefetcher:
         """Give the chain to the policies as one request; its id, or -1 if every policy's
         sampler turned it away (a LOOKUP storm)."""
         store = self._store
-        if not keys or not (store.dram_policy.wants_request or store.lower_policy.wants_request):
+        policies = [store.lower_policy]
+        if ns.region is not None:
+            policies.append(store.dram_policies[ns.region.id])
+        if not keys or not any(policy.wants_request for policy in policies):
             return -1
         request_id = next(self._ids)
         ids = [(ns.digest, key) for key in keys]
         now = time.monotonic()
-        for policy in (store.dram_policy, store.lower_policy):
+        for policy in policies:
             policy.observe_request(ids, now, request_id)
         return request_id
 
@@ -163,10 +166,11 @@ class Prefetcher:
         store = self._store
         while True:
             await anyio.sleep(_TICK_S)
-            store.dram_policy.new_period()
-            store.lower_policy.new_period()
-            await store.dram_policy.flush_gradually()
-            await store.lower_policy.flush_gradually()
+            policies = [*store.dram_policies.values(), store.lower_policy]
+            for policy in policies:
+                policy.new_period()
+            for policy in policies:
+                await policy.flush_gradually()
             idle = not store.demand_promotions and not self.reuse_paused
             if self.bandwidth_bytes_s and store.lower is not None and idle:
                 self._promote_reuse()
@@ -174,14 +178,18 @@ class Prefetcher:
     def _promote_reuse(self) -> None:
         # Reuse promotions only fill free arena room: a guess never displaces a resident
         # (demand and prefix promotions evict by the policy as usual).
-        budget = min(self.bandwidth_bytes_s * _TICK_S, self._store.allocator.free_bytes)
+        store = self._store
+        budget = self.bandwidth_bytes_s * _TICK_S
         chosen: list[Block] = []
-        for block_id in self._store.dram_policy.candidates(64):
-            block = self._store.index.by_id(block_id)
-            if block is None or block.resident or block.lower is None:
-                continue
-            if budget < block.ref.raw_bytes:
-                break
-            budget -= block.ref.raw_bytes
-            chosen.append(block)
-        self._store.prefetch(chosen)
+        for region in store.regions:  # each region's guesses fill that region's free room only
+            room = region.allocator.free_bytes
+            for block_id in store.dram_policies[region.id].candidates(64):
+                block = store.index.by_id(block_id)
+                if block is None or block.resident or block.lower is None:
+                    continue
+                if budget < block.ref.raw_bytes or room < block.ref.raw_bytes:
+                    break
+                budget -= block.ref.raw_bytes
+                room -= block.ref.raw_bytes
+                chosen.append(block)
+        store.prefetch(chosen)

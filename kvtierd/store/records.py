@@ -18,6 +18,10 @@ used, so a scan can always step from segment to segment. A block is written as o
 write (header and payload); whatever subset of its sectors reached the disk, the two checksums
 decide whether it is whole. Nothing else is needed for correctness; the index snapshot is only a
 shortcut for recovery after a clean shutdown.
+
+Damage reasoning: a segment header damaged later (a flipped bit) is still recognisable as one
+(:func:`damaged_segment_header`), so recovery can tell it from the never-carved tail of the file
+and rebuild it rather than stop there.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ __all__ = [
     "SegmentHeader",
     "Superblock",
     "checksum",
+    "damaged_segment_header",
 ]
 
 FORMAT_VERSION = 1
@@ -174,3 +179,25 @@ class RecordHeader:
         if not 0 < key_len <= MAX_KEY_BYTES:
             raise CorruptRecord("bad key length")
         return cls(digest, key[:key_len], stored, raw, payload_checksum, seq, flags)
+
+
+#: A sealed segment header page is zero from here on (its fields, then its checksum).
+_SEGMENT_SEALED_BYTES = _SEGMENT.size + _CHECK.size
+#: At most this many bits of the file id may differ in a header taken for a damaged one of ours.
+_FILE_ID_BITS_OFF = 8
+
+
+def damaged_segment_header(data: bytes | bytearray | memoryview, file_id: bytes) -> bool:
+    """Whether ``data`` (a page that is not an intact segment header of ``file_id``) is one with
+    a few bits wrong: shaped like a sealed segment header (nothing but zeroes after its fields
+    and checksum, a few stray bytes allowed), not all zeroes, and naming ``file_id`` but for a
+    few bits. Zeroes (the never-carved tail), payload bytes, record headers (whose fields run
+    past a segment header's) and another file's segment headers are not."""
+    page = bytes(data[:PAGE_BYTES])
+    if len(page) < PAGE_BYTES or not any(page[:_SEGMENT_SEALED_BYTES]):
+        return False
+    stray = PAGE_BYTES - _SEGMENT_SEALED_BYTES - page.count(0, _SEGMENT_SEALED_BYTES)
+    if stray > 2:
+        return False
+    named = int.from_bytes(page[8:24], "little") ^ int.from_bytes(file_id, "little")
+    return named.bit_count() <= _FILE_ID_BITS_OFF

@@ -2,16 +2,36 @@
 
 After a clean shutdown the tier writes ``index.snapshot`` (written to a temporary name, fsynced,
 renamed, directory fsynced). At start-up a snapshot whose file id and size match the data file
-is loaded and then deleted *before* the tier serves anything, so a snapshot is never trusted
-after a crash that happened later. Without one, every segment header and every slot header is
-read (concurrently, through the I/O backend) and each header whose checksum holds is adopted;
-when two records claim one key the higher ``seq`` wins and the loser is discarded. Payloads are
-not read here: they are verified against their checksum on every load, so a torn payload costs
-a miss, never a wrong answer.
+is deleted *before* the tier serves anything, so a snapshot is never trusted after a crash that
+happened later. It is adopted only when it agrees with the file: its segments follow each other
+inside the file and match the segment headers on disk, every record names a slot that exists and
+that it fits, and no slot or ``(namespace, key, seq)`` is listed twice. Anything else, and the
+snapshot is ignored (a WARNING) and the headers are scanned instead: a snapshot is a shortcut,
+never an authority. A segment header on disk that is damaged where the snapshot agrees with
+everything else is rewritten from the snapshot.
+
+The scan steps from segment header to segment header, then reads every slot header (concurrently,
+through the I/O backend) and adopts each whose checksum holds; when two records claim one key the
+higher ``seq`` wins and the loser is discarded. Payloads are not read here: they are verified
+against their checksum on every load, so a torn payload costs a miss, never a wrong answer.
+
+Damage. A segment header is what lets the scan find the next one, so one flipped bit in it must
+not hide the segments after it. A page at the expected place that is recognisably a damaged
+segment header of this file (:func:`~kvtierd.store.records.damaged_segment_header`), or that
+cannot be read, starts a search: the file is read forward in large runs up to the next intact
+segment header of this file (one whose ``start`` is its own offset) or the end of the file, and
+the record headers found on the way give the lost header's slot size, which the next header's
+offset (or, for the last segment, the planning rule) turns into a slot count
+(:meth:`SegmentMap.rebuild_segment`). The rebuilt header is written back durably, so the next
+start scans plainly. When nothing gives the geometry, only that segment is lost: a placeholder
+header keeps its extent accounted for and the scan goes on after it. A page that is zeroes,
+payload bytes, a record header or another file's segment header ends the scan as before: that
+is the never-carved tail of the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -22,19 +42,29 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from kvtierd.errors import StorageIOError
+from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.io import IoBackend
-from kvtierd.store.records import PAGE_BYTES, CorruptRecord, RecordHeader, SegmentHeader
-from kvtierd.store.segments import DiskSlot, SegmentMap
+from kvtierd.keys import MAX_KEY_BYTES
+from kvtierd.store.records import (
+    PAGE_BYTES,
+    CorruptRecord,
+    RecordHeader,
+    SegmentHeader,
+    damaged_segment_header,
+)
+from kvtierd.store.segments import DiskSlot, SegmentMap, slot_bytes_for
 from kvtierd.store.staging import StagingPages
 
-__all__ = ["RecoveredIndex", "load_snapshot", "save_snapshot", "scan"]
+__all__ = ["SNAPSHOT_NAME", "RecoveredIndex", "load_snapshot", "save_snapshot", "scan"]
 
 log = logging.getLogger("kvtierd.recovery")
 SNAPSHOT_NAME = "index.snapshot"
 _RUN_BYTES = 1 << 20
 _SMALL_SLOT_BYTES = 64 << 10
 _SCAN_WORKERS = 16
+_U32 = 1 << 32
+_U64 = 1 << 64
+_KNOWN_FLAGS = RecordHeader.FLAG_ZSTD
 
 
 class _Snapshot(msgspec.Struct, array_like=True):
@@ -70,25 +100,128 @@ class RecoveredIndex:
         self.max_seq = max(self.max_seq, header.seq)
 
 
-def load_snapshot(directory: Path, segmap: SegmentMap) -> RecoveredIndex | None:
-    """Adopt and delete a matching snapshot; ``None`` when there is none or it does not match."""
+# -- the snapshot ------------------------------------------------------------------------------
+
+
+async def load_snapshot(
+    directory: Path, fd: int, segmap: SegmentMap, backend: IoBackend, pages: StagingPages
+) -> RecoveredIndex | None:
+    """Delete the snapshot and adopt it when it agrees with the data file ``fd``; ``None`` when
+    there is none or it does not (logged; the caller scans). Raises only ``OSError`` when the
+    snapshot cannot be deleted, and what reading the file's segment headers raises."""
     path = directory / SNAPSHOT_NAME
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
+    _remove_durably(path)
     try:
         snap = msgspec.msgpack.decode(raw, type=_Snapshot)
     except msgspec.DecodeError as exc:
         log.warning("ignoring unreadable index snapshot: %s", exc)
-        snap = None
-    _remove_durably(path)
-    if snap is None or snap.file_id != segmap.file_id or snap.file_bytes != segmap.file_bytes:
+        return None
+    if snap.file_id != segmap.file_id or snap.file_bytes != segmap.file_bytes:
         log.warning("index snapshot does not match the data file; scanning instead")
         return None
+    problem = _snapshot_problem(snap, segmap.file_bytes)
+    if problem is None:
+        problem = await _check_segment_headers(fd, _segments_of(snap), backend, pages)
+    if problem is not None:
+        log.warning("index snapshot disagrees with the data file (%s); scanning instead", problem)
+        return None
+    return _adopt_snapshot(snap, segmap)
+
+
+def _segments_of(snap: _Snapshot) -> list[SegmentHeader]:
+    return [SegmentHeader(snap.file_id, *geometry) for geometry in snap.segments]
+
+
+def _snapshot_problem(snap: _Snapshot, file_bytes: int) -> str | None:
+    """What makes the snapshot impossible for a file of ``file_bytes``, or ``None``."""
+    tail = PAGE_BYTES
+    for number, (start, slot_bytes, count) in enumerate(snap.segments):
+        if start != tail:
+            return f"segment {number} starts at {start}, not where segment {number - 1} ends"
+        if slot_bytes < 2 * PAGE_BYTES or slot_bytes % PAGE_BYTES or count < 1:
+            return f"segment {number} has an impossible geometry"
+        tail = start + PAGE_BYTES + slot_bytes * count
+        if tail > file_bytes:
+            return f"segment {number} ends at {tail}, past the end of the file at {file_bytes}"
+    places: set[tuple[int, int]] = set()
+    versions: set[tuple[bytes, bytes, int]] = set()
+    for segment, index, digest, key, stored, raw, check, seq, flags in snap.records:
+        if not 0 <= segment < len(snap.segments):
+            return f"a record names segment {segment} of {len(snap.segments)}"
+        _, slot_bytes, count = snap.segments[segment]
+        if not 0 <= index < count:
+            return f"a record names slot {index} of the {count} of segment {segment}"
+        if (segment, index) in places:
+            return f"slot {index} of segment {segment} is listed twice"
+        if (digest, key, seq) in versions:
+            return "a key is listed twice with one sequence number"
+        if len(digest) != 16 or not 0 < len(key) <= MAX_KEY_BYTES or flags & ~_KNOWN_FLAGS:
+            return f"the record in slot {index} of segment {segment} is impossible"
+        if not 0 < stored <= raw or slot_bytes_for(stored) > slot_bytes:
+            return f"the record in slot {index} of segment {segment} does not fit its slot"
+        if not (0 <= check < _U64 and 0 <= seq < _U64 and raw < _U32):
+            return f"the record in slot {index} of segment {segment} is impossible"
+        places.add((segment, index))
+        versions.add((digest, key, seq))
+    return None
+
+
+async def _check_segment_headers(
+    fd: int, expected: list[SegmentHeader], backend: IoBackend, pages: StagingPages
+) -> str | None:
+    """Compare the segment headers on disk with ``expected``: the first disagreement, or
+    ``None``. A header that is damaged (or unreadable) is rewritten from ``expected``."""
+    problems: list[str] = []
+    damaged: list[SegmentHeader] = []
+    todo = iter(expected)
+
+    async def worker() -> None:
+        async with pages.page() as page:
+            for header in todo:
+                if problems:
+                    return
+                try:
+                    await backend.readv(fd, header.start, [page])
+                except StorageIOError:
+                    damaged.append(header)
+                    continue
+                try:
+                    on_disk = SegmentHeader.unpack(page)
+                except CorruptRecord:
+                    if damaged_segment_header(page, header.file_id):
+                        damaged.append(header)
+                    else:
+                        problems.append(f"no segment header at offset {header.start}")
+                    continue
+                if on_disk != header:
+                    problems.append(f"the segment header at offset {header.start} differs")
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(min(pages.count, _SCAN_WORKERS)):
+            tg.start_soon(worker)
+    if problems:
+        return problems[0]
+    async with pages.page() as page:
+        for header in damaged:
+            log.warning(
+                "the segment header at offset %d of the data file was damaged; rewritten from "
+                "the index snapshot",
+                header.start,
+            )
+            page[:] = header.pack()
+            await _write_durably(fd, header.start, page, backend)
+    return None
+
+
+def _adopt_snapshot(snap: _Snapshot, segmap: SegmentMap) -> RecoveredIndex:
+    """Carry out a snapshot that :func:`_snapshot_problem` found nothing wrong with."""
     found = RecoveredIndex(source="snapshot")
-    for start, slot_bytes, count in snap.segments:
-        segmap.add_segment(SegmentHeader(segmap.file_id, start, slot_bytes, count), all_free=False)
+    for header in _segments_of(snap):
+        segmap.add_segment(header, all_free=False)
     used: dict[int, set[int]] = {}
     best: dict[tuple[bytes, bytes], DiskSlot] = {}
     for segment, index, digest, key, stored, raw_bytes, checksum, seq, flags in snap.records:
@@ -152,26 +285,31 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+# -- the scan ----------------------------------------------------------------------------------
+
+
 async def scan(
     fd: int, segmap: SegmentMap, backend: IoBackend, pages: StagingPages
 ) -> RecoveredIndex:
     """Read every segment and slot header of the file and adopt the intact records."""
     found = RecoveredIndex(source="scan")
     async with pages.page() as page:
-        while True:
-            header = await _read_segment_header(fd, segmap, backend, page)
-            if header is None:
-                break
+        while (header := await _next_segment(fd, segmap, backend, page)) is not None:
             segmap.add_segment(header, all_free=False)
     best: dict[tuple[bytes, bytes], DiskSlot] = {}
     free: dict[int, list[int]] = {n: [] for n in range(len(segmap.segments))}
     runs = _header_runs(segmap)
 
-    def adopt(number: int, index: int, header_page: memoryview) -> None:
+    def adopt(number: int, index: int, header_page: memoryview | None) -> None:
         try:
+            if header_page is None:
+                raise CorruptRecord("unreadable")
             record = RecordHeader.unpack(header_page)
         except CorruptRecord:
             free[number].append(index)
+            return
+        if slot_bytes_for(record.stored_bytes) > segmap.segments[number].slot_bytes:
+            free[number].append(index)  # intact, but not a record of this slot: never loaded
             return
         found.adopt(segmap.mark_used(number, index), record, best)
 
@@ -183,18 +321,23 @@ async def scan(
                 segment = segmap.segments[number]
                 if count == 1:  # large slots: read the header page alone
                     async with pages.page() as page:
-                        await backend.readv(fd, segment.slot_offset(first), [page])
-                        adopt(number, first, page)
+                        readable = await _read_quietly(
+                            fd, segment.slot_offset(first), page, backend
+                        )
+                        adopt(number, first, page if readable else None)
                     continue
-                span = view[: count * segment.slot_bytes]
-                await backend.readv(fd, segment.slot_offset(first), [span])
-                for i in range(count):
-                    at = i * segment.slot_bytes
-                    adopt(number, first + i, span[at : at + PAGE_BYTES])
-                span.release()
+                with view[: count * segment.slot_bytes] as span:
+                    offset = segment.slot_offset(first)
+                    if not await _read_quietly(fd, offset, span, backend):
+                        await _read_pages(fd, offset, span, segment.slot_bytes, backend)
+                    for i in range(count):
+                        at = i * segment.slot_bytes
+                        with span[at : at + PAGE_BYTES] as header_page:
+                            adopt(number, first + i, header_page)
         finally:
             view.release()
-            bounce.close()
+            with contextlib.suppress(BufferError):
+                bounce.close()
 
     async with anyio.create_task_group() as tg:
         for _ in range(min(pages.count, _SCAN_WORKERS)):
@@ -214,20 +357,144 @@ def _header_runs(segmap: SegmentMap) -> Iterator[tuple[int, int, int]]:
             yield number, first, min(max(1, per_run), header.slot_count - first)
 
 
-async def _read_segment_header(
+async def _read_quietly(fd: int, offset: int, buffer: memoryview, backend: IoBackend) -> bool:
+    """Fill ``buffer`` from ``offset``; ``False`` (logged) when the medium refuses."""
+    try:
+        await backend.readv(fd, offset, [buffer])
+    except StorageIOError as exc:
+        log.warning(
+            "cannot read %d bytes at offset %d of the data file: %s", len(buffer), offset, exc
+        )
+        return False
+    return True
+
+
+async def _read_pages(
+    fd: int, offset: int, buffer: memoryview, stride: int, backend: IoBackend
+) -> None:
+    """After a failed large read: read the header page of every ``stride`` bytes of ``buffer``
+    alone, zeroing those that cannot be read (zeroes are no evidence of anything)."""
+    for at in range(0, len(buffer), stride):
+        with buffer[at : at + PAGE_BYTES] as page:
+            if not await _read_quietly(fd, offset + at, page, backend):
+                page[:] = bytes(PAGE_BYTES)
+
+
+async def _next_segment(
     fd: int, segmap: SegmentMap, backend: IoBackend, page: memoryview
 ) -> SegmentHeader | None:
+    """The segment that follows the last one of ``segmap``, its header read or, when damaged,
+    rebuilt; ``None`` at the end of the carved part of the file."""
     start = segmap.segments[-1].end if segmap.segments else PAGE_BYTES
     if start + PAGE_BYTES > segmap.file_bytes:
         return None
-    try:
-        await backend.readv(fd, start, [page])
-    except StorageIOError:
-        return None
+    if not await _read_quietly(fd, start, page, backend):
+        return await _rebuild_segment(fd, segmap, backend, page, start)
     try:
         header = SegmentHeader.unpack(page)
     except CorruptRecord:
+        if damaged_segment_header(page, segmap.file_id):
+            return await _rebuild_segment(fd, segmap, backend, page, start)
         return None
-    if header.file_id != segmap.file_id or header.start != start or header.end > segmap.file_bytes:
-        return None
+    if header.file_id != segmap.file_id or header.end > segmap.file_bytes:
+        return None  # another file's header (this one was re-initialised), or a shrunk file
+    if header.start != start:
+        return await _rebuild_segment(fd, segmap, backend, page, start)
     return header
+
+
+async def _rebuild_segment(
+    fd: int, segmap: SegmentMap, backend: IoBackend, page: memoryview, start: int
+) -> SegmentHeader | None:
+    """Rebuild the damaged segment header at ``start`` from what follows it, and write it back."""
+    records, next_start = await _search(fd, segmap, backend, start)
+    header = segmap.rebuild_segment(start, [(at, r.stored_bytes) for at, r in records], next_start)
+    where = f"the segment header at offset {start} of the data file is damaged"
+    if header is not None:
+        log.warning(
+            "%s; rebuilt from %d record headers as %d slots of %d bytes",
+            where,
+            len(records),
+            header.slot_count,
+            header.slot_bytes,
+        )
+    elif next_start is not None:
+        # Nothing tells the geometry. A placeholder of one slot as large as the whole extent
+        # keeps it accounted for, so the segments after it keep their places and the scan steps
+        # over it. Its records are lost (at most this segment); its one slot serves a later
+        # block of exactly that size class, so the bytes otherwise stay as they are.
+        header = SegmentHeader(segmap.file_id, start, next_start - start - PAGE_BYTES, 1)
+        log.warning(
+            "%s and no record header in it tells its geometry: its %d bytes are lost; the scan "
+            "goes on at offset %d",
+            where,
+            next_start - start,
+            next_start,
+        )
+    else:
+        # Nothing intact lies after it: it was the last segment and holds nothing recoverable.
+        # Clearing the page makes it the never-carved tail again (the next segment is carved
+        # here), so that the next start does not search the rest of the file again.
+        log.warning("%s and nothing intact follows it; the file is carved again from there", where)
+        page[:] = bytes(PAGE_BYTES)
+        await _write_durably(fd, start, page, backend)
+        return None
+    page[:] = header.pack()
+    await _write_durably(fd, start, page, backend)
+    return header
+
+
+async def _search(
+    fd: int, segmap: SegmentMap, backend: IoBackend, start: int
+) -> tuple[list[tuple[int, RecordHeader]], int | None]:
+    """The intact record headers after ``start`` (with their offsets), up to the next intact
+    segment header of this file, and that header's offset (``None``: none before the end)."""
+    records: list[tuple[int, RecordHeader]] = []
+    # The smallest segment is a header page and one two-page slot.
+    earliest = start + 3 * PAGE_BYTES
+    bounce = mmap.mmap(-1, _RUN_BYTES)
+    view = memoryview(bounce)
+    try:
+        offset = start + PAGE_BYTES
+        while offset < segmap.file_bytes:
+            length = min(_RUN_BYTES, segmap.file_bytes - offset)
+            with view[:length] as run:
+                if not await _read_quietly(fd, offset, run, backend):
+                    await _read_pages(fd, offset, run, PAGE_BYTES, backend)
+            for at in range(0, length, PAGE_BYTES):
+                magic = bounce[at : at + 4]
+                if magic == SegmentHeader.MAGIC and offset + at >= earliest:
+                    if _is_segment_at(bounce[at : at + PAGE_BYTES], offset + at, segmap):
+                        return records, offset + at
+                elif magic == RecordHeader.MAGIC:
+                    with contextlib.suppress(CorruptRecord):
+                        records.append(
+                            (offset + at, RecordHeader.unpack(bounce[at : at + PAGE_BYTES]))
+                        )
+            offset += length
+        return records, None
+    finally:
+        view.release()
+        with contextlib.suppress(BufferError):
+            bounce.close()
+
+
+def _is_segment_at(page: bytes, offset: int, segmap: SegmentMap) -> bool:
+    try:
+        header = SegmentHeader.unpack(page)
+    except CorruptRecord:
+        return False
+    return (
+        header.file_id == segmap.file_id
+        and header.start == offset
+        and header.end <= segmap.file_bytes
+    )
+
+
+async def _write_durably(fd: int, offset: int, page: memoryview, backend: IoBackend) -> None:
+    """Write a repaired header page; a failure is logged (the next start repairs it again)."""
+    try:
+        await backend.writev(fd, offset, [page])
+        await backend.fdatasync(fd)
+    except (StorageIOError, NoSpaceError) as exc:
+        log.warning("cannot write the repaired header at offset %d: %s", offset, exc)

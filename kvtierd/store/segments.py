@@ -9,10 +9,16 @@ planned here, its header written durably by the I/O layer, and only then added w
 Space of one size class is not given to another: a file full of 2 MiB slots cannot hold a
 32 MiB block until an operator shrinks the first class (by a fresh tier). ``plan_segment``
 returns ``None`` then and the store evicts within the class or reports ``ENOSPC``.
+
+At recovery, a segment whose header was damaged is rebuilt here from what survives of it
+(:meth:`SegmentMap.rebuild_segment`): its intact record headers, which sit at slot boundaries
+and name their size, and the next intact segment header, which fixes where it ends.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtierd.store.records import PAGE_BYTES, SegmentHeader
@@ -64,6 +70,49 @@ class SegmentMap:
         count = max(1, self.target_segment_bytes // slot_bytes)
         count = min(count, room // slot_bytes)
         return SegmentHeader(self.file_id, self._tail, slot_bytes, count)
+
+    def rebuild_segment(
+        self, start: int, records: Sequence[tuple[int, int]], next_start: int | None
+    ) -> SegmentHeader | None:
+        """At recovery: the geometry of the segment at ``start``, whose header is lost.
+
+        ``records`` are the ``(file offset, stored bytes)`` of the intact record headers found
+        after ``start``; ``next_start`` is where the next intact segment header is, ``None``
+        when there is none before the end of the file. A slot size is a candidate when a record
+        of that size sits on a slot boundary for it; candidates are tried by how many records
+        agree, and one is taken when it also ends the segment exactly at ``next_start`` (or,
+        for the last segment, with the count :meth:`plan_segment` would have chosen, widened to
+        the furthest record). ``None`` when no candidate fits.
+        """
+        first = start + PAGE_BYTES
+        end = next_start if next_start is not None else self.file_bytes
+        votes: Counter[int] = Counter()
+        furthest: dict[int, int] = {}
+        for offset, stored in records:
+            slot_bytes = slot_bytes_for(stored)
+            if slot_bytes < 2 * PAGE_BYTES or not first <= offset <= end - slot_bytes:
+                continue
+            index, misaligned = divmod(offset - first, slot_bytes)
+            if not misaligned:
+                votes[slot_bytes] += 1
+                furthest[slot_bytes] = max(furthest.get(slot_bytes, 0), index)
+        # Slot 0's header page is one the daemon wrote (or zeroed): when it holds a record, its
+        # size decides, whatever pages inside payloads (a tenant's bytes) look like.
+        at_first = [slot_bytes_for(stored) for offset, stored in records if offset == first]
+        candidates = (
+            [(at_first[0], 1)] if at_first and at_first[0] in votes else votes.most_common()
+        )
+        for slot_bytes, _ in candidates:
+            if next_start is not None:
+                count, rest = divmod(next_start - first, slot_bytes)
+                if rest:
+                    continue
+            else:
+                room = (self.file_bytes - first) // slot_bytes
+                count = min(max(1, self.target_segment_bytes // slot_bytes), room)
+                count = max(count, furthest[slot_bytes] + 1)
+            return SegmentHeader(self.file_id, start, slot_bytes, count)
+        return None
 
     def add_segment(self, header: SegmentHeader, *, all_free: bool = True) -> int:
         """Adopt a segment whose header is durable; returns its number."""

@@ -13,6 +13,10 @@ prediction go back to the engine as keys.
 The index is not thread-safe: each session's calls are serialised by a lock, and the CPU work
 runs in a worker thread so the event loop keeps serving. Sessions beyond ``max_sessions`` are
 dropped least recently used first.
+
+Summaries follow their block: one is dropped when its block leaves the store (its last tier
+let it go, or it was forgotten), and together they stay within ``max_summary_bytes`` (the
+least recently summarised or used go first; such a block is then simply not ranked).
 """
 
 from __future__ import annotations
@@ -50,10 +54,18 @@ class _Session:
 class SparseRetrieval:
     """Summaries of sparse namespaces' blocks, and the sessions' indices."""
 
-    def __init__(self, max_sessions: int = 64) -> None:
+    def __init__(self, max_sessions: int = 64, max_summary_bytes: int = 256 << 20) -> None:
         self.max_sessions = max_sessions
-        self._summaries: dict[tuple[bytes, bytes], np.ndarray] = {}
+        self.max_summary_bytes = max_summary_bytes
+        self._summaries: OrderedDict[tuple[bytes, bytes], np.ndarray] = OrderedDict()
         self._sessions: OrderedDict[tuple[int, bytes], _Session] = OrderedDict()
+        self.summary_bytes = 0
+        #: Summaries dropped to stay within ``max_summary_bytes``.
+        self.summaries_dropped = 0
+
+    @property
+    def summaries(self) -> int:
+        return len(self._summaries)
 
     @staticmethod
     def layout_of(ns: Namespace) -> BlockLayout:
@@ -74,10 +86,21 @@ class SparseRetrieval:
             ]
 
         for (key, _), summary in zip(blocks, await anyio.to_thread.run_sync(work), strict=True):
+            self._drop((ns.digest, key))
             self._summaries[(ns.digest, key)] = summary
+            self.summary_bytes += summary.nbytes
+        while self.summary_bytes > self.max_summary_bytes and self._summaries:
+            self._drop(next(iter(self._summaries)))
+            self.summaries_dropped += 1
 
     def forget(self, block: Block) -> None:
-        self._summaries.pop(block.id, None)
+        """``block`` left the store: its summary goes too."""
+        self._drop(block.id)
+
+    def _drop(self, block_id: tuple[bytes, bytes]) -> None:
+        summary = self._summaries.pop(block_id, None)
+        if summary is not None:
+            self.summary_bytes -= summary.nbytes
 
     async def select(
         self,
@@ -97,7 +120,7 @@ class SparseRetrieval:
                 entry.index = SparseIndex(entry.index.config)
                 entry.chain = []
             new = [
-                (position, self._summaries.get((ns.digest, key)))
+                (position, self._used((ns.digest, key)))
                 for position, key in enumerate(chain)
                 if position >= len(entry.chain)
             ]
@@ -121,6 +144,12 @@ class SparseRetrieval:
             [chain[int(p)] for p in ranked],
             [chain[int(p)] for p in predicted if p >= 0 and int(p) not in chosen],
         )
+
+    def _used(self, block_id: tuple[bytes, bytes]) -> np.ndarray | None:
+        summary = self._summaries.get(block_id)
+        if summary is not None:
+            self._summaries.move_to_end(block_id)
+        return summary
 
     def _session(
         self, ns: Namespace, session: bytes, queries: np.ndarray, query_layers: Sequence[int]

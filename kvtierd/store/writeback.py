@@ -83,9 +83,12 @@ class WriteBack:
             async with self._progress:
                 await self._progress.wait()
 
-    async def drain(self, up_to_seq: int) -> None:
+    async def drain(
+        self, up_to_seq: int, concerns: Callable[[Block], bool] = lambda block: True
+    ) -> None:
         """Return once every block with ``seq <= up_to_seq`` left the queue. Raises the first
-        error of a block that could not be written, after retrying failed blocks once."""
+        error of a block that could not be written (of those the caller ``concerns``), after
+        retrying failed blocks once."""
         retry = [b for seq, (b, _) in sorted(self._failed.items()) if seq <= up_to_seq]
         for block in retry:
             del self._failed[block.ref.seq]
@@ -95,8 +98,12 @@ class WriteBack:
             while any(seq <= up_to_seq for seq in self._pending):
                 await self._progress.wait()
         for seq, (block, exc) in sorted(self._failed.items()):
-            if seq <= up_to_seq and not block.forgotten:
+            if seq <= up_to_seq and not block.forgotten and concerns(block):
                 raise type(exc)(f"a committed block could not be made durable: {exc}")
 
     def pending_bytes(self) -> int:
         return sum(b.ref.raw_bytes for b in self._pending.values())
+
+    def queued(self) -> list[Block]:
+        """The blocks queued or being written."""
+        return list(self._pending.values())

@@ -21,7 +21,7 @@ import pytest
 
 from kvtierd.client import connect
 from kvtierd.protocol import MAX_KEYS_PER_REQUEST, Opcode
-from kvtierd.protocol.frames import HEADER_BYTES, REPLY_MAGIC, REQUEST_MAGIC
+from kvtierd.protocol.frames import HEADER_BYTES, PROTOCOL_MINOR, REPLY_MAGIC, REQUEST_MAGIC
 from kvtierd.protocol.messages import (
     AllocRequest,
     CommitRequest,
@@ -150,7 +150,7 @@ class Attacker:
             unique = 1
             frames = []
             if rng.random() < 0.7:
-                init = InitRequest(1, 0, 1 << 20, "attacker")
+                init = InitRequest(1, PROTOCOL_MINOR, 1 << 20, "attacker")
                 frames.append(frame(Opcode.INIT, encode_body(init), unique))
                 unique += 1
             for _ in range(rng.randint(5, 40)):

@@ -153,7 +153,7 @@ def test_write_in_place_then_lease_without_copies(daemon: DaemonProcess) -> None
             assert ns.lookup(keys) == 1  # nothing visible before the commit
         assert ns.lookup(keys) == 4
         with ns.lease(keys[1:]) as lease:
-            arena = np.frombuffer(client.arena_buffer(), np.uint8)
+            arena = np.frombuffer(ns.arena_buffer(), np.uint8)
             for i, extent in enumerate(lease.extents, start=1):
                 assert (arena[extent.offset : extent.offset + extent.length] == i).all()
             held = np.frombuffer(lease.views[0], np.uint8)  # an array still wrapping a view

@@ -13,10 +13,8 @@ ENOSPC is checked through the async client: the sync client currently reports ev
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +22,7 @@ import pytest
 
 from kvtierd.client import NoSpaceError, connect_async
 from kvtierd.testing import DaemonProcess
+from tests.support.filesystems import small_file_system
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,24 +35,6 @@ def block(i: int) -> np.ndarray:
 
 def key(i: int) -> bytes:
     return b"full-%06d" % i + bytes(5)
-
-
-@contextlib.contextmanager
-def small_file_system(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted at ``path`` (skips the test where mounting is refused)."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.mark.anyio

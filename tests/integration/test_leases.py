@@ -61,7 +61,9 @@ async def _put_expecting_no_space(socket: Path, count: int) -> None:
 
 
 def test_a_killed_client_frees_its_leases_and_pending_writes(tmp_path: Path) -> None:
-    with DaemonProcess(tmp_path / "kvtierd", dram_size="32M") as daemon:
+    # One connection may hold the whole region here: the test is about what its death frees.
+    config = "[limits]\nconnection_pinned_share = 1.0\n"
+    with DaemonProcess(tmp_path / "kvtierd", dram_size="32M", config_text=config) as daemon:
         holder = subprocess.Popen(
             [sys.executable, "-c", HOLDER, str(daemon.socket), "12", "16"],
             stdout=subprocess.PIPE,

@@ -71,3 +71,26 @@ def test_hint_with_queries_needs_a_sparse_namespace(tmp_path) -> None:  # type: 
             sparse.hint_attention(
                 keys, np.zeros((1, 1, 5), np.float32), query_layers=[2], budget_blocks=2
             )
+
+
+def test_summaries_follow_their_blocks_out_of_the_store(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 14 row 10: 16,384 blocks through a sparse namespace whose tiers hold far fewer
+    kept a summary for every one of them. Now a block that leaves its last tier takes its
+    summary along, and all of them stay within ``limits.sparse_summary_bytes``."""
+    big = {**LAYOUT, "layers": 16, "head_dim": 64, "block_tokens": 16}
+    block_bytes = 2 * 16 * KV_HEADS * 64 * 16 * 4  # 128 KiB
+    config = '[limits]\nsparse_summary_bytes = "256K"\n'
+    with (
+        DaemonProcess(tmp_path, dram_size="16M", nvme_size="0", config_text=config) as d,
+        connect(d.socket) as client,
+    ):
+        ns = client.namespace("toy", block_bytes=block_bytes, layout=big, sparse=True)
+        rng = np.random.default_rng(0)
+        block = rng.normal(0, 1, block_bytes // 4).astype(np.float32)
+        keys = chain_keys(range(16 * 1024), 16, ns.key_salt)
+        for start in range(0, len(keys), 32):
+            ns.put(keys[start : start + 32], [block] * 32)
+        stats = client.stats()
+        assert stats["tiers"][0]["blocks"] < len(keys)  # the tier really let blocks go
+        assert 0 < stats["sparse_summaries"] <= stats["tiers"][0]["blocks"]  # no orphans
+        assert stats["sparse_summary_bytes"] <= 256 << 10

@@ -1,8 +1,10 @@
 """Golden bytes: the frames of the worked example in ``docs/protocol.md``, pinned exactly, so an
 accidental change to the format fails here.
 
-They were captured from a real daemon (``--dram-size 64M``) and are replayed here through the
-sans-IO connections. If one of these tests fails the wire format changed: that needs the
+They were captured from a real daemon (``--dram-size 64M``) at protocol minor 1 and brought to
+minor 6 by hand where minor 6 changed them (INIT's minor, the INIT reply without a descriptor,
+the OPEN_NS reply's region and its descriptor); they are replayed here through the sans-IO
+connections. If one of these tests fails the wire format changed: that needs the
 compatibility rule of ``docs/protocol.md`` (an appended field with a default, or a new
 ``PROTOCOL_VERSION``) and the document updated, not just a new golden value pasted in.
 """
@@ -36,19 +38,20 @@ KEYS = chain_keys(range(32), 16, SALT)
 
 INIT = bytes.fromhex(
     "4b565451 0100 0100 31000000 00000000 0100000000000000 00000000 00000000"
-    "94 01 00 ce00100000 a8656e67696e652d30"
+    "94 01 06 ce00100000 a8656e67696e652d30"
 )
 INIT_REPLY = bytes.fromhex(
-    "4b565452 0100 0100 39000000 00000000 0100000000000000 01000000 00000000"
-    "97 01 00 ce00100000 cd0100 cd2000 ce04200000 a5302e312e30"
+    "4b565452 0100 0100 35000000 00000000 0100000000000000 00000000 00000000"
+    "97 01 06 ce00100000 cd0100 cd2000 00 a5302e312e30"
 )
 OPEN_NS = bytes.fromhex(
     "4b565451 0100 0200 3b000000 00000000 0200000000000000 00000000 00000000"
     "99 a464656d6f cd1000 c0 00 01 a764656661756c74 a46e6f6e65 c3 c2"
 )
 OPEN_NS_REPLY = bytes.fromhex(
-    "4b565452 0100 0200 46000000 00000000 0200000000000000 00000000 00000000"
-    "93 01 c410d700654d3bffa7c422d10f5996ecc926 c4108a730622a43be5fde4c7c5fe4d32f84f"
+    "4b565452 0100 0200 4c000000 00000000 0200000000000000 01000000 00000000"
+    "95 01 c410d700654d3bffa7c422d10f5996ecc926 c4108a730622a43be5fde4c7c5fe4d32f84f"
+    "01 ce04000000"
 )
 LOOKUP = bytes.fromhex(
     "4b565451 0100 0300 47000000 00000000 0300000000000000 01000000 00000000"
@@ -102,14 +105,15 @@ def _answer(client: ClientConnection, frame: bytes) -> ReplyReceived:
 def test_the_documented_exchange_byte_for_byte() -> None:
     client, server = ClientConnection(), ServerConnection()
 
-    init = _exchange(client, server, InitRequest(1, 0, 1 << 20, "engine-0"), 0, INIT)
-    init_reply = InitReply(1, 0, 1 << 20, 256, 8192, 69206016, "0.1.0")
-    assert server.reply(init.header, init_reply, FrameFlags.FD_ATTACHED) == INIT_REPLY
+    init = _exchange(client, server, InitRequest(1, 6, 1 << 20, "engine-0"), 0, INIT)
+    init_reply = InitReply(1, 6, 1 << 20, 256, 8192, 0, "0.1.0")
+    assert server.reply(init.header, init_reply) == INIT_REPLY
     assert _answer(client, INIT_REPLY).message == init_reply
 
     open_ns = _exchange(client, server, OpenNsRequest("demo", 4096), 0, OPEN_NS)
-    assert server.reply(open_ns.header, OpenNsReply(1, SALT, DIGEST)) == OPEN_NS_REPLY
-    assert _answer(client, OPEN_NS_REPLY).message == OpenNsReply(1, SALT, DIGEST)
+    opened = OpenNsReply(1, SALT, DIGEST, 1, 64 << 20)
+    assert server.reply(open_ns.header, opened, FrameFlags.FD_ATTACHED) == OPEN_NS_REPLY
+    assert _answer(client, OPEN_NS_REPLY).message == opened
 
     lookup = _exchange(client, server, LookupRequest(KEYS), 1, LOOKUP)
     assert server.reply(lookup.header, LookupReply(1, b"\x00")) == LOOKUP_REPLY

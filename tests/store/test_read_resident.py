@@ -26,14 +26,15 @@ async def on_nvme_only(store: BlockStore, ns: Namespace, count: int) -> list[byt
         await put(store, owner, ns, key)
     await store.fsync()
     store.evict_dram(ns)
-    store.dram_policy.flush()
+    store.dram_policy_of(ns).flush()
     return keys
 
 
 def references(store: BlockStore) -> int:
     """The references the DRAM tier's reuse model has observed (its events delivered first)."""
-    store.dram_policy.flush()
-    policy = store.dram_policy.policy
+    (tier_policy,) = store.dram_policies.values()  # one region
+    tier_policy.flush()
+    policy = tier_policy.policy
     assert isinstance(policy, SlsapPolicy)
     return policy.statistics().references
 

@@ -144,7 +144,7 @@ async def test_forget_while_a_promotion_reads_the_disk(
             assert len(outcome) == 1
             assert isinstance(outcome[0], BlockNotFoundError)
         assert store.index.get(ns, key) is None
-        assert store.allocator.used_bytes == 0
+        assert store.regions.used_bytes == 0
         assert await read_back(store, owner, ns, other) == content(other, 256 << 10)
         await store.fsync()  # the store's own tasks are still alive
 
@@ -166,7 +166,7 @@ async def test_a_failing_disk_read_leaks_no_arena_space(
         monkeypatch.setattr(store.lower, "load", failing_load)
         with pytest.raises(StorageIOError):
             await store.read(owner, ns, [key])
-        assert store.allocator.used_bytes == 0
+        assert store.regions.used_bytes == 0
         assert not owner.leases
         monkeypatch.setattr(store.lower, "load", real_load)
         assert await read_back(store, owner, ns, key) == content(key, 256 << 10)

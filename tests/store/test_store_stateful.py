@@ -259,7 +259,7 @@ class StoreMachine(RuleBasedStateMachine):
         if any(b.loading is not None for b in blocks.values()) or self.store.writeback.backlog:
             return
         resident = sum(b.dram.size for b in blocks.values() if b.dram is not None)
-        assert self.store.allocator.used_bytes == resident
+        assert self.store.regions.used_bytes == resident
 
 
 def _bytes_of(store: BlockStore, block: Block) -> bytes:

@@ -1,0 +1,489 @@
+"""Recovery of the NVMe tier's index from a damaged data file or a snapshot that disagrees with
+it: nothing acknowledged is lost to metadata.
+
+* a flipped bit in a segment header (or an unreadable one) costs at most that segment: the
+  header is rebuilt from the record headers behind it and written back, and the segments after
+  it are all found;
+* a snapshot that decodes but disagrees with the file (a segment past its end, a slot that does
+  not exist, a record listed twice...) is discarded with a WARNING and the headers are scanned;
+* a record the medium cannot read, or whose place lies outside the file, is a miss, not an
+  error on every READ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+from collections.abc import AsyncIterator, Callable, Hashable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvtierd.errors import BlockNotFoundError, StorageIOError
+from kvtierd.io import IoBackend, open_io_backend
+from kvtierd.store.index import Owner
+from kvtierd.store.nvme import NvmeTier, open_nvme_tier
+from kvtierd.store.records import PAGE_BYTES, RecordHeader, SegmentHeader, checksum
+from kvtierd.store.recovery import SNAPSHOT_NAME, _Snapshot
+from kvtierd.store.segments import DiskSlot
+from kvtierd.store.staging import StagingPages
+from kvtierd.store.tier import BlockRef
+from tests.store.test_store_pressure import key_of, put, small_store
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+NS = bytes(range(16))
+DATA_FILE = "nvme.data"
+FILE_BYTES = 16 << 20
+SEGMENT_BYTES = 1 << 20
+SMALL = 64 << 10  # 68 KiB slots: 15 to a 1 MiB segment
+LARGE = 200 << 10
+STAGING_PAGES = 32
+BUFFER_BYTES = 256 << 10
+
+
+def content(key: bytes, nbytes: int) -> bytes:
+    return (key * (nbytes // len(key) + 1))[:nbytes]
+
+
+def key_for(i: int) -> bytes:
+    return b"blk-%06d" % i + bytes(6)
+
+
+@dataclass
+class Tier:
+    """An open NVMe tier and a scratch buffer to load into."""
+
+    tier: NvmeTier
+    backend: IoBackend
+    buffer: memoryview
+    seq: int = 0
+    stored: dict[bytes, tuple[BlockRef, Hashable]] = field(default_factory=dict)
+
+    async def put(self, key: bytes, nbytes: int) -> None:
+        data = content(key, nbytes)
+        self.seq += 1
+        ref = BlockRef(NS, key, nbytes, checksum(data), self.seq)
+        self.buffer[:nbytes] = data
+        self.stored[key] = (
+            ref,
+            await self.tier.store(ref, self.buffer[: -(-nbytes // 4096) * 4096]),
+        )
+
+    async def get(self, ref: BlockRef, location: Hashable) -> bytes:
+        await self.tier.load(ref, location, self.buffer[: -(-ref.raw_bytes // 4096) * 4096])
+        return bytes(self.buffer[: ref.raw_bytes])
+
+    @property
+    def segments(self) -> list[SegmentHeader]:
+        return list(self.tier._segmap.segments)
+
+
+@contextlib.asynccontextmanager
+async def open_tier(
+    directory: Path,
+    *,
+    backend_name: str = "threads",
+    hook: Callable[[IoBackend], None] = lambda backend: None,
+) -> AsyncIterator[Tier]:
+    memory = mmap.mmap(-1, STAGING_PAGES * PAGE_BYTES + BUFFER_BYTES)
+    view = memoryview(memory)
+    async with open_io_backend(backend_name, queue_depth=16) as backend:
+        with contextlib.suppress(StorageIOError):
+            backend.register_buffer(view)
+        hook(backend)
+        pages = StagingPages(view[: STAGING_PAGES * PAGE_BYTES], STAGING_PAGES)
+        async with open_nvme_tier(
+            directory / DATA_FILE,
+            FILE_BYTES,
+            backend=backend,
+            pages=pages,
+            segment_bytes=SEGMENT_BYTES,
+        ) as tier:
+            yield Tier(tier, backend, view[STAGING_PAGES * PAGE_BYTES :])
+
+
+async def write_blocks(directory: Path, sizes: list[int]) -> tuple[dict[bytes, int], list[int]]:
+    """Store blocks of ``sizes`` and close cleanly; their sizes by key, and the segments'
+    starts."""
+    async with open_tier(directory) as t:
+        for i, nbytes in enumerate(sizes):
+            await t.put(key_for(i), nbytes)
+        await t.tier.sync()
+        starts = [s.start for s in t.segments]
+    return {key_for(i): n for i, n in enumerate(sizes)}, starts
+
+
+async def check_all_back(t: Tier, expected: dict[bytes, int]) -> None:
+    found = {r.ref.key: r for r in t.tier.recovered()}
+    assert set(found) == set(expected), f"lost: {sorted(set(expected) - set(found))[:5]}"
+    for key, nbytes in expected.items():
+        assert await t.get(found[key].ref, found[key].location) == content(key, nbytes), key
+
+
+def crash(directory: Path) -> None:
+    """Remove what only a clean stop leaves: the next open scans, as after ``kill -9``."""
+    (directory / SNAPSHOT_NAME).unlink(missing_ok=True)
+
+
+def flip(directory: Path, offset: int, mask: int = 0x01) -> None:
+    fd = os.open(directory / DATA_FILE, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)[0]
+        os.pwrite(fd, bytes([byte ^ mask]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# -- damaged segment headers -------------------------------------------------------------------
+
+
+# magic, file id, start, slot bytes, slot count, checksum
+HEADER_BYTES = [0, 10, 24, 32, 40, 50]
+
+
+@pytest.mark.parametrize("byte", HEADER_BYTES)
+@pytest.mark.parametrize("which", [0, 1, -1])
+async def test_a_flipped_bit_in_a_segment_header_loses_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, which: int, byte: int
+) -> None:
+    expected, starts = await write_blocks(tmp_path, [SMALL] * 100)  # 7 segments, the last partial
+    assert len(starts) == 7
+    crash(tmp_path)
+    flip(tmp_path, starts[which] + byte)
+    with caplog.at_level(logging.WARNING, "kvtierd.recovery"):
+        async with open_tier(tmp_path) as t:
+            await check_all_back(t, expected)
+            assert [s.start for s in t.segments] == starts
+    assert any(f"offset {starts[which]} " in m and "rebuilt" in m for m in warnings_of(caplog))
+    # the header was written back: the next start is a plain scan
+    caplog.clear()
+    crash(tmp_path)
+    with caplog.at_level(logging.WARNING, "kvtierd.recovery"):
+        async with open_tier(tmp_path) as t:
+            await check_all_back(t, expected)
+            # and the tier goes on carving where it left off
+            await t.put(b"after-repair" + bytes(4), SMALL)
+            expected[b"after-repair" + bytes(4)] = SMALL
+    assert warnings_of(caplog) == []
+    crash(tmp_path)
+    async with open_tier(tmp_path) as t:
+        await check_all_back(t, expected)
+
+
+@pytest.mark.parametrize("byte", [0, 10, 40])  # magic, file id, checksum
+async def test_a_flipped_bit_in_the_superblock_loses_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, byte: int
+) -> None:
+    expected, _ = await write_blocks(tmp_path, [SMALL] * 40)
+    crash(tmp_path)
+    flip(tmp_path, byte)
+    with caplog.at_level(logging.WARNING, "kvtierd.nvme"):
+        async with open_tier(tmp_path) as t:
+            await check_all_back(t, expected)
+    assert any("superblock" in m for m in warnings_of(caplog))
+    crash(tmp_path)
+    async with open_tier(tmp_path) as t:
+        await check_all_back(t, expected)
+
+
+@pytest.mark.parametrize("backend_name", ["threads", "io_uring"])
+async def test_segments_of_other_sizes_are_rebuilt_with_their_own_geometry(
+    tmp_path: Path, backend_name: str, request: pytest.FixtureRequest
+) -> None:
+    if backend_name == "io_uring":
+        request.getfixturevalue("uring_works")
+    sizes = [SMALL] * 20 + [LARGE] * 12 + [SMALL] * 20 + [LARGE] * 3
+    expected, starts = await write_blocks(tmp_path, sizes)
+    crash(tmp_path)
+    for start in starts[1:]:  # every header but the first: each is rebuilt in turn
+        flip(tmp_path, start + 44, 0x80)
+    async with open_tier(tmp_path, backend_name=backend_name) as t:
+        await check_all_back(t, expected)
+        assert [s.start for s in t.segments] == starts
+
+
+async def test_a_segment_with_nothing_readable_costs_that_segment_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    expected, starts = await write_blocks(tmp_path, [SMALL] * 60)  # 4 full segments
+    crash(tmp_path)
+    flip(tmp_path, starts[1] + 50)
+    for index in range(15):  # and every record header of segment 1
+        flip(tmp_path, starts[1] + PAGE_BYTES + index * (SMALL + PAGE_BYTES) + 60)
+    with caplog.at_level(logging.WARNING, "kvtierd.recovery"):
+        async with open_tier(tmp_path) as t:
+            lost = {key_for(i) for i in range(15, 30)}
+            await check_all_back(t, {k: n for k, n in expected.items() if k not in lost})
+            assert [s.start for s in t.segments] == starts
+            for i in range(20):  # the tier stays usable, the lost extent included
+                await t.put(b"new-%04d" % i + bytes(8), SMALL)
+    assert any("lost" in m and f"offset {starts[1]} " in m for m in warnings_of(caplog))
+
+
+async def test_a_damaged_last_segment_with_nothing_in_it_is_carved_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with open_tier(tmp_path) as t:
+        for i in range(20):
+            await t.put(key_for(i), SMALL)
+        for i in range(15, 20):  # the second segment holds nothing any more
+            await t.tier.discard(t.stored[key_for(i)][1])
+        await t.tier.sync()
+        starts = [s.start for s in t.segments]
+    crash(tmp_path)
+    flip(tmp_path, starts[1] + 40)
+    with caplog.at_level(logging.WARNING, "kvtierd.recovery"):
+        async with open_tier(tmp_path) as t:
+            await check_all_back(t, {key_for(i): SMALL for i in range(15)})
+            assert [s.start for s in t.segments] == starts[:1]
+            await t.put(b"carved-again" + bytes(4), SMALL)
+            assert [s.start for s in t.segments] == starts
+    assert any("carved again" in m for m in warnings_of(caplog))
+
+
+async def test_an_unreadable_segment_header_is_rebuilt(tmp_path: Path) -> None:
+    expected, starts = await write_blocks(tmp_path, [SMALL] * 40)
+    crash(tmp_path)
+    failures = 0
+
+    def hook(backend: IoBackend) -> None:
+        real = backend.readv
+
+        async def readv(fd: int, offset: int, buffers: Any) -> int:
+            nonlocal failures
+            if offset <= starts[1] < offset + sum(len(b) for b in buffers) and failures < 1:
+                failures += 1
+                raise StorageIOError("injected: unreadable sector")
+            return await real(fd, offset, buffers)
+
+        backend.readv = readv  # type: ignore[method-assign]
+
+    async with open_tier(tmp_path, hook=hook) as t:
+        await check_all_back(t, expected)
+    assert failures == 1
+
+
+@pytest.mark.parametrize("nbytes", [16 << 10, SMALL])  # read in runs of slots, or one by one
+async def test_an_unreadable_slot_header_costs_that_block_only(tmp_path: Path, nbytes: int) -> None:
+    expected, starts = await write_blocks(tmp_path, [nbytes] * 40)
+    crash(tmp_path)
+    slot_bytes = nbytes + PAGE_BYTES
+    per_segment = SEGMENT_BYTES // slot_bytes
+    bad = starts[-1] + PAGE_BYTES + 3 * slot_bytes
+
+    def hook(backend: IoBackend) -> None:
+        real = backend.readv
+
+        async def readv(fd: int, offset: int, buffers: Any) -> int:
+            if offset <= bad < offset + sum(len(b) for b in buffers):
+                raise StorageIOError("injected: unreadable sector")
+            return await real(fd, offset, buffers)
+
+        backend.readv = readv  # type: ignore[method-assign]
+
+    async with open_tier(tmp_path, hook=hook) as t:
+        found = {r.ref.key for r in t.tier.recovered()}
+    assert found == set(expected) - {key_for((len(starts) - 1) * per_segment + 3)}
+
+
+@pytest.mark.parametrize("tail", ["random", "foreign header", "record header"])
+async def test_what_is_not_a_damaged_header_still_ends_the_scan(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, tail: str
+) -> None:
+    """Bytes at the tail that are not a damaged header of this file start no search, and nothing
+    behind them is adopted."""
+    expected, starts = await write_blocks(tmp_path, [SMALL] * 15)  # exactly one segment
+    end = starts[0] + PAGE_BYTES + 15 * (SMALL + PAGE_BYTES)
+    stray = RecordHeader(NS, b"stray" + bytes(11), 100, 100, 0, 10**9)
+    pages = {
+        "random": os.urandom(PAGE_BYTES),
+        "foreign header": SegmentHeader(bytes(16), end, SMALL + PAGE_BYTES, 3).pack(),
+        "record header": stray.pack(),
+    }
+    fd = os.open(tmp_path / DATA_FILE, os.O_RDWR)
+    try:
+        os.pwrite(fd, pages[tail], end)
+        os.pwrite(fd, stray.pack(), end + PAGE_BYTES)
+    finally:
+        os.close(fd)
+    crash(tmp_path)
+    with caplog.at_level(logging.WARNING, "kvtierd.recovery"):
+        async with open_tier(tmp_path) as t:
+            await check_all_back(t, expected)
+            assert len(t.segments) == 1
+    assert warnings_of(caplog) == []
+
+
+# -- snapshots that disagree with the file -----------------------------------------------------
+
+
+def edit_snapshot(directory: Path, change: Callable[[_Snapshot], None]) -> None:
+    path = directory / SNAPSHOT_NAME
+    snap = msgspec.msgpack.decode(path.read_bytes(), type=_Snapshot)
+    change(snap)
+    path.write_bytes(msgspec.msgpack.encode(snap))
+
+
+def past_the_end(snap: _Snapshot) -> None:
+    start, slot_bytes, count = snap.segments[-1]
+    snap.segments[-1] = (start, slot_bytes, count + 1000)
+
+
+def shifted_segment(snap: _Snapshot) -> None:
+    start, slot_bytes, count = snap.segments[1]
+    snap.segments[1] = (start + PAGE_BYTES, slot_bytes, count)
+
+
+def other_geometry(snap: _Snapshot) -> None:
+    """Inside the file, contiguous, every record in a slot of it, but not what the segment
+    header on disk says."""
+    start, slot_bytes, count = snap.segments[-1]
+    snap.segments[-1] = (start, slot_bytes, count - 1)
+
+
+RECORD_FIELDS = ("segment", "index", "digest", "key", "stored", "raw", "checksum", "seq", "flags")
+
+
+def record(snap: _Snapshot, **changes: int) -> None:
+    """Change fields of the first record."""
+    fields = list(snap.records[0])
+    for name, value in changes.items():
+        fields[RECORD_FIELDS.index(name)] = value
+    snap.records[0] = tuple(fields)  # type: ignore[assignment]
+
+
+def duplicated_record(snap: _Snapshot) -> None:
+    snap.records.append(snap.records[0])
+
+
+def one_key_twice(snap: _Snapshot) -> None:
+    """The same key and sequence number in two slots."""
+    first, second = snap.records[0], snap.records[1]
+    snap.records[1] = (*second[:2], *first[2:])
+
+
+BAD_SNAPSHOTS: dict[str, Callable[[_Snapshot], None]] = {
+    "a segment past the end of the file": past_the_end,
+    "segments not contiguous": shifted_segment,
+    "a segment the headers on disk disagree with": other_geometry,
+    "a record in a segment that does not exist": lambda s: record(s, segment=99),
+    "a record in a slot past its segment": lambda s: record(s, index=15 + 5),
+    "a negative slot": lambda s: record(s, index=-1),
+    "a record larger than its slot": lambda s: record(s, stored=SMALL * 4),
+    "a record listed twice": duplicated_record,
+    "a key twice with one sequence number": one_key_twice,
+}
+
+
+@pytest.mark.parametrize("damage", list(BAD_SNAPSHOTS), ids=list(BAD_SNAPSHOTS))
+async def test_a_snapshot_that_disagrees_with_the_file_is_discarded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    expected, _ = await write_blocks(tmp_path, [SMALL] * 40)
+    edit_snapshot(tmp_path, BAD_SNAPSHOTS[damage])
+    with caplog.at_level(logging.WARNING, "kvtierd.recovery"):
+        async with open_tier(tmp_path) as t:
+            assert t.tier.recovery_source == "scan"
+            await check_all_back(t, expected)
+            assert t.tier.statistics().blocks == len(expected)
+    assert any(
+        "index snapshot disagrees with the data file" in m and "scanning instead" in m
+        for m in warnings_of(caplog)
+    )
+
+
+async def test_a_snapshot_repairs_a_damaged_segment_header(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    expected, starts = await write_blocks(tmp_path, [SMALL] * 40)
+    flip(tmp_path, starts[1] + 40)
+    with caplog.at_level(logging.WARNING, "kvtierd.recovery"):
+        async with open_tier(tmp_path) as t:
+            assert t.tier.recovery_source == "snapshot"
+            await check_all_back(t, expected)
+    assert any(f"offset {starts[1]} " in m for m in warnings_of(caplog))
+    caplog.clear()
+    crash(tmp_path)
+    with caplog.at_level(logging.WARNING, "kvtierd.recovery"):
+        async with open_tier(tmp_path) as t:
+            await check_all_back(t, expected)
+    assert warnings_of(caplog) == []
+
+
+# -- records that cannot be read ---------------------------------------------------------------
+
+
+async def test_a_record_outside_the_file_is_a_miss(tmp_path: Path) -> None:
+    async with open_tier(tmp_path) as t:
+        await t.put(key_for(0), SMALL)
+        ref, _ = t.stored[key_for(0)]
+        outside = DiskSlot(0, 99, FILE_BYTES + 8 * PAGE_BYTES, SMALL + PAGE_BYTES)
+        t.tier._records[outside] = RecordHeader(NS, ref.key, SMALL, SMALL, ref.checksum, ref.seq)
+        with pytest.raises(BlockNotFoundError):
+            await t.get(ref, outside)
+        del t.tier._records[outside]
+    assert (tmp_path / DATA_FILE).stat().st_size == FILE_BYTES
+
+
+@pytest.mark.parametrize("failures", [1, 1000])
+async def test_a_record_the_medium_cannot_read_is_a_miss(tmp_path: Path, failures: int) -> None:
+    """One failed read is retried; a medium that keeps refusing makes the block a miss."""
+    async with open_tier(tmp_path) as t:
+        await t.put(key_for(0), SMALL)
+        ref, location = t.stored[key_for(0)]
+        real = t.backend.readv
+        left = failures
+
+        async def readv(fd: int, offset: int, buffers: Any) -> int:
+            nonlocal left
+            if left:
+                left -= 1
+                raise StorageIOError("injected: unreadable sector")
+            return await real(fd, offset, buffers)
+
+        t.backend.readv = readv  # type: ignore[method-assign]
+        if failures == 1:
+            assert await t.get(ref, location) == content(key_for(0), SMALL)
+        else:
+            with pytest.raises(BlockNotFoundError):
+                await t.get(ref, location)
+
+
+async def test_an_unreadable_block_stops_being_a_hit(tmp_path: Path) -> None:
+    """The store drops a copy whose load is a miss, so LOOKUP stops reporting it (it used to
+    answer EIO on every READ while LOOKUP kept reporting a hit)."""
+    async with small_store(tmp_path, SMALL) as (store, ns):
+        owner = Owner()
+        keys = [key_of(i) for i in range(3)]
+        for key in keys:
+            await put(store, owner, ns, key)
+        await store.fsync()
+        store.evict_dram(ns)
+        assert store.lookup(ns, keys, promote=False)[0] == 3
+        assert isinstance(store.lower, NvmeTier)
+        backend = store.lower._backend
+        real = backend.readv
+
+        async def readv(fd: int, offset: int, buffers: Any) -> int:
+            if len(buffers) == 2:  # a block's record, not a header page
+                raise StorageIOError("injected: unreadable sector")
+            return await real(fd, offset, buffers)
+
+        backend.readv = readv  # type: ignore[method-assign]
+        with pytest.raises(BlockNotFoundError):
+            await store.read(owner, ns, keys[:1])
+        assert store.lookup(ns, keys, promote=False)[0] == 0
+        backend.readv = real  # type: ignore[method-assign]
+        lease = await store.read(owner, ns, keys[1:])
+        store.release(owner, [lease.id])
