@@ -13,16 +13,40 @@ then, on the restarted daemon, checks two things:
 A block's bytes are a function of its key, so any served block can be checked. The same loop
 runs in CI (``tests/integration/test_crash.py``, 50 iterations); this tool runs it longer::
 
-    python tools/soak_crash.py --iterations 500 [--seed 1] [--dir DIR]
+    python tools/soak_crash.py --iterations 500 [--seed 1] [--dir DIR] [--hostile] [--record]
 
 and prints a JSON summary; the exit status is 1 when a violation was found.
+
+With ``--hostile`` the daemon has two tenants, and the honest writer and reader use tenant
+``honest`` while a hostile client (its own thread, two connections) attacks its own tenant's
+region, ``hostile``, the ways issue 14's review did: it commits blocks that are whole forged
+records (a record header for the honest namespace, naming an honest key, with a payload that
+matches the header's checksum), scribbles forged records over its whole region (committed slots
+included) and over the slots it has just committed (through a writable mapping of its own),
+punches holes in the region, tries to shrink or grow it (sealed: must fail with EPERM), and holds
+ALLOCs it never commits; a second hostile thread reads the hostile tenant's blocks meanwhile.
+Half the cycles give the daemon little staging memory, so that most blocks of a long COMMIT are
+not copied at COMMIT but at write-back, out of a slot the hostile client is still
+scribbling on (the copy is verified, and dropped when it changed). If
+a forged record ever reached the data file it would be recovered as an honest block, so the
+checks above catch it; on top of them every hostile block served (during the run and after each
+restart) must be the bytes committed for it (a miss is fine), and no ALLOC left uncommitted may
+ever become visible. A success of a refused attack (ftruncate, finding honest bytes in the
+hostile mapping) is a defence failure. The module is past 600 lines for that second client and
+for recording runs: they share the loop, its state and its checks.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import ctypes
+import errno
 import functools
 import json
+import mmap
+import os
 import random
 import shutil
 import sys
@@ -32,17 +56,52 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
+import xxhash
 
-from kvtierd.client import BlockNotFoundError, KvtierError, Namespace, connect
+from kvtierd.client import BlockNotFoundError, Client, KvtierError, Namespace, connect
+from kvtierd.errors import CorruptBlockError, NoSpaceError, QuotaError
+from kvtierd.store.namespaces import NamespaceSpec
+from kvtierd.store.records import PAGE_BYTES, RecordHeader, checksum
 from kvtierd.testing import DaemonProcess
 
-__all__ = ["CrashLoop", "Summary", "block_content", "main"]
+__all__ = ["CrashLoop", "HostileClient", "Summary", "block_content", "hostile_content", "main"]
 
 BLOCK_BYTES = 16 * 1024 + 123  # deliberately not a page multiple
 UNIVERSE = 600  # distinct keys: about 12 MiB of slots, well inside the NVMe tier
 NAMESPACE = "crash"
+
+HONEST, HOSTILE = "honest", "hostile"
+HOSTILE_NAMESPACE = "crash-hostile"
+#: A hostile block is one whole forged record as the data file lays it out: header page, payload.
+HOSTILE_BLOCK_BYTES = PAGE_BYTES + -(-BLOCK_BYTES // PAGE_BYTES) * PAGE_BYTES
+HOSTILE_UNIVERSE = 200  # keys it commits; the keys of its uncommitted ALLOCs come after these
+#: Forged records claim to be newer than anything written (recovery keeps the newest record).
+FORGED_SEQ = 1 << 60
+TENANTS = """
+[[tenants]]
+name = "honest"
+uids = [{uid}]
+dram_share = 0.75
+
+[[tenants]]
+name = "hostile"
+uids = [{uid}]
+dram_share = 0.25
+"""
+#: Little staging memory: 128K of copies, 64K of them write-back's own. Most blocks of a long
+#: COMMIT find no room to be copied at COMMIT, so write-back copies them from their slots, which
+#: their tenant can still write to, and verifies the copies.
+SMALL_STAGING = """
+[limits]
+max_block_bytes = "64K"
+
+[nvme]
+queue_depth = 192
+staging_bytes = "128K"
+"""
 
 
 @functools.cache
@@ -53,6 +112,36 @@ def block_content(key: bytes) -> bytes:
 
 def key_of(i: int) -> bytes:
     return i.to_bytes(8, "little") + b"crashkey"
+
+
+def hostile_key_of(i: int) -> bytes:
+    return i.to_bytes(8, "little") + b"hostile!"
+
+
+def _digest(name: str, tenant: str, block_bytes: int) -> bytes:
+    """A namespace's record tag: public, computable by anyone who knows its name and shape."""
+    spec = NamespaceSpec(name, tenant, block_bytes, None, 0, 1)
+    return xxhash.xxh3_128_digest(spec.identity(with_rank=True))
+
+
+HONEST_DIGEST = _digest(NAMESPACE, HONEST, BLOCK_BYTES)
+HOSTILE_DIGEST = _digest(HOSTILE_NAMESPACE, HOSTILE, HOSTILE_BLOCK_BYTES)
+
+
+def forged_record(digest: bytes, key: bytes, length: int, seq: int) -> bytes:
+    """A record image, header page and padded payload, that recovery would take for ``key``'s
+    newest block: its payload (not ``key``'s content) matches the header's checksum."""
+    payload = (b"FORGED BY THE HOSTILE TENANT " * (length // 29 + 1))[:length]
+    header = RecordHeader(digest, key, length, length, checksum(payload), seq).pack()
+    padded = -(-length // PAGE_BYTES) * PAGE_BYTES
+    return header.ljust(PAGE_BYTES, b"\0") + payload.ljust(padded, b"\0")
+
+
+@functools.cache
+def hostile_content(key: bytes) -> bytes:
+    """What the hostile tenant commits under ``key``: a forged record of an honest key."""
+    i = int.from_bytes(key[:8], "little")
+    return forged_record(HONEST_DIGEST, key_of(i % UNIVERSE), BLOCK_BYTES, FORGED_SEQ + i)
 
 
 @dataclass
@@ -67,6 +156,23 @@ class Summary:
     misses_not_durable: int = 0
     violations: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    hostile: bool = False
+    #: Acknowledged (FSYNC'd, not forgotten) blocks expected at the restarts, and found exact.
+    durable_expected: int = 0
+    durable_recovered: int = 0
+    #: Blocks served (honest or hostile, during the run or after a restart) with wrong bytes.
+    wrong_bytes_served: int = 0
+    #: Honest reads the client library refused (checksum mismatch): nobody writes there.
+    corrupt_reads: int = 0
+    #: Hostile blocks served and compared; hostile reads the client library refused (their
+    #: slot changed after COMMIT: a miss).
+    hostile_served_checked: int = 0
+    hostile_misses: int = 0
+    #: Hostile blocks the daemons reported dropped at write-back (seen before each kill).
+    writebacks_dropped: int = 0
+    hostile_actions: dict[str, int] = field(default_factory=dict)
+    hostile_outcomes: dict[str, int] = field(default_factory=dict)
+    defence_failures: int = 0
 
 
 _Client = Callable[[DaemonProcess, random.Random, threading.Event], None]
@@ -75,26 +181,41 @@ _Client = Callable[[DaemonProcess, random.Random, threading.Event], None]
 class CrashLoop:
     """The loop's state across iterations: which keys were ever written, which are durable."""
 
-    def __init__(self, directory: Path, *, seed: int, dram_size: str, nvme_size: str) -> None:
+    def __init__(
+        self, directory: Path, *, seed: int, dram_size: str, nvme_size: str, hostile: bool = False
+    ) -> None:
         self.directory = directory
         self.rng = random.Random(seed)
         self.dram_size = dram_size
         self.nvme_size = nvme_size
+        self.hostile = hostile
+        self.tenant = HONEST if hostile else "default"
         self.written: set[bytes] = set()  # every key ever sent in a PUT
         self.durable: set[bytes] = set()  # FSYNC returned after its PUT, not forgotten since
-        self.summary = Summary()
+        self.held_keys: set[bytes] = set()  # hostile keys ALLOCed and never committed
+        self.summary = Summary(hostile=hostile)
+        self.actions: collections.Counter[str] = collections.Counter()
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self.dropped_seen = 0  # corrupt_writebacks of the daemon now running
         self._lock = threading.Lock()
 
     # -- one iteration ---------------------------------------------------------------------
 
-    def iteration(self, number: int) -> None:
-        runtime = "trio" if number % 2 else "asyncio"
-        daemon = DaemonProcess(
+    def daemon(self, runtime: str = "asyncio", *, small_staging: bool = False) -> DaemonProcess:
+        config = None
+        if self.hostile:
+            config = TENANTS.format(uid=os.getuid()) + (SMALL_STAGING if small_staging else "")
+        return DaemonProcess(
             self.directory,
             dram_size=self.dram_size,
             nvme_size=self.nvme_size,
             runtime=runtime,
+            config_text=config,
         )
+
+    def iteration(self, number: int) -> None:
+        # both runtimes, each with the default staging memory and with little
+        daemon = self.daemon("trio" if number % 2 else "asyncio", small_staging=number % 4 >= 2)
         daemon.start(timeout_s=60)
         try:
             self.verify(daemon, number)
@@ -106,8 +227,11 @@ class CrashLoop:
     def verify(self, daemon: DaemonProcess, number: int) -> None:
         """After a restart: durable keys present and exact; whatever is served is exact."""
         with connect(daemon.socket, timeout_s=30) as client:
-            ns = client.namespace(NAMESPACE, block_bytes=BLOCK_BYTES)
-            present = self._present(ns, number, sorted(self.written))
+            ns = client.namespace(NAMESPACE, block_bytes=BLOCK_BYTES, tenant=self.tenant)
+            # The hostile tenant forges records of every honest key, written or not.
+            keys = [key_of(i) for i in range(UNIVERSE)] if self.hostile else self.written
+            self.summary.durable_expected += len(self.durable)
+            present = self._present(ns, number, sorted(keys))
             for start in range(0, len(present), 32):
                 chunk = present[start : start + 32]
                 try:  # the common case: every block of the chunk is intact
@@ -117,6 +241,8 @@ class CrashLoop:
                 except BlockNotFoundError:
                     for key in chunk:
                         self._verify_one(ns, number, key)
+            if self.hostile:
+                self._verify_hostile(client, number)
             if client.stats()["leases"] != 0:
                 self._violation(f"iteration {number}: leases left after verification")
 
@@ -145,6 +271,8 @@ class CrashLoop:
         try:
             with ns.get([key]) as views:
                 self._check_served(number, key, views[0])
+        except CorruptBlockError:
+            self._corrupt(f"iteration {number}: honest key {key.hex()} failed its checksum")
         except BlockNotFoundError:
             if key in self.durable:
                 self._violation(f"iteration {number}: FSYNC'd key {key.hex()} unreadable")
@@ -152,28 +280,66 @@ class CrashLoop:
                 self.summary.misses_not_durable += 1
 
     def _check_served(self, number: int, key: bytes, view: memoryview) -> None:
-        if view != block_content(key):
-            self._violation(f"iteration {number}: key {key.hex()} served wrong bytes")
+        exact = view == block_content(key)
+        if not exact:
+            self._wrong(f"iteration {number}: key {key.hex()} served wrong bytes")
         self.summary.served_checked += 1
         if key in self.durable:
             self.summary.durable_checked += 1
+            self.summary.durable_recovered += exact
+
+    def _verify_hostile(self, client: Client, number: int) -> None:
+        """Every hostile block served is the one committed; no uncommitted ALLOC is visible."""
+        ns = client.namespace(HOSTILE_NAMESPACE, block_bytes=HOSTILE_BLOCK_BYTES, tenant=HOSTILE)
+        for i in range(HOSTILE_UNIVERSE):
+            self.read_hostile(ns, hostile_key_of(i), f"iteration {number}")
+        for key in sorted(self.held_keys):
+            if ns.lookup([key]):
+                self._violation(f"iteration {number}: never committed {key.hex()} is present")
+
+    def read_hostile(self, ns: Namespace, key: bytes, when: str) -> str:
+        """Read one hostile block through the library; returns ``exact``, ``corrupt`` or
+        ``miss`` (wrong bytes are a violation)."""
+        buffer = bytearray(HOSTILE_BLOCK_BYTES)
+        try:
+            ns.read_into([key], [buffer])
+        except CorruptBlockError:
+            with self._lock:
+                self.summary.hostile_misses += 1
+            return "corrupt"
+        except BlockNotFoundError:
+            return "miss"
+        with self._lock:
+            self.summary.hostile_served_checked += 1
+        if buffer != hostile_content(key):
+            self._wrong(f"{when}: hostile key {key.hex()} served bytes it did not commit")
+        return "exact"
 
     def write_and_kill(self, daemon: DaemonProcess) -> None:
         stop = threading.Event()
         seed = self.rng.getrandbits(32)
+        clients: list[_Client] = [self._writer, self._reader]
+        if self.hostile:
+            clients += [self._hostile, self._hostile_reader]
         threads = [
-            threading.Thread(target=self._guard, args=(self._writer, daemon, seed, stop)),
-            threading.Thread(target=self._guard, args=(self._reader, daemon, seed + 1, stop)),
+            threading.Thread(target=self._guard, args=(func, daemon, seed + i, stop))
+            for i, func in enumerate(clients)
         ]
+        self.dropped_seen = 0
         for thread in threads:
             thread.start()
         time.sleep(self.rng.uniform(0.05, 0.6))
+        if not daemon.running:  # before the kill: the clients' failures are a crash's
+            assert daemon.process is not None
+            tail = daemon.log().strip().splitlines()[-1:]
+            self._violation(f"the daemon exited with {daemon.process.returncode}: {tail}")
         stop.set()
         daemon.kill()
         for thread in threads:
             thread.join(60)
             if thread.is_alive():
                 self._violation("a client thread hung after the daemon was killed")
+        self.summary.writebacks_dropped += self.dropped_seen
 
     def _guard(
         self, func: _Client, daemon: DaemonProcess, seed: int, stop: threading.Event
@@ -188,7 +354,7 @@ class CrashLoop:
 
     def _writer(self, daemon: DaemonProcess, rng: random.Random, stop: threading.Event) -> None:
         with connect(daemon.socket, timeout_s=30) as client:
-            ns = client.namespace(NAMESPACE, block_bytes=BLOCK_BYTES)
+            ns = client.namespace(NAMESPACE, block_bytes=BLOCK_BYTES, tenant=self.tenant)
             since_fsync: set[bytes] = set()
             while not stop.is_set():
                 roll = rng.random()
@@ -218,7 +384,7 @@ class CrashLoop:
 
     def _reader(self, daemon: DaemonProcess, rng: random.Random, stop: threading.Event) -> None:
         with connect(daemon.socket, timeout_s=30) as client:
-            ns = client.namespace(NAMESPACE, block_bytes=BLOCK_BYTES)
+            ns = client.namespace(NAMESPACE, block_bytes=BLOCK_BYTES, tenant=self.tenant)
             while not stop.is_set():
                 with self._lock:
                     candidates = sorted(self.written)
@@ -233,14 +399,223 @@ class CrashLoop:
                     with ns.get(keys[:hits]) as views:
                         for key, view in zip(keys, views, strict=False):
                             if bytes(view) != block_content(key):
-                                self._violation(f"key {key.hex()} served wrong bytes mid-run")
+                                self._wrong(f"key {key.hex()} served wrong bytes mid-run")
+                except CorruptBlockError:
+                    self._corrupt(f"honest keys {keys[0].hex()}... failed a checksum mid-run")
+                    continue
                 except BlockNotFoundError:
                     continue  # forgotten or evicted between LOOKUP and READ
                 self.summary.reads_during_run += 1
 
+    def _hostile(self, daemon: DaemonProcess, rng: random.Random, stop: threading.Event) -> None:
+        with (
+            connect(daemon.socket, timeout_s=30) as client,
+            connect(daemon.socket, timeout_s=30) as hog,
+        ):
+            attacker = HostileClient(self, client, hog, rng)
+            try:
+                while not stop.is_set() and not attacker.broken:
+                    attacker.step()
+            finally:
+                attacker.close()
+
+    def _hostile_reader(
+        self, daemon: DaemonProcess, rng: random.Random, stop: threading.Event
+    ) -> None:
+        """Reads the hostile tenant's blocks while its other client scribbles on them."""
+        with connect(daemon.socket, timeout_s=30) as client:
+            ns = client.namespace(
+                HOSTILE_NAMESPACE, block_bytes=HOSTILE_BLOCK_BYTES, tenant=HOSTILE
+            )
+            while not stop.is_set():
+                key = hostile_key_of(rng.randrange(HOSTILE_UNIVERSE))
+                self.outcome(f"reader_{self.read_hostile(ns, key, 'mid-run')}")
+
+    # -- book-keeping (any thread) ---------------------------------------------------------
+
+    def action(self, kind: str, n: int = 1) -> None:
+        with self._lock:
+            self.actions[kind] += n
+
+    def outcome(self, kind: str, n: int = 1) -> None:
+        with self._lock:
+            self.outcomes[kind] += n
+
+    def never_committed(self, keys: list[bytes]) -> None:
+        with self._lock:
+            self.held_keys.update(keys)
+
+    def defence_failed(self, text: str) -> None:
+        with self._lock:
+            self.summary.defence_failures += 1
+        self._violation(f"defence failed: {text}")
+
+    def _wrong(self, text: str) -> None:
+        with self._lock:
+            self.summary.wrong_bytes_served += 1
+        self._violation(text)
+
+    def _corrupt(self, text: str) -> None:
+        with self._lock:
+            self.summary.corrupt_reads += 1
+        self._violation(text)
+
     def _violation(self, text: str) -> None:
         with self._lock:
             self.summary.violations.append(text)
+
+    def finish(self) -> Summary:
+        self.summary.hostile_actions = dict(sorted(self.actions.items()))
+        self.summary.hostile_outcomes = dict(sorted(self.outcomes.items()))
+        return self.summary
+
+
+class HostileClient:
+    """A client of tenant ``hostile`` doing, against its own region, what issue 14's attacks
+    did; ``step`` runs one attack chosen at random. ``hog`` is a second connection, which holds
+    the ALLOCs that are never committed (a connection may pin only part of its region)."""
+
+    ATTACKS: ClassVar[dict[str, float]] = {
+        "commit": 0.25,  # then, mostly, write_after_commit over the slots just committed
+        "scribble_region": 0.2,
+        "punch_hole": 0.1,
+        "ftruncate": 0.1,
+        "hold_alloc": 0.12,
+        "read_own": 0.1,
+        "search_honest": 0.05,
+        "fsync": 0.08,
+    }
+
+    def __init__(self, loop: CrashLoop, client: Client, hog: Client, rng: random.Random) -> None:
+        self.loop = loop
+        self.client = client
+        self.rng = rng
+        self.ns = client.namespace(
+            HOSTILE_NAMESPACE, block_bytes=HOSTILE_BLOCK_BYTES, tenant=HOSTILE
+        )
+        self.hog = hog.namespace(HOSTILE_NAMESPACE, block_bytes=HOSTILE_BLOCK_BYTES, tenant=HOSTILE)
+        self.fd, self.size = self.ns.arena.fd, self.ns.arena.size_bytes
+        self.mapping = mmap.mmap(self.fd, self.size)  # a writable mapping of its own
+        self.region: np.ndarray[Any, np.dtype[np.uint8]] | None = np.frombuffer(
+            self.mapping, np.uint8
+        )
+        self.base = _address(self.ns.arena_buffer())
+        self.held: list[contextlib.AbstractContextManager[Any]] = []
+        self.allocs_held = 0  # the keys of held ALLOCs follow the committed ones, from 0 again
+        self.broken = False  # a defence failed in a way that makes going on unsafe
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+    def step(self) -> None:
+        kind = self.rng.choices(list(self.ATTACKS), weights=list(self.ATTACKS.values()))[0]
+        getattr(self, kind)()
+        self.loop.action(kind)
+        dropped = self.client.stats()["corrupt_writebacks"]
+        self.loop.dropped_seen = max(self.loop.dropped_seen, dropped)
+
+    def commit(self) -> None:
+        """Commit forged records as blocks (in new slots: FORGET first), then, mostly, overwrite
+        the committed slots at once with other forged records, racing write-back."""
+        count = self.rng.randint(1, 40)  # a long COMMIT outruns the staging memory
+        keys = list(dict.fromkeys(self._key() for _ in range(count)))
+        self.ns.forget(keys)
+        offsets = []
+        try:
+            with self.ns.write(keys) as write:
+                for key, view in zip(write.keys, write.views, strict=True):
+                    if view is not None:
+                        view[:] = hostile_content(key)
+                        offsets.append(_address(view) - self.base)
+        except (QuotaError, NoSpaceError):
+            self.loop.outcome("commit_refused")
+            return
+        if offsets and self.rng.random() < 0.7 and self.region is not None:
+            forged = forged_record(HONEST_DIGEST, self._honest_key(), BLOCK_BYTES, FORGED_SEQ)
+            image = np.frombuffer(forged, np.uint8)
+            for offset in offsets:
+                self.region[offset : offset + len(image)] = image
+            self.loop.action("write_after_commit", len(offsets))
+
+    def scribble_region(self) -> None:
+        """Forged records (for an honest key, or one of its own) over the whole region, at a
+        random page phase, committed slots and pending ALLOCs included."""
+        assert self.region is not None
+        if self.rng.random() < 0.5:
+            image = forged_record(HONEST_DIGEST, self._honest_key(), BLOCK_BYTES, FORGED_SEQ)
+        else:
+            image = forged_record(HOSTILE_DIGEST, self._key(), HOSTILE_BLOCK_BYTES, FORGED_SEQ)
+        unit = np.frombuffer(image, np.uint8)
+        tiled = np.tile(unit, -(-self.size // len(unit)) + 1)
+        start = self.rng.randrange(len(unit) // PAGE_BYTES) * PAGE_BYTES
+        self.region[:] = tiled[start : start + self.size]
+
+    def punch_hole(self) -> None:
+        """FALLOC_FL_PUNCH_HOLE | KEEP_SIZE, the whole region or a random run of pages."""
+        pages = self.size // PAGE_BYTES
+        first = 0 if self.rng.random() < 0.5 else self.rng.randrange(pages)
+        length = (pages - first) * PAGE_BYTES
+        if self.libc.fallocate(self.fd, 3, first * PAGE_BYTES, length) != 0:
+            self.loop.outcome(f"punch_hole_{errno.errorcode.get(ctypes.get_errno(), '?')}")
+
+    def ftruncate(self) -> None:
+        """Shrink or grow the region: sealed, so it must fail with EPERM."""
+        target = self.rng.choice([0, self.size // 2, self.size - PAGE_BYTES, self.size * 2])
+        try:
+            os.ftruncate(self.fd, target)
+        except OSError as exc:
+            self.loop.outcome(f"ftruncate_{errno.errorcode.get(exc.errno or 0, exc.errno)}")
+            if exc.errno != errno.EPERM:
+                self.loop.defence_failed(f"ftruncate to {target} failed with {exc!r}, not EPERM")
+            return
+        self.loop.defence_failed(f"ftruncate of the sealed region to {target} bytes succeeded")
+        self.broken = True  # the mappings now end early: touching them would SIGBUS
+
+    def hold_alloc(self) -> None:
+        """ALLOC slots it never commits (new keys each time), until the quota refuses."""
+        first = HOSTILE_UNIVERSE + self.allocs_held
+        keys = [hostile_key_of(first + i) for i in range(self.rng.randint(8, 64))]
+        self.loop.never_committed(keys)
+        write = self.hog.write(keys)
+        try:
+            write.__enter__()
+        except QuotaError:
+            self.loop.outcome("hold_alloc_refused")
+            return
+        self.held.append(write)
+        self.allocs_held += len(keys)
+        self.loop.outcome("alloc_held", len(keys))
+
+    def read_own(self) -> None:
+        key = self._key()
+        self.loop.outcome(f"own_read_{self.loop.read_hostile(self.ns, key, 'mid-run')}")
+
+    def search_honest(self) -> None:
+        """Look for an honest block's bytes in everything this client can map."""
+        key = key_of(self.rng.randrange(UNIVERSE))
+        if self.mapping.find(block_content(key)[:64]) >= 0:
+            self.loop.defence_failed(f"honest block {key.hex()} is visible to the hostile tenant")
+
+    def fsync(self) -> None:
+        self.client.fsync()
+
+    def close(self) -> None:
+        """Abandon the held ALLOCs (the daemon is dead or dying by now) and unmap."""
+        for write in self.held:
+            with contextlib.suppress(Exception):
+                write.__exit__(ConnectionAbortedError, ConnectionAbortedError(), None)
+        self.region = None
+        self.mapping.close()
+
+    def _key(self) -> bytes:
+        return hostile_key_of(self.rng.randrange(HOSTILE_UNIVERSE))
+
+    def _honest_key(self) -> bytes:
+        return key_of(self.rng.randrange(UNIVERSE))
+
+
+def _address(view: memoryview) -> int:
+    """Where ``view``'s first byte is in this process's memory."""
+    return int(np.frombuffer(view, np.uint8).ctypes.data)
 
 
 def run(
@@ -251,10 +626,13 @@ def run(
     dram_size: str = "32M",
     nvme_size: str = "128M",
     log: bool = False,
+    hostile: bool = False,
 ) -> Summary:
     """Run the loop; returns its summary (violations included, never raised)."""
     started = time.monotonic()
-    loop = CrashLoop(directory, seed=seed, dram_size=dram_size, nvme_size=nvme_size)
+    loop = CrashLoop(
+        directory, seed=seed, dram_size=dram_size, nvme_size=nvme_size, hostile=hostile
+    )
     for number in range(iterations):
         loop.iteration(number)
         if log:
@@ -265,14 +643,72 @@ def run(
                 file=sys.stderr,
             )
     # the last kill is verified too
-    daemon = DaemonProcess(directory, dram_size=dram_size, nvme_size=nvme_size)
+    daemon = loop.daemon()
     daemon.start(timeout_s=60)
     try:
         loop.verify(daemon, iterations)
     finally:
         daemon.kill()
     loop.summary.elapsed_s = round(time.monotonic() - started, 2)
-    return loop.summary
+    return loop.finish()
+
+
+def record(result: dict[str, Any], command: str) -> Path:
+    """Write this run's row into the soak section of ``docs/benchmarks.md`` (the other mode's
+    row, from the stored JSON, stays)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import benchlib
+
+    result = {"command": command, "machine": benchlib.machine(), **result}
+    stored = benchlib.ASSETS / "soak_crash.json"
+    runs = json.loads(stored.read_text())["runs"] if stored.exists() else {}
+    runs["hostile" if result["hostile"] else "plain"] = result
+    lines = [
+        "## Crash soak: kill -9 during writes, with a hostile tenant (`tools/soak_crash.py`)",
+        "",
+        "Each cycle starts the daemon on the same data directory (asyncio and trio alternately),"
+        " verifies what the previous cycle left, runs clients for 0.05-0.6 s and kills the daemon"
+        " with SIGKILL. Honest writers PUT, FORGET, EVICT and FSYNC 16 KiB + 123 B blocks while a"
+        " reader checks every block it is served. In the hostile run a client of a second tenant"
+        " commits forged records (a header for the honest namespace naming an honest key, with a"
+        " payload matching its checksum), scribbles forged records over its whole region and over"
+        " the slots it has just committed, punches holes in the region, tries ftruncate, and holds"
+        " ALLOCs it never commits, while another of its threads reads its blocks; half the cycles"
+        " give the daemon little staging memory (256 KiB), so that most blocks of a long COMMIT"
+        " are copied out of their slot (and verified) at write-back rather than at COMMIT. After"
+        " every"
+        " restart: each acknowledged (FSYNC'd) honest block must be present and byte-exact; every"
+        " block served, honest or hostile, must be the bytes committed for it (a miss is allowed"
+        " for blocks not acknowledged and for the hostile tenant's own). Acknowledged blocks are"
+        " counted at every restart they had to survive.",
+        "",
+        "| run | cycles | acknowledged blocks checked | recovered byte-exact | wrong bytes served |"
+        " hostile blocks served and checked | defence failures | violations | elapsed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode, r in sorted(runs.items(), key=lambda item: item[0] == "hostile"):
+        lines.append(
+            f"| {mode} (seed {r['seed']}) | {r['iterations']} | {r['durable_expected']:,} |"
+            f" {r['durable_recovered']:,} | **{r['wrong_bytes_served']}** |"
+            f" {r['hostile_served_checked']:,} | {r['defence_failures']} |"
+            f" {len(r['violations'])} | {r['elapsed_s'] / 60:.1f} min |"
+        )
+    if "hostile" in runs:
+        h = runs["hostile"]
+        actions = ", ".join(f"{k} {v:,}" for k, v in h["hostile_actions"].items())
+        outcomes = ", ".join(f"{k} {v:,}" for k, v in h["hostile_outcomes"].items())
+        lines += [
+            "",
+            f"Hostile run: actions {actions}; outcomes {outcomes}. Write-back dropped"
+            f" {h['writebacks_dropped']:,} hostile blocks changed after COMMIT (the daemons'"
+            " counts as last read before each kill: a lower bound);"
+            f" {h['hostile_misses']:,} hostile reads were"
+            " refused by the client's checksum (misses). Honest blocks served and checked:"
+            f" {h['served_checked']:,}, reads during the runs {h['reads_during_run']:,}.",
+        ]
+    for mode, r in sorted(runs.items(), key=lambda item: item[0] == "hostile"):
+        lines += ["", f"The {mode} run: `{r['command']}`. {benchlib.machine_line(r['machine'])}"]
+    return benchlib.record("soak_crash", "\n".join(lines), {"runs": runs})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,6 +719,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dram-size", default="32M")
     parser.add_argument("--nvme-size", default="128M")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    parser.add_argument("--hostile", action="store_true", help="add a hostile tenant's client")
+    parser.add_argument("--json", action="store_true", help="print the summary on one line")
+    parser.add_argument("--record", action="store_true", help="record into docs/benchmarks.md")
     args = parser.parse_args(argv)
     directory = args.dir or Path(tempfile.mkdtemp(prefix="kvtierd-soak-"))
     try:
@@ -293,11 +732,19 @@ def main(argv: list[str] | None = None) -> int:
             dram_size=args.dram_size,
             nvme_size=args.nvme_size,
             log=True,
+            hostile=args.hostile,
         )
     finally:
         if args.dir is None and not args.keep:
             shutil.rmtree(directory, ignore_errors=True)
-    print(json.dumps({"seed": args.seed, **asdict(summary)}, indent=2))
+    result = {"seed": args.seed, **asdict(summary)}
+    print(json.dumps(result, indent=None if args.json else 2))
+    if args.record:
+        command = ["python tools/soak_crash.py", f"--iterations {args.iterations}"]
+        command += [f"--seed {args.seed}"] + (["--hostile"] if args.hostile else [])
+        if (args.dram_size, args.nvme_size) != ("32M", "128M"):
+            command += [f"--dram-size {args.dram_size}", f"--nvme-size {args.nvme_size}"]
+        record(result, " ".join(command))
     return 1 if summary.violations else 0
 
 

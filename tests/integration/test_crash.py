@@ -29,3 +29,25 @@ def test_no_torn_block_is_served_and_fsynced_blocks_survive_kill_9(tmp_path: Pat
     assert summary.fsyncs > 50
     assert summary.durable_checked > 1000
     assert summary.reads_during_run > 0
+
+
+def test_a_hostile_tenant_and_kill_9_never_get_wrong_bytes_served(tmp_path: Path) -> None:
+    """Honest writers beside a client of another tenant that forges records, scribbles on its
+    region after COMMIT, punches holes, tries ftruncate and holds ALLOCs, all under kill -9:
+    acknowledged blocks survive, and no block is served with bytes it was not committed with."""
+    try:
+        summary = soak_crash.run(20, directory=tmp_path / "kvtierd", seed=20261201, hostile=True)
+    finally:
+        shutil.rmtree(tmp_path / "kvtierd", ignore_errors=True)
+    assert summary.violations == []
+    assert (summary.wrong_bytes_served, summary.defence_failures) == (0, 0)
+    assert summary.iterations == 20
+    assert summary.durable_recovered == summary.durable_expected > 0
+    # the attacks ran, and the sealed region refused to change size every time
+    actions = summary.hostile_actions
+    for kind in ("commit", "write_after_commit", "scribble_region", "punch_hole", "hold_alloc"):
+        assert actions.get(kind, 0) > 0, kind
+    assert summary.hostile_outcomes.get("ftruncate_EPERM", 0) == actions["ftruncate"] > 0
+    assert summary.hostile_outcomes.get("alloc_held", 0) > 0
+    # blocks changed after COMMIT reached write-back (little staging memory) and were dropped
+    assert summary.writebacks_dropped > 0
