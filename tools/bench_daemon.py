@@ -992,7 +992,7 @@ def _verify_lines(runs: list[dict[str, Any]]) -> list[str]:
             f"{100 * min(hashing):.0f}-{100 * max(hashing):.0f} % to the copy (least where the "
             "copied block is still in cache); read_into's own overhead over the copy is of the "
             "same order (it also pays the READ and RELEASE round trips), and single rounds vary "
-            "by tens of percent on this loaded machine."
+            "by tens of percent."
         )
     else:
         lines.append(
@@ -1006,12 +1006,20 @@ def record_integrity(result: dict[str, Any]) -> None:
     """The ``daemon_integrity`` section of docs/benchmarks.md (``staging``, ``verify``)."""
     lines = ["## Integrity costs: write-back's private copy, readers' verification", ""]
     load = result["load_average"]
+    cores = result["machine"]["cores"]
+    shared = max(load["start"], load["end"]) > cores  # its own daemons and client load ~1
     lines += [
         f"`python tools/bench_daemon.py --only staging,verify --rounds {result['rounds']}`. "
         f"One-minute load average {load['start']:.1f} at the start and {load['end']:.1f} at the "
-        f"end, on {result['machine']['cores']} cores: other jobs (test suites) shared the "
-        "machine, so the variants alternate round by round, ratios are taken within a round and "
-        "figures are medians of rounds; absolute GB/s are far below a quiet machine's.",
+        f"end, on {cores} cores"
+        + (
+            ": other jobs (test suites) shared the machine, so absolute GB/s are far below a "
+            "quiet machine's. "
+            if shared
+            else " (the benchmark's own processes: no other job ran). "
+        )
+        + "The variants alternate round by round, ratios are taken within a round and figures "
+        "are medians of rounds.",
         "",
     ]
     if "staging" in result:
