@@ -222,11 +222,13 @@ class Session:
             flags = FrameFlags.FD_ATTACHED if fds else FrameFlags.NONE
             frame = self.conn.reply(header, reply, flags)  # encoding can fail too
         except KvtierError as exc:
-            fds = self._unsent_fds(header.unique)
+            fds = []  # a failed reply carries no descriptor
+            self.reply_fds.pop(header.unique, None)
             frame = self.conn.reply_error(header, exc)
         except Exception as exc:  # a bug must cost one request, never the daemon
             log.exception("handler for %s failed", Opcode(header.opcode).name)
-            fds = self._unsent_fds(header.unique)
+            fds = []
+            self.reply_fds.pop(header.unique, None)
             frame = self.conn.reply_error(header, StorageIOError(f"internal error: {exc}"))
         except BaseException:
             if permit:
@@ -239,11 +241,6 @@ class Session:
             # permits, and its reader stops, instead of piling up tasks and frames
             if permit:
                 self._permits.release()
-
-    def _unsent_fds(self, unique: int) -> list[int]:
-        """A reply that failed carries no descriptor."""
-        self.reply_fds.pop(unique, None)
-        return []
 
     async def _send(self, frame: bytes, fds: list[int] | None = None) -> None:
         """Write one reply; replies of concurrent handlers go out whole, in completion order.

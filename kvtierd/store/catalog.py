@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import enum
 import errno
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from pathlib import Path
 import xxhash
 
 from kvtierd.errors import NoSpaceError, StorageIOError
+from kvtierd.store.durable import replace_durably
 
 __all__ = [
     "CATALOG_VERSION",
@@ -135,27 +135,9 @@ def write_copies(path: Path, payload: bytes) -> None:
     data = encode(payload)
     for copy in copy_paths(path):
         try:
-            _replace_durably(copy, data)
+            replace_durably(copy, data)
         except OSError as exc:
             reason = f"cannot save the namespace catalog {copy}: {exc.strerror or exc}"
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise NoSpaceError(f"{reason} (the file system is full)") from exc
             raise StorageIOError(reason) from exc
-
-
-def _replace_durably(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a full disk must not keep a half-written file
-        raise
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

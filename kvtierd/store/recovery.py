@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ import msgspec
 from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.io import IoBackend
 from kvtierd.keys import MAX_KEY_BYTES
+from kvtierd.store.durable import fsync_directory, replace_durably
 from kvtierd.store.records import (
     PAGE_BYTES,
     CorruptRecord,
@@ -259,30 +259,12 @@ def save_snapshot(
             for slot, h in records.items()
         ],
     )
-    tmp = directory / (SNAPSHOT_NAME + ".tmp")
-    try:
-        with open(tmp, "wb") as out:
-            out.write(msgspec.msgpack.encode(snap))
-            out.flush()
-            os.fsync(out.fileno())
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a full disk must not keep a half-written file
-        raise
-    os.replace(tmp, directory / SNAPSHOT_NAME)
-    _fsync_dir(directory)
+    replace_durably(directory / SNAPSHOT_NAME, msgspec.msgpack.encode(snap))
 
 
 def _remove_durably(path: Path) -> None:
     path.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_directory(path.parent)
 
 
 # -- the scan ----------------------------------------------------------------------------------

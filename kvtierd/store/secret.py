@@ -14,6 +14,7 @@ import stat
 from pathlib import Path
 
 from kvtierd.errors import ConfigError, NoSpaceError, StorageIOError
+from kvtierd.store.durable import fsync_directory
 
 __all__ = ["SECRET_BYTES", "load_secret"]
 
@@ -45,11 +46,7 @@ def load_secret(path: Path) -> bytes:
             return _read(path)
         finally:
             tmp.unlink(missing_ok=True)
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_directory(path.parent)
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)

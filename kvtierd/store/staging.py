@@ -76,7 +76,6 @@ class StagedCopies:
         self._slots = SlotAllocator(base, split)
         self._writeback = SlotAllocator(base + split, reserve)
         self._freed = anyio.Event()
-        self.capacity = reserve
         self.reserve = reserve
         #: Blocks staged at COMMIT, and those write-back had to copy (and verify) itself.
         self.staged_at_commit = 0
@@ -115,9 +114,9 @@ class StagedCopies:
         :meth:`stage`; raises :class:`ChangedAfterCommit` when the bytes changed. Waits while
         the memory is taken by other copies."""
         padded = self.padded(len(source))
-        if padded > self.capacity:
+        if padded > self.reserve:
             raise NoSpaceError(
-                f"a {len(source)}-byte block exceeds the {self.capacity}-byte staging memory"
+                f"a {len(source)}-byte block exceeds write-back's {self.reserve}-byte staging"
             )
         while (slot := self._writeback.allocate(len(source))) is None:
             await self._freed.wait()

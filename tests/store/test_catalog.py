@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from kvtierd.errors import NoSpaceError, StorageIOError
-from kvtierd.store import catalog
+from kvtierd.store import catalog, durable
 from kvtierd.store.catalog import CopyState, CorruptCatalog, copy_paths, read_copies
 from kvtierd.store.namespaces import NamespaceRegistry, NamespaceSpec, PeerCredentials
 from tests.support.filesystems import fill, small_file_system
@@ -205,14 +205,14 @@ def test_a_failed_save_raises_and_leaves_the_namespace_unsaved(
             raise OSError(code, os.strerror(code))
         real_fsync(fd)
 
-    monkeypatch.setattr(catalog.os, "fsync", fsync)
+    monkeypatch.setattr(durable.os, "fsync", fsync)
     with pytest.raises(raised):
         reg.save()
     assert reg.needs_save(ns)
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
     # every copy is whole, old or new
     assert {c.state for c in read_copies(path)} == {CopyState.INTACT}
-    monkeypatch.setattr(catalog.os, "fsync", real_fsync)
+    monkeypatch.setattr(durable.os, "fsync", real_fsync)
     reg.save()
     assert not reg.needs_save(ns)
     assert names(registry(path)) == {"a", "b"}
@@ -230,7 +230,7 @@ def test_a_failed_rewrite_of_a_damaged_copy_is_only_logged(
     def fsync(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(catalog.os, "fsync", fsync)
+    monkeypatch.setattr(durable.os, "fsync", fsync)
     with caplog.at_level(logging.WARNING, "kvtierd.namespaces"):
         reg.save()
     assert any("rewritten at the next save" in r.getMessage() for r in caplog.records)
