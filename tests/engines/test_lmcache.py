@@ -216,6 +216,7 @@ def test_lookup_pins_hold_the_dram_hits_until_retrieved(
         assert client.stats()["leased_blocks"] == 32  # retrieved, but still pinned
         engine.engine.lookup_unpin("request-1")
         assert _no_leases_soon(client)
+        client.fsync()  # a block still awaiting write-back is dirty, and EVICT keeps it
         client.evict()
         ns = engine.namespace(client, ids)
         assert ns.lookup_tiers(keys, promote=False) == ["nvme"] * 32
