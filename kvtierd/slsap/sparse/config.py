@@ -131,7 +131,8 @@ class Selection:
         uniq, inverse, counts = np.unique(ids[valid], return_inverse=True, return_counts=True)
         best = np.full(len(uniq), ids.shape[1], dtype=np.int64)
         np.minimum.at(best, inverse, cols[valid])
-        return uniq[np.lexsort((best, -counts))].astype(np.int64)
+        ranked: I64 = uniq[np.lexsort((best, -counts))].astype(np.int64)
+        return ranked
 
     def for_layer(self, layer: int) -> I64:
         """``[kv_heads, budget]`` ids selected for model layer ``layer``."""

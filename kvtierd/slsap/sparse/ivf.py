@@ -277,4 +277,5 @@ class ClusterLists:
         c = np.maximum(self._counts(assign, k), 1)[..., None]
         mean = self._cluster_sums(vectors, assign, k) / c
         var = self._cluster_sums(vectors, assign, k, power=2) / c - mean**2
-        return np.sqrt(np.maximum(var, 0)).astype(np.float32)
+        spread: F32 = np.sqrt(np.maximum(var, 0)).astype(np.float32)
+        return spread

@@ -106,7 +106,8 @@ def _log_box_factor(neg_width: F32, *, clamp: bool = True) -> F32:
         np.minimum(neg_width, -_TINY, out=neg_width)
     factor = np.expm1(neg_width)
     factor /= neg_width
-    return np.log(factor, out=factor)
+    result: F32 = np.log(factor, out=factor)  # typed apart: numpy 2.3's stubs return Any here
+    return result
 
 
 def group_mass(logits: F32, valid: npt.NDArray[np.bool_] | None = None) -> F32:
