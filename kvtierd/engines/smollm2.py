@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,8 +39,10 @@ __all__ = [
     "LoadedModel",
     "ModelDType",
     "ModelUnavailableError",
+    "hf_folder",
     "load_smollm2",
     "locate_gguf",
+    "model_cache_dir",
     "unavailable_reason",
 ]
 
@@ -199,3 +204,72 @@ def load_smollm2(
         head_dim=head_dim,
         max_positions=int(cfg.max_position_embeddings),
     )
+
+
+#: What :func:`hf_folder` writes besides the weights, so a folder from another GGUF or an older
+#: export is rebuilt rather than trusted.
+_EXPORT_MARK = "kvtierd-export.json"
+_EXPORT_VERSION = 1
+
+
+def model_cache_dir() -> Path:
+    """Where converted models are kept: ``$KVTIERD_MODEL_CACHE``, else
+    ``$XDG_CACHE_HOME/kvtierd/models`` (``~/.cache/kvtierd/models``)."""
+    explicit = os.environ.get("KVTIERD_MODEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvtierd" / "models"
+
+
+def hf_folder(dtype: ModelDType = ModelDType.BFLOAT16, cache_dir: Path | None = None) -> Path:
+    """SmolLM2 as a plain Hugging Face folder (``config.json``, safetensors weights and the
+    tokenizer), for engines that load folders (vLLM): converted from the GGUF once, then reused.
+
+    transformers refuses to ``save_pretrained`` a GGUF-loaded model ("quantized with gguf and is
+    not serializable"), so the dequantised weights go into a plain ``LlamaForCausalLM`` built
+    from the same config without its ``quantization_config``. The folder is written beside its
+    final place and renamed into it, so an interrupted conversion leaves nothing half-written;
+    a folder whose mark names another GGUF file, size or export version is rebuilt.
+
+    Raises:
+        ModelUnavailableError: as :func:`load_smollm2`.
+    """
+    source = locate_gguf()
+    mark = {
+        "version": _EXPORT_VERSION,
+        "gguf": source.name,
+        "gguf_bytes": source.stat().st_size,
+        "dtype": dtype.value,
+    }
+    root = cache_dir if cache_dir is not None else model_cache_dir()
+    folder = root / f"{source.stem}-hf-{dtype.value}"
+    try:
+        if json.loads((folder / _EXPORT_MARK).read_text()) == mark:
+            return folder
+    except (OSError, ValueError):
+        pass
+    loaded = load_smollm2(dtype)
+    from transformers import LlamaForCausalLM
+
+    config = loaded.model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.tokenizer_class = "PreTrainedTokenizerFast"
+    llama: Any = LlamaForCausalLM  # untyped in transformers
+    plain = llama(config).to(dtype.torch_dtype())
+    plain.load_state_dict(loaded.model.state_dict())
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
+    try:
+        plain.save_pretrained(staging)
+        loaded.tokenizer.save_pretrained(staging)
+        (staging / _EXPORT_MARK).write_text(json.dumps(mark))
+        staging.chmod(0o755)  # mkdtemp makes it private; engines may run as other users
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
