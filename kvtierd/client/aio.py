@@ -28,6 +28,7 @@ from kvtierd.client.base import (
     Regions,
     as_dict,
     check_init,
+    closed_error,
     handle_of,
     init_request,
     message_of,
@@ -110,12 +111,24 @@ class AsyncClient:
     def region(self, region: int) -> ClientArena:
         """The mapping of tenant region ``region`` (passed at OPEN_NS)."""
         if self._closed:
-            raise BrokenConnectionError("the client is closed")
+            raise closed_error()
         return self._regions.get(region)
+
+    def _check_open(self) -> None:
+        """Raise ``ClosedError`` after :meth:`aclose`, or what broke the connection."""
+        if self._closed:
+            raise closed_error()
+        if self._broken is not None:
+            raise self._broken
 
     async def _call(self, message: Message, ns: int = 0, fds: list[int] | None = None) -> Message:
         """Send ``message`` and wait for its reply; descriptors passed with the reply are
         appended to ``fds`` (when given; else closed)."""
+        self._check_open()
+        return await self._exchange(message, ns, fds)
+
+    async def _exchange(self, message: Message, ns: int, fds: list[int] | None) -> Message:
+        """:meth:`_call` without the closed check (``aclose``'s DESTROY)."""
         if self._broken is not None:
             raise self._broken
         waiter = _Waiter()
@@ -142,8 +155,9 @@ class AsyncClient:
             elif not sent:
                 self._unsent(message)
             raise
-        if waiter.event is None:
-            raise self._broken or BrokenConnectionError("connection closed")
+        if waiter.event is None:  # woken by the end of the connection
+            self._check_open()
+            raise BrokenConnectionError("connection closed")
         if fds is not None:
             fds.extend(waiter.fds)
         else:
@@ -151,8 +165,7 @@ class AsyncClient:
         return message_of(waiter.event)
 
     async def _send_only(self, message: Message, ns: int) -> None:
-        if self._broken is not None:
-            raise self._broken
+        self._check_open()
         sent = False
         try:
             async with self._send_lock:
@@ -379,12 +392,16 @@ class AsyncClient:
         tg.start_soon(self._janitor)
 
     async def aclose(self) -> None:
+        """Send DESTROY, close the connection and unmap the regions; idempotent. Every call
+        after it, and every call still waiting for its reply, raises ``ClosedError``."""
+        if self._closed:
+            return
+        self._closed = True
         with anyio.CancelScope(shield=True), contextlib.suppress(KvtierError):
             with anyio.move_on_after(5):
-                await self._call(DestroyRequest())
+                await self._exchange(DestroyRequest(), 0, None)
         self._janitor_send.close()
         await self._stream.aclose()
-        self._closed = True
         self._regions.close()
         _close_all(list(self._received_fds))
         self._received_fds.clear()

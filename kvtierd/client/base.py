@@ -22,6 +22,7 @@ from kvtierd.client.blocks import BlockLease, release_views
 from kvtierd.config import default_socket_path
 from kvtierd.errors import (
     AccessDeniedError,
+    ClosedError,
     CorruptBlockError,
     DaemonNotRunningError,
     InvalidRequestError,
@@ -58,6 +59,7 @@ __all__ = [
     "NamespaceBase",
     "NamespaceHandle",
     "as_dict",
+    "closed_error",
     "handle_of",
     "init_request",
     "message_of",
@@ -104,6 +106,7 @@ class Regions:
 
     def __init__(self) -> None:
         self._mapped: dict[int, ClientArena] = {}
+        self._closed = False
 
     def adopt(self, reply: OpenNsReply, fds: list[int]) -> None:
         """Map the region an OPEN_NS reply passed (``fds``), unless it is mapped already (then
@@ -120,12 +123,17 @@ class Regions:
         self._mapped[reply.region] = ClientArena(fds[0], reply.region_bytes)  # closes on error
 
     def get(self, region: int) -> ClientArena:
+        """The mapping of ``region``; ``ClosedError`` once closed, also for a caller that
+        looked while another thread was closing."""
         try:
             return self._mapped[region]
         except KeyError:
+            if self._closed:
+                raise closed_error() from None
             raise RemoteProtocolError(f"region {region} is not mapped") from None
 
     def close(self) -> None:
+        self._closed = True
         for arena in self._mapped.values():
             arena.close()
         self._mapped.clear()
@@ -257,6 +265,12 @@ def message_of(event: ReplyReceived) -> Message:
         raise event.error
     assert event.message is not None
     return event.message
+
+
+def closed_error() -> ClosedError:
+    """What a call raises once the client's own ``close()`` (``aclose()``) ran, in both
+    clients; a connection the daemon ended raises ``BrokenConnectionError`` instead."""
+    return ClosedError("the client is closed")
 
 
 def not_running(path: Path, exc: OSError) -> KvtierError:

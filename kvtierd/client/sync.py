@@ -1,8 +1,19 @@
 """The blocking client: one request at a time over a Unix socket, thread-safe.
 
 Use :func:`kvtierd.client.connect`. Every method may raise the
-:class:`~kvtierd.errors.KvtierError` subclass that matches the daemon's errno, and
-:class:`~kvtierd.errors.BrokenConnectionError` when the daemon goes away.
+:class:`~kvtierd.errors.KvtierError` subclass that matches the daemon's errno,
+:class:`~kvtierd.errors.BrokenConnectionError` when the daemon goes away and
+:class:`~kvtierd.errors.ClosedError` once the client's own :meth:`Client.close` ran.
+
+Threads take turns. Replies carry the unique id of their request, but a blocking reader has
+nowhere to put a reply that is not its own, so it drops it (the RELEASEs nobody waits for); a
+thread reading while another waits would drop that thread's reply and leave it waiting for
+ever. So every exchange, from a call's first request to its last reply, happens in a turn
+(:meth:`Client._turn`: the connection's lock, the closed check, the queued RELEASEs), and
+everything that talks to the daemon, ``run`` for the operations of :mod:`kvtierd.client.ops`
+and ``_call`` for single requests, takes one. The exception is :meth:`Client.release_soon`,
+which a finalizer may call inside a turn on its own thread: it never waits for the lock, and
+the turn in progress sends what it queued.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from kvtierd.client.base import (
     Regions,
     as_dict,
     check_init,
+    closed_error,
     handle_of,
     init_request,
     message_of,
@@ -32,7 +44,13 @@ from kvtierd.client.base import (
     resolve_socket,
 )
 from kvtierd.client.blocks import BlockLease, BlockWrite, release_views
-from kvtierd.errors import BrokenConnectionError, CorruptBlockError, KvtierError, TimedOutError
+from kvtierd.errors import (
+    BrokenConnectionError,
+    ClosedError,
+    CorruptBlockError,
+    KvtierError,
+    TimedOutError,
+)
 from kvtierd.protocol import NEED_DATA, ClientConnection, ConnectionClosed, ReplyReceived
 from kvtierd.protocol.messages import (
     DestroyRequest,
@@ -77,9 +95,32 @@ class Client:
 
     # -- transport ---------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """Hold the connection for one call, its requests and their replies, with no other
+        thread's in between. Raises ``ClosedError`` once the client is closed. Queued RELEASEs
+        (:meth:`release_soon`) go out before the call's first request and, those queued
+        meanwhile, as the turn ends."""
+        try:
+            with self._lock:
+                if self._closed:
+                    raise closed_error()
+                self._send_releases()  # queued by a turn that has not flushed them yet
+                try:
+                    yield
+                finally:
+                    self._send_releases()
+        finally:
+            self._flush_releases()
+
     def _call(self, message: Message, ns: int = 0, fds: list[int] | None = None) -> Message:
-        """Send ``message`` and wait for its reply; descriptors passed with the reply are
-        appended to ``fds`` (when given)."""
+        """One request and its reply, in a turn of its own (see :meth:`_exchange`)."""
+        with self._turn():
+            return self._exchange(message, ns, fds)
+
+    def _exchange(self, message: Message, ns: int = 0, fds: list[int] | None = None) -> Message:
+        """Send ``message`` and wait for its reply (in a turn); descriptors passed with the
+        reply are appended to ``fds`` (when given)."""
         unique, frame = self._conn.request(message, ns)
         try:
             self._sock.sendall(frame)
@@ -105,6 +146,8 @@ class Client:
             raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
 
     def _receive(self, unique: int, fds: list[int] | None = None) -> ReplyReceived:
+        """The reply to ``unique`` (or the daemon's last frame); replies to requests nobody
+        waits for (RELEASE) are dropped."""
         while True:
             event = self._conn.next_event()
             if isinstance(event, ReplyReceived):
@@ -126,29 +169,34 @@ class Client:
         when no call is in progress, else by the call in progress as it ends (a finalizer can
         run inside a call on its own thread, which must not wait for the connection it holds)."""
         self._releases.extend(leases)
-        if self._lock.acquire(blocking=False):
+        self._flush_releases()
+
+    def _flush_releases(self) -> None:
+        """Send the queued RELEASEs unless another turn holds the connection: that one sends
+        them as it ends, and then comes back here for those queued after it had looked."""
+        while self._releases and self._lock.acquire(blocking=False):
             try:
                 self._send_releases()
             finally:
                 self._lock.release()
 
     def _send_releases(self) -> None:
-        """Send the pending RELEASEs (the lock held), a frame of up to ``max_keys`` at a time."""
+        """Send the queued RELEASEs (the lock held), a frame of up to ``max_keys`` at a time.
+        A closed client drops them: the daemon released everything with the connection."""
         pending = self._releases
+        if self._closed:
+            pending.clear()
         while pending:
             batch = [pending.popleft() for _ in range(min(len(pending), self.max_keys))]
-            with contextlib.suppress(KvtierError):  # a closed connection released them
+            with contextlib.suppress(KvtierError):  # a broken connection released them
                 self._send_only(ReleaseRequest(batch), 0)
 
     def run(self, op: ops.Op[T]) -> T:
-        """Drive a sans-IO operation to its result."""
-        with self._lock:
-            try:
-                return self._run(op)
-            finally:
-                self._send_releases()
+        """Drive a sans-IO operation to its result, in one turn."""
+        with self._turn():
+            return self._drive(op)
 
-    def _run(self, op: ops.Op[T]) -> T:
+    def _drive(self, op: ops.Op[T]) -> T:
         try:
             call = next(op)
             while True:
@@ -157,7 +205,7 @@ class Client:
                     call = op.send(None)
                     continue
                 try:
-                    reply = self._call(*call)
+                    reply = self._exchange(*call)
                 except KvtierError as exc:
                     call = op.throw(exc)
                 else:
@@ -187,7 +235,7 @@ class Client:
     def region(self, region: int) -> ClientArena:
         """The mapping of tenant region ``region`` (passed at OPEN_NS)."""
         if self._closed:
-            raise BrokenConnectionError("the client is closed")
+            raise closed_error()
         return self._regions.get(region)
 
     def connected(self) -> bool:
@@ -226,15 +274,17 @@ class Client:
             name, block_bytes, layout, rank, world_size, tenant, compression, create, sparse
         )
         fds: list[int] = []
-        try:
-            reply = self._call(request, fds=fds)
-            handle = handle_of(request, reply)
-            assert isinstance(reply, OpenNsReply)
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        self._regions.adopt(reply, fds)  # takes the descriptors, even when it raises
+        # Mapped in the turn too: two threads never map one region twice, close() misses none.
+        with self._turn():
+            try:
+                reply = self._exchange(request, fds=fds)
+                handle = handle_of(request, reply)
+                assert isinstance(reply, OpenNsReply)
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            self._regions.adopt(reply, fds)  # takes the descriptors, even when it raises
         return Namespace(self, handle)
 
     def fsync(self) -> int:
@@ -278,11 +328,16 @@ class Client:
         return reply.evicted
 
     def close(self) -> None:
-        with contextlib.suppress(KvtierError, OSError):
-            self._call(DestroyRequest())
-        self._sock.close()
-        self._closed = True
-        self._regions.close()
+        """Send DESTROY, close the socket and unmap the regions. Idempotent and thread-safe: it
+        waits for the call in progress, and every call after it raises ``ClosedError``."""
+        with contextlib.suppress(ClosedError), self._turn():
+            self._closed = True
+            try:
+                with contextlib.suppress(KvtierError, OSError):
+                    self._exchange(DestroyRequest())
+            finally:
+                self._sock.close()
+                self._regions.close()
 
     def __enter__(self) -> Client:
         return self

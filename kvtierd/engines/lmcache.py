@@ -63,9 +63,18 @@ DRAM for NVMe, not for nowhere, and a block that did vanish is a shorter hit at 
 that is unreachable must not fail the serving engine: a ``KvtierError`` (daemon stopped,
 restarted, out of space) is logged, counted in :meth:`KvtierdBackend.statistics`, and answered
 as a miss or a skipped store. A broken connection is re-established once per call, so a
-restarted daemon is used again at once (and serves what its NVMe tier recovered).
+restarted daemon is used again at once (and serves what its NVMe tier recovered). After
+``close()`` nothing is: every call is answered that way (``ClosedError``), and the connection
+and its mapping are gone for good.
 
-*Why one module of about 600 lines:* it is one class, the interface LMCache loads by name, and
+*Threads.* LMCache calls a plug-in from its worker threads and, through ``to_thread``, from its
+storage loop, so one backend serves several threads on one connection: the client takes their
+requests in turns (:mod:`kvtierd.client.sync`), a session opens each namespace once, under its
+own lock, and the pins are a thread-safe table. The backend's lock guards which session is
+current and the counters; it is held across a request only to connect, which every caller
+waits for anyway.
+
+*Why one module of about 650 lines:* it is one class, the interface LMCache loads by name, and
 what it does not need to hold is already elsewhere (keys in ``lmcache_keys``, pins in
 ``lmcache_pins``, the protocol in :mod:`kvtierd.client`).
 """
@@ -93,6 +102,7 @@ from kvtierd.engines.lmcache_pins import PinTable, SharedLease
 from kvtierd.errors import (
     BlockNotFoundError,
     BrokenConnectionError,
+    ClosedError,
     InvalidRequestError,
     KvtierError,
     NoSpaceError,
@@ -138,10 +148,38 @@ class _Session:
     pins: PinTable = field(default_factory=lambda: PinTable(0))
     namespaces: dict[tuple[Any, ...], Namespace] = field(default_factory=dict)
     cuda_registered: int = 0
+    #: Held while a namespace is opened and attached, so each is opened (and the region
+    #: mapped) once; never taken by a thread inside a request.
+    opening: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def open(cls, socket_path: str | None, chunk_bytes: int) -> _Session:
         return cls(connect(socket_path, client_name="kvtierd-lmcache"), chunk_bytes)
+
+    def namespace(
+        self, ident: tuple[Any, ...], spec: Callable[[], NamespaceSpec], tenant: str
+    ) -> Namespace:
+        """The namespace known as ``ident``, opened (``spec()``) and attached the first time.
+        A namespace is published only once attached, so a thread that finds it may use the
+        region at once."""
+        ns = self.namespaces.get(ident)
+        if ns is not None:
+            return ns
+        with self.opening:
+            ns = self.namespaces.get(ident)
+            if ns is None:
+                wanted = spec()
+                ns = self.client.namespace(
+                    wanted.name,
+                    block_bytes=wanted.block_bytes,
+                    layout=wanted.layout,
+                    rank=wanted.rank,
+                    world_size=wanted.world_size,
+                    tenant=tenant,
+                )
+                self.attach(ns)
+                self.namespaces[ident] = ns
+            return ns
 
     def attach(self, ns: Namespace) -> None:
         """Map ``ns``'s region the first time; every later namespace shares it."""
@@ -208,8 +246,10 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         self._chunk_bytes = sum(
             s.numel() * d.itemsize for s, d in zip(self._shapes, self._dtypes, strict=True)
         )
+        #: Guards ``_session_now``, ``_closed`` and ``_counts``; held across no request but INIT.
         self._lock = threading.Lock()
         self._session_now: _Session | None = None
+        self._closed = False
         self._counts = dict.fromkeys(BackendStatistics.__slots__, 0)
 
     def __str__(self) -> str:
@@ -218,26 +258,34 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
     # -- connection --------------------------------------------------------------------------
 
     def _session(self) -> _Session:
+        """The current session, connecting if there is none; ``ClosedError`` after
+        :meth:`close`. (Connecting holds the lock: every caller waits for the connection.)"""
         with self._lock:
+            if self._closed:
+                raise ClosedError("the kvtierd backend is closed")
             if self._session_now is None:
                 self._session_now = _Session.open(self._socket, self._chunk_bytes)
             return self._session_now
 
     def _drop(self, session: _Session | None) -> None:
+        """Close ``session`` if it is still the current one (the first thread to find it
+        broken closes it; the next call connects anew)."""
         with self._lock:
-            if session is not None and self._session_now is session:
-                self._session_now = None
-                session.close()
+            if session is None or self._session_now is not session:
+                return
+            self._session_now = None
+        session.close()
 
     def _call(self, what: str, fn: Callable[[_Session], T], miss: T) -> T:
-        """``fn(session)``, reconnecting once if the connection broke; ``miss`` (logged and
-        counted) if the daemon cannot serve it."""
+        """``fn(session)``, reconnecting once if the connection broke (or another thread,
+        finding it broken, closed it); ``miss`` (logged and counted) if the daemon cannot serve
+        it or the backend is closed."""
         session: _Session | None = None
         for attempt in (1, 2):
             try:
                 session = self._session()
                 return fn(session)
-            except BrokenConnectionError as exc:
+            except (BrokenConnectionError, ClosedError) as exc:
                 self._drop(session)
                 if attempt == 2:
                     return self._failed(what, exc, miss)
@@ -246,9 +294,13 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         raise AssertionError("unreachable")
 
     def _failed(self, what: str, exc: KvtierError, miss: T) -> T:
-        self._counts["errors"] += 1
+        self._count("errors")
         log.warning("kvtierd %s failed, answered as a miss: %s", what, exc)
         return miss
+
+    def _count(self, counter: str, n: int = 1) -> None:
+        with self._lock:  # LMCache's threads count at once
+            self._counts[counter] += n
 
     def namespace_spec(self, key: Any) -> NamespaceSpec:
         """The kvtierd namespace that holds ``key`` (a ``CacheEngineKey``)."""
@@ -267,20 +319,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
 
     def _namespace(self, session: _Session, key: Any) -> Namespace:
         ident = (key.model_name, key.world_size, key.worker_id, key.dtype, key.tags)
-        ns = session.namespaces.get(ident)
-        if ns is None:
-            spec = self.namespace_spec(key)
-            ns = session.client.namespace(
-                spec.name,
-                block_bytes=spec.block_bytes,
-                layout=spec.layout,
-                rank=spec.rank,
-                world_size=spec.world_size,
-                tenant=self._tenant,
-            )
-            session.attach(ns)
-            session.namespaces[ident] = ns
-        return ns
+        return session.namespace(ident, lambda: self.namespace_spec(key), self._tenant)
 
     def _runs(self, session: _Session, keys: Sequence[Any]) -> list[tuple[Namespace, list[int]]]:
         """Consecutive runs of ``keys`` (by index) that share a namespace, in order."""
@@ -300,7 +339,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         starts promoting them into DRAM. With ``pin`` (LMCache's engine pins what its lookup
         found until it has retrieved it) the hits already in DRAM are leased at once
         (READ_RESIDENT), so retrieving them needs no READ."""
-        self._counts["lookups"] += 1
+        self._count("lookups")
 
         pin = pin and self._zero_copy  # copied-out reads would not use a pin's lease
 
@@ -384,7 +423,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         full = [
             (k, o) for k, o in zip(keys, objs, strict=True) if o.get_size() == self._chunk_bytes
         ]
-        self._counts["partial_chunks_skipped"] += len(keys) - len(full)
+        self._count("partial_chunks_skipped", len(keys) - len(full))
         if not full:
             return
 
@@ -403,8 +442,8 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
             return stored
 
         stored = self._call("store", store, 0)
-        self._counts["stored_chunks"] += stored
-        self._counts["failed_stores"] += len(full) - stored
+        self._count("stored_chunks", stored)
+        self._count("failed_stores", len(full) - stored)
 
     def _store_batch(self, session: _Session, ns: Namespace, batch: list[tuple[Any, Any]]) -> None:
         try:
@@ -453,7 +492,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
                     break
             return done
 
-        self._counts["read_chunks"] += self._call("read", read, 0)
+        self._count("read_chunks", self._call("read", read, 0))
         return result
 
     def _read_run(self, session: _Session, ns: Namespace, keys: list[bytes]) -> list[Any]:
@@ -486,8 +525,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
             TensorMemoryObj(session.arena[e.offset : e.offset + e.length], self._meta(e), lease)
             for lease, e in session.pins.take(ns.handle.ns, keys)
         ]
-        with self._lock:
-            self._counts["pinned_chunks"] += len(objs)
+        self._count("pinned_chunks", len(objs))
         return objs
 
     def _read_batch(
@@ -604,10 +642,14 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         return self.local_cpu_backend
 
     def statistics(self) -> BackendStatistics:
-        return BackendStatistics(**self._counts)
+        with self._lock:
+            return BackendStatistics(**self._counts)
 
     def close(self) -> None:
+        """Close the connection (after the request in progress, if any) and unmap the region;
+        idempotent. Every later call is answered as a miss or a refused store."""
         with self._lock:
+            self._closed = True
             session, self._session_now = self._session_now, None
         if session is not None:
             session.close()

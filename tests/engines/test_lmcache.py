@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ try:
         import torch
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
-        from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+        from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
         from lmcache.v1.metadata import LMCacheMetadata
 
         from kvtierd.engines.lmcache import KvtierdBackend
@@ -333,3 +334,117 @@ def test_more_than_dram_holds(tmp_path: Path) -> None:
             assert info["dram_blocks"] < chunks <= info["nvme_blocks"]
         finally:
             engine.close()
+
+
+def _chunk(engine: Engine, seed: int) -> TensorMemoryObj:
+    """A memory object of one chunk of random bytes, as LMCache hands a backend to store."""
+    shapes = list(engine.engine.metadata.get_shapes(CHUNK))
+    dtypes = list(engine.engine.metadata.get_dtypes())
+    size = sum(s.numel() * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+    meta = MemoryObjMetadata(
+        shapes[0], dtypes[0], 0, size, 1, MemoryFormat.KV_2LTD, shapes=shapes, dtypes=dtypes
+    )
+    return TensorMemoryObj(raw, meta, None)
+
+
+def _chunk_bytes(obj: Any) -> torch.Tensor:
+    return obj.raw_tensor.reshape(-1).view(torch.uint8)[: obj.get_size()]
+
+
+def _connections_soon(client: Any, wanted: int) -> bool:
+    """The daemon forgets a closed connection a moment after the client has closed it."""
+    deadline = time.monotonic() + 10
+    while client.stats()["connections"] != wanted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(client.stats()["connections"] == wanted)
+
+
+def _fresh_backend(engine: Engine) -> KvtierdBackend:
+    """Another backend as LMCache's launcher builds it, not connected yet."""
+    b = engine.backend
+    return KvtierdBackend(b.config, b.dst_device, b.metadata, b.local_cpu_backend, b.loop)
+
+
+def _put_then_get_in_threads(
+    engine: Engine, backend: KvtierdBackend, keys: list[list[Any]], seed: int
+) -> None:
+    """One thread per list of keys, started together: put a chunk per key, then get them all
+    back and compare the bytes."""
+    start = threading.Barrier(len(keys))
+    errors: list[BaseException] = []
+
+    def put_then_get(t: int) -> None:
+        try:
+            objs = [_chunk(engine, seed + t * len(keys[t]) + i) for i in range(len(keys[t]))]
+            start.wait()
+            backend.batched_submit_put_task(keys[t], objs)
+            got = backend.batched_get_blocking(keys[t])
+            assert all(g is not None for g in got), "a stored chunk was not read"
+            for g, o in zip(got, objs, strict=True):
+                assert torch.equal(_chunk_bytes(g), _chunk_bytes(o))
+                g.ref_count_down()  # what LMCache does once it has loaded a chunk
+        except BaseException as exc:  # reported by the test, not lost in a thread
+            errors.append(exc)
+
+    workers = [
+        threading.Thread(target=put_then_get, args=(t,), daemon=True) for t in range(len(keys))
+    ]
+    for worker in workers:
+        worker.start()
+    deadline = time.monotonic() + 60
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+    assert not any(w.is_alive() for w in workers), "a thread hung"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.timeout(180)
+def test_threads_put_then_get_through_one_backend(engine: Engine, daemon: DaemonProcess) -> None:
+    """LMCache's own plug-in smoke test, in our words: four threads put then get through one
+    backend, from its start-up on (where they all open the namespace at once), several times."""
+    threads, chunks, rounds = 4, 8, 5
+    text = tokens(chunks * CHUNK)
+    with connect(daemon.socket) as observer:
+        baseline = observer.stats()["connections"]
+        for round_ in range(rounds):
+            # tokens of its own for each thread and round: each put stores new chunks
+            shifts = [round_ * threads + t for t in range(threads)]
+            keys = [engine.keys([(b + shift) % 256 for b in text]) for shift in shifts]
+            backend = _fresh_backend(engine)
+            _put_then_get_in_threads(engine, backend, keys, seed=round_ * threads * chunks)
+            stats = backend.statistics()
+            assert (stats.stored_chunks, stats.read_chunks, stats.errors) == (
+                threads * chunks,
+                threads * chunks,
+                0,
+            )
+            assert _no_leases_soon(observer)
+            backend.close()
+            assert _connections_soon(observer, baseline)
+
+
+def test_a_closed_backend_neither_reconnects_nor_stores(
+    engine: Engine, daemon: DaemonProcess
+) -> None:
+    ids = tokens(64)
+    stored, fresh = engine.keys(ids[:32]), engine.keys([7, *ids[:31]])
+    backend = engine.backend
+    backend.batched_submit_put_task(stored, [_chunk(engine, i) for i in range(2)])
+    with connect(daemon.socket) as observer:
+        assert _connections_soon(observer, 2)  # the backend's connection and this one
+        backend.close()
+        assert _connections_soon(observer, 1)
+        backend.batched_submit_put_task(fresh, [_chunk(engine, i) for i in range(2, 4)])
+        assert backend.batched_contains(stored) == 0
+        assert backend.batched_get_blocking(stored) == [None, None]
+        assert backend.batched_remove(stored) == 0
+        backend.close()  # idempotent
+        assert observer.stats()["connections"] == 1  # nothing reconnected
+        stats = backend.statistics()
+        assert (stats.stored_chunks, stats.failed_stores, stats.errors) == (2, 2, 4)
+        ns = engine.namespace(observer, ids)
+        assert ns.lookup([block_key(k.chunk_hash) for k in stored]) == 2
+        assert ns.lookup([block_key(k.chunk_hash) for k in fresh]) == 0  # refused, not stored
