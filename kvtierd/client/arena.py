@@ -17,7 +17,7 @@ import contextlib
 import os
 from typing import Any
 
-from kvtierd.errors import InvalidRequestError, RemoteProtocolError
+from kvtierd.errors import ClosedError, InvalidRequestError, RemoteProtocolError
 from kvtierd.protocol.messages import Extent
 from kvtierd.store.arena import map_region
 from kvtierd.store.records import checksum
@@ -50,8 +50,11 @@ class ClientArena:
             os.close(fd)
             raise RemoteProtocolError(f"cannot map the region the daemon passed: {exc}") from exc
         self._view = memoryview(self._mapping)
+        self._closed = False
 
     def _check(self, offset: int, length: int) -> None:
+        if self._closed:  # another thread closed the client: views made before stay valid
+            raise ClosedError("the client is closed")
         if offset < 0 or length < 0 or offset + length > self.size_bytes:
             raise RemoteProtocolError(f"extent [{offset}, {offset + length}) outside the arena")
 
@@ -72,9 +75,12 @@ class ClientArena:
     def buffer(self) -> memoryview:
         """The whole region, read-only: an engine may wrap it once (``torch.frombuffer``) and
         index it with the extents of its leases instead of making a view per block."""
+        if self._closed:
+            raise ClosedError("the client is closed")
         return self._view.toreadonly()
 
     def close(self) -> None:
+        self._closed = True
         self._view.release()
         with contextlib.suppress(BufferError):  # a caller's view keeps the mapping alive
             self._mapping.close()

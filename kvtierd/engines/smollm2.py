@@ -21,6 +21,7 @@ Every failure to find a piece of that stack raises :class:`ModelUnavailableError
 from __future__ import annotations
 
 import enum
+import fcntl
 import importlib.util
 import json
 import os
@@ -244,11 +245,25 @@ def hf_folder(dtype: ModelDType = ModelDType.BFLOAT16, cache_dir: Path | None = 
     }
     root = cache_dir if cache_dir is not None else model_cache_dir()
     folder = root / f"{source.stem}-hf-{dtype.value}"
+    if _export_matches(folder, mark):
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "a") as lock:  # one conversion at a time; the others reuse it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _export_matches(folder, mark):
+            _export(dtype, folder, mark)
+    return folder
+
+
+def _export_matches(folder: Path, mark: dict[str, object]) -> bool:
     try:
-        if json.loads((folder / _EXPORT_MARK).read_text()) == mark:
-            return folder
+        return bool(json.loads((folder / _EXPORT_MARK).read_text()) == mark)
     except (OSError, ValueError):
-        pass
+        return False
+
+
+def _export(dtype: ModelDType, folder: Path, mark: dict[str, object]) -> None:
+    root = folder.parent
     loaded = load_smollm2(dtype)
     from transformers import LlamaForCausalLM
 
@@ -259,7 +274,6 @@ def hf_folder(dtype: ModelDType = ModelDType.BFLOAT16, cache_dir: Path | None = 
     llama: Any = LlamaForCausalLM  # untyped in transformers
     plain = llama(config).to(dtype.torch_dtype())
     plain.load_state_dict(loaded.model.state_dict())
-    root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
     try:
         plain.save_pretrained(staging)
@@ -272,4 +286,3 @@ def hf_folder(dtype: ModelDType = ModelDType.BFLOAT16, cache_dir: Path | None = 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return folder

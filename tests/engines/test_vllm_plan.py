@@ -1,0 +1,70 @@
+"""The vLLM connector's scheduler-side planning (``kvtierd.engines.vllm_plan``): pure, so it is
+tested without vLLM or a daemon."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtierd.engines.vllm_plan import BlockRun, Promotion, RequestPlan, loadable_blocks
+
+KEYS = tuple(bytes([i]) * 16 for i in range(8))
+
+
+def test_the_last_prompt_token_is_never_loaded() -> None:
+    assert loadable_blocks(1024, 128) == 7  # 1024 tokens: block 8 holds the last token
+    assert loadable_blocks(1025, 128) == 8
+    assert loadable_blocks(128, 128) == 0
+    assert loadable_blocks(0, 128) == 0
+
+
+def test_a_lookup_promises_the_stored_blocks_past_the_local_ones_once() -> None:
+    plan = RequestPlan("r", prompt_tokens=1100, keys=KEYS)
+    assert plan.promise(local_blocks=2, stored=6) == 4
+    plan.allocated(list(range(10, 19)), promised_tokens=4 * 128, block_tokens=128)
+    load = plan.take_load()
+    assert load == BlockRun("r", 2, KEYS[2:6], (12, 13, 14, 15))
+    assert plan.take_load() is None
+
+
+def test_vllm_taking_fewer_tokens_shrinks_the_load() -> None:
+    plan = RequestPlan("r", prompt_tokens=1100, keys=KEYS)
+    plan.promise(local_blocks=0, stored=5)
+    plan.allocated(list(range(9)), promised_tokens=0, block_tokens=128)
+    assert plan.take_load() is None
+
+
+def test_saves_start_after_what_kvtierd_holds_and_cover_each_block_once() -> None:
+    plan = RequestPlan("r", prompt_tokens=1100, keys=KEYS)
+    plan.promise(local_blocks=3, stored=2)  # vLLM has 3 itself, kvtierd only 2: save from 2
+    plan.allocated(list(range(100, 109)), promised_tokens=0, block_tokens=128)
+    first = plan.take_save(computed_tokens=600, block_tokens=128)
+    assert first == BlockRun("r", 2, KEYS[2:4], (102, 103))
+    assert plan.take_save(computed_tokens=600, block_tokens=128) is None
+    rest = plan.take_save(computed_tokens=1100 + 50, block_tokens=128)  # decoding past it
+    assert rest == BlockRun("r", 4, KEYS[4:8], (104, 105, 106, 107))
+
+
+def test_a_run_needs_one_block_id_per_key() -> None:
+    with pytest.raises(ValueError, match="2 keys for 1 block ids"):
+        BlockRun("r", 0, KEYS[:2], (1,))
+
+
+def test_a_load_past_the_allocated_blocks_is_refused() -> None:
+    plan = RequestPlan("r", prompt_tokens=1100, keys=KEYS)
+    plan.promise(local_blocks=0, stored=4)
+    plan.allocated([1, 2], promised_tokens=4 * 128, block_tokens=128)
+    with pytest.raises(ValueError, match="allocated"):
+        plan.take_load()
+
+
+def test_promotion_asks_again_while_dram_fills_then_gives_up() -> None:
+    promotion = Promotion(first_asked=0.0, max_wait_s=2.0, stall_s=0.5)
+    assert promotion.ask_again(resident=0, now=0.0)
+    assert promotion.ask_again(resident=3, now=0.4)
+    assert promotion.ask_again(resident=3, now=0.8)  # grew 0.4 s ago
+    assert not promotion.ask_again(resident=3, now=1.0)  # stalled: DRAM is full
+    growing = Promotion(first_asked=0.0, max_wait_s=2.0, stall_s=0.5)
+    for step in range(20):
+        if not growing.ask_again(resident=step, now=step * 0.15):
+            break
+    assert step * 0.15 >= 2.0  # gave up at max_wait_s although still growing
