@@ -49,7 +49,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtierd.client import BlockLease, Client, Namespace, connect
-from kvtierd.engines.vllm_plan import BlockRun, Promotion, RequestPlan, loadable_blocks
+from kvtierd.engines.vllm_plan import (
+    BlockRun,
+    ConnectorSettings,
+    Promotion,
+    RequestPlan,
+    loadable_blocks,
+)
 from kvtierd.errors import (
     BlockNotFoundError,
     BrokenConnectionError,
@@ -77,42 +83,6 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 class UnsupportedEngineError(KvtierError, TypeError):
     """vLLM's KV cache is of a kind this connector cannot fill (hybrid or sliding-window
     groups, MLA, quantised KV, different K and V head sizes)."""
-
-
-@dataclass(frozen=True)
-class ConnectorSettings:
-    """``kv_connector_extra_config`` keys (all optional).
-
-    ``socket``: the daemon's socket (default: ``$KVTIERD_SOCKET`` or the configured path);
-    ``tenant``: the kvtierd tenant; ``model_id``: names the weights (default: vLLM's model
-    path or name, its revision and quantisation); ``namespace``: overrides the namespace name;
-    ``wait_for_promotion_s``: how long the scheduler keeps asking again for hits that are still
-    coming up from NVMe before it takes the DRAM part only (default 2 s)."""
-
-    socket: str | None = None
-    tenant: str = "default"
-    model_id: str | None = None
-    namespace: str | None = None
-    wait_for_promotion_s: float = 2.0
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        known = {"socket", "tenant", "model_id", "namespace", "wait_for_promotion_s"}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown kvtierd connector option(s) {unknown}; known: {sorted(known)}"
-            )
-        wait = float(extra.get("wait_for_promotion_s", cls.wait_for_promotion_s))
-        if not 0 <= wait <= 600:
-            raise ValueError(f"wait_for_promotion_s must be within 0..600, got {wait}")
-        return cls(
-            socket=extra.get("socket"),
-            tenant=str(extra.get("tenant", "default")),
-            model_id=extra.get("model_id"),
-            namespace=extra.get("namespace"),
-            wait_for_promotion_s=wait,
-        )
 
 
 def vllm_layout(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> Layout:

@@ -1,5 +1,5 @@
-"""What the vLLM connector's scheduler side decides, without I/O: which blocks of a request to
-load from kvtierd and which to save, step by step.
+"""What the vLLM connector decides, without I/O: which blocks of a request to load from kvtierd
+and which to save, step by step, and the connector's settings.
 
 A request's prompt is cut into vLLM blocks of ``block_tokens``; block ``i`` has kvtierd key
 ``keys[i]`` (:func:`kvtierd.keys.chain_keys`, so key ``i`` names every token up to the end of
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["BlockRun", "Promotion", "RequestPlan", "loadable_blocks"]
+__all__ = ["BlockRun", "ConnectorSettings", "Promotion", "RequestPlan", "loadable_blocks"]
 
 
 def loadable_blocks(prompt_tokens: int, block_tokens: int) -> int:
@@ -117,3 +118,42 @@ class Promotion:
         if resident > self.best:
             self.best, self.grew_at = resident, now
         return now - self.first_asked < self.max_wait_s and now - self.grew_at < self.stall_s
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config`` keys (all optional).
+
+    ``socket``: the daemon's socket (default: ``$KVTIERD_SOCKET`` or the configured path);
+    ``tenant``: the kvtierd tenant; ``model_id``: names the weights (default: vLLM's model
+    path or name, its revision and quantisation); ``namespace``: overrides the namespace name;
+    ``wait_for_promotion_s``: how long the scheduler keeps asking again for hits that are still
+    coming up from NVMe before it takes the DRAM part only (default 2 s)."""
+
+    socket: str | None = None
+    tenant: str = "default"
+    model_id: str | None = None
+    namespace: str | None = None
+    wait_for_promotion_s: float = 2.0
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        known = {"socket", "tenant", "model_id", "namespace", "wait_for_promotion_s"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown kvtierd connector option(s) {unknown}; known: {sorted(known)}"
+            )
+        for name in ("socket", "tenant", "model_id", "namespace"):
+            if name in extra and not (isinstance(extra[name], str) and extra[name]):
+                raise ValueError(f"kvtierd connector option {name!r} must be a non-empty string")
+        wait = extra.get("wait_for_promotion_s", cls.wait_for_promotion_s)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 600:
+            raise ValueError(f"wait_for_promotion_s must be seconds within 0..600, got {wait!r}")
+        return cls(
+            socket=extra.get("socket"),
+            tenant=extra.get("tenant", "default"),
+            model_id=extra.get("model_id"),
+            namespace=extra.get("namespace"),
+            wait_for_promotion_s=float(wait),
+        )

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.engines.vllm_plan import BlockRun, Promotion, RequestPlan, loadable_blocks
+from kvtierd.engines.vllm_plan import (
+    BlockRun,
+    ConnectorSettings,
+    Promotion,
+    RequestPlan,
+    loadable_blocks,
+)
 
 KEYS = tuple(bytes([i]) * 16 for i in range(8))
 
@@ -68,3 +74,29 @@ def test_promotion_asks_again_while_dram_fills_then_gives_up() -> None:
         if not growing.ask_again(resident=step, now=step * 0.15):
             break
     assert step * 0.15 >= 2.0  # gave up at max_wait_s although still growing
+
+
+def test_connector_settings_take_the_documented_keys() -> None:
+    settings = ConnectorSettings.from_extra(
+        {"socket": "/run/k.sock", "tenant": "t", "model_id": "m", "wait_for_promotion_s": 0.5}
+    )
+    assert settings == ConnectorSettings("/run/k.sock", "t", "m", None, 0.5)
+    assert ConnectorSettings.from_extra({}) == ConnectorSettings()
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"sockett": "/x"}, r"unknown kvtierd connector option\(s\) \['sockett'\]"),
+        ({"socket": ""}, "'socket' must be a non-empty string"),
+        ({"tenant": 7}, "'tenant' must be a non-empty string"),
+        ({"wait_for_promotion_s": -1}, "within 0..600"),
+        ({"wait_for_promotion_s": "2"}, "within 0..600, got '2'"),
+        ({"wait_for_promotion_s": True}, "within 0..600"),
+    ],
+)
+def test_bad_connector_settings_are_refused_with_the_reason(
+    extra: dict[str, object], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        ConnectorSettings.from_extra(extra)
