@@ -21,9 +21,10 @@ vLLM writes them, and the blocks committed after the step (abandoned, never visi
 anything fails). A block that vanished between lookup and load is reported to vLLM as a load
 error: with ``kv_load_failure_policy="recompute"`` vLLM recomputes it.
 
-Keys are kvtierd's chain keys over the prompt's token ids, not vLLM's block hashes: those are
-seeded at random per process unless ``PYTHONHASHSEED`` is set, which would make every
-restart a cold cache. What changes the KV besides the tokens keeps keys apart: the model,
+Keys are kvtierd's chain keys over the prompt's token ids, not vLLM's block hashes: those depend
+on an engine setting (``prefix_caching_hash_algo``: the ``xxhash`` ones are seeded at random per
+process unless ``PYTHONHASHSEED`` is set) and on vLLM's internal format, so another setting or a
+vLLM upgrade would make everything kvtierd holds unreachable. What changes the KV besides the tokens keeps keys apart: the model,
 its quantisation, the KV dtype and shape, the block size and the TP rank are in the namespace
 (name and layout), the request's ``cache_salt`` and LoRA adapter in each key's salt. Requests
 with multimodal inputs or prompt embeddings are neither looked up nor saved. See

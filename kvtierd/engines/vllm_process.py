@@ -9,9 +9,9 @@ reads one JSON answer per line from a pipe of its own (vLLM and torch log on std
 which go to ``log_path``)::
 
     {"op": "generate", "prompt": [ids], "max_tokens": n, "logprobs": k}
-        -> {"tokens": [...], "logprobs": [[[id, logprob], ...], ...], "seconds": s}
-    {"op": "reset"}   -> {"reset": bool}      (vLLM's reset_prefix_cache)
-    {"op": "stats"}   -> {...}                 (the connector's counters, when it has any)
+        -> {"tokens": [...], "logprobs": [[[id, logprob], ...], ...], "seconds": s,
+            "cached_tokens": c}
+    {"op": "reset", "connector": bool}  -> {"reset": bool}   (vLLM's reset_prefix_cache)
 
 Nothing here imports vLLM in the parent.
 """
@@ -43,12 +43,14 @@ class EngineError(RuntimeError):
 
 @dataclass(frozen=True)
 class Generation:
-    """One greedy generation: tokens, each step's top log-probs and the call's wall time
-    (with ``max_tokens=1``: time to first token)."""
+    """One greedy generation: tokens, each step's top log-probs, the call's wall time (with
+    ``max_tokens=1``: time to first token) and how many prompt tokens vLLM did not compute
+    (its own prefix cache plus what a connector loaded)."""
 
     tokens: list[int]
     logprobs: list[dict[int, float]]
     seconds: float
+    cached_tokens: int = 0
 
 
 def total_variation(a: Sequence[dict[int, float]], b: Sequence[dict[int, float]]) -> float:
@@ -149,11 +151,13 @@ class EngineProcess:
             tokens=list(answer["tokens"]),
             logprobs=[{int(t): float(lp) for t, lp in step} for step in answer["logprobs"]],
             seconds=float(answer["seconds"]),
+            cached_tokens=int(answer.get("cached_tokens") or 0),
         )
 
-    def reset_prefix_cache(self) -> bool:
-        """Empty vLLM's own prefix cache (so the next request cannot hit it)."""
-        return bool(self._command(op="reset")["reset"])
+    def reset_prefix_cache(self, *, connector: bool = False) -> bool:
+        """Empty vLLM's own prefix cache (so the next request cannot hit it); with
+        ``connector`` also the connector's (vLLM's CPU offloading tier)."""
+        return bool(self._command(op="reset", connector=connector)["reset"])
 
     def log_tail(self, lines: int = 40) -> str:
         self._log.flush()
@@ -221,9 +225,15 @@ def _serve(engine_args: dict[str, Any], replies: IO[str]) -> None:
                     [[int(t), float(lp.logprob)] for t, lp in step.items()]
                     for step in (completion.logprobs or [])
                 ]
-                reply(tokens=list(completion.token_ids), logprobs=steps, seconds=seconds)
+                reply(
+                    tokens=list(completion.token_ids),
+                    logprobs=steps,
+                    seconds=seconds,
+                    cached_tokens=out.num_cached_tokens,
+                )
             elif command["op"] == "reset":
-                reply(reset=bool(llm.reset_prefix_cache()))
+                connector = bool(command.get("connector", False))
+                reply(reset=bool(llm.reset_prefix_cache(reset_connector=connector)))
             else:
                 reply(error=f"unknown command {command['op']!r}")
         except Exception as exc:
