@@ -67,6 +67,7 @@ class RequestPlan:
         self.stored = stored
         self.load_first = local_blocks
         self.load_count = max(0, stored - local_blocks)
+        self.load_sent = False  # asked again (a preempted request resumes): load again
         self.saved = max(self.saved, stored)
         return self.load_count
 
@@ -128,17 +129,19 @@ class ConnectorSettings:
     ``tenant``: the kvtierd tenant; ``model_id``: names the weights (default: vLLM's model
     path or name, its revision and quantisation); ``namespace``: overrides the namespace name;
     ``wait_for_promotion_s``: how long the scheduler keeps asking again for hits that are still
-    coming up from NVMe before it takes the DRAM part only (default 2 s)."""
+    coming up from NVMe before the worker reads them itself (default 2 s); ``timeout_s``: bounds
+    every request to the daemon (default 30 s: a READ includes its NVMe reads)."""
 
     socket: str | None = None
     tenant: str = "default"
     model_id: str | None = None
     namespace: str | None = None
     wait_for_promotion_s: float = 2.0
+    timeout_s: float = 30.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        known = {"socket", "tenant", "model_id", "namespace", "wait_for_promotion_s"}
+        known = {"socket", "tenant", "model_id", "namespace", "wait_for_promotion_s", "timeout_s"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -147,13 +150,20 @@ class ConnectorSettings:
         for name in ("socket", "tenant", "model_id", "namespace"):
             if name in extra and not (isinstance(extra[name], str) and extra[name]):
                 raise ValueError(f"kvtierd connector option {name!r} must be a non-empty string")
-        wait = extra.get("wait_for_promotion_s", cls.wait_for_promotion_s)
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 600:
-            raise ValueError(f"wait_for_promotion_s must be seconds within 0..600, got {wait!r}")
+        wait = _seconds(extra, "wait_for_promotion_s", cls.wait_for_promotion_s, low=0.0)
+        timeout = _seconds(extra, "timeout_s", cls.timeout_s, low=0.1)
         return cls(
             socket=extra.get("socket"),
             tenant=extra.get("tenant", "default"),
             model_id=extra.get("model_id"),
             namespace=extra.get("namespace"),
-            wait_for_promotion_s=float(wait),
+            wait_for_promotion_s=wait,
+            timeout_s=timeout,
         )
+
+
+def _seconds(extra: dict[str, Any], name: str, default: float, *, low: float) -> float:
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= 600:
+        raise ValueError(f"{name} must be seconds within {low:g}..600, got {value!r}")
+    return float(value)

@@ -242,6 +242,8 @@ def _serve(engine_args: dict[str, Any], replies: IO[str]) -> None:
 
 if __name__ == "__main__":
     _reply_fd = int(os.environ.pop("KVTIERD_ENGINE_REPLY_FD"))
+    # vLLM's processes must not inherit it: the parent sees EOF when this one dies.
+    os.set_inheritable(_reply_fd, False)
     with os.fdopen(_reply_fd, "w") as _replies:
         _serve(json.loads(sys.argv[1]), _replies)
     # vLLM's atexit shutdown can hang on a spawned worker: the answers are out, leave now.

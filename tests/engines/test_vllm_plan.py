@@ -80,7 +80,7 @@ def test_connector_settings_take_the_documented_keys() -> None:
     settings = ConnectorSettings.from_extra(
         {"socket": "/run/k.sock", "tenant": "t", "model_id": "m", "wait_for_promotion_s": 0.5}
     )
-    assert settings == ConnectorSettings("/run/k.sock", "t", "m", None, 0.5)
+    assert settings == ConnectorSettings("/run/k.sock", "t", "m", None, 0.5, 30.0)
     assert ConnectorSettings.from_extra({}) == ConnectorSettings()
 
 
@@ -91,6 +91,7 @@ def test_connector_settings_take_the_documented_keys() -> None:
         ({"socket": ""}, "'socket' must be a non-empty string"),
         ({"tenant": 7}, "'tenant' must be a non-empty string"),
         ({"wait_for_promotion_s": -1}, "within 0..600"),
+        ({"timeout_s": 0}, "timeout_s must be seconds within 0.1..600"),
         ({"wait_for_promotion_s": "2"}, "within 0..600, got '2'"),
         ({"wait_for_promotion_s": True}, "within 0..600"),
     ],
@@ -100,3 +101,16 @@ def test_bad_connector_settings_are_refused_with_the_reason(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         ConnectorSettings.from_extra(extra)
+
+
+def test_a_request_asked_again_after_preemption_loads_again() -> None:
+    plan = RequestPlan("r", prompt_tokens=1100, keys=KEYS)
+    plan.promise(local_blocks=0, stored=6)
+    plan.allocated(list(range(9)), promised_tokens=6 * 128, block_tokens=128)
+    assert plan.take_load() is not None
+    # Preempted: its blocks are freed; on resume vLLM asks again and allocates anew.
+    assert plan.promise(local_blocks=0, stored=6) == 6
+    plan.allocated(list(range(20, 29)), promised_tokens=6 * 128, block_tokens=128)
+    again = plan.take_load()
+    assert again is not None
+    assert again.block_ids == (20, 21, 22, 23, 24, 25)
