@@ -159,6 +159,7 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         self._session: Session | None = None  # the step's, fixed at bind
         self._loading: list[_Load] = []
         self._loaded: set[str] = set()
+        self._received: set[str] = set()  # loaded before the forward, for get_finished
         self._tainted: set[str] = set()  # a load failed: save nothing more of these
         self._saves_pending = False
         self._saving: contextlib.ExitStack | None = None
@@ -194,11 +195,17 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
             keys = self._request_keys(request, session)
             plan = RequestPlan(req_id, len(request.prompt_token_ids or []), keys)
             self._plans[req_id] = plan
-        limit = loadable_blocks(plan.prompt_tokens, bt)
+        limit = loadable_blocks(plan.prompt_tokens, bt, before_forward=True)
         local = num_computed_tokens // bt
         try:
             tiers = session.namespace.lookup_tiers(plan.keys[:limit]) if limit else []
             stored = len(tiers)
+            # Every block of the prompt stored (a prompt of whole blocks): load them before
+            # the forward (vLLM's asynchronous path), and vLLM computes only the last token;
+            # else load during the forward, layer by layer, and vLLM computes the rest.
+            before_forward = stored > loadable_blocks(plan.prompt_tokens, bt)
+            if before_forward and not self.settings.whole_prompt:
+                stored, before_forward = stored - 1, False
             if stored <= local:
                 plan.promise(local, stored)
                 return 0, False
@@ -220,12 +227,12 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
             return 0, False
         self._promotions.pop(req_id, None)
         # Every hit is promised; those not in DRAM now the worker reads itself.
-        promised = plan.promise(local, stored)
+        promised = plan.promise(local, stored, before_forward=before_forward)
         if lease.keys:
             self._leases[req_id] = lease
         else:
             lease.release()
-        return promised * bt, False
+        return promised * bt, before_forward and promised > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
@@ -239,6 +246,9 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         meta = KvtierdConnectorMetadata(finished=set(scheduler_output.finished_req_ids or ()))
         for req_id in scheduler_output.preempted_req_ids or ():
             self._drop_lease(req_id)  # its blocks are gone; a resume asks again
+        for waiting in self._plans.values():  # loads before the forward: not scheduled yet
+            if waiting.load_before_forward and (load := waiting.take_load()) is not None:
+                meta.loads.append(load)
         bt = self._block_tokens
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -341,7 +351,25 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierdConnectorMetadata)
         for run in meta.loads:
-            self._start_load(run)
+            if run.before_forward:
+                self._load_before_forward(run)
+            else:
+                self._start_load(run)
+
+    def _load_before_forward(self, run: BlockRun) -> None:
+        """Copy the run's blocks now, every layer at once (vLLM schedules the request once
+        :meth:`get_finished` reports it)."""
+        got, session = 0, self._session
+        self._loaded.add(run.request_id)
+        self._received.add(run.request_id)
+        if session is not None and self._step_error is None:
+            try:
+                got = self._load_in_batches(session, run, batch=len(run.keys))
+            except KvtierError as exc:
+                self._fail_step(exc)
+        if got < len(run.keys):
+            self._load_errors.update(run.block_ids[got:])
+            self._tainted.add(run.request_id)
 
     def _start_load(self, run: BlockRun) -> None:
         """Lease the run's blocks for the layer-by-layer copy; a run larger than this
@@ -366,10 +394,10 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
             self._load_errors.update(run.block_ids[got:])
             self._tainted.add(run.request_id)
 
-    def _load_in_batches(self, session: Session, run: BlockRun) -> int:
+    def _load_in_batches(self, session: Session, run: BlockRun, *, batch: int = 0) -> int:
         """Copy the run's blocks, every layer at once, a batch at a time (halving the batch
         while the daemon refuses it); returns how many leading blocks were copied."""
-        done, batch = 0, max(1, len(run.keys) // 2)
+        done, batch = 0, max(1, batch or len(run.keys) // 2)
         layers = [(self._layers[name], tensor) for name, tensor in self._kv.items()]
         arena = session.arena()
         while done < len(run.keys):
@@ -491,6 +519,10 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         error, self._step_error = self._step_error, None
         if error is not None and isinstance(error, CONNECTION_ERRORS):
             self._link.failed(error)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
+        received, self._received = self._received, set()
+        return None, received or None
 
     def build_connector_worker_meta(self) -> KvtierdWorkerMetadata | None:
         loaded, self._loaded = self._loaded, set()

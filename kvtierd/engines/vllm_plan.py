@@ -18,12 +18,15 @@ from typing import Any
 __all__ = ["BlockRun", "ConnectorSettings", "Promotion", "RequestPlan", "loadable_blocks"]
 
 
-def loadable_blocks(prompt_tokens: int, block_tokens: int) -> int:
-    """How many leading blocks of a prompt may come from outside: every full block that ends
-    before the last prompt token (which vLLM computes to produce the first output)."""
+def loadable_blocks(prompt_tokens: int, block_tokens: int, *, before_forward: bool = False) -> int:
+    """How many leading blocks of a prompt may come from outside. Loaded during the forward
+    that computes the rest (vLLM's synchronous loads): every full block that ends before the
+    last prompt token, which vLLM computes to produce the first output. Loaded before that
+    forward (``before_forward``: vLLM's asynchronous loads, after which vLLM recomputes only the
+    last token): every full block."""
     if prompt_tokens <= 0:
         return 0
-    return (prompt_tokens - 1) // block_tokens
+    return (prompt_tokens if before_forward else prompt_tokens - 1) // block_tokens
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class BlockRun:
     first: int
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    #: Loaded before the request is scheduled (every layer at once), not during its forward.
+    before_forward: bool = False
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.block_ids):
@@ -58,12 +63,15 @@ class RequestPlan:
     load_first: int = 0
     load_count: int = 0
     load_sent: bool = False
+    load_before_forward: bool = False
     saved: int = 0
     block_ids: list[int] = field(default_factory=list)
 
-    def promise(self, local_blocks: int, stored: int) -> int:
+    def promise(self, local_blocks: int, stored: int, *, before_forward: bool = False) -> int:
         """Record a lookup: vLLM holds ``local_blocks`` itself, kvtierd ``stored`` leading
-        blocks. Returns the blocks promised to vLLM (tokens = that times ``block_tokens``)."""
+        blocks (loaded ``before_forward`` or during it). Returns the blocks promised to vLLM
+        (tokens = that times ``block_tokens``)."""
+        self.load_before_forward = before_forward
         self.stored = stored
         self.load_first = local_blocks
         self.load_count = max(0, stored - local_blocks)
@@ -86,7 +94,11 @@ class RequestPlan:
         if stop > len(self.block_ids):
             raise ValueError(f"load of blocks {first}..{stop} but {len(self.block_ids)} allocated")
         return BlockRun(
-            self.request_id, first, self.keys[first:stop], tuple(self.block_ids[first:stop])
+            self.request_id,
+            first,
+            self.keys[first:stop],
+            tuple(self.block_ids[first:stop]),
+            self.load_before_forward,
         )
 
     def take_save(self, computed_tokens: int, block_tokens: int) -> BlockRun | None:
@@ -130,7 +142,10 @@ class ConnectorSettings:
     path or name, its revision and quantisation); ``namespace``: overrides the namespace name;
     ``wait_for_promotion_s``: how long the scheduler keeps asking again for hits that are still
     coming up from NVMe before the worker reads them itself (default 2 s); ``timeout_s``: bounds
-    every request to the daemon (default 30 s: a READ includes its NVMe reads)."""
+    every request to the daemon (default 30 s: a READ includes its NVMe reads);
+    ``whole_prompt``: load every block of a prompt kvtierd holds whole before the forward, so
+    vLLM computes only the last token (default true; false: the last block is computed, as
+    vLLM's own prefix cache does, and the result is bitwise that of vLLM's own hit)."""
 
     socket: str | None = None
     tenant: str = "default"
@@ -138,10 +153,14 @@ class ConnectorSettings:
     namespace: str | None = None
     wait_for_promotion_s: float = 2.0
     timeout_s: float = 30.0
+    whole_prompt: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        known = {"socket", "tenant", "model_id", "namespace", "wait_for_promotion_s", "timeout_s"}
+        known = {
+            "socket", "tenant", "model_id", "namespace", "wait_for_promotion_s", "timeout_s",
+            "whole_prompt",
+        }  # fmt: skip
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -152,6 +171,9 @@ class ConnectorSettings:
                 raise ValueError(f"kvtierd connector option {name!r} must be a non-empty string")
         wait = _seconds(extra, "wait_for_promotion_s", cls.wait_for_promotion_s, low=0.0)
         timeout = _seconds(extra, "timeout_s", cls.timeout_s, low=0.1)
+        whole = extra.get("whole_prompt", cls.whole_prompt)
+        if not isinstance(whole, bool):
+            raise ValueError(f"whole_prompt must be true or false, got {whole!r}")
         return cls(
             socket=extra.get("socket"),
             tenant=extra.get("tenant", "default"),
@@ -159,6 +181,7 @@ class ConnectorSettings:
             namespace=extra.get("namespace"),
             wait_for_promotion_s=wait,
             timeout_s=timeout,
+            whole_prompt=whole,
         )
 
 

@@ -80,7 +80,7 @@ def test_connector_settings_take_the_documented_keys() -> None:
     settings = ConnectorSettings.from_extra(
         {"socket": "/run/k.sock", "tenant": "t", "model_id": "m", "wait_for_promotion_s": 0.5}
     )
-    assert settings == ConnectorSettings("/run/k.sock", "t", "m", None, 0.5, 30.0)
+    assert settings == ConnectorSettings("/run/k.sock", "t", "m", None, 0.5, 30.0, True)
     assert ConnectorSettings.from_extra({}) == ConnectorSettings()
 
 
@@ -92,6 +92,7 @@ def test_connector_settings_take_the_documented_keys() -> None:
         ({"tenant": 7}, "'tenant' must be a non-empty string"),
         ({"wait_for_promotion_s": -1}, "within 0..600"),
         ({"timeout_s": 0}, "timeout_s must be seconds within 0.1..600"),
+        ({"whole_prompt": "yes"}, "whole_prompt must be true or false"),
         ({"wait_for_promotion_s": "2"}, "within 0..600, got '2'"),
         ({"wait_for_promotion_s": True}, "within 0..600"),
     ],

