@@ -137,7 +137,7 @@ class LengthRun:
             cache = DynamicCache(config=model.config)
             started = time.perf_counter()
             with torch.no_grad():
-                model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             self.add("recompute", time.perf_counter() - started)
         return cache
 

@@ -432,7 +432,7 @@ class HfKvAdapter:
         with torch.no_grad():
             out = self.model(
                 input_ids=torch.tensor([list(token_ids)], dtype=torch.long),
-                cache=cache,
+                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )

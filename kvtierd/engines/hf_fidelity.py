@@ -74,7 +74,10 @@ def greedy_continue(
             if step == steps - 1 or (stop_token is not None and fed == stop_token):
                 break
             out = model(
-                input_ids=torch.tensor([[fed]]), cache=cache, use_cache=True, logits_to_keep=1
+                input_ids=torch.tensor([[fed]]),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
             )
             logits = out.logits[0, -1]
     return Continuation(tokens, torch.stack(rows))

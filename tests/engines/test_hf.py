@@ -288,9 +288,10 @@ def test_packed_decode_attention(loaded: Any, prompt: list[int]) -> None:
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits
+            ids = torch.tensor([prompt])
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
             token = torch.tensor([[int(logits[0, -1].argmax())]])
-            step = model(input_ids=token, cache=cache, use_cache=True).logits[0, -1]
+            step = model(input_ids=token, past_key_values=cache, use_cache=True).logits[0, -1]
         return logits, step
 
     before = model.config._attn_implementation
