@@ -220,7 +220,10 @@ def _child() -> None:
     import traceback
 
     uid, gid, groups, preload, path, pickled = pickle.loads(base64.b64decode(sys.argv[1]))
-    sys.path[:0] = [entry for entry in path if entry not in sys.path]
+    # After the child's own entries: the parent's may carry a package's vendored copies
+    # (setuptools puts setuptools/_vendor on sys.path when imported), which must not shadow the
+    # installed packages (an old typing_extensions breaks anyio).
+    sys.path.extend(entry for entry in path if entry not in sys.path)
     for name in preload:
         importlib.import_module(name)
     task = pickle.loads(pickled)
