@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = [
+    "CONNECTION_ERRORS",
     "ERRNO_TO_ERROR",
     "AccessDeniedError",
     "BlockNotFoundError",
@@ -210,3 +211,14 @@ def errno_of(exc: BaseException) -> int:
     if isinstance(exc, KvtierError):
         return exc.errno
     return errno.EIO
+
+
+#: The errors after which a client's connection is unusable (gone, closed, out of step, or cut
+#: by a timeout mid-reply): reconnect. Every other ``KvtierError`` refuses one request on a
+#: connection that stays usable.
+CONNECTION_ERRORS: tuple[type[KvtierError], ...] = (
+    BrokenConnectionError,
+    ClosedError,
+    RemoteProtocolError,
+    TimedOutError,
+)

@@ -50,7 +50,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtierd.client import BlockLease
 from kvtierd.engines.vllm_link import (
-    CONNECTION_ERRORS,
     Link,
     Session,
     UnsupportedEngineError,
@@ -65,7 +64,13 @@ from kvtierd.engines.vllm_plan import (
     RequestPlan,
     loadable_blocks,
 )
-from kvtierd.errors import BlockNotFoundError, KvtierError, NoSpaceError, QuotaError
+from kvtierd.errors import (
+    CONNECTION_ERRORS,
+    BlockNotFoundError,
+    KvtierError,
+    NoSpaceError,
+    QuotaError,
+)
 from kvtierd.keys import chain_keys
 from kvtierd.protocol.messages import Extent
 
@@ -367,9 +372,7 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
                 got = self._load_in_batches(session, run, batch=len(run.keys))
             except KvtierError as exc:
                 self._fail_step(exc)
-        if got < len(run.keys):
-            self._load_errors.update(run.block_ids[got:])
-            self._tainted.add(run.request_id)
+        self._not_loaded(run, got)
 
     def _start_load(self, run: BlockRun) -> None:
         """Lease the run's blocks for the layer-by-layer copy; a run larger than this
@@ -390,6 +393,11 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
                     self._loading.append(load)
             except KvtierError as exc:
                 self._fail_step(exc)
+        self._not_loaded(run, got)
+
+    def _not_loaded(self, run: BlockRun, got: int) -> None:
+        """Blocks ``got ..`` of ``run`` could not be read: load errors for vLLM, and the request
+        saves nothing more (what it computes attends over them)."""
         if got < len(run.keys):
             self._load_errors.update(run.block_ids[got:])
             self._tainted.add(run.request_id)

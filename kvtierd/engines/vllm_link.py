@@ -23,11 +23,10 @@ import torch
 
 from kvtierd.client import Client, Namespace, connect
 from kvtierd.engines.vllm_plan import ConnectorSettings
-from kvtierd.errors import BrokenConnectionError, ClosedError, KvtierError, TimedOutError
+from kvtierd.errors import CONNECTION_ERRORS, KvtierError
 from kvtierd.protocol.messages import Layout
 
 __all__ = [
-    "CONNECTION_ERRORS",
     "Link",
     "Session",
     "UnsupportedEngineError",
@@ -40,10 +39,6 @@ __all__ = [
 log = logging.getLogger("kvtierd.vllm")
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-#: Errors that mean the connection is gone (a new session is needed); every other
-#: ``KvtierError`` is the daemon refusing one request on a connection that stays usable.
-CONNECTION_ERRORS = (BrokenConnectionError, ClosedError, TimedOutError)
 
 #: Parallelism that splits one block's layers or tokens across processes.
 _SPLITTING_PARALLELISM = (

@@ -74,15 +74,12 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 
 from kvtierd.client import Client, Namespace, connect
 from kvtierd.errors import (
-    BrokenConnectionError,
-    ClosedError,
+    CONNECTION_ERRORS,
     ConfigError,
     ConfigProblem,
     InvalidRequestError,
     KvtierError,
     NoSpaceError,
-    RemoteProtocolError,
-    TimedOutError,
 )
 
 __all__ = [
@@ -98,7 +95,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Errors after which a blocking client is unusable: the next call reconnects.
-_CONNECTION_LOST = (BrokenConnectionError, ClosedError, RemoteProtocolError, TimedOutError)
 
 
 @dataclass(frozen=True)
@@ -280,7 +276,7 @@ class _Link:
         return self._namespace
 
     def failed(self, error: BaseException) -> None:
-        if isinstance(error, _CONNECTION_LOST):
+        if isinstance(error, CONNECTION_ERRORS):
             self.close()
 
     def close(self) -> None:
