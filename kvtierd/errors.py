@@ -34,6 +34,7 @@ __all__ = [
     "NoSpaceError",
     "QuotaError",
     "RemoteProtocolError",
+    "StartingError",
     "StorageIOError",
     "TimedOutError",
     "errno_of",
@@ -115,6 +116,13 @@ class BusyError(KvtierError):
     errno = errno.EBUSY
 
 
+class StartingError(KvtierError):
+    """The daemon is starting (pre-faulting its arena, recovering its index) and serves nothing
+    yet (``EAGAIN``); the message says what it is doing. Try again in a moment."""
+
+    errno = errno.EAGAIN
+
+
 class TimedOutError(KvtierError, TimeoutError):
     """An operation did not finish within its deadline (``ETIMEDOUT``)."""
 
@@ -192,6 +200,7 @@ ERRNO_TO_ERROR: dict[int, type[KvtierError]] = {
         AccessDeniedError,
         RemoteProtocolError,
         BusyError,
+        StartingError,
         TimedOutError,
         StorageIOError,
         ClosedError,

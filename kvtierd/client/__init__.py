@@ -20,6 +20,7 @@ from kvtierd.errors import (
     NoSpaceError,
     QuotaError,
     RemoteProtocolError,
+    StartingError,
     StorageIOError,
     TimedOutError,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "NoSpaceError",
     "QuotaError",
     "RemoteProtocolError",
+    "StartingError",
     "StorageIOError",
     "TimedOutError",
     "chain_keys",

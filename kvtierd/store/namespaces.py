@@ -43,7 +43,14 @@ from kvtierd.protocol.messages import Layout
 from kvtierd.store.catalog import CatalogCopy, CopyState, read_copies, write_copies
 from kvtierd.store.regions import Regions, TenantRegion
 
-__all__ = ["Compression", "Namespace", "NamespaceRegistry", "NamespaceSpec", "PeerCredentials"]
+__all__ = [
+    "Compression",
+    "Namespace",
+    "NamespaceCounters",
+    "NamespaceRegistry",
+    "NamespaceSpec",
+    "PeerCredentials",
+]
 
 log = logging.getLogger("kvtierd.namespaces")
 
@@ -131,6 +138,19 @@ class NamespaceSpec(msgspec.Struct, frozen=True, array_like=True):
         return msgspec.msgpack.encode(fields)
 
 
+@dataclass(slots=True)
+class NamespaceCounters:
+    """What one namespace's clients asked for and got, since the daemon started (blocks and
+    bytes; tokens are blocks times the layout's ``block_tokens`` where it has a layout)."""
+
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    read_blocks: int = 0
+    read_bytes: int = 0
+    committed_blocks: int = 0
+    committed_bytes: int = 0
+
+
 @dataclass(eq=False, slots=True)
 class Namespace:
     """A namespace known to this daemon; ``id`` is valid for this daemon's lifetime."""
@@ -147,6 +167,7 @@ class Namespace:
     dram_blocks: int = 0
     nvme_blocks: int = 0
     blocks: int = field(default=0)
+    counters: NamespaceCounters = field(default_factory=NamespaceCounters)
 
     @property
     def compress(self) -> bool:
