@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
+import humanfriendly
 import msgspec
 
 from kvtierd.config_reader import read_config
@@ -53,8 +54,9 @@ __all__ = [
     "parse_size",
 ]
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.I)
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}
+# The accepted spellings; humanfriendly reads the value. It would also take "4 gravy" as 4 GiB
+# (any word that starts like a unit), which a typo in a configuration must not become.
+_SIZE = re.compile(r"\s*\d+(?:\.\d+)?\s*(?:[kmgtp]i?)?b?\s*", re.I)
 
 
 class ByteSize(int):
@@ -62,22 +64,24 @@ class ByteSize(int):
 
 
 def parse_size(text: str | int) -> ByteSize:
-    """Parse ``"512M"``-style sizes (binary units) into bytes; raises ``ValueError``."""
+    """Parse ``"512M"``-style sizes into bytes; raises ``ValueError``. Units are binary whether
+    written ``M``, ``MB`` or ``MiB`` (``humanfriendly.parse_size(binary=True)``)."""
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise ValueError(f"a size cannot be negative: {text}")
         return ByteSize(text)
-    match = _SIZE.match(text) if isinstance(text, str) else None
-    if not match:
+    if not isinstance(text, str) or not _SIZE.fullmatch(text):
         raise ValueError(f"not a size: {text!r} (use bytes or a suffix: K, M, G, T, P)")
-    return ByteSize(int(float(match[1]) * _UNITS[match[2].lower()]))
+    return ByteSize(humanfriendly.parse_size(text, binary=True))
 
 
 def _show_size(nbytes: int) -> str:
-    """``nbytes`` in the largest binary unit that divides it: ``1048576`` is ``"1M"``."""
-    for suffix in "PTGMK":
-        if nbytes and nbytes % _UNITS[suffix.lower()] == 0:
-            return f"{nbytes // _UNITS[suffix.lower()]}{suffix}"
+    """``nbytes`` as a size is written in the configuration: ``1048576`` is ``"1M"``, ``1572864``
+    ``"1.5M"``; plain bytes where ``humanfriendly.format_size`` would round (``5000``)."""
+    shown = humanfriendly.format_size(nbytes, binary=True)  # "1.5 MiB", "4.88 KiB", "1000 bytes"
+    number, unit = shown.split()
+    if unit[0] in "KMGTP" and humanfriendly.parse_size(shown, binary=True) == nbytes:
+        return number + unit[0]
     return str(nbytes)
 
 
@@ -166,6 +170,10 @@ class DaemonConfig(_Section):
     max_frame_bytes: ByteSize = ByteSize(1 << 20)
     metrics_port: Port = 0
     metrics_address: str = "127.0.0.1"
+    #: Namespace names that get their own ``namespace`` label in the metrics; the others are
+    #: summed into ``namespace="other"``. Empty: the first ``metrics_namespace_limit`` names.
+    metrics_namespaces: Annotated[list[str], msgspec.Meta(max_length=1000)] = []
+    metrics_namespace_limit: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 20
     shutdown_grace_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     #: The secret mixed into every tenant's key salt (32 random bytes, made at first start,
     #: mode 0600). Hosts that share a pool must share this file. Default: ``<data_dir>/key.secret``.

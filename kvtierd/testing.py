@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvtierd.client import DaemonNotRunningError, connect
+from kvtierd.client import DaemonNotRunningError, StartingError, connect
 from kvtierd.config import default_data_dir, default_socket_path
 
 __all__ = ["DaemonProcess"]
@@ -75,7 +75,9 @@ class DaemonProcess:
             try:
                 with connect(self.socket, timeout_s=5):
                     return self
-            except DaemonNotRunningError:
+            except (DaemonNotRunningError, StartingError):  # not bound yet, or still starting
+                time.sleep(0.05)
+            except ConnectionError:  # a start that failed closes the socket: poll() says so
                 time.sleep(0.05)
             except BaseException:  # it answered, but not as a ready daemon: do not leave it
                 self.kill()

@@ -125,6 +125,76 @@ def test_verify_check_is_not_vacuous(tmp_path: Path) -> None:
     assert any("soon" in line or "sec value" in line for line in complaints)
 
 
+def _scratch_root(tmp_path: Path, *, kvtierd_at: str | None, drop_in: str = "") -> Path:
+    """A root for ``systemd-analyze verify --root=``: systemd's own units, the unit as installed
+    (``/etc/systemd/system``, with ``drop_in`` as ``override.conf``), and a copy of the
+    installed entry point at ``kvtierd_at`` (verify only checks that it is executable there)."""
+    units = next(
+        (p for p in map(Path, ("/usr/lib/systemd/system", "/lib/systemd/system"))
+         if (p / "sysinit.target").is_file()),
+        None,
+    )  # fmt: skip
+    if units is None:
+        pytest.skip("systemd's own units (sysinit.target) are not installed")
+    root = tmp_path / "root"
+    shutil.copytree(units, root / "usr/lib/systemd/system", symlinks=True)
+    system = root / "etc/systemd/system"
+    system.mkdir(parents=True)
+    shutil.copy(UNIT, system / "kvtierd.service")
+    if drop_in:
+        (system / "kvtierd.service.d").mkdir()
+        (system / "kvtierd.service.d" / "override.conf").write_text(drop_in)
+    if kvtierd_at is not None:
+        binary = root / kvtierd_at.lstrip("/")
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(_entry_point(), binary)
+        binary.chmod(0o755)
+    return root
+
+
+def _verify_installed(root: Path) -> list[str]:
+    analyze = _tool("systemd-analyze")
+    proc = subprocess.run(
+        [analyze, "verify", "--man=no", f"--root={root}", "kvtierd.service"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYSTEMD_LOG_COLOR": "0", "SYSTEMD_PAGER": ""},
+    )
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line]
+    assert (proc.returncode == 0) == (lines == []), lines
+    return lines
+
+
+@pytest.mark.parametrize("directory", ["/usr/local/bin", "/usr/bin"])
+def test_exec_start_finds_kvtierd_in_systemds_search_path(tmp_path: Path, directory: str) -> None:
+    """The shipped unit, unchanged, as docs/operations.md "Install" says: its relative
+    ``ExecStart=kvtierd`` is found where ``pip install`` as root or a package puts it."""
+    assert _verify_installed(_scratch_root(tmp_path, kvtierd_at=f"{directory}/kvtierd")) == []
+
+
+def test_exec_start_elsewhere_needs_the_documented_drop_in(tmp_path: Path) -> None:
+    venv = "/opt/kvtierd/venv/bin/kvtierd"
+    missing = _verify_installed(_scratch_root(tmp_path / "bare", kvtierd_at=venv))
+    assert missing == [
+        "kvtierd.service: Command kvtierd is not executable: No such file or directory"
+    ]
+    drop_in = (
+        "[Service]\nExecStart=\n"
+        f"ExecStart={venv} --config /etc/kvtierd/kvtierd.toml\n"
+    )  # fmt: skip
+    assert (
+        _verify_installed(_scratch_root(tmp_path / "venv", kvtierd_at=venv, drop_in=drop_in)) == []
+    )
+    # the drop-in docs/operations.md shows, line for line
+    assert "".join(f"   # {line}\n" for line in drop_in.splitlines()) in _install_section_text()
+
+
+def _install_section_text() -> str:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    return text[text.index("## Install") : text.index("### What the unit does")]
+
+
 def test_unit_sandbox_exposure_stays_low(tmp_path: Path) -> None:
     analyze = _tool("systemd-analyze")
     unit = tmp_path / "kvtierd.service"
@@ -151,6 +221,17 @@ def test_unit_matches_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
     grace = Config().daemon.shutdown_grace_s
     assert _seconds(_unit_value("TimeoutStopSec")) >= 2 * grace + 30
     assert 0 < _seconds(_unit_value("WatchdogSec")) <= 60
+    # Long start-ups extend the start timeout themselves (EXTEND_TIMEOUT_USEC), so the
+    # timeout stays short, and a failing daemon does not restart forever.
+    assert _seconds(_unit_value("TimeoutStartSec")) <= 120
+    assert _unit_value("StartLimitBurst").isdigit()
+    assert _seconds(_unit_value("StartLimitIntervalSec")) >= 60
+    docs = _unit_values("Documentation")
+    assert docs
+    for doc in docs:  # each names a file of docs/ that the install steps copy there
+        assert doc.startswith("file:/usr/share/doc/kvtierd/"), doc
+        assert (ROOT / "docs" / Path(doc).name).is_file(), doc
+    assert "install -Dm644 -t /usr/share/doc/kvtierd/" in UNIT.read_text()
     # The daemon finds its socket and data where the unit's directories are.
     monkeypatch.delenv("KVTIERD_SOCKET", raising=False)
     monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/" + _unit_value("RuntimeDirectory"))

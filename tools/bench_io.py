@@ -64,13 +64,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib
 
+from kvtierd import config
 from kvtierd.io import BindingVerdict, IoBackend, open_io_backend
 from kvtierd.io.binding import DEFAULT_BINDING
 from kvtierd.io.probe import probe_binding
 
 TOOLS = Path(__file__).resolve().parent
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; the mmap module names it only from Python 3.13
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 @dataclass(frozen=True)
@@ -97,11 +97,8 @@ class Engine:
 
 
 def parse_size(text: str) -> int:
-    """``4K``, ``2M``, ``2G`` or a plain byte count."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    if text and text[-1] in _UNITS:
-        return int(float(text[:-1]) * _UNITS[text[-1]])
-    return int(text)
+    """``4K``, ``2M``, ``2G`` or a plain byte count: the daemon's size syntax."""
+    return config.parse_size(text)
 
 
 def short(label: str) -> str:

@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchlib
 
+from kvtierd import config
 from kvtierd.client import chain_keys, connect, connect_async
 from kvtierd.testing import DaemonProcess
 
@@ -69,11 +70,8 @@ def log(message: str) -> None:
 
 
 def parse_size(text: str) -> int:
-    units = {"K": KiB, "M": MiB, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    """``256K``, ``2M``, ``1G`` or a plain byte count: the daemon's size syntax."""
+    return config.parse_size(text)
 
 
 def size_name(nbytes: int) -> str:

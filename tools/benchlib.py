@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 ASSETS = ROOT / "docs" / "benchmarks"
@@ -77,13 +79,11 @@ def _git_commit() -> str:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``values`` by linear interpolation."""
-    ordered = sorted(values)
-    if not ordered:
+    """The ``q``-th percentile (0-100) of ``values`` by linear interpolation (numpy's default
+    method); raises ``ValueError`` for no values."""
+    if not values:
         raise ValueError("no values")
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return float(np.percentile(values, q, method="linear"))
 
 
 def median(values: Sequence[float]) -> float:

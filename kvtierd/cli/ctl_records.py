@@ -8,8 +8,10 @@ fields are only ever added, never renamed or removed, so scripts that parse them
 
 from __future__ import annotations
 
+import enum
+import errno
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +19,19 @@ __all__ = [
     "Rates",
     "Stats",
     "TierRates",
+    "TopState",
+    "error_record",
     "hit_ratio",
+    "keys_record",
+    "namespace_stats_record",
     "namespaces_record",
     "not_ready_record",
     "prefetch_accuracy",
     "rates_between",
+    "rates_record",
     "stats_record",
     "status_record",
+    "top_record",
 ]
 
 #: A STATFS record as ``Client.stats()`` returns it.
@@ -75,9 +83,51 @@ def status_record(socket: Path, stats: Stats) -> dict[str, Any]:
     }
 
 
-def not_ready_record(socket: Path, error: str) -> dict[str, Any]:
-    """``status --json`` when the daemon did not answer."""
-    return {"ready": False, "socket": str(socket), "error": error}
+def not_ready_record(socket: Path, error: str, *, starting: bool = False) -> dict[str, Any]:
+    """``status --json`` when the daemon did not answer, or answered that it is starting."""
+    return {"ready": False, "starting": starting, "socket": str(socket), "error": error}
+
+
+def error_record(error: str, errno_value: int | None) -> dict[str, Any]:
+    """What a ``--json`` command prints instead of its document when it fails."""
+    name = errno.errorcode.get(errno_value) if errno_value is not None else None
+    return {"error": error, "errno": name}
+
+
+def namespace_stats_record(info: Mapping[str, Any]) -> dict[str, Any]:
+    """``stats --namespace --json``: the LIST_NS entry with its hit ratio (hit blocks of looked
+    up blocks) and, with a layout, the block counters in tokens."""
+    record = dict(info)
+    lookups, hits = int(info["lookup_blocks"]), int(info["hit_blocks"])
+    record["hit_ratio"] = hits / lookups if lookups else None
+    layout = info.get("layout")
+    tokens = int(layout["block_tokens"]) if layout else None
+    for field in ("lookup", "hit", "read", "committed"):
+        blocks = int(info[f"{field}_blocks"])
+        record[f"{field}_tokens"] = blocks * tokens if tokens is not None else None
+    return record
+
+
+def keys_record(info: Mapping[str, Any], page: Mapping[str, Any]) -> dict[str, Any]:
+    """``ls --keys --json``: one LIST_KEYS page, keys in hex as ``forget`` takes them;
+    ``next_after`` is the ``--after`` of the next page (``null`` after the last)."""
+    keys = [
+        {
+            "key": bytes(k["key"]).hex(),
+            "tiers": [t for t in ("dram", "nvme", "pool") if k[t]],
+            "raw_bytes": k["raw_bytes"],
+            "dirty": k["dirty"],
+        }
+        for k in page["keys"]
+    ]
+    last = keys[-1]["key"] if keys and page["more"] else None
+    return {
+        "namespace": {f: info[f] for f in ("ns", "name", "tenant", "rank", "world_size")},
+        "blocks": page["blocks"],
+        "keys": keys,
+        "more": page["more"],
+        "next_after": last,
+    }
 
 
 def namespaces_record(namespaces: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -95,6 +145,8 @@ class TierRates:
     evictions: float
     read_bytes: float
     written_bytes: float
+    #: hits / (hits + misses) of this interval's reads; ``None`` when there were none.
+    hit_ratio: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,15 +160,22 @@ class Rates:
     tiers: dict[str, TierRates]
 
 
-def rates_between(before: Stats, after: Stats) -> Rates | None:
+def _delta(old: Mapping[str, Any], new: Mapping[str, Any], field: str) -> int:
+    return max(0, int(new[field]) - int(old[field]))
+
+
+def rates_between(before: Stats, after: Stats, *, own_requests: int = 0) -> Rates | None:
     """Rates from ``before`` to ``after``; ``None`` when no time passed or the daemon restarted
-    (its uptime went backwards), since counter deltas would then mean nothing."""
+    (its uptime went backwards), since counter deltas would then mean nothing.
+
+    ``own_requests`` is what the sampler itself sent in the interval (``top``: its STATFS, and
+    INIT after a reconnect): not counted, so an idle daemon shows 0 requests per second."""
     interval = float(after["uptime_s"]) - float(before["uptime_s"])
     if interval <= 0:
         return None
 
     def rate(old: Mapping[str, Any], new: Mapping[str, Any], field: str) -> float:
-        return max(0, int(new[field]) - int(old[field])) / interval
+        return _delta(old, new, field) / interval
 
     old_tiers = {t["name"]: t for t in before["tiers"]}
     tiers = {
@@ -126,14 +185,45 @@ def rates_between(before: Stats, after: Stats) -> Rates | None:
             rate(old, t, "evictions"),
             rate(old, t, "bytes_read"),
             rate(old, t, "bytes_written"),
+            hit_ratio(_delta(old, t, "hits"), _delta(old, t, "misses")),
         )
         for t in after["tiers"]
         if (old := old_tiers.get(t["name"])) is not None
     }
+    requests = max(0, _delta(before, after, "requests") - own_requests)
     return Rates(
         interval,
-        rate(before, after, "requests"),
+        requests / interval,
         rate(before, after, "promotions"),
         rate(before, after, "prefetch_promoted"),
         tiers,
     )
+
+
+class TopState(enum.StrEnum):
+    """Where ``top`` stands with the daemon."""
+
+    CONNECTED = "connected"
+    #: The connection went (or the daemon is not there): waiting for it to come back.
+    RESTARTING = "restarting"
+    #: The daemon answered that it is starting (``StartingError``).
+    STARTING = "starting"
+
+
+def rates_record(rates: Rates | None) -> dict[str, Any] | None:
+    """``Rates`` as JSON: per second, each tier's ``hit_ratio`` of the interval."""
+    return None if rates is None else asdict(rates)
+
+
+def top_record(
+    state: TopState, socket: Path, stats: Stats | None, rates: Rates | None, reason: str | None
+) -> dict[str, Any]:
+    """One line of ``top --json``: the state, the interval's rates (``null`` until two samples
+    of one daemon run) and the raw STATFS record (the last one seen while not connected)."""
+    return {
+        "state": state.value,
+        "socket": str(socket),
+        "reason": reason,
+        "rates": rates_record(rates),
+        "stats": stats_record(stats) if stats is not None else None,
+    }

@@ -12,27 +12,37 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import humanfriendly
 from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvtierd.cli.ctl_records import Rates, Stats, TierRates, hit_ratio, prefetch_accuracy
+from kvtierd.cli.ctl_records import (
+    Rates,
+    Stats,
+    TierRates,
+    TopState,
+    hit_ratio,
+    prefetch_accuracy,
+)
 
 __all__ = [
     "doctor_view",
     "format_bytes",
     "format_duration",
     "format_ratio",
+    "keys_view",
+    "namespace_stats_view",
     "namespaces_view",
     "stats_view",
     "status_view",
+    "top_state_line",
     "top_view",
 ]
 
 _NONE = "–"
 _BLANK = Text("")
-_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 Tier = Mapping[str, Any]
 
@@ -41,13 +51,13 @@ Tier = Mapping[str, Any]
 
 
 def format_bytes(n: float) -> str:
-    """``n`` bytes in binary units: ``"0 B"``, ``"512 B"``, ``"64.0 MiB"``."""
+    """``n`` bytes in binary units: ``"0 B"``, ``"512 B"``, ``"64.0 MiB"``, at most PiB (the
+    units are humanfriendly's; its ``format_size`` would print ``"64 MiB"``, ``"0 bytes"``)."""
     value = float(n)
-    for unit in _BINARY_UNITS[:-1]:
-        if abs(value) < 1024:
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} {_BINARY_UNITS[-1]}"
+    units = [u.binary for u in humanfriendly.disk_size_units[:5] if abs(value) >= u.binary.divider]
+    if not units:
+        return f"{int(value)} B"
+    return f"{value / units[-1].divider:.1f} {units[-1].symbol}"
 
 
 def format_duration(seconds: float) -> str:
@@ -122,7 +132,7 @@ _SPACE_RATES: list[_Column] = [
     ("evictions/s", lambda t, r: _per_second(r.evictions if r else None)),
 ]
 _TRAFFIC_RATES: list[_Column] = [
-    ("hit ratio", lambda t, r: _tier_hit_ratio(t)),
+    ("hit ratio", lambda t, r: format_ratio(r.hit_ratio if r else None)),
     ("hits/s", lambda t, r: _per_second(r.hits if r else None)),
     ("misses/s", lambda t, r: _per_second(r.misses if r else None)),
     ("read/s", lambda t, r: _per_second(r.read_bytes if r else None, as_bytes=True)),
@@ -240,8 +250,17 @@ def stats_view(stats: Stats) -> RenderableType:
     )
 
 
+def top_state_line(state: TopState, socket: Path, reason: str | None) -> Text:
+    """What ``top`` says while the daemon is away (``reason``: why, as the client said it)."""
+    if state is TopState.STARTING:
+        return Text(f"kvtierd {reason}", style="bold yellow")
+    why = f" ({reason})" if reason else ""
+    return Text(f"kvtierd restarting: waiting for {socket}{why}", style="bold yellow")
+
+
 def top_view(stats: Stats, rates: Rates | None) -> RenderableType:
-    """``top``: ``stats`` with per-second rates (``–`` until there are two samples)."""
+    """``top``: ``stats`` with the last interval's rates and hit ratios (``–`` until there are
+    two samples of one daemon run)."""
     summary = Text(
         f"requests {_per_second(rates.requests if rates else None)}   "
         f"promotions {_per_second(rates.promotions if rates else None)}   "
@@ -284,3 +303,59 @@ def namespaces_view(namespaces: Sequence[Mapping[str, Any]]) -> RenderableType:
             str(layout["model_id"]) if layout else _NONE,
         )
     return table
+
+
+def keys_view(record: Mapping[str, Any]) -> RenderableType:
+    """``ls --keys``: one page of keys (hex, as ``forget`` takes them), their tiers, size and
+    write-back state, then how to ask for the next page."""
+    ns = record["namespace"]
+    title = (
+        f"namespace {ns['ns']} {ns['tenant']}/{ns['name']} (rank {ns['rank']}/{ns['world_size']})"
+    )
+    shown = len(record["keys"])
+    head = Text(f"{title}: {_plural(int(record['blocks']), 'block')}, {shown:,} shown")
+    if not record["keys"]:
+        return head
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    table.add_column("key", no_wrap=True)
+    for column in ("dram", "nvme", "pool"):
+        table.add_column(column, justify="center", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    for key in record["keys"]:
+        tiers = key["tiers"]
+        marks = ("●" if tier in tiers else "" for tier in ("dram", "nvme", "pool"))
+        state = "dirty" if key["dirty"] else ("durable" if "nvme" in tiers else "clean")
+        table.add_row(key["key"], *marks, format_bytes(int(key["raw_bytes"])), state)
+    parts: list[RenderableType] = [head, table]
+    if record["next_after"] is not None:
+        parts.append(Text(f"more: --after {record['next_after']}", style="dim"))
+    return Group(*parts)
+
+
+def namespace_stats_view(record: Mapping[str, Any]) -> RenderableType:
+    """``stats --namespace``: one namespace's blocks per tier and its counters since start."""
+    layout = record.get("layout")
+
+    def blocks(field: str) -> str:
+        text = _count(record[f"{field}_blocks"])
+        tokens = record.get(f"{field}_tokens")
+        return f"{text} ({int(tokens):,} tokens)" if tokens is not None else text
+
+    rows = [
+        ("namespace", f"{record['ns']}  {record['tenant']}/{record['name']}"),
+        ("rank", f"{record['rank']}/{record['world_size']}"),
+        ("block size", format_bytes(int(record["block_bytes"]))),
+        ("model", str(layout["model_id"]) if layout else _NONE),
+        (
+            "blocks",
+            f"{_count(record['blocks'])} (dram {_count(record['dram_blocks'])}, "
+            f"nvme {_count(record['nvme_blocks'])})",
+        ),
+        ("looked up", blocks("lookup")),
+        ("hits", blocks("hit")),
+        ("hit ratio", format_ratio(record["hit_ratio"])),
+        ("read", f"{blocks('read')}, {format_bytes(int(record['read_bytes']))}"),
+        ("committed", f"{blocks('committed')}, {format_bytes(int(record['committed_bytes']))}"),
+    ]
+    return _key_values(rows)

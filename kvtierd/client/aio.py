@@ -7,6 +7,17 @@ matched to their callers by unique id by a reader task that the context manager 
 A caller cancelled while it waits does not leak what the daemon already granted: if the reply
 it abandoned carried a lease or an allocation, the reader hands it to a janitor task that
 releases the lease or aborts the write.
+
+With a :class:`~kvtierd.client.base.Reconnect` policy a broken connection is replaced by the
+first call that meets it (the others wait on a lock): a new stream is connected, INIT and the
+OPEN_NS of every namespace still held are exchanged on it before any reader task runs, and only
+then does it become the client's, so no request ever carries an old namespace id. Everything
+granted on a connection (leases, writes, janitor work) is tagged with its number
+(``reconnects``) and dropped, never sent, once that connection is gone.
+
+The module is past 600 lines because the transport (pipelining, cancellation, reconnecting)
+and the API methods share one connection's state; the sans-IO half lives in ``ops`` and
+``base``.
 """
 
 from __future__ import annotations
@@ -14,7 +25,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-from collections.abc import AsyncIterator, Sequence
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -24,20 +37,34 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from kvtierd.client import ops
 from kvtierd.client.arena import ClientArena
 from kvtierd.client.base import (
+    RECONNECTABLE,
     NamespaceBase,
+    NamespaceHandle,
+    Reconnect,
     Regions,
     as_dict,
     check_init,
+    check_socket_path,
     closed_error,
+    connect_error,
+    gave_up,
     handle_of,
+    in_flight_error,
     init_request,
+    lost_lease_error,
     message_of,
     namespace_request,
-    not_running,
+    reopened_handle,
+    replaced_region_error,
     resolve_socket,
 )
 from kvtierd.client.blocks import BlockLease, BlockWrite, release_views
-from kvtierd.errors import BrokenConnectionError, CorruptBlockError, KvtierError
+from kvtierd.errors import (
+    BrokenConnectionError,
+    CorruptBlockError,
+    KvtierError,
+    RemoteProtocolError,
+)
 from kvtierd.protocol import (
     NEED_DATA,
     ClientConnection,
@@ -53,6 +80,7 @@ from kvtierd.protocol.messages import (
     DoctorRequest,
     EvictReply,
     EvictRequest,
+    Extent,
     FsyncReply,
     FsyncRequest,
     Layout,
@@ -60,6 +88,7 @@ from kvtierd.protocol.messages import (
     ListNsRequest,
     Message,
     OpenNsReply,
+    OpenNsRequest,
     PoolStatusReply,
     PoolStatusRequest,
     ReadReply,
@@ -71,6 +100,7 @@ from kvtierd.protocol.messages import (
 __all__ = ["AsyncClient", "AsyncNamespace", "connect_async"]
 
 T = TypeVar("T")
+HeldT = TypeVar("HeldT", BlockLease, BlockWrite)
 _RECEIVE_BYTES = 1 << 16
 #: How long a cancelled operation may take to give back what it was granted.
 _UNWIND_S = 5.0
@@ -90,9 +120,28 @@ class _Waiter:
 class AsyncClient:
     """Construct with :func:`connect_async`."""
 
-    def __init__(self, stream: UNIXSocketStream, conn: ClientConnection) -> None:
+    def __init__(
+        self,
+        stream: UNIXSocketStream,
+        conn: ClientConnection,
+        *,
+        path: Path | None = None,
+        client_name: str = "",
+        reconnect: Reconnect | None = None,
+    ) -> None:
         self._stream = stream
         self._conn = conn
+        self._path = path
+        self._client_name = client_name
+        self.reconnect = reconnect
+        self._reconnect_lock = anyio.Lock()
+        self._tg: TaskGroup | None = None
+        #: Namespaces opened on this client and leases taken: a reconnect reopens the
+        #: namespaces and invalidates the leases.
+        self._namespaces: weakref.WeakSet[AsyncNamespace] = weakref.WeakSet()
+        self._leases: weakref.WeakSet[BlockLease | BlockWrite] = weakref.WeakSet()
+        #: How many times the client reconnected.
+        self.reconnects = 0
         self._send_lock = anyio.Lock()
         self._waiters: dict[int, _Waiter] = {}
         self._broken: KvtierError | None = None
@@ -104,9 +153,17 @@ class AsyncClient:
         self.corrupt_reads = 0
         self.daemon_version = ""
         self.daemon_minor = 0
-        janitor_send, janitor_receive = anyio.create_memory_object_stream[Message](1024)
-        self._janitor_send: MemoryObjectSendStream[Message] = janitor_send
-        self._janitor_receive: MemoryObjectReceiveStream[Message] = janitor_receive
+        # What to give back, tagged with the connection (``reconnects``) that granted it.
+        janitor_send, janitor_receive = anyio.create_memory_object_stream[tuple[int, Message]](1024)
+        self._janitor_send: MemoryObjectSendStream[tuple[int, Message]] = janitor_send
+        self._janitor_receive: MemoryObjectReceiveStream[tuple[int, Message]] = janitor_receive
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "broken" if self._broken else "connected"
+        return (
+            f"<AsyncClient {self._path} {state}, daemon {self.daemon_version or '?'}, "
+            f"reconnect {'on' if self.reconnect else 'off'}>"
+        )
 
     def region(self, region: int) -> ClientArena:
         """The mapping of tenant region ``region`` (passed at OPEN_NS)."""
@@ -140,7 +197,7 @@ class AsyncClient:
                 try:
                     await self._stream.send(frame)
                 except (anyio.BrokenResourceError, OSError) as exc:
-                    raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+                    raise self._lost(exc) from exc
                 sent = True
             await waiter.done.wait()
         except BaseException:
@@ -173,14 +230,15 @@ class AsyncClient:
                 try:
                     await self._stream.send(frame)
                 except (anyio.BrokenResourceError, OSError) as exc:
-                    raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+                    raise self._lost(exc) from exc
                 sent = True
         finally:
             if not sent:  # cancelled before it left: a RELEASE must still go out
                 self._unsent(message)
 
     async def run(self, op: ops.Op[T]) -> T:
-        """Drive a sans-IO operation to its result."""
+        """Drive a sans-IO operation to its result. It never reconnects: ``op`` names
+        namespace ids of the connection it was made for."""
         try:
             call = next(op)
         except StopIteration as stop:
@@ -222,56 +280,192 @@ class AsyncClient:
         op.close()
 
     async def _handshake(self, client_name: str) -> None:
-        _, frame = self._conn.request(init_request(client_name))
         fds: list[int] = []
-        with contextlib.suppress(anyio.BrokenResourceError, OSError):
-            await self._stream.send(frame)  # if refused, the daemon's last frame says why
-        while True:
-            try:
-                data, received = await self._stream.receive_fds(_RECEIVE_BYTES, 4)
-            except (anyio.BrokenResourceError, OSError) as exc:
-                raise BrokenConnectionError(f"kvtierd closed the connection: {exc}") from exc
-            fds.extend(received)
-            if not data:
-                raise BrokenConnectionError("kvtierd closed the connection during INIT")
-            self._conn.receive_data(data)
-            event = self._conn.next_event()
-            if isinstance(event, ReplyReceived):
-                break
+        event = await _exchange_unread(self._stream, self._conn, init_request(client_name), fds)
         _close_all(fds)  # INIT passes no memory (protocol minor 6)
         reply = check_init(message_of(event))
         self.max_keys = reply.max_keys
         self.daemon_version = reply.daemon_version
         self.daemon_minor = reply.minor
 
-    async def _read_replies(self) -> None:
+    async def _ensure_connected(self) -> None:
+        """Raise ``ClosedError`` after :meth:`aclose`; replace a broken connection as the
+        policy allows (one task reconnects, the others wait for it), else raise what broke."""
+        if self._closed:
+            raise closed_error()
+        if self._broken is None:
+            return
+        if self.reconnect is None:
+            raise self._broken
+        async with self._reconnect_lock:
+            if self._broken is not None:  # not replaced meanwhile by another task
+                await self._recover(self.reconnect)
+
+    async def _recover(self, policy: Reconnect) -> None:
+        assert self._broken is not None
+        last: KvtierError = self._broken
+        for delay in policy.delays():
+            await anyio.sleep(delay)
+            if self._closed:
+                raise closed_error()
+            try:
+                await self._reopen()
+                return
+            except RECONNECTABLE as exc:
+                last = exc
+        raise gave_up(last, policy)
+
+    async def _reopen(self) -> None:
+        """Connect, INIT and reopen every namespace still held on the new stream before any
+        other request uses it (no reader task yet), then take it in one step: no task ever
+        sends an old namespace id on the new connection."""
+        path = self._path or resolve_socket(None)
+        stream = await _connect(path)
+        conn = ClientConnection()
+        regions = Regions()
+        try:
+            fds: list[int] = []
+            init = check_init(
+                message_of(
+                    await _exchange_unread(stream, conn, init_request(self._client_name), fds)
+                )
+            )
+            _close_all(fds)
+            handles = await self._reopen_namespaces(stream, conn, regions)
+        except BaseException:
+            regions.close()
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
+        old = self._stream
+        self._stream, self._conn = stream, conn
+        self._regions.close(replaced_region_error())
+        self._regions = regions
+        for ns, handle in handles:
+            ns.handle = handle
+        self._lose_leases(lost_lease_error())
+        self.max_keys, self.daemon_version, self.daemon_minor = (
+            init.max_keys,
+            init.daemon_version,
+            init.minor,
+        )
+        self._waiters = {}
+        self.reconnects += 1
+        self._broken = None
+        assert self._tg is not None
+        self._tg.start_soon(self._read_replies, stream, conn, self.reconnects)
+        with (
+            anyio.CancelScope(shield=True),
+            contextlib.suppress(OSError, anyio.BrokenResourceError),
+        ):
+            await old.aclose()
+
+    async def _reopen_namespaces(
+        self, stream: UNIXSocketStream, conn: ClientConnection, regions: Regions
+    ) -> list[tuple[AsyncNamespace, NamespaceHandle]]:
+        handles: list[tuple[AsyncNamespace, NamespaceHandle]] = []
+        opened: dict[OpenNsRequest, NamespaceHandle | KvtierError] = {}
+        for ns in list(self._namespaces):
+            if ns.lost is not None:
+                continue
+            request = ns.handle.request
+            if request not in opened:
+                fds: list[int] = []
+                try:
+                    event = await _exchange_unread(stream, conn, request, fds)
+                    reply = message_of(event)
+                    if not isinstance(reply, OpenNsReply):
+                        raise RemoteProtocolError("OPEN_NS was not answered with OPEN_NS")
+                    regions.adopt(reply, fds[:1])
+                    _close_all(fds[1:])
+                    opened[request] = handle_of(request, reply)
+                except RECONNECTABLE:
+                    _close_all(fds)
+                    raise
+                except KvtierError as exc:
+                    _close_all(fds)
+                    opened[request] = exc
+            handle = reopened_handle(ns.handle, opened[request])
+            if isinstance(handle, KvtierError):
+                ns.lost = handle
+            else:
+                handles.append((ns, handle))
+        return handles
+
+    async def _retrying(
+        self,
+        call: Callable[[], Awaitable[T]],
+        *,
+        retry: bool,
+        ns: AsyncNamespace | None = None,
+    ) -> T:
+        """``await call()``, reconnecting first if the connection broke and the policy allows;
+        with ``retry`` (an idempotent call) a connection that breaks under it is replaced and
+        ``call()`` made once more."""
+        again = retry and self.reconnect is not None
+        while True:
+            await self._ensure_connected()
+            if ns is not None and ns.lost is not None:
+                raise type(ns.lost)(*ns.lost.args)
+            try:
+                return await call()
+            except RECONNECTABLE:
+                if not again or self._broken is None or self._closed:
+                    raise
+                again = False
+
+    async def _run_op(
+        self, make_op: Callable[[], ops.Op[T]], *, retry: bool, ns: AsyncNamespace | None = None
+    ) -> T:
+        """Drive ``make_op()`` (made after any reconnect) as :meth:`_retrying` does."""
+        return await self._retrying(lambda: self.run(make_op()), retry=retry, ns=ns)
+
+    async def _request(self, message: Message, *, retry: bool = True) -> Message:
+        return await self._run_op(lambda: ops.request(message), retry=retry)
+
+    async def release_leases(self, leases: list[int], reconnects: int) -> None:
+        """RELEASE ``leases``, granted on connection number ``reconnects``: nothing once that
+        connection is gone (the daemon released them with it)."""
+        if leases and reconnects == self.reconnects and self._broken is None and not self._closed:
+            with anyio.CancelScope(shield=True), contextlib.suppress(BrokenConnectionError):
+                await self.run(ops.release(leases))
+
+    async def _read_replies(
+        self, stream: UNIXSocketStream, conn: ClientConnection, reconnects: int
+    ) -> None:
+        """Match the replies of connection number ``reconnects`` to their waiters."""
         try:
             while True:
                 # With descriptors: a region passed with a reply must not be dropped by a
                 # plain read (the kernel closes descriptors nobody asked for).
                 try:
-                    data, fds = await self._stream.receive_fds(_RECEIVE_BYTES, 4)
+                    data, fds = await stream.receive_fds(_RECEIVE_BYTES, 4)
                 except anyio.EndOfStream:
                     data, fds = b"", []
+                if reconnects != self.reconnects:  # replaced: nobody waits for these
+                    _close_all(fds)
+                    return
                 self._received_fds.extend(fds)
-                self._conn.receive_data(data)
-                if not self._dispatch():
+                conn.receive_data(data)
+                if not self._dispatch(conn, reconnects):
                     return
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, KvtierError) as exc:
-            self._fail(exc if isinstance(exc, KvtierError) else BrokenConnectionError(str(exc)))
+            error = exc if isinstance(exc, KvtierError) else BrokenConnectionError(str(exc))
+            self._fail(error, reconnects)
         finally:
-            self._fail(BrokenConnectionError("kvtierd closed the connection"))
+            self._fail(BrokenConnectionError("kvtierd closed the connection"), reconnects)
 
-    def _dispatch(self) -> bool:
+    def _dispatch(self, conn: ClientConnection, reconnects: int) -> bool:
         while True:
-            event = self._conn.next_event()
+            event = conn.next_event()
             if event is NEED_DATA:
                 return True
             if isinstance(event, ConnectionClosed):
                 return False
             assert isinstance(event, ReplyReceived)
             if event.header.unique == 0:
-                self._fail(event.error or BrokenConnectionError("kvtierd closed the connection"))
+                error = event.error or BrokenConnectionError("kvtierd closed the connection")
+                self._fail(error, reconnects)
                 return False
             fds = (
                 [self._received_fds.popleft()]
@@ -296,25 +490,39 @@ class AsyncClient:
         COMMIT's write) is given back by the janitor instead."""
         with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
             if isinstance(message, ReleaseRequest):
-                self._janitor_send.send_nowait(message)
+                self._janitor_send.send_nowait((self.reconnects, message))
             elif isinstance(message, CommitRequest):
-                self._janitor_send.send_nowait(CommitRequest(message.write, abort=True))
+                abort = CommitRequest(message.write, abort=True)
+                self._janitor_send.send_nowait((self.reconnects, abort))
 
     def _clean_up(self, event: ReplyReceived) -> None:
         message = event.message
         with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
             if isinstance(message, ReadReply) and message.lease:  # READ_RESIDENT's too
-                self._janitor_send.send_nowait(ReleaseRequest([message.lease]))
+                release = ReleaseRequest([message.lease])
+                self._janitor_send.send_nowait((self.reconnects, release))
             elif isinstance(message, AllocReply):
-                self._janitor_send.send_nowait(CommitRequest(message.write, abort=True))
+                abort = CommitRequest(message.write, abort=True)
+                self._janitor_send.send_nowait((self.reconnects, abort))
 
     async def _janitor(self) -> None:
         async with self._janitor_receive:
-            async for message in self._janitor_receive:
+            async for reconnects, message in self._janitor_receive:
+                if reconnects != self.reconnects:  # its connection took it along
+                    continue
                 with contextlib.suppress(KvtierError):
                     await self._call(message)
 
-    def _fail(self, exc: KvtierError) -> None:
+    def _lost(self, exc: BaseException) -> BrokenConnectionError:
+        """The current connection broke under a send (``exc``)."""
+        error = BrokenConnectionError(f"connection to kvtierd lost: {exc}")
+        self._fail(error, self.reconnects)
+        return error
+
+    def _fail(self, exc: KvtierError, reconnects: int) -> None:
+        """Connection number ``reconnects`` broke with ``exc`` (ignored once replaced)."""
+        if reconnects != self.reconnects:
+            return
         if self._broken is None:
             self._broken = exc
         for waiter in self._waiters.values():
@@ -327,7 +535,7 @@ class AsyncClient:
         self,
         name: str,
         *,
-        block_bytes: int,
+        block_bytes: int | None = None,
         layout: Layout | dict[str, Any] | None = None,
         rank: int = 0,
         world_size: int = 1,
@@ -336,9 +544,16 @@ class AsyncClient:
         create: bool = True,
         sparse: bool = False,
     ) -> AsyncNamespace:
+        """As :meth:`Client.namespace`."""
         request = namespace_request(
             name, block_bytes, layout, rank, world_size, tenant, compression, create, sparse
         )
+        handle = await self._retrying(lambda: self._open_namespace(request), retry=True)
+        namespace = AsyncNamespace(self, handle)
+        self._namespaces.add(namespace)
+        return namespace
+
+    async def _open_namespace(self, request: OpenNsRequest) -> NamespaceHandle:
         fds: list[int] = []
         try:
             reply = await self._call(request, fds=fds)
@@ -348,28 +563,42 @@ class AsyncClient:
             _close_all(fds)
             raise
         self._regions.adopt(reply, fds)  # takes the descriptors, even when it raises
-        return AsyncNamespace(self, handle)
+        return handle
+
+    def _track(self, lease: HeldT) -> HeldT:
+        """Keep ``lease`` (or write) to invalidate its views if the client reconnects or
+        closes."""
+        self._leases.add(lease)
+        return lease
+
+    def _lose_leases(self, why: KvtierError) -> None:
+        """The connection that granted the tracked leases and writes is gone: their views
+        must not show, or write, bytes the daemon may already have given to another block."""
+        for lease in list(self._leases):
+            lease.lose(why)
+        self._leases.clear()
 
     async def fsync(self) -> int:
-        reply = await self._call(FsyncRequest())
+        """As :meth:`Client.fsync`: never retried."""
+        reply = await self._request(FsyncRequest(), retry=False)
         assert isinstance(reply, FsyncReply)
         return reply.durable_blocks
 
     async def stats(self) -> dict[str, Any]:
-        reply = await self._call(StatfsRequest())
+        reply = await self._request(StatfsRequest())
         assert isinstance(reply, StatfsReply)
         result: dict[str, Any] = as_dict(reply)
         return result
 
     async def namespaces(self) -> list[dict[str, Any]]:
-        reply = await self._call(ListNsRequest())
+        reply = await self._request(ListNsRequest())
         assert isinstance(reply, ListNsReply)
         return [as_dict(info) for info in reply.namespaces]
 
     async def doctor(self) -> list[dict[str, str]]:
         """The daemon's report on its host (admin): one ``{subject, status, detail}`` per check,
         ``status`` ok, fallback or fail."""
-        reply = await self._call(DoctorRequest())
+        reply = await self._request(DoctorRequest())
         assert isinstance(reply, DoctorReply)
         return [
             {"subject": c.subject, "status": c.status, "detail": c.detail} for c in reply.checks
@@ -377,18 +606,29 @@ class AsyncClient:
 
     async def pool_status(self) -> dict[str, Any]:
         """Where the daemon stands with the shared pool (``state`` "none" without one)."""
-        reply = await self._call(PoolStatusRequest())
+        reply = await self._request(PoolStatusRequest())
         assert isinstance(reply, PoolStatusReply)
         result: dict[str, Any] = as_dict(reply)
         return result
 
+    async def list_keys(self, ns: int, *, after: bytes = b"", limit: int = 1024) -> dict[str, Any]:
+        """A page of LIST_KEYS: up to ``limit`` (1..8192) keys of namespace ``ns`` (its ``ns`` in
+        :meth:`namespaces`) in byte order after ``after``, as ``{"keys": [{"key", "dram",
+        "nvme", "pool", "raw_bytes", "dirty"}, ...], "more", "blocks"}``. While ``more``, the
+        last key is the next page's ``after``; see ``docs/protocol.md`` for what a pager sees
+        when keys change meanwhile."""
+        reply = await self.run(ops.list_keys(ns, after, limit, self.daemon_minor))
+        result: dict[str, Any] = as_dict(reply)
+        return result
+
     async def evict(self) -> int:
-        reply = await self._call(EvictRequest(all_namespaces=True))
+        reply = await self._request(EvictRequest(all_namespaces=True))
         assert isinstance(reply, EvictReply)
         return reply.evicted
 
     def _start(self, tg: TaskGroup) -> None:
-        tg.start_soon(self._read_replies)
+        self._tg = tg
+        tg.start_soon(self._read_replies, self._stream, self._conn, self.reconnects)
         tg.start_soon(self._janitor)
 
     async def aclose(self) -> None:
@@ -402,6 +642,7 @@ class AsyncClient:
                 await self._exchange(DestroyRequest(), 0, None)
         self._janitor_send.close()
         await self._stream.aclose()
+        self._lose_leases(closed_error())
         self._regions.close()
         _close_all(list(self._received_fds))
         self._received_fds.clear()
@@ -410,22 +651,27 @@ class AsyncClient:
 class AsyncNamespace(NamespaceBase[AsyncClient]):
     """Blocks of one namespace, through an :class:`AsyncClient`."""
 
+    async def _run(self, make_op: Callable[[], ops.Op[T]], *, retry: bool = True) -> T:
+        """Drive ``make_op()`` on the client (made after any reconnect)."""
+        return await self.client._run_op(make_op, retry=retry, ns=self)
+
     async def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
+        """As :meth:`Namespace.put`."""
         c = self.client
-        return await c.run(
-            ops.put(self.handle.ns, keys, blocks, self.block_bytes, self.arena, c.max_keys)
+        return await self._run(
+            lambda: ops.put(self.handle.ns, keys, blocks, self.block_bytes, self.arena, c.max_keys)
         )
 
     async def lookup(self, keys: Sequence[bytes], *, promote: bool = True) -> int:
         """How many leading ``keys`` are stored (for the whole TP group); with ``promote`` the
         daemon starts moving those hits up to DRAM now."""
         c = self.client
-        return await c.run(ops.lookup_count(self.handle.ns, keys, c.max_keys, promote))
+        return await self._run(lambda: ops.lookup_count(self.handle.ns, keys, c.max_keys, promote))
 
     async def lookup_tiers(self, keys: Sequence[bytes], *, promote: bool = True) -> list[str]:
         """Like :meth:`lookup`, with the tier (``"dram"``, ``"nvme"``...) of each hit."""
         c = self.client
-        return await c.run(ops.lookup(self.handle.ns, keys, c.max_keys, promote))
+        return await self._run(lambda: ops.lookup(self.handle.ns, keys, c.max_keys, promote))
 
     @contextlib.asynccontextmanager
     async def get(self, keys: Sequence[bytes]) -> AsyncIterator[list[memoryview]]:
@@ -439,48 +685,58 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
         """As :meth:`Namespace.lease` (``resident_only`` as in :meth:`Namespace.acquire`); the
         lease ends when the ``async with`` block does."""
         c = self.client
-        leases, extents = await c.run(self._lease_op(keys, resident_only))
+
+        async def take() -> tuple[list[int], list[Extent], int]:
+            leases, extents = await c.run(self._lease_op(keys, resident_only))
+            return leases, extents, c.reconnects
+
+        leases, extents, reconnects = await c._retrying(take, retry=True, ns=self)
         try:
-            lease = self._block_lease(keys, extents, partial=resident_only)
+            lease = c._track(self._block_lease(keys, extents, partial=resident_only))
         except BaseException:
-            if leases:
-                with anyio.CancelScope(shield=True):
-                    await c.run(ops.release(leases))
+            await c.release_leases(leases, reconnects)
             raise
         try:
             yield lease
         finally:
             lease.release()
-            if leases:
-                with anyio.CancelScope(shield=True):
-                    await c.run(ops.release(leases))
+            await c.release_leases(leases, reconnects)
 
     @contextlib.asynccontextmanager
     async def write(self, keys: Sequence[bytes]) -> AsyncIterator[BlockWrite]:
         """As :meth:`Namespace.write`: fill the slots in place; committed on a normal exit."""
         c = self.client
-        writes, extents = await c.run(ops.alloc(self.handle.ns, keys, c.max_keys))
+        writes, extents = await self._run(lambda: ops.alloc(self.handle.ns, keys, c.max_keys))
+        reconnects = c.reconnects
         views = [self.arena.writable(e.offset, e.length) if e.length else None for e in extents]
         try:
-            yield BlockWrite(list(keys), views)
+            yield c._track(BlockWrite(list(keys), views))
         except BaseException:
             release_views(views)
-            with anyio.CancelScope(shield=True):
-                await c.run(ops.commit(self.handle.ns, writes, abort=True))
+            if c.reconnects == reconnects:  # else the daemon dropped the write already
+                with anyio.CancelScope(shield=True), contextlib.suppress(BrokenConnectionError):
+                    await c.run(ops.commit(self.handle.ns, writes, abort=True))
             raise
         release_views(views)
-        await c.run(ops.commit(self.handle.ns, writes))
+        try:
+            if c.reconnects != reconnects:
+                raise BrokenConnectionError("the client reconnected")
+            await c.run(ops.commit(self.handle.ns, writes))
+        except BrokenConnectionError as exc:
+            raise in_flight_error(len(keys)) from exc
 
     async def read_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
         c = self.client
         try:
-            return await c.run(ops.read_into(self.handle.ns, keys, buffers, self.arena, c.max_keys))
+            return await self._run(
+                lambda: ops.read_into(self.handle.ns, keys, buffers, self.arena, c.max_keys)
+            )
         except CorruptBlockError:
             c.corrupt_reads += 1
             raise
 
     async def forget(self, keys: Sequence[bytes]) -> int:
-        return await self.client.run(ops.forget(self.handle.ns, keys, self.client.max_keys))
+        return await self._run(lambda: ops.forget(self.handle.ns, keys, self.client.max_keys))
 
     async def hint_attention(
         self,
@@ -496,25 +752,31 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
         ``queries`` (float32 post-RoPE ``[len(query_layers), q_heads, head_dim]``), at most
         ``budget_blocks`` per (layer, KV head), best first, and the keys predicted for the next
         decode step. The daemon starts promoting both at once."""
-        return await self.client.run(
-            ops.hint_attention(self.handle.ns, chain, queries, query_layers, budget_blocks, session)
+        return await self._run(
+            lambda: ops.hint_attention(
+                self.handle.ns, chain, queries, query_layers, budget_blocks, session
+            )
         )
 
     async def hint(self, queue: Sequence[Sequence[bytes]], *, session: bytes = b"") -> int:
-        return await self.client.run(ops.hint(self.handle.ns, queue, session))
+        return await self._run(lambda: ops.hint(self.handle.ns, queue, session))
 
 
 @contextlib.asynccontextmanager
 async def connect_async(
-    socket_path: str | os.PathLike[str] | None = None, *, client_name: str = ""
+    socket_path: str | os.PathLike[str] | None = None,
+    *,
+    client_name: str = "",
+    reconnect: Reconnect | None = None,
 ) -> AsyncIterator[AsyncClient]:
-    """Connect, hand over the arena, and yield a client; closes everything on exit."""
+    """Connect and yield a client; closes everything on exit. With ``reconnect`` the client
+    connects again, as that policy allows, when the connection breaks (a daemon restart); see
+    ``docs/client.md`` ("Reconnecting")."""
     path = resolve_socket(socket_path)
-    try:
-        stream = await anyio.connect_unix(path)
-    except OSError as exc:
-        raise not_running(path, exc) from None
-    client = AsyncClient(stream, ClientConnection())
+    stream = await _connect(path)
+    client = AsyncClient(
+        stream, ClientConnection(), path=path, client_name=client_name, reconnect=reconnect
+    )
     try:
         await client._handshake(client_name)
     except BaseException:
@@ -533,6 +795,41 @@ async def connect_async(
         if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
             raise group.exceptions[0] from None
         raise
+
+
+async def _connect(path: Path) -> UNIXSocketStream:
+    """A stream connected to ``path``, or the error that says why not."""
+    check_socket_path(path)
+    try:
+        return await anyio.connect_unix(path)
+    except OSError as exc:
+        raise connect_error(path, exc) from None
+
+
+async def _exchange_unread(
+    stream: UNIXSocketStream, conn: ClientConnection, message: Message, fds: list[int]
+) -> ReplyReceived:
+    """Send ``message`` on a stream no reader task reads yet (INIT, a reconnect's OPEN_NS)
+    and wait for its reply, or the daemon's last frame; descriptors go to ``fds``."""
+    unique, frame = conn.request(message)
+    with contextlib.suppress(anyio.BrokenResourceError, OSError):
+        await stream.send(frame)  # if refused, the daemon's last frame says why
+    while True:
+        event = conn.next_event()
+        if isinstance(event, ReplyReceived) and event.header.unique in (unique, 0):
+            return event
+        if isinstance(event, ConnectionClosed):
+            raise BrokenConnectionError("kvtierd closed the connection")
+        if event is not NEED_DATA:
+            continue
+        try:
+            data, received = await stream.receive_fds(_RECEIVE_BYTES, 4)
+        except (anyio.BrokenResourceError, anyio.EndOfStream, OSError) as exc:
+            raise BrokenConnectionError(f"kvtierd closed the connection: {exc}") from exc
+        fds.extend(received)
+        if not data:
+            raise BrokenConnectionError("kvtierd closed the connection")
+        conn.receive_data(data)
 
 
 def _close_all(fds: list[int]) -> None:

@@ -17,7 +17,7 @@ import contextlib
 import os
 from typing import Any
 
-from kvtierd.errors import ClosedError, InvalidRequestError, RemoteProtocolError
+from kvtierd.errors import ClosedError, InvalidRequestError, KvtierError, RemoteProtocolError
 from kvtierd.protocol.messages import Extent
 from kvtierd.store.arena import map_region
 from kvtierd.store.records import checksum
@@ -50,11 +50,11 @@ class ClientArena:
             os.close(fd)
             raise RemoteProtocolError(f"cannot map the region the daemon passed: {exc}") from exc
         self._view = memoryview(self._mapping)
-        self._closed = False
+        #: Why the mapping is closed (the client closed, or its connection was replaced).
+        self._closed: KvtierError | None = None
 
     def _check(self, offset: int, length: int) -> None:
-        if self._closed:  # another thread closed the client: views made before stay valid
-            raise ClosedError("the client is closed")
+        self._check_open()
         if offset < 0 or length < 0 or offset + length > self.size_bytes:
             raise RemoteProtocolError(f"extent [{offset}, {offset + length}) outside the arena")
 
@@ -75,12 +75,16 @@ class ClientArena:
     def buffer(self) -> memoryview:
         """The whole region, read-only: an engine may wrap it once (``torch.frombuffer``) and
         index it with the extents of its leases instead of making a view per block."""
-        if self._closed:
-            raise ClosedError("the client is closed")
+        self._check_open()
         return self._view.toreadonly()
 
-    def close(self) -> None:
-        self._closed = True
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise type(self._closed)(*self._closed.args)
+
+    def close(self, why: KvtierError | None = None) -> None:
+        """Unmap; every later use raises ``why`` (default ``ClosedError``)."""
+        self._closed = why or ClosedError("the client is closed")
         self._view.release()
         with contextlib.suppress(BufferError):  # a caller's view keeps the mapping alive
             self._mapping.close()

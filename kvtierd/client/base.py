@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Sequence
+import stat
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -22,13 +23,16 @@ from kvtierd.client.blocks import BlockLease, release_views
 from kvtierd.config import default_socket_path
 from kvtierd.errors import (
     AccessDeniedError,
+    BrokenConnectionError,
     ClosedError,
     CorruptBlockError,
     DaemonNotRunningError,
     InvalidRequestError,
     KvtierError,
     RemoteProtocolError,
+    StartingError,
 )
+from kvtierd.layouts import layout_block_bytes
 from kvtierd.protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, ReplyReceived
 from kvtierd.protocol.frames import PROTOCOL_MINOR
 from kvtierd.protocol.messages import (
@@ -58,15 +62,51 @@ ClientT = TypeVar("ClientT", bound=ClientState)
 __all__ = [
     "NamespaceBase",
     "NamespaceHandle",
+    "Reconnect",
     "as_dict",
     "closed_error",
+    "connect_error",
     "handle_of",
     "init_request",
     "message_of",
     "namespace_request",
-    "not_running",
     "resolve_socket",
 ]
+
+#: The longest path ``connect`` can take: ``sun_path`` holds 108 bytes with the NUL.
+MAX_SOCKET_PATH_BYTES = 107
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnect:
+    """How a client reconnects when its connection to the daemon breaks (a restart): up to
+    ``attempts`` connections, the first at once, then after ``first_backoff_s``, doubling up to
+    ``max_backoff_s``. Pass to ``connect(reconnect=...)`` / ``connect_async(reconnect=...)``;
+    what is retried and what is not is in ``docs/client.md`` ("Reconnecting")."""
+
+    attempts: int = 10
+    first_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.attempts <= 1000:
+            raise InvalidRequestError(f"reconnect attempts must be 1..1000, not {self.attempts}")
+        if not 0 <= self.first_backoff_s <= self.max_backoff_s <= 60:
+            raise InvalidRequestError(
+                "reconnect backoff needs 0 <= first_backoff_s <= max_backoff_s <= 60"
+            )
+
+    def delays(self) -> Iterator[float]:
+        """The wait before each attempt, ``attempts`` of them."""
+        delay = self.first_backoff_s
+        yield 0.0
+        for _ in range(self.attempts - 1):
+            yield delay
+            delay = min(delay * 2, self.max_backoff_s)
+
+
+#: What a reconnecting client tries again: the daemon is away, or not ready yet.
+RECONNECTABLE = (BrokenConnectionError, StartingError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +122,9 @@ class NamespaceHandle:
     rank: int
     world_size: int
     region: int
+    tenant: str
+    #: What opened it: a reconnecting client sends it again to the restarted daemon.
+    request: OpenNsRequest
 
 
 def handle_of(request: OpenNsRequest, reply: Message) -> NamespaceHandle:
@@ -98,6 +141,8 @@ def handle_of(request: OpenNsRequest, reply: Message) -> NamespaceHandle:
         request.rank,
         request.world_size,
         reply.region,
+        request.tenant,
+        request,
     )
 
 
@@ -132,10 +177,11 @@ class Regions:
                 raise closed_error() from None
             raise RemoteProtocolError(f"region {region} is not mapped") from None
 
-    def close(self) -> None:
+    def close(self, why: KvtierError | None = None) -> None:
+        """Unmap every region; using one later raises ``why`` (default ``ClosedError``)."""
         self._closed = True
         for arena in self._mapped.values():
-            arena.close()
+            arena.close(why)
         self._mapped.clear()
 
 
@@ -145,6 +191,35 @@ class NamespaceBase(Generic[ClientT]):
     def __init__(self, client: ClientT, handle: NamespaceHandle) -> None:
         self.client = client
         self.handle = handle
+        #: Why a reconnected client could not open this namespace again; then every call
+        #: raises it.
+        self.lost: KvtierError | None = None
+
+    def __repr__(self) -> str:
+        h = self.handle
+        rank = f" rank={h.rank}/{h.world_size}" if h.world_size > 1 else ""
+        layout = f" layout={h.layout.model_id!r}/{h.layout.dtype}" if h.layout else ""
+        lost = " lost" if self.lost else ""
+        return (
+            f"<{type(self).__name__} {h.name!r} tenant={h.tenant!r} "
+            f"block_bytes={h.block_bytes}{layout}{rank}{lost}>"
+        )
+
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    @property
+    def tenant(self) -> str:
+        return self.handle.tenant
+
+    @property
+    def rank(self) -> int:
+        return self.handle.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.handle.world_size
 
     @property
     def key_salt(self) -> bytes:
@@ -226,7 +301,7 @@ def check_init(reply: Message) -> InitReply:
 
 def namespace_request(
     name: str,
-    block_bytes: int,
+    block_bytes: int | None,
     layout: Layout | dict[str, Any] | None,
     rank: int,
     world_size: int,
@@ -240,6 +315,7 @@ def namespace_request(
             layout = Layout(**layout)  # Layout travels as an array: build it by field name
         except TypeError as exc:
             raise InvalidRequestError(f"invalid layout: {exc}") from exc
+    block_bytes = _sized(block_bytes, layout)
     try:
         request = OpenNsRequest(
             name, block_bytes, layout, rank, world_size, tenant, compression, create, sparse
@@ -248,6 +324,25 @@ def namespace_request(
         return msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=OpenNsRequest)
     except msgspec.ValidationError as exc:
         raise InvalidRequestError(f"invalid namespace options: {exc}") from exc
+
+
+def _sized(block_bytes: int | None, layout: Layout | None) -> int:
+    """``block_bytes``, derived from ``layout`` when not given, and checked against it."""
+    derived = layout_block_bytes(layout) if isinstance(layout, Layout) else None
+    if block_bytes is None:
+        if derived is not None:
+            return derived
+        if layout is None:
+            raise InvalidRequestError("pass block_bytes, or a layout to derive it from")
+        raise InvalidRequestError(
+            f"the size of dtype {layout.dtype!r} is not known: pass block_bytes"
+        )
+    if derived is not None and derived != block_bytes:
+        raise InvalidRequestError(
+            f"block_bytes is {block_bytes} but the layout gives {derived} (2 x layers x "
+            "kv_heads x head_dim x block_tokens x dtype size): leave block_bytes out"
+        )
+    return block_bytes
 
 
 def as_dict(value: Any) -> Any:
@@ -273,9 +368,74 @@ def closed_error() -> ClosedError:
     return ClosedError("the client is closed")
 
 
-def not_running(path: Path, exc: OSError) -> KvtierError:
-    if exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
-        return DaemonNotRunningError(f"kvtierd is not running (no daemon on {path})")
+def check_socket_path(path: Path) -> None:
+    """Refuse a path no Unix socket can have, before trying it."""
+    size = len(os.fsencode(path))
+    if size > MAX_SOCKET_PATH_BYTES:
+        raise InvalidRequestError(
+            f"socket path is {size} bytes; a Unix socket path is at most {MAX_SOCKET_PATH_BYTES}"
+        )
+
+
+def connect_error(path: Path, exc: OSError) -> KvtierError:
+    """What a failed ``connect`` to ``path`` means, for a person to read."""
     if exc.errno == errno.EACCES:
         return AccessDeniedError(f"permission denied on {path} (join the daemon's group)")
-    return DaemonNotRunningError(f"cannot connect to {path}: {exc.strerror}")
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        return DaemonNotRunningError(f"{path} is a directory, not the daemon's socket")
+    if mode is not None and not stat.S_ISSOCK(mode):
+        return DaemonNotRunningError(f"{path} is not a socket (kvtierd listens on a socket)")
+    if exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
+        return DaemonNotRunningError(f"kvtierd is not running (no daemon on {path})")
+    return DaemonNotRunningError(f"cannot connect to {path}: {exc.strerror or exc}")
+
+
+def reopened_handle(
+    old: NamespaceHandle, reply: NamespaceHandle | KvtierError
+) -> NamespaceHandle | KvtierError:
+    """The handle of a namespace a reconnected client opened again, or why it cannot be
+    used: the keys a caller made with the old salt would name other blocks."""
+    if isinstance(reply, KvtierError):
+        return type(reply)(f"namespace {old.name!r} could not be opened again: {reply}")
+    if reply.key_salt != old.key_salt:
+        return InvalidRequestError(
+            f"the restarted daemon gives namespace {old.name!r} another key salt (its secret "
+            "changed): keys made before are not its keys; open it again"
+        )
+    return reply
+
+
+def gave_up(last: KvtierError, policy: Reconnect) -> KvtierError:
+    """What a client raises when ``policy``'s attempts to reconnect all failed (``last``: the
+    last attempt's error; its class, so ``DaemonNotRunningError`` stays catchable)."""
+    return type(last)(f"{last} (gave up reconnecting after {policy.attempts} attempts)")
+
+
+def replaced_region_error() -> BrokenConnectionError:
+    return BrokenConnectionError(
+        "this region was mapped for the connection before the client reconnected to a "
+        "restarted daemon: use the namespace's arena again"
+    )
+
+
+def lost_lease_error() -> BrokenConnectionError:
+    return BrokenConnectionError(
+        "this lease ended with the connection it was taken on (the client reconnected to a "
+        "restarted daemon): lease the blocks again"
+    )
+
+
+def in_flight_error(blocks: int) -> BrokenConnectionError:
+    return BrokenConnectionError(
+        f"the connection to kvtierd broke while a write of {blocks} blocks was in flight: it "
+        "was not acknowledged, so its blocks may be missing; write them again"
+    )
+
+
+def broken_error(exc: BaseException) -> BrokenConnectionError:
+    """The connection broke under a call (``exc``: what the transport raised)."""
+    return BrokenConnectionError(f"connection to kvtierd lost: {exc}")

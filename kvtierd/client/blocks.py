@@ -13,27 +13,62 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvtierd.errors import KvtierError
 from kvtierd.protocol.messages import Extent
 
 __all__ = ["BlockLease", "BlockWrite", "release_views"]
 
 
-@dataclass
+@dataclass(repr=False, eq=False)  # held by identity (a client keeps a weak set)
 class BlockLease:
     """Leased blocks: ``views[i]`` (read-only) and ``extents[i]`` (offset, length, xxh3-64 of
-    the committed bytes) for ``keys[i]``. ``release()`` ends the lease; it is idempotent."""
+    the committed bytes) for ``keys[i]``. ``release()`` ends the lease; it is idempotent. A
+    lease ends with its connection: once the client reconnected to a restarted daemon,
+    ``views`` raises ``BrokenConnectionError`` (the new daemon never granted it), and once the
+    client is closed, ``ClosedError``."""
 
     keys: Sequence[bytes]
     extents: list[Extent]
-    views: list[memoryview]
-    _release: Callable[[], object] | None = field(default=None, repr=False)
+    _views: list[memoryview]
+    _release: Callable[[], object] | None = field(default=None)
+    #: Why the lease is gone with its connection (replaced or closed), else ``None``.
+    lost: KvtierError | None = field(default=None)
+    _ended: bool = field(default=False)
+
+    @property
+    def views(self) -> list[memoryview]:
+        if self.lost is not None:
+            raise type(self.lost)(*self.lost.args)
+        return self._views
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost else "released" if self._ended else "held"
+        return f"<BlockLease of {len(self.keys)} blocks, {state}>"
+
+    @property
+    def held(self) -> bool:
+        """Whether the lease has neither been released nor lost with its connection."""
+        return not self._ended
 
     def release(self) -> None:
-        if self._release is None:
+        if self._ended:
             return
+        self._ended = True
         release, self._release = self._release, None
-        release_views(self.views)
-        release()
+        release_views(self._views)
+        if release is not None:
+            release()
+
+    def lose(self, why: KvtierError) -> None:
+        """The connection the lease was taken on is gone (``why``), and the daemon released the
+        lease with it: invalidate the views and forget the release, which could name a lease
+        of another connection."""
+        if self._ended:
+            return
+        self._ended = True
+        self.lost = why
+        self._release = None
+        release_views(self._views)
 
     def __enter__(self) -> BlockLease:
         return self
@@ -42,7 +77,7 @@ class BlockLease:
         self.release()
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class BlockWrite:
     """Slots being written: ``views[i]`` is a writable view for ``keys[i]``, or ``None`` where
     that key is already stored (skip it). Committed when the ``with`` block ends normally,
@@ -50,6 +85,15 @@ class BlockWrite:
 
     keys: Sequence[bytes]
     views: list[memoryview | None]
+
+    def __repr__(self) -> str:
+        fill = sum(v is not None for v in self.views)
+        return f"<BlockWrite of {len(self.keys)} blocks, {fill} to fill>"
+
+    def lose(self, why: KvtierError) -> None:
+        """The connection the slots were allocated on is gone (``why``): the daemon may give
+        them to other blocks, so the views stop working."""
+        release_views(self.views)
 
 
 def release_views(views: Sequence[memoryview | None]) -> None:

@@ -30,6 +30,8 @@ from kvtierd.protocol.messages import (
     ForgetRequest,
     HintReply,
     HintRequest,
+    ListKeysReply,
+    ListKeysRequest,
     LookupReply,
     LookupRequest,
     Message,
@@ -46,15 +48,18 @@ __all__ = [
     "NoWait",
     "Op",
     "alloc",
+    "check_keys",
     "commit",
     "forget",
     "hint",
+    "list_keys",
     "lookup",
     "lookup_count",
     "put",
     "read",
     "read_into",
     "release",
+    "request",
 ]
 
 T = TypeVar("T")
@@ -74,12 +79,33 @@ Call = tuple[Message, int] | NoWait
 Op = Generator[Call, Any, T]
 
 
+def check_keys(keys: Sequence[bytes], what: str = "keys") -> None:
+    """Refuse, before anything is sent, what is not a sequence of keys: a single key (a
+    common slip: ``put(keys[0], block)``) or an element that is not bytes."""
+    if isinstance(keys, bytes | bytearray | memoryview | str):
+        raise InvalidRequestError(
+            f"{what} must be a list of keys, not a single {type(keys).__name__}: pass [key]"
+        )
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes):
+            raise InvalidRequestError(
+                f"{what} are bytes (from chain_keys), got {type(key).__name__} at index {i}"
+            )
+
+
 def _chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
     return [items[i : i + size] for i in range(0, len(items), size)] or [items]
 
 
+def request(message: Message, ns: int = 0) -> Op[Message]:
+    """One request and its reply, as an operation (what a retrying client can send again)."""
+    reply: Message = yield message, ns
+    return reply
+
+
 def lookup_count(ns: int, keys: Sequence[bytes], max_keys: int, promote: bool = True) -> Op[int]:
     """How many leading ``keys`` are stored (:func:`lookup` without naming the tiers)."""
+    check_keys(keys)
     hits = 0
     for chunk in _chunks(keys, max_keys) if keys else []:
         reply: LookupReply = yield LookupRequest(list(chunk), promote), ns
@@ -96,6 +122,7 @@ TIER_NAMES = ("dram", "nvme", "pool")
 def lookup(ns: int, keys: Sequence[bytes], max_keys: int, promote: bool = True) -> Op[list[str]]:
     """The tier of each leading stored key (the hit count is the length; for the whole TP
     group). With ``promote`` the daemon starts moving the hits up to DRAM at once."""
+    check_keys(keys)
     tiers: list[str] = []
     if not keys:
         return tiers
@@ -117,6 +144,7 @@ def _grants(
 ) -> Op[tuple[list[int], list[Extent]]]:
     """Send ``request`` per chunk of keys; collect each reply's grant id (lease or write) and
     extents. If a later chunk fails, ``undo`` gives back what the earlier ones were granted."""
+    check_keys(keys)
     grants: list[int] = []
     extents: list[Extent] = []
     try:
@@ -146,6 +174,7 @@ def read_resident(
     """Lease the leading ``keys`` that are in DRAM now (READ_RESIDENT): never waits on a lower
     tier, never fails on a miss; the extents may be fewer than the keys. A daemon older than
     the opcode (``daemon_minor``) is asked nothing: no lease."""
+    check_keys(keys)
     leases: list[int] = []
     extents: list[Extent] = []
     if daemon_minor < RESIDENT_ONLY_MINOR:
@@ -189,6 +218,12 @@ def put(
 ) -> Op[int]:
     """Store ``blocks`` under ``keys`` (two-phase: ALLOC, copy, COMMIT). Returns how many are
     stored, counting those that already were. Nothing becomes visible if the copy fails."""
+    check_keys(keys)
+    if isinstance(blocks, bytes | bytearray | memoryview) or getattr(blocks, "ndim", 0) == 1:
+        raise InvalidRequestError(
+            f"blocks must be a list of blocks, not a single {type(blocks).__name__}: "
+            "put([key], [block]) stores one"
+        )
     if len(keys) != len(blocks):
         raise InvalidRequestError(f"{len(keys)} keys but {len(blocks)} blocks")
     views = [as_bytes_view(b) for b in blocks]
@@ -237,6 +272,7 @@ def commit(ns: int, writes: Sequence[int], *, abort: bool = False) -> Op[int]:
 
 
 def forget(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[int]:
+    check_keys(keys)
     forgotten = 0
     for chunk in _chunks(keys, max_keys):
         reply: ForgetReply = yield ForgetRequest(list(chunk)), ns
@@ -244,7 +280,27 @@ def forget(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[int]:
     return forgotten
 
 
+#: The first protocol minor whose daemons know LIST_KEYS.
+LIST_KEYS_MINOR = 7
+
+
+def list_keys(ns: int, after: bytes, limit: int, daemon_minor: int) -> Op[ListKeysReply]:
+    """One page of LIST_KEYS: up to ``limit`` (1..8192) keys of namespace ``ns`` (its LIST_NS
+    id) sorting after ``after``; pass the last key of a page as the next ``after`` while
+    ``more``. A daemon older than the opcode raises ``InvalidRequestError`` without being
+    asked."""
+    if daemon_minor < LIST_KEYS_MINOR:
+        raise InvalidRequestError(
+            f"the daemon speaks protocol minor {daemon_minor}; listing keys needs "
+            f"{LIST_KEYS_MINOR} (upgrade kvtierd)"
+        )
+    reply: ListKeysReply = yield ListKeysRequest(ns, after, limit), 0
+    return reply
+
+
 def hint(ns: int, queue: Sequence[Sequence[bytes]], session: bytes) -> Op[int]:
+    for chain in queue:
+        check_keys(chain, "each chain's keys")
     reply: HintReply = yield HintRequest(session, [list(k) for k in queue]), ns
     return reply.planned
 
@@ -259,6 +315,7 @@ def hint_attention(
 ) -> Op[tuple[list[bytes], list[bytes]]]:
     """Sparse attention: ``(ranked, predicted)`` keys of ``chain`` for the step's ``queries``
     (float32 ``[len(query_layers), q_heads, head_dim]``); the daemon starts promoting both."""
+    check_keys(chain, "chain")
     array = np.ascontiguousarray(queries, dtype=np.float32)
     request = HintRequest(
         session,
@@ -278,6 +335,7 @@ def read_into(
 ) -> Op[int]:
     """Copy the blocks of ``keys`` into ``buffers`` and release them; returns bytes copied.
     Each copy is verified against its committed checksum (``CorruptBlockError``: a miss)."""
+    check_keys(keys)
     if len(keys) != len(buffers):
         raise InvalidRequestError(f"{len(keys)} keys but {len(buffers)} buffers")
     targets = [as_bytes_view(b, writable=True) for b in buffers]

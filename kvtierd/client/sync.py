@@ -14,6 +14,12 @@ everything that talks to the daemon, ``run`` for the operations of :mod:`kvtierd
 and ``_call`` for single requests, takes one. The exception is :meth:`Client.release_soon`,
 which a finalizer may call inside a turn on its own thread: it never waits for the lock, and
 the turn in progress sends what it queued.
+
+With a :class:`~kvtierd.client.base.Reconnect` policy, a turn that finds the connection broken
+replaces it before its call runs (INIT, then OPEN_NS of every namespace still held, on the new
+socket), so the call is made with the new namespace ids; leases and queued RELEASEs of the old
+connection are dropped, never sent. The module is past 600 lines for the same reason as the
+async one: transport and API share one connection's state.
 """
 
 from __future__ import annotations
@@ -24,23 +30,36 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 from kvtierd.client import ops
 from kvtierd.client.arena import ClientArena
 from kvtierd.client.base import (
+    RECONNECTABLE,
     NamespaceBase,
+    NamespaceHandle,
+    Reconnect,
     Regions,
     as_dict,
+    broken_error,
     check_init,
+    check_socket_path,
     closed_error,
+    connect_error,
+    gave_up,
     handle_of,
+    in_flight_error,
     init_request,
+    lost_lease_error,
     message_of,
     namespace_request,
-    not_running,
+    reopened_handle,
+    replaced_region_error,
     resolve_socket,
 )
 from kvtierd.client.blocks import BlockLease, BlockWrite, release_views
@@ -49,6 +68,7 @@ from kvtierd.errors import (
     ClosedError,
     CorruptBlockError,
     KvtierError,
+    RemoteProtocolError,
     TimedOutError,
 )
 from kvtierd.protocol import NEED_DATA, ClientConnection, ConnectionClosed, ReplyReceived
@@ -65,6 +85,7 @@ from kvtierd.protocol.messages import (
     ListNsRequest,
     Message,
     OpenNsReply,
+    OpenNsRequest,
     PoolStatusReply,
     PoolStatusRequest,
     ReleaseRequest,
@@ -75,36 +96,70 @@ from kvtierd.protocol.messages import (
 __all__ = ["Client", "Namespace", "connect"]
 
 T = TypeVar("T")
+HeldT = TypeVar("HeldT", BlockLease, BlockWrite)
 _RECEIVE_BYTES = 1 << 16
 
 
 class Client:
-    """A connection to the daemon; a context manager that closes it."""
+    """A connection to the daemon; a context manager that closes it. Construct with
+    :func:`connect`."""
 
-    def __init__(self, sock: socket.socket, conn: ClientConnection) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        conn: ClientConnection,
+        *,
+        path: Path | None = None,
+        client_name: str = "",
+        timeout_s: float | None = None,
+        reconnect: Reconnect | None = None,
+    ) -> None:
         self._sock = sock
         self._conn = conn
         self._lock = threading.Lock()
         self._releases: collections.deque[int] = collections.deque()
         self._regions = Regions()
         self._closed = False
+        #: What broke the connection (then every call raises it, or reconnects).
+        self._broken: KvtierError | None = None
+        self._path = path
+        self._client_name = client_name
+        self._timeout_s = timeout_s
+        self.reconnect = reconnect
+        #: Namespaces opened on this client: a reconnect opens them again.
+        self._namespaces: weakref.WeakSet[Namespace] = weakref.WeakSet()
+        self._leases: weakref.WeakSet[BlockLease | BlockWrite] = weakref.WeakSet()
+        #: How many times the client reconnected (a new daemon run each time, maybe).
+        self.reconnects = 0
         self.max_keys = 1
         self.corrupt_reads = 0
         self.daemon_version = ""
         self.daemon_minor = 0
 
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "broken" if self._broken else "connected"
+        return (
+            f"<Client {self._path} {state}, daemon {self.daemon_version or '?'}, "
+            f"reconnect {'on' if self.reconnect else 'off'}>"
+        )
+
     # -- transport ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _turn(self) -> Iterator[None]:
+    def _turn(self, *, reconnect: bool = False, closing: bool = False) -> Iterator[None]:
         """Hold the connection for one call, its requests and their replies, with no other
-        thread's in between. Raises ``ClosedError`` once the client is closed. Queued RELEASEs
+        thread's in between. Raises ``ClosedError`` once the client is closed, and what broke
+        the connection unless ``reconnect`` (and a policy) lets it reconnect. Queued RELEASEs
         (:meth:`release_soon`) go out before the call's first request and, those queued
         meanwhile, as the turn ends."""
         try:
             with self._lock:
                 if self._closed:
                     raise closed_error()
+                if self._broken is not None and not closing:
+                    if not reconnect or self.reconnect is None:
+                        raise type(self._broken)(*self._broken.args)
+                    self._recover(self.reconnect)
                 self._send_releases()  # queued by a turn that has not flushed them yet
                 try:
                     yield
@@ -124,26 +179,35 @@ class Client:
         unique, frame = self._conn.request(message, ns)
         try:
             self._sock.sendall(frame)
-            return message_of(self._receive(unique, fds))
-        except KvtierError:
-            raise
+            event = self._receive(unique, fds)
         except BaseException as exc:
             # Interrupted between request and reply (timeout, Ctrl-C, a dead daemon): the reply
             # may grant a lease nobody will release, so drop the connection; the daemon then
             # releases everything this client held.
             self._sock.close()
             if isinstance(exc, TimeoutError):
+                self._broken = BrokenConnectionError(
+                    "the connection was closed when an earlier call timed out"
+                )
                 raise TimedOutError("the daemon did not answer in time") from exc
             if isinstance(exc, OSError):
-                raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+                self._broken = broken_error(exc)
+                raise broken_error(exc) from exc
+            self._broken = exc if isinstance(exc, KvtierError) else broken_error(exc)
             raise
+        if event.header.unique == 0:  # the daemon's last frame: the connection is over
+            self._sock.close()
+            self._broken = event.error or BrokenConnectionError("kvtierd closed the connection")
+        return message_of(event)
 
     def _send_only(self, message: Message, ns: int) -> None:
         _, frame = self._conn.request(message, ns)
         try:
             self._sock.sendall(frame)
         except OSError as exc:
-            raise BrokenConnectionError(f"connection to kvtierd lost: {exc}") from exc
+            self._sock.close()
+            self._broken = broken_error(exc)
+            raise broken_error(exc) from exc
 
     def _receive(self, unique: int, fds: list[int] | None = None) -> ReplyReceived:
         """The reply to ``unique`` (or the daemon's last frame); replies to requests nobody
@@ -164,10 +228,14 @@ class Client:
                 fds.extend(received)
             self._conn.receive_data(data)
 
-    def release_soon(self, leases: Sequence[int]) -> None:
+    def release_soon(self, leases: Sequence[int], reconnects: int | None = None) -> None:
         """RELEASE ``leases`` without waiting, from any thread and from a finalizer: sent now
         when no call is in progress, else by the call in progress as it ends (a finalizer can
-        run inside a call on its own thread, which must not wait for the connection it holds)."""
+        run inside a call on its own thread, which must not wait for the connection it holds).
+        Leases granted before reconnect number ``reconnects`` are dropped: the daemon released
+        them with their connection, and their ids may name a new connection's leases."""
+        if reconnects is not None and reconnects != self.reconnects:
+            return
         self._releases.extend(leases)
         self._flush_releases()
 
@@ -192,9 +260,100 @@ class Client:
                 self._send_only(ReleaseRequest(batch), 0)
 
     def run(self, op: ops.Op[T]) -> T:
-        """Drive a sans-IO operation to its result, in one turn."""
+        """Drive a sans-IO operation to its result, in one turn. It never reconnects: ``op``
+        names namespace ids of the connection it was made for."""
         with self._turn():
             return self._drive(op)
+
+    def _run_op(
+        self, make_op: Callable[[], ops.Op[T]], *, retry: bool, ns: Namespace | None = None
+    ) -> T:
+        """Drive ``make_op()`` (made in the turn, after any reconnect: it names the new
+        connection's namespace ids) as :meth:`_retrying` does."""
+        return self._retrying(lambda: self._drive(make_op()), retry=retry, ns=ns)
+
+    def _retrying(self, call: Callable[[], T], *, retry: bool, ns: Namespace | None = None) -> T:
+        """``call()`` in a turn, reconnecting first if the connection broke and the policy
+        allows; with ``retry`` (an idempotent call) a connection that breaks under it is
+        replaced and ``call()`` made once more."""
+        again = retry and self.reconnect is not None
+        while True:
+            with self._turn(reconnect=True):
+                if ns is not None and ns.lost is not None:
+                    raise type(ns.lost)(*ns.lost.args)
+                try:
+                    return call()
+                except RECONNECTABLE:
+                    if not again or self._broken is None:
+                        raise
+                    again = False
+
+    def _recover(self, policy: Reconnect) -> None:
+        """Replace the broken connection (the lock held): up to ``policy.attempts``
+        connections, backing off between them. Raises what the last attempt met."""
+        assert self._broken is not None
+        last: KvtierError = self._broken
+        for delay in policy.delays():
+            time.sleep(delay)
+            try:
+                self._reopen()
+                return
+            except RECONNECTABLE as exc:
+                last = exc
+        raise gave_up(last, policy)
+
+    def _reopen(self) -> None:
+        """Connect and INIT again, reopen every namespace still held, and only then take the
+        new connection; leases and queued RELEASEs of the old one are dropped."""
+        sock = _open_socket(self._path or resolve_socket(None), self._timeout_s)
+        old = self._sock, self._conn
+        self._sock, self._conn = sock, ClientConnection()
+        regions = Regions()
+        try:
+            self._handshake(self._client_name)
+            handles = self._reopen_namespaces(regions)
+        except BaseException:
+            sock.close()
+            regions.close()
+            self._sock, self._conn = old
+            raise
+        old[0].close()
+        self._regions.close(replaced_region_error())
+        self._regions = regions
+        for ns, handle in handles:
+            ns.handle = handle
+        self._releases.clear()
+        self._lose_leases(lost_lease_error())
+        self._broken = None
+        self.reconnects += 1
+
+    def _reopen_namespaces(self, regions: Regions) -> list[tuple[Namespace, NamespaceHandle]]:
+        """OPEN_NS every live namespace again on the new connection; one the restarted daemon
+        will not give back (or gives another key salt) is marked ``lost``."""
+        handles: list[tuple[Namespace, NamespaceHandle]] = []
+        opened: dict[OpenNsRequest, NamespaceHandle | KvtierError] = {}
+        for ns in list(self._namespaces):
+            if ns.lost is not None:
+                continue
+            request = ns.handle.request
+            if request not in opened:
+                fds: list[int] = []
+                try:
+                    reply = self._exchange(request, fds=fds)
+                    regions.adopt(_open_ns_reply(reply), fds)
+                    opened[request] = handle_of(request, reply)
+                except RECONNECTABLE:
+                    _close_all(fds)
+                    raise
+                except KvtierError as exc:
+                    _close_all(fds)
+                    opened[request] = exc
+            handle = reopened_handle(ns.handle, opened[request])
+            if isinstance(handle, KvtierError):
+                ns.lost = handle
+            else:
+                handles.append((ns, handle))
+        return handles
 
     def _drive(self, op: ops.Op[T]) -> T:
         try:
@@ -223,6 +382,9 @@ class Client:
             with contextlib.suppress(OSError):
                 message_of(self._receive(unique, fds))
             raise BrokenConnectionError(f"kvtierd closed the connection: {exc}") from exc
+        except BaseException:
+            _close_all(fds)
+            raise
         try:
             reply = check_init(message_of(self._receive(unique, fds)))
         finally:
@@ -238,13 +400,26 @@ class Client:
             raise closed_error()
         return self._regions.get(region)
 
+    def _track(self, lease: HeldT) -> HeldT:
+        """Keep ``lease`` (or write) to invalidate its views if the client reconnects or
+        closes."""
+        self._leases.add(lease)
+        return lease
+
+    def _lose_leases(self, why: KvtierError) -> None:
+        """The connection that granted the tracked leases and writes is gone: their views
+        must not show, or write, bytes the daemon may already have given to another block."""
+        for lease in list(self._leases):
+            lease.lose(why)
+        self._leases.clear()
+
     def connected(self) -> bool:
         """Whether the connection is still open at both ends, without reading from it (a
         ``poll`` for hang-up, which sees the daemon's close even behind unread replies). Leases
         last as long as the connection: an engine that keeps views across calls checks this
         before it trusts them."""
         fd = self._sock.fileno()  # once: another thread may close the socket meanwhile
-        if fd < 0:
+        if fd < 0 or self._broken is not None:
             return False
         poller = select.poll()
         poller.register(fd, select.POLLRDHUP)
@@ -259,7 +434,7 @@ class Client:
         self,
         name: str,
         *,
-        block_bytes: int,
+        block_bytes: int | None = None,
         layout: Layout | dict[str, Any] | None = None,
         rank: int = 0,
         world_size: int = 1,
@@ -269,46 +444,56 @@ class Client:
         sparse: bool = False,
     ) -> Namespace:
         """Open a namespace, creating it unless ``create`` is false (then an unknown one
-        raises ``BlockNotFoundError``); see ``docs/client.md``."""
+        raises ``BlockNotFoundError``); ``block_bytes`` defaults to what ``layout`` gives. See
+        ``docs/client.md``."""
         request = namespace_request(
             name, block_bytes, layout, rank, world_size, tenant, compression, create, sparse
         )
-        fds: list[int] = []
         # Mapped in the turn too: two threads never map one region twice, close() misses none.
-        with self._turn():
-            try:
-                reply = self._exchange(request, fds=fds)
-                handle = handle_of(request, reply)
-                assert isinstance(reply, OpenNsReply)
-            except BaseException:
-                for fd in fds:
-                    os.close(fd)
-                raise
-            self._regions.adopt(reply, fds)  # takes the descriptors, even when it raises
-        return Namespace(self, handle)
+        handle = self._retrying(lambda: self._open_namespace(request), retry=True)
+        namespace = Namespace(self, handle)
+        self._namespaces.add(namespace)
+        return namespace
+
+    def _open_namespace(self, request: OpenNsRequest) -> NamespaceHandle:
+        """OPEN_NS and map the region its reply passes (in a turn)."""
+        fds: list[int] = []
+        try:
+            reply = self._exchange(request, fds=fds)
+            handle = handle_of(request, reply)
+        except BaseException:
+            _close_all(fds)
+            raise
+        self._regions.adopt(_open_ns_reply(reply), fds)  # takes the descriptors, even on error
+        return handle
+
+    def _request(self, message: Message, *, retry: bool = True) -> Message:
+        """One request and its reply, reconnecting as the policy allows (see ``_retrying``)."""
+        return self._run_op(lambda: ops.request(message), retry=retry)
 
     def fsync(self) -> int:
-        """Block until every block committed so far is durable; returns durable blocks."""
-        reply = self._call(FsyncRequest())
+        """Block until every block committed so far is durable; returns durable blocks. Never
+        retried: a connection that breaks under it raises (see "Reconnecting")."""
+        reply = self._request(FsyncRequest(), retry=False)
         assert isinstance(reply, FsyncReply)
         return reply.durable_blocks
 
     def stats(self) -> dict[str, Any]:
         """The daemon's STATFS record as a dict (see ``docs/protocol.md``)."""
-        reply = self._call(StatfsRequest())
+        reply = self._request(StatfsRequest())
         assert isinstance(reply, StatfsReply)
         result: dict[str, Any] = as_dict(reply)
         return result
 
     def namespaces(self) -> list[dict[str, Any]]:
-        reply = self._call(ListNsRequest())
+        reply = self._request(ListNsRequest())
         assert isinstance(reply, ListNsReply)
         return [as_dict(info) for info in reply.namespaces]
 
     def doctor(self) -> list[dict[str, str]]:
         """The daemon's report on its host (admin): one ``{subject, status, detail}`` per check,
         ``status`` ok, fallback or fail."""
-        reply = self._call(DoctorRequest())
+        reply = self._request(DoctorRequest())
         assert isinstance(reply, DoctorReply)
         return [
             {"subject": c.subject, "status": c.status, "detail": c.detail} for c in reply.checks
@@ -316,27 +501,39 @@ class Client:
 
     def pool_status(self) -> dict[str, Any]:
         """Where the daemon stands with the shared pool (``state`` "none" without one)."""
-        reply = self._call(PoolStatusRequest())
+        reply = self._request(PoolStatusRequest())
         assert isinstance(reply, PoolStatusReply)
+        result: dict[str, Any] = as_dict(reply)
+        return result
+
+    def list_keys(self, ns: int, *, after: bytes = b"", limit: int = 1024) -> dict[str, Any]:
+        """A page of LIST_KEYS: up to ``limit`` (1..8192) keys of namespace ``ns`` (its ``ns`` in
+        :meth:`namespaces`) in byte order after ``after``, as ``{"keys": [{"key", "dram",
+        "nvme", "pool", "raw_bytes", "dirty"}, ...], "more", "blocks"}``. While ``more``, the
+        last key is the next page's ``after``; see ``docs/protocol.md`` for what a pager sees
+        when keys change meanwhile."""
+        reply = self.run(ops.list_keys(ns, after, limit, self.daemon_minor))
         result: dict[str, Any] = as_dict(reply)
         return result
 
     def evict(self) -> int:
         """Drop every clean, unleased block from DRAM (admin)."""
-        reply = self._call(EvictRequest(all_namespaces=True))
+        reply = self._request(EvictRequest(all_namespaces=True))
         assert isinstance(reply, EvictReply)
         return reply.evicted
 
     def close(self) -> None:
         """Send DESTROY, close the socket and unmap the regions. Idempotent and thread-safe: it
         waits for the call in progress, and every call after it raises ``ClosedError``."""
-        with contextlib.suppress(ClosedError), self._turn():
+        with contextlib.suppress(ClosedError), self._turn(closing=True):
             self._closed = True
             try:
-                with contextlib.suppress(KvtierError, OSError):
-                    self._exchange(DestroyRequest())
+                if self._broken is None:
+                    with contextlib.suppress(KvtierError, OSError):
+                        self._exchange(DestroyRequest())
             finally:
                 self._sock.close()
+                self._lose_leases(closed_error())
                 self._regions.close()
 
     def __enter__(self) -> Client:
@@ -351,22 +548,28 @@ class Client:
 class Namespace(NamespaceBase[Client]):
     """Blocks of one namespace, through a :class:`Client`."""
 
+    def _run(self, make_op: Callable[[], ops.Op[T]], *, retry: bool = True) -> T:
+        """Drive ``make_op()`` on the client (made after any reconnect, so it names this
+        namespace's id on the connection it goes out on)."""
+        return self.client._run_op(make_op, retry=retry, ns=self)
+
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
+        """Store ``blocks[i]`` under ``keys[i]`` (lists: ``put([key], [block])`` for one)."""
         c = self.client
-        return c.run(
-            ops.put(self.handle.ns, keys, blocks, self.block_bytes, self.arena, c.max_keys)
+        return self._run(
+            lambda: ops.put(self.handle.ns, keys, blocks, self.block_bytes, self.arena, c.max_keys)
         )
 
     def lookup(self, keys: Sequence[bytes], *, promote: bool = True) -> int:
         """How many leading ``keys`` are stored (for the whole TP group); with ``promote`` the
         daemon starts moving those hits up to DRAM now."""
         c = self.client
-        return c.run(ops.lookup_count(self.handle.ns, keys, c.max_keys, promote))
+        return self._run(lambda: ops.lookup_count(self.handle.ns, keys, c.max_keys, promote))
 
     def lookup_tiers(self, keys: Sequence[bytes], *, promote: bool = True) -> list[str]:
         """Like :meth:`lookup`, with the tier (``"dram"``, ``"nvme"``...) of each hit."""
         c = self.client
-        return c.run(ops.lookup(self.handle.ns, keys, c.max_keys, promote))
+        return self._run(lambda: ops.lookup(self.handle.ns, keys, c.max_keys, promote))
 
     @contextlib.contextmanager
     def get(self, keys: Sequence[bytes]) -> Iterator[list[memoryview]]:
@@ -394,9 +597,14 @@ class Namespace(NamespaceBase[Client]):
         :meth:`lookup`, it holds the DRAM hits so that reading them later costs no round trip
         and no eviction can take them. A daemon older than protocol minor 4 leases nothing."""
         c = self.client
-        leases, extents = c.run(self._lease_op(keys, resident_only))
-        release = (lambda: c.release_soon(leases)) if leases else None
-        return self._block_lease(keys, extents, release, partial=resident_only)
+
+        def take() -> BlockLease:
+            leases, extents = c._drive(self._lease_op(keys, resident_only))
+            reconnects = c.reconnects
+            release = (lambda: c.release_soon(leases, reconnects)) if leases else None
+            return c._track(self._block_lease(keys, extents, release, partial=resident_only))
+
+        return c._retrying(take, retry=True, ns=self)
 
     @contextlib.contextmanager
     def write(self, keys: Sequence[bytes]) -> Iterator[BlockWrite]:
@@ -404,29 +612,39 @@ class Namespace(NamespaceBase[Client]):
         them in place, and they are committed when the ``with`` block ends (abandoned, never
         visible, if it raises). The zero-copy form of :meth:`put`."""
         c = self.client
-        writes, extents = c.run(ops.alloc(self.handle.ns, keys, c.max_keys))
+        writes, extents = self._run(lambda: ops.alloc(self.handle.ns, keys, c.max_keys))
+        reconnects = c.reconnects
         views = [self.arena.writable(e.offset, e.length) if e.length else None for e in extents]
-        block = BlockWrite(list(keys), views)
+        block = c._track(BlockWrite(list(keys), views))
         try:
             yield block
         except BaseException:
             release_views(views)
-            c.run(ops.commit(self.handle.ns, writes, abort=True))
+            if c.reconnects == reconnects:  # else the daemon dropped the write already
+                with contextlib.suppress(BrokenConnectionError):
+                    c.run(ops.commit(self.handle.ns, writes, abort=True))
             raise
         release_views(views)
-        c.run(ops.commit(self.handle.ns, writes))
+        try:
+            if c.reconnects != reconnects:
+                raise BrokenConnectionError("the client reconnected")
+            c.run(ops.commit(self.handle.ns, writes))
+        except BrokenConnectionError as exc:
+            raise in_flight_error(len(keys)) from exc
 
     def read_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
         """Copy the blocks into ``buffers`` (each verified: ``CorruptBlockError`` is a miss)."""
         c = self.client
         try:
-            return c.run(ops.read_into(self.handle.ns, keys, buffers, self.arena, c.max_keys))
+            return self._run(
+                lambda: ops.read_into(self.handle.ns, keys, buffers, self.arena, c.max_keys)
+            )
         except CorruptBlockError:
             c.corrupt_reads += 1
             raise
 
     def forget(self, keys: Sequence[bytes]) -> int:
-        return self.client.run(ops.forget(self.handle.ns, keys, self.client.max_keys))
+        return self._run(lambda: ops.forget(self.handle.ns, keys, self.client.max_keys))
 
     def hint_attention(
         self,
@@ -442,13 +660,15 @@ class Namespace(NamespaceBase[Client]):
         ``queries`` (float32 post-RoPE ``[len(query_layers), q_heads, head_dim]``), at most
         ``budget_blocks`` per (layer, KV head), best first, and the keys predicted for the next
         decode step. The daemon starts promoting both at once."""
-        return self.client.run(
-            ops.hint_attention(self.handle.ns, chain, queries, query_layers, budget_blocks, session)
+        return self._run(
+            lambda: ops.hint_attention(
+                self.handle.ns, chain, queries, query_layers, budget_blocks, session
+            )
         )
 
     def hint(self, queue: Sequence[Sequence[bytes]], *, session: bytes = b"") -> int:
         """Tell the daemon which key chains are queued; it promotes their hits."""
-        return self.client.run(ops.hint(self.handle.ns, queue, session))
+        return self._run(lambda: ops.hint(self.handle.ns, queue, session))
 
 
 def connect(
@@ -456,20 +676,49 @@ def connect(
     *,
     client_name: str = "",
     timeout_s: float | None = None,
+    reconnect: Reconnect | None = None,
 ) -> Client:
-    """Connect to the daemon (default socket: ``$KVTIERD_SOCKET`` or the configured path)."""
+    """Connect to the daemon (default socket: ``$KVTIERD_SOCKET`` or the configured path).
+    With ``reconnect`` the client connects again, as that policy allows, when the connection
+    breaks (a daemon restart); see ``docs/client.md`` ("Reconnecting")."""
     path = resolve_socket(socket_path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout_s)
-    try:
-        sock.connect(str(path))
-    except OSError as exc:
-        sock.close()
-        raise not_running(path, exc) from None
-    client = Client(sock, ClientConnection())
+    sock = _open_socket(path, timeout_s)
+    client = Client(
+        sock,
+        ClientConnection(),
+        path=path,
+        client_name=client_name,
+        timeout_s=timeout_s,
+        reconnect=reconnect,
+    )
     try:
         client._handshake(client_name)
     except BaseException:
         sock.close()
         raise
     return client
+
+
+def _open_socket(path: Path, timeout_s: float | None) -> socket.socket:
+    """A socket connected to ``path``, or the error that says why not."""
+    check_socket_path(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(str(path))
+    except OSError as exc:
+        sock.close()
+        raise connect_error(path, exc) from None
+    return sock
+
+
+def _open_ns_reply(reply: Message) -> OpenNsReply:
+    if not isinstance(reply, OpenNsReply):
+        raise RemoteProtocolError("OPEN_NS was not answered with OPEN_NS")
+    return reply
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -76,6 +76,7 @@ from kvtierd.client.arena import verified_prefix
 from kvtierd.engines.hf_attention import use_packed_decode_attention
 from kvtierd.engines.hf_cache import BlockRun, KvSlab, copy_run, gather_blocks, slab_cache
 from kvtierd.errors import KvtierError
+from kvtierd.layouts import layout_block_bytes
 from kvtierd.protocol.messages import Extent
 
 __all__ = [
@@ -136,11 +137,6 @@ def model_layout(model: Any, *, model_id: str, block_tokens: int) -> Layout:
     return Layout(
         model_id, int(cfg.num_hidden_layers), kv_heads, head_dim, _DTYPE_NAMES[dtype], block_tokens
     )
-
-
-def _block_bytes(layout: Layout) -> int:
-    itemsize = torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
-    return 2 * layout.layers * layout.kv_heads * layout.head_dim * layout.block_tokens * itemsize
 
 
 @dataclass(frozen=True)
@@ -212,10 +208,10 @@ class HfKvAdapter:
         expected = model_layout(model, model_id=model_id, block_tokens=declared.block_tokens)
         if declared != expected:
             raise LayoutMismatchError(f"namespace layout {declared} is not the model's {expected}")
-        if namespace.block_bytes != _block_bytes(expected):
+        if namespace.block_bytes != layout_block_bytes(expected):
             raise LayoutMismatchError(
                 f"namespace blocks are {namespace.block_bytes} bytes, the model's "
-                f"{_block_bytes(expected)}"
+                f"{layout_block_bytes(expected)}"
             )
         if packed_decode_attention:
             use_packed_decode_attention(model)
@@ -225,6 +221,7 @@ class HfKvAdapter:
         self.dtype: torch.dtype = model.dtype
         self.headroom_tokens = DEFAULT_HEADROOM_TOKENS
         self._arena: torch.Tensor | None = None
+        self._arena_reconnects = 0
         self._spare: KvSlab | None = None
         self._store_buffer: torch.Tensor | None = None
 
@@ -241,9 +238,7 @@ class HfKvAdapter:
     ) -> HfKvAdapter:
         """Open (creating if needed) ``model``'s namespace, named after ``model_id``."""
         layout = model_layout(model, model_id=model_id, block_tokens=block_tokens)
-        namespace = client.namespace(
-            f"hf/{model_id}"[:255], block_bytes=_block_bytes(layout), layout=layout, tenant=tenant
-        )
+        namespace = client.namespace(f"hf/{model_id}"[:255], layout=layout, tenant=tenant)
         return cls(
             model, namespace, model_id=model_id, packed_decode_attention=packed_decode_attention
         )
@@ -440,12 +435,15 @@ class HfKvAdapter:
         return logits
 
     def _arena_tensor(self) -> torch.Tensor:
-        if self._arena is None:
+        # A client that reconnected maps the restarted daemon's region: wrap that one.
+        reconnects = self.namespace.client.reconnects
+        if self._arena is None or self._arena_reconnects != reconnects:
             buffer = self.namespace.arena_buffer()
             with warnings.catch_warnings():
                 # The mapping is shared and only ever read through this tensor.
                 warnings.filterwarnings("ignore", message=".*not writable.*")
                 self._arena = torch.frombuffer(buffer, dtype=torch.uint8)
+            self._arena_reconnects = reconnects
         return self._arena
 
     # -- store -------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ __all__ = [
     "Link",
     "Session",
     "UnsupportedEngineError",
-    "block_bytes",
     "kv_format",
     "namespace_name",
     "vllm_layout",
@@ -118,12 +117,6 @@ def namespace_name(layout: Layout, world_size: int, fmt: str) -> str:
     return f"vllm/{model}/{layout.dtype}/{layout.block_tokens}t/tp{world_size}/{fmt}"
 
 
-def block_bytes(layout: Layout) -> int:
-    """Bytes of one block: K and V of every layer for ``block_tokens`` tokens."""
-    itemsize = torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
-    return 2 * layout.layers * layout.kv_heads * layout.head_dim * layout.block_tokens * itemsize
-
-
 class Session:
     """A connection and the namespace opened on it; replaced after the daemon went away."""
 
@@ -134,7 +127,6 @@ class Session:
         try:
             self.namespace: Namespace = self.client.namespace(
                 settings.namespace or namespace_name(layout, world, kv_format()),
-                block_bytes=block_bytes(layout),
                 layout=layout,
                 rank=rank,
                 world_size=world,

@@ -39,6 +39,7 @@ from kvtierd.errors import (
 from kvtierd.protocol.frames import (
     DEFAULT_MAX_FRAME_BYTES,
     HEADER_BYTES,
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     REPLY_MAGIC,
     REQUEST_MAGIC,
@@ -53,6 +54,7 @@ from kvtierd.protocol.messages import (
     REQUEST_TYPES,
     ErrorReply,
     InitReply,
+    InitRequest,
     Message,
     decode_body,
     encode_body,
@@ -183,6 +185,8 @@ class ServerConnection:
         self._frames = _FrameBuffer(REQUEST_MAGIC, max_frame_bytes)
         self.state = ServerState.AWAIT_INIT
         self._in_flight: set[int] = set()
+        #: The minor the client's INIT said: replies leave out fields appended after it.
+        self.peer_minor = PROTOCOL_MINOR
 
     @property
     def max_frame_bytes(self) -> int:
@@ -227,6 +231,8 @@ class ServerConnection:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return InvalidRequest(header, InvalidRequestError(f"{opcode.name}: {exc}"))
         self.state = following
+        if isinstance(message, InitRequest):
+            self.peer_minor = message.minor
         return RequestReceived(header, message)
 
     def reply(
@@ -237,7 +243,8 @@ class ServerConnection:
             message, REPLY_TYPES[Opcode(request.opcode)]
         ):
             raise LocalProtocolError(f"{type(message).__name__} does not answer {request.opcode}")
-        return self._frame(request, 0, encode_body(message), flags)
+        body = encode_body(message, peer_minor=self.peer_minor)
+        return self._frame(request, 0, body, flags)
 
     def reply_error(self, request: RequestHeader, exc: BaseException) -> bytes:
         """Bytes of an error reply to ``request`` carrying ``-errno_of(exc)``."""

@@ -40,8 +40,9 @@ PROTOCOL_VERSION = 1
 #: ``OpenNsRequest.sparse`` and HINT's query fields; minor 3: the POOL_STATUS opcode; minor 4:
 #: the READ_RESIDENT opcode; minor 5: the DOCTOR opcode; minor 6: memory per tenant: INIT
 #: passes no descriptor, OPEN_NS passes its tenant region's, extents are region offsets, and
-#: a client must say minor >= 6 in INIT).
-PROTOCOL_MINOR = 6
+#: a client must say minor >= 6 in INIT; minor 7: the LIST_KEYS opcode and ``NamespaceInfo``'s
+#: counters).
+PROTOCOL_MINOR = 7
 #: The oldest client minor a daemon serves: older clients expect the whole arena at INIT.
 MIN_CLIENT_MINOR = 6
 HEADER_BYTES = 32
@@ -49,7 +50,7 @@ HEADER_BYTES = 32
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
 #: No negotiation may shrink the frame limit below this (an INIT must always fit).
 MIN_MAX_FRAME_BYTES = 4096
-#: Keys named by one LOOKUP/READ/ALLOC/FORGET.
+#: Keys named by one LOOKUP/READ/ALLOC/FORGET, and listed by one LIST_KEYS page.
 MAX_KEYS_PER_REQUEST = 8192
 
 _REQUEST = struct.Struct("<4sHHIIQII")
@@ -77,6 +78,7 @@ class Opcode(enum.IntEnum):
     POOL_STATUS = 15
     READ_RESIDENT = 16
     DOCTOR = 17
+    LIST_KEYS = 18
 
 
 class FrameFlags(enum.IntFlag):

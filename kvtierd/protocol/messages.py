@@ -6,7 +6,10 @@ a decoded message is already validated: a body that does not match its opcode's 
 breaks a bound, is rejected by the decoder with ``EINVAL`` before any handler sees it.
 
 Compatibility rule: fields are only ever appended, with defaults, and never reordered; a
-change that breaks that needs a new ``PROTOCOL_VERSION``.
+change that breaks that needs a new ``PROTOCOL_VERSION``. A peer rejects an array longer than
+the struct it knows, so a field appended to a reply after the oldest client minor a daemon
+serves is left out for a client whose INIT said an older minor (:data:`APPENDED`,
+``encode_body(..., peer_minor=)``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.protocol.frames import MAX_KEYS_PER_REQUEST, MIN_MAX_FRAME_BYTES, Opcode
 
 __all__ = [
+    "APPENDED",
     "REPLY_TYPES",
     "REQUEST_TYPES",
     "AllocReply",
@@ -42,7 +46,10 @@ __all__ = [
     "HostCheckRecord",
     "InitReply",
     "InitRequest",
+    "KeyRecord",
     "Layout",
+    "ListKeysReply",
+    "ListKeysRequest",
     "ListNsReply",
     "ListNsRequest",
     "LookupReply",
@@ -161,10 +168,49 @@ class NamespaceInfo(Message, frozen=True):
     dram_blocks: int
     nvme_blocks: int
     layout: Layout | None = None
+    #: Minor 7: its blocks in any tier (a block in DRAM and on disk counts once), and what its
+    #: clients asked for and got since the daemon started.
+    blocks: int = 0
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    read_blocks: int = 0
+    read_bytes: int = 0
+    committed_blocks: int = 0
+    committed_bytes: int = 0
 
 
 class ListNsReply(Message, frozen=True):
     namespaces: list[NamespaceInfo]
+
+
+class ListKeysRequest(Message, frozen=True):
+    """LIST_KEYS (minor 7): a page of namespace ``ns``'s keys (its id in LIST_NS, open on this
+    connection or not), in byte order, starting after ``after`` (``b""``: from the first)."""
+
+    ns: Annotated[int, msgspec.Meta(ge=1, le=0xFFFF_FFFF)]
+    after: Annotated[bytes, msgspec.Meta(max_length=MAX_KEY_BYTES)] = b""
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_KEYS_PER_REQUEST)] = 1024
+
+
+class KeyRecord(Message, frozen=True):
+    """One stored key: which tiers hold a copy, its size as committed, and whether its disk
+    copy is still to be written (``dirty``)."""
+
+    key: bytes
+    dram: bool
+    nvme: bool
+    pool: bool
+    raw_bytes: int
+    dirty: bool
+
+
+class ListKeysReply(Message, frozen=True):
+    """``keys`` in byte order; ``more``: keys after the last one exist (ask again with it as
+    ``after``); ``blocks``: the namespace's blocks now."""
+
+    keys: list[KeyRecord]
+    more: bool = False
+    blocks: int = 0
 
 
 # -- blocks ---------------------------------------------------------------------------------
@@ -420,6 +466,7 @@ REQUEST_TYPES: Final[dict[Opcode, type[Message]]] = {
     Opcode.POOL_STATUS: PoolStatusRequest,
     Opcode.DOCTOR: DoctorRequest,
     Opcode.READ_RESIDENT: ReadResidentRequest,
+    Opcode.LIST_KEYS: ListKeysRequest,
 }
 
 REPLY_TYPES: Final[dict[Opcode, type[Message]]] = {
@@ -440,12 +487,21 @@ REPLY_TYPES: Final[dict[Opcode, type[Message]]] = {
     Opcode.POOL_STATUS: PoolStatusReply,
     Opcode.DOCTOR: DoctorReply,
     Opcode.READ_RESIDENT: ReadResidentReply,
+    Opcode.LIST_KEYS: ListKeysReply,
 }
 
 OPCODE_OF: Final[dict[type[Message], Opcode]] = {
     **{cls: op for op, cls in REQUEST_TYPES.items()},
     **{cls: op for op, cls in REPLY_TYPES.items()},
 }
+
+#: Reply structs that grew after minor 6 (the oldest client a daemon serves): struct -> (the
+#: minor that appended fields, how many it had before). A peer of an older minor is sent the
+#: struct without them.
+APPENDED: Final[dict[type[Message], tuple[int, int]]] = {NamespaceInfo: (7, 9)}
+#: The bodies that hold such a struct, and the newest minor that appended any.
+_HOLDERS: Final[frozenset[type[Message]]] = frozenset({ListNsReply})
+_NEWEST_APPENDED: Final = max(since for since, _ in APPENDED.values())
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _BODY_TYPES: Final[list[type[Message]]] = [*OPCODE_OF, ErrorReply]
@@ -454,9 +510,23 @@ _DECODERS: Final[dict[type[Message], msgspec.msgpack.Decoder[Any]]] = {
 }
 
 
-def encode_body(message: Message) -> bytes:
-    """MessagePack bytes of ``message``."""
+def encode_body(message: Message, *, peer_minor: int | None = None) -> bytes:
+    """MessagePack bytes of ``message``; for a peer of ``peer_minor`` (what its INIT said)
+    without the fields appended after that minor (:data:`APPENDED`)."""
+    if peer_minor is not None and peer_minor < _NEWEST_APPENDED and type(message) in _HOLDERS:
+        return _ENCODER.encode(_as_of(message, peer_minor))
     return _ENCODER.encode(message)
+
+
+def _as_of(value: Any, minor: int) -> Any:
+    """``value`` as arrays of the fields a peer of ``minor`` knows (the bytes of the struct)."""
+    if isinstance(value, Message):
+        fields = msgspec.structs.astuple(value)
+        since, before = APPENDED.get(type(value), (0, len(fields)))
+        return [_as_of(v, minor) for v in (fields if minor >= since else fields[:before])]
+    if isinstance(value, list):
+        return [_as_of(v, minor) for v in value]
+    return value
 
 
 def decode_body(cls: type[Message], data: bytes | memoryview) -> Message:

@@ -1,10 +1,17 @@
-"""The daemon: open the store, listen on the Unix socket, serve sessions, stop cleanly.
+"""The daemon: listen on the Unix socket, open the store, serve sessions, stop cleanly.
 
-Lifecycle. ``serve_daemon`` opens the store (which recovers the NVMe index), binds the socket
-with the configured mode and group, tells systemd READY=1 and serves until SIGTERM or SIGINT.
-Then it stops accepting, lets every session finish the requests it has in flight (for at most
-``shutdown_grace_s``), tells systemd STOPPING=1, and closes the store, which writes back what is
-dirty and saves the index snapshot. Every task it starts lives in its task group.
+Lifecycle. ``serve_daemon`` takes the data directory's lock, binds the socket with the
+configured mode and group (refusing when another kvtierd answers there) and the metrics
+listener, and only then opens the store, which may take minutes (pre-faulting a large arena,
+scanning a large NVMe file): meanwhile every connection gets the ``EAGAIN`` fatal frame of
+:class:`~kvtierd.errors.StartingError` saying how far it is (``starting: pre-faulting the arena,
+3.0 of 8.0 GiB``), ``/ready`` answers 503 with the same words, and each advance extends
+systemd's start timeout (``EXTEND_TIMEOUT_USEC``) so a start that progresses is never killed
+for its length. Once the store is open it tells systemd READY=1 and serves until SIGTERM or
+SIGINT (which, during start-up, abandons the opening). Then it stops accepting, lets every
+session finish the requests it has in flight (for at most ``shutdown_grace_s``), tells systemd
+STOPPING=1, and closes the store, which writes back what is dirty and saves the index snapshot.
+Every task it starts lives in its task group.
 
 Admission. A new connection whose uid already has ``max_connections_per_uid`` open, or that
 finds ``max_connections`` open, is refused with an ``EBUSY`` frame, unless a connection counted
@@ -34,15 +41,17 @@ from anyio.abc import SocketStream, TaskStatus, UNIXSocketStream
 
 from kvtierd import __version__
 from kvtierd.config import Config
-from kvtierd.errors import BusyError, ConfigError
+from kvtierd.errors import BusyError, ConfigError, KvtierError
 from kvtierd.io import BindingVerdict
 from kvtierd.protocol import ServerConnection
-from kvtierd.protocol.messages import StatfsReply, TierStatistics
+from kvtierd.protocol.messages import PoolStatusReply, StatfsReply, TierStatistics
 from kvtierd.server.checks import HostCheck
 from kvtierd.server.doctor import RunningFacts, running_report
-from kvtierd.server.metrics import serve_metrics
+from kvtierd.server.endpoint import serve_endpoint
+from kvtierd.server.metrics import Metrics, RequestTimings
 from kvtierd.server.notify import Notifier
 from kvtierd.server.preflight import socket_answers
+from kvtierd.server.readiness import Readiness
 from kvtierd.server.session import Session, peer_credentials
 from kvtierd.store.lifecycle import arena_bytes, open_store
 from kvtierd.store.namespaces import Namespace, PeerCredentials
@@ -76,11 +85,17 @@ class Daemon:
     """What every session shares: the configuration, the store and the counters."""
 
     def __init__(
-        self, config: Config, store: BlockStore, startup: Sequence[HostCheck] = ()
+        self,
+        config: Config,
+        store: BlockStore,
+        startup: Sequence[HostCheck] = (),
+        timings: RequestTimings | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.startup = tuple(startup)
+        #: Request latency histograms, when metrics are served.
+        self.timings = timings
         self.sessions: set[Session] = set()
         #: The open sessions of each peer uid, which ``max_connections_per_uid`` bounds.
         self.sessions_of_uid: dict[int, set[Session]] = {}
@@ -192,6 +207,40 @@ class Daemon:
             counts["corrupt_writebacks"],
         )
 
+    def pool_status(self) -> PoolStatusReply:
+        """Where this daemon stands with the pool, every figure (the admin's POOL_STATUS and
+        the metrics); state ``"none"`` when no pool is configured."""
+        store = self.store
+        link = store.pool
+        if link is None:
+            return PoolStatusReply("none", "no pool is configured (pool.url is empty)")
+        status = link.membership.status
+        config = link.config
+        counters = link.counters
+        return PoolStatusReply(
+            status.state.value,
+            status.reason,
+            link.membership.address,
+            link.tier.names.group,
+            config.rank,
+            config.world_size,
+            config.write_policy.value,
+            status.epoch,
+            list(status.members),
+            dict(status.refusals),
+            status.changed_at,
+            len(link.pending),
+            link.pending_bytes,
+            len(link.unreached),
+            counters["restored"],
+            counters["written"],
+            counters["write_failures"],
+            counters["skipped"],
+            counters["lost"],
+            counters["group_lookups"],
+            store.counters["pool_hits"],
+        )
+
     async def doctor(self) -> list[HostCheck]:
         """The report on this host: the start-up checks with what is known now in their place."""
         store = self.store
@@ -221,10 +270,7 @@ class Daemon:
         refusal = self._make_room(peer.uid)
         if refusal is not None:
             log.warning("refusing pid %d uid %d: %s", peer.pid, peer.uid, refusal)
-            frame = ServerConnection().fatal(BusyError(refusal))
-            with contextlib.suppress(anyio.BrokenResourceError, OSError):
-                await stream.send(frame)  # one small frame into a new socket: never waits
-            await stream.aclose()
+            await _refuse(stream, BusyError(refusal))
             return
         log.info("connection from pid %d uid %d gid %d", peer.pid, peer.uid, peer.gid)
         session = Session(self, stream, peer)
@@ -299,6 +345,36 @@ class Daemon:
             own.discard(session)
             if not own:
                 del self.sessions_of_uid[session.peer.uid]
+
+
+async def _refuse(stream: SocketStream, error: KvtierError) -> None:
+    """Send ``error`` as the fatal frame of a new connection, and close it.
+
+    The client's INIT is read first, when it comes within :data:`_REFUSAL_READ_S`: a Unix
+    socket closed with unread data resets the connection, and the peer's next read then fails
+    with ``ECONNRESET`` instead of returning the frame that says why."""
+    with contextlib.suppress(anyio.BrokenResourceError, OSError):
+        await stream.send(ServerConnection().fatal(error))  # one small frame: never waits
+    with (
+        anyio.move_on_after(_REFUSAL_READ_S),
+        contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, OSError),
+    ):
+        await stream.receive(65536)
+    await stream.aclose()
+
+
+#: How long a refused connection is given to send its INIT before it is closed.
+_REFUSAL_READ_S = 1.0
+
+
+async def _admit(stream: SocketStream, readiness: Readiness) -> None:
+    """Hand a new connection to the daemon, or tell it the daemon is still starting."""
+    daemon = readiness.daemon
+    if daemon is None:
+        log.debug("a connection while starting: %s", readiness.progress.describe())
+        await _refuse(stream, readiness.starting_error())
+        return
+    await daemon.handle(stream)
 
 
 @contextlib.asynccontextmanager
@@ -381,7 +457,9 @@ async def serve_daemon(
     io_verdict: BindingVerdict | None = None,
     task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the daemon until SIGTERM/SIGINT (or cancellation); returns after a clean stop.
+    """Run the daemon until SIGTERM/SIGINT (or cancellation); returns after a clean stop, or
+    after SIGTERM during start-up (without ever calling ``task_status.started``); SIGINT
+    during start-up raises ``KeyboardInterrupt`` once the opening is abandoned.
 
     ``startup`` is what :func:`kvtierd.server.preflight.check_host` found (kept for
     ``kvtierctl doctor``) and ``io_verdict`` the liburing binding's probe verdict; without it the
@@ -389,53 +467,101 @@ async def serve_daemon(
     """
     _tolerate_duplicate_readiness()
     notifier = Notifier()
-    notifier.status("recovering")
+    readiness = Readiness()
+    notifier.status(str(readiness.starting_error()))
     with _exclusive(config.data_path):
-        async with open_store(config, io_verdict=io_verdict) as store, _listen(config) as listener:
-            await _serve(Daemon(config, store, startup), listener, notifier, task_status)
+        async with _listen(config) as listener, anyio.create_task_group() as tg:
+            accepting = anyio.CancelScope()
+            tg.start_soon(_serve_connections, listener, readiness, accepting)
+            tg.start_soon(notifier.run_watchdog)
+            metrics = Metrics(config.daemon, readiness) if config.daemon.metrics_port else None
+            if metrics is not None:
+                await tg.start(serve_endpoint, config.daemon, metrics)
+            stop = _Stop()
+            with anyio.CancelScope() as opening:
+                tg.start_soon(_watch_stop_signals, readiness, stop, opening)
+                tg.start_soon(_extend_start_timeout, readiness, notifier)
+                async with open_store(
+                    config, io_verdict=io_verdict, progress=readiness.progress
+                ) as store:
+                    timings = metrics.timings if metrics is not None else None
+                    daemon = Daemon(config, store, startup, timings)
+                    readiness.serve(daemon)
+                    if metrics is not None:
+                        metrics.refresh()
+                    notifier.ready(f"serving on {config.socket_path}")
+                    log.info("kvtierd %s ready on %s", __version__, config.socket_path)
+                    task_status.started(daemon)
+                    await stop.event.wait()
+                    notifier.stopping()
+                    await _drain(daemon, accepting, config.daemon.shutdown_grace_s)
+            if opening.cancelled_caught:
+                log.info("stopped while starting (%s)", readiness.progress.describe())
+            tg.cancel_scope.cancel()
+    if opening.cancelled_caught and stop.signal is signal.SIGINT:
+        raise KeyboardInterrupt  # Ctrl-C before serving: "kvtierd: interrupted", status 130
     log.info("kvtierd stopped cleanly")
 
 
-async def _serve(
-    daemon: Daemon,
-    listener: anyio.abc.SocketListener,
-    notifier: Notifier,
-    task_status: TaskStatus[Daemon],
+#: Each advance of the opening extends systemd's start timeout by this much from then on; at
+#: most one extension per :data:`_EXTEND_EVERY_S`, so a start that stops advancing times out.
+_EXTEND_S = 60.0
+_EXTEND_EVERY_S = 5.0
+
+
+async def _extend_start_timeout(readiness: Readiness, notifier: Notifier) -> None:
+    """While starting, tell systemd each advance: STATUS=starting: ... and EXTEND_TIMEOUT_USEC
+    (a start that makes progress is never killed for its length, one that stalls still is)."""
+    seen = readiness.progress.steps
+    while readiness.daemon is None:
+        await anyio.sleep(_EXTEND_EVERY_S)
+        steps = readiness.progress.steps
+        if steps != seen and readiness.daemon is None:
+            seen = steps
+            notifier.extend_timeout(_EXTEND_S, str(readiness.starting_error()))
+
+
+async def _watch_stop_signals(
+    readiness: Readiness, stop: _Stop, opening: anyio.CancelScope
 ) -> None:
-    config = daemon.config
-    async with anyio.create_task_group() as tg:
-        serving = anyio.CancelScope()
-        tg.start_soon(_serve_connections, listener, daemon, serving)
-        tg.start_soon(notifier.run_watchdog)
-        if config.daemon.metrics_port:
-            await tg.start(serve_metrics, daemon)
-        notifier.ready(f"serving on {config.socket_path}")
-        log.info("kvtierd %s ready on %s", __version__, config.socket_path)
-        task_status.started(daemon)
-        await _wait_for_stop_signal()
-        notifier.stopping()
-        await _drain(daemon, serving, config.daemon.shutdown_grace_s)
-        tg.cancel_scope.cancel()
+    """Until SIGTERM or SIGINT: then ``stopping``; a daemon still starting abandons the
+    opening, a serving one drains (``stop``)."""
+    stop.signal = await _wait_for_stop_signal()
+    starting = readiness.daemon is None
+    readiness.stop()
+    if starting:
+        opening.cancel()
+    stop.event.set()
 
 
-async def _wait_for_stop_signal() -> None:
+class _Stop:
+    """The stop signal, once it came."""
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.signal: signal.Signals | None = None
+
+
+async def _wait_for_stop_signal() -> signal.Signals:
+    """The first SIGTERM or SIGINT (SIGHUP is logged and ignored)."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             if signum == signal.SIGHUP:
                 log.warning("SIGHUP: configuration reload is not supported; restart to apply it")
                 continue
             log.info("%s: stopping", signal.Signals(signum).name)
-            return
+            return signal.Signals(signum)
+    raise AssertionError("the signal receiver ended")  # it never does
 
 
 async def _serve_connections(
-    listener: anyio.abc.SocketListener, daemon: Daemon, scope: anyio.CancelScope
+    listener: anyio.abc.SocketListener, readiness: Readiness, scope: anyio.CancelScope
 ) -> None:
     async with anyio.create_task_group() as sessions:
         with scope:
             while True:
                 stream = await listener.accept()
-                sessions.start_soon(daemon.handle, stream)
+                sessions.start_soon(_admit, stream, readiness)
         # accepting stopped: the sessions finish what they have in flight
 
 

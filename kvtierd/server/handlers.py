@@ -18,7 +18,12 @@ import anyio
 import numpy as np
 
 from kvtierd import __version__
-from kvtierd.errors import AccessDeniedError, InvalidRequestError, NoSpaceError
+from kvtierd.errors import (
+    AccessDeniedError,
+    BlockNotFoundError,
+    InvalidRequestError,
+    NoSpaceError,
+)
 from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.protocol import MAX_KEYS_PER_REQUEST, PROTOCOL_VERSION, Opcode, RequestHeader
 from kvtierd.protocol.frames import MIN_CLIENT_MINOR, MIN_MAX_FRAME_BYTES, PROTOCOL_MINOR
@@ -40,6 +45,9 @@ from kvtierd.protocol.messages import (
     HostCheckRecord,
     InitReply,
     InitRequest,
+    KeyRecord,
+    ListKeysReply,
+    ListKeysRequest,
     ListNsReply,
     LookupReply,
     LookupRequest,
@@ -149,11 +157,35 @@ async def lookup(session: Session, header: RequestHeader, msg: LookupRequest) ->
         hits, tiers = await store.lookup_group(ns, msg.keys, promote=msg.promote)
     else:
         hits, tiers = store.lookup(ns, msg.keys, promote=msg.promote)
+    ns.counters.lookup_blocks += len(msg.keys)
+    ns.counters.hit_blocks += hits
     return LookupReply(hits, tiers)
 
 
+#: What a READ's blocks came from, shallowest first (the metrics' ``tier`` label).
+_TIERS = ("dram", "nvme", "pool")
+
+
+def _deepest_tier(session: Session, ns: Namespace, keys: list[bytes]) -> str:
+    """The deepest tier holding a block of ``keys`` now: where this READ will be served from
+    (``"none"`` when a key is not stored: the READ fails)."""
+    index = session.daemon.store.index
+    depth = 0
+    for key in keys:
+        block = index.get(ns, key)
+        if block is None:
+            return "none"
+        if block.dram is None:
+            depth = max(depth, 1 if block.lower is not None else 2)
+    return _TIERS[depth]
+
+
 async def read(session: Session, header: RequestHeader, msg: ReadRequest) -> Message:
-    lease = await session.daemon.store.read(session.owner, _namespace(session, header), msg.keys)
+    ns = _namespace(session, header)
+    if session.daemon.timings is not None:
+        session.read_tiers[header.unique] = _deepest_tier(session, ns, msg.keys)
+    lease = await session.daemon.store.read(session.owner, ns, msg.keys)
+    _count_read(ns, lease)
     return ReadReply(lease.id, _extents(lease))
 
 
@@ -161,10 +193,17 @@ async def read_resident(
     session: Session, header: RequestHeader, msg: ReadResidentRequest
 ) -> Message:
     store = session.daemon.store
-    lease = store.lease_resident(session.owner, _namespace(session, header), msg.keys)
+    ns = _namespace(session, header)
+    lease = store.lease_resident(session.owner, ns, msg.keys)
     if lease is None:
         return ReadResidentReply(0, [])
+    _count_read(ns, lease)
     return ReadResidentReply(lease.id, _extents(lease))
+
+
+def _count_read(ns: Namespace, lease: Lease) -> None:
+    ns.counters.read_blocks += len(lease.blocks)
+    ns.counters.read_bytes += len(lease.blocks) * ns.spec.block_bytes
 
 
 def _extents(lease: Lease) -> list[Extent]:
@@ -194,9 +233,14 @@ async def alloc(session: Session, header: RequestHeader, msg: AllocRequest) -> M
 
 
 async def commit(session: Session, header: RequestHeader, msg: CommitRequest) -> Message:
+    write = session.owner.writes.get(msg.write)
     committed = await session.daemon.store.commit(
         session.owner, msg.write, msg.checksums, msg.abort
     )
+    if write is not None and not msg.abort:  # the blocks this COMMIT wrote (not those stored)
+        written = sum(slot is not None for slot in write.slots)
+        write.ns.counters.committed_blocks += written
+        write.ns.counters.committed_bytes += written * write.ns.spec.block_bytes
     return CommitReply(committed)
 
 
@@ -245,38 +289,10 @@ async def hint(session: Session, header: RequestHeader, msg: HintRequest) -> Mes
 
 
 async def pool_status(session: Session, header: RequestHeader, msg: Message) -> Message:
-    store = session.daemon.store
-    link = store.pool
-    if link is None:
-        return PoolStatusReply("none", "no pool is configured (pool.url is empty)")
-    status = link.membership.status
+    report = session.daemon.pool_status()
     if not is_admin(session):  # the pool's traffic is every tenant's: its state only
-        return PoolStatusReply(status.state.value, status.reason)
-    config = link.config
-    counters = link.counters
-    return PoolStatusReply(
-        status.state.value,
-        status.reason,
-        link.membership.address,
-        link.tier.names.group,
-        config.rank,
-        config.world_size,
-        config.write_policy.value,
-        status.epoch,
-        list(status.members),
-        dict(status.refusals),
-        status.changed_at,
-        len(link.pending),
-        link.pending_bytes,
-        len(link.unreached),
-        counters["restored"],
-        counters["written"],
-        counters["write_failures"],
-        counters["skipped"],
-        counters["lost"],
-        counters["group_lookups"],
-        store.counters["pool_hits"],
-    )
+        return PoolStatusReply(report.state, report.reason)
+    return report
 
 
 async def doctor(session: Session, header: RequestHeader, msg: Message) -> Message:
@@ -300,6 +316,7 @@ async def list_ns(session: Session, header: RequestHeader, msg: Message) -> Mess
         except AccessDeniedError:
             continue
         spec = ns.spec
+        counters = ns.counters
         infos.append(
             NamespaceInfo(
                 ns.id,
@@ -311,9 +328,41 @@ async def list_ns(session: Session, header: RequestHeader, msg: Message) -> Mess
                 ns.dram_blocks,
                 ns.nvme_blocks,
                 spec.layout,
+                ns.blocks,
+                counters.lookup_blocks,
+                counters.hit_blocks,
+                counters.read_blocks,
+                counters.read_bytes,
+                counters.committed_blocks,
+                counters.committed_bytes,
             )
         )
     return ListNsReply(infos)
+
+
+async def list_keys(session: Session, header: RequestHeader, msg: ListKeysRequest) -> Message:
+    """A page of one namespace's keys, for a peer that LIST_NS shows it to: O(log n + limit)
+    on the event loop (``limit`` is bounded by the decoder)."""
+    registry = session.daemon.store.registry
+    try:
+        ns = registry.get(msg.ns)
+    except InvalidRequestError:
+        raise BlockNotFoundError(f"no namespace {msg.ns} (see LIST_NS)") from None
+    if not registry.may_use(ns.spec.tenant, session.peer):
+        raise AccessDeniedError(f"uid {session.peer.uid} may not list namespace {msg.ns}")
+    blocks, more = session.daemon.store.index.page(ns, msg.after, msg.limit)
+    records = [
+        KeyRecord(
+            b.key,
+            b.dram is not None,
+            b.lower is not None,
+            b.pool is not None,
+            b.ref.raw_bytes,
+            b.dirty,
+        )
+        for b in blocks
+    ]
+    return ListKeysReply(records, more, ns.blocks)
 
 
 async def destroy(session: Session, header: RequestHeader, msg: Message) -> Message:
@@ -339,4 +388,5 @@ HANDLERS: dict[Opcode, Handler] = {
     Opcode.POOL_STATUS: pool_status,
     Opcode.READ_RESIDENT: read_resident,
     Opcode.DOCTOR: doctor,
+    Opcode.LIST_KEYS: list_keys,
 }

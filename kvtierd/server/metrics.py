@@ -1,104 +1,530 @@
-"""Prometheus metrics on an optional loopback port.
+"""Prometheus metrics: what the daemon counts, as families with units and bounded labels.
 
-The HTTP server runs in prometheus-client's own thread, which must never touch the store (the
-store belongs to the event loop). So a task on the loop takes a :class:`StatfsReply` snapshot
-every second, and the collector only reads the latest snapshot: one reference swap, no lock.
+Theory of operation. The HTTP threads of the metrics listener (:mod:`kvtierd.server.endpoint`)
+must never touch the store, which belongs to the event loop. So a task on the loop takes a
+:class:`MetricsSnapshot` every second (:func:`take_snapshot`: the STATFS record, the pool's
+status, the namespace counters folded into their labels, the transfers by direction), and
+:class:`SnapshotCollector` only reads the latest one: one reference swap, no lock. Request
+latencies cannot wait for a snapshot: they are one prometheus_client ``Histogram`` (which is
+thread-safe), observed once per request by the session through :class:`RequestTimings`.
+
+Every label is bounded: ``tier`` (dram, nvme, pool), ``direction`` (six), ``opcode`` (the
+protocol's), ``state`` (the pool's three), ``phase`` (three). ``namespace`` takes a namespace's
+name when it is listed in ``daemon.metrics_namespaces`` or, when that list is empty, when it is
+among the first ``daemon.metrics_namespace_limit`` names the daemon came to know; every other
+namespace is summed into ``namespace="other"``.
+
+The pool's tier gauges (``kvtierd_tier_blocks{tier="pool"}`` and its bytes) describe the pool
+only while this rank is attached to it; while it is not, those series are left out rather than
+repeat a figure nobody can check (``kvtierd_pool_up`` is 0 then); its counters stay.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import anyio
-from anyio.abc import TaskStatus
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtierd.protocol.messages import StatfsReply
+from kvtierd.config import DaemonConfig
+from kvtierd.protocol import Opcode
+from kvtierd.protocol.messages import PoolStatusReply, StatfsReply
+from kvtierd.server.readiness import DaemonPhase, PoolView, Readiness
 
 if TYPE_CHECKING:
     from kvtierd.server.daemon import Daemon
 
-__all__ = ["serve_metrics"]
+__all__ = [
+    "DURATION_BUCKETS_S",
+    "Metrics",
+    "MetricsSnapshot",
+    "NamespaceLabels",
+    "RequestTimings",
+    "take_snapshot",
+]
 
+#: Request duration buckets, 5 µs (a LOOKUP served inline) to 60 s (an FSYNC behind a large
+#: write-back backlog), in 1-2.5-5 steps.
+DURATION_BUCKETS_S = (
+    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
+    1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
+)  # fmt: skip
+OTHER_NAMESPACE = "other"
+POOL_STATES = ("local", "voting", "attached")
+
+_SINCE_START = "since the daemon started"
+#: STATFS fields exported as themselves: (field, metric, HELP).
 _COUNTERS = (
-    "requests",
-    "promotions",
-    "prefetch_promoted",
-    "prefetch_used",
-    "prefetch_wasted_bytes",
+    ("requests", "kvtierd_requests", f"Requests served, every opcode, {_SINCE_START}."),
+    (
+        "promotions",
+        "kvtierd_promotions",
+        f"Blocks copied up into DRAM from NVMe or the pool (on demand or ahead), {_SINCE_START}.",
+    ),
+    (
+        "prefetch_promoted",
+        "kvtierd_prefetch_promoted",
+        f"Blocks promoted into DRAM ahead of any READ (LOOKUP, HINT, reuse model), {_SINCE_START}.",
+    ),
+    (
+        "prefetch_used",
+        "kvtierd_prefetch_used",
+        f"Blocks promoted ahead that a READ then used, {_SINCE_START}.",
+    ),
+    (
+        "prefetch_wasted_bytes",
+        "kvtierd_prefetch_wasted_bytes",
+        f"Bytes promoted ahead and evicted unread, {_SINCE_START}.",
+    ),
+    (
+        "corrupt_writebacks",
+        "kvtierd_corrupt_writebacks",
+        "Blocks dropped instead of written back because their tenant changed them after "
+        f"COMMIT, {_SINCE_START}.",
+    ),
 )
 _GAUGES = (
-    "connections",
-    "namespaces",
-    "leases",
-    "leased_blocks",
-    "pending_writes",
-    "dirty_blocks",
-    "dirty_bytes",
-    "durable_blocks",
+    ("connections", "kvtierd_connections", "Client connections open now."),
+    ("namespaces", "kvtierd_namespaces", "Namespaces this daemon knows (opened or recovered)."),
+    ("leases", "kvtierd_leases", "READ leases clients hold now."),
+    ("leased_blocks", "kvtierd_leased_blocks", "Blocks pinned in DRAM by leases now."),
+    ("pending_writes", "kvtierd_pending_writes", "ALLOCs not yet committed or aborted."),
+    (
+        "dirty_blocks",
+        "kvtierd_dirty_blocks",
+        "Committed blocks not yet written back to NVMe (the write-back backlog).",
+    ),
+    ("dirty_bytes", "kvtierd_dirty_bytes", "Bytes of the write-back backlog."),
+    ("durable_blocks", "kvtierd_durable_blocks", "Blocks with a copy on NVMe."),
+)
+#: TierStatistics fields: (field, metric, kind, HELP).
+_TIER = (
+    ("blocks", "kvtierd_tier_blocks", "gauge", "Blocks held by each tier (pool: while attached)."),
+    ("used_bytes", "kvtierd_tier_used_bytes", "gauge", "Bytes used in each tier."),
+    (
+        "capacity_bytes",
+        "kvtierd_tier_capacity_bytes",
+        "gauge",
+        "Capacity of each tier in bytes (pool: 0, the pool's own maxmemory is not known).",
+    ),
+    (
+        "hits",
+        "kvtierd_tier_hits",
+        "counter",
+        f"Blocks each tier served: DRAM reads, NVMe/pool promotions, {_SINCE_START}.",
+    ),
+    (
+        "misses",
+        "kvtierd_tier_misses",
+        "counter",
+        "Blocks each tier did not have or could not serve (DRAM: served from below or missing; "
+        f"NVMe/pool: absent, unreadable or failing their checksum), {_SINCE_START}.",
+    ),
+    (
+        "evictions",
+        "kvtierd_tier_evictions",
+        "counter",
+        f"Blocks evicted from each tier, {_SINCE_START}.",
+    ),
+    (
+        "bytes_read",
+        "kvtierd_tier_read_bytes",
+        "counter",
+        "Bytes read from each tier (DRAM: by clients; NVMe: record pages; pool: values), "
+        f"{_SINCE_START}.",
+    ),
+    (
+        "bytes_written",
+        "kvtierd_tier_written_bytes",
+        "counter",
+        "Bytes written into each tier (DRAM: committed; NVMe: record pages; pool: values), "
+        f"{_SINCE_START}.",
+    ),
+)
+_POOL_GAUGES = (
+    ("epoch", "kvtierd_pool_epoch", "Epoch of the last group decision this rank took part in."),
+    ("members", "kvtierd_pool_members", "Ranks that voted yes in that decision."),
+    (
+        "changed_at",
+        "kvtierd_pool_state_changed_timestamp_seconds",
+        "Unix time of the pool state's last change.",
+    ),
+    (
+        "backlog_blocks",
+        "kvtierd_pool_backlog_blocks",
+        "Committed blocks waiting to be written to the pool (bounded by pool.writeback_bytes).",
+    ),
+    ("backlog_bytes", "kvtierd_pool_backlog_bytes", "Bytes waiting to be written to the pool."),
+    (
+        "unreached",
+        "kvtierd_pool_unreached_blocks",
+        "Blocks the last restore found announced in the pool but lost everywhere.",
+    ),
+)
+_POOL_COUNTERS = (
+    ("restored", "kvtierd_pool_restored_blocks", "Blocks indexed from the pool by restores"),
+    ("written", "kvtierd_pool_written_blocks", "Blocks written to the pool"),
+    ("write_failures", "kvtierd_pool_write_failures", "Pool writes that failed (one per batch)"),
+    (
+        "skipped",
+        "kvtierd_pool_skipped_blocks",
+        "Blocks not written to the pool (backlog full, or left after a failure)",
+    ),
+    ("lost", "kvtierd_pool_lost_blocks", "Blocks whose last copy went before reaching the pool"),
+    (
+        "group_lookups",
+        "kvtierd_pool_group_lookups",
+        "TP-group LOOKUPs answered by asking the pool",
+    ),
+)
+#: NamespaceFigures fields: (field, metric, HELP).
+_NAMESPACE = (
+    ("lookup_blocks", "kvtierd_namespace_lookup_blocks", "Keys asked for by LOOKUP"),
+    ("hit_blocks", "kvtierd_namespace_hit_blocks", "Keys LOOKUP answered as hits (prefix length)"),
+    (
+        "lookup_tokens",
+        "kvtierd_namespace_lookup_tokens",
+        "Tokens asked for by LOOKUP: keys x layout.block_tokens, namespaces with a layout only",
+    ),
+    (
+        "hit_tokens",
+        "kvtierd_namespace_hit_tokens",
+        "Tokens LOOKUP answered as hits: hit keys x layout.block_tokens, with a layout only",
+    ),
+    ("read_blocks", "kvtierd_namespace_read_blocks", "Blocks leased to clients by READ"),
+    ("read_bytes", "kvtierd_namespace_read_bytes", "Bytes leased to clients by READ"),
+    ("committed_blocks", "kvtierd_namespace_committed_blocks", "Blocks published by COMMIT"),
+    ("committed_bytes", "kvtierd_namespace_committed_bytes", "Bytes published by COMMIT"),
 )
 
 
-class _SnapshotCollector(Collector):
-    def __init__(self) -> None:
-        self.snapshot: StatfsReply | None = None
+@dataclass(frozen=True, slots=True)
+class NamespaceFigures:
+    """The counters of every namespace that one ``namespace`` label stands for, summed."""
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    label: str
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    read_blocks: int = 0
+    read_bytes: int = 0
+    committed_blocks: int = 0
+    committed_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Blocks and bytes moved one way (``direction``: ``client_to_dram``, ...)."""
+
+    direction: str
+    blocks: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSnapshot:
+    """What the event loop saw at one instant; the collector's only source."""
+
+    statfs: StatfsReply
+    pool: PoolStatusReply | None
+    namespaces: tuple[NamespaceFigures, ...]
+    transfers: tuple[Transfer, ...]
+    lost_copies: int
+
+
+class NamespaceLabels:
+    """Which ``namespace`` label a namespace name gets: itself when ``allowed`` lists it, or,
+    with no allow-list, when it is among the first ``limit`` names seen; else ``"other"``.
+    A name once given its own label keeps it for the daemon's life (stable series)."""
+
+    def __init__(self, allowed: Sequence[str], limit: int) -> None:
+        self._allowed = frozenset(allowed)
+        self._limit = limit
+        self._own: set[str] = set()  # at most ``limit`` names
+
+    def label(self, name: str) -> str:
+        if self._allowed:
+            return name if name in self._allowed else OTHER_NAMESPACE
+        if name in self._own:
+            return name
+        if len(self._own) < self._limit:
+            self._own.add(name)
+            return name
+        return OTHER_NAMESPACE
+
+
+def _fold_namespaces(daemon: Daemon, labels: NamespaceLabels) -> tuple[NamespaceFigures, ...]:
+    sums: dict[str, list[int]] = {}
+    for ns in daemon.store.registry:
+        c = ns.counters
+        tokens = ns.spec.layout.block_tokens if ns.spec.layout is not None else 0
+        row = sums.setdefault(labels.label(ns.spec.name), [0] * 8)
+        for i, value in enumerate(
+            (
+                c.lookup_blocks,
+                c.hit_blocks,
+                c.lookup_blocks * tokens,
+                c.hit_blocks * tokens,
+                c.read_blocks,
+                c.read_bytes,
+                c.committed_blocks,
+                c.committed_bytes,
+            )
+        ):
+            row[i] += value
+    return tuple(NamespaceFigures(label, *row) for label, row in sorted(sums.items()))
+
+
+def _transfers(daemon: Daemon, namespaces: Iterable[NamespaceFigures]) -> tuple[Transfer, ...]:
+    """Blocks and bytes by direction. Client traffic counts whole blocks; NVMe bytes are what
+    the device moved (a record's header page and its payload padded to 4 KiB, compressed where
+    zstd is on); pool bytes are the values sent and received."""
+    store = daemon.store
+    c = store.counters
+    figures = list(namespaces)
+    moved = [
+        Transfer(
+            "client_to_dram",
+            sum(f.committed_blocks for f in figures),
+            sum(f.committed_bytes for f in figures),
+        ),
+        Transfer(
+            "dram_to_client",
+            sum(f.read_blocks for f in figures),
+            sum(f.read_bytes for f in figures),
+        ),
+    ]
+    if store.lower is not None:
+        nvme = store.lower.statistics()
+        moved.append(Transfer("dram_to_nvme", c["written_back"], nvme.bytes_written))
+        moved.append(Transfer("nvme_to_dram", c["lower_hits"], nvme.bytes_read))
+    if store.pool is not None:
+        pool = store.pool.tier.statistics()
+        moved.append(Transfer("dram_to_pool", store.pool.counters["written"], pool.bytes_written))
+        moved.append(Transfer("pool_to_dram", c["pool_hits"], pool.bytes_read))
+    return tuple(moved)
+
+
+def take_snapshot(daemon: Daemon, labels: NamespaceLabels) -> MetricsSnapshot:
+    """Everything the collector exports, read on the event loop (cheap: counters and sums)."""
+    namespaces = _fold_namespaces(daemon, labels)
+    return MetricsSnapshot(
+        daemon.statistics(),
+        daemon.pool_status() if daemon.store.pool is not None else None,
+        namespaces,
+        _transfers(daemon, namespaces),
+        daemon.store.counters["lost"],
+    )
+
+
+def _counter(name: str, doc: str, labels: Sequence[str] = ()) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=labels)
+
+
+def _gauge(name: str, doc: str, value: float | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class SnapshotCollector(Collector):
+    """Families built from the latest :class:`MetricsSnapshot` (none before the first)."""
+
+    def __init__(self) -> None:
+        self.snapshot: MetricsSnapshot | None = None
+
+    def collect(self) -> Iterator[Metric]:
         snap = self.snapshot
         if snap is None:
             return
-        for name in _COUNTERS:
-            yield CounterMetricFamily(
-                f"kvtierd_{name}", name.replace("_", " "), getattr(snap, name)
-            )
-        for name in _GAUGES:
-            yield GaugeMetricFamily(f"kvtierd_{name}", name.replace("_", " "), getattr(snap, name))
-        per_tier: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
-            "blocks": GaugeMetricFamily("kvtierd_tier_blocks", "blocks", labels=["tier"]),
-            "used_bytes": GaugeMetricFamily(
-                "kvtierd_tier_used_bytes", "bytes used", labels=["tier"]
-            ),
-            "capacity_bytes": GaugeMetricFamily(
-                "kvtierd_tier_capacity_bytes", "capacity", labels=["tier"]
-            ),
-            "hits": CounterMetricFamily("kvtierd_tier_hits", "hits", labels=["tier"]),
-            "misses": CounterMetricFamily("kvtierd_tier_misses", "misses", labels=["tier"]),
-            "evictions": CounterMetricFamily(
-                "kvtierd_tier_evictions", "evictions", labels=["tier"]
-            ),
-            "bytes_read": CounterMetricFamily("kvtierd_tier_read_bytes", "read", labels=["tier"]),
-            "bytes_written": CounterMetricFamily(
-                "kvtierd_tier_written_bytes", "written", labels=["tier"]
-            ),
-        }
-        for tier in snap.tiers:
-            for field, family in per_tier.items():
-                family.add_metric([tier.name], getattr(tier, field))
-        yield from per_tier.values()
-        info = GaugeMetricFamily(
-            "kvtierd_info", "version and I/O backend", labels=["version", "io_backend"]
+        stats = snap.statfs
+        for field, name, doc in _COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(stats, field))
+        yield CounterMetricFamily(
+            "kvtierd_lost_copies",
+            "Block copies dropped because they failed their checksum, could not be read, or "
+            f"changed after COMMIT (the block is then a miss), {_SINCE_START}.",
+            value=snap.lost_copies,
         )
-        info.add_metric([snap.version, snap.io_backend], 1)
+        for field, name, doc in _GAUGES:
+            yield _gauge(name, doc, getattr(stats, field))
+        yield from self._tiers(snap)
+        info = GaugeMetricFamily(
+            "kvtierd_info",
+            "Always 1; the labels say the daemon's version and its NVMe I/O backend.",
+            labels=["version", "io_backend"],
+        )
+        info.add_metric([stats.version, stats.io_backend], 1)
         yield info
+        yield from self._namespaces(snap.namespaces)
+        yield from self._transfers(snap.transfers)
+        if snap.pool is not None:
+            yield from self._pool(snap.pool)
+
+    @staticmethod
+    def _tiers(snap: MetricsSnapshot) -> Iterator[Metric]:
+        detached = snap.pool is not None and snap.pool.state != "attached"
+        for field, name, kind, doc in _TIER:
+            family: Metric = (
+                GaugeMetricFamily(name, doc, labels=["tier"])
+                if kind == "gauge"
+                else CounterMetricFamily(name, doc, labels=["tier"])
+            )
+            for tier in snap.statfs.tiers:
+                if kind == "gauge" and tier.name == "pool" and detached:
+                    continue  # a detached pool's figures are stale: left out, pool_up says why
+                family.add_metric([tier.name], getattr(tier, field))  # type: ignore[attr-defined]
+            yield family
+
+    @staticmethod
+    def _namespaces(figures: tuple[NamespaceFigures, ...]) -> Iterator[Metric]:
+        for field, name, doc in _NAMESPACE:
+            family = _counter(
+                name, f"{doc}, per namespace (bounded: see metrics_namespaces), {_SINCE_START}.",
+                ["namespace"],
+            )  # fmt: skip
+            for row in figures:
+                family.add_metric([row.label], getattr(row, field))
+            yield family
+
+    @staticmethod
+    def _transfers(transfers: tuple[Transfer, ...]) -> Iterator[Metric]:
+        where = (
+            "client_to_dram COMMIT, dram_to_client READ, dram_to_nvme write-back, nvme_to_dram "
+            "and pool_to_dram promotions, dram_to_pool pool writes"
+        )
+        blocks = _counter(
+            "kvtierd_transfer_blocks", f"Blocks moved, by direction ({where}), {_SINCE_START}.",
+            ["direction"],
+        )  # fmt: skip
+        nbytes = _counter(
+            "kvtierd_transfer_bytes",
+            f"Bytes moved, by direction (NVMe: the record pages the device moved), {_SINCE_START}.",
+            ["direction"],
+        )
+        for moved in transfers:
+            blocks.add_metric([moved.direction], moved.blocks)
+            nbytes.add_metric([moved.direction], moved.bytes)
+        yield blocks
+        yield nbytes
+
+    @staticmethod
+    def _pool(pool: PoolStatusReply) -> Iterator[Metric]:
+        yield _gauge(
+            "kvtierd_pool_up",
+            "1 while this rank's TP group is attached to the pool and uses it; 0 while it serves "
+            "from its local tiers only (pool unreachable, refused, or voting).",
+            float(pool.state == "attached"),
+        )
+        state = GaugeMetricFamily(
+            "kvtierd_pool_state",
+            "The group membership's state: 1 for the current one of local, voting, attached.",
+            labels=["state"],
+        )
+        for name in POOL_STATES:
+            state.add_metric([name], float(pool.state == name))
+        yield state
+        for field, name, doc in _POOL_GAUGES:
+            value = getattr(pool, field)
+            yield _gauge(name, doc, float(len(value) if isinstance(value, list) else value))
+        for field, name, doc in _POOL_COUNTERS:
+            yield CounterMetricFamily(name, f"{doc}, {_SINCE_START}.", value=getattr(pool, field))
 
 
-async def serve_metrics(
-    daemon: Daemon, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-) -> None:
-    """Serve ``/metrics`` on the configured loopback port until cancelled."""
-    registry = CollectorRegistry()
-    collector = _SnapshotCollector()
-    registry.register(collector)
-    config = daemon.config.daemon
-    server, thread = start_http_server(config.metrics_port, config.metrics_address, registry)
-    try:
-        task_status.started()
-        while True:
-            collector.snapshot = daemon.statistics()
-            await anyio.sleep(1.0)
-    finally:
-        server.shutdown()
-        thread.join(timeout=5)
+class ReadinessCollector(Collector):
+    """``/health`` and ``/ready`` as gauges, judged at scrape time (works while starting)."""
+
+    def __init__(self, readiness: Readiness) -> None:
+        self.readiness = readiness
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.readiness
+        yield _gauge(
+            "kvtierd_ready",
+            "1 when /ready answers 200: started, serving, not stopping (a detached pool "
+            "still counts as ready).",
+            float(r.ready().ok),
+        )
+        yield _gauge(
+            "kvtierd_healthy",
+            "1 when /health answers 200: the event loop beat within the last 5 s.",
+            float(r.health().ok),
+        )
+        yield _gauge(
+            "kvtierd_event_loop_heartbeat_age_seconds",
+            "Seconds since the event loop last beat (every 0.5 s when idle); a growing value "
+            "means a blocked loop.",
+            r.heartbeat_age_s(),
+        )
+        phase = GaugeMetricFamily(
+            "kvtierd_phase",
+            "The daemon's phase: 1 for the current one of starting, serving, stopping.",
+            labels=["phase"],
+        )
+        for name in DaemonPhase:
+            phase.add_metric([name.value], float(r.phase is name))
+        yield phase
+
+
+class RequestTimings:
+    """``kvtierd_request_duration_seconds{opcode, tier}``: one observe per request."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._histogram = Histogram(
+            "kvtierd_request_duration_seconds",
+            "Time from a request's dispatch to its reply being ready (not the peer's reading "
+            "of it), by opcode; READ also by tier, the deepest its blocks came from (dram, "
+            'nvme, pool; "none": a key was not stored); tier is empty for other opcodes.',
+            ["opcode", "tier"],
+            registry=registry,
+            buckets=DURATION_BUCKETS_S,
+        )
+        self._children: dict[tuple[int, str], Histogram] = {}
+
+    def observe(self, opcode: int, tier: str, seconds: float) -> None:
+        child = self._children.get((opcode, tier))
+        if child is None:
+            try:
+                name = Opcode(opcode).name
+            except ValueError:
+                return  # never dispatched: only known opcodes reach a handler
+            child = self._children[(opcode, tier)] = self._histogram.labels(name, tier)
+        child.observe(seconds)
+
+
+class Metrics:
+    """The daemon's registry: the snapshot, readiness, request timings, and the process's own
+    collectors (CPU, memory, descriptors, Python's GC)."""
+
+    def __init__(self, config: DaemonConfig, readiness: Readiness) -> None:
+        self.registry = CollectorRegistry()
+        self.readiness = readiness
+        self.snapshots = SnapshotCollector()
+        self.registry.register(self.snapshots)
+        self.registry.register(ReadinessCollector(readiness))
+        self.timings = RequestTimings(self.registry)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.labels = NamespaceLabels(config.metrics_namespaces, config.metrics_namespace_limit)
+
+    def refresh(self) -> None:
+        """Take a new snapshot of the running daemon (on the event loop)."""
+        daemon = self.readiness.daemon
+        if daemon is None:
+            return
+        snap = take_snapshot(daemon, self.labels)
+        self.snapshots.snapshot = snap
+        pool = snap.pool
+        self.readiness.pool = (
+            PoolView(pool.state, pool.reason, pool.epoch) if pool is not None else None
+        )

@@ -75,6 +75,7 @@ _INLINE = frozenset(
         Opcode.DESTROY,
         Opcode.POOL_STATUS,
         Opcode.READ_RESIDENT,
+        Opcode.LIST_KEYS,
     }
 )
 
@@ -99,6 +100,8 @@ class Session:
         self.namespaces: set[int] = set()
         #: Descriptors to pass with the reply to request ``unique``.
         self.reply_fds: dict[int, list[int]] = {}
+        #: The tier a READ in flight is served from (``read`` sets it when requests are timed).
+        self.read_tiers: dict[int, str] = {}
         self.requests = 0
         self.closing = False
         self._permits = anyio.Semaphore(daemon.config.daemon.max_inflight)
@@ -216,6 +219,7 @@ class Session:
         self.daemon.requests += 1
         self.requests += 1
         fds: list[int] = []
+        started = time.perf_counter()
         try:
             reply = await HANDLERS[Opcode(header.opcode)](self, header, event.message)
             fds = self.reply_fds.pop(header.unique, [])
@@ -231,9 +235,14 @@ class Session:
             self.reply_fds.pop(header.unique, None)
             frame = self.conn.reply_error(header, StorageIOError(f"internal error: {exc}"))
         except BaseException:
+            self.read_tiers.pop(header.unique, None)
             if permit:
                 self._permits.release()
             raise
+        timings = self.daemon.timings
+        tier = self.read_tiers.pop(header.unique, "")
+        if timings is not None:  # dispatch to reply ready, failures included
+            timings.observe(header.opcode, tier, time.perf_counter() - started)
         try:
             await self._send(frame, fds)
         finally:

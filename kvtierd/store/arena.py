@@ -149,7 +149,7 @@ class Arena:
         hugepages: TriState = TriState.AUTO,
         mlock: TriState = TriState.AUTO,
         prefault: bool = True,
-        checkpoint: Callable[[], None] = lambda: None,
+        checkpoint: Callable[[int, int], None] = lambda done, total: None,
         tenants_isolated: bool = False,
         lazy_bytes: int = 0,
     ) -> Arena:
@@ -163,9 +163,11 @@ class Arena:
         ``tenants_isolated``: the regions belong to mutually distrusting tenants, so ``auto``
         does not choose hugetlb pages for them (see the module docstring).
 
-        ``checkpoint`` runs between pre-fault chunks and may raise to give up (the store's
-        lifecycle raises once its start-up was cancelled, so Ctrl-C ends a long pre-fault within
-        a chunk); whatever was created is released before the exception leaves."""
+        ``checkpoint(done_bytes, total_bytes)`` runs between pre-fault chunks, with how much is
+        pre-faulted so far (what a starting daemon reports), and may raise to give up (the
+        store's lifecycle raises once its start-up was cancelled, so Ctrl-C ends a long
+        pre-fault within a chunk); whatever was created is released before the exception
+        leaves."""
         private_bytes = _round_up(max(private_bytes, 0))
         sizes = [(tenant, _round_up(size)) for tenant, size in regions]
         resident = private_bytes + sum(size for _, size in sizes)
@@ -261,16 +263,17 @@ class Arena:
 
     @staticmethod
     def _prefault(
-        mapping: mmap.mmap, offset: int, size_bytes: int, checkpoint: Callable[[], None]
+        mapping: mmap.mmap, offset: int, size_bytes: int, checkpoint: Callable[[int, int], None]
     ) -> bool:
         try:
             for start in range(0, size_bytes, PREFAULT_CHUNK_BYTES):
-                checkpoint()
+                checkpoint(start, size_bytes)
                 mapping.madvise(
                     _MADV_POPULATE_WRITE,
                     offset + start,
                     min(PREFAULT_CHUNK_BYTES, size_bytes - start),
                 )
+            checkpoint(size_bytes, size_bytes)
         except OSError as exc:
             if exc.errno == 12:  # ENOMEM: the memory is not there; fail now, not on first use
                 raise NoSpaceError("not enough memory to populate the arena") from exc

@@ -8,6 +8,10 @@ marks a committed block whose lower-tier copy is not written yet; it cannot leav
 is.
 
 An :class:`Owner` is one client connection: its leases and its uncommitted writes die with it.
+
+Listing (LIST_KEYS) pages through a namespace in key byte order: the index keeps each
+namespace's keys in a sorted list (``sortedcontainers``, O(log n) per add and remove), so a page
+costs O(log n + page) however large the namespace, and the cursor is simply the last key seen.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import anyio
+from sortedcontainers import SortedList  # type: ignore[import-untyped]
 
 from kvtierd.store.namespaces import Namespace
 from kvtierd.store.regions import TenantRegion
@@ -107,6 +112,8 @@ class BlockIndex:
     def __init__(self, on_remove: Callable[[Block], object] = lambda block: None) -> None:
         """``on_remove`` is told of every block that leaves the index (its last copy went)."""
         self._blocks: dict[tuple[bytes, bytes], Block] = {}
+        #: Each namespace's keys (by digest), sorted, for :meth:`page`.
+        self._sorted: dict[bytes, Any] = {}
         self._on_remove = on_remove
 
     def __len__(self) -> int:
@@ -120,12 +127,18 @@ class BlockIndex:
         return self._blocks.get(cast(tuple[bytes, bytes], block_id))
 
     def add(self, block: Block) -> None:
+        if (block.ns.digest, block.key) not in self._blocks:
+            self._sorted.setdefault(block.ns.digest, SortedList()).add(block.key)
         self._blocks[(block.ns.digest, block.key)] = block
         block.ns.blocks += 1
 
     def remove(self, block: Block) -> None:
         if self._blocks.get((block.ns.digest, block.key)) is block:
             del self._blocks[(block.ns.digest, block.key)]
+            keys = self._sorted[block.ns.digest]
+            keys.remove(block.key)
+            if not keys:
+                del self._sorted[block.ns.digest]
             block.ns.blocks -= 1
             block.forgotten = True
             self._on_remove(block)
@@ -142,3 +155,18 @@ class BlockIndex:
 
     def blocks(self) -> list[Block]:
         return list(self._blocks.values())
+
+    def page(self, ns: Namespace, after: bytes, limit: int) -> tuple[list[Block], bool]:
+        """Up to ``limit`` blocks of ``ns`` whose keys sort after ``after`` (byte order; ``b""``:
+        from the first), and whether more follow; O(log n + limit).
+
+        What a pager that passes each page's last key as the next ``after`` gets while keys
+        change: every key stored from its first page to its last is listed exactly once, none
+        twice, in order; a key stored or forgotten meanwhile is listed or not by where it sorts
+        (after the cursor or before)."""
+        keys = self._sorted.get(ns.digest)
+        if keys is None:
+            return [], False
+        found = list(itertools.islice(keys.irange(after, inclusive=(False, False)), limit + 1))
+        blocks = [self._blocks[(ns.digest, key)] for key in found[:limit]]
+        return blocks, len(found) > limit

@@ -5,6 +5,11 @@ staging memory and one sealed region per tenant; io_uring registers it all as fi
 which is fast only on faulted memory), then the I/O backend, then the NVMe tier, which recovers
 its index before anything is served; the store adopts what was recovered.
 
+Progress. A large arena takes seconds to pre-fault and a large data file minutes to scan, so
+the opening reports where it is in an :class:`OpenProgress` that the daemon shows to whoever
+asks meanwhile (``"pre-faulting the arena, 3.0 of 8.0 GiB"``): the pre-fault thread after each
+chunk, the NVMe recovery after each run of headers.
+
 Closing, whatever happened: no new write-back is queued, the workers finish the queue (every
 committed block reaches the disk when time allows), the NVMe tier writes its index snapshot, the
 backend and the arena go away.
@@ -13,6 +18,7 @@ backend and the arena go away.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -40,9 +46,60 @@ from kvtierd.store.secret import load_secret
 from kvtierd.store.staging import StagedCopies, StagingPages
 from kvtierd.store.store import BlockStore
 
-__all__ = ["arena_bytes", "make_policy", "open_store", "staging_bytes", "staging_pages"]
+__all__ = [
+    "OpenPhase",
+    "OpenProgress",
+    "arena_bytes",
+    "make_policy",
+    "open_store",
+    "staging_bytes",
+    "staging_pages",
+]
 
 log = logging.getLogger("kvtierd.store")
+
+
+class OpenPhase(enum.StrEnum):
+    """What :func:`open_store` is doing, in the words a starting daemon says."""
+
+    PREPARING = "preparing the data directory"
+    CREATING_ARENA = "creating the arena"
+    PREFAULTING = "pre-faulting the arena"
+    OPENING_NVME = "opening the NVMe tier"
+    RECOVERING = "recovering the NVMe index"
+    JOINING_POOL = "waiting for the pool group's decision"
+    OPEN = "open"
+
+
+class OpenProgress:
+    """How far an opening has come. Written by :func:`open_store` (on the event loop, and from
+    the pre-fault thread), read by anyone: the state is one tuple, replaced whole, so a reader
+    never sees a phase with another phase's figures."""
+
+    def __init__(self) -> None:
+        self.state: tuple[OpenPhase, int, int] = (OpenPhase.PREPARING, 0, 0)
+        #: Bumped by every :meth:`advance`: a reader can tell that something moved.
+        self.steps = 0
+
+    def advance(self, phase: OpenPhase, done: int = 0, total: int = 0) -> None:
+        """Now in ``phase``, ``done`` of ``total`` (bytes pre-faulted, records recovered)."""
+        self.state = (phase, done, total)
+        self.steps += 1
+
+    @property
+    def phase(self) -> OpenPhase:
+        return self.state[0]
+
+    def describe(self) -> str:
+        """One line: ``"pre-faulting the arena, 3.0 of 8.0 GiB"``,
+        ``"recovering the NVMe index, 12000 records"``."""
+        phase, done, total = self.state
+        if phase is OpenPhase.PREFAULTING:
+            unit, scale = ("GiB", 1 << 30) if total >= 1 << 30 else ("MiB", 1 << 20)
+            return f"{phase.value}, {done / scale:.1f} of {total / scale:.1f} {unit}"
+        if phase is OpenPhase.RECOVERING:
+            return f"{phase.value}, {done} records"
+        return phase.value
 
 
 def open_pool_link(config: PoolConfig, store: BlockStore) -> PoolLink:
@@ -103,15 +160,16 @@ class _Abandoned(Exception):
     """Raised in the worker thread of an arena whose creation was cancelled."""
 
 
-async def _create_arena(config: Config) -> Arena:
+async def _create_arena(config: Config, progress: OpenProgress) -> Arena:
     """:meth:`Arena.create` in a worker thread. Pre-faulting a large arena takes seconds, so a
     cancelled start-up (Ctrl-C) does not wait for it: the thread stops at its next chunk and
     releases what it made."""
     abandoned = threading.Event()
 
-    def checkpoint() -> None:
+    def checkpoint(done_bytes: int, total_bytes: int) -> None:
         if abandoned.is_set():
             raise _Abandoned
+        progress.advance(OpenPhase.PREFAULTING, done_bytes, total_bytes)
 
     create = partial(
         Arena.create,
@@ -132,15 +190,21 @@ async def _create_arena(config: Config) -> Arena:
 
 @contextlib.asynccontextmanager
 async def open_store(
-    config: Config, *, io_verdict: BindingVerdict | None = None
+    config: Config,
+    *,
+    io_verdict: BindingVerdict | None = None,
+    progress: OpenProgress | None = None,
 ) -> AsyncIterator[BlockStore]:
     """Yield a running :class:`BlockStore` for ``config``; closes it on exit. ``io_verdict`` is
-    the liburing binding's probe verdict, when the caller already has it."""
+    the liburing binding's probe verdict, when the caller already has it; ``progress`` is told
+    where the opening is (and ends in :attr:`OpenPhase.OPEN`)."""
+    progress = progress if progress is not None else OpenProgress()
     data_dir = config.data_path
     await anyio.to_thread.run_sync(lambda: data_dir.mkdir(parents=True, exist_ok=True))
     secret = await anyio.to_thread.run_sync(load_secret, config.key_secret_path)
     staging_count = staging_pages(config)
-    arena = await _create_arena(config)
+    progress.advance(OpenPhase.CREATING_ARENA)
+    arena = await _create_arena(config, progress)
     try:
         async with contextlib.AsyncExitStack() as stack:
             backend = await stack.enter_async_context(
@@ -157,6 +221,7 @@ async def open_store(
             pages = StagingPages(arena.view[: staging_count * PAGE_BYTES], staging_count)
             tier = None
             if config.nvme.size:
+                progress.advance(OpenPhase.OPENING_NVME)
                 tier = await stack.enter_async_context(
                     open_nvme_tier(
                         Path(config.nvme.path) if config.nvme.path else data_dir / "nvme.data",
@@ -165,6 +230,8 @@ async def open_store(
                         pages=pages,
                         segment_bytes=config.nvme.segment_bytes,
                         preallocate=config.nvme.preallocate,
+                        progress=partial(progress.advance, OpenPhase.RECOVERING),
+                        snapshot_dir=data_dir,
                     )
                 )
             staged = None
@@ -202,7 +269,9 @@ async def open_store(
             async with anyio.create_task_group() as tg:
                 store.start(tg)
                 if store.pool is not None:
+                    progress.advance(OpenPhase.JOINING_POOL)
                     await _settle(store.pool, config.pool)
+                progress.advance(OpenPhase.OPEN)
                 try:
                     yield store
                 finally:

@@ -39,6 +39,7 @@ from kvtierd.errors import (
     QuotaError,
     StorageIOError,
 )
+from kvtierd.layouts import layout_block_bytes
 from kvtierd.protocol.messages import Layout
 from kvtierd.store.catalog import CatalogCopy, CopyState, read_copies, write_copies
 from kvtierd.store.regions import Regions, TenantRegion
@@ -54,15 +55,6 @@ __all__ = [
 
 log = logging.getLogger("kvtierd.namespaces")
 
-_DTYPE_BYTES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
 #: Sanity bounds on a layout's fields (far beyond any model), so nothing sized by them can be
 #: made absurdly large by a client.
 _LAYOUT_BOUNDS = {"layers": 4096, "kv_heads": 4096, "head_dim": 65536, "block_tokens": 1 << 20}
@@ -116,19 +108,11 @@ class NamespaceSpec(msgspec.Struct, frozen=True, array_like=True):
             for name, bound in _LAYOUT_BOUNDS.items():
                 if getattr(layout, name) > bound:
                     raise InvalidRequestError(f"layout.{name} exceeds {bound}")
-        if layout is not None and layout.dtype in _DTYPE_BYTES:
-            expected = (
-                2
-                * layout.layers
-                * layout.kv_heads
-                * layout.head_dim
-                * layout.block_tokens
-                * _DTYPE_BYTES[layout.dtype]
+        expected = layout_block_bytes(layout) if layout is not None else None
+        if expected is not None and expected != self.block_bytes:
+            raise InvalidRequestError(
+                f"layout gives {expected} bytes per block but block_bytes is {self.block_bytes}"
             )
-            if expected != self.block_bytes:
-                raise InvalidRequestError(
-                    f"layout gives {expected} bytes per block but block_bytes is {self.block_bytes}"
-                )
         return self
 
     def identity(self, *, with_rank: bool) -> bytes:

@@ -16,6 +16,14 @@ Guarantees this module gives the store:
   which the store drops the copy, never an error on every READ;
 * ``discard`` overwrites the header page with zeroes, so recovery never resurrects the block.
 
+A block device (``nvme.path`` naming one) is used from its start for ``nvme.size`` bytes, which
+must fit in it; nothing creates, truncates or allocates it, and its logical block must divide the
+4 KiB page every I/O is aligned to. A data file is locked (``flock``) and a device opened
+``O_EXCL`` for as long as the tier is open, so a second daemon cannot use it. The index snapshot
+never lies beside the data file (``/dev`` has no room for it, and a directory may hold several
+daemons' files): it is in the data directory, named by
+:func:`~kvtierd.store.recovery.snapshot_path`.
+
 Optional zstd (per namespace) compresses through a bounce buffer in a worker thread, with one
 compressor per thread (a shared ``ZstdCompressor`` crashes the process).
 """
@@ -23,19 +31,28 @@ compressor per thread (a shared ``ZstdCompressor`` crashes the process).
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import logging
 import mmap
 import os
 import stat
+import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from pathlib import Path
 
 import anyio
 import zstandard
 
-from kvtierd.errors import BlockNotFoundError, NoSpaceError, StorageIOError
+from kvtierd.errors import (
+    BlockNotFoundError,
+    ConfigError,
+    ConfigProblem,
+    NoSpaceError,
+    StorageIOError,
+)
 from kvtierd.io import IoBackend
 from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.codec import checksum_off_loop, compress, decompress_into
@@ -47,7 +64,14 @@ from kvtierd.store.records import (
     SegmentHeader,
     Superblock,
 )
-from kvtierd.store.recovery import RecoveredIndex, load_snapshot, save_snapshot, scan
+from kvtierd.store.recovery import (
+    SNAPSHOT_NAME,
+    RecoveredIndex,
+    load_snapshot,
+    save_snapshot,
+    scan,
+    snapshot_path,
+)
 from kvtierd.store.segments import DiskSlot, SegmentMap, slot_bytes_for
 from kvtierd.store.staging import StagingPages
 from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError, Recovered
@@ -55,6 +79,7 @@ from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError, Recovered
 __all__ = ["NvmeTier", "open_nvme_tier"]
 
 log = logging.getLogger("kvtierd.nvme")
+_BLKSSZGET = 0x1268  # <linux/fs.h>: the device's logical block size, an int
 
 
 def _bounce(nbytes: int) -> mmap.mmap:
@@ -75,10 +100,17 @@ class NvmeTier(LowerTier):
     durable = True
 
     def __init__(
-        self, fd: int, path: Path, segmap: SegmentMap, backend: IoBackend, pages: StagingPages
+        self,
+        fd: int,
+        path: Path,
+        snapshot: Path,
+        segmap: SegmentMap,
+        backend: IoBackend,
+        pages: StagingPages,
     ) -> None:
         self._fd = fd
         self.path = path
+        self.snapshot = snapshot
         self._segmap = segmap
         self._backend = backend
         self._pages = pages
@@ -281,32 +313,49 @@ class NvmeTier(LowerTier):
         self.recovery_source = found.source
 
     def save_snapshot(self) -> None:
-        save_snapshot(self.path.parent, self._segmap, self._records)
+        save_snapshot(
+            self.snapshot, self._segmap, self._records, data_mtime_ns=_mtime_ns(os.fstat(self._fd))
+        )
 
 
-def _prepare_file(path: Path, size_bytes: int, preallocate: bool) -> tuple[int, int]:
-    """Open (creating and sizing) the data file; runs in a worker thread."""
-    flags = os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC
-    is_device = path.exists() and stat.S_ISBLK(path.stat().st_mode)
-    created = not is_device and not path.exists()
-    if not is_device:
-        flags |= os.O_CREAT
-        path.parent.mkdir(parents=True, exist_ok=True)
+def _mtime_ns(status: os.stat_result) -> int | None:
+    """What tells a later start whether a regular data file was written since; ``None`` for a
+    block device, whose node's times do not follow its writes."""
+    return status.st_mtime_ns if stat.S_ISREG(status.st_mode) else None
+
+
+def _prepare_file(path: Path, size_bytes: int, preallocate: bool) -> tuple[int, int, int | None]:
+    """Open the data file (creating and sizing it) or block device, claimed for this process
+    alone (``flock``, ``O_EXCL``); its fd, the bytes used and its mtime before this start
+    (:func:`_mtime_ns`). Runs in a worker thread."""
     try:
-        fd = os.open(path, flags, 0o600)
-    except OSError as exc:
-        raise StorageIOError(f"cannot open {path} with O_DIRECT: {exc.strerror}") from exc
+        mode: int | None = path.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and stat.S_ISBLK(mode):
+        return (*_open_device(path, size_bytes), None)
+    if mode is not None and not stat.S_ISREG(mode):
+        raise StorageIOError(f"{path} is neither a regular file nor a block device")
+    if mode is None and path.is_relative_to("/dev"):
+        raise StorageIOError(f"{path}: no such device")  # never a regular file in /dev
+    created = mode is None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = _open_direct(path, os.O_CREAT)
     try:
-        if is_device:
-            return fd, os.lseek(fd, 0, os.SEEK_END)
-        size_bytes -= size_bytes % PAGE_BYTES
-        if os.fstat(fd).st_size != size_bytes:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StorageIOError(f"{path} is in use by another kvtierd") from None
+    size_bytes -= size_bytes % PAGE_BYTES
+    try:
+        before = os.fstat(fd)
+        if before.st_size != size_bytes:
             os.ftruncate(fd, size_bytes)
         if preallocate:
             os.posix_fallocate(fd, 0, size_bytes)
     except OSError as exc:
         os.close(fd)
-        if not is_device and created:
+        if created:
             path.unlink(missing_ok=True)  # a half-allocated file would keep holding the space
         if exc.errno == 28:
             raise NoSpaceError(
@@ -314,7 +363,50 @@ def _prepare_file(path: Path, size_bytes: int, preallocate: bool) -> tuple[int, 
                 "(lower nvme.size or free space)"
             ) from exc
         raise StorageIOError(f"cannot size {path}: {exc.strerror}") from exc
-    return fd, size_bytes
+    return fd, size_bytes, None if created else _mtime_ns(before)
+
+
+def _open_device(path: Path, size_bytes: int) -> tuple[int, int]:
+    """Open a block device for its first ``size_bytes`` (rounded down to a page); raises
+    :class:`ConfigError` when they do not fit in it, :class:`StorageIOError` when its logical
+    block does not divide a page (O_DIRECT could not address a page)."""
+    try:
+        fd = _open_direct(path, os.O_EXCL)  # the kernel's claim: EBUSY while mounted or claimed
+    except StorageIOError as exc:
+        if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.EBUSY:
+            raise StorageIOError(f"{path} is in use (mounted, or by another kvtierd)") from None
+        raise
+    try:
+        device_bytes = os.lseek(fd, 0, os.SEEK_END)
+        logical = struct.unpack("i", fcntl.ioctl(fd, _BLKSSZGET, bytes(4)))[0]
+    except OSError as exc:
+        os.close(fd)
+        raise StorageIOError(f"cannot find the size of {path}: {exc.strerror}") from exc
+    if size_bytes > device_bytes:
+        os.close(fd)
+        raise ConfigError(
+            f"the NVMe device {path} is too small",
+            [
+                ConfigProblem(
+                    "nvme.size",
+                    f"{size_bytes} bytes do not fit in {path}, which has {device_bytes} "
+                    f"(set nvme.size to at most {device_bytes - device_bytes % PAGE_BYTES})",
+                )
+            ],
+        )
+    if logical <= 0 or PAGE_BYTES % logical:
+        os.close(fd)
+        raise StorageIOError(
+            f"{path} has {logical}-byte logical blocks, which 4096 is no multiple of"
+        )
+    return fd, size_bytes - size_bytes % PAGE_BYTES
+
+
+def _open_direct(path: Path, flags: int) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | flags, 0o600)
+    except OSError as exc:
+        raise StorageIOError(f"cannot open {path} with O_DIRECT: {exc.strerror}") from exc
 
 
 async def _open_superblock(
@@ -355,18 +447,26 @@ async def open_nvme_tier(
     pages: StagingPages,
     segment_bytes: int = 64 << 20,
     preallocate: bool = True,
+    progress: Callable[[int], None] | None = None,
+    snapshot_dir: Path | None = None,
 ) -> AsyncIterator[NvmeTier]:
     """Open (creating if needed) the data file, recover its index, and yield the tier. On a
-    clean exit the index snapshot is written so the next start skips the scan."""
-    fd, file_bytes = await anyio.to_thread.run_sync(_prepare_file, path, size_bytes, preallocate)
+    clean exit the index snapshot is written into ``snapshot_dir`` (the daemon's data directory;
+    default: the data file's), so the next start skips the scan. ``progress`` is told, during a
+    scan, how many records it has recovered so far."""
+    snapshot = snapshot_path(snapshot_dir if snapshot_dir is not None else path.parent, path)
+    fd, file_bytes, mtime_ns = await anyio.to_thread.run_sync(
+        _prepare_file, path, size_bytes, preallocate
+    )
     try:
         started = time.monotonic()
         superblock = await _open_superblock(fd, path, file_bytes, backend, pages)
         segmap = SegmentMap(superblock.file_id, file_bytes, segment_bytes)
-        tier = NvmeTier(fd, path, segmap, backend, pages)
-        found = await load_snapshot(path.parent, fd, segmap, backend, pages) or await scan(
-            fd, segmap, backend, pages
-        )
+        tier = NvmeTier(fd, path, snapshot, segmap, backend, pages)
+        legacy = path.parent / SNAPSHOT_NAME  # where earlier versions wrote it
+        found = await load_snapshot(
+            snapshot, fd, segmap, backend, pages, legacy=legacy, data_mtime_ns=mtime_ns
+        ) or await scan(fd, segmap, backend, pages, progress=progress)
         await tier._adopt(found)
         log.info(
             "NVMe tier %s: %d blocks recovered by %s in %.3f s",

@@ -1,14 +1,19 @@
 """Rebuilding the NVMe tier's index when the daemon starts: snapshot, or a scan of the headers.
 
-After a clean shutdown the tier writes ``index.snapshot`` (written to a temporary name, fsynced,
-renamed, directory fsynced). At start-up a snapshot whose file id and size match the data file
-is deleted *before* the tier serves anything, so a snapshot is never trusted after a crash that
-happened later. It is adopted only when it agrees with the file: its segments follow each other
-inside the file and match the segment headers on disk, every record names a slot that exists and
-that it fits, and no slot or ``(namespace, key, seq)`` is listed twice. Anything else, and the
-snapshot is ignored (a WARNING) and the headers are scanned instead: a snapshot is a shortcut,
-never an authority. A segment header on disk that is damaged where the snapshot agrees with
-everything else is rewritten from the snapshot.
+After a clean shutdown the tier writes its index snapshot (to a temporary name, fsynced, renamed,
+directory fsynced) into the daemon's data directory, never beside the data file, which may be
+another directory shared with other daemons or a raw device: :func:`snapshot_path` names it, one
+per data file. At start-up a snapshot whose file id matches the data file is deleted *before* the
+tier serves anything, so a snapshot is never trusted after a crash that happened later; so is
+one that older versions left beside the data file (``legacy``), which is loaded only when the
+data directory holds none (with both, one is stale: neither is). A snapshot of a regular file
+records its mtime, so a write since (by a daemon with another data directory) makes it stale.
+It is adopted only when it agrees with the file: its segments follow each other inside the
+file and match the segment headers on disk, every record names a slot that exists and that it
+fits, and no slot or ``(namespace, key, seq)`` is listed twice. Anything
+else, and the snapshot is ignored (a WARNING) and the headers are scanned instead: a snapshot is
+a shortcut, never an authority. A segment header on disk that is damaged where the snapshot
+agrees with everything else is rewritten from the snapshot.
 
 The scan steps from segment header to segment header, then reads every slot header (concurrently,
 through the I/O backend) and adopts each whose checksum holds; when two records claim one key the
@@ -32,9 +37,12 @@ is the never-carved tail of the file.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import mmap
-from collections.abc import Iterator
+import os
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,10 +63,21 @@ from kvtierd.store.records import (
 from kvtierd.store.segments import DiskSlot, SegmentMap, slot_bytes_for
 from kvtierd.store.staging import StagingPages
 
-__all__ = ["SNAPSHOT_NAME", "RecoveredIndex", "load_snapshot", "save_snapshot", "scan"]
+__all__ = [
+    "DATA_FILE_NAME",
+    "SNAPSHOT_NAME",
+    "RecoveredIndex",
+    "load_snapshot",
+    "save_snapshot",
+    "scan",
+    "snapshot_path",
+]
 
 log = logging.getLogger("kvtierd.recovery")
+#: The data file in the data directory when ``nvme.path`` names none, and its snapshot's name.
+DATA_FILE_NAME = "nvme.data"
 SNAPSHOT_NAME = "index.snapshot"
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 _RUN_BYTES = 1 << 20
 _SMALL_SLOT_BYTES = 64 << 10
 _SCAN_WORKERS = 16
@@ -73,6 +92,10 @@ class _Snapshot(msgspec.Struct, array_like=True):
     segments: list[tuple[int, int, int]]  # start, slot bytes, slot count
     records: list[tuple[int, int, bytes, bytes, int, int, int, int, int]]
     # segment, index, ns digest, key, stored, raw, checksum, seq, flags
+    #: The data file's mtime when the snapshot was written (``None``: a block device, or a
+    #: snapshot of an older version): a write since then, by a daemon with another data
+    #: directory, makes the snapshot stale.
+    data_mtime_ns: int | None = None
 
 
 @dataclass
@@ -103,25 +126,58 @@ class RecoveredIndex:
 # -- the snapshot ------------------------------------------------------------------------------
 
 
+def snapshot_path(data_dir: Path, data_file: Path) -> Path:
+    """Where the snapshot of ``data_file`` lives: in ``data_dir``, ``index.snapshot`` for the
+    default data file (the name every version used), else a name made of the data file's name
+    and a 128-bit digest of its absolute path, so two data files never share one."""
+    absolute = Path(os.path.abspath(data_file))
+    if absolute == Path(os.path.abspath(data_dir / DATA_FILE_NAME)):
+        return data_dir / SNAPSHOT_NAME
+    digest = hashlib.blake2b(os.fsencode(absolute), digest_size=16).hexdigest()
+    return data_dir / f"index.{_UNSAFE_NAME.sub('_', absolute.name)[:64]}.{digest}.snapshot"
+
+
 async def load_snapshot(
-    directory: Path, fd: int, segmap: SegmentMap, backend: IoBackend, pages: StagingPages
+    path: Path,
+    fd: int,
+    segmap: SegmentMap,
+    backend: IoBackend,
+    pages: StagingPages,
+    *,
+    legacy: Path | None = None,
+    data_mtime_ns: int | None = None,
 ) -> RecoveredIndex | None:
-    """Delete the snapshot and adopt it when it agrees with the data file ``fd``; ``None`` when
-    there is none or it does not (logged; the caller scans). Raises only ``OSError`` when the
+    """Delete the snapshot at ``path`` and adopt it when it agrees with the data file ``fd``
+    (whose mtime before this start is ``data_mtime_ns``; ``None`` for a block device); ``None``
+    when there is none or it does not (logged; the caller scans). A snapshot of this file at
+    ``legacy`` (where older versions wrote it) is deleted too, and adopted only when ``path``
+    holds none: with both, one was left by a run of another version and is stale, so neither
+    is trusted. One there of another file is left alone. Raises only ``OSError`` when a
     snapshot cannot be deleted, and what reading the file's segment headers raises."""
-    path = directory / SNAPSHOT_NAME
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+    snap = _take_snapshot(path, segmap.file_id, keep_foreign=False)
+    if legacy is not None and legacy != path:
+        old = _take_snapshot(legacy, segmap.file_id, keep_foreign=True)
+        if snap is not None and old is not None:
+            log.warning(
+                "two index snapshots of this data file, %s and %s (an older version ran in "
+                "between): one is stale, so the headers are scanned",
+                path,
+                legacy,
+            )
+            return None
+        if old is not None:
+            log.info("loading the index snapshot an older version left at %s", legacy)
+            snap = old
+    if snap is None:
         return None
-    _remove_durably(path)
-    try:
-        snap = msgspec.msgpack.decode(raw, type=_Snapshot)
-    except msgspec.DecodeError as exc:
-        log.warning("ignoring unreadable index snapshot: %s", exc)
+    if None not in (snap.data_mtime_ns, data_mtime_ns) and snap.data_mtime_ns != data_mtime_ns:
+        log.warning(
+            "the data file was written after its index snapshot (by a daemon with another "
+            "data directory?); scanning instead"
+        )
         return None
-    if snap.file_id != segmap.file_id or snap.file_bytes != segmap.file_bytes:
-        log.warning("index snapshot does not match the data file; scanning instead")
+    if snap.file_bytes != segmap.file_bytes:
+        log.warning("index snapshot does not match the data file's size; scanning instead")
         return None
     problem = _snapshot_problem(snap, segmap.file_bytes)
     if problem is None:
@@ -130,6 +186,29 @@ async def load_snapshot(
         log.warning("index snapshot disagrees with the data file (%s); scanning instead", problem)
         return None
     return _adopt_snapshot(snap, segmap)
+
+
+def _take_snapshot(path: Path, file_id: bytes, *, keep_foreign: bool) -> _Snapshot | None:
+    """Read and delete the snapshot at ``path`` when it names the data file ``file_id``; one
+    that does not, or cannot be decoded, is deleted with a WARNING, or with ``keep_foreign``
+    left in place (it may be another daemon's)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        snap: _Snapshot | None = msgspec.msgpack.decode(raw, type=_Snapshot)
+        problem = None
+    except msgspec.DecodeError as exc:
+        snap, problem = None, f"ignoring unreadable index snapshot {path}: {exc}"
+    if snap is not None and snap.file_id != file_id:
+        snap, problem = None, f"index snapshot {path} names another data file; scanning instead"
+    if problem is not None and keep_foreign:
+        return None
+    _remove_durably(path)
+    if problem is not None:
+        log.warning("%s", problem)
+    return snap
 
 
 def _segments_of(snap: _Snapshot) -> list[SegmentHeader]:
@@ -236,10 +315,15 @@ def _adopt_snapshot(snap: _Snapshot, segmap: SegmentMap) -> RecoveredIndex:
 
 
 def save_snapshot(
-    directory: Path, segmap: SegmentMap, records: dict[DiskSlot, RecordHeader]
+    path: Path,
+    segmap: SegmentMap,
+    records: dict[DiskSlot, RecordHeader],
+    *,
+    data_mtime_ns: int | None = None,
 ) -> None:
-    """Write the snapshot atomically and durably; raises ``OSError`` (leaving no file) when
-    it cannot."""
+    """Write the snapshot atomically and durably, with the data file's mtime once its last
+    write is done (``None`` for a block device); raises ``OSError`` (leaving no file) when it
+    cannot."""
     snap = _Snapshot(
         segmap.file_id,
         segmap.file_bytes,
@@ -258,8 +342,9 @@ def save_snapshot(
             )
             for slot, h in records.items()
         ],
+        data_mtime_ns,
     )
-    replace_durably(directory / SNAPSHOT_NAME, msgspec.msgpack.encode(snap))
+    replace_durably(path, msgspec.msgpack.encode(snap))
 
 
 def _remove_durably(path: Path) -> None:
@@ -271,9 +356,15 @@ def _remove_durably(path: Path) -> None:
 
 
 async def scan(
-    fd: int, segmap: SegmentMap, backend: IoBackend, pages: StagingPages
+    fd: int,
+    segmap: SegmentMap,
+    backend: IoBackend,
+    pages: StagingPages,
+    *,
+    progress: Callable[[int], None] | None = None,
 ) -> RecoveredIndex:
-    """Read every segment and slot header of the file and adopt the intact records."""
+    """Read every segment and slot header of the file and adopt the intact records;
+    ``progress`` is told the number adopted so far before each run of headers."""
     found = RecoveredIndex(source="scan")
     async with pages.page() as page:
         while (header := await _next_segment(fd, segmap, backend, page)) is not None:
@@ -300,6 +391,8 @@ async def scan(
         view = memoryview(bounce)
         try:
             for number, first, count in runs:
+                if progress is not None:
+                    progress(len(found.records))
                 segment = segmap.segments[number]
                 if count == 1:  # large slots: read the header page alone
                     async with pages.page() as page:

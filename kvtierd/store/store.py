@@ -133,6 +133,7 @@ class BlockStore:
                 "bytes_committed",
                 "lost",
                 "corrupt_writebacks",
+                "written_back",
             ),
             0,
         )
@@ -635,6 +636,7 @@ class BlockStore:
         block.lower = location
         block.dirty = False
         block.ns.nvme_blocks += 1
+        self.counters["written_back"] += 1
         self.lower_policy.inserted(block, time.monotonic())
 
     def _drop_changed(self, block: Block) -> None:

@@ -8,19 +8,21 @@ that needs the daemon's global counters to be its own takes a fresh ``daemon``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
 from kvtierd import __version__
-from kvtierd.cli.ctl import main
+from kvtierd.cli.ctl import build_parser, main
 from kvtierd.client import Layout, chain_keys, connect
 from tests.support.daemon import DaemonProcess
 
@@ -271,6 +273,135 @@ def test_forget_asks_which_namespace_when_names_collide(
     assert _lookup(shared, "forget-twin", small, block_bytes=BLOCK) == 2
 
 
+# -- per namespace ---------------------------------------------------------------------------------
+
+
+def test_ls_keys_pages_through_a_namespace_in_hex(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = _put(shared, "keys", 5)
+    first = _ctl_json(capsys, shared, "ls", "--keys", "keys", "--limit", "3")
+    assert (first["blocks"], first["more"], first["namespace"]["name"]) == (5, True, "keys")
+    assert first["next_after"] == first["keys"][-1]["key"]
+    rest = _ctl_json(capsys, shared, "ls", "--keys", "keys", "--after", first["next_after"])
+    assert (rest["more"], rest["next_after"]) == (False, None)
+    listed = [k["key"] for k in first["keys"] + rest["keys"]]
+    assert listed == sorted(k.hex() for k in keys)
+    assert {(tuple(k["tiers"][:1]), k["raw_bytes"]) for k in rest["keys"]} == {(("dram",), BLOCK)}
+    status, out = _ctl(capsys, shared, "ls", "--keys", "keys", "--limit", "3")
+    assert status == 0
+    assert listed[0] in out
+    assert f"more: --after {listed[2]}" in out
+
+
+def test_a_namespace_is_named_by_id_or_tenant_and_name_when_names_collide(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _put(shared, "twin", 2)
+    _put(shared, "twin", 3, tenant="other")
+    status = main(["stats", "--namespace", "twin", "--socket", str(shared.socket)])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "2 namespaces match 'twin'" in err
+    assert "default/twin" in err
+    assert "other/twin" in err
+    assert "name one by its id or as TENANT/NAME" in err
+    listed = [n for n in _ctl_json(capsys, shared, "ls")["namespaces"] if n["name"] == "twin"]
+    other = next(n for n in listed if n["tenant"] == "other")
+    by_id = _ctl_json(capsys, shared, "stats", "--namespace", str(other["ns"]))
+    by_tenant = _ctl_json(capsys, shared, "stats", "--namespace", "other/twin")
+    with_option = _ctl_json(capsys, shared, "stats", "--namespace", "twin", "--tenant", "other")
+    assert by_id == by_tenant == with_option
+    assert (by_id["blocks"], by_id["committed_blocks"]) == (3, 3)
+
+
+def test_stats_for_one_namespace_counts_its_lookups_and_reads(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    identity: dict[str, Any] = {"block_bytes": LAYOUT_BLOCK, "layout": LAYOUT}
+    keys = _put(shared, "counted", 4, **identity)
+    assert _lookup(shared, "counted", [*keys[:2], b"absent-key"], **identity) == 2
+    with connect(shared.socket) as client, client.namespace("counted", **identity).get(keys[:1]):
+        pass
+    record = _ctl_json(capsys, shared, "stats", "--namespace", "counted")
+    assert (record["blocks"], record["dram_blocks"]) == (4, 4)
+    assert (record["lookup_blocks"], record["hit_blocks"], record["hit_ratio"]) == (3, 2, 2 / 3)
+    assert (record["read_blocks"], record["committed_blocks"]) == (1, 4)
+    assert record["committed_tokens"] == 4 * 16
+    status, out = _ctl(capsys, shared, "stats", "--namespace", "counted")
+    assert status == 0
+    assert "committed   4 (64 tokens)" in out
+    assert "test/model-1b" in out
+
+
+def test_evict_one_namespace_leaves_the_others_in_dram(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _put(shared, "evict-one", 3)
+    _put(shared, "evict-kept", 2)
+    _ctl_json(capsys, shared, "flush")
+    result = _ctl_json(capsys, shared, "evict", "--namespace", "evict-one")
+    assert result["evicted_blocks"] == 3
+    listed = _listed(capsys, shared)
+    assert (listed["evict-one"]["dram_blocks"], listed["evict-one"]["nvme_blocks"]) == (0, 3)
+    assert listed["evict-kept"]["dram_blocks"] == 2
+
+
+def test_forget_all_empties_one_namespace_in_every_tier(
+    shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = _put(shared, "drop", 6)
+    other = _put(shared, "drop-other", 2)
+    _ctl_json(capsys, shared, "flush")
+    result = _ctl_json(capsys, shared, "forget", "--namespace", "drop", "--all")
+    assert result == {"namespace": "drop", "requested": 6, "forgotten": 6}
+    assert _lookup(shared, "drop", keys) == 0
+    assert _ctl_json(capsys, shared, "ls", "--keys", "drop")["keys"] == []
+    assert _listed(capsys, shared)["drop"]["blocks"] == 0
+    assert _lookup(shared, "drop-other", other) == 2
+
+
+def test_pool_check_json_without_a_pool_is_one_document(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "kvtierd.toml"
+    config.write_text('[dram]\nsize = "64M"\n')
+    assert main(["pool", "check", "--config", str(config), "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert err == ""
+    document = json.loads(out)
+    assert document["ok"] is False
+    [step] = document["steps"]
+    assert (step["name"], step["ok"]) == ("configuration", False)
+    assert "no pool is configured" in step["detail"]
+
+
+def test_status_says_starting_while_the_daemon_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 2 GiB arena takes a while to pre-fault: meanwhile status exits 3, then 0."""
+    daemon = DaemonProcess(tmp_path / "kvtierd", dram_size="2G")
+    daemon.process = subprocess.Popen(
+        [sys.executable, "-m", "kvtierd", *daemon.args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    seen: dict[int, Any] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while 0 not in seen and time.monotonic() < deadline:
+            status = main(["status", "--json", "--socket", str(daemon.socket)])
+            seen.setdefault(status, json.loads(capsys.readouterr().out))
+            time.sleep(0.01)
+        assert 3 in seen, seen
+        starting = seen[3]
+        assert (starting["ready"], starting["starting"]) == (False, True)
+        assert starting["error"].startswith("starting: ")
+        assert seen[0]["ready"] is True
+    finally:
+        daemon.kill()
+
+
 # -- top -------------------------------------------------------------------------------------------
 
 
@@ -322,11 +453,14 @@ def test_no_daemon_gives_one_line_and_exit_1(tmp_path: Path, command: list[str])
 @pytest.mark.parametrize(
     "command",
     [
-        ["stats", "--json"],
+        ["stats"],
         ["ls"],
         ["evict"],
         ["doctor"],
         ["forget", "--namespace", "chat", "00"],
+        ["ls", "--keys", "chat"],
+        ["stats", "--namespace", "chat"],
+        ["pool", "status"],
     ],
 )
 def test_no_daemon_fails_the_same_way_in_every_command(
@@ -337,6 +471,59 @@ def test_no_daemon_fails_the_same_way_in_every_command(
     out, err = capsys.readouterr()
     assert err == f"kvtierctl: kvtierd is not running (no daemon on {socket})\n"
     assert out == ""
+
+
+#: Every command that takes --json, with what it needs besides.
+JSON_COMMANDS = [
+    ["status"],
+    ["stats"],
+    ["stats", "--namespace", "chat"],
+    ["ls"],
+    ["ls", "--keys", "chat"],
+    ["flush"],
+    ["evict"],
+    ["evict", "--namespace", "chat"],
+    ["forget", "--namespace", "chat", "00"],
+    ["forget", "--namespace", "chat", "--all"],
+    ["doctor"],
+    ["pool", "status"],
+    ["top", "--iterations", "1"],
+]
+
+
+@pytest.mark.parametrize("command", JSON_COMMANDS)
+def test_json_commands_print_one_document_without_a_daemon(
+    tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    socket = tmp_path / "absent.sock"
+    assert main([*command, "--json", "--socket", str(socket)]) == 1
+    out, err = capsys.readouterr()
+    assert err == ""
+    document = json.loads(out)
+    assert document["error"] == f"kvtierd is not running (no daemon on {socket})"
+    if command != ["status"]:
+        assert document["errno"] == "ECONNREFUSED"
+
+
+def test_every_json_command_is_audited() -> None:
+    """A command that gains --json must be added to JSON_COMMANDS above."""
+    parser = build_parser()
+    group = parser._subparsers._group_actions[0]  # type: ignore[union-attr]
+    commands = cast(dict[str, argparse.ArgumentParser], group.choices)
+    with_json = set()
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if "--json" in action.option_strings:
+                with_json.add(name)
+            if action.dest == "pool_command":
+                choices = cast(dict[str, argparse.ArgumentParser], action.choices)
+                with_json |= {
+                    f"pool {n}"
+                    for n, p in choices.items()
+                    if any("--json" in a.option_strings for a in p._actions)
+                }
+    listed = {c[0] if c[0] != "pool" else " ".join(c[:2]) for c in JSON_COMMANDS}
+    assert with_json - {"pool"} == listed | {"pool check"}
 
 
 def test_status_json_without_daemon_says_not_ready(tmp_path: Path) -> None:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvtierd.cli.ctl_records import (
+    Rates,
+    TopState,
     hit_ratio,
+    namespace_stats_record,
     not_ready_record,
     rates_between,
     stats_record,
     status_record,
+    top_record,
 )
 from kvtierd.cli.ctl_views import format_bytes, format_duration, format_ratio
 
@@ -65,6 +70,71 @@ def test_no_rates_across_a_restart_or_without_elapsed_time() -> None:
     assert rates_between(busy, busy) is None
 
 
+def test_the_hit_ratio_is_the_intervals_not_the_lifetimes() -> None:
+    before = _stats(10.0, _tier("dram", hits=900, misses=100), _tier("nvme", hits=5))
+    after = _stats(11.0, _tier("dram", hits=901, misses=103), _tier("nvme", hits=5))
+    rates = rates_between(before, after)
+    assert rates is not None
+    assert rates.tiers["dram"].hit_ratio == 0.25  # 1 of 4 reads this second; lifetime ~0.9
+    assert rates.tiers["nvme"].hit_ratio is None  # no reads this second
+
+
+def test_the_samplers_own_requests_are_not_counted() -> None:
+    idle_before, idle_after = _stats(1.0, requests=40), _stats(2.0, requests=41)
+    rates = rates_between(idle_before, idle_after, own_requests=1)
+    assert rates is not None
+    assert rates.requests == 0.0
+    busy = rates_between(idle_before, _stats(3.0, requests=52), own_requests=2)
+    assert busy is not None
+    assert busy.requests == 5.0  # 12 requests in 2 s, 2 of them the sampler's
+    assert rates_between(idle_before, idle_before | {"uptime_s": 2.0}, own_requests=3) == Rates(
+        1.0, 0.0, 0.0, 0.0, {}
+    )
+
+
+def test_top_records_carry_the_state_rates_and_raw_counters() -> None:
+    socket = Path("/run/kvtierd/kvtierd.sock")
+    before = _stats(1.0, _tier("dram", hits=1, misses=1), requests=3)
+    after = _stats(3.0, _tier("dram", hits=5, misses=1), requests=10)
+    rates = rates_between(before, after, own_requests=1)
+    line = top_record(TopState.CONNECTED, socket, after, rates, None)
+    assert json.loads(json.dumps(line)) == line  # one JSON line
+    assert line["state"] == "connected"
+    assert line["rates"]["requests"] == 3.0
+    assert line["rates"]["interval_s"] == 2.0
+    assert line["rates"]["tiers"]["dram"] == {
+        "hits": 2.0,
+        "misses": 0.0,
+        "evictions": 0.0,
+        "read_bytes": 0.0,
+        "written_bytes": 0.0,
+        "hit_ratio": 1.0,
+    }
+    assert line["stats"]["requests"] == 10
+    assert line["stats"]["tiers"][0]["hit_ratio"] == 5 / 6  # the raw record's lifetime ratio
+    waiting = top_record(TopState.RESTARTING, socket, after, None, "connection lost")
+    assert (waiting["state"], waiting["rates"], waiting["reason"]) == (
+        "restarting",
+        None,
+        "connection lost",
+    )
+
+
+def test_namespace_stats_in_tokens_only_with_a_layout() -> None:
+    info = {
+        "ns": 2,
+        "layout": {"block_tokens": 16},
+        "lookup_blocks": 10,
+        "hit_blocks": 4,
+        "read_blocks": 4,
+        "committed_blocks": 6,
+    }
+    record = namespace_stats_record(info)
+    assert (record["hit_ratio"], record["hit_tokens"], record["committed_tokens"]) == (0.4, 64, 96)
+    bare = namespace_stats_record(info | {"layout": None, "lookup_blocks": 0})
+    assert (bare["hit_ratio"], bare["hit_tokens"]) == (None, None)
+
+
 def test_a_tier_that_appears_between_samples_has_no_rates_yet() -> None:
     rates = rates_between(_stats(1.0, _tier("dram")), _stats(2.0, _tier("dram"), _tier("nvme")))
     assert rates is not None
@@ -93,9 +163,11 @@ def test_status_records_say_whether_the_daemon_is_ready() -> None:
     ]
     assert not_ready_record(socket, "down") == {
         "ready": False,
+        "starting": False,
         "socket": str(socket),
         "error": "down",
     }
+    assert not_ready_record(socket, "starting: scanning", starting=True)["starting"] is True
 
 
 @pytest.mark.parametrize(("hits", "misses", "expected"), [(0, 0, None), (1, 3, 0.25), (5, 0, 1.0)])

@@ -13,6 +13,7 @@ from kvtierd.protocol import (
     RequestReceived,
     ServerConnection,
 )
+from kvtierd.protocol.frames import PROTOCOL_MINOR
 from kvtierd.protocol.messages import InitReply, InitRequest
 
 __all__ = ["INIT_REPLY", "Outcome", "drain", "handshake", "init_frame"]
@@ -25,7 +26,8 @@ Outcome = tuple[list[object], object]
 
 
 def init_frame(client: ClientConnection, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
-    return client.request(InitRequest(1, 0, max_frame_bytes, "test"))[1]
+    """A current client's INIT (its minor decides which reply fields the server sends)."""
+    return client.request(InitRequest(1, PROTOCOL_MINOR, max_frame_bytes, "test"))[1]
 
 
 def handshake(

@@ -99,7 +99,7 @@ def test_classes_that_do_not_travel_arrive_as_their_wire_class(
     assert type(_error_reply(raised).error) is received
 
 
-@pytest.mark.parametrize("wire", [-9999, -errno.EAGAIN, 7])
+@pytest.mark.parametrize("wire", [-9999, -errno.ENOTTY, 7])
 def test_an_unknown_errno_is_a_storage_io_error(wire: int) -> None:
     assert type(error_from_errno(wire, "")) is StorageIOError
 

@@ -75,6 +75,7 @@ _DEFAULTS: dict[Opcode, Message] = {
     Opcode.EVICT: REQUEST_TYPES[Opcode.EVICT](),
     Opcode.POOL_STATUS: REQUEST_TYPES[Opcode.POOL_STATUS](),
     Opcode.DOCTOR: REQUEST_TYPES[Opcode.DOCTOR](),
+    Opcode.LIST_KEYS: REQUEST_TYPES[Opcode.LIST_KEYS](1),
 }
 
 

@@ -132,10 +132,14 @@ def crash(directory: Path) -> None:
 
 
 def flip(directory: Path, offset: int, mask: int = 0x01) -> None:
+    """Damage as the medium does it: a bit changes, the file's mtime does not (a write would
+    make the snapshot stale, so the next start would scan instead of trusting it)."""
     fd = os.open(directory / DATA_FILE, os.O_RDWR)
     try:
+        before = os.fstat(fd)
         byte = os.pread(fd, 1, offset)[0]
         os.pwrite(fd, bytes([byte ^ mask]), offset)
+        os.utime(fd, ns=(before.st_atime_ns, before.st_mtime_ns))
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -1,0 +1,122 @@
+"""Whether the daemon is alive, and whether it serves: what ``/health``, ``/ready`` and a client
+that connects too early are told.
+
+Theory of operation. The daemon goes through three phases, :class:`DaemonPhase`: ``starting``
+(the socket is bound, the store is opening: every connection gets the ``EAGAIN`` fatal frame of
+:class:`~kvtierd.errors.StartingError` saying how far the opening has come), ``serving``, and
+``stopping`` (from SIGTERM on). Only the event loop changes the phase; the probe endpoint's
+threads read it (one attribute, replaced whole).
+
+Liveness is a heartbeat: a task on the event loop calls :meth:`Readiness.beat` every
+:data:`BEAT_S`; a thread that finds the last beat older than :data:`STALE_S` knows the loop is
+blocked (or dead) without touching it. Being alive says nothing about serving: a daemon
+pre-faulting its arena for a minute is alive and not ready.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtierd.errors import StartingError
+from kvtierd.store.lifecycle import OpenProgress
+
+if TYPE_CHECKING:
+    from kvtierd.server.daemon import Daemon
+
+__all__ = ["BEAT_S", "STALE_S", "DaemonPhase", "PoolView", "Readiness", "Verdict"]
+
+#: How often the event loop beats the heartbeat.
+BEAT_S = 0.5
+#: A heartbeat older than this means the event loop is blocked: ``/health`` answers 503.
+STALE_S = 5.0
+
+
+class DaemonPhase(enum.StrEnum):
+    STARTING = "starting"
+    SERVING = "serving"
+    STOPPING = "stopping"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """The pool's state as the last snapshot saw it (``state`` as ``kvtierctl pool status``)."""
+
+    state: str
+    reason: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One probe's answer: ``ok`` gives HTTP 200, else 503; :meth:`body` is its JSON line."""
+
+    ok: bool
+    status: str
+    reason: str
+
+    def body(self) -> bytes:
+        return (json.dumps({"status": self.status, "reason": self.reason}) + "\n").encode()
+
+
+class Readiness:
+    """The daemon's phase, its store's opening progress, and the event loop's heartbeat."""
+
+    def __init__(self, progress: OpenProgress | None = None) -> None:
+        self.progress = progress if progress is not None else OpenProgress()
+        self.phase = DaemonPhase.STARTING
+        #: The running daemon, once the store is open (``None`` while starting).
+        self.daemon: Daemon | None = None
+        #: What the last metrics snapshot saw of the pool; ``None``: no pool configured.
+        self.pool: PoolView | None = None
+        self.socket = ""
+        self._last_beat_s = time.monotonic()
+
+    # -- written by the event loop -----------------------------------------------------------
+
+    def beat(self) -> None:
+        self._last_beat_s = time.monotonic()
+
+    def serve(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.socket = str(daemon.config.socket_path)
+        self.phase = DaemonPhase.SERVING
+
+    def stop(self) -> None:
+        self.phase = DaemonPhase.STOPPING
+
+    # -- read from anywhere ------------------------------------------------------------------
+
+    def starting_error(self) -> StartingError:
+        """What a connection made while starting is told (its fatal frame)."""
+        return StartingError(f"starting: {self.progress.describe()}")
+
+    def heartbeat_age_s(self) -> float:
+        return max(0.0, time.monotonic() - self._last_beat_s)
+
+    def health(self) -> Verdict:
+        """``/health``: the process and its event loop are alive."""
+        age_s = self.heartbeat_age_s()
+        if age_s > STALE_S:
+            return Verdict(False, "blocked", f"event loop blocked for {age_s:.0f} s")
+        return Verdict(True, "ok", f"event loop alive ({self.phase.value})")
+
+    def ready(self) -> Verdict:
+        """``/ready``: start-up finished, serving, not stopping. A pool that is configured and
+        not attached leaves the daemon ready (it serves from its local tiers), degraded."""
+        phase = self.phase
+        if phase is DaemonPhase.STARTING:
+            return Verdict(False, "starting", f"starting: {self.progress.describe()}")
+        if phase is DaemonPhase.STOPPING:
+            return Verdict(False, "stopping", "stopping: draining connections, writing back")
+        pool = self.pool
+        serving = f"serving on {self.socket}"
+        if pool is None:
+            return Verdict(True, "ready", serving)
+        if pool.state == "attached":
+            return Verdict(True, "ready", f"{serving}; pool attached (epoch {pool.epoch})")
+        why = f" ({pool.reason})" if pool.reason else ""
+        return Verdict(True, "degraded", f"{serving} from the local tiers; pool {pool.state}{why}")
