@@ -10,8 +10,6 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import humanfriendly
-
 __all__ = ["CheckStatus", "Fault", "HostCheck", "exit_status", "render", "size_text"]
 
 
@@ -43,8 +41,13 @@ class HostCheck:
 
 
 def size_text(nbytes: int) -> str:
-    """``1.5 GiB``, ``512 MiB``, ``8 KiB``, ``100 bytes``."""
-    return humanfriendly.format_size(nbytes, binary=True)
+    """``1.5 GiB``, ``512 MiB``, ``8 KiB``."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            value = nbytes / (1 << shift)
+            exact = value == int(value) or value >= 100
+            return f"{value:.0f} {unit}" if exact else f"{value:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 def exit_status(checks: Iterable[HostCheck]) -> int:
