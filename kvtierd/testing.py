@@ -18,7 +18,32 @@ from pathlib import Path
 from kvtierd.client import DaemonNotRunningError, StartingError, connect
 from kvtierd.config import default_data_dir, default_socket_path
 
-__all__ = ["DaemonProcess"]
+__all__ = ["DaemonProcess", "wait_until_serving"]
+
+
+def wait_until_serving(
+    socket: Path, process: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 30.0
+) -> None:
+    """Return once the daemon at ``socket`` answers INIT as a serving daemon.
+
+    The socket is bound before the store opens, so a bound socket is not yet a ready daemon: until
+    it is, connections get :class:`~kvtierd.errors.StartingError`. Raises ``RuntimeError`` with the
+    log if ``process`` exits or ``timeout_s`` passes first; any other answer propagates.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log = log_path.read_text(errors="replace") if log_path.exists() else ""
+            raise RuntimeError(f"kvtierd exited with {process.returncode}:\n{log}")
+        try:
+            with connect(socket, timeout_s=5):
+                return
+        except (DaemonNotRunningError, StartingError):  # not bound yet, or still starting
+            time.sleep(0.05)
+        except ConnectionError:  # a start that failed closes the socket: poll() says so
+            time.sleep(0.05)
+    log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    raise RuntimeError(f"kvtierd did not become ready in {timeout_s} s:\n{log}")
 
 
 class DaemonProcess:
@@ -68,22 +93,12 @@ class DaemonProcess:
                 stderr=log,
                 env=env,
             )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvtierd exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                with connect(self.socket, timeout_s=5):
-                    return self
-            except (DaemonNotRunningError, StartingError):  # not bound yet, or still starting
-                time.sleep(0.05)
-            except ConnectionError:  # a start that failed closes the socket: poll() says so
-                time.sleep(0.05)
-            except BaseException:  # it answered, but not as a ready daemon: do not leave it
-                self.kill()
-                raise
-        self.kill()
-        raise RuntimeError(f"kvtierd did not become ready in {timeout_s} s:\n{self.log()}")
+        try:
+            wait_until_serving(self.socket, self.process, self.log_path, timeout_s)
+        except BaseException:  # it did not become ready, or answered oddly: do not leave it
+            self.kill()
+            raise
+        return self
 
     def log(self) -> str:
         try:

@@ -25,13 +25,13 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from kvtierd.config import Config, default_data_dir, default_socket_path, load_config
+from kvtierd.testing import wait_until_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "systemd"
@@ -503,7 +503,7 @@ def test_daemon_serves_inside_the_unit_sandbox() -> None:
             cwd=work,
         )
     try:
-        _wait_for_socket(sock, proc, log)
+        wait_until_serving(sock, proc, log)
         _exercise(sock)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             assert b"kvtierd_requests_total" in reply.read()
@@ -527,14 +527,6 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def _wait_for_socket(sock: Path, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while not sock.is_socket():
-        assert proc.poll() is None, f"daemon exited {proc.returncode}:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"no socket after 30 s:\n{log.read_text()}"
-        time.sleep(0.05)
 
 
 def _exercise(sock: Path) -> None:

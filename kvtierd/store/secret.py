@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from kvtierd.errors import ConfigError, NoSpaceError, StorageIOError
@@ -30,10 +31,13 @@ def load_secret(path: Path) -> bytes:
     except FileNotFoundError:
         pass
     secret = os.urandom(SECRET_BYTES)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        # A name of its own (mode 0600): hosts that share the file may make it at the same moment,
+        # and one's clean-up must not remove the other's half before it is linked.
+        fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        tmp = Path(name)
         try:
             os.fchmod(fd, 0o600)
             os.write(fd, secret)
@@ -48,8 +52,9 @@ def load_secret(path: Path) -> bytes:
             tmp.unlink(missing_ok=True)
         fsync_directory(path.parent)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
         if exc.errno in (28, 122):  # ENOSPC, EDQUOT
             raise NoSpaceError(f"cannot write the key secret {path}: no space left") from exc
         raise StorageIOError(f"cannot write the key secret {path}: {exc.strerror}") from exc

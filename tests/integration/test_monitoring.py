@@ -385,6 +385,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 made = Stack(redis, daemon, f"http://127.0.0.1:{metrics_port}/metrics", prometheus)
                 wait_for("the pool did not attach", lambda: _pool_up(made), made.diagnose)
                 _serve_some_requests(daemon)
+                # The registry is refreshed from the store once a second: wait for the requests.
+                wait_for("the requests are not counted", lambda: _counted(made), made.diagnose)
                 yield made
             finally:
                 prometheus.stop()
@@ -392,6 +394,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def _pool_up(stack: Stack) -> bool | None:
     return True if re.search(r"^kvtierd_pool_up 1\.0$", stack.scrape(), re.M) else None
+
+
+def _counted(stack: Stack) -> bool | None:
+    served = r'^kvtierd_namespace_read_bytes_total\{namespace="monitoring"\} [1-9]'
+    return True if re.search(served, stack.scrape(), re.M) else None
 
 
 def _serve_some_requests(daemon: DaemonProcess) -> None:
