@@ -5,8 +5,8 @@ Both speak the same protocol with the same semantics; every daemon errno raises 
 """
 
 from kvtierd.client.aio import AsyncClient, AsyncNamespace, connect_async
-from kvtierd.client.base import Reconnect
 from kvtierd.client.blocks import BlockLease, BlockWrite
+from kvtierd.client.reconnect import Reconnect
 from kvtierd.client.sync import Client, Namespace, connect
 from kvtierd.errors import (
     AccessDeniedError,

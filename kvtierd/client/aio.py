@@ -8,16 +8,17 @@ A caller cancelled while it waits does not leak what the daemon already granted:
 it abandoned carried a lease or an allocation, the reader hands it to a janitor task that
 releases the lease or aborts the write.
 
-With a :class:`~kvtierd.client.base.Reconnect` policy a broken connection is replaced by the
+With a :class:`~kvtierd.client.reconnect.Reconnect` policy a broken connection is replaced by the
 first call that meets it (the others wait on a lock): a new stream is connected, INIT and the
-OPEN_NS of every namespace still held are exchanged on it before any reader task runs, and only
+OPEN_NS of every namespace still held (:func:`~kvtierd.client.reconnect.reopen_namespaces`)
+are exchanged on it before any reader task runs, and only
 then does it become the client's, so no request ever carries an old namespace id. Everything
 granted on a connection (leases, writes, janitor work) is tagged with its number
 (``reconnects``) and dropped, never sent, once that connection is gone.
 
 The module is past 600 lines because the transport (pipelining, cancellation, reconnecting)
-and the API methods share one connection's state; the sans-IO half lives in ``ops`` and
-``base``.
+and the API methods share one connection's state; the sans-IO half lives in ``ops``, ``base`` and
+``reconnect``.
 """
 
 from __future__ import annotations
@@ -37,33 +38,34 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from kvtierd.client import ops
 from kvtierd.client.arena import ClientArena
 from kvtierd.client.base import (
-    RECONNECTABLE,
     NamespaceBase,
     NamespaceHandle,
-    Reconnect,
     Regions,
     as_dict,
     check_init,
     check_socket_path,
     closed_error,
     connect_error,
-    gave_up,
     handle_of,
     in_flight_error,
     init_request,
-    lost_lease_error,
     message_of,
     namespace_request,
-    reopened_handle,
-    replaced_region_error,
     resolve_socket,
 )
 from kvtierd.client.blocks import BlockLease, BlockWrite, release_views
+from kvtierd.client.reconnect import (
+    RECONNECTABLE,
+    Reconnect,
+    gave_up,
+    lost_lease_error,
+    reopen_namespaces,
+    replaced_region_error,
+)
 from kvtierd.errors import (
     BrokenConnectionError,
     CorruptBlockError,
     KvtierError,
-    RemoteProtocolError,
 )
 from kvtierd.protocol import (
     NEED_DATA,
@@ -363,34 +365,22 @@ class AsyncClient:
     async def _reopen_namespaces(
         self, stream: UNIXSocketStream, conn: ClientConnection, regions: Regions
     ) -> list[tuple[AsyncNamespace, NamespaceHandle]]:
-        handles: list[tuple[AsyncNamespace, NamespaceHandle]] = []
-        opened: dict[OpenNsRequest, NamespaceHandle | KvtierError] = {}
-        for ns in list(self._namespaces):
-            if ns.lost is not None:
-                continue
-            request = ns.handle.request
-            if request not in opened:
+        """Drive :func:`~kvtierd.client.reconnect.reopen_namespaces` on the new ``stream``."""
+        op = reopen_namespaces(self._namespaces, regions)
+        try:
+            request = next(op)
+            while True:
                 fds: list[int] = []
                 try:
-                    event = await _exchange_unread(stream, conn, request, fds)
-                    reply = message_of(event)
-                    if not isinstance(reply, OpenNsReply):
-                        raise RemoteProtocolError("OPEN_NS was not answered with OPEN_NS")
-                    regions.adopt(reply, fds[:1])
-                    _close_all(fds[1:])
-                    opened[request] = handle_of(request, reply)
-                except RECONNECTABLE:
-                    _close_all(fds)
-                    raise
+                    reply = message_of(await _exchange_unread(stream, conn, request, fds))
                 except KvtierError as exc:
                     _close_all(fds)
-                    opened[request] = exc
-            handle = reopened_handle(ns.handle, opened[request])
-            if isinstance(handle, KvtierError):
-                ns.lost = handle
-            else:
-                handles.append((ns, handle))
-        return handles
+                    request = op.throw(exc)
+                else:
+                    request = op.send((reply, fds))
+        except StopIteration as stop:
+            handles: list[tuple[AsyncNamespace, NamespaceHandle]] = stop.value
+            return handles
 
     async def _retrying(
         self,
@@ -616,7 +606,8 @@ class AsyncClient:
         :meth:`namespaces`) in byte order after ``after``, as ``{"keys": [{"key", "dram",
         "nvme", "pool", "raw_bytes", "dirty"}, ...], "more", "blocks"}``. While ``more``, the
         last key is the next page's ``after``; see ``docs/protocol.md`` for what a pager sees
-        when keys change meanwhile."""
+        when keys change meanwhile. It never reconnects: ``ns`` is an id of the daemon it was
+        listed from, which a restarted daemon may give another namespace (list them again)."""
         reply = await self.run(ops.list_keys(ns, after, limit, self.daemon_minor))
         result: dict[str, Any] = as_dict(reply)
         return result

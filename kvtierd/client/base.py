@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -30,7 +30,6 @@ from kvtierd.errors import (
     InvalidRequestError,
     KvtierError,
     RemoteProtocolError,
-    StartingError,
 )
 from kvtierd.layouts import layout_block_bytes
 from kvtierd.protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, ReplyReceived
@@ -62,7 +61,6 @@ ClientT = TypeVar("ClientT", bound=ClientState)
 __all__ = [
     "NamespaceBase",
     "NamespaceHandle",
-    "Reconnect",
     "as_dict",
     "closed_error",
     "connect_error",
@@ -75,38 +73,6 @@ __all__ = [
 
 #: The longest path ``connect`` can take: ``sun_path`` holds 108 bytes with the NUL.
 MAX_SOCKET_PATH_BYTES = 107
-
-
-@dataclass(frozen=True, slots=True)
-class Reconnect:
-    """How a client reconnects when its connection to the daemon breaks (a restart): up to
-    ``attempts`` connections, the first at once, then after ``first_backoff_s``, doubling up to
-    ``max_backoff_s``. Pass to ``connect(reconnect=...)`` / ``connect_async(reconnect=...)``;
-    what is retried and what is not is in ``docs/client.md`` ("Reconnecting")."""
-
-    attempts: int = 10
-    first_backoff_s: float = 0.05
-    max_backoff_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.attempts <= 1000:
-            raise InvalidRequestError(f"reconnect attempts must be 1..1000, not {self.attempts}")
-        if not 0 <= self.first_backoff_s <= self.max_backoff_s <= 60:
-            raise InvalidRequestError(
-                "reconnect backoff needs 0 <= first_backoff_s <= max_backoff_s <= 60"
-            )
-
-    def delays(self) -> Iterator[float]:
-        """The wait before each attempt, ``attempts`` of them."""
-        delay = self.first_backoff_s
-        yield 0.0
-        for _ in range(self.attempts - 1):
-            yield delay
-            delay = min(delay * 2, self.max_backoff_s)
-
-
-#: What a reconnecting client tries again: the daemon is away, or not ready yet.
-RECONNECTABLE = (BrokenConnectionError, StartingError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,41 +358,6 @@ def connect_error(path: Path, exc: OSError) -> KvtierError:
     if exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
         return DaemonNotRunningError(f"kvtierd is not running (no daemon on {path})")
     return DaemonNotRunningError(f"cannot connect to {path}: {exc.strerror or exc}")
-
-
-def reopened_handle(
-    old: NamespaceHandle, reply: NamespaceHandle | KvtierError
-) -> NamespaceHandle | KvtierError:
-    """The handle of a namespace a reconnected client opened again, or why it cannot be
-    used: the keys a caller made with the old salt would name other blocks."""
-    if isinstance(reply, KvtierError):
-        return type(reply)(f"namespace {old.name!r} could not be opened again: {reply}")
-    if reply.key_salt != old.key_salt:
-        return InvalidRequestError(
-            f"the restarted daemon gives namespace {old.name!r} another key salt (its secret "
-            "changed): keys made before are not its keys; open it again"
-        )
-    return reply
-
-
-def gave_up(last: KvtierError, policy: Reconnect) -> KvtierError:
-    """What a client raises when ``policy``'s attempts to reconnect all failed (``last``: the
-    last attempt's error; its class, so ``DaemonNotRunningError`` stays catchable)."""
-    return type(last)(f"{last} (gave up reconnecting after {policy.attempts} attempts)")
-
-
-def replaced_region_error() -> BrokenConnectionError:
-    return BrokenConnectionError(
-        "this region was mapped for the connection before the client reconnected to a "
-        "restarted daemon: use the namespace's arena again"
-    )
-
-
-def lost_lease_error() -> BrokenConnectionError:
-    return BrokenConnectionError(
-        "this lease ended with the connection it was taken on (the client reconnected to a "
-        "restarted daemon): lease the blocks again"
-    )
 
 
 def in_flight_error(blocks: int) -> BrokenConnectionError:

@@ -15,11 +15,12 @@ and ``_call`` for single requests, takes one. The exception is :meth:`Client.rel
 which a finalizer may call inside a turn on its own thread: it never waits for the lock, and
 the turn in progress sends what it queued.
 
-With a :class:`~kvtierd.client.base.Reconnect` policy, a turn that finds the connection broken
-replaces it before its call runs (INIT, then OPEN_NS of every namespace still held, on the new
-socket), so the call is made with the new namespace ids; leases and queued RELEASEs of the old
-connection are dropped, never sent. The module is past 600 lines for the same reason as the
-async one: transport and API share one connection's state.
+With a :class:`~kvtierd.client.reconnect.Reconnect` policy, a turn that finds the connection
+broken replaces it before its call runs (INIT, then OPEN_NS of every namespace still held, on
+the new socket: :func:`~kvtierd.client.reconnect.reopen_namespaces`), so the call is made with
+the new namespace ids; leases and queued RELEASEs of the old connection are dropped, never sent.
+The module is past 600 lines for the same reason as the async one: transport and API share one
+connection's state.
 """
 
 from __future__ import annotations
@@ -40,10 +41,8 @@ from typing import Any, TypeVar
 from kvtierd.client import ops
 from kvtierd.client.arena import ClientArena
 from kvtierd.client.base import (
-    RECONNECTABLE,
     NamespaceBase,
     NamespaceHandle,
-    Reconnect,
     Regions,
     as_dict,
     broken_error,
@@ -51,18 +50,22 @@ from kvtierd.client.base import (
     check_socket_path,
     closed_error,
     connect_error,
-    gave_up,
     handle_of,
     in_flight_error,
     init_request,
-    lost_lease_error,
     message_of,
     namespace_request,
-    reopened_handle,
-    replaced_region_error,
     resolve_socket,
 )
 from kvtierd.client.blocks import BlockLease, BlockWrite, release_views
+from kvtierd.client.reconnect import (
+    RECONNECTABLE,
+    Reconnect,
+    gave_up,
+    lost_lease_error,
+    reopen_namespaces,
+    replaced_region_error,
+)
 from kvtierd.errors import (
     BrokenConnectionError,
     ClosedError,
@@ -328,32 +331,22 @@ class Client:
         self.reconnects += 1
 
     def _reopen_namespaces(self, regions: Regions) -> list[tuple[Namespace, NamespaceHandle]]:
-        """OPEN_NS every live namespace again on the new connection; one the restarted daemon
-        will not give back (or gives another key salt) is marked ``lost``."""
-        handles: list[tuple[Namespace, NamespaceHandle]] = []
-        opened: dict[OpenNsRequest, NamespaceHandle | KvtierError] = {}
-        for ns in list(self._namespaces):
-            if ns.lost is not None:
-                continue
-            request = ns.handle.request
-            if request not in opened:
+        """Drive :func:`~kvtierd.client.reconnect.reopen_namespaces` on the new connection."""
+        op = reopen_namespaces(self._namespaces, regions)
+        try:
+            request = next(op)
+            while True:
                 fds: list[int] = []
                 try:
                     reply = self._exchange(request, fds=fds)
-                    regions.adopt(_open_ns_reply(reply), fds)
-                    opened[request] = handle_of(request, reply)
-                except RECONNECTABLE:
-                    _close_all(fds)
-                    raise
                 except KvtierError as exc:
                     _close_all(fds)
-                    opened[request] = exc
-            handle = reopened_handle(ns.handle, opened[request])
-            if isinstance(handle, KvtierError):
-                ns.lost = handle
-            else:
-                handles.append((ns, handle))
-        return handles
+                    request = op.throw(exc)
+                else:
+                    request = op.send((reply, fds))
+        except StopIteration as stop:
+            handles: list[tuple[Namespace, NamespaceHandle]] = stop.value
+            return handles
 
     def _drive(self, op: ops.Op[T]) -> T:
         try:
@@ -511,7 +504,8 @@ class Client:
         :meth:`namespaces`) in byte order after ``after``, as ``{"keys": [{"key", "dram",
         "nvme", "pool", "raw_bytes", "dirty"}, ...], "more", "blocks"}``. While ``more``, the
         last key is the next page's ``after``; see ``docs/protocol.md`` for what a pager sees
-        when keys change meanwhile."""
+        when keys change meanwhile. It never reconnects: ``ns`` is an id of the daemon it was
+        listed from, which a restarted daemon may give another namespace (list them again)."""
         reply = self.run(ops.list_keys(ns, after, limit, self.daemon_minor))
         result: dict[str, Any] = as_dict(reply)
         return result

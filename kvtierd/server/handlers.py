@@ -162,28 +162,8 @@ async def lookup(session: Session, header: RequestHeader, msg: LookupRequest) ->
     return LookupReply(hits, tiers)
 
 
-#: What a READ's blocks came from, shallowest first (the metrics' ``tier`` label).
-_TIERS = ("dram", "nvme", "pool")
-
-
-def _deepest_tier(session: Session, ns: Namespace, keys: list[bytes]) -> str:
-    """The deepest tier holding a block of ``keys`` now: where this READ will be served from
-    (``"none"`` when a key is not stored: the READ fails)."""
-    index = session.daemon.store.index
-    depth = 0
-    for key in keys:
-        block = index.get(ns, key)
-        if block is None:
-            return "none"
-        if block.dram is None:
-            depth = max(depth, 1 if block.lower is not None else 2)
-    return _TIERS[depth]
-
-
 async def read(session: Session, header: RequestHeader, msg: ReadRequest) -> Message:
     ns = _namespace(session, header)
-    if session.daemon.timings is not None:
-        session.read_tiers[header.unique] = _deepest_tier(session, ns, msg.keys)
     lease = await session.daemon.store.read(session.owner, ns, msg.keys)
     _count_read(ns, lease)
     return ReadReply(lease.id, _extents(lease))

@@ -483,7 +483,8 @@ class RequestTimings:
             "kvtierd_request_duration_seconds",
             "Time from a request's dispatch to its reply being ready (not the peer's reading "
             "of it), by opcode; READ also by tier, the deepest its blocks came from (dram, "
-            'nvme, pool; "none": a key was not stored); tier is empty for other opcodes.',
+            'nvme, pool; "none": the READ failed, e.g. a key was not stored); tier is empty '
+            "for other opcodes.",
             ["opcode", "tier"],
             registry=registry,
             buckets=DURATION_BUCKETS_S,

@@ -43,7 +43,7 @@ from kvtierd.protocol import (
     ServerConnection,
     ServerState,
 )
-from kvtierd.protocol.messages import ReadRequest
+from kvtierd.protocol.messages import Message, ReadReply, ReadRequest
 from kvtierd.server.handlers import HANDLERS
 from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import PeerCredentials
@@ -100,8 +100,6 @@ class Session:
         self.namespaces: set[int] = set()
         #: Descriptors to pass with the reply to request ``unique``.
         self.reply_fds: dict[int, list[int]] = {}
-        #: The tier a READ in flight is served from (``read`` sets it when requests are timed).
-        self.read_tiers: dict[int, str] = {}
         self.requests = 0
         self.closing = False
         self._permits = anyio.Semaphore(daemon.config.daemon.max_inflight)
@@ -220,6 +218,7 @@ class Session:
         self.requests += 1
         fds: list[int] = []
         started = time.perf_counter()
+        reply: Message | None = None
         try:
             reply = await HANDLERS[Opcode(header.opcode)](self, header, event.message)
             fds = self.reply_fds.pop(header.unique, [])
@@ -235,14 +234,13 @@ class Session:
             self.reply_fds.pop(header.unique, None)
             frame = self.conn.reply_error(header, StorageIOError(f"internal error: {exc}"))
         except BaseException:
-            self.read_tiers.pop(header.unique, None)
             if permit:
                 self._permits.release()
             raise
         timings = self.daemon.timings
-        tier = self.read_tiers.pop(header.unique, "")
         if timings is not None:  # dispatch to reply ready, failures included
-            timings.observe(header.opcode, tier, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            timings.observe(header.opcode, self._tier_of(header.opcode, reply), elapsed)
         try:
             await self._send(frame, fds)
         finally:
@@ -250,6 +248,14 @@ class Session:
             # permits, and its reader stops, instead of piling up tasks and frames
             if permit:
                 self._permits.release()
+
+    def _tier_of(self, opcode: int, reply: Message | None) -> str:
+        """The request-duration histogram's ``tier``: for READ the deepest tier its lease was
+        loaded from ("none" when it failed), else empty."""
+        if opcode != Opcode.READ:
+            return ""
+        lease = self.owner.leases.get(reply.lease) if isinstance(reply, ReadReply) else None
+        return lease.source if lease is not None else "none"
 
     async def _send(self, frame: bytes, fds: list[int] | None = None) -> None:
         """Write one reply; replies of concurrent handlers go out whole, in completion order.

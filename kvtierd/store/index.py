@@ -71,6 +71,9 @@ class Block:
 class Lease:
     id: int
     blocks: list[Block]
+    #: The deepest tier a block of it was loaded from to serve the read: "dram" (all were
+    #: resident), "nvme" or "pool" (what the request-duration histogram labels it by).
+    source: str = "dram"
 
 
 @dataclass(eq=False, slots=True)

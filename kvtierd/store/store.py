@@ -281,6 +281,10 @@ class BlockStore:
         try:
             missing = [(b, c) for b, c in zip(blocks, contexts, strict=True) if not b.resident]
             self._count(ns, "dram_hits", len(blocks) - len(missing))
+            # Where the slowest block comes from, decided before loading moves it to DRAM.
+            source = "dram" if not missing else "nvme"
+            if any(b.lower is None for b, _ in missing):
+                source = "pool"
             if missing:  # DRAM hits need no task: the common case stays cheap
                 self.demand_promotions += 1
                 try:
@@ -292,7 +296,9 @@ class BlockStore:
             for block in blocks:
                 self._unpin(block)
             raise
-        return self._lease(owner, blocks, contexts)
+        lease = self._lease(owner, blocks, contexts)
+        lease.source = source
+        return lease
 
     def lease_resident(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease | None:
         """Lease the leading ``keys`` that are in DRAM now, stopping at the first that is not

@@ -21,7 +21,7 @@ from typing import TypeVar
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtierd.client import chain_keys, connect
+from kvtierd.client import BlockNotFoundError, chain_keys, connect
 from kvtierd.testing import DaemonProcess
 from tests.support.redis_server import RedisServer, require_redis_server
 
@@ -204,6 +204,8 @@ def test_requests_tokens_and_transfers_are_counted(stack: Stack) -> None:
         ns.put(keys[:6], [bytes([i]) * BLOCK_BYTES for i in range(6)])
         assert ns.lookup(keys) == 6  # 8 looked up, 6 hit
         ns.read_into(keys[:6], [bytearray(BLOCK_BYTES) for _ in range(6)])
+        with pytest.raises(BlockNotFoundError):
+            ns.read_into(keys[6:7], [bytearray(BLOCK_BYTES)])
         client.fsync()
     after = scrape_when(
         stack.port,
@@ -223,6 +225,7 @@ def test_requests_tokens_and_transfers_are_counted(stack: Stack) -> None:
     # one observation per request, by opcode; the READ under the tier that served it
     assert grew("kvtierd_request_duration_seconds_count", opcode="LOOKUP") == 1
     assert grew("kvtierd_request_duration_seconds_count", opcode="READ", tier="dram") == 1
+    assert grew("kvtierd_request_duration_seconds_count", opcode="READ", tier="none") == 1
     assert grew("kvtierd_request_duration_seconds_count", opcode="FSYNC") == 1
     assert grew("kvtierd_request_duration_seconds_count", opcode="COMMIT") >= 1
     # bytes by direction: in from the client, out to it, down to NVMe (FSYNC waited for it)

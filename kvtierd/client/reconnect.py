@@ -1,0 +1,158 @@
+"""Reconnecting to a restarted daemon, for both clients: the policy and the reopening.
+
+A client given a :class:`Reconnect` policy replaces a broken connection: it connects and sends
+INIT again, then reopens every namespace it still holds *before* any other request uses the new
+connection, so that no request ever carries an old connection's namespace id. What it reopens,
+and what it gives up, is the same in both clients, so it is written once here, sans-IO like
+:mod:`kvtierd.client.ops`: :func:`reopen_namespaces` yields each OPEN_NS request to send and is
+sent back ``(reply, fds)`` (or thrown the error the reply carried); a driver in
+:mod:`kvtierd.client.sync` or :mod:`kvtierd.client.aio` only moves them.
+
+A namespace the restarted daemon refuses, or gives another key salt (its secret changed, so
+keys made before name other blocks), is marked ``lost``: its calls raise why, the other
+namespaces go on. Leases and mapped regions of the old connection end with it (the errors
+below say so to whoever uses them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from kvtierd.client.base import NamespaceHandle, Regions, handle_of
+from kvtierd.errors import (
+    BrokenConnectionError,
+    InvalidRequestError,
+    KvtierError,
+    RemoteProtocolError,
+    StartingError,
+)
+from kvtierd.protocol.messages import Message, OpenNsReply, OpenNsRequest
+
+__all__ = [
+    "RECONNECTABLE",
+    "Reconnect",
+    "Reopenable",
+    "gave_up",
+    "lost_lease_error",
+    "reopen_namespaces",
+    "replaced_region_error",
+]
+
+#: What a reconnecting client tries again: the daemon is away, or not ready yet.
+RECONNECTABLE = (BrokenConnectionError, StartingError)
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnect:
+    """How a client reconnects when its connection to the daemon breaks (a restart): up to
+    ``attempts`` connections, the first at once, then after ``first_backoff_s``, doubling up to
+    ``max_backoff_s``. Pass to ``connect(reconnect=...)`` / ``connect_async(reconnect=...)``;
+    what is retried and what is not is in ``docs/client.md`` ("Reconnecting")."""
+
+    attempts: int = 10
+    first_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.attempts <= 1000:
+            raise InvalidRequestError(f"reconnect attempts must be 1..1000, not {self.attempts}")
+        if not 0 <= self.first_backoff_s <= self.max_backoff_s <= 60:
+            raise InvalidRequestError(
+                "reconnect backoff needs 0 <= first_backoff_s <= max_backoff_s <= 60"
+            )
+
+    def delays(self) -> Iterator[float]:
+        """The wait before each attempt, ``attempts`` of them."""
+        delay = self.first_backoff_s
+        yield 0.0
+        for _ in range(self.attempts - 1):
+            yield delay
+            delay = min(delay * 2, self.max_backoff_s)
+
+
+class Reopenable(Protocol):
+    """A namespace as reopening sees it, sync or async."""
+
+    handle: NamespaceHandle
+    #: Why it cannot be used any more (``None`` while it can).
+    lost: KvtierError | None
+
+
+N = TypeVar("N", bound=Reopenable)
+
+#: Yields OPEN_NS requests, is sent ``(reply, fds)``, returns the new handle of each namespace.
+Reopening = Generator[OpenNsRequest, tuple[Message, list[int]], list[tuple[N, NamespaceHandle]]]
+
+
+def reopen_namespaces(namespaces: Iterable[N], regions: Regions) -> Reopening[N]:
+    """Open every namespace of ``namespaces`` that is not lost again (one OPEN_NS per distinct
+    request), mapping the regions the replies pass into ``regions``. Returns each namespace
+    with its new handle; one that cannot be used again is marked ``lost`` instead. An error
+    after which the new connection is unusable (:data:`RECONNECTABLE`) propagates: the caller
+    tries another connection. The driver closes the descriptors of a reply it throws in."""
+    handles: list[tuple[N, NamespaceHandle]] = []
+    opened: dict[OpenNsRequest, NamespaceHandle | KvtierError] = {}
+    for ns in list(namespaces):
+        if ns.lost is not None:
+            continue
+        request = ns.handle.request
+        if request not in opened:
+            opened[request] = yield from _open_again(request, regions)
+        try:
+            handles.append((ns, _same_keys(ns.handle, opened[request])))
+        except KvtierError as exc:
+            ns.lost = exc
+    return handles
+
+
+def _open_again(
+    request: OpenNsRequest, regions: Regions
+) -> Generator[OpenNsRequest, tuple[Message, list[int]], NamespaceHandle | KvtierError]:
+    try:
+        reply, fds = yield request
+    except RECONNECTABLE:
+        raise
+    except KvtierError as exc:  # refused: this namespace is lost, the others go on
+        return exc
+    if not isinstance(reply, OpenNsReply):
+        for fd in fds:
+            os.close(fd)
+        raise RemoteProtocolError("OPEN_NS was not answered with OPEN_NS")
+    regions.adopt(reply, fds)
+    return handle_of(request, reply)
+
+
+def _same_keys(old: NamespaceHandle, reply: NamespaceHandle | KvtierError) -> NamespaceHandle:
+    """The reopened handle, if the keys a caller made with the old one still name its blocks;
+    raises why the namespace cannot be used otherwise."""
+    if isinstance(reply, KvtierError):
+        raise type(reply)(f"namespace {old.name!r} could not be opened again: {reply}")
+    if reply.key_salt != old.key_salt:
+        raise InvalidRequestError(
+            f"the restarted daemon gives namespace {old.name!r} another key salt (its secret "
+            "changed): keys made before are not its keys; open it again"
+        )
+    return reply
+
+
+def gave_up(last: KvtierError, policy: Reconnect) -> KvtierError:
+    """What a client raises when ``policy``'s attempts to reconnect all failed (``last``: the
+    last attempt's error; its class, so ``DaemonNotRunningError`` stays catchable)."""
+    return type(last)(f"{last} (gave up reconnecting after {policy.attempts} attempts)")
+
+
+def replaced_region_error() -> BrokenConnectionError:
+    return BrokenConnectionError(
+        "this region was mapped for the connection before the client reconnected to a "
+        "restarted daemon: use the namespace's arena again"
+    )
+
+
+def lost_lease_error() -> BrokenConnectionError:
+    return BrokenConnectionError(
+        "this lease ended with the connection it was taken on (the client reconnected to a "
+        "restarted daemon): lease the blocks again"
+    )
