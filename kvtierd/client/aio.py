@@ -53,7 +53,7 @@ from kvtierd.client.base import (
     namespace_request,
     resolve_socket,
 )
-from kvtierd.client.blocks import BlockLease, BlockWrite, release_views
+from kvtierd.client.blocks import BlockLease, BlockWrite, HeldBlocks, release_views
 from kvtierd.client.reconnect import (
     RECONNECTABLE,
     Reconnect,
@@ -102,7 +102,6 @@ from kvtierd.protocol.messages import (
 __all__ = ["AsyncClient", "AsyncNamespace", "connect_async"]
 
 T = TypeVar("T")
-HeldT = TypeVar("HeldT", BlockLease, BlockWrite)
 _RECEIVE_BYTES = 1 << 16
 #: How long a cancelled operation may take to give back what it was granted.
 _UNWIND_S = 5.0
@@ -141,7 +140,7 @@ class AsyncClient:
         #: Namespaces opened on this client and leases taken: a reconnect reopens the
         #: namespaces and invalidates the leases.
         self._namespaces: weakref.WeakSet[AsyncNamespace] = weakref.WeakSet()
-        self._leases: weakref.WeakSet[BlockLease | BlockWrite] = weakref.WeakSet()
+        self._held = HeldBlocks()
         #: How many times the client reconnected.
         self.reconnects = 0
         self._send_lock = anyio.Lock()
@@ -345,7 +344,7 @@ class AsyncClient:
         self._regions = regions
         for ns, handle in handles:
             ns.handle = handle
-        self._lose_leases(lost_lease_error())
+        self._held.lose_all(lost_lease_error())
         self.max_keys, self.daemon_version, self.daemon_minor = (
             init.max_keys,
             init.daemon_version,
@@ -555,19 +554,6 @@ class AsyncClient:
         self._regions.adopt(reply, fds)  # takes the descriptors, even when it raises
         return handle
 
-    def _track(self, lease: HeldT) -> HeldT:
-        """Keep ``lease`` (or write) to invalidate its views if the client reconnects or
-        closes."""
-        self._leases.add(lease)
-        return lease
-
-    def _lose_leases(self, why: KvtierError) -> None:
-        """The connection that granted the tracked leases and writes is gone: their views
-        must not show, or write, bytes the daemon may already have given to another block."""
-        for lease in list(self._leases):
-            lease.lose(why)
-        self._leases.clear()
-
     async def fsync(self) -> int:
         """As :meth:`Client.fsync`: never retried."""
         reply = await self._request(FsyncRequest(), retry=False)
@@ -633,7 +619,7 @@ class AsyncClient:
                 await self._exchange(DestroyRequest(), 0, None)
         self._janitor_send.close()
         await self._stream.aclose()
-        self._lose_leases(closed_error())
+        self._held.lose_all(closed_error())
         self._regions.close()
         _close_all(list(self._received_fds))
         self._received_fds.clear()
@@ -683,7 +669,7 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
 
         leases, extents, reconnects = await c._retrying(take, retry=True, ns=self)
         try:
-            lease = c._track(self._block_lease(keys, extents, partial=resident_only))
+            lease = c._held.track(self._block_lease(keys, extents, partial=resident_only))
         except BaseException:
             await c.release_leases(leases, reconnects)
             raise
@@ -701,7 +687,7 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
         reconnects = c.reconnects
         views = [self.arena.writable(e.offset, e.length) if e.length else None for e in extents]
         try:
-            yield c._track(BlockWrite(list(keys), views))
+            yield c._held.track(BlockWrite(list(keys), views))
         except BaseException:
             release_views(views)
             if c.reconnects == reconnects:  # else the daemon dropped the write already

@@ -10,13 +10,15 @@ may give those bytes to another block.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvtierd.errors import KvtierError
 from kvtierd.protocol.messages import Extent
 
-__all__ = ["BlockLease", "BlockWrite", "release_views"]
+__all__ = ["BlockLease", "BlockWrite", "HeldBlocks", "release_views"]
 
 
 @dataclass(repr=False, eq=False)  # held by identity (a client keeps a weak set)
@@ -103,3 +105,26 @@ def release_views(views: Sequence[memoryview | None]) -> None:
         if view is not None:
             with contextlib.suppress(BufferError):
                 view.release()
+
+
+HeldT = TypeVar("HeldT", BlockLease, BlockWrite)
+
+
+class HeldBlocks:
+    """The leases and writes a client granted on its current connection, held weakly (one the
+    caller dropped needs no invalidating), so that a reconnect or a close ends them all."""
+
+    def __init__(self) -> None:
+        self._held: weakref.WeakSet[BlockLease | BlockWrite] = weakref.WeakSet()
+
+    def track(self, held: HeldT) -> HeldT:
+        """Keep ``held`` to invalidate its views when its connection goes; returns it."""
+        self._held.add(held)
+        return held
+
+    def lose_all(self, why: KvtierError) -> None:
+        """The connection that granted them is gone: their views must not show, or write,
+        bytes the daemon may already have given to another block."""
+        for held in list(self._held):
+            held.lose(why)
+        self._held.clear()

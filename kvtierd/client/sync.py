@@ -57,7 +57,7 @@ from kvtierd.client.base import (
     namespace_request,
     resolve_socket,
 )
-from kvtierd.client.blocks import BlockLease, BlockWrite, release_views
+from kvtierd.client.blocks import BlockLease, BlockWrite, HeldBlocks, release_views
 from kvtierd.client.reconnect import (
     RECONNECTABLE,
     Reconnect,
@@ -99,7 +99,6 @@ from kvtierd.protocol.messages import (
 __all__ = ["Client", "Namespace", "connect"]
 
 T = TypeVar("T")
-HeldT = TypeVar("HeldT", BlockLease, BlockWrite)
 _RECEIVE_BYTES = 1 << 16
 
 
@@ -131,7 +130,7 @@ class Client:
         self.reconnect = reconnect
         #: Namespaces opened on this client: a reconnect opens them again.
         self._namespaces: weakref.WeakSet[Namespace] = weakref.WeakSet()
-        self._leases: weakref.WeakSet[BlockLease | BlockWrite] = weakref.WeakSet()
+        self._held = HeldBlocks()
         #: How many times the client reconnected (a new daemon run each time, maybe).
         self.reconnects = 0
         self.max_keys = 1
@@ -326,7 +325,7 @@ class Client:
         for ns, handle in handles:
             ns.handle = handle
         self._releases.clear()
-        self._lose_leases(lost_lease_error())
+        self._held.lose_all(lost_lease_error())
         self._broken = None
         self.reconnects += 1
 
@@ -392,19 +391,6 @@ class Client:
         if self._closed:
             raise closed_error()
         return self._regions.get(region)
-
-    def _track(self, lease: HeldT) -> HeldT:
-        """Keep ``lease`` (or write) to invalidate its views if the client reconnects or
-        closes."""
-        self._leases.add(lease)
-        return lease
-
-    def _lose_leases(self, why: KvtierError) -> None:
-        """The connection that granted the tracked leases and writes is gone: their views
-        must not show, or write, bytes the daemon may already have given to another block."""
-        for lease in list(self._leases):
-            lease.lose(why)
-        self._leases.clear()
 
     def connected(self) -> bool:
         """Whether the connection is still open at both ends, without reading from it (a
@@ -527,7 +513,7 @@ class Client:
                         self._exchange(DestroyRequest())
             finally:
                 self._sock.close()
-                self._lose_leases(closed_error())
+                self._held.lose_all(closed_error())
                 self._regions.close()
 
     def __enter__(self) -> Client:
@@ -596,7 +582,7 @@ class Namespace(NamespaceBase[Client]):
             leases, extents = c._drive(self._lease_op(keys, resident_only))
             reconnects = c.reconnects
             release = (lambda: c.release_soon(leases, reconnects)) if leases else None
-            return c._track(self._block_lease(keys, extents, release, partial=resident_only))
+            return c._held.track(self._block_lease(keys, extents, release, partial=resident_only))
 
         return c._retrying(take, retry=True, ns=self)
 
@@ -609,7 +595,7 @@ class Namespace(NamespaceBase[Client]):
         writes, extents = self._run(lambda: ops.alloc(self.handle.ns, keys, c.max_keys))
         reconnects = c.reconnects
         views = [self.arena.writable(e.offset, e.length) if e.length else None for e in extents]
-        block = c._track(BlockWrite(list(keys), views))
+        block = c._held.track(BlockWrite(list(keys), views))
         try:
             yield block
         except BaseException:

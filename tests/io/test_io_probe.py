@@ -64,11 +64,20 @@ def test_a_missing_binding_is_a_verdict() -> None:
 
 @pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (qemu-x86_64)")
 @pytest.mark.parametrize("cpu", ["Haswell", "Nehalem"])  # x86-64-v3 without AVX-512; v2, no AVX
-def test_the_installed_binding_survives_an_older_cpu(cpu: str) -> None:
+def test_the_installed_binding_survives_an_older_cpu(
+    cpu: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The PyPI liburing wheel died here with SIGILL. Under the emulator io_uring itself is
     # missing (ENOSYS), but everything up to the first system call runs on the emulated CPU.
-    verdict = probe_binding(launcher=["qemu-x86_64", "-cpu", cpu], timeout_s=120)
-    assert not verdict.signal, verdict.detail
+    # numpy's OpenBLAS would start a thread per core at import: qemu-user runs threaded guests
+    # less reliably, and threads are not what this test is about.
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    launcher = ["qemu-x86_64", "-cpu", cpu]
+    verdict = probe_binding(launcher=launcher, timeout_s=120)
+    if verdict.signal:  # an instruction the CPU lacks kills every run; the emulator's slips do not
+        again = probe_binding(launcher=launcher, timeout_s=120)
+        assert not again.signal, f"twice: {verdict.detail}; {again.detail}"
+        verdict = again
     assert not verdict.hung, verdict.detail
     assert verdict.ok or "Function not implemented" in verdict.detail, verdict.detail
 
