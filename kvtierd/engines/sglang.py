@@ -1,0 +1,404 @@
+"""kvtierd as SGLang HiCache's L3 storage: a ``HiCacheStorage`` SGLang loads by name.
+
+Start SGLang with::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+      '{"backend_name": "kvtierd", "module_path": "kvtierd.engines.sglang",
+        "class_name": "KvtierdHiCacheStorage", "interface_v1": 1}'
+
+optionally with ``"socket"`` (kvtierd's socket; else its default) and ``"tenant"`` (the kvtierd
+tenant; default ``"default"``). SGLang's factory builds a dynamic backend as
+``cls(storage_config, kwargs)`` and then calls ``register_mem_pool_host``.
+
+Theory of operation
+-------------------
+*Keys* come from :mod:`kvtierd.engines.sglang_keys`: the rank's identity goes into the
+namespace, the tenant's ``cache_salt`` and SGLang's page hash into the key.
+
+*Pages.* A page is the host pool's flat data page (``get_data_page(index)``): K and V of every
+layer of ``page_size`` tokens, in the pool's layout, so the legacy ``batch_get``/``batch_set``
+(tensors) and the ``_v1`` calls (host-pool indices, used when ``interface_v1`` is set) store the
+same bytes. ``batch_get_v1`` leases the leading hits in the arena and copies each straight into
+its host-pool page (one copy); ``batch_set_v1`` ALLOCs arena slots, copies each host page into
+its slot and COMMITs (the two-phase write: a page is visible at COMMIT or never). A full arena
+(``ENOSPC``) is answered by FSYNC, which makes written blocks evictable, and one retry.
+
+*Lookups.* ``batch_exists`` is one LOOKUP: the leading pages present in any tier; it also starts
+promoting the NVMe hits into DRAM, so the prefetch that follows finds them there.
+
+*Failures.* SGLang's prefetch and backup threads die on an exception from a backend and treat
+``None`` from a ``_v1`` call as garbage, so neither reaches them: every ``KvtierError`` (daemon
+gone, restarted, out of space, a namespace the restarted daemon salts otherwise) is logged,
+counted in :meth:`KvtierdHiCacheStorage.statistics` and answered as a miss (``False``, 0, or
+``None`` for one ``get``, which is that call's contract). The connection is dropped on such an
+error and made again on the next call, so a restarted daemon serves what its NVMe tier kept.
+Bad arguments (a tensor of the wrong size) are SGLang's bug and raise.
+
+*Threads.* SGLang calls from its prefetch, backup and scheduler threads; the kvtierd client takes
+their requests in turns. This module's lock guards the session, its namespaces and the
+counters; it is held across a request only to connect and open a namespace, which every caller
+waits for anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from kvtierd.client import Client, Namespace, connect
+from kvtierd.engines.sglang_keys import (
+    StorageIdentity,
+    cache_salt_of,
+    identity_of,
+    namespace_name,
+    page_key,
+)
+from kvtierd.errors import BlockNotFoundError, InvalidRequestError, KvtierError, NoSpaceError
+
+__all__ = ["KvtierdHiCacheStorage", "StorageStatistics"]
+
+log = logging.getLogger("kvtierd.engines.sglang")
+T = TypeVar("T")
+#: The host-pool layouts whose pages ``HostKVCache.get_data_page`` addresses.
+_PAGE_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+
+@dataclass(frozen=True, slots=True)
+class StorageStatistics:
+    """Counters of one backend since it was created, and the daemon's per-tier figures."""
+
+    pages_read: int
+    pages_missed: int
+    pages_written: int
+    errors: int
+    tiers: tuple[dict[str, Any], ...]
+
+
+class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+    """SGLang's L3 storage on a kvtierd daemon (see the module docstring)."""
+
+    def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        self.storage_config = storage_config
+        self.identity: StorageIdentity = identity_of(storage_config)
+        self.socket_path: str | None = extra.get("socket") or (kwargs or {}).get("socket")
+        self.tenant = str(extra.get("tenant", "default"))
+        self.mem_pool_host: Any = None
+        self._lock = threading.Lock()
+        self._client: Client | None = None
+        self._namespaces: dict[tuple[str, str, int], Namespace] = {}
+        self._read = self._missed = self._written = self._errors = 0
+        namespace_name(self.identity, layout="layer_first", dtype="bfloat16")  # fails early
+
+    # -- session ---------------------------------------------------------------------------
+
+    def _namespace(self, layout: str, dtype: torch.dtype, block_bytes: int) -> Namespace:
+        dtype_str = str(dtype).removeprefix("torch.")
+        ident = (layout, dtype_str, block_bytes)
+        with self._lock:
+            if self._client is None:
+                self._client = connect(self.socket_path, client_name="kvtierd-sglang")
+                self._namespaces = {}
+            ns = self._namespaces.get(ident)
+            if ns is None:
+                name = namespace_name(self.identity, layout=layout, dtype=dtype_str)
+                ns = self._client.namespace(name, block_bytes=block_bytes, tenant=self.tenant)
+                self._namespaces[ident] = ns
+            return ns
+
+    def _guarded(self, what: str, call: Callable[[], T], miss: T) -> T:
+        """``call()``, or ``miss`` (logged, counted, the session dropped) on a ``KvtierError``."""
+        try:
+            return call()
+        except InvalidRequestError:
+            raise
+        except KvtierError as exc:
+            log.warning("kvtierd %s failed, answered as a miss: %s", what, exc)
+            with self._lock:
+                self._errors += 1
+                client, self._client = self._client, None
+            if client is not None:
+                with contextlib.suppress(KvtierError):
+                    client.close()
+            return miss
+
+    def _layout(self) -> str:
+        if self.mem_pool_host is not None:
+            return str(self.mem_pool_host.layout)
+        return "page_first" if self.identity.page_first else "layer_first"
+
+    def _keys(self, keys: Sequence[str], extra_info: Any = None) -> list[bytes]:
+        salt = cache_salt_of(extra_info)
+        return [page_key(k, salt) for k in keys]
+
+    def _count(self, read: int = 0, missed: int = 0, written: int = 0) -> None:
+        with self._lock:
+            self._read += read
+            self._missed += missed
+            self._written += written
+
+    # -- the host pool -----------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Keep SGLang's host pool for the ``_v1`` calls. A layout whose pages
+        ``get_data_page`` cannot address raises ``ValueError`` here, when SGLang attaches the
+        backend, not later in its prefetch thread."""
+        layout = str(getattr(mem_pool_host, "layout", ""))
+        if layout not in _PAGE_LAYOUTS:
+            raise ValueError(
+                f"kvtierd's SGLang backend moves pages of the host layouts {_PAGE_LAYOUTS}, "
+                f"not {layout!r} (--hicache-mem-layout)"
+            )
+        self.mem_pool_host = mem_pool_host
+
+    def _pool_namespace(self) -> Namespace:
+        pool = self.mem_pool_host
+        if pool is None:
+            raise InvalidRequestError("the _v1 calls need register_mem_pool_host first")
+        page = pool.get_dummy_flat_data_page()
+        return self._namespace(self._layout(), pool.dtype, page.numel() * page.element_size())
+
+    def _host_pages(self, host_indices: torch.Tensor, count: int) -> list[torch.Tensor]:
+        pool = self.mem_pool_host
+        step = int(pool.page_size)
+        return [pool.get_data_page(int(host_indices[i * step]), flat=False) for i in range(count)]
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        """Load the leading stored pages into the host pool at ``host_indices``: ``True`` per
+        page loaded, ``False`` from the first page that was not."""
+        block_keys = self._keys(keys, extra_info)
+
+        def load() -> int:
+            ns = self._pool_namespace()
+            try:  # SGLang asked batch_exists first: all hits is the usual case, one READ
+                return self._load_pages(ns, block_keys, host_indices)
+            except BlockNotFoundError:
+                hits = ns.lookup(block_keys)
+            try:
+                return self._load_pages(ns, block_keys[:hits], host_indices) if hits else 0
+            except BlockNotFoundError:  # gone since the lookup: counted as a miss
+                return 0
+
+        loaded = self._guarded("batch_get_v1", load, 0)
+        self._count(read=loaded, missed=len(keys) - loaded)
+        return [True] * loaded + [False] * (len(keys) - loaded)
+
+    def _load_pages(self, ns: Namespace, keys: list[bytes], host_indices: torch.Tensor) -> int:
+        """Lease ``keys`` (all stored, else ``BlockNotFoundError``) and copy each block into
+        its host-pool page; returns how many."""
+        pages = self._host_pages(host_indices, len(keys))
+        with ns.lease(keys) as lease, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            for view, page in zip(lease.views, pages, strict=True):
+                src = torch.frombuffer(view, dtype=torch.uint8).view(page.dtype)
+                page.copy_(src.view(page.shape))
+        return len(keys)
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        """Store the host pool's pages at ``host_indices`` (one ALLOC, copy, COMMIT; pages
+        already stored are skipped): all ``True``, or all ``False`` if the write failed."""
+        block_keys = self._keys(keys, extra_info)
+
+        def store() -> bool:
+            ns = self._pool_namespace()
+            pages = self._host_pages(host_indices, len(keys))
+            self._with_room(lambda: self._write_pages(ns, block_keys, pages))
+            return True
+
+        ok = self._guarded("batch_set_v1", store, False)
+        self._count(written=len(keys) if ok else 0)
+        return [ok] * len(keys)
+
+    def _write_pages(self, ns: Namespace, keys: list[bytes], pages: list[torch.Tensor]) -> None:
+        with ns.write(keys) as block:
+            for slot, page in zip(block.views, pages, strict=True):
+                if slot is not None:
+                    dst = torch.frombuffer(slot, dtype=torch.uint8).view(page.dtype)
+                    dst.view(page.shape).copy_(page)
+
+    def _with_room(self, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except NoSpaceError:  # slots await write-back: FSYNC makes them evictable, once
+            with self._lock:
+                client = self._client
+            if client is None:
+                raise
+            client.fsync()
+            return call()
+
+    # -- the tensor calls --------------------------------------------------------------------
+
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        """Read page ``key`` into ``target_location`` (a CPU tensor of one page; without one, a
+        new page of the registered host pool): the tensor, or ``None`` if not stored."""
+        targets = None if target_location is None else [target_location]
+        return self.batch_get([key], targets)[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        """Read the leading stored pages into ``target_locations``: one tensor per page read,
+        ``None`` from the first page that was not."""
+        if target_locations is None:
+            if self.mem_pool_host is None:
+                raise InvalidRequestError("batch_get needs target_locations or a host pool")
+            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        targets = [_as_contiguous_cpu(t) for t in target_locations]
+        block_keys = self._keys(keys)
+
+        def read() -> int:
+            if not targets:
+                return 0
+            first = targets[0]
+            ns = self._namespace(self._layout(), first.dtype, first.numel() * first.element_size())
+            buffers = [t.view(torch.uint8).numpy() for t in targets]
+            try:  # all hits is the usual case: one READ
+                ns.read_into(block_keys, buffers)
+                return len(block_keys)
+            except BlockNotFoundError:
+                hits = ns.lookup(block_keys)
+            try:
+                if hits:
+                    ns.read_into(block_keys[:hits], buffers[:hits])
+                return hits
+            except BlockNotFoundError:  # gone since the lookup: counted as a miss
+                return 0
+
+        hits = self._guarded("batch_get", read, 0)
+        self._count(read=hits, missed=len(keys) - hits)
+        return [*targets[:hits], *([None] * (len(keys) - hits))]
+
+    def set(
+        self,
+        key: str,
+        value: Any = None,
+        target_location: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Store ``values[i]`` (CPU tensors of one page each, of one size) under ``keys[i]``."""
+        if values is None or len(values) != len(keys):
+            raise InvalidRequestError("batch_set needs one value per key")
+        pages = [_as_contiguous_cpu(v) for v in values]
+        block_keys = self._keys(keys)
+
+        def store() -> bool:
+            if not pages:
+                return True
+            first = pages[0]
+            ns = self._namespace(self._layout(), first.dtype, first.numel() * first.element_size())
+            blocks = [p.view(torch.uint8).numpy() for p in pages]
+            self._with_room(lambda: ns.put(block_keys, blocks))
+            return True
+
+        ok = self._guarded("batch_set", store, False)
+        self._count(written=len(keys) if ok else 0)
+        return ok
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading pages are stored (one LOOKUP; it starts promoting NVMe hits)."""
+        block_keys = self._keys(keys, extra_info)
+
+        def look() -> int:
+            ns = self._any_namespace()
+            return ns.lookup(block_keys) if ns is not None and block_keys else 0
+
+        return self._guarded("batch_exists", look, 0)
+
+    def _any_namespace(self) -> Namespace | None:
+        """The namespace pages go to: the host pool's, else the one the tensor calls opened
+        (``None`` before either: nothing can be stored yet)."""
+        if self.mem_pool_host is not None:
+            return self._pool_namespace()
+        with self._lock:
+            opened = list(self._namespaces.values()) if self._client is not None else []
+        return opened[0] if opened else None
+
+    # -- housekeeping ------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Forget every page this backend's namespaces hold."""
+
+        def forget_all() -> None:
+            with self._lock:
+                client = self._client
+                opened = list(self._namespaces.values())
+            if client is None:
+                return
+            for ns in opened:
+                while keys := _listed_keys(client, ns):
+                    ns.forget(keys)
+
+        self._guarded("clear", forget_all, None)
+
+    def statistics(self) -> StorageStatistics:
+        def tiers() -> tuple[dict[str, Any], ...]:
+            with self._lock:
+                client = self._client
+            if client is None:
+                client = connect(self.socket_path, client_name="kvtierd-sglang")
+                with self._lock:
+                    self._client, self._namespaces = client, {}
+            return tuple(client.stats().get("tiers", ()))
+
+        no_tiers: tuple[dict[str, Any], ...] = ()
+        figures = self._guarded("stats", tiers, no_tiers)
+        with self._lock:
+            return StorageStatistics(self._read, self._missed, self._written, self._errors, figures)
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` with ``.kvtierd`` (:meth:`statistics`) attached, or the
+        statistics alone where SGLang's metrics module cannot be imported."""
+        figures = self.statistics()
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except ImportError:
+            return figures
+        metrics = StorageMetrics()
+        metrics.kvtierd = figures
+        return metrics
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def _as_contiguous_cpu(tensor: Any) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+        raise InvalidRequestError("kvtierd's SGLang backend takes CPU tensors")
+    if not tensor.is_contiguous():
+        raise InvalidRequestError("kvtierd's SGLang backend takes contiguous tensors")
+    return tensor
+
+
+def _listed_keys(client: Client, ns: Namespace) -> list[bytes]:
+    reply = client.list_keys(ns.handle.ns, limit=1024)
+    return [bytes(entry["key"]) for entry in reply["keys"]]
