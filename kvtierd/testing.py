@@ -33,17 +33,21 @@ def wait_until_serving(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            log = log_path.read_text(errors="replace") if log_path.exists() else ""
-            raise RuntimeError(f"kvtierd exited with {process.returncode}:\n{log}")
+            raise RuntimeError(f"kvtierd exited with {process.returncode}:\n{_log(log_path)}")
         try:
             with connect(socket, timeout_s=5):
                 return
-        except (DaemonNotRunningError, StartingError):  # not bound yet, or still starting
+        # not bound yet, still starting, or a start that failed closing it (poll() says so)
+        except (DaemonNotRunningError, StartingError, ConnectionError):
             time.sleep(0.05)
-        except ConnectionError:  # a start that failed closes the socket: poll() says so
-            time.sleep(0.05)
-    log = log_path.read_text(errors="replace") if log_path.exists() else ""
-    raise RuntimeError(f"kvtierd did not become ready in {timeout_s} s:\n{log}")
+    raise RuntimeError(f"kvtierd did not become ready in {timeout_s} s:\n{_log(log_path)}")
+
+
+def _log(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 class DaemonProcess:
@@ -101,10 +105,7 @@ class DaemonProcess:
         return self
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return _log(self.log_path)
 
     @property
     def running(self) -> bool:

@@ -44,6 +44,7 @@ from kvtierd.client.base import (
     as_dict,
     check_init,
     check_socket_path,
+    close_all,
     closed_error,
     connect_error,
     handle_of,
@@ -206,7 +207,7 @@ class AsyncClient:
             # allocation) must still be given back, now if the reply is here, else on arrival;
             # and a COMMIT that never left must not leave its write pending.
             waiter.abandoned = True
-            _close_all(waiter.fds)  # a region descriptor nobody will map
+            close_all(waiter.fds)  # a region descriptor nobody will map
             waiter.fds = []
             if waiter.event is not None:
                 self._clean_up(waiter.event)
@@ -219,7 +220,7 @@ class AsyncClient:
         if fds is not None:
             fds.extend(waiter.fds)
         else:
-            _close_all(waiter.fds)
+            close_all(waiter.fds)
         return message_of(waiter.event)
 
     async def _send_only(self, message: Message, ns: int) -> None:
@@ -283,7 +284,7 @@ class AsyncClient:
     async def _handshake(self, client_name: str) -> None:
         fds: list[int] = []
         event = await _exchange_unread(self._stream, self._conn, init_request(client_name), fds)
-        _close_all(fds)  # INIT passes no memory (protocol minor 6)
+        close_all(fds)  # INIT passes no memory (protocol minor 6)
         reply = check_init(message_of(event))
         self.max_keys = reply.max_keys
         self.daemon_version = reply.daemon_version
@@ -331,7 +332,7 @@ class AsyncClient:
                     await _exchange_unread(stream, conn, init_request(self._client_name), fds)
                 )
             )
-            _close_all(fds)
+            close_all(fds)
             handles = await self._reopen_namespaces(stream, conn, regions)
         except BaseException:
             regions.close()
@@ -373,7 +374,7 @@ class AsyncClient:
                 try:
                     reply = message_of(await _exchange_unread(stream, conn, request, fds))
                 except KvtierError as exc:
-                    _close_all(fds)
+                    close_all(fds)
                     request = op.throw(exc)
                 else:
                     request = op.send((reply, fds))
@@ -432,7 +433,7 @@ class AsyncClient:
                 except anyio.EndOfStream:
                     data, fds = b"", []
                 if reconnects != self.reconnects:  # replaced: nobody waits for these
-                    _close_all(fds)
+                    close_all(fds)
                     return
                 self._received_fds.extend(fds)
                 conn.receive_data(data)
@@ -463,10 +464,10 @@ class AsyncClient:
             )
             waiter = self._waiters.pop(event.header.unique, None)
             if waiter is None:
-                _close_all(fds)
+                close_all(fds)
                 continue
             if waiter.abandoned:
-                _close_all(fds)
+                close_all(fds)
             else:
                 waiter.fds = fds
             if waiter.abandoned:
@@ -549,7 +550,7 @@ class AsyncClient:
             handle = handle_of(request, reply)
             assert isinstance(reply, OpenNsReply)
         except BaseException:
-            _close_all(fds)
+            close_all(fds)
             raise
         self._regions.adopt(reply, fds)  # takes the descriptors, even when it raises
         return handle
@@ -621,7 +622,7 @@ class AsyncClient:
         await self._stream.aclose()
         self._held.lose_all(closed_error())
         self._regions.close()
-        _close_all(list(self._received_fds))
+        close_all(list(self._received_fds))
         self._received_fds.clear()
 
 
@@ -807,9 +808,3 @@ async def _exchange_unread(
         if not data:
             raise BrokenConnectionError("kvtierd closed the connection")
         conn.receive_data(data)
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)

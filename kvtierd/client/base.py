@@ -6,6 +6,7 @@ bytes (:mod:`kvtierd.client.sync`, :mod:`kvtierd.client.aio`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -62,6 +63,7 @@ __all__ = [
     "NamespaceBase",
     "NamespaceHandle",
     "as_dict",
+    "close_all",
     "closed_error",
     "connect_error",
     "handle_of",
@@ -370,3 +372,10 @@ def in_flight_error(blocks: int) -> BrokenConnectionError:
 def broken_error(exc: BaseException) -> BrokenConnectionError:
     """The connection broke under a call (``exc``: what the transport raised)."""
     return BrokenConnectionError(f"connection to kvtierd lost: {exc}")
+
+
+def close_all(fds: list[int]) -> None:
+    """Close descriptors the daemon passed with a reply nobody will use."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -16,12 +16,11 @@ below say so to whoever uses them).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from kvtierd.client.base import NamespaceHandle, Regions, handle_of
+from kvtierd.client.base import NamespaceHandle, Regions, close_all, handle_of
 from kvtierd.errors import (
     BrokenConnectionError,
     InvalidRequestError,
@@ -118,8 +117,7 @@ def _open_again(
     except KvtierError as exc:  # refused: this namespace is lost, the others go on
         return exc
     if not isinstance(reply, OpenNsReply):
-        for fd in fds:
-            os.close(fd)
+        close_all(fds)
         raise RemoteProtocolError("OPEN_NS was not answered with OPEN_NS")
     regions.adopt(reply, fds)
     return handle_of(request, reply)

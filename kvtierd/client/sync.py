@@ -48,6 +48,7 @@ from kvtierd.client.base import (
     broken_error,
     check_init,
     check_socket_path,
+    close_all,
     closed_error,
     connect_error,
     handle_of,
@@ -339,7 +340,7 @@ class Client:
                 try:
                     reply = self._exchange(request, fds=fds)
                 except KvtierError as exc:
-                    _close_all(fds)
+                    close_all(fds)
                     request = op.throw(exc)
                 else:
                     request = op.send((reply, fds))
@@ -375,7 +376,7 @@ class Client:
                 message_of(self._receive(unique, fds))
             raise BrokenConnectionError(f"kvtierd closed the connection: {exc}") from exc
         except BaseException:
-            _close_all(fds)
+            close_all(fds)
             raise
         try:
             reply = check_init(message_of(self._receive(unique, fds)))
@@ -441,7 +442,7 @@ class Client:
             reply = self._exchange(request, fds=fds)
             handle = handle_of(request, reply)
         except BaseException:
-            _close_all(fds)
+            close_all(fds)
             raise
         self._regions.adopt(_open_ns_reply(reply), fds)  # takes the descriptors, even on error
         return handle
@@ -696,9 +697,3 @@ def _open_ns_reply(reply: Message) -> OpenNsReply:
     if not isinstance(reply, OpenNsReply):
         raise RemoteProtocolError("OPEN_NS was not answered with OPEN_NS")
     return reply
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)

@@ -255,7 +255,7 @@ class Session:
         if opcode != Opcode.READ:
             return ""
         lease = self.owner.leases.get(reply.lease) if isinstance(reply, ReadReply) else None
-        return lease.source if lease is not None else "none"
+        return lease.source.name.lower() if lease is not None else "none"
 
     async def _send(self, frame: bytes, fds: list[int] | None = None) -> None:
         """Write one reply; replies of concurrent handlers go out whole, in completion order.

@@ -25,6 +25,7 @@ import anyio
 from sortedcontainers import SortedList  # type: ignore[import-untyped]
 
 from kvtierd.store.namespaces import Namespace
+from kvtierd.store.policy import ServedBy
 from kvtierd.store.regions import TenantRegion
 from kvtierd.store.slots import Slot
 from kvtierd.store.tier import BlockRef
@@ -66,14 +67,22 @@ class Block:
     def has_copy(self) -> bool:
         return self.dram is not None or self.lower is not None or self.pool is not None
 
+    @property
+    def nearest(self) -> ServedBy:
+        """The nearest tier holding a copy, where a read of it is served from (a block is
+        indexed only while some tier holds it, so never ``MISS``)."""
+        if self.dram is not None:
+            return ServedBy.DRAM
+        return ServedBy.NVME if self.lower is not None else ServedBy.POOL
+
 
 @dataclass(eq=False, slots=True)
 class Lease:
     id: int
     blocks: list[Block]
-    #: The deepest tier a block of it was loaded from to serve the read: "dram" (all were
-    #: resident), "nvme" or "pool" (what the request-duration histogram labels it by).
-    source: str = "dram"
+    #: The deepest tier a block of it was served from (DRAM when all were resident): what the
+    #: request-duration histogram labels a READ by.
+    source: ServedBy = ServedBy.DRAM
 
 
 @dataclass(eq=False, slots=True)

@@ -228,11 +228,7 @@ class BlockStore:
     def _answer(self, own: list[Block], promote: bool) -> tuple[int, bytes]:
         if promote:
             self.prefetch(own)
-        dram, nvme, pool = int(ServedBy.DRAM), int(ServedBy.NVME), int(ServedBy.POOL)
-        tiers = bytes(
-            [dram if b.dram is not None else nvme if b.lower is not None else pool for b in own]
-        )
-        return len(own), tiers
+        return len(own), bytes([b.nearest for b in own])
 
     def prefetch(self, blocks: list[Block]) -> int:
         """Start promoting the non-resident ``blocks`` into DRAM, first block first."""
@@ -282,9 +278,7 @@ class BlockStore:
             missing = [(b, c) for b, c in zip(blocks, contexts, strict=True) if not b.resident]
             self._count(ns, "dram_hits", len(blocks) - len(missing))
             # Where the slowest block comes from, decided before loading moves it to DRAM.
-            source = "dram" if not missing else "nvme"
-            if any(b.lower is None for b, _ in missing):
-                source = "pool"
+            source = max((b.nearest for b, _ in missing), default=ServedBy.DRAM)
             if missing:  # DRAM hits need no task: the common case stays cheap
                 self.demand_promotions += 1
                 try:
@@ -296,9 +290,7 @@ class BlockStore:
             for block in blocks:
                 self._unpin(block)
             raise
-        lease = self._lease(owner, blocks, contexts)
-        lease.source = source
-        return lease
+        return self._lease(owner, blocks, contexts, source)
 
     def lease_resident(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease | None:
         """Lease the leading ``keys`` that are in DRAM now, stopping at the first that is not
@@ -320,13 +312,19 @@ class BlockStore:
         contexts = self.prefetcher.read_contexts(ns, keys[: len(blocks)])
         return self._lease(owner, blocks, contexts)
 
-    def _lease(self, owner: Owner, blocks: list[Block], contexts: list[AccessContext]) -> Lease:
+    def _lease(
+        self,
+        owner: Owner,
+        blocks: list[Block],
+        contexts: list[AccessContext],
+        source: ServedBy = ServedBy.DRAM,
+    ) -> Lease:
         """Note the (pinned) ``blocks`` read (``contexts``: as part of which requests) and
-        lease them to ``owner``."""
+        lease them to ``owner`` (``source``: the deepest tier they were served from)."""
         now = time.monotonic()
         for block, context in zip(blocks, contexts, strict=True):
             self._note_read(block, now, context)
-        lease = Lease(Owner.next_id(), blocks)
+        lease = Lease(Owner.next_id(), blocks, source)
         owner.leases[lease.id] = lease
         return lease
 
