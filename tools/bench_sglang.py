@@ -1,6 +1,6 @@
 """kvtierd as SGLang HiCache's L3 storage beside SGLang's own file backend (``HiCacheFile``).
 
-    python tools/bench_sglang.py [--json] [--pages 192] [--batch 64] [--rounds 3] [--record]
+    python tools/bench_sglang.py [--json] [--pages 192] [--batch 64] [--rounds 6] [--record]
 
 One run, the same bf16 pages for both (random data of a page of 16 tokens of a 28-layer model
 with 2 KV heads of 128 per TP rank: 448 KiB), both in one temporary directory on the same disk:
@@ -16,7 +16,9 @@ then warm. Cold means nothing in memory: for kvtierd, FSYNC and ``evict()`` (the
 dropped; its NVMe tier reads with O_DIRECT, so no page cache is involved), for the file backend
 ``os.sync()`` and ``posix_fadvise(DONTNEED)`` on every page file (the kernel drops their cached
 pages). Warm is the same read again at once (kvtierd: in DRAM; file: in the page cache).
-Figures: GB/s over all batches of all rounds and the p99 of one batch's time. Records section
+Figures: GB/s over all batches of all rounds and the p99 of one batch's time; ratios: the median
+over rounds of the two sides' ratio within one round (the disk is bimodal: see PLATFORM.md, so
+only sides measured side by side compare). Records section
 ``sglang`` of ``docs/benchmarks.md`` (table and ``docs/benchmarks/sglang.png``) with ``--record``.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
+from references import fio_json
 
 from kvtierd.client import connect
 from kvtierd.testing import DaemonProcess
@@ -122,8 +126,11 @@ def measure(pages: int, batch: int, rounds: int, root: Path) -> dict[str, Any]:
     )
     spans = [range(i, min(i + batch, pages)) for i in range(0, pages, batch)]
     results: dict[str, dict[str, list[float]]] = {}
+    per_round: dict[str, dict[str, list[float]]] = {}  # each round's seconds, for pair ratios
     dram = f"{max(256, 3 * pages * PAGE_BYTES >> 20)}M"  # both key sets of a round
     nvme = f"{max(512, 4 * pages * PAGE_BYTES >> 20)}M"
+    fio_file = root / "fio.dat"  # the disk's own speed for one round's bytes, each round
+    fio_json([f"--filename={fio_file}", f"--size={pages * PAGE_BYTES}", "--bs=1M", "--rw=write"])
     with DaemonProcess(root / "kvtierd", dram_size=dram, nvme_size=nvme) as daemon:
         kv = KvtierdHiCacheStorage(storage_config({"socket": str(daemon.socket)}), {})
         kv.register_mem_pool_host(pool)
@@ -141,8 +148,11 @@ def measure(pages: int, batch: int, rounds: int, root: Path) -> dict[str, Any]:
             for name, (put, get) in sides.items():
                 store = stores.get(name, hf)
                 out = results.setdefault(name, {"set": [], "cold": [], "warm": []})
+                seconds = per_round.setdefault(name, {"set": [], "cold": [], "warm": []})
                 if name != "hicache_file_to_pool":
-                    out["set"] += timed([partial(put, s, j) for j, s in enumerate(spans)])
+                    set_s = timed([partial(put, s, j) for j, s in enumerate(spans)])
+                    out["set"] += set_s
+                    seconds["set"].append(sum(set_s))
                 names = [k + ("t" if name == "kvtierd_tensor" else "") for k in keys]
                 for phase in ("cold", "warm"):
                     if phase == "cold" and store is hf:
@@ -158,11 +168,15 @@ def measure(pages: int, batch: int, rounds: int, root: Path) -> dict[str, Any]:
                     batch_s = timed([partial(get, s, j) for j, s in enumerate(spans)])
                     batch_s[0] += query_s
                     out[phase] += batch_s
+                    seconds[phase].append(sum(batch_s))
                 if name in ("kvtierd_v1", "hicache_file_to_pool"):  # the pages it read back
                     back = pool.kv_buffer[:, pages * PAGE :].view(torch.int16)
                     if not torch.equal(back, pool.kv_buffer[:, : pages * PAGE].view(torch.int16)):
                         raise RuntimeError(f"{name}: pages read back differ")
                     back.zero_()
+            disk_s = _fio_read_s(fio_file, pages * PAGE_BYTES)
+            results.setdefault("disk_fio", {"cold": []})["cold"].append(disk_s)
+            per_round.setdefault("disk_fio", {"cold": []})["cold"].append(disk_s)
             kv.clear()
             hf.clear()
         admin.close()
@@ -174,7 +188,10 @@ def measure(pages: int, batch: int, rounds: int, root: Path) -> dict[str, Any]:
     }
 
     def ratio(name: str, ref: str, phase: str) -> float:
-        return round(table[name][phase]["gb_per_s"] / table[ref][phase]["gb_per_s"], 2)
+        """The median over rounds of the pair's ratio within a round: the disk changes speed
+        for tens of seconds at a time, so only sides measured next to each other compare."""
+        pairs = zip(per_round[ref][phase], per_round[name][phase], strict=True)
+        return round(statistics.median(ref_s / name_s for ref_s, name_s in pairs), 2)
 
     ratios = {
         "kvtierd_v1_vs_file_to_pool": {
@@ -185,6 +202,10 @@ def measure(pages: int, batch: int, rounds: int, root: Path) -> dict[str, Any]:
         },
         "kvtierd_tensor_vs_file": {
             p: ratio("kvtierd_tensor", "hicache_file", p) for p in ("set", "cold", "warm")
+        },
+        "cold_vs_disk": {
+            name: ratio(name, "disk_fio", "cold")
+            for name in ("kvtierd_v1", "kvtierd_tensor", "hicache_file", "hicache_file_to_pool")
         },
     }
     return {"sides": table, "ratios": ratios}
@@ -225,6 +246,21 @@ def _sides(
     }
 
 
+def _fio_read_s(path: Path, nbytes: int) -> float:
+    """Seconds fio needs to read ``nbytes`` of ``path`` as the pages are read: 448 KiB random
+    reads, O_DIRECT, io_uring, queue depth 32 (what the disk gives this access pattern)."""
+    report = fio_json(
+        [
+            f"--filename={path}",
+            f"--size={nbytes}",
+            f"--bs={PAGE_BYTES}",
+            "--rw=randread",
+            "--iodepth=32",
+        ]
+    )
+    return nbytes / float(report["jobs"][0]["read"]["bw_bytes"])
+
+
 def _file_to_pool(
     hf: Any, pool: HostPool, keys: list[str], host: torch.Tensor, targets: list[torch.Tensor]
 ) -> None:
@@ -246,6 +282,7 @@ LABELS = {
     "kvtierd_tensor": "kvtierd, tensor calls (into page tensors)",
     "hicache_file": "HiCacheFile (into page tensors)",
     "hicache_file_to_pool": "HiCacheFile + copy into the host pool (SGLang's path for it)",
+    "disk_fio": "the disk: fio, the same bytes (448 KiB O_DIRECT random reads, qd 32)",
 }
 PHASES = ("set", "cold", "warm")
 
@@ -258,9 +295,9 @@ def record(result: dict[str, Any]) -> None:
 
     sides = result["sides"]
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    width = 0.2
+    width = 0.16
     for k, name in enumerate(LABELS):
-        xs = [p + (k - 1.5) * width for p in range(len(PHASES))]
+        xs = [p + (k - 2) * width for p in range(len(PHASES))]
         ys = [sides[name].get(ph, {}).get("gb_per_s", 0.0) for ph in PHASES]
         ax.bar(xs, ys, width, label=LABELS[name].replace("`", ""))
     ax.set_xticks(range(len(PHASES)), ["batch_set", "batch_get cold", "batch_get warm"])
@@ -289,7 +326,9 @@ def _section(result: dict[str, Any]) -> list[str]:
         "`evict()` (DRAM copies dropped; NVMe reads are O_DIRECT, no page cache), the file "
         "backend `os.sync()` + `posix_fadvise(DONTNEED)` on every page file. Warm: the same "
         "read again at once. GB/s over all batches of all rounds; p99 of one batch. Pages "
-        "read into the host pool are compared byte for byte with the pages stored.",
+        "read into the host pool are compared byte for byte with the pages stored. The disk "
+        "line is fio reading a file of one round's bytes once per round, in the same random "
+        "448 KiB O_DIRECT requests (its p99 is of whole rounds): the cold reads' ceiling.",
         "",
         "| backend | set GB/s | set p99 ms | cold GB/s | cold p99 ms | warm GB/s | warm p99 ms |",
         "|---|---|---|---|---|---|---|",
@@ -307,11 +346,16 @@ def _section(result: dict[str, Any]) -> list[str]:
     )
     lines += [
         "",
-        "Ratios (GB/s; target: cold and warm `batch_get` >= 1.5x HiCacheFile): kvtierd `_v1` "
-        f"vs HiCacheFile as SGLang runs it (into the host pool) cold {v1p['cold']}x, warm "
-        f"{v1p['warm']}x; kvtierd `_v1` vs HiCacheFile's read alone cold {v1f['cold']}x, warm "
+        "Ratios (the median over rounds of each round's ratio of GB/s, since the disk changes "
+        "speed between rounds; target: cold and warm `batch_get` >= 1.5x HiCacheFile): "
+        "kvtierd `_v1` vs HiCacheFile as SGLang runs it (into the host pool) "
+        f"cold {v1p['cold']}x, warm {v1p['warm']}x; kvtierd `_v1` vs HiCacheFile's read "
+        f"alone cold {v1f['cold']}x, warm "
         f"{v1f['warm']}x, set {v1f['set']}x; kvtierd tensor calls vs HiCacheFile's cold "
-        f"{tf['cold']}x, warm {tf['warm']}x, set {tf['set']}x.",
+        f"{tf['cold']}x, warm {tf['warm']}x, set {tf['set']}x. Cold reads against the disk "
+        "(fio) in the same round: "
+        + ", ".join(f"{LABELS[n].split(' (')[0]} {x}x" for n, x in r["cold_vs_disk"].items())
+        + ".",
         "",
         "![GB/s per phase](benchmarks/sglang.png)",
         "",
@@ -324,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pages", type=int, default=192)
     parser.add_argument("--batch", type=int, default=64, help="pages per batch call")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--dir", type=Path, default=None, help="where both backends store")
     parser.add_argument("--record", action="store_true", help="write docs/benchmarks.md section")
     parser.add_argument("--json", action="store_true", help="one line of JSON")

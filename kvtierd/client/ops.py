@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvtierd.client.arena import ClientArena, as_bytes_view
+from kvtierd.client.arena import ClientArena, as_bytes_view, copy_verified, scatter_views
 from kvtierd.errors import CorruptBlockError, InvalidRequestError
 from kvtierd.protocol.messages import (
     AllocReply,
@@ -41,7 +41,6 @@ from kvtierd.protocol.messages import (
     ReadResidentRequest,
     ReleaseRequest,
 )
-from kvtierd.store.records import checksum
 
 __all__ = [
     "Call",
@@ -334,21 +333,21 @@ def read_into(
     ns: int, keys: Sequence[bytes], buffers: Sequence[Any], arena: ClientArena, max_keys: int
 ) -> Op[int]:
     """Copy the blocks of ``keys`` into ``buffers`` and release them; returns bytes copied.
-    Each copy is verified against its committed checksum (``CorruptBlockError``: a miss)."""
+    A buffer is one writable buffer or a list of them that the block fills in order. Each copy
+    is verified against its committed checksum as it is made (``CorruptBlockError``: a miss)."""
     check_keys(keys)
     if len(keys) != len(buffers):
         raise InvalidRequestError(f"{len(keys)} keys but {len(buffers)} buffers")
-    targets = [as_bytes_view(b, writable=True) for b in buffers]
+    targets = [scatter_views(b) for b in buffers]
     leases, extents = yield from read(ns, keys, max_keys)
     copied = 0
     try:
         for i, (extent, target) in enumerate(zip(extents, targets, strict=True)):
-            if len(target) < extent.length:
-                raise InvalidRequestError(
-                    f"a buffer of {len(target)} bytes cannot hold {extent.length}"
-                )
-            target[: extent.length] = arena.view(extent.offset, extent.length)
-            if checksum(target[: extent.length]) != extent.checksum:  # verify what we copied
+            room = sum(len(part) for part in target)
+            if room < extent.length:
+                raise InvalidRequestError(f"a buffer of {room} bytes cannot hold {extent.length}")
+            source = arena.view(extent.offset, extent.length)
+            if not copy_verified(source, target, extent.checksum):
                 raise CorruptBlockError(
                     f"block {keys[i].hex()} failed its checksum in DRAM (changed after commit "
                     "by a client of its tenant): a miss"

@@ -200,3 +200,35 @@ async def test_async_write_and_lease(daemon: DaemonProcess) -> None:
                 np.frombuffer(view, np.uint8)[:] = 9
         async with ns.lease(keys) as lease:
             assert all(v[0] == 9 for v in lease.views)
+
+
+def test_read_into_fills_a_scatter_list_in_order(daemon: DaemonProcess) -> None:
+    """A block read into several buffers (the K and V runs of a strided page) lands in them
+    in order, and a list too short for the block is refused with nothing copied."""
+    blocks = _blocks(3, seed=2)
+    with connect(daemon.socket) as client:
+        ns = client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 3), 16, ns.key_salt)
+        ns.put(keys, blocks)
+        cuts = (1, BLOCK // 2, BLOCK - 4096)
+        outs = [[np.zeros(c, np.uint8), np.zeros(BLOCK - c, np.uint8)] for c in cuts]
+        assert ns.read_into(keys, outs) == 3 * BLOCK
+        for (head, tail), block in zip(outs, blocks, strict=True):
+            assert (np.concatenate([head, tail]) == block).all()
+        short = [np.zeros(BLOCK // 2, np.uint8), np.zeros(BLOCK // 2 - 1, np.uint8)]
+        with pytest.raises(InvalidRequestError, match="cannot hold"):
+            ns.read_into(keys[:1], [short])
+        assert not short[0].any()
+        assert client.stats()["leases"] == 0
+
+
+@pytest.mark.anyio
+async def test_async_read_into_fills_a_scatter_list(daemon: DaemonProcess) -> None:
+    blocks = _blocks(2, seed=3)
+    async with connect_async(daemon.socket) as client:
+        ns = await client.namespace("t", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 2), 16, ns.key_salt)
+        await ns.put(keys, blocks)
+        outs = [(bytearray(100), bytearray(BLOCK - 100)) for _ in keys]
+        assert await ns.read_into(keys, outs) == 2 * BLOCK
+        assert all(bytes(a + b) == blk.tobytes() for (a, b), blk in zip(outs, blocks, strict=True))
