@@ -14,7 +14,8 @@ the store goes on with its local tiers.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 
 import anyio
 import msgspec
@@ -50,6 +51,17 @@ _spec_decoder = msgspec.msgpack.Decoder(NamespaceSpec)
 
 def _pool_error(exc: BaseException, doing: str) -> PoolUnavailableError:
     return PoolUnavailableError(f"pool {doing} failed: {describe_failure(exc)}")
+
+
+@contextmanager
+def map_pool_errors(what: str) -> Iterator[None]:
+    """Raise :class:`PoolUnavailableError` ("pool ``what`` failed: <log-safe reason>") for a
+    pool error (:data:`POOL_ERRORS`) in the block; the redis error is not chained (``from
+    None``), since its text may quote keys and values."""
+    try:
+        yield
+    except POOL_ERRORS as exc:
+        raise _pool_error(exc, what) from None
 
 
 class PoolTier(LowerTier):
@@ -125,7 +137,7 @@ class PoolTier(LowerTier):
         """
         client = self._live()
         locations = [self.location(ref) for ref, _ in values]
-        try:
+        with map_pool_errors("write"):
             # Values first, each judged on its own reply: a pipeline is not a transaction, and a
             # manifest entry written beside a refused SET (full pool, ACL) would make a wiped host
             # restore a block the pool never had, and clear the intent that reports it.
@@ -154,8 +166,6 @@ class PoolTier(LowerTier):
                 self._counters["blocks"] += len(stored)
                 self._counters["bytes_written"] += written
                 self._counters["stored_bytes"] += written
-        except POOL_ERRORS as exc:
-            raise _pool_error(exc, "write") from None
         outcome: list[bytes | None] = []
         error: KvtierError | None = None
         for location, reply in zip(locations, replies, strict=True):
@@ -180,9 +190,8 @@ class PoolTier(LowerTier):
         except anyio.WouldBlock:
             await self._read_slots.acquire()
         try:
-            reply = await client.get(location)  # type: ignore[arg-type]
-        except POOL_ERRORS as exc:
-            raise _pool_error(exc, "read") from None
+            with map_pool_errors("read"):
+                reply = await client.get(location)  # type: ignore[arg-type]
         finally:
             self._read_slots.release()
         if reply is None:
@@ -204,14 +213,12 @@ class PoolTier(LowerTier):
     async def discard(self, location: Hashable) -> None:
         field = self._field(location)
         client = self._live()
-        try:
+        with map_pool_errors("delete"):
             async with client.pipeline(transaction=False) as pipe:
                 pipe.delete(location)  # type: ignore[arg-type]
                 pipe.hdel(self.names.manifest(), field)
                 pipe.hdel(self.names.intents(), field)  # a forgotten block is not "unreached"
                 deleted, _, _ = await pipe.execute()
-        except POOL_ERRORS as exc:
-            raise _pool_error(exc, "delete") from None
         self._counters["blocks"] -= int(deleted)
 
     async def discard_quietly(self, location: Hashable) -> None:
@@ -252,19 +259,17 @@ class PoolTier(LowerTier):
     async def exists(self, locations: Sequence[bytes]) -> list[bool]:
         """Which of ``locations`` hold a value now (one pipeline)."""
         client = self._live()
-        try:
+        with map_pool_errors("lookup"):
             async with client.pipeline(transaction=False) as pipe:
                 for location in locations:
                     pipe.exists(location)
                 found = await pipe.execute()
-        except POOL_ERRORS as exc:
-            raise _pool_error(exc, "lookup") from None
         return [bool(n) for n in found]
 
     async def manifest(self) -> AsyncIterator[tuple[BlockRef, bytes]]:
         """Every block this rank's manifest lists, as (ref, location)."""
         client = self._live()
-        try:
+        with map_pool_errors("manifest scan"):
             async for field, raw in client.hscan_iter(self.names.manifest(), count=_SCAN_COUNT):
                 ns_digest, key = field[:16], field[16:]
                 try:
@@ -276,8 +281,6 @@ class PoolTier(LowerTier):
                     ns_digest, key, entry.raw_bytes, entry.checksum, entry.seq, entry.compress
                 )
                 yield ref, self._block_prefix + field
-        except POOL_ERRORS as exc:
-            raise _pool_error(exc, "manifest scan") from None
 
     async def note_intents(self, refs: Sequence[BlockRef]) -> None:
         """Record that these blocks are committed here and on their way to the pool."""
@@ -285,26 +288,20 @@ class PoolTier(LowerTier):
             return
         client = self._live()
         mapping: dict[FieldT, EncodableT] = {ref.ns_digest + ref.key: ref.seq for ref in refs}
-        try:
+        with map_pool_errors("intent record"):
             await client.hset(self.names.intents(), mapping=mapping)
-        except POOL_ERRORS as exc:
-            raise _pool_error(exc, "intent record") from None
 
     async def intents(self) -> list[tuple[bytes, bytes]]:
         """(ns digest, key) of blocks committed on this rank that never reached the pool."""
         client = self._live()
-        try:
+        with map_pool_errors("intent scan"):
             fields = await client.hkeys(self.names.intents())
-        except POOL_ERRORS as exc:
-            raise _pool_error(exc, "intent scan") from None
         return [(f[:16], f[16:]) for f in map(_as_bytes, fields)]
 
     async def forget_intents(self, fields: Sequence[bytes]) -> None:
         if fields:
-            try:
+            with map_pool_errors("intent cleanup"):
                 await self._live().hdel(self.names.intents(), *fields)
-            except POOL_ERRORS as exc:
-                raise _pool_error(exc, "intent cleanup") from None
 
     async def publish_namespaces(self, specs: dict[bytes, NamespaceSpec]) -> None:
         if not specs:
@@ -312,16 +309,12 @@ class PoolTier(LowerTier):
         mapping: dict[FieldT, EncodableT] = {
             digest: msgspec.msgpack.encode(spec) for digest, spec in specs.items()
         }
-        try:
+        with map_pool_errors("namespace publish"):
             await self._live().hset(self.names.namespaces, mapping=mapping)
-        except POOL_ERRORS as exc:
-            raise _pool_error(exc, "namespace publish") from None
 
     async def namespaces(self) -> list[NamespaceSpec]:
-        try:
+        with map_pool_errors("namespace fetch"):
             raw = await self._live().hvals(self.names.namespaces)
-        except POOL_ERRORS as exc:
-            raise _pool_error(exc, "namespace fetch") from None
         specs = []
         for value in raw:
             try:

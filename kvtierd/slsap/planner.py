@@ -6,7 +6,7 @@ lands before its READ, and a prefix is useful only from its head, so the planner
 
 1. serves queued requests earliest start first (ties by request id), and each request's blocks
    head first, skipping blocks already in DRAM, blocks no lower tier holds and duplicates;
-2. charges each promotion ``block_bytes`` against the budget ``budget_bytes_per_s * horizon_s``
+2. charges each promotion ``block_bytes`` against the budget ``prefetch_bytes_per_s * horizon_s``
    and stops when it is spent; a promotion that the budget's bandwidth cannot land before its
    request's start is still planned (it shortens the wait) but counted as ``late``;
 3. fills what budget is left with the reuse model's candidates: ghosts whose expected hit density
@@ -87,7 +87,7 @@ class PrefetchPlanner:
         now_s: float,
         queued: Sequence[QueuedRequest],
         *,
-        budget_bytes_per_s: float,
+        prefetch_bytes_per_s: float,
         horizon_s: float,
         in_dram: Callable[[Hashable], bool],
         in_lower_tier: Callable[[Hashable], bool],
@@ -97,10 +97,10 @@ class PrefetchPlanner:
 
         Raises ``ValueError`` for a negative budget or horizon.
         """
-        if budget_bytes_per_s < 0 or horizon_s < 0:
+        if prefetch_bytes_per_s < 0 or horizon_s < 0:
             raise ValueError("budget and horizon must be >= 0")
-        slots = int(budget_bytes_per_s * horizon_s // self.block_bytes)
-        seconds_per_block = self.block_bytes / budget_bytes_per_s if budget_bytes_per_s else 0.0
+        slots = int(prefetch_bytes_per_s * horizon_s // self.block_bytes)
+        seconds_per_block = self.block_bytes / prefetch_bytes_per_s if prefetch_bytes_per_s else 0.0
         chosen: list[Promotion] = []
         planned: set[Hashable] = set()
         late = 0

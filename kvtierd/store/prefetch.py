@@ -7,11 +7,11 @@ policies as part of that request (:meth:`Prefetcher.read_contexts`): one request
 Promotions are not accesses (the store inserts them with ``PROMOTION``): only requests and READs
 count as references. HINT's queue goes through the pure
 :class:`~kvtierd.slsap.planner.PrefetchPlanner`:
-requests earliest first, each head first, within ``bandwidth_bytes_s`` for the next second.
+requests earliest first, each head first, within ``prefetch_bytes_per_s`` for the next second.
 
 While no demand promotion is running, :meth:`Prefetcher.run` asks the DRAM policy for blocks it
 expects to be read again soon (ghosts denser than its weakest resident) and promotes those that
-the NVMe tier holds, at most ``bandwidth_bytes_s`` per second and only into free arena room:
+the NVMe tier holds, at most ``prefetch_bytes_per_s`` per second and only into free arena room:
 demand reads always go first, and a guess never displaces a resident block (measured on the
 Mooncake replay, displacing residents for reuse guesses cost more disk time than it saved).
 """
@@ -46,9 +46,9 @@ _QUEUE_SPACING_S = 0.05
 class Prefetcher:
     """Owned by the store; ``run`` is started in the store's task group."""
 
-    def __init__(self, store: BlockStore, bandwidth_bytes_s: int) -> None:
+    def __init__(self, store: BlockStore, prefetch_bytes_per_s: int) -> None:
         self._store = store
-        self.bandwidth_bytes_s = bandwidth_bytes_s
+        self.prefetch_bytes_per_s = prefetch_bytes_per_s
         self._ids = itertools.count(1)
         #: (namespace digest, key) -> (request id, position, READs still expected) of the
         #: latest request that named the block.
@@ -132,7 +132,7 @@ class Prefetcher:
         plan = planner.plan(
             now,
             queued,
-            budget_bytes_per_s=self.bandwidth_bytes_s or float("inf"),
+            prefetch_bytes_per_s=self.prefetch_bytes_per_s or float("inf"),
             horizon_s=1.0,
             in_dram=self._in_dram,
             in_lower_tier=self._in_lower,
@@ -172,14 +172,14 @@ class Prefetcher:
             for policy in policies:
                 await policy.flush_gradually()
             idle = not store.demand_promotions and not self.reuse_paused
-            if self.bandwidth_bytes_s and store.lower is not None and idle:
+            if self.prefetch_bytes_per_s and store.lower is not None and idle:
                 self._promote_reuse()
 
     def _promote_reuse(self) -> None:
         # Reuse promotions only fill free arena room: a guess never displaces a resident
         # (demand and prefix promotions evict by the policy as usual).
         store = self._store
-        budget = self.bandwidth_bytes_s * _TICK_S
+        budget = self.prefetch_bytes_per_s * _TICK_S
         chosen: list[Block] = []
         for region in store.regions:  # each region's guesses fill that region's free room only
             room = region.allocator.free_bytes

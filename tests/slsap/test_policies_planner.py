@@ -22,7 +22,7 @@ def plan(queued: list[QueuedRequest], budget: float, **kwargs: object) -> list[H
     result = planner.plan(
         0.0,
         queued,
-        budget_bytes_per_s=budget,
+        prefetch_bytes_per_s=budget,
         horizon_s=1.0,
         in_dram=lambda b: b in kwargs.get("dram", set()),  # type: ignore[operator]
         in_lower_tier=lambda b: b not in kwargs.get("absent", set()),  # type: ignore[operator]
@@ -53,7 +53,7 @@ def test_late_promotions_are_counted() -> None:
     result = planner.plan(
         0.0,
         queued,
-        budget_bytes_per_s=400,
+        prefetch_bytes_per_s=400,
         horizon_s=1.0,
         in_dram=lambda b: False,
         in_lower_tier=lambda b: True,
@@ -70,7 +70,7 @@ def test_reuse_fills_the_remaining_budget() -> None:
     full = planner.plan(
         0.0,
         queued,
-        budget_bytes_per_s=300,
+        prefetch_bytes_per_s=300,
         horizon_s=1.0,
         in_dram=lambda b: False,
         in_lower_tier=lambda b: True,
@@ -86,7 +86,7 @@ def test_rejects_bad_arguments() -> None:
         PrefetchPlanner(1).plan(
             0.0,
             [],
-            budget_bytes_per_s=-1,
+            prefetch_bytes_per_s=-1,
             horizon_s=1,
             in_dram=lambda b: False,
             in_lower_tier=lambda b: True,
