@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchlib
 from replay_plot import draw_hit_ratios
 
+from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.replay import (
     ArrivalFeed,
     CacheSimulator,
@@ -53,7 +54,6 @@ from kvtierd.replay import (
     simulate,
 )
 from kvtierd.slsap import SlsapPolicy
-from kvtierd.store.policy import AccessContext, CachePolicy
 
 DEFAULT_TRACE = benchlib.ROOT.parent / "shared/data/traces/mooncake_fast25_synthetic_trace.jsonl"
 SWEEP_CAPACITIES = (0.01, 0.05, 0.10, 0.25)

@@ -25,6 +25,7 @@ from redis.typing import EncodableT, FieldT
 
 from kvtierd.config import PoolConfig
 from kvtierd.errors import BlockNotFoundError, KvtierError
+from kvtierd.policy import ServedBy
 from kvtierd.pool.connect import POOL_ERRORS, PoolUnavailableError, RedisLike, describe_failure
 from kvtierd.pool.values import (
     CorruptValue,
@@ -37,7 +38,6 @@ from kvtierd.pool.values import (
 from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.codec import THREAD_CHECKSUM_BYTES, compress, decompress_into
 from kvtierd.store.namespaces import NamespaceSpec
-from kvtierd.store.policy import ServedBy
 from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError, Recovered
 
 __all__ = ["PoolTier"]

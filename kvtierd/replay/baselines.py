@@ -17,7 +17,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from kvtierd.store.policy import AccessContext, CachePolicy
+from kvtierd.policy import AccessContext, CachePolicy
 
 __all__ = ["ArcPolicy", "LfuPolicy", "S3FifoPolicy"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Hashable, Sequence
 
+from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.replay.trace import TraceRequest
-from kvtierd.store.policy import AccessContext, CachePolicy
 
 __all__ = ["BeladyPolicy", "next_uses"]
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 
+from kvtierd.policy import CachePolicy
 from kvtierd.replay.baselines import ArcPolicy, LfuPolicy, S3FifoPolicy
 from kvtierd.replay.belady import BeladyPolicy
 from kvtierd.replay.simulator import CacheSimulator, ReplayResult
 from kvtierd.replay.trace import ArrivalFeed, TraceRequest, distinct_blocks
 from kvtierd.slsap.policy import SlsapPolicy
-from kvtierd.store.policy import CachePolicy, LruPolicy
+from kvtierd.store.policy import LruPolicy
 
 __all__ = ["PolicyName", "capacity_in_blocks", "make_policy", "simulate"]
 

@@ -24,8 +24,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvtierd.policy import AccessContext, CachePolicy, ServedBy
 from kvtierd.replay.trace import ArrivalFeed, TraceRequest
-from kvtierd.store.policy import AccessContext, CachePolicy, ServedBy
 
 __all__ = ["CacheSimulator", "Driver", "ReplayResult"]
 

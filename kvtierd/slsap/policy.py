@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvtierd.policy import PROMOTED_REQUEST, AccessContext, CachePolicy
 from kvtierd.slsap.blocktable import VERSION_MASK, BlockTable
 from kvtierd.slsap.reuse import ReuseModel, block_class_of, request_block_classes
-from kvtierd.store.policy import PROMOTED_REQUEST, AccessContext, CachePolicy
 
 __all__ = ["SlsapConfig", "SlsapPolicy", "SlsapStatistics"]
 

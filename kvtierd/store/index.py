@@ -24,8 +24,8 @@ from typing import Any, cast
 import anyio
 from sortedcontainers import SortedList  # type: ignore[import-untyped]
 
+from kvtierd.policy import ServedBy
 from kvtierd.store.namespaces import Namespace
-from kvtierd.store.policy import ServedBy
 from kvtierd.store.regions import TenantRegion
 from kvtierd.store.slots import Slot
 from kvtierd.store.tier import BlockRef

@@ -31,6 +31,7 @@ from kvtierd.config import Config, PolicyKind, PoolConfig
 from kvtierd.errors import ConfigError, StorageIOError
 from kvtierd.io import BindingVerdict, open_io_backend
 from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES as FIXED_BUFFER_BYTES
+from kvtierd.policy import CachePolicy
 from kvtierd.pool.connect import PoolUnavailableError, pool_address, read_secret
 from kvtierd.pool.link import PoolLink
 from kvtierd.pool.tier import PoolTier
@@ -39,7 +40,7 @@ from kvtierd.slsap.policy import SlsapPolicy
 from kvtierd.store.arena import HUGE_PAGE_BYTES, Arena
 from kvtierd.store.namespaces import NamespaceRegistry
 from kvtierd.store.nvme import open_nvme_tier
-from kvtierd.store.policy import CachePolicy, LruPolicy
+from kvtierd.store.policy import LruPolicy
 from kvtierd.store.records import PAGE_BYTES
 from kvtierd.store.regions import Regions
 from kvtierd.store.secret import load_secret

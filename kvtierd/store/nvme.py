@@ -54,9 +54,9 @@ from kvtierd.errors import (
     StorageIOError,
 )
 from kvtierd.io import IoBackend
+from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.codec import checksum_off_loop, compress, decompress_into
-from kvtierd.store.policy import ServedBy
 from kvtierd.store.records import (
     PAGE_BYTES,
     CorruptRecord,

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from kvtierd.policy import AccessContext
 from kvtierd.slsap.planner import PrefetchPlanner, QueuedRequest
 from kvtierd.store.index import Block
 from kvtierd.store.namespaces import Namespace
-from kvtierd.store.policy import AccessContext
 
 if TYPE_CHECKING:
     from kvtierd.store.store import BlockStore

@@ -3,7 +3,7 @@
 Theory of operation. All state lives on the event loop thread and changes only between
 ``await`` points, so no lock guards the index; what must not change across an ``await`` is
 pinned instead (``Block.pins``; a pinned DRAM slot is never evicted). Policies decide which
-blocks to evict (:class:`~kvtierd.store.policy.CachePolicy`); this class evicts them.
+blocks to evict (:class:`~kvtierd.policy.CachePolicy`); this class evicts them.
 
 Invariants the tests check:
 
@@ -49,12 +49,12 @@ from kvtierd.errors import (
     QuotaError,
 )
 from kvtierd.io import IoBackend
+from kvtierd.policy import PROMOTION, AccessContext, CachePolicy, ServedBy
 from kvtierd.pool.connect import PoolUnavailableError
 from kvtierd.store.arena import Arena
 from kvtierd.store.codec import checksum_off_loop
 from kvtierd.store.index import Block, BlockIndex, Lease, Owner, PendingWrite
 from kvtierd.store.namespaces import Namespace, NamespaceRegistry
-from kvtierd.store.policy import PROMOTION, AccessContext, CachePolicy, ServedBy
 from kvtierd.store.prefetch import Prefetcher
 from kvtierd.store.regions import Regions, TenantRegion
 from kvtierd.store.slots import Slot

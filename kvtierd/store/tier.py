@@ -13,8 +13,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvtierd.errors import NoSpaceError
+from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
-from kvtierd.store.policy import ServedBy
 
 __all__ = ["BlockRef", "LowerTier", "MediumFullError", "Recovered"]
 

@@ -15,8 +15,8 @@ from typing import Protocol, runtime_checkable
 
 import anyio.lowlevel
 
+from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.store.index import Block, BlockIndex
-from kvtierd.store.policy import AccessContext, CachePolicy
 
 __all__ = ["RequestObserver", "ReuseCandidates", "TierPolicy"]
 

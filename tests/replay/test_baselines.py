@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from kvtierd.policy import CachePolicy
 from kvtierd.replay import CacheSimulator, PolicyName, simulate
 from kvtierd.replay.baselines import ArcPolicy, LfuPolicy, S3FifoPolicy
 from kvtierd.replay.trace import ArrivalFeed
-from kvtierd.store.policy import CachePolicy
 from tests.replay.conftest import one_block_requests
 
 # Silberschatz, Operating System Concepts, ch. 10: 20 references, 3 frames.

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.slsap import SlsapConfig, SlsapPolicy
-from kvtierd.store.policy import AccessContext, CachePolicy
 
 SMALL = SlsapConfig(min_ghosts=8, min_refit_events=16, ghost_ratio=2.0)
 

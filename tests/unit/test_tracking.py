@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 
+from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.store.index import BlockIndex
-from kvtierd.store.policy import AccessContext, CachePolicy
 from kvtierd.store.tracking import _MAX_PENDING_REQUESTS, TierPolicy
 
 
