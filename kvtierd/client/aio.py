@@ -198,8 +198,8 @@ class AsyncClient:
                 self._waiters[unique] = waiter
                 try:
                     await self._stream.send(frame)
-                except (anyio.BrokenResourceError, OSError) as exc:
-                    raise self._lost(exc) from exc
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                    raise self._send_failed(exc) from exc
                 sent = True
             await waiter.done.wait()
         except BaseException:
@@ -231,8 +231,8 @@ class AsyncClient:
                 _, frame = self._conn.request(message, ns)
                 try:
                     await self._stream.send(frame)
-                except (anyio.BrokenResourceError, OSError) as exc:
-                    raise self._lost(exc) from exc
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                    raise self._send_failed(exc) from exc
                 sent = True
         finally:
             if not sent:  # cancelled before it left: a RELEASE must still go out
@@ -503,8 +503,11 @@ class AsyncClient:
                 with contextlib.suppress(KvtierError):
                     await self._call(message)
 
-    def _lost(self, exc: BaseException) -> BrokenConnectionError:
-        """The current connection broke under a send (``exc``)."""
+    def _send_failed(self, exc: BaseException) -> KvtierError:
+        """What a failed send (``exc``) raises: ``ClosedError`` when :meth:`aclose` closed the
+        stream (under a task that was waiting to send), else the current connection broke."""
+        if self._closed:
+            return closed_error()
         error = BrokenConnectionError(f"connection to kvtierd lost: {exc}")
         self._fail(error, self.reconnects)
         return error

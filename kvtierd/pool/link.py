@@ -36,10 +36,10 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from kvtierd.config import PoolConfig, PoolWritePolicy
-from kvtierd.errors import KvtierError
+from kvtierd.errors import BlockNotFoundError, KvtierError
 from kvtierd.pool.connect import connect_pool, pool_address, probe
 from kvtierd.pool.group import GroupMembership, GroupState, GroupStatus
-from kvtierd.pool.tier import PoolTier
+from kvtierd.pool.tier import PoolTier, StoreOutcome
 from kvtierd.store.index import Block
 from kvtierd.store.namespaces import Namespace
 from kvtierd.store.tier import MediumFullError
@@ -245,9 +245,10 @@ class PoolLink:
             values = []
             for block in blocks:
                 try:
-                    if not await self.store.pin_resident(block):
-                        self.counters["lost"] += 1  # no copy left anywhere
-                        continue
+                    await self.store.pin_resident(block)
+                except BlockNotFoundError:
+                    self.counters["lost"] += 1  # no copy left anywhere
+                    continue
                 except KvtierError as exc:  # no DRAM slot free now, or the disk failed: later
                     later.append(block)
                     pin_error = pin_error or exc
@@ -259,11 +260,11 @@ class PoolLink:
                     continue
                 sent.append(block)
                 values.append((block.ref, await self.tier.encode(block.ref, memoryview(source))))
-            locations, error = await self.tier.store_many(values) if values else ([], None)
+            outcome = await self.tier.store_many(values) if values else StoreOutcome([], None)
         finally:
             for block in pinned:
                 self.store.unpin(block)
-        for block, location in zip(sent, locations, strict=True):
+        for block, location in zip(sent, outcome.locations, strict=True):
             if location is None:
                 continue
             if block.forgotten:  # FORGET ran during the write: take the copy back out
@@ -274,8 +275,8 @@ class PoolLink:
             self.counters["written"] += 1
         for block in later:
             self._queue(block)
-        if error is not None:
-            raise error
+        if outcome.refused is not None:
+            raise outcome.refused
         if pin_error is not None:
             raise pin_error
 

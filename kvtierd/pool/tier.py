@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Hashable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import anyio
 import msgspec
@@ -40,7 +41,7 @@ from kvtierd.store.codec import THREAD_CHECKSUM_BYTES, compress, decompress_into
 from kvtierd.store.namespaces import NamespaceSpec
 from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError, Recovered
 
-__all__ = ["PoolTier"]
+__all__ = ["PoolTier", "StoreOutcome"]
 
 log = logging.getLogger("kvtierd.pool")
 _SCAN_COUNT = 1000
@@ -51,6 +52,17 @@ _spec_decoder = msgspec.msgpack.Decoder(NamespaceSpec)
 
 def _pool_error(exc: BaseException, doing: str) -> PoolUnavailableError:
     return PoolUnavailableError(f"pool {doing} failed: {describe_failure(exc)}")
+
+
+@dataclass(frozen=True)
+class StoreOutcome:
+    """What :meth:`PoolTier.store_many` wrote. ``locations`` has one entry per value, in order:
+    where the pool holds it, or ``None`` where the pool refused it (nothing of it is stored, and
+    the manifest does not list it). ``refused`` is the first refusal as an error
+    (:class:`MediumFullError` for a full pool), ``None`` when every value landed."""
+
+    locations: list[bytes | None]
+    refused: KvtierError | None
 
 
 @contextmanager
@@ -119,21 +131,20 @@ class PoolTier(LowerTier):
         return encode_header(ref, ref.raw_bytes, False) + raw
 
     async def store(self, ref: BlockRef, payload: memoryview) -> Hashable:
-        (location,), error = await self.store_many([(ref, await self.encode(ref, payload))])
-        if error is not None:
-            raise error
+        outcome = await self.store_many([(ref, await self.encode(ref, payload))])
+        if outcome.refused is not None:
+            raise outcome.refused
+        (location,) = outcome.locations
         assert location is not None
         return location
 
-    async def store_many(
-        self, values: Sequence[tuple[BlockRef, bytes]]
-    ) -> tuple[list[bytes | None], KvtierError | None]:
+    async def store_many(self, values: Sequence[tuple[BlockRef, bytes]]) -> StoreOutcome:
         """Write encoded blocks, then the manifest entries of the values the pool took.
 
-        Returns each value's location (``None`` where the pool refused it) and the first
-        refusal as an error (:class:`MediumFullError` for a full pool): the caller records the
-        values that did land before it reacts, and the manifest never lists a value the pool
-        does not hold. Raises :class:`PoolUnavailableError` when the pool cannot be reached.
+        Returns each value's location and the first refusal (:class:`StoreOutcome`) rather
+        than raising it: the caller records the values that did land before it reacts, and the
+        manifest never lists a value the pool does not hold. Raises
+        :class:`PoolUnavailableError` when the pool cannot be reached.
         """
         client = self._live()
         locations = [self.location(ref) for ref, _ in values]
@@ -166,20 +177,20 @@ class PoolTier(LowerTier):
                 self._counters["blocks"] += len(stored)
                 self._counters["bytes_written"] += written
                 self._counters["stored_bytes"] += written
-        outcome: list[bytes | None] = []
-        error: KvtierError | None = None
+        landed: list[bytes | None] = []
+        refused: KvtierError | None = None
         for location, reply in zip(locations, replies, strict=True):
             if not isinstance(reply, BaseException):
-                outcome.append(location)
+                landed.append(location)
                 continue
-            outcome.append(None)
-            if error is None:
-                error = (
+            landed.append(None)
+            if refused is None:
+                refused = (
                     MediumFullError("the pool is full (its maxmemory is reached)")
                     if isinstance(reply, redis.exceptions.OutOfMemoryError)
                     else _pool_error(reply, "write")
                 )
-        return outcome, error
+        return StoreOutcome(landed, refused)
 
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
         client = self._live()

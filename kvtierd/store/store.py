@@ -794,21 +794,18 @@ class BlockStore:
         self._seq = max(self._seq, ref.seq)
         return True
 
-    async def pin_resident(self, block: Block) -> bool:
-        """Pin ``block`` in DRAM, promoting it if needed; ``False`` when it has no copy left.
-        Raises what else stops the promotion (no free slot now, a disk error)."""
+    async def pin_resident(self, block: Block) -> None:
+        """Pin ``block`` in DRAM, promoting it if needed; the caller unpins it. Raises
+        :class:`BlockNotFoundError` when it has no copy left (forgotten, or the promotion found
+        none), and what else stops the promotion (no free slot now, a disk error)."""
         if block.forgotten:
-            return False
+            raise BlockNotFoundError("block was forgotten")
         block.pins += 1
         try:
             await self._make_resident(block)
-        except BlockNotFoundError:
-            self._unpin(block)
-            return False
         except BaseException:
             self._unpin(block)
             raise
-        return True
 
     def unpin(self, block: Block) -> None:
         self._unpin(block)

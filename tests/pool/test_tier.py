@@ -66,9 +66,8 @@ def _block(i: int, *, compressible: bool = False) -> tuple[BlockRef, memoryview]
 async def test_blocks_come_back_exact(redis_server: RedisServer, client: RedisLike) -> None:
     tier = _tier(redis_server, client)
     blocks = [_block(i) for i in range(8)]
-    stored, error = await tier.store_many(
-        [(ref, await tier.encode(ref, raw)) for ref, raw in blocks]
-    )
+    outcome = await tier.store_many([(ref, await tier.encode(ref, raw)) for ref, raw in blocks])
+    stored, error = outcome.locations, outcome.refused
     assert error is None
     locations = [location for location in stored if location is not None]
     assert len(locations) == len(blocks)
