@@ -26,7 +26,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvtierd.config import PoolConfig
-from kvtierd.errors import KvtierError, StorageIOError
+from kvtierd.errors import KvtierError
+from kvtierd.store.tier import TierUnavailableError
 
 __all__ = [
     "POOL_ERRORS",
@@ -57,7 +58,7 @@ _CONNECT_ERRORS: tuple[type[BaseException], ...] = (*POOL_ERRORS, ValueError)
 _READ_BYTES = 1 << 20
 
 
-class PoolUnavailableError(StorageIOError):
+class PoolUnavailableError(TierUnavailableError):
     """The pool cannot be reached, authenticated to, or used (``EIO`` on the wire: the caller
     falls back to its local tiers)."""
 

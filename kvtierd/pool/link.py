@@ -26,10 +26,11 @@ question about the same keys, so every rank answers the same hit length.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
 
 import anyio
 import anyio.lowlevel
@@ -42,12 +43,10 @@ from kvtierd.pool.group import GroupMembership, GroupState, GroupStatus
 from kvtierd.pool.tier import PoolTier, StoreOutcome
 from kvtierd.store.index import Block
 from kvtierd.store.namespaces import Namespace
+from kvtierd.store.ports import StoreForReplica
 from kvtierd.store.tier import MediumFullError
 
-if TYPE_CHECKING:
-    from kvtierd.store.store import BlockStore
-
-__all__ = ["PoolLink"]
+__all__ = ["PoolLink", "open_pool_link"]
 
 log = logging.getLogger("kvtierd.pool")
 _BATCH_BLOCKS = 16
@@ -56,7 +55,13 @@ _WRITERS = 4
 
 
 class PoolLink:
-    def __init__(self, config: PoolConfig, tier: PoolTier, store: BlockStore) -> None:
+    """Implements the store's :class:`~kvtierd.store.ports.ReplicaLink` port; it reaches the
+    store only through ``store``, a :class:`~kvtierd.store.ports.StoreForReplica`. Opened by
+    :func:`open_pool_link`, which owns its tasks."""
+
+    def __init__(
+        self, config: PoolConfig, tier: PoolTier, store: StoreForReplica, tg: TaskGroup
+    ) -> None:
         self.config = config
         self.tier = tier
         self.store = store
@@ -90,7 +95,7 @@ class PoolLink:
         self._progress = anyio.Event()
         self._attached_round: tuple[int, str] | None = None
         self._published: set[bytes] = set()  # namespace digests the pool's catalog has
-        self._tg: TaskGroup | None = None
+        self._tg = tg
 
     # -- state -------------------------------------------------------------------------------
 
@@ -103,13 +108,17 @@ class PoolLink:
     def attached(self) -> bool:
         return self.tier.client is not None
 
+    @property
+    def fsync_waits(self) -> bool:
+        return self.config.fsync_waits
+
     def on_status(self, status: GroupStatus) -> None:
         """The membership's ``on_change``: hand the tier a client only while attached."""
         if status.state is GroupState.ATTACHED:
             self.tier.client = self.membership.client
             # (epoch, nonce): a pool that lost its data counts epochs from 1 again
             attached_round = (status.epoch, status.nonce)
-            if attached_round != self._attached_round and self._tg is not None:
+            if attached_round != self._attached_round:
                 self._attached_round = attached_round
                 self._tg.start_soon(self._restore_logged)
         else:
@@ -130,16 +139,16 @@ class PoolLink:
         self._progress.set()
         self._progress = anyio.Event()
 
-    async def run(self) -> None:
-        """The membership, the writers and restores, until :meth:`close`."""
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            tg.start_soon(self.membership.run)
-            for _ in range(_WRITERS):
-                tg.start_soon(self._writer)
+    async def settle(self) -> None:
+        """Wait (bounded) until the group decided and a restore ran, so a restarted rank serves
+        what the pool holds from its first request."""
+        with anyio.move_on_after(self.config.vote_timeout_s + 2 * self.config.timeout_s):
+            await self.settled.wait()
+        status = self.membership.status
+        log.info("pool: %s%s", status.state.value, f" ({status.reason})" if status.reason else "")
 
-    async def close(self, grace_s: float) -> None:
-        """Give queued writes up to ``grace_s`` to reach the pool, then stop everything."""
+    async def flush(self, grace_s: float) -> None:
+        """Give queued writes up to ``grace_s`` to reach the pool."""
         with anyio.CancelScope(shield=True):
             if (self.pending or self.in_flight) and self.attached:
                 await self.drain(grace_s)
@@ -149,8 +158,6 @@ class PoolLink:
                     "next attach if still on disk",
                     len(self.pending),
                 )
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -186,7 +193,8 @@ class PoolLink:
         if self.pending.pop(block.id, None) is not None:
             self.pending_bytes -= block.ref.raw_bytes
 
-    async def _writer(self) -> None:
+    async def writer(self) -> None:
+        """One writer task: drain ``pending`` in batches while the group is attached."""
         while True:
             if not self.attached or not self.pending:
                 await self._wake.wait()
@@ -271,7 +279,7 @@ class PoolLink:
                 if self.store.block_by_id(*block.id) is None:
                     await self.tier.discard_quietly(location)
                 continue
-            block.pool = location
+            self.store.record_copy(block, location)
             self.counters["written"] += 1
         for block in later:
             self._queue(block)
@@ -332,7 +340,7 @@ class PoolLink:
         if any(adopted):
             await anyio.to_thread.run_sync(registry.save)
         # Blocks with a pool copy before the scan; writers land more while it runs.
-        had_pool = [b for b in self.store.index.blocks() if b.pool is not None]
+        had_pool = list(self.store.replicated())
         restored = 0
         in_pool: set[bytes] = set()
         listed_bytes = 0
@@ -344,7 +352,7 @@ class PoolLink:
                 listed_bytes += ref.raw_bytes
                 # a page of the manifest is read ahead: skip what FORGET dropped since
                 forgotten = (ref.ns_digest, ref.key) in forgets
-                if not forgotten and self.store.adopt_pool_copy(ref, location):
+                if not forgotten and self.store.adopt_copy(ref, location):
                     restored += 1
                 if len(in_pool) % 1024 == 0:
                     await anyio.lowlevel.checkpoint()
@@ -355,7 +363,7 @@ class PoolLink:
         # back to the backlog instead of pointing at nothing.
         for indexed in had_pool:
             if indexed.pool is not None and indexed.ns.digest + indexed.key not in in_pool:
-                self.store.drop_pool_copy(indexed)
+                self.store.drop_copy(indexed)
                 self._queue(indexed)
         unreached: list[tuple[bytes, bytes]] = []
         stale: list[bytes] = []
@@ -406,3 +414,22 @@ class PoolLink:
             row = found[rank * len(keys) : (rank + 1) * len(keys)]
             hits = min(hits, row.index(False) if False in row else len(row))
         return hits
+
+
+@contextlib.asynccontextmanager
+async def open_pool_link(
+    config: PoolConfig, tier: PoolTier, store: StoreForReplica, *, grace_s: float
+) -> AsyncIterator[PoolLink]:
+    """Run a :class:`PoolLink` for ``store``: the group membership, the writers and the restores,
+    in a task group of its own. On exit queued writes get ``grace_s`` to reach the pool, then
+    everything stops."""
+    async with anyio.create_task_group() as tg:
+        link = PoolLink(config, tier, store, tg)
+        tg.start_soon(link.membership.run)
+        for _ in range(_WRITERS):
+            tg.start_soon(link.writer)
+        try:
+            yield link
+        finally:
+            await link.flush(grace_s)
+            tg.cancel_scope.cancel()

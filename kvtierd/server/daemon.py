@@ -45,6 +45,7 @@ from kvtierd.errors import BusyError, ConfigError, KvtierError
 from kvtierd.io import BindingVerdict
 from kvtierd.protocol import ServerConnection
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply, TierStatistics
+from kvtierd.server.assembly import open_daemon_store, pool_link_of
 from kvtierd.server.checks import HostCheck
 from kvtierd.server.doctor import RunningFacts, running_report
 from kvtierd.server.endpoint import serve_endpoint
@@ -53,7 +54,7 @@ from kvtierd.server.notify import Notifier
 from kvtierd.server.preflight import socket_answers
 from kvtierd.server.readiness import Readiness
 from kvtierd.server.session import Session, peer_credentials
-from kvtierd.store.lifecycle import arena_bytes, open_store
+from kvtierd.store.lifecycle import arena_bytes
 from kvtierd.store.namespaces import Namespace, PeerCredentials
 from kvtierd.store.regions import COUNTERS, TenantRegion
 from kvtierd.store.segments import slot_bytes_for
@@ -93,6 +94,8 @@ class Daemon:
     ) -> None:
         self.config = config
         self.store = store
+        #: The store's link to the shared pool, when one is configured.
+        self.pool = pool_link_of(store)
         self.startup = tuple(startup)
         #: Request latency histograms, when metrics are served.
         self.timings = timings
@@ -126,8 +129,8 @@ class Daemon:
                     lower.bytes_written,
                 )
             )
-        if store.pool is not None:  # counted by the pool tier itself; blocks = its manifest
-            tiers.append(store.pool.tier.statistics())
+        if self.pool is not None:  # counted by the pool tier itself; blocks = its manifest
+            tiers.append(self.pool.tier.statistics())
         return StatfsReply(
             __version__,
             time.monotonic() - self.started,
@@ -211,7 +214,7 @@ class Daemon:
         """Where this daemon stands with the pool, every figure (the admin's POOL_STATUS and
         the metrics); state ``"none"`` when no pool is configured."""
         store = self.store
-        link = store.pool
+        link = self.pool
         if link is None:
             return PoolStatusReply("none", "no pool is configured (pool.url is empty)")
         status = link.membership.status
@@ -246,7 +249,7 @@ class Daemon:
         store = self.store
         backend = store.io_backend
         stats = backend.statistics() if backend is not None else None
-        status = store.pool.membership.status if store.pool is not None else None
+        status = self.pool.membership.status if self.pool is not None else None
         nvme = store.lower.statistics() if store.lower is not None else None
         facts = RunningFacts(
             config=self.config,
@@ -481,7 +484,7 @@ async def serve_daemon(
             with anyio.CancelScope() as opening:
                 tg.start_soon(_watch_stop_signals, readiness, stop, opening)
                 tg.start_soon(_extend_start_timeout, readiness, notifier)
-                async with open_store(
+                async with open_daemon_store(
                     config, io_verdict=io_verdict, progress=readiness.progress
                 ) as store:
                     timings = metrics.timings if metrics is not None else None

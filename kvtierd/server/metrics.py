@@ -309,9 +309,9 @@ def _transfers(daemon: Daemon, namespaces: Iterable[NamespaceFigures]) -> tuple[
         nvme = store.lower.statistics()
         moved.append(Transfer("dram_to_nvme", c["written_back"], nvme.bytes_written))
         moved.append(Transfer("nvme_to_dram", c["lower_hits"], nvme.bytes_read))
-    if store.pool is not None:
-        pool = store.pool.tier.statistics()
-        moved.append(Transfer("dram_to_pool", store.pool.counters["written"], pool.bytes_written))
+    if daemon.pool is not None:
+        pool = daemon.pool.tier.statistics()
+        moved.append(Transfer("dram_to_pool", daemon.pool.counters["written"], pool.bytes_written))
         moved.append(Transfer("pool_to_dram", c["pool_hits"], pool.bytes_read))
     return tuple(moved)
 
@@ -321,7 +321,7 @@ def take_snapshot(daemon: Daemon, labels: NamespaceLabels) -> MetricsSnapshot:
     namespaces = _fold_namespaces(daemon, labels)
     return MetricsSnapshot(
         daemon.statistics(),
-        daemon.pool_status() if daemon.store.pool is not None else None,
+        daemon.pool_status() if daemon.pool is not None else None,
         namespaces,
         _transfers(daemon, namespaces),
         daemon.store.counters["lost"],

@@ -205,12 +205,7 @@ class Session:
         if event.header.ns not in self.namespaces:
             return False
         store = self.daemon.store
-        ns = store.registry.get(event.header.ns)
-        for key in msg.keys:
-            block = store.index.get(ns, key)
-            if block is None or block.dram is None or block.loading is not None:
-                return False
-        return True
+        return store.all_resident(store.registry.get(event.header.ns), msg.keys)
 
     async def _handle(self, event: RequestReceived, permit: bool = False) -> None:
         header = event.header

@@ -10,9 +10,16 @@ the opening reports where it is in an :class:`OpenProgress` that the daemon show
 asks meanwhile (``"pre-faulting the arena, 3.0 of 8.0 GiB"``): the pre-fault thread after each
 chunk, the NVMe recovery after each run of headers.
 
-Closing, whatever happened: no new write-back is queued, the workers finish the queue (every
-committed block reaches the disk when time allows), the NVMe tier writes its index snapshot, the
-backend and the arena go away.
+What is running while the store is open, each under an async context manager that owns its
+tasks, entered in this order and left in the reverse one: the replica link (its membership,
+writers and restores; only when the composition root, :mod:`kvtierd.server.assembly`, passes a
+:class:`~kvtierd.store.ports.Replica`), the write-back workers, the store's background
+promotions, the prefetcher's ticks. Nothing here imports the pool.
+
+Closing, whatever happened: the prefetcher stops, running promotions end, no new write-back is
+queued and the workers finish the queue (every committed block reaches the disk when time
+allows), the link gives queued blocks its grace to reach the pool, the NVMe tier writes its
+index snapshot, the backend and the arena go away.
 """
 
 from __future__ import annotations
@@ -27,25 +34,26 @@ from pathlib import Path
 
 import anyio
 
-from kvtierd.config import Config, PolicyKind, PoolConfig
-from kvtierd.errors import ConfigError, StorageIOError
+from kvtierd.config import Config, PolicyKind
+from kvtierd.errors import StorageIOError
 from kvtierd.io import BindingVerdict, open_io_backend
 from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES as FIXED_BUFFER_BYTES
 from kvtierd.policy import CachePolicy
-from kvtierd.pool.connect import PoolUnavailableError, pool_address, read_secret
-from kvtierd.pool.link import PoolLink
-from kvtierd.pool.tier import PoolTier
-from kvtierd.pool.values import PoolNames
 from kvtierd.slsap.policy import SlsapPolicy
 from kvtierd.store.arena import HUGE_PAGE_BYTES, Arena
 from kvtierd.store.namespaces import NamespaceRegistry
 from kvtierd.store.nvme import open_nvme_tier
 from kvtierd.store.policy import LruPolicy
+from kvtierd.store.ports import Replica
+from kvtierd.store.prefetch import open_prefetcher
 from kvtierd.store.records import PAGE_BYTES
 from kvtierd.store.regions import Regions
+from kvtierd.store.residency import Residency
 from kvtierd.store.secret import load_secret
 from kvtierd.store.staging import StagedCopies, StagingPages
 from kvtierd.store.store import BlockStore
+from kvtierd.store.writeback import WriteBack, open_writeback
+from kvtierd.store.writer import LowerWriter
 
 __all__ = [
     "OpenPhase",
@@ -101,33 +109,6 @@ class OpenProgress:
         if phase is OpenPhase.RECOVERING:
             return f"{phase.value}, {done} records"
         return phase.value
-
-
-def open_pool_link(config: PoolConfig, store: BlockStore) -> PoolLink:
-    """The pool tier and this rank's group membership; nothing connects until the store starts.
-    Raises :class:`ConfigError` for a credential file that cannot be used."""
-    try:
-        if config.password_file:
-            read_secret(config.password_file)
-    except PoolUnavailableError as exc:
-        raise ConfigError(str(exc)) from None
-    if not config.tls:
-        log.warning(
-            "pool %s is plaintext (pool.allow_plaintext = true): blocks and credentials cross "
-            "the network unencrypted",
-            pool_address(config),
-        )
-    tier = PoolTier(config, PoolNames(config.key_prefix, config.group, config.rank))
-    return PoolLink(config, tier, store)
-
-
-async def _settle(link: PoolLink, config: PoolConfig) -> None:
-    """Wait (bounded) until the group decided and a restore ran, so a restarted rank serves
-    what the pool holds from its first request."""
-    with anyio.move_on_after(config.vote_timeout_s + 2 * config.timeout_s):
-        await link.settled.wait()
-    status = link.membership.status
-    log.info("pool: %s%s", status.state.value, f" ({status.reason})" if status.reason else "")
 
 
 def staging_pages(config: Config) -> int:
@@ -195,10 +176,12 @@ async def open_store(
     *,
     io_verdict: BindingVerdict | None = None,
     progress: OpenProgress | None = None,
+    replica: Replica | None = None,
 ) -> AsyncIterator[BlockStore]:
     """Yield a running :class:`BlockStore` for ``config``; closes it on exit. ``io_verdict`` is
     the liburing binding's probe verdict, when the caller already has it; ``progress`` is told
-    where the opening is (and ends in :attr:`OpenPhase.OPEN`)."""
+    where the opening is (and ends in :attr:`OpenPhase.OPEN`); ``replica``: the shared tier
+    and its link (:func:`kvtierd.server.assembly.open_daemon_store` passes the pool's)."""
     progress = progress if progress is not None else OpenProgress()
     data_dir = config.data_path
     await anyio.to_thread.run_sync(lambda: data_dir.mkdir(parents=True, exist_ok=True))
@@ -250,34 +233,40 @@ async def open_store(
                 regions=regions,
                 limits=config.limits,
             )
-            store = BlockStore(
+            writeback = WriteBack(config.nvme.writeback_concurrency)
+            residency = Residency(
                 arena,
                 regions,
                 registry,
                 partial(make_policy, config.dram.policy),
                 tier,
                 make_policy(config.nvme.policy),
+                writeback=writeback,
                 staged=staged,
+                shared=replica.tier if replica is not None else None,
                 limits=config.limits,
-                writeback_workers=config.nvme.writeback_concurrency,
-                prefetch_bytes_per_s=config.dram.prefetch_bytes_per_s,
             )
-            store.io_backend = backend
-            if config.pool.url:
-                store.pool = open_pool_link(config.pool, store)
-            adopted = store.adopt_recovered()
+            adopted = residency.adopt_recovered()
             log.info("store ready: %d blocks adopted from the NVMe tier", adopted)
-            async with anyio.create_task_group() as tg:
-                store.start(tg)
-                if store.pool is not None:
-                    progress.advance(OpenPhase.JOINING_POOL)
-                    await _settle(store.pool, config.pool)
-                progress.advance(OpenPhase.OPEN)
-                try:
-                    yield store
-                finally:
-                    if store.pool is not None:
-                        await store.pool.close(config.daemon.shutdown_grace_s / 2)
-                    store.stop_background()
+            link = None
+            if replica is not None:
+                link = await stack.enter_async_context(replica.open_link(residency))
+            await stack.enter_async_context(
+                open_writeback(writeback, LowerWriter(residency).write_back)
+            )
+            background = await stack.enter_async_context(anyio.create_task_group())
+            store = BlockStore(
+                residency,
+                background,
+                link=link,
+                prefetch_bytes_per_s=config.dram.prefetch_bytes_per_s,
+                io_backend=backend,
+            )
+            await stack.enter_async_context(open_prefetcher(store.prefetcher, store.prefetch))
+            if link is not None:
+                progress.advance(OpenPhase.JOINING_POOL)
+                await link.settle()
+            progress.advance(OpenPhase.OPEN)
+            yield store
     finally:
         arena.close()

@@ -9,7 +9,9 @@ count as references. HINT's queue goes through the pure
 :class:`~kvtierd.slsap.planner.PrefetchPlanner`:
 requests earliest first, each head first, within ``prefetch_bytes_per_s`` for the next second.
 
-While no demand promotion is running, :meth:`Prefetcher.run` asks the DRAM policy for blocks it
+The prefetcher only reads the store (:class:`~kvtierd.store.residency.Residency`) and says
+which blocks it wants promoted; the store promotes them. While no demand promotion is running,
+the ticks :func:`open_prefetcher` runs ask the DRAM policy for blocks it
 expects to be read again soon (ghosts denser than its weakest resident) and promotes those that
 the NVMe tier holds, at most ``prefetch_bytes_per_s`` per second and only into free arena room:
 demand reads always go first, and a guess never displaces a resident block (measured on the
@@ -18,11 +20,11 @@ Mooncake replay, displacing residents for reuse guesses cost more disk time than
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 
 import anyio
 
@@ -30,11 +32,9 @@ from kvtierd.policy import AccessContext
 from kvtierd.slsap.planner import PrefetchPlanner, QueuedRequest
 from kvtierd.store.index import Block
 from kvtierd.store.namespaces import Namespace
+from kvtierd.store.residency import Residency
 
-if TYPE_CHECKING:
-    from kvtierd.store.store import BlockStore
-
-__all__ = ["Prefetcher"]
+__all__ = ["Prefetcher", "open_prefetcher"]
 
 #: Blocks named by LOOKUPs whose READs are remembered (the oldest are forgotten first).
 _NAMED_BLOCKS = 1 << 16
@@ -44,9 +44,9 @@ _QUEUE_SPACING_S = 0.05
 
 
 class Prefetcher:
-    """Owned by the store; ``run`` is started in the store's task group."""
+    """Owned by the store; its ticks run under :func:`open_prefetcher`."""
 
-    def __init__(self, store: BlockStore, prefetch_bytes_per_s: int) -> None:
+    def __init__(self, store: Residency, prefetch_bytes_per_s: int) -> None:
         self._store = store
         self.prefetch_bytes_per_s = prefetch_bytes_per_s
         self._ids = itertools.count(1)
@@ -54,8 +54,6 @@ class Prefetcher:
         #: latest request that named the block.
         self._named: OrderedDict[tuple[bytes, bytes], tuple[int, int, int]] = OrderedDict()
         self._planners: dict[int, PrefetchPlanner] = {}
-        self._scope: anyio.CancelScope | None = None
-        self._stopped = False
         #: Set by EVICT: the room it made stays free until requests come again (else the idle
         #: disk would promote the evicted blocks straight back as reuse candidates).
         self.reuse_paused = False
@@ -148,21 +146,9 @@ class Prefetcher:
         block = self._store.index.by_id(block_id)
         return block is not None and block.lower is not None
 
-    async def run(self) -> None:
+    async def tick_forever(self, promote: Callable[[list[Block]], object]) -> None:
         """Between requests: apply the policies' deferred telemetry and, while the disk is
-        idle, promote reuse candidates; until :meth:`stop`."""
-        if self._stopped:
-            return
-        with anyio.CancelScope() as self._scope:
-            await self._tick_forever()
-
-    def stop(self) -> None:
-        """End :meth:`run` (the store is closing)."""
-        self._stopped = True
-        if self._scope is not None:
-            self._scope.cancel()
-
-    async def _tick_forever(self) -> None:
+        idle, ``promote`` reuse candidates."""
         store = self._store
         while True:
             await anyio.sleep(_TICK_S)
@@ -173,9 +159,9 @@ class Prefetcher:
                 await policy.flush_gradually()
             idle = not store.demand_promotions and not self.reuse_paused
             if self.prefetch_bytes_per_s and store.lower is not None and idle:
-                self._promote_reuse()
+                promote(self._reuse_candidates())
 
-    def _promote_reuse(self) -> None:
+    def _reuse_candidates(self) -> list[Block]:
         # Reuse promotions only fill free arena room: a guess never displaces a resident
         # (demand and prefix promotions evict by the policy as usual).
         store = self._store
@@ -192,4 +178,18 @@ class Prefetcher:
                 budget -= block.ref.raw_bytes
                 room -= block.ref.raw_bytes
                 chosen.append(block)
-        store.prefetch(chosen)
+        return chosen
+
+
+@contextlib.asynccontextmanager
+async def open_prefetcher(
+    prefetcher: Prefetcher, promote: Callable[[list[Block]], object]
+) -> AsyncIterator[Prefetcher]:
+    """Run ``prefetcher``'s ticks in a task group of their own until the block exits;
+    ``promote`` carries out the promotions it asks for."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(prefetcher.tick_forever, promote)
+        try:
+            yield prefetcher
+        finally:
+            tg.cancel_scope.cancel()

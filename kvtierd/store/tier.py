@@ -12,17 +12,22 @@ import abc
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from kvtierd.errors import NoSpaceError
+from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
 
-__all__ = ["BlockRef", "LowerTier", "MediumFullError", "Recovered"]
+__all__ = ["BlockRef", "LowerTier", "MediumFullError", "Recovered", "TierUnavailableError"]
 
 
 class MediumFullError(NoSpaceError):
     """The medium itself ran out of space (a sparse data file on a full file system), as
     opposed to a full size class: evicting blocks of the class would not make room, it would only
     throw away durable blocks. On the wire it is ``ENOSPC`` like any :class:`NoSpaceError`."""
+
+
+class TierUnavailableError(StorageIOError):
+    """The tier cannot be reached now (a shared pool that is down or detached): a copy there
+    is out of reach, a miss for the reader, not damage (``EIO`` on the wire)."""
 
 
 @dataclass(frozen=True, slots=True)

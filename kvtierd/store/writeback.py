@@ -1,10 +1,10 @@
 """Background write-back of committed blocks to the lower tier, and FSYNC.
 
-Committed blocks enter a queue in commit order (``seq``). A fixed set of workers, owned by the
-store's task group, writes each one through the lower tier while it is pinned in DRAM, then
-marks it clean. FSYNC waits until every block committed before it was written (or forgotten),
-then asks the tier to make the writes durable, and only then answers: so a block whose FSYNC
-returned survives ``kill -9``.
+Committed blocks enter a queue in commit order (``seq``). A fixed set of workers, owned by
+:func:`open_writeback`, writes each one through the lower tier while it is pinned in DRAM
+(:class:`kvtierd.store.writer.LowerWriter`), then marks it clean. FSYNC waits until every block
+committed before it was written (or forgotten), then asks the tier to make the writes durable,
+and only then answers: so a block whose FSYNC returned survives ``kill -9``.
 
 A write that fails (the tier is full of other size classes, the device errs) leaves the block
 dirty in DRAM and in the ``failed`` set; the next FSYNC retries those blocks once and raises the
@@ -13,27 +13,26 @@ error if they still cannot be written, so the caller learns that its data is not
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
-from anyio.abc import TaskGroup
 
 from kvtierd.errors import KvtierError
 from kvtierd.store.index import Block
 
-__all__ = ["WriteBack"]
+__all__ = ["WriteBack", "open_writeback"]
 
 log = logging.getLogger("kvtierd.writeback")
 
 
 class WriteBack:
-    """Owns the write-back queue and workers; ``write`` performs one block's write."""
+    """The write-back queue; :func:`open_writeback` runs its workers."""
 
-    def __init__(self, write: Callable[[Block], Awaitable[None]], workers: int) -> None:
-        self._write = write
-        self._workers = workers
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
         send, receive = anyio.create_memory_object_stream[Block](math.inf)
         self._send, self._receive = send, receive
         self._pending: dict[int, Block] = {}  # seq -> block queued or being written
@@ -49,10 +48,6 @@ class WriteBack:
     def failed(self) -> int:
         return len(self._failed)
 
-    def start(self, tg: TaskGroup) -> None:
-        for _ in range(self._workers):
-            tg.start_soon(self._worker)
-
     def close(self) -> None:
         """No more blocks will be queued; workers finish the queue and exit."""
         self._send.close()
@@ -62,12 +57,13 @@ class WriteBack:
         self._pending[block.ref.seq] = block
         self._send.send_nowait(block)
 
-    async def _worker(self) -> None:
+    async def work(self, write: Callable[[Block], Awaitable[None]]) -> None:
+        """One worker: ``write`` each queued block, until the queue is closed and empty."""
         async with self._receive.clone() as receive:
             async for block in receive:
                 try:
                     if not block.forgotten:
-                        await self._write(block)
+                        await write(block)
                 except KvtierError as exc:
                     log.warning("write-back of a block failed: %s", exc)
                     self._failed[block.ref.seq] = (block, exc)
@@ -107,3 +103,18 @@ class WriteBack:
     def queued(self) -> list[Block]:
         """The blocks queued or being written."""
         return list(self._pending.values())
+
+
+@contextlib.asynccontextmanager
+async def open_writeback(
+    queue: WriteBack, write: Callable[[Block], Awaitable[None]]
+) -> AsyncIterator[WriteBack]:
+    """Run ``queue``'s workers (``write`` performs one block's write) in a task group of their
+    own; on exit no more blocks are queued and the workers finish the queue first."""
+    async with anyio.create_task_group() as tg:
+        for _ in range(queue.workers):
+            tg.start_soon(queue.work, write)
+        try:
+            yield queue
+        finally:
+            queue.close()

@@ -10,8 +10,8 @@ import anyio
 import pytest
 
 from kvtierd.config import Config, load_config
+from kvtierd.server.assembly import open_daemon_store as open_store
 from kvtierd.store.index import Owner
-from kvtierd.store.lifecycle import open_store
 from kvtierd.store.namespaces import Namespace, NamespaceSpec, PeerCredentials
 from kvtierd.store.records import checksum
 from kvtierd.store.store import BlockStore

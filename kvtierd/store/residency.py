@@ -1,0 +1,407 @@
+"""Where each block's copies are: the index, the DRAM slots, and the only code that adds or drops
+a copy.
+
+Theory of operation. All state lives on the event loop thread and changes only between
+``await`` points, so no lock guards the index; what must not change across an ``await`` is
+pinned instead (``Block.pins``; a pinned DRAM slot is never evicted). Policies choose victims
+(:class:`~kvtierd.policy.CachePolicy`, one per tenant region for DRAM); this class drops them.
+
+Below DRAM lies an ordered stack of tiers: the local one (NVMe, ``lower``) and the shared pool
+(``shared``), each behind the :class:`~kvtierd.store.tier.LowerTier` port. A block is promoted
+from the nearest tier that holds it, and a copy that fails its checksum there is dropped: the
+request sees a miss, never its bytes. A block with no copy left leaves the index.
+
+The components above this one (:class:`~kvtierd.store.store.BlockStore` for reads,
+:class:`~kvtierd.store.writes.Writes` for ALLOC/COMMIT, :class:`~kvtierd.store.writeback.
+LowerWriter` for write-back) act through it; a replica link (:mod:`kvtierd.store.ports`) reaches
+it only through the :class:`~kvtierd.store.ports.StoreForReplica` methods at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterator
+
+import anyio
+
+from kvtierd.config import LimitsConfig
+from kvtierd.errors import BlockNotFoundError, KvtierError, NoSpaceError
+from kvtierd.policy import PROMOTION, AccessContext, CachePolicy
+from kvtierd.store.arena import Arena
+from kvtierd.store.codec import checksum_off_loop
+from kvtierd.store.index import Block, BlockIndex
+from kvtierd.store.namespaces import Namespace, NamespaceRegistry
+from kvtierd.store.regions import Regions, TenantRegion
+from kvtierd.store.slots import Slot
+from kvtierd.store.sparse import SparseRetrieval
+from kvtierd.store.staging import StagedCopies
+from kvtierd.store.tier import BlockRef, LowerTier, TierUnavailableError
+from kvtierd.store.tracking import TierPolicy
+from kvtierd.store.writeback import WriteBack
+
+__all__ = ["Residency"]
+
+log = logging.getLogger("kvtierd.store")
+_EVICT_BATCH = 16
+
+
+class Residency:
+    """Constructed by :func:`kvtierd.store.open_store`; shared by the store's components."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        regions: Regions,
+        registry: NamespaceRegistry,
+        dram_policy: Callable[[], CachePolicy],
+        lower: LowerTier | None,
+        lower_policy: CachePolicy,
+        *,
+        writeback: WriteBack,
+        staged: StagedCopies | None = None,
+        shared: LowerTier | None = None,
+        limits: LimitsConfig | None = None,
+        alloc_wait_s: float = 10.0,
+    ) -> None:
+        if lower is not None and staged is None:
+            raise ValueError("a lower tier needs private staging memory for write-back")
+        self.arena = arena
+        self.regions = regions
+        self.registry = registry
+        self.limits = limits or LimitsConfig()
+        self.sparse = SparseRetrieval(max_summary_bytes=self.limits.sparse_summary_bytes)
+        self.index = BlockIndex(on_remove=self.sparse.forget)
+        #: One DRAM policy per region: choosing a victim in one tenant's region never walks
+        #: another tenant's blocks.
+        self.dram_policies = {r.id: TierPolicy(dram_policy(), self.index) for r in regions}
+        self.lower = lower
+        self.lower_policy = TierPolicy(lower_policy, self.index)
+        self.shared = shared
+        self.staged = staged
+        self.writeback = writeback
+        self.alloc_wait_s = alloc_wait_s
+        #: The newest commit sequence number seen (``BlockRef.seq``).
+        self.seq = 0
+        #: READs promoting blocks now (reuse prefetch waits while any runs).
+        self.demand_promotions = 0
+        self.counters = dict.fromkeys(
+            (
+                "dram_hits",
+                "lower_hits",
+                "pool_hits",
+                "misses",
+                "dram_evictions",
+                "lower_evictions",
+                "promotions",
+                "prefetch_promoted",
+                "prefetch_used",
+                "prefetch_wasted_bytes",
+                "bytes_read",
+                "bytes_committed",
+                "lost",
+                "corrupt_writebacks",
+                "written_back",
+            ),
+            0,
+        )
+
+    def dram_policy_of(self, ns: Namespace) -> TierPolicy:
+        """The DRAM policy of ``ns``'s region."""
+        return self.dram_policies[self.region(ns).id]
+
+    def count(self, ns: Namespace, name: str, n: int = 1) -> None:
+        """Count ``n`` of ``name`` in total and for ``ns``'s tenant."""
+        self.counters[name] += n
+        if ns.region is not None:
+            ns.region.counters[name] += n  # a name outside regions.COUNTERS is a bug: KeyError
+
+    def region(self, ns: Namespace) -> TenantRegion:
+        if ns.region is None:
+            raise NoSpaceError(f"tenant {ns.spec.tenant!r} has no DRAM region")
+        return ns.region
+
+    def saw_seq(self, seq: int) -> None:
+        self.seq = max(self.seq, seq)
+
+    def slot_view(self, slot: Slot) -> memoryview:
+        return self.arena.view[slot.offset : slot.offset + slot.size]
+
+    def adopt_recovered(self) -> int:
+        """Index the blocks the local lower tier found when it opened; how many."""
+        if self.lower is None:
+            return 0
+        adopted = 0
+        for found in self.lower.recovered():
+            ns = self.registry.by_digest(found.ref.ns_digest)
+            if ns is None:
+                log.warning("dropping a recovered block of an unknown namespace")
+                continue
+            block = Block(ns, found.ref, lower=found.location)
+            self.index.add(block)
+            ns.nvme_blocks += 1
+            self.lower_policy.inserted(block, 0.0)
+            self.saw_seq(found.ref.seq)
+            adopted += 1
+        return adopted
+
+    # -- promotion ---------------------------------------------------------------------------
+
+    def _source(self, block: Block) -> tuple[LowerTier, Hashable] | None:
+        """The nearest tier below DRAM holding ``block``, and where."""
+        for tier, location in ((self.lower, block.lower), (self.shared, block.pool)):
+            if tier is not None and location is not None:
+                return tier, location
+        return None
+
+    async def make_resident(
+        self, block: Block, *, wait: bool = False, context: AccessContext = PROMOTION
+    ) -> None:
+        """Promote ``block`` into DRAM. ``wait``: a demand read, which may wait (up to
+        ``alloc_wait_s``) for write-back to free a slot rather than fail with ENOSPC.
+        ``context``: the READ it is promoted for, told to the DRAM policy (by default it is
+        not an access: a prefetch, or a copy the pool needs)."""
+        while block.loading is not None:
+            await block.loading.wait()
+        if block.forgotten:
+            raise BlockNotFoundError("block was forgotten")
+        if block.resident:
+            self.count(block.ns, "dram_hits")
+            return
+        found = self._source(block)
+        if found is None:
+            raise BlockNotFoundError("block has no copy left")
+        source, location = found
+        shared = source is self.shared
+        region = self.region(block.ns)
+        block.loading = anyio.Event()
+        block.pins += 1
+        try:
+            slot = await self.allocate_dram(region, block.ref.raw_bytes, wait=wait)
+            try:
+                await source.load(block.ref, location, self.slot_view(slot))
+            except TierUnavailableError as exc:  # the pool went away: a miss, not an error
+                region.allocator.free(slot)
+                raise BlockNotFoundError(
+                    f"block is only in the pool, now out of reach: {exc}"
+                ) from None
+            except BaseException as exc:
+                region.allocator.free(slot)
+                # A FORGET during the read has already dropped the copy (and tombstoned it).
+                if isinstance(exc, BlockNotFoundError):
+                    if shared and block.pool is not None:
+                        self.drop_copy(block)
+                        self.counters["lost"] += 1
+                    elif not shared and block.lower is not None:
+                        await self.drop_lower(block)
+                        self.counters["lost"] += 1
+                raise
+            block.dram = slot
+            block.ns.dram_blocks += 1
+            self.dram_policy_of(block.ns).inserted(block, time.monotonic(), context)
+            self.count(block.ns, "pool_hits" if shared else "lower_hits")
+            self.count(block.ns, "promotions")
+        finally:
+            block.loading.set()
+            block.loading = None
+            self.unpin(block)
+
+    async def make_all_resident(self, blocks: list[tuple[Block, AccessContext]]) -> None:
+        """Promote concurrently (the disk wants queue depth); raise the first failure."""
+        if len(blocks) == 1:  # no task group for one block: the common small READ
+            await self.make_resident(blocks[0][0], wait=True, context=blocks[0][1])
+            return
+        errors: list[KvtierError] = []
+
+        async def one(block: Block, context: AccessContext) -> None:
+            try:
+                await self.make_resident(block, wait=True, context=context)
+            except KvtierError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for block, context in blocks:
+                tg.start_soon(one, block, context)
+        if errors:
+            raise errors[0]
+
+    def unpin(self, block: Block) -> None:
+        block.pins -= 1
+        if block.forgotten and block.pins == 0:
+            self.drop_staged(block)
+            if block.dram is not None:
+                self.drop_dram(block)
+
+    def note_read(self, block: Block, now: float, context: AccessContext) -> None:
+        if block.prefetched:
+            block.prefetched = False
+            self.counters["prefetch_used"] += 1
+        self.count(block.ns, "bytes_read", block.ref.raw_bytes)
+        self.dram_policy_of(block.ns).accessed(block, now, context)
+
+    # -- DRAM slots --------------------------------------------------------------------------
+
+    async def allocate_dram(self, region: TenantRegion, nbytes: int, *, wait: bool = False) -> Slot:
+        """A slot in ``region`` (evicting that region's blocks only)."""
+        deadline = time.monotonic() + self.alloc_wait_s
+        while True:
+            slot = self._allocate_dram_nowait(region, nbytes)
+            if slot is not None:
+                return slot
+            if not wait or not self.writeback.backlog or time.monotonic() >= deadline:
+                raise NoSpaceError(
+                    f"the tenant's DRAM region has no room for a {nbytes}-byte block: every "
+                    "slot is leased, pending or awaiting write-back"
+                )
+            await self.writeback.wait_progress(deadline - time.monotonic())
+
+    def _allocate_dram_nowait(self, region: TenantRegion, nbytes: int) -> Slot | None:
+        allocator = region.allocator
+        slot = allocator.allocate(nbytes)
+        size = allocator.size_class(nbytes)
+
+        def evictable(block: Block) -> bool:
+            return block.ns.region is region and self.dram_evictable(block)
+
+        while slot is None:
+            policy = self.dram_policies[region.id]
+            victims = policy.victims(
+                _EVICT_BATCH, lambda b: evictable(b) and _slot_size(b) == size
+            ) or policy.victims(1, evictable)
+            if not victims:
+                return None
+            for victim in victims:
+                self.drop_dram(victim)
+                self.count(victim.ns, "dram_evictions")
+            slot = allocator.allocate(nbytes)
+        return slot
+
+    def dram_evictable(self, block: Block) -> bool:
+        return block.dram is not None and block.pins == 0 and not block.dirty
+
+    # -- dropping copies ---------------------------------------------------------------------
+
+    def drop_dram(self, block: Block) -> None:
+        assert block.dram is not None
+        self.region(block.ns).allocator.free(block.dram)
+        block.dram = None
+        block.ns.dram_blocks -= 1
+        self.dram_policy_of(block.ns).removed(block)
+        if block.prefetched:
+            block.prefetched = False
+            self.counters["prefetch_wasted_bytes"] += block.ref.raw_bytes
+        if not block.has_copy:
+            self.index.remove(block)
+
+    async def drop_lower(self, block: Block) -> None:
+        assert self.lower is not None
+        assert block.lower is not None
+        location, block.lower = block.lower, None
+        block.ns.nvme_blocks -= 1
+        self.lower_policy.removed(block)
+        if not block.has_copy:
+            self.index.remove(block)
+        await self.lower.discard(location)
+
+    async def discard_shared(self, block: Block) -> None:
+        """Drop ``block``'s pool copy, here and in the pool (a failure there is logged: the
+        value stays until the pool evicts it, never restored, since nothing indexes it)."""
+        assert self.shared is not None
+        assert block.pool is not None
+        location = block.pool
+        self.drop_copy(block)
+        try:
+            await self.shared.discard(location)
+        except KvtierError as exc:
+            log.warning("a forgotten block stays in the pool until it is evicted: %s", exc)
+
+    def drop_staged(self, block: Block) -> None:
+        if block.staged is not None and self.staged is not None:
+            self.staged.free(block.staged)
+            block.staged = None
+
+    async def evict_lower(self, slot_class: int) -> bool:
+        """Drop a batch of the local lower tier's blocks of ``slot_class``; whether any went."""
+        assert self.lower is not None
+        lower = self.lower
+
+        def same_class(candidate: Block) -> bool:
+            return (
+                candidate.lower is not None
+                and candidate.loading is None
+                and lower.slot_class(candidate.ref) == slot_class
+            )
+
+        victims = self.lower_policy.victims(_EVICT_BATCH, same_class)
+        for victim in victims:
+            if not same_class(victim):  # dropped or being promoted since it was chosen
+                continue
+            await self.drop_lower(victim)
+            self.counters["lower_evictions"] += 1
+        return bool(victims)
+
+    # -- what a replica link may ask (kvtierd.store.ports.StoreForReplica) -------------------
+
+    def block_by_id(self, ns_digest: bytes, key: bytes) -> Block | None:
+        ns = self.registry.by_digest(ns_digest)
+        return None if ns is None else self.index.get(ns, key)
+
+    def replicated(self) -> Iterator[Block]:
+        """The indexed blocks that have a copy in the shared tier."""
+        return (b for b in self.index.blocks() if b.pool is not None)
+
+    def adopt_copy(self, ref: BlockRef, location: Hashable) -> bool:
+        """Note that the shared tier holds ``ref``; ``True`` when the block was not indexed
+        before."""
+        ns = self.registry.by_digest(ref.ns_digest)
+        if ns is None:
+            return False
+        block = self.index.get(ns, ref.key)
+        if block is not None:
+            if block.ref.checksum == ref.checksum:
+                block.pool = location
+            return False
+        self.index.add(Block(ns, ref, pool=location))
+        self.saw_seq(ref.seq)
+        return True
+
+    def record_copy(self, block: Block, location: Hashable) -> None:
+        """The shared tier now holds ``block`` at ``location``."""
+        block.pool = location
+
+    def drop_copy(self, block: Block) -> None:
+        """The shared tier no longer holds ``block``: forget the location (and the block, if it
+        was its last copy)."""
+        block.pool = None
+        if not block.has_copy:
+            self.index.remove(block)
+
+    async def pin_resident(self, block: Block) -> None:
+        """Pin ``block`` in DRAM, promoting it if needed; the caller unpins it. Raises
+        :class:`BlockNotFoundError` when it has no copy left (forgotten, or the promotion found
+        none), and what else stops the promotion (no free slot now, a disk error)."""
+        if block.forgotten:
+            raise BlockNotFoundError("block was forgotten")
+        block.pins += 1
+        try:
+            await self.make_resident(block)
+        except BaseException:
+            self.unpin(block)
+            raise
+
+    def view(self, block: Block) -> memoryview:
+        assert block.dram is not None
+        return self.slot_view(block.dram)
+
+    async def committed_bytes(self, block: Block) -> bytes | memoryview | None:
+        """``block``'s committed bytes from memory no client can change: its private copy, or
+        a copy of its (pinned) slot that still hashes to its checksum; ``None`` when the slot
+        changed after COMMIT."""
+        if block.staged is not None and self.staged is not None:
+            return self.staged.view(block.staged, block.ref.raw_bytes)[: block.ref.raw_bytes]
+        data = bytes(self.view(block)[: block.ref.raw_bytes])
+        return data if await checksum_off_loop(data) == block.ref.checksum else None
+
+
+def _slot_size(block: Block) -> int:
+    return block.dram.size if block.dram is not None else -1
