@@ -31,6 +31,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import anyio
 import anyio.lowlevel
@@ -41,17 +42,32 @@ from kvtierd.errors import BlockNotFoundError, KvtierError
 from kvtierd.pool.connect import connect_pool, pool_address, probe
 from kvtierd.pool.group import GroupMembership, GroupState, GroupStatus
 from kvtierd.pool.tier import PoolTier, StoreOutcome
+from kvtierd.store.counts import zeroed
 from kvtierd.store.index import Block
 from kvtierd.store.namespaces import Namespace
 from kvtierd.store.ports import StoreForReplica
 from kvtierd.store.tier import MediumFullError
 
-__all__ = ["PoolLink", "open_pool_link"]
+__all__ = ["LinkCounts", "PoolLink", "open_pool_link"]
 
 log = logging.getLogger("kvtierd.pool")
 _BATCH_BLOCKS = 16
 _BATCH_BYTES = 32 << 20
 _WRITERS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCounts:
+    """What the link counted since the daemon started."""
+
+    written: int = 0
+    write_failures: int = 0
+    #: Blocks not written (backlog full, a refusal that will not pass, changed after COMMIT).
+    skipped: int = 0
+    restored: int = 0
+    #: Blocks whose last copy went before they reached the pool.
+    lost: int = 0
+    group_lookups: int = 0
 
 
 class PoolLink:
@@ -85,9 +101,7 @@ class PoolLink:
         #: ids FORGET dropped while a restore runs (it must not index them again)
         self._restore_forgets: set[tuple[bytes, bytes]] | None = None
         self.unreached: list[tuple[bytes, bytes]] = []
-        self.counters = dict.fromkeys(
-            ("written", "write_failures", "skipped", "restored", "lost", "group_lookups"), 0
-        )
+        self.counters = zeroed(LinkCounts)
         #: Set once this rank knows where it stands after start-up: attached and restored, or
         #: refused or unreachable (the daemon waits for it, bounded, before it is ready).
         self.settled = anyio.Event()
@@ -107,6 +121,9 @@ class PoolLink:
     @property
     def attached(self) -> bool:
         return self.tier.client is not None
+
+    def statistics(self) -> LinkCounts:
+        return LinkCounts(**self.counters)
 
     @property
     def fsync_waits(self) -> bool:

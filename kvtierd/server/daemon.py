@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import grp
 import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import sniffio
 from anyio.abc import SocketStream, TaskStatus, UNIXSocketStream
 
@@ -54,9 +56,10 @@ from kvtierd.server.notify import Notifier
 from kvtierd.server.preflight import socket_answers
 from kvtierd.server.readiness import Readiness
 from kvtierd.server.session import Session, peer_credentials
+from kvtierd.store.counts import TrafficCounts
 from kvtierd.store.lifecycle import arena_bytes
 from kvtierd.store.namespaces import Namespace, PeerCredentials
-from kvtierd.store.regions import COUNTERS, TenantRegion
+from kvtierd.store.regions import TenantRegion
 from kvtierd.store.segments import slot_bytes_for
 from kvtierd.store.store import BlockStore
 
@@ -66,19 +69,19 @@ log = logging.getLogger("kvtierd")
 
 
 def _dram_statistics(
-    namespaces: list[Namespace], regions: list[TenantRegion], counts: Mapping[str, int]
+    namespaces: list[Namespace], regions: list[TenantRegion], counts: TrafficCounts
 ) -> TierStatistics:
     """The DRAM tier's record over ``namespaces`` and their ``regions``."""
     return TierStatistics(
-        "dram",
-        sum(ns.dram_blocks for ns in namespaces),
-        sum(r.allocator.used_bytes for r in regions),
-        sum(r.allocator.capacity for r in regions),
-        counts["dram_hits"],
-        counts["lower_hits"] + counts["misses"],
-        counts["dram_evictions"],
-        counts["bytes_read"],
-        counts["bytes_committed"],
+        name="dram",
+        blocks=sum(ns.dram_blocks for ns in namespaces),
+        used_bytes=sum(r.allocator.used_bytes for r in regions),
+        capacity_bytes=sum(r.allocator.capacity for r in regions),
+        hits=counts.dram_hits,
+        misses=counts.lower_hits + counts.misses,
+        evictions=counts.dram_evictions,
+        bytes_read=counts.bytes_read,
+        bytes_written=counts.bytes_committed,
     )
 
 
@@ -112,48 +115,38 @@ class Daemon:
         if peer is not None:
             return self._tenant_statistics(peer)
         store = self.store
-        c = store.counters
+        c = store.residency.statistics()
         tiers = [_dram_statistics(list(store.registry), list(store.regions), c)]
         if store.lower is not None:
             lower = store.lower.statistics()
-            tiers.append(
-                TierStatistics(
-                    lower.name,
-                    lower.blocks,
-                    lower.used_bytes,
-                    lower.capacity_bytes,
-                    lower.hits,
-                    lower.misses,
-                    c["lower_evictions"],
-                    lower.bytes_read,
-                    lower.bytes_written,
-                )
-            )
+            tiers.append(msgspec.structs.replace(lower, evictions=c.lower_evictions))
         if self.pool is not None:  # counted by the pool tier itself; blocks = its manifest
             tiers.append(self.pool.tier.statistics())
         return StatfsReply(
-            __version__,
-            time.monotonic() - self.started,
-            store.io_backend.kind.value if store.io_backend else "none",
-            len(self.sessions),
-            self.requests,
-            len(store.registry),
-            sum(len(s.owner.leases) for s in self.sessions),
-            sum(len(lease.blocks) for s in self.sessions for lease in s.owner.leases.values()),
-            sum(len(s.owner.writes) for s in self.sessions),
-            store.writeback.backlog,
-            store.writeback.pending_bytes(),
-            sum(ns.nvme_blocks for ns in store.registry),
-            c["promotions"],
-            c["prefetch_promoted"],
-            c["prefetch_used"],
-            c["prefetch_wasted_bytes"],
-            tiers,
-            "host",
-            store.sparse.summaries,
-            store.sparse.summary_bytes,
-            c["corrupt_writebacks"],
-            store.sparse.summaries_dropped,
+            version=__version__,
+            uptime_s=time.monotonic() - self.started,
+            io_backend=store.io_backend.kind.value if store.io_backend else "none",
+            connections=len(self.sessions),
+            requests=self.requests,
+            namespaces=len(store.registry),
+            leases=sum(len(s.owner.leases) for s in self.sessions),
+            leased_blocks=sum(
+                len(lease.blocks) for s in self.sessions for lease in s.owner.leases.values()
+            ),
+            pending_writes=sum(len(s.owner.writes) for s in self.sessions),
+            dirty_blocks=store.writeback.backlog,
+            dirty_bytes=store.writeback.pending_bytes(),
+            durable_blocks=sum(ns.nvme_blocks for ns in store.registry),
+            promotions=c.promotions,
+            prefetch_promoted=c.prefetch_promoted,
+            prefetch_used=c.prefetch_used,
+            prefetch_wasted_bytes=c.prefetch_wasted_bytes,
+            tiers=tiers,
+            scope="host",
+            sparse_summaries=store.sparse.summaries,
+            sparse_summary_bytes=store.sparse.summary_bytes,
+            corrupt_writebacks=c.corrupt_writebacks,
+            sparse_summaries_dropped=store.sparse.summaries_dropped,
         )
 
     def _tenant_statistics(self, peer: PeerCredentials) -> StatfsReply:
@@ -163,51 +156,47 @@ class Daemon:
         registry = store.registry
         namespaces = [ns for ns in registry if registry.may_use(ns.spec.tenant, peer)]
         regions = {id(ns.region): ns.region for ns in namespaces if ns.region is not None}
-        counts = dict.fromkeys(COUNTERS, 0)
-        for region in regions.values():
-            for name, value in region.counters.items():
-                counts[name] += value
+        counts = sum((r.statistics() for r in regions.values()), TrafficCounts())
         tiers = [_dram_statistics(namespaces, list(regions.values()), counts)]
         if store.lower is not None:
-            lower = store.lower
             tiers.append(
                 TierStatistics(
-                    "nvme",
-                    sum(ns.nvme_blocks for ns in namespaces),
-                    sum(ns.nvme_blocks * slot_bytes_for(ns.spec.block_bytes) for ns in namespaces),
-                    lower.statistics().capacity_bytes,
-                    counts["lower_hits"],
-                    0,
-                    0,
-                    0,
-                    0,
+                    name="nvme",
+                    blocks=sum(ns.nvme_blocks for ns in namespaces),
+                    used_bytes=sum(
+                        ns.nvme_blocks * slot_bytes_for(ns.spec.block_bytes) for ns in namespaces
+                    ),
+                    capacity_bytes=store.lower.statistics().capacity_bytes,
+                    hits=counts.lower_hits,
+                    misses=0,
+                    evictions=0,
+                    bytes_read=0,
+                    bytes_written=0,
                 )
             )
         own = self.sessions_of_uid.get(peer.uid, set())
         scope = {id(ns) for ns in namespaces}
         dirty = [b for b in store.writeback.queued() if id(b.ns) in scope]
         return StatfsReply(
-            __version__,
-            time.monotonic() - self.started,
-            store.io_backend.kind.value if store.io_backend else "none",
-            len(own),
-            sum(s.requests for s in own),
-            len(namespaces),
-            sum(len(s.owner.leases) for s in own),
-            sum(len(lease.blocks) for s in own for lease in s.owner.leases.values()),
-            sum(len(s.owner.writes) for s in own),
-            len(dirty),
-            sum(b.ref.raw_bytes for b in dirty),
-            sum(ns.nvme_blocks for ns in namespaces),
-            counts["promotions"],
-            0,
-            0,
-            0,
-            tiers,
-            "tenant",
-            0,
-            0,
-            counts["corrupt_writebacks"],
+            version=__version__,
+            uptime_s=time.monotonic() - self.started,
+            io_backend=store.io_backend.kind.value if store.io_backend else "none",
+            connections=len(own),
+            requests=sum(s.requests for s in own),
+            namespaces=len(namespaces),
+            leases=sum(len(s.owner.leases) for s in own),
+            leased_blocks=sum(len(lease.blocks) for s in own for lease in s.owner.leases.values()),
+            pending_writes=sum(len(s.owner.writes) for s in own),
+            dirty_blocks=len(dirty),
+            dirty_bytes=sum(b.ref.raw_bytes for b in dirty),
+            durable_blocks=sum(ns.nvme_blocks for ns in namespaces),
+            promotions=counts.promotions,
+            prefetch_promoted=0,
+            prefetch_used=0,
+            prefetch_wasted_bytes=0,
+            tiers=tiers,
+            scope="tenant",
+            corrupt_writebacks=counts.corrupt_writebacks,
         )
 
     def pool_status(self) -> PoolStatusReply:
@@ -219,29 +208,23 @@ class Daemon:
             return PoolStatusReply("none", "no pool is configured (pool.url is empty)")
         status = link.membership.status
         config = link.config
-        counters = link.counters
         return PoolStatusReply(
-            status.state.value,
-            status.reason,
-            link.membership.address,
-            link.tier.names.group,
-            config.rank,
-            config.world_size,
-            config.write_policy.value,
-            status.epoch,
-            list(status.members),
-            dict(status.refusals),
-            status.changed_at,
-            len(link.pending),
-            link.pending_bytes,
-            len(link.unreached),
-            counters["restored"],
-            counters["written"],
-            counters["write_failures"],
-            counters["skipped"],
-            counters["lost"],
-            counters["group_lookups"],
-            store.counters["pool_hits"],
+            state=status.state.value,
+            reason=status.reason,
+            address=link.membership.address,
+            group=link.tier.names.group,
+            rank=config.rank,
+            world_size=config.world_size,
+            write_policy=config.write_policy.value,
+            epoch=status.epoch,
+            members=list(status.members),
+            refusals=dict(status.refusals),
+            changed_at=status.changed_at,
+            backlog_blocks=len(link.pending),
+            backlog_bytes=link.pending_bytes,
+            unreached=len(link.unreached),
+            pool_hits=store.residency.statistics().pool_hits,
+            **dataclasses.asdict(link.statistics()),
         )
 
     async def doctor(self) -> list[HostCheck]:

@@ -291,7 +291,7 @@ def _transfers(daemon: Daemon, namespaces: Iterable[NamespaceFigures]) -> tuple[
     the device moved (a record's header page and its payload padded to 4 KiB, compressed where
     zstd is on); pool bytes are the values sent and received."""
     store = daemon.store
-    c = store.counters
+    c = store.residency.statistics()
     figures = list(namespaces)
     moved = [
         Transfer(
@@ -307,12 +307,13 @@ def _transfers(daemon: Daemon, namespaces: Iterable[NamespaceFigures]) -> tuple[
     ]
     if store.lower is not None:
         nvme = store.lower.statistics()
-        moved.append(Transfer("dram_to_nvme", c["written_back"], nvme.bytes_written))
-        moved.append(Transfer("nvme_to_dram", c["lower_hits"], nvme.bytes_read))
+        moved.append(Transfer("dram_to_nvme", c.written_back, nvme.bytes_written))
+        moved.append(Transfer("nvme_to_dram", c.lower_hits, nvme.bytes_read))
     if daemon.pool is not None:
         pool = daemon.pool.tier.statistics()
-        moved.append(Transfer("dram_to_pool", daemon.pool.counters["written"], pool.bytes_written))
-        moved.append(Transfer("pool_to_dram", c["pool_hits"], pool.bytes_read))
+        written = daemon.pool.statistics().written
+        moved.append(Transfer("dram_to_pool", written, pool.bytes_written))
+        moved.append(Transfer("pool_to_dram", c.pool_hits, pool.bytes_read))
     return tuple(moved)
 
 
@@ -324,7 +325,7 @@ def take_snapshot(daemon: Daemon, labels: NamespaceLabels) -> MetricsSnapshot:
         daemon.pool_status() if daemon.pool is not None else None,
         namespaces,
         _transfers(daemon, namespaces),
-        daemon.store.counters["lost"],
+        daemon.store.residency.statistics().lost,
     )
 
 

@@ -12,23 +12,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvtierd.store.arena import Region
+from kvtierd.store.counts import TrafficCounts, zeroed
 from kvtierd.store.slots import SlotAllocator
 
 __all__ = ["COUNTERS", "Regions", "TenantRegion"]
 
 #: What the store counts per region (and in total): the names of ``BlockStore.counters``
 #: that belong to one tenant's traffic.
-COUNTERS = (
-    "dram_hits",
-    "lower_hits",
-    "pool_hits",
-    "misses",
-    "dram_evictions",
-    "promotions",
-    "bytes_read",
-    "bytes_committed",
-    "corrupt_writebacks",
-)
+COUNTERS = tuple(zeroed(TrafficCounts))
 
 
 @dataclass(eq=False)
@@ -37,7 +28,11 @@ class TenantRegion:
 
     mapping: Region
     allocator: SlotAllocator
-    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    counters: dict[str, int] = field(default_factory=lambda: zeroed(TrafficCounts))
+
+    def statistics(self) -> TrafficCounts:
+        """This tenant's traffic so far."""
+        return TrafficCounts.of(self.counters)
 
     @property
     def id(self) -> int:

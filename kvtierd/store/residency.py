@@ -30,6 +30,7 @@ from kvtierd.errors import BlockNotFoundError, KvtierError, NoSpaceError
 from kvtierd.policy import PROMOTION, AccessContext, CachePolicy
 from kvtierd.store.arena import Arena
 from kvtierd.store.codec import checksum_off_loop
+from kvtierd.store.counts import StoreCounts, zeroed
 from kvtierd.store.index import Block, BlockIndex
 from kvtierd.store.namespaces import Namespace, NamespaceRegistry
 from kvtierd.store.regions import Regions, TenantRegion
@@ -85,26 +86,12 @@ class Residency:
         self.seq = 0
         #: READs promoting blocks now (reuse prefetch waits while any runs).
         self.demand_promotions = 0
-        self.counters = dict.fromkeys(
-            (
-                "dram_hits",
-                "lower_hits",
-                "pool_hits",
-                "misses",
-                "dram_evictions",
-                "lower_evictions",
-                "promotions",
-                "prefetch_promoted",
-                "prefetch_used",
-                "prefetch_wasted_bytes",
-                "bytes_read",
-                "bytes_committed",
-                "lost",
-                "corrupt_writebacks",
-                "written_back",
-            ),
-            0,
-        )
+        #: The host's counters (:class:`~kvtierd.store.counts.StoreCounts` names them).
+        self.counters = zeroed(StoreCounts)
+
+    def statistics(self) -> StoreCounts:
+        """The host's counts so far."""
+        return StoreCounts.of(self.counters)
 
     def dram_policy_of(self, ns: Namespace) -> TierPolicy:
         """The DRAM policy of ``ns``'s region."""
