@@ -39,7 +39,13 @@ from kvtierd.pool.values import (
 from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.codec import THREAD_CHECKSUM_BYTES, compress, decompress_into
 from kvtierd.store.namespaces import NamespaceSpec
-from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError, Recovered
+from kvtierd.store.tier import (
+    BlockRef,
+    LowerTier,
+    MediumFullError,
+    Recovered,
+    TierCapabilities,
+)
 
 __all__ = ["PoolTier", "StoreOutcome"]
 
@@ -78,7 +84,11 @@ def map_pool_errors(what: str) -> Iterator[None]:
 
 class PoolTier(LowerTier):
     kind = ServedBy.POOL
-    durable = True
+    #: Durable as the pool server is configured (AOF); indexed by the link's restore, not
+    #: when opened.
+    capabilities = TierCapabilities(
+        durable=True, recovers_on_open=False, shared_across_hosts=True, evicts_itself=True
+    )
 
     def __init__(self, config: PoolConfig, names: PoolNames) -> None:
         self.config = config

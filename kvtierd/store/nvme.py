@@ -74,7 +74,13 @@ from kvtierd.store.recovery import (
 )
 from kvtierd.store.segments import DiskSlot, SegmentMap, slot_bytes_for
 from kvtierd.store.staging import StagingPages
-from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError, Recovered
+from kvtierd.store.tier import (
+    BlockRef,
+    LowerTier,
+    MediumFullError,
+    Recovered,
+    TierCapabilities,
+)
 
 __all__ = ["NvmeTier", "open_nvme_tier"]
 
@@ -97,7 +103,9 @@ class NvmeTier(LowerTier):
     """Construct with :func:`open_nvme_tier`, which recovers the index first."""
 
     kind = ServedBy.NVME
-    durable = True
+    capabilities = TierCapabilities(
+        durable=True, recovers_on_open=True, shared_across_hosts=False, evicts_itself=False
+    )
 
     def __init__(
         self,

@@ -116,7 +116,7 @@ class Residency:
 
     def adopt_recovered(self) -> int:
         """Index the blocks the local lower tier found when it opened; how many."""
-        if self.lower is None:
+        if self.lower is None or not self.lower.capabilities.recovers_on_open:
             return 0
         adopted = 0
         for found in self.lower.recovered():
@@ -159,7 +159,7 @@ class Residency:
         if found is None:
             raise BlockNotFoundError("block has no copy left")
         source, location = found
-        shared = source is self.shared
+        shared = source.capabilities.shared_across_hosts
         region = self.region(block.ns)
         block.loading = anyio.Event()
         block.pins += 1

@@ -2,8 +2,9 @@
 
 A lower tier stores a block's bytes under a :class:`BlockRef` and gives back an opaque
 location; it loads them into an arena buffer, verifying them; it discards them. It never decides
-what to keep: the store's policies do, and call :meth:`LowerTier.discard`. Capability flags say
-what the store may rely on (``durable``: survives a crash of the daemon).
+what to keep: the store's policies do, and call :meth:`LowerTier.discard`. What the store may
+rely on is declared, never inferred from the type (:class:`TierCapabilities`); the contract
+suite skips, by capability, what a tier does not promise.
 """
 
 from __future__ import annotations
@@ -11,12 +12,20 @@ from __future__ import annotations
 import abc
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
 
-__all__ = ["BlockRef", "LowerTier", "MediumFullError", "Recovered", "TierUnavailableError"]
+__all__ = [
+    "BlockRef",
+    "LowerTier",
+    "MediumFullError",
+    "Recovered",
+    "TierCapabilities",
+    "TierUnavailableError",
+]
 
 
 class MediumFullError(NoSpaceError):
@@ -47,6 +56,22 @@ class BlockRef:
 
 
 @dataclass(frozen=True, slots=True)
+class TierCapabilities:
+    """What a tier promises."""
+
+    #: A stored copy survives a crash of the daemon (once :meth:`LowerTier.sync` returned).
+    durable: bool
+    #: Opening the tier lists what it holds (:meth:`LowerTier.recovered`); a tier without it
+    #: is indexed some other way (the pool: by its link's restore).
+    recovers_on_open: bool
+    #: Other hosts' daemons read and write the same copies.
+    shared_across_hosts: bool
+    #: The medium drops copies by itself (a pool's maxmemory policy) and never refuses a
+    #: size class as full: the store does not evict it, and a load may find a copy gone.
+    evicts_itself: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Recovered:
     """A block a tier found intact (by its header) when it opened."""
 
@@ -58,7 +83,7 @@ class LowerTier(abc.ABC):
     """A tier under the arena. Methods may be called concurrently for different blocks."""
 
     kind: ServedBy
-    durable: bool
+    capabilities: ClassVar[TierCapabilities]
 
     @abc.abstractmethod
     def slot_class(self, ref: BlockRef) -> int:

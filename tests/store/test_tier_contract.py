@@ -1,5 +1,5 @@
 """The lower-tier contract (:mod:`tests.store.tier_contract`) run against the NVMe tier, over
-both I/O backends; the pool tier will subclass :class:`TierContract` the same way."""
+both I/O backends; the pool tier runs it in ``tests/pool/test_pool_tier_contract.py``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ DATA_FILE = "nvme.data"
 
 
 class TestNvmeTier(TierContract):
+    capabilities = NvmeTier.capabilities
+
     @pytest.fixture(autouse=True, params=["io_uring", "threads"])
     def io_backend(self, request: pytest.FixtureRequest) -> str:
         self.backend_name = str(request.param)

@@ -3,7 +3,10 @@
 A subclass supplies how to open its tier over a directory (:meth:`TierContract.open_tier`) and
 how to reach the medium behind the tier's back (:meth:`TierContract.corrupt`), so that the suite
 can check what the tier promises about bytes it did not write itself: a damaged copy is a miss,
-never its bytes. Everything else is the same for every tier.
+never its bytes, and the tier's :class:`~kvtierd.store.tier.TierCapabilities`. A test of a
+promise the tier does not make (recovery on open, a bounded size class) is skipped by name of
+the capability, as zarr's store tests skip by ``supports_*``. Everything else is the same for
+every tier.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import xxhash
 
 from kvtierd.errors import BlockNotFoundError, NoSpaceError
 from kvtierd.store.records import PAGE_BYTES, checksum
-from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError
+from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError, TierCapabilities
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(16, 32))
@@ -97,6 +100,16 @@ class TierContract:
     SIZE_BYTES = 16 << 20
     #: the largest block the tests store (harness buffers are this big)
     MAX_BLOCK_BYTES = 1 << 20
+    #: what the tier under test promises (its class's ``capabilities``)
+    capabilities: TierCapabilities
+
+    def require_recovery(self) -> None:
+        if not self.capabilities.recovers_on_open:
+            pytest.skip("the tier does not list its blocks when opened (recovers_on_open)")
+
+    def require_bounded_classes(self) -> None:
+        if self.capabilities.evicts_itself:
+            pytest.skip("the tier evicts by itself and never refuses a class as full")
 
     @pytest.fixture(autouse=True)
     def _remove_the_medium(self, tmp_path: Path) -> Iterator[None]:
@@ -162,18 +175,29 @@ class TierContract:
             with pytest.raises(BlockNotFoundError):
                 await h.get(other, location)
 
+    @staticmethod
+    async def _zstd_blocks(h: Harness) -> list[tuple[bytes, BlockRef, Hashable]]:
+        blocks = []
+        for i, (nbytes, compressible) in enumerate(
+            [(256 << 10, True), (256 << 10, False), (100_000, True), (5000, True)]
+        ):
+            key = b"z%02d" % i + bytes(13)
+            data = content(key, nbytes, compressible=compressible)
+            blocks.append((data, *await h.put(key, data, compress=True)))
+        for data, ref, location in blocks:
+            assert await h.get(ref, location) == data
+        return blocks
+
     @pytest.mark.anyio
     async def test_zstd_round_trip(self, tmp_path: Path) -> None:
         async with self.open_tier(tmp_path, self.SIZE_BYTES) as h:
-            blocks = []
-            for i, (nbytes, compressible) in enumerate(
-                [(256 << 10, True), (256 << 10, False), (100_000, True), (5000, True)]
-            ):
-                key = b"z%02d" % i + bytes(13)
-                data = content(key, nbytes, compressible=compressible)
-                blocks.append((data, *await h.put(key, data, compress=True)))
-            for data, ref, location in blocks:
-                assert await h.get(ref, location) == data
+            await self._zstd_blocks(h)
+
+    @pytest.mark.anyio
+    async def test_zstd_blocks_recover_after_reopen(self, tmp_path: Path) -> None:
+        self.require_recovery()
+        async with self.open_tier(tmp_path, self.SIZE_BYTES) as h:
+            blocks = await self._zstd_blocks(h)
         async with self.open_tier(tmp_path, self.SIZE_BYTES) as h:
             found = {r.ref.key: r for r in h.tier.recovered()}
             for data, ref, _ in blocks:
@@ -194,6 +218,7 @@ class TierContract:
 
     @pytest.mark.anyio
     async def test_discard_survives_reopen(self, tmp_path: Path) -> None:
+        self.require_recovery()
         for crash in (False, True):
             directory = tmp_path / f"crash-{crash}"
             async with self.open_tier(directory, self.SIZE_BYTES) as h:
@@ -209,6 +234,7 @@ class TierContract:
 
     @pytest.mark.anyio
     async def test_discarded_space_is_reused(self, tmp_path: Path) -> None:
+        self.require_bounded_classes()
         async with self.open_tier(tmp_path, 8 << 20) as h:
             for round_ in range(4):  # four times what the tier holds
                 locations = []
@@ -243,6 +269,7 @@ class TierContract:
 
     @pytest.mark.anyio
     async def test_corrupt_copy_after_reopen_is_a_miss(self, tmp_path: Path) -> None:
+        self.require_recovery()
         async with self.open_tier(tmp_path, self.SIZE_BYTES) as h:
             _, location = await h.put(b"C" * 16, content(b"C", 64 << 10))
         self.corrupt(tmp_path, location, "payload")
@@ -256,6 +283,7 @@ class TierContract:
     @pytest.mark.anyio
     @pytest.mark.parametrize("crash", [False, True], ids=["clean", "crash"])
     async def test_reopen_recovers_stored_blocks(self, tmp_path: Path, crash: bool) -> None:
+        self.require_recovery()
         written: dict[bytes, bytes] = {}
         async with self.open_tier(tmp_path, self.SIZE_BYTES) as h:
             for i in range(30):
@@ -275,6 +303,7 @@ class TierContract:
     @pytest.mark.anyio
     @pytest.mark.parametrize("crash", [False, True], ids=["clean", "crash"])
     async def test_newest_seq_wins_for_duplicate_keys(self, tmp_path: Path, crash: bool) -> None:
+        self.require_recovery()
         key = b"dup".ljust(16, b".")
         async with self.open_tier(tmp_path, self.SIZE_BYTES) as h:
             await h.put(key, content(b"old", 8192), seq=5)
@@ -305,6 +334,7 @@ class TierContract:
 
     @pytest.mark.anyio
     async def test_no_space_when_the_class_is_full(self, tmp_path: Path) -> None:
+        self.require_bounded_classes()
         for compress in (False, True):
             directory = tmp_path / f"compress-{compress}"
             async with self.open_tier(directory, 8 << 20) as h:
