@@ -39,6 +39,7 @@ from anyio.abc import TaskGroup
 
 from kvtierd.config import PoolConfig, PoolWritePolicy
 from kvtierd.errors import BlockNotFoundError, KvtierError
+from kvtierd.pool.catalog import PoolCatalog
 from kvtierd.pool.connect import connect_pool, pool_address, probe
 from kvtierd.pool.group import GroupMembership, GroupState, GroupStatus
 from kvtierd.pool.tier import PoolTier, StoreOutcome
@@ -80,6 +81,7 @@ class PoolLink:
     ) -> None:
         self.config = config
         self.tier = tier
+        self.catalog = PoolCatalog(tier)
         self.store = store
         self.membership = GroupMembership(
             group_id=tier.names.group,
@@ -219,7 +221,7 @@ class PoolLink:
             batch = self._take_batch()
             self._in_flight.update(batch)
             try:
-                await self.tier.note_intents([b.ref for b in batch])
+                await self.catalog.note_intents([b.ref for b in batch])
                 await self._write(batch)
             except MediumFullError as exc:  # retrying would not make room: stay local
                 left = [b for b in batch if b.pool is None and self.pending.get(b.id) is not b]
@@ -260,7 +262,7 @@ class PoolLink:
         blocks again, so that the caller backs off instead of retrying at once."""
         unknown = {b.ns.digest: b.ns.spec for b in blocks if b.ns.digest not in self._published}
         if unknown:  # a wiped host must learn the namespace before it can index the blocks
-            await self.tier.publish_namespaces(unknown)
+            await self.catalog.publish_namespaces(unknown)
             self._published.update(unknown)
         pinned: list[Block] = []
         sent: list[Block] = []  # those of ``pinned`` whose value goes out, in order
@@ -350,9 +352,9 @@ class PoolLink:
         """Index what this rank has in the pool and the local tiers lack; the count."""
         started = time.monotonic()
         registry = self.store.registry
-        await self.tier.publish_namespaces({ns.digest: ns.spec for ns in registry})
+        await self.catalog.publish_namespaces({ns.digest: ns.spec for ns in registry})
         self._published.update(ns.digest for ns in registry)
-        adopted = [registry.adopt(spec) for spec in await self.tier.namespaces()]
+        adopted = [registry.adopt(spec) for spec in await self.catalog.namespaces()]
         self._published.update(ns.digest for ns in adopted if ns is not None)
         if any(adopted):
             await anyio.to_thread.run_sync(registry.save)
@@ -364,7 +366,7 @@ class PoolLink:
         forgets: set[tuple[bytes, bytes]] = set()
         self._restore_forgets = forgets
         try:
-            async for ref, location in self.tier.manifest():
+            async for ref, location in self.catalog.manifest():
                 in_pool.add(ref.ns_digest + ref.key)
                 listed_bytes += ref.raw_bytes
                 # a page of the manifest is read ahead: skip what FORGET dropped since
@@ -384,7 +386,7 @@ class PoolLink:
                 self._queue(indexed)
         unreached: list[tuple[bytes, bytes]] = []
         stale: list[bytes] = []
-        for ns_digest, key in await self.tier.intents():
+        for ns_digest, key in await self.catalog.intents():
             if ns_digest + key in in_pool:
                 stale.append(ns_digest + key)
                 continue
@@ -393,7 +395,7 @@ class PoolLink:
                 self._queue(block)
             else:
                 unreached.append((ns_digest, key))
-        await self.tier.forget_intents(stale)
+        await self.catalog.forget_intents(stale)
         self.unreached = unreached
         self.counters["restored"] += restored
         if unreached:
@@ -425,7 +427,7 @@ class PoolLink:
         self.counters["group_lookups"] += 1
         names = self.tier.names
         locations = [names.block(digest, key) for digest in ns.rank_digests for key in keys]
-        found = await self.tier.exists(locations)
+        found = await self.catalog.exists(locations)
         hits = len(keys)
         for rank in range(len(ns.rank_digests)):
             row = found[rank * len(keys) : (rank + 1) * len(keys)]

@@ -14,7 +14,7 @@ the store goes on with its local tiers.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -22,7 +22,6 @@ import anyio
 import msgspec
 import redis.exceptions
 import zstandard
-from redis.typing import EncodableT, FieldT
 
 from kvtierd.config import PoolConfig
 from kvtierd.errors import BlockNotFoundError, KvtierError
@@ -38,7 +37,6 @@ from kvtierd.pool.values import (
 )
 from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.codec import THREAD_CHECKSUM_BYTES, compress, decompress_into
-from kvtierd.store.namespaces import NamespaceSpec
 from kvtierd.store.tier import (
     BlockRef,
     LowerTier,
@@ -50,10 +48,7 @@ from kvtierd.store.tier import (
 __all__ = ["PoolTier", "StoreOutcome"]
 
 log = logging.getLogger("kvtierd.pool")
-_SCAN_COUNT = 1000
 _manifest_encoder = msgspec.msgpack.Encoder()
-_manifest_decoder = msgspec.msgpack.Decoder(ManifestEntry)
-_spec_decoder = msgspec.msgpack.Decoder(NamespaceSpec)
 
 
 def _pool_error(exc: BaseException, doing: str) -> PoolUnavailableError:
@@ -113,7 +108,8 @@ class PoolTier(LowerTier):
             0,
         )
 
-    def _live(self) -> RedisLike:
+    def live(self) -> RedisLike:
+        """The client while the group is attached; :class:`PoolUnavailableError` if not."""
         if self.client is None:
             raise PoolUnavailableError("the group is not attached to the pool")
         return self.client
@@ -156,7 +152,7 @@ class PoolTier(LowerTier):
         manifest never lists a value the pool does not hold. Raises
         :class:`PoolUnavailableError` when the pool cannot be reached.
         """
-        client = self._live()
+        client = self.live()
         locations = [self.location(ref) for ref, _ in values]
         with map_pool_errors("write"):
             # Values first, each judged on its own reply: a pipeline is not a transaction, and a
@@ -203,7 +199,7 @@ class PoolTier(LowerTier):
         return StoreOutcome(landed, refused)
 
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
-        client = self._live()
+        client = self.live()
         # acquire_nowait first: anyio's acquire() yields to the loop twice even when a slot is
         # free, a measurable share of a small block's restore.
         try:
@@ -218,7 +214,7 @@ class PoolTier(LowerTier):
         if reply is None:
             self._counters["misses"] += 1
             raise BlockNotFoundError("block is no longer in the pool")
-        value = _as_bytes(reply)
+        value = as_bytes(reply)
         try:
             if len(value) < THREAD_CHECKSUM_BYTES:
                 _unpack_into(ref, value, dest)
@@ -233,7 +229,7 @@ class PoolTier(LowerTier):
 
     async def discard(self, location: Hashable) -> None:
         field = self._field(location)
-        client = self._live()
+        client = self.live()
         with map_pool_errors("delete"):
             async with client.pipeline(transaction=False) as pipe:
                 pipe.delete(location)  # type: ignore[arg-type]
@@ -270,82 +266,15 @@ class PoolTier(LowerTier):
             c["bytes_written"],
         )
 
-    # -- what the group shares ---------------------------------------------------------------
+    # -- what the link tells the tier ---------------------------------------------------------
 
     def note_blocks(self, count: int, stored_bytes: int) -> None:
         """What this rank's manifest lists (after a restore): blocks and their raw bytes."""
         self._counters["blocks"] = count
         self._counters["stored_bytes"] = stored_bytes
 
-    async def exists(self, locations: Sequence[bytes]) -> list[bool]:
-        """Which of ``locations`` hold a value now (one pipeline)."""
-        client = self._live()
-        with map_pool_errors("lookup"):
-            async with client.pipeline(transaction=False) as pipe:
-                for location in locations:
-                    pipe.exists(location)
-                found = await pipe.execute()
-        return [bool(n) for n in found]
 
-    async def manifest(self) -> AsyncIterator[tuple[BlockRef, bytes]]:
-        """Every block this rank's manifest lists, as (ref, location)."""
-        client = self._live()
-        with map_pool_errors("manifest scan"):
-            async for field, raw in client.hscan_iter(self.names.manifest(), count=_SCAN_COUNT):
-                ns_digest, key = field[:16], field[16:]
-                try:
-                    entry = _manifest_decoder.decode(raw)
-                except msgspec.DecodeError:
-                    log.warning("ignoring an unreadable manifest entry in the pool")
-                    continue
-                ref = BlockRef(
-                    ns_digest, key, entry.raw_bytes, entry.checksum, entry.seq, entry.compress
-                )
-                yield ref, self._block_prefix + field
-
-    async def note_intents(self, refs: Sequence[BlockRef]) -> None:
-        """Record that these blocks are committed here and on their way to the pool."""
-        if not refs:
-            return
-        client = self._live()
-        mapping: dict[FieldT, EncodableT] = {ref.ns_digest + ref.key: ref.seq for ref in refs}
-        with map_pool_errors("intent record"):
-            await client.hset(self.names.intents(), mapping=mapping)
-
-    async def intents(self) -> list[tuple[bytes, bytes]]:
-        """(ns digest, key) of blocks committed on this rank that never reached the pool."""
-        client = self._live()
-        with map_pool_errors("intent scan"):
-            fields = await client.hkeys(self.names.intents())
-        return [(f[:16], f[16:]) for f in map(_as_bytes, fields)]
-
-    async def forget_intents(self, fields: Sequence[bytes]) -> None:
-        if fields:
-            with map_pool_errors("intent cleanup"):
-                await self._live().hdel(self.names.intents(), *fields)
-
-    async def publish_namespaces(self, specs: dict[bytes, NamespaceSpec]) -> None:
-        if not specs:
-            return
-        mapping: dict[FieldT, EncodableT] = {
-            digest: msgspec.msgpack.encode(spec) for digest, spec in specs.items()
-        }
-        with map_pool_errors("namespace publish"):
-            await self._live().hset(self.names.namespaces, mapping=mapping)
-
-    async def namespaces(self) -> list[NamespaceSpec]:
-        with map_pool_errors("namespace fetch"):
-            raw = await self._live().hvals(self.names.namespaces)
-        specs = []
-        for value in raw:
-            try:
-                specs.append(_spec_decoder.decode(_as_bytes(value)))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                log.warning("ignoring an unreadable namespace in the pool")
-        return specs
-
-
-def _as_bytes(value: bytes | str) -> bytes:
+def as_bytes(value: bytes | str) -> bytes:
     """The client never decodes replies (``decode_responses`` is off): values are bytes."""
     if isinstance(value, str):
         raise TypeError("the pool client must not decode replies")

@@ -12,6 +12,7 @@ import pytest
 
 from kvtierd.config import PoolConfig, load_config
 from kvtierd.errors import BlockNotFoundError
+from kvtierd.pool.catalog import PoolCatalog
 from kvtierd.pool.connect import PoolUnavailableError, RedisLike, connect_pool
 from kvtierd.pool.tier import PoolTier
 from kvtierd.pool.values import HEADER_BYTES, PoolNames
@@ -75,8 +76,9 @@ async def test_blocks_come_back_exact(redis_server: RedisServer, client: RedisLi
         dest = bytearray(BLOCK)
         await tier.load(ref, location, memoryview(dest))
         assert dest == raw
-    assert await tier.exists([*locations, tier.location(_block(99)[0])]) == [True] * 8 + [False]
-    listed = {ref.key: ref for ref, _ in [entry async for entry in tier.manifest()]}
+    catalog = PoolCatalog(tier)
+    assert await catalog.exists([*locations, tier.location(_block(99)[0])]) == [True] * 8 + [False]
+    listed = {ref.key: ref for ref, _ in [entry async for entry in catalog.manifest()]}
     assert listed == {ref.key: ref for ref, _ in blocks}
 
 
@@ -131,20 +133,22 @@ async def test_discard_removes_value_and_manifest_entry(
     ref, raw = _block(5)
     location = await tier.store(ref, raw)
     await tier.discard(location)
-    assert await tier.exists([location]) == [False]
-    assert [entry async for entry in tier.manifest()] == []
+    catalog = PoolCatalog(tier)
+    assert await catalog.exists([location]) == [False]
+    assert [entry async for entry in catalog.manifest()] == []
 
 
 async def test_intents_and_namespaces(redis_server: RedisServer, client: RedisLike) -> None:
     tier = _tier(redis_server, client)
+    catalog = PoolCatalog(tier)
     refs = [_block(i)[0] for i in range(3)]
-    await tier.note_intents(refs)
-    assert sorted(await tier.intents()) == sorted((r.ns_digest, r.key) for r in refs)
+    await catalog.note_intents(refs)
+    assert sorted(await catalog.intents()) == sorted((r.ns_digest, r.key) for r in refs)
     await tier.store(refs[0], _block(0)[1])  # reaching the pool clears the intent
-    assert sorted(await tier.intents()) == sorted((r.ns_digest, r.key) for r in refs[1:])
+    assert sorted(await catalog.intents()) == sorted((r.ns_digest, r.key) for r in refs[1:])
     spec = NamespaceSpec("m", "default", BLOCK, None, 0, 2)
-    await tier.publish_namespaces({NS: spec})
-    assert await tier.namespaces() == [spec]
+    await catalog.publish_namespaces({NS: spec})
+    assert await catalog.namespaces() == [spec]
 
 
 async def test_a_full_pool_is_a_full_medium(tmp_path: Path) -> None:
