@@ -2,8 +2,10 @@
 
 Handlers translate between wire messages and store calls and do nothing else; they raise
 :class:`~kvtierd.errors.KvtierError` subclasses, which the session turns into errno replies.
-Every handler receives the session (for its peer credentials, owner record and open
-namespaces) and the request header (for its namespace id). Memory is handed out here and only
+Every handler receives the request's context (:class:`~kvtierd.server.context.RequestContext`:
+the store's request methods, the connection's peer credentials, owner record and open
+namespaces, the daemon's reports; nothing deeper) and the request header (for its namespace
+id). Memory is handed out here and only
 here: a tenant's region descriptor goes with each OPEN_NS reply that admitted the peer
 to that tenant (with every OPEN_NS reply), and extents are offsets inside that region.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import numpy as np
@@ -63,63 +65,61 @@ from kvtierd.protocol.messages import (
     ReleaseReply,
     ReleaseRequest,
 )
+from kvtierd.server.context import RequestContext
 from kvtierd.store.index import Lease
 from kvtierd.store.namespaces import Compression, Namespace, NamespaceSpec
 
-if TYPE_CHECKING:
-    from kvtierd.server.session import Session
-
 __all__ = ["HANDLERS", "Handler"]
 
-Handler = Callable[["Session", RequestHeader, Any], Awaitable[Message]]
+Handler = Callable[[RequestContext, RequestHeader, Any], Awaitable[Message]]
 
 
-def _namespace(session: Session, header: RequestHeader) -> Namespace:
-    if header.ns not in session.namespaces:
+def _namespace(ctx: RequestContext, header: RequestHeader) -> Namespace:
+    if header.ns not in ctx.namespaces:
         raise InvalidRequestError(f"namespace {header.ns} is not open on this connection")
-    return session.daemon.store.registry.get(header.ns)
+    return ctx.store.registry.get(header.ns)
 
 
-def is_admin(session: Session) -> bool:
+def is_admin(ctx: RequestContext) -> bool:
     """Root and the daemon's own user see and may do everything."""
-    return session.peer.uid in (0, os.getuid())
+    return ctx.peer.uid in (0, os.getuid())
 
 
-def _require_admin(session: Session, what: str) -> None:
-    if not is_admin(session):
+def _require_admin(ctx: RequestContext, what: str) -> None:
+    if not is_admin(ctx):
         raise AccessDeniedError(f"{what} is for the daemon's user or root")
 
 
-async def init(session: Session, header: RequestHeader, msg: InitRequest) -> Message:
+async def init(ctx: RequestContext, header: RequestHeader, msg: InitRequest) -> Message:
     if msg.major != PROTOCOL_VERSION:
-        session.closing = True  # a refused INIT ends the connection after its error reply
+        ctx.closing = True  # a refused INIT ends the connection after its error reply
         raise InvalidRequestError(
             f"protocol major version {msg.major} is not supported ({PROTOCOL_VERSION})"
         )
     if msg.minor < MIN_CLIENT_MINOR:
-        session.closing = True
+        ctx.closing = True
         raise InvalidRequestError(
             f"client protocol minor {msg.minor} is too old: this daemon hands memory out per "
             f"tenant at OPEN_NS (minor {MIN_CLIENT_MINOR}); upgrade the kvtierd client library"
         )
     # int(): the daemon's own limit is a config ByteSize, which msgspec cannot encode
-    limit = int(max(MIN_MAX_FRAME_BYTES, min(msg.max_frame_bytes, session.conn.max_frame_bytes)))
-    session.conn.negotiate(limit)
-    session.owner.name = msg.client_name
+    limit = int(max(MIN_MAX_FRAME_BYTES, min(msg.max_frame_bytes, ctx.max_frame_bytes)))
+    ctx.negotiate(limit)
+    ctx.owner.name = msg.client_name
     # Bound the key count so that a request of max_keys maximal keys fits in a frame.
     max_keys = min(MAX_KEYS_PER_REQUEST, (limit - 64) // (MAX_KEY_BYTES + 3))
     return InitReply(
         PROTOCOL_VERSION,
         PROTOCOL_MINOR,
         limit,
-        session.daemon.config.daemon.max_inflight,
+        ctx.max_inflight,
         max_keys,
         0,
         __version__,
     )
 
 
-async def open_ns(session: Session, header: RequestHeader, msg: OpenNsRequest) -> Message:
+async def open_ns(ctx: RequestContext, header: RequestHeader, msg: OpenNsRequest) -> Message:
     try:
         compression = Compression(msg.compression)
     except ValueError:
@@ -136,23 +136,23 @@ async def open_ns(session: Session, header: RequestHeader, msg: OpenNsRequest) -
         compression,
         msg.sparse,
     )
-    registry = session.daemon.store.registry
-    ns, _ = registry.open(spec, session.peer, create=msg.create)
+    registry = ctx.store.registry
+    ns, _ = registry.open(spec, ctx.peer, create=msg.create)
     if registry.needs_save(ns):  # durable before anyone may write to it
         await anyio.to_thread.run_sync(registry.save)
     region = ns.region
     if region is None:
         raise NoSpaceError(f"tenant {spec.tenant!r} has no DRAM region")
-    session.namespaces.add(ns.id)
+    ctx.namespaces.add(ns.id)
     # Every OPEN_NS reply carries its region (OPEN_NS is rare, and replies of concurrent opens
     # may arrive in any order): a client keeps the first and closes the others.
-    session.reply_fds[header.unique] = [region.fd]
+    ctx.reply_fds[header.unique] = [region.fd]
     return OpenNsReply(ns.id, ns.key_salt, ns.digest, region.id, region.size_bytes)
 
 
-async def lookup(session: Session, header: RequestHeader, msg: LookupRequest) -> Message:
-    store = session.daemon.store
-    ns = _namespace(session, header)
+async def lookup(ctx: RequestContext, header: RequestHeader, msg: LookupRequest) -> Message:
+    store = ctx.store
+    ns = _namespace(ctx, header)
     if store.needs_group_lookup(ns):  # a TP group on the pool: ask the pool (one round trip)
         hits, tiers = await store.lookup_group(ns, msg.keys, promote=msg.promote)
     else:
@@ -162,19 +162,19 @@ async def lookup(session: Session, header: RequestHeader, msg: LookupRequest) ->
     return LookupReply(hits, tiers)
 
 
-async def read(session: Session, header: RequestHeader, msg: ReadRequest) -> Message:
-    ns = _namespace(session, header)
-    lease = await session.daemon.store.read(session.owner, ns, msg.keys)
+async def read(ctx: RequestContext, header: RequestHeader, msg: ReadRequest) -> Message:
+    ns = _namespace(ctx, header)
+    lease = await ctx.store.read(ctx.owner, ns, msg.keys)
     _count_read(ns, lease)
     return ReadReply(lease.id, _extents(lease))
 
 
 async def read_resident(
-    session: Session, header: RequestHeader, msg: ReadResidentRequest
+    ctx: RequestContext, header: RequestHeader, msg: ReadResidentRequest
 ) -> Message:
-    store = session.daemon.store
-    ns = _namespace(session, header)
-    lease = store.lease_resident(session.owner, ns, msg.keys)
+    store = ctx.store
+    ns = _namespace(ctx, header)
+    lease = store.lease_resident(ctx.owner, ns, msg.keys)
     if lease is None:
         return ReadResidentReply(0, [])
     _count_read(ns, lease)
@@ -194,13 +194,13 @@ def _extents(lease: Lease) -> list[Extent]:
     ]
 
 
-async def release(session: Session, header: RequestHeader, msg: ReleaseRequest) -> Message:
-    return ReleaseReply(session.daemon.store.release(session.owner, msg.leases))
+async def release(ctx: RequestContext, header: RequestHeader, msg: ReleaseRequest) -> Message:
+    return ReleaseReply(ctx.store.release(ctx.owner, msg.leases))
 
 
-async def alloc(session: Session, header: RequestHeader, msg: AllocRequest) -> Message:
-    ns = _namespace(session, header)
-    write = await session.daemon.store.alloc(session.owner, ns, msg.keys)
+async def alloc(ctx: RequestContext, header: RequestHeader, msg: AllocRequest) -> Message:
+    ns = _namespace(ctx, header)
+    write = await ctx.store.alloc(ctx.owner, ns, msg.keys)
     region = ns.region
     assert region is not None  # the store allocated in it
     extents = [
@@ -212,11 +212,9 @@ async def alloc(session: Session, header: RequestHeader, msg: AllocRequest) -> M
     return AllocReply(write.id, extents)
 
 
-async def commit(session: Session, header: RequestHeader, msg: CommitRequest) -> Message:
-    write = session.owner.writes.get(msg.write)
-    committed = await session.daemon.store.commit(
-        session.owner, msg.write, msg.checksums, msg.abort
-    )
+async def commit(ctx: RequestContext, header: RequestHeader, msg: CommitRequest) -> Message:
+    write = ctx.owner.writes.get(msg.write)
+    committed = await ctx.store.commit(ctx.owner, msg.write, msg.checksums, msg.abort)
     if write is not None and not msg.abort:  # the blocks this COMMIT wrote (not those stored)
         written = sum(slot is not None for slot in write.slots)
         write.ns.counters.committed_blocks += written
@@ -224,32 +222,32 @@ async def commit(session: Session, header: RequestHeader, msg: CommitRequest) ->
     return CommitReply(committed)
 
 
-async def forget(session: Session, header: RequestHeader, msg: ForgetRequest) -> Message:
-    ns = _namespace(session, header)
-    return ForgetReply(await session.daemon.store.forget(ns, msg.keys))
+async def forget(ctx: RequestContext, header: RequestHeader, msg: ForgetRequest) -> Message:
+    ns = _namespace(ctx, header)
+    return ForgetReply(await ctx.store.forget(ns, msg.keys))
 
 
-async def evict(session: Session, header: RequestHeader, msg: EvictRequest) -> Message:
+async def evict(ctx: RequestContext, header: RequestHeader, msg: EvictRequest) -> Message:
     if msg.all_namespaces:
-        _require_admin(session, "evicting every namespace")
-        return EvictReply(session.daemon.store.evict_dram(None))
-    return EvictReply(session.daemon.store.evict_dram(_namespace(session, header)))
+        _require_admin(ctx, "evicting every namespace")
+        return EvictReply(ctx.store.evict_dram(None))
+    return EvictReply(ctx.store.evict_dram(_namespace(ctx, header)))
 
 
-async def fsync(session: Session, header: RequestHeader, msg: Message) -> Message:
-    store = session.daemon.store
-    if is_admin(session):
+async def fsync(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
+    store = ctx.store
+    if is_admin(ctx):
         return FsyncReply(await store.fsync())
-    if not session.namespaces:
+    if not ctx.namespaces:
         raise InvalidRequestError("FSYNC needs a namespace open on this connection")
-    registry, peer = store.registry, session.peer
+    registry, peer = store.registry, ctx.peer
     return FsyncReply(await store.fsync(lambda ns: registry.may_use(ns.spec.tenant, peer)))
 
 
-async def hint(session: Session, header: RequestHeader, msg: HintRequest) -> Message:
-    ns = _namespace(session, header)
-    store = session.daemon.store
-    planned = store.prefetch(store.prefetcher.plan_queue(ns, msg.queue))
+async def hint(ctx: RequestContext, header: RequestHeader, msg: HintRequest) -> Message:
+    ns = _namespace(ctx, header)
+    store = ctx.store
+    planned = store.hint(ns, msg.queue)
     if not msg.queries:
         return HintReply(planned)
     if not ns.spec.sparse:
@@ -264,35 +262,35 @@ async def hint(session: Session, header: RequestHeader, msg: HintRequest) -> Mes
         ns, msg.session, msg.chain, queries, msg.query_layers, msg.budget_blocks
     )
     for keys in (selection.ranked, selection.predicted):
-        planned += store.prefetch([b for k in keys if (b := store.index.get(ns, k)) is not None])
+        planned += store.prefetch_keys(ns, keys)
     return HintReply(planned, selection.ranked, selection.predicted)
 
 
-async def pool_status(session: Session, header: RequestHeader, msg: Message) -> Message:
-    report = session.daemon.pool_status()
-    if not is_admin(session):  # the pool's traffic is every tenant's: its state only
+async def pool_status(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
+    report = ctx.reports.pool_status()
+    if not is_admin(ctx):  # the pool's traffic is every tenant's: its state only
         return PoolStatusReply(report.state, report.reason)
     return report
 
 
-async def doctor(session: Session, header: RequestHeader, msg: Message) -> Message:
-    _require_admin(session, "the host report")
-    checks = await session.daemon.doctor()
+async def doctor(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
+    _require_admin(ctx, "the host report")
+    checks = await ctx.reports.doctor()
     return DoctorReply([HostCheckRecord(c.subject, c.status.value, c.detail) for c in checks])
 
 
-async def statfs(session: Session, header: RequestHeader, msg: Message) -> Message:
-    if is_admin(session):
-        return session.daemon.statistics()
-    return session.daemon.statistics(session.peer)
+async def statfs(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
+    if is_admin(ctx):
+        return ctx.reports.statistics()
+    return ctx.reports.statistics(ctx.peer)
 
 
-async def list_ns(session: Session, header: RequestHeader, msg: Message) -> Message:
-    registry = session.daemon.store.registry
+async def list_ns(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
+    registry = ctx.store.registry
     infos = []
     for ns in registry:
         try:
-            registry.check_access(ns.spec.tenant, session.peer)
+            registry.check_access(ns.spec.tenant, ctx.peer)
         except AccessDeniedError:
             continue
         spec = ns.spec
@@ -320,17 +318,17 @@ async def list_ns(session: Session, header: RequestHeader, msg: Message) -> Mess
     return ListNsReply(infos)
 
 
-async def list_keys(session: Session, header: RequestHeader, msg: ListKeysRequest) -> Message:
+async def list_keys(ctx: RequestContext, header: RequestHeader, msg: ListKeysRequest) -> Message:
     """A page of one namespace's keys, for a peer that LIST_NS shows it to: O(log n + limit)
     on the event loop (``limit`` is bounded by the decoder)."""
-    registry = session.daemon.store.registry
+    registry = ctx.store.registry
     try:
         ns = registry.get(msg.ns)
     except InvalidRequestError:
         raise BlockNotFoundError(f"no namespace {msg.ns} (see LIST_NS)") from None
-    if not registry.may_use(ns.spec.tenant, session.peer):
-        raise AccessDeniedError(f"uid {session.peer.uid} may not list namespace {msg.ns}")
-    blocks, more = session.daemon.store.index.page(ns, msg.after, msg.limit)
+    if not registry.may_use(ns.spec.tenant, ctx.peer):
+        raise AccessDeniedError(f"uid {ctx.peer.uid} may not list namespace {msg.ns}")
+    blocks, more = ctx.store.page(ns, msg.after, msg.limit)
     records = [
         KeyRecord(
             b.key,
@@ -345,8 +343,8 @@ async def list_keys(session: Session, header: RequestHeader, msg: ListKeysReques
     return ListKeysReply(records, more, ns.blocks)
 
 
-async def destroy(session: Session, header: RequestHeader, msg: Message) -> Message:
-    session.closing = True
+async def destroy(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
+    ctx.closing = True
     return DestroyReply()
 
 

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from anyio.abc import UNIXSocketStream
 
     from kvtierd.server.daemon import Daemon
+    from kvtierd.store.store import BlockStore
 
 __all__ = ["Session", "peer_credentials"]
 
@@ -110,6 +111,29 @@ class Session:
         self._handshake_scope = anyio.CancelScope()
         #: ``time.monotonic()`` when the last request frame arrived (or the connection did).
         self.last_request_s = time.monotonic()
+
+    # -- the RequestContext a handler sees (kvtierd.server.context) --------------------------
+
+    @property
+    def store(self) -> BlockStore:
+        return self.daemon.store
+
+    @property
+    def reports(self) -> Daemon:
+        return self.daemon
+
+    @property
+    def max_inflight(self) -> int:
+        return self.daemon.config.daemon.max_inflight
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return self.conn.max_frame_bytes
+
+    def negotiate(self, max_frame_bytes: int) -> None:
+        self.conn.negotiate(max_frame_bytes)
+
+    # -- the connection ------------------------------------------------------------------------
 
     @property
     def departing(self) -> bool:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 from anyio.abc import TaskGroup
@@ -149,6 +149,19 @@ class BlockStore:
             started += 1
         self.counters["prefetch_promoted"] += started
         return started
+
+    def hint(self, ns: Namespace, queue: Sequence[Sequence[bytes]]) -> int:
+        """HINT: promote what the engine's queued requests will read, as the prefetcher plans
+        it; how many promotions started."""
+        return self.prefetch(self.prefetcher.plan_queue(ns, queue))
+
+    def prefetch_keys(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """:meth:`prefetch` the stored blocks of ``keys`` (unknown keys are skipped)."""
+        return self.prefetch([b for k in keys if (b := self.index.get(ns, k)) is not None])
+
+    def page(self, ns: Namespace, after: bytes, limit: int) -> tuple[list[Block], bool]:
+        """A page of ``ns``'s blocks by key, after ``after``; whether more follow."""
+        return self.index.page(ns, after, limit)
 
     async def _prefetch_one(self, block: Block) -> None:
         limit = self._promote_limit

@@ -1,0 +1,60 @@
+"""What a request handler may touch (:mod:`kvtierd.server.handlers`), and nothing deeper.
+
+A handler sees the store's request methods, the connection's own records (its owner, its peer's
+credentials, the namespaces it opened, the descriptors to pass with a reply, whether it is
+closing), the limits it negotiates, and the daemon's reports. Not the socket, the protocol state
+machine, other sessions or the store's insides. :class:`~kvtierd.server.session.Session`
+implements it; the handler tests (``tests/unit/test_handlers.py``) implement it over a real
+store with no socket at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvtierd.protocol.messages import PoolStatusReply, StatfsReply
+from kvtierd.server.checks import HostCheck
+from kvtierd.store.index import Owner
+from kvtierd.store.namespaces import PeerCredentials
+from kvtierd.store.store import BlockStore
+
+__all__ = ["Reports", "RequestContext"]
+
+
+class Reports(Protocol):
+    """The daemon-wide reports a handler may ask for (the daemon implements them)."""
+
+    def statistics(self, peer: PeerCredentials | None = None) -> StatfsReply: ...
+
+    def pool_status(self) -> PoolStatusReply: ...
+
+    async def doctor(self) -> Sequence[HostCheck]: ...
+
+
+class RequestContext(Protocol):
+    owner: Owner
+    peer: PeerCredentials
+    #: Ids of the namespaces this connection opened.
+    namespaces: set[int]
+    #: Descriptors to pass with the reply to request ``unique``.
+    reply_fds: dict[int, list[int]]
+    #: Set by a handler whose reply is the connection's last (DESTROY, a refused INIT).
+    closing: bool
+
+    @property
+    def store(self) -> BlockStore: ...
+
+    @property
+    def reports(self) -> Reports: ...
+
+    @property
+    def max_inflight(self) -> int:
+        """Requests this connection may have in flight (told to the client at INIT)."""
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame the daemon takes (INIT negotiates down from it)."""
+
+    def negotiate(self, max_frame_bytes: int) -> None:
+        """Use ``max_frame_bytes`` as the connection's frame limit from now on."""
