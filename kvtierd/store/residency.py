@@ -33,6 +33,7 @@ from kvtierd.store.codec import checksum_off_loop
 from kvtierd.store.counts import StoreCounts, zeroed
 from kvtierd.store.index import Block, BlockIndex
 from kvtierd.store.namespaces import Namespace, NamespaceRegistry
+from kvtierd.store.planner import reserve
 from kvtierd.store.regions import Regions, TenantRegion
 from kvtierd.store.slots import Slot
 from kvtierd.store.sparse import SparseRetrieval
@@ -243,25 +244,20 @@ class Residency:
             await self.writeback.wait_progress(deadline - time.monotonic())
 
     def _allocate_dram_nowait(self, region: TenantRegion, nbytes: int) -> Slot | None:
-        allocator = region.allocator
-        slot = allocator.allocate(nbytes)
-        size = allocator.size_class(nbytes)
+        """A slot in ``region`` now, evicting what :func:`~kvtierd.store.planner.reserve`
+        chose (clean, unleased blocks of that region only)."""
+        policy = self.dram_policies[region.id]
 
-        def evictable(block: Block) -> bool:
-            return block.ns.region is region and self.dram_evictable(block)
+        def victims(n: int, eligible: Callable[[Block], bool]) -> list[Block]:
+            return policy.victims(
+                n, lambda b: b.ns.region is region and self.dram_evictable(b) and eligible(b)
+            )
 
-        while slot is None:
-            policy = self.dram_policies[region.id]
-            victims = policy.victims(
-                _EVICT_BATCH, lambda b: evictable(b) and _slot_size(b) == size
-            ) or policy.victims(1, evictable)
-            if not victims:
-                return None
-            for victim in victims:
-                self.drop_dram(victim)
-                self.count(victim.ns, "dram_evictions")
-            slot = allocator.allocate(nbytes)
-        return slot
+        plan = reserve(region.allocator, nbytes, victims, _dram_slot, batch=_EVICT_BATCH)
+        for victim in plan.evictions:  # their slots are free already
+            self._forget_dram(victim)
+            self.count(victim.ns, "dram_evictions")
+        return plan.slot
 
     def dram_evictable(self, block: Block) -> bool:
         return block.dram is not None and block.pins == 0 and not block.dirty
@@ -271,6 +267,10 @@ class Residency:
     def drop_dram(self, block: Block) -> None:
         assert block.dram is not None
         self.region(block.ns).allocator.free(block.dram)
+        self._forget_dram(block)
+
+    def _forget_dram(self, block: Block) -> None:
+        """``block`` no longer has its DRAM slot (freed already)."""
         block.dram = None
         block.ns.dram_blocks -= 1
         self.dram_policy_of(block.ns).removed(block)
@@ -390,5 +390,6 @@ class Residency:
         return data if await checksum_off_loop(data) == block.ref.checksum else None
 
 
-def _slot_size(block: Block) -> int:
-    return block.dram.size if block.dram is not None else -1
+def _dram_slot(block: Block) -> Slot:
+    assert block.dram is not None  # an eviction candidate holds its slot
+    return block.dram
