@@ -15,7 +15,11 @@ Errors come in two kinds, by whether the byte stream is still in sync:
   unique id, end of stream inside a frame) raises :class:`RemoteProtocolError`; the stream can
   no longer be trusted and the owner closes it, after sending :meth:`ServerConnection.fatal`.
 
-Legal opcodes per state are the table :data:`SERVER_TRANSITIONS`.
+Legal opcodes per state are the table :data:`SERVER_TRANSITIONS`. Two ways lead to
+``CLOSED``, after which any request is a :class:`RemoteProtocolError`: receiving DESTROY (the
+table), and answering the INIT that opened the connection with an error
+(:data:`SERVER_REPLY_TRANSITIONS`: the daemon refused the client, so that reply is the
+connection's last frame).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from kvtierd.protocol.messages import (
 
 __all__ = [
     "NEED_DATA",
+    "SERVER_REPLY_TRANSITIONS",
     "SERVER_TRANSITIONS",
     "ClientConnection",
     "ConnectionClosed",
@@ -132,6 +137,13 @@ SERVER_TRANSITIONS: Final[dict[tuple[ServerState, Opcode], ServerState]] = {
 }
 
 
+#: (state, opcode answered with an error) -> next state, for the request that made the state:
+#: a refused INIT closes the connection (an INIT refused as not allowed in READY does not).
+SERVER_REPLY_TRANSITIONS: Final[dict[tuple[ServerState, Opcode], ServerState]] = {
+    (ServerState.READY, Opcode.INIT): ServerState.CLOSED,
+}
+
+
 class _FrameBuffer:
     """Accumulates bytes and cuts complete frames off the front."""
 
@@ -187,6 +199,7 @@ class ServerConnection:
         self._in_flight: set[int] = set()
         #: The minor the client's INIT said: replies leave out fields appended after it.
         self.peer_minor = PROTOCOL_MINOR
+        self._init_unique = 0  # the INIT that took the connection to READY
 
     @property
     def max_frame_bytes(self) -> int:
@@ -213,7 +226,7 @@ class ServerConnection:
         if header.unique == 0 or header.unique in self._in_flight:
             raise RemoteProtocolError(f"unique id {header.unique} is zero or already in flight")
         if self.state is ServerState.CLOSED:
-            raise RemoteProtocolError("request after DESTROY")
+            raise RemoteProtocolError("request after DESTROY or a refused INIT")
         self._in_flight.add(header.unique)
         return self._decode(header, memoryview(frame)[HEADER_BYTES:])
 
@@ -233,6 +246,7 @@ class ServerConnection:
         self.state = following
         if isinstance(message, InitRequest):
             self.peer_minor = message.minor
+            self._init_unique = header.unique
         return RequestReceived(header, message)
 
     def reply(
@@ -243,12 +257,19 @@ class ServerConnection:
             message, REPLY_TYPES[Opcode(request.opcode)]
         ):
             raise LocalProtocolError(f"{type(message).__name__} does not answer {request.opcode}")
+        if request.unique == self._init_unique:
+            self._init_unique = 0
         body = encode_body(message, peer_minor=self.peer_minor)
         return self._frame(request, 0, body, flags)
 
     def reply_error(self, request: RequestHeader, exc: BaseException) -> bytes:
         """Bytes of an error reply to ``request`` carrying ``-errno_of(exc)``."""
-        return self._frame(request, -errno_of(exc), encode_body(ErrorReply(str(exc)[:4096])))
+        frame = self._frame(request, -errno_of(exc), encode_body(ErrorReply(str(exc)[:4096])))
+        if request.unique == self._init_unique:
+            self._init_unique = 0
+            key = (self.state, Opcode(request.opcode))
+            self.state = SERVER_REPLY_TRANSITIONS.get(key, self.state)
+        return frame
 
     def fatal(self, exc: BaseException) -> bytes:
         """Bytes of the last frame before closing: unique id 0 and the error."""

@@ -1,11 +1,11 @@
 """What a request handler may touch (:mod:`kvtierd.server.handlers`), and nothing deeper.
 
 A handler sees the store's request methods, the connection's own records (its owner, its peer's
-credentials, the namespaces it opened, the descriptors to pass with a reply, whether it is
-closing), the limits it negotiates, and the daemon's reports. Not the socket, the protocol state
-machine, other sessions or the store's insides. :class:`~kvtierd.server.session.Session`
-implements it; the handler tests (``tests/unit/test_handlers.py``) implement it over a real
-store with no socket at all.
+credentials, the namespaces it opened, the descriptors to pass with a reply), the limits it
+negotiates, and the daemon's reports. Not the socket, the protocol state machine (which closes
+the connection after DESTROY and after a refused INIT), other sessions or the store's insides.
+:class:`~kvtierd.server.session.Session` implements it; the handler tests
+(``tests/unit/test_handlers.py``) implement it over a real store with no socket at all.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ class RequestContext(Protocol):
     namespaces: set[int]
     #: Descriptors to pass with the reply to request ``unique``.
     reply_fds: dict[int, list[int]]
-    #: Set by a handler whose reply is the connection's last (DESTROY, a refused INIT).
-    closing: bool
 
     @property
     def store(self) -> BlockStore: ...

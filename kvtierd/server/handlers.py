@@ -91,13 +91,12 @@ def _require_admin(ctx: RequestContext, what: str) -> None:
 
 
 async def init(ctx: RequestContext, header: RequestHeader, msg: InitRequest) -> Message:
+    # A refused INIT ends the connection after its error reply: the protocol's transition.
     if msg.major != PROTOCOL_VERSION:
-        ctx.closing = True  # a refused INIT ends the connection after its error reply
         raise InvalidRequestError(
             f"protocol major version {msg.major} is not supported ({PROTOCOL_VERSION})"
         )
     if msg.minor < MIN_CLIENT_MINOR:
-        ctx.closing = True
         raise InvalidRequestError(
             f"client protocol minor {msg.minor} is too old: this daemon hands memory out per "
             f"tenant at OPEN_NS (minor {MIN_CLIENT_MINOR}); upgrade the kvtierd client library"
@@ -344,8 +343,7 @@ async def list_keys(ctx: RequestContext, header: RequestHeader, msg: ListKeysReq
 
 
 async def destroy(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
-    ctx.closing = True
-    return DestroyReply()
+    return DestroyReply()  # the protocol's state machine is CLOSED since DESTROY arrived
 
 
 HANDLERS: dict[Opcode, Handler] = {

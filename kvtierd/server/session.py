@@ -210,13 +210,15 @@ class Session:
             self.last_request_s = time.monotonic()
             if isinstance(event, InvalidRequest):
                 await self._send(self.conn.reply_error(event.header, event.error))
-                continue
-            assert isinstance(event, RequestReceived)
-            if event.header.opcode in _INLINE or self._resident_read(event):
-                await self._handle(event)
             else:
-                await self._permits.acquire()
-                tg.start_soon(self._handle, event, True)
+                assert isinstance(event, RequestReceived)
+                if event.header.opcode in _INLINE or self._resident_read(event):
+                    await self._handle(event)
+                else:
+                    await self._permits.acquire()
+                    tg.start_soon(self._handle, event, True)
+            if self.conn.state is ServerState.CLOSED:  # DESTROY, or a refused INIT: answered
+                self.closing = True
         return False
 
     def _resident_read(self, event: RequestReceived) -> bool:

@@ -37,7 +37,7 @@ from kvtierd.protocol import (
     ServerConnection,
     ServerState,
 )
-from kvtierd.protocol.connection import SERVER_TRANSITIONS
+from kvtierd.protocol.connection import SERVER_REPLY_TRANSITIONS, SERVER_TRANSITIONS
 from kvtierd.protocol.frames import REPLY_MAGIC
 from kvtierd.protocol.messages import (
     REQUEST_TYPES,
@@ -120,6 +120,26 @@ def test_init_twice_gets_eproto_and_the_connection_goes_on() -> None:
     assert server.state is ServerState.READY
     server.reply_error(event.header, event.error)
     assert isinstance(_event(server, client.request(StatfsRequest())[1]), RequestReceived)
+
+
+def test_a_refused_init_closes_the_connection() -> None:
+    client, server = ClientConnection(), ServerConnection()
+    event = _event(server, init_frame(client))
+    assert isinstance(event, RequestReceived)
+    assert server.state is ServerState.READY
+    server.reply_error(event.header, InvalidRequestError("protocol major version 9"))
+    assert server.state is ServerState.CLOSED  # the refusal was the connection's last frame
+    server.receive_data(client.request(StatfsRequest())[1])
+    with pytest.raises(RemoteProtocolError, match="refused INIT"):
+        server.next_event()
+
+
+def test_an_error_reply_to_a_later_request_keeps_the_connection() -> None:
+    client, server = handshake()
+    event = _event(server, client.request(StatfsRequest())[1])
+    assert isinstance(event, RequestReceived)
+    server.reply_error(event.header, InvalidRequestError("no"))
+    assert server.state is ServerState.READY
 
 
 def test_requests_after_destroy_are_a_protocol_error() -> None:
@@ -346,12 +366,14 @@ class ServerStateMachine(RuleBasedStateMachine):
         self.state = ServerState.AWAIT_INIT
         self.in_flight: dict[int, RequestHeader] = {}
         self.next_unique = 1
+        self.opening_init = 0  # the INIT that took the connection to READY, until answered
 
     def _reset(self) -> None:
         """The connection raised: its owner would close it. Carry on with a fresh one."""
         self.server = ServerConnection()
         self.state = ServerState.AWAIT_INIT
         self.in_flight = {}
+        self.opening_init = 0
 
     def _send(self, unique: int, opcode: int, body: bytes) -> object:
         self.server.receive_data(raw_request(opcode, unique, body))
@@ -386,6 +408,8 @@ class ServerStateMachine(RuleBasedStateMachine):
             assert isinstance(event.error, InvalidRequestError)
         else:
             assert isinstance(event, RequestReceived)
+            if self.state is ServerState.AWAIT_INIT:
+                self.opening_init = unique
             self.state = following
         return unique
 
@@ -405,6 +429,9 @@ class ServerStateMachine(RuleBasedStateMachine):
         if header is None:
             return
         self.server.reply_error(header, InvalidRequestError("answered"))
+        if unique == self.opening_init:  # a refused INIT closes the connection
+            self.state = SERVER_REPLY_TRANSITIONS.get((self.state, Opcode.INIT), self.state)
+            self.opening_init = 0
         with pytest.raises(LocalProtocolError):
             self.server.reply_error(header, InvalidRequestError("again"))
 
