@@ -38,8 +38,9 @@ class Block:
     ns: Namespace
     ref: BlockRef
     dram: Slot | None = None
-    lower: object | None = None
-    pool: object | None = None
+    #: Its copy in each tier below DRAM that holds one (``ServedBy.NVME``, ``ServedBy.POOL``):
+    #: the location that tier gave back.
+    copies: dict[ServedBy, Hashable] = field(default_factory=dict)
     dirty: bool = False
     pins: int = 0
     loading: anyio.Event | None = None
@@ -64,8 +65,18 @@ class Block:
         return self.dram is not None
 
     @property
+    def lower(self) -> Hashable | None:
+        """Its copy in the local lower tier (NVMe)."""
+        return self.copies.get(ServedBy.NVME)
+
+    @property
+    def pool(self) -> Hashable | None:
+        """Its copy in the shared pool."""
+        return self.copies.get(ServedBy.POOL)
+
+    @property
     def has_copy(self) -> bool:
-        return self.dram is not None or self.lower is not None or self.pool is not None
+        return self.dram is not None or bool(self.copies)
 
     @property
     def nearest(self) -> ServedBy:
@@ -73,7 +84,7 @@ class Block:
         indexed only while some tier holds it, so never ``MISS``)."""
         if self.dram is not None:
             return ServedBy.DRAM
-        return ServedBy.NVME if self.lower is not None else ServedBy.POOL
+        return min(self.copies)
 
 
 @dataclass(eq=False, slots=True)

@@ -80,6 +80,8 @@ class Residency:
         self.lower = lower
         self.lower_policy = TierPolicy(lower_policy, self.index)
         self.shared = shared
+        #: The tiers below DRAM, nearest first: a block is promoted from the first that holds it.
+        self.stack = [tier for tier in (lower, shared) if tier is not None]
         self.staged = staged
         self.writeback = writeback
         self.alloc_wait_s = alloc_wait_s
@@ -125,7 +127,7 @@ class Residency:
             if ns is None:
                 log.warning("dropping a recovered block of an unknown namespace")
                 continue
-            block = Block(ns, found.ref, lower=found.location)
+            block = Block(ns, found.ref, copies={self.lower.kind: found.location})
             self.index.add(block)
             ns.nvme_blocks += 1
             self.lower_policy.inserted(block, 0.0)
@@ -137,8 +139,9 @@ class Residency:
 
     def _source(self, block: Block) -> tuple[LowerTier, Hashable] | None:
         """The nearest tier below DRAM holding ``block``, and where."""
-        for tier, location in ((self.lower, block.lower), (self.shared, block.pool)):
-            if tier is not None and location is not None:
+        for tier in self.stack:
+            location = block.copies.get(tier.kind)
+            if location is not None:
                 return tier, location
         return None
 
@@ -282,8 +285,7 @@ class Residency:
 
     async def drop_lower(self, block: Block) -> None:
         assert self.lower is not None
-        assert block.lower is not None
-        location, block.lower = block.lower, None
+        location = block.copies.pop(self.lower.kind)
         block.ns.nvme_blocks -= 1
         self.lower_policy.removed(block)
         if not block.has_copy:
@@ -329,6 +331,11 @@ class Residency:
 
     # -- what a replica link may ask (kvtierd.store.ports.StoreForReplica) -------------------
 
+    def _shared(self) -> LowerTier:
+        if self.shared is None:
+            raise ValueError("no shared tier is configured")
+        return self.shared
+
     def block_by_id(self, ns_digest: bytes, key: bytes) -> Block | None:
         ns = self.registry.by_digest(ns_digest)
         return None if ns is None else self.index.get(ns, key)
@@ -346,20 +353,20 @@ class Residency:
         block = self.index.get(ns, ref.key)
         if block is not None:
             if block.ref.checksum == ref.checksum:
-                block.pool = location
+                self.record_copy(block, location)
             return False
-        self.index.add(Block(ns, ref, pool=location))
+        self.index.add(Block(ns, ref, copies={self._shared().kind: location}))
         self.saw_seq(ref.seq)
         return True
 
     def record_copy(self, block: Block, location: Hashable) -> None:
         """The shared tier now holds ``block`` at ``location``."""
-        block.pool = location
+        block.copies[self._shared().kind] = location
 
     def drop_copy(self, block: Block) -> None:
         """The shared tier no longer holds ``block``: forget the location (and the block, if it
         was its last copy)."""
-        block.pool = None
+        block.copies.pop(self._shared().kind, None)
         if not block.has_copy:
             self.index.remove(block)
 

@@ -50,7 +50,7 @@ class LowerWriter:
         if block.forgotten:
             await r.lower.discard(location)
             return
-        block.lower = location
+        block.copies[r.lower.kind] = location
         block.dirty = False
         block.ns.nvme_blocks += 1
         r.counters["written_back"] += 1
