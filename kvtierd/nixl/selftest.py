@@ -1,0 +1,103 @@
+"""The self-test NIXL runs in a child process (see :mod:`kvtierd.nixl.probe`).
+
+Two :class:`~kvtierd.nixl.agent.NixlAgent`\\ s in this process, an owner and a puller, each with
+a UCX backend and a memfd buffer registered as DRAM; the puller loads the owner's metadata and
+READs two extents of random bytes (one page-aligned, one not) into its buffer, as it would from
+a daemon in another process, and compares them. :func:`main` prints the
+:class:`~kvtierd.nixl.probe.NixlVerdict` as one JSON line; the caller ends the process with
+:func:`~kvtierd.nixl.agent.exit_process`. Whatever kills this process (the point of running it
+here) is read by the parent from the exit status.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import resource
+import signal
+import sys
+
+import msgspec
+
+from kvtierd.io.buffers import buffer_address
+from kvtierd.nixl.probe import NixlOutcome, NixlVerdict
+
+__all__ = ["main"]
+
+_BUFFER_BYTES = 64 << 10
+#: ``(offset, length)`` pulled, and where each lands in the puller's buffer.
+_EXTENTS = [(0, 4096), (20000, 5000)]
+_PULL_TIMEOUT_S = 5.0
+#: ``prctl`` option: the signal this process gets when its parent dies (``<linux/prctl.h>``).
+_PR_SET_PDEATHSIG = 1
+
+
+def _buffer(name: str) -> tuple[mmap.mmap, int]:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, _BUFFER_BYTES)
+        region = mmap.mmap(fd, _BUFFER_BYTES)
+    finally:
+        os.close(fd)
+    return region, buffer_address(memoryview(region))
+
+
+def _self_test() -> NixlVerdict:
+    try:
+        import nixl._api  # noqa: F401
+    except Exception as exc:  # an ImportError, or whatever its __init__ raised
+        return NixlVerdict(NixlOutcome.IMPORT_ERROR, f"NIXL does not import: {exc}")
+    from kvtierd.nixl.agent import NixlAgent, TransferError
+
+    source, source_base = _buffer("kvtierd-nixl-probe-owner")
+    target, target_base = _buffer("kvtierd-nixl-probe-puller")
+    source[:] = os.urandom(_BUFFER_BYTES)
+    agents: list[NixlAgent] = []
+    try:
+        owner = NixlAgent(f"kvtierd-probe-owner-{os.getpid()}")
+        agents.append(owner)
+        puller = NixlAgent(f"kvtierd-probe-puller-{os.getpid()}")
+        agents.append(puller)
+        owner.register(source_base, _BUFFER_BYTES)
+        puller.register(target_base, _BUFFER_BYTES)
+        peer = puller.add_peer(owner.metadata())
+        remote = owner.descriptors([(source_base + offset, n) for offset, n in _EXTENTS])
+        local = [(target_base + 8192 * i, n) for i, (_, n) in enumerate(_EXTENTS)]
+        puller.pull(peer, remote, local, timeout_s=_PULL_TIMEOUT_S)
+        for i, (offset, n) in enumerate(_EXTENTS):
+            if target[8192 * i : 8192 * i + n] != source[offset : offset + n]:
+                return NixlVerdict(NixlOutcome.SELFTEST_FAILED, "READ brought other bytes")
+        for agent in agents:
+            agent.close()
+    except TransferError as exc:
+        return NixlVerdict(NixlOutcome.SELFTEST_FAILED, str(exc))
+    version = getattr(sys.modules.get("nixl_cu12") or sys.modules["nixl"], "__version__", "")
+    moved = sum(n for _, n in _EXTENTS)
+    return NixlVerdict(
+        NixlOutcome.OK, f"NIXL {version or '(unknown version)'}: UCX READ of {moved} bytes"
+    )
+
+
+def _bind_to_parent(parent: int, timeout_s: float) -> None:
+    """Die with the parent (this runs in a session of its own), and on our own once the parent
+    would have given up anyway (a hang in NIXL or UCX)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request above took effect
+        os._exit(1)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, math.ceil(timeout_s)) + 1)
+
+
+def main(argv: list[str]) -> int:
+    """The child's entry point: ``PARENT_PID TIMEOUT_S``; prints the verdict as one JSON line.
+    The caller must end the process with :func:`~kvtierd.nixl.agent.exit_process`."""
+    parent, timeout_s = argv
+    _bind_to_parent(int(parent), float(timeout_s))
+    # A crash in NIXL is the expected failure here: no core file for it.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    verdict = _self_test()
+    sys.stdout.write(msgspec.json.encode(verdict).decode() + "\n")
+    return 0
