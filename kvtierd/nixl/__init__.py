@@ -1,6 +1,9 @@
-"""NIXL transfers out of the daemon's arena regions (issue 19).
+"""NIXL transfers out of the daemon's arena regions (issue 19), an optional extra
+(``kvtierd[nixl]``; ``docs/nixl.md``).
 
 :mod:`kvtierd.nixl.probe` proves in a child process that NIXL works here before any process
-that cannot die loads it; :mod:`kvtierd.nixl.agent` owns one NIXL agent. Nothing here imports
-NIXL at import time.
+that cannot die loads it; :mod:`kvtierd.nixl.agent` owns one NIXL agent (made through
+:func:`~kvtierd.nixl.agent.start_agent` after the probe) and maps NIXL's errors;
+:mod:`kvtierd.nixl.descriptors` is the pure, pickle-free format of the extents an owner hands a
+puller. Nothing here imports NIXL at import time.
 """

@@ -1,9 +1,10 @@
 """The self-test NIXL runs in a child process (see :mod:`kvtierd.nixl.probe`).
 
 Two :class:`~kvtierd.nixl.agent.NixlAgent`\\ s in this process, an owner and a puller, each with
-a UCX backend and a memfd buffer registered as DRAM; the puller loads the owner's metadata and
-READs two extents of random bytes (one page-aligned, one not) into its buffer, as it would from
-a daemon in another process, and compares them. :func:`main` prints the
+a UCX backend and a memfd buffer registered as DRAM; the puller loads the owner's metadata of
+that one registration (as a tenant's client gets its region's) and READs two extents of random
+bytes (one page-aligned, one not) into its buffer, as it would from a daemon in another process,
+and compares them. :func:`main` prints the
 :class:`~kvtierd.nixl.probe.NixlVerdict` as one JSON line; the caller ends the process with
 :func:`~kvtierd.nixl.agent.exit_process`. Whatever kills this process (the point of running it
 here) is read by the parent from the exit status.
@@ -21,6 +22,7 @@ import sys
 
 import msgspec
 
+from kvtierd.errors import KvtierError
 from kvtierd.io.buffers import buffer_address
 from kvtierd.nixl.probe import NixlOutcome, NixlVerdict
 
@@ -49,7 +51,7 @@ def _self_test() -> NixlVerdict:
         import nixl._api  # noqa: F401
     except Exception as exc:  # an ImportError, or whatever its __init__ raised
         return NixlVerdict(NixlOutcome.IMPORT_ERROR, f"NIXL does not import: {exc}")
-    from kvtierd.nixl.agent import NixlAgent, TransferError
+    from kvtierd.nixl.agent import NixlAgent
 
     source, source_base = _buffer("kvtierd-nixl-probe-owner")
     target, target_base = _buffer("kvtierd-nixl-probe-puller")
@@ -60,10 +62,11 @@ def _self_test() -> NixlVerdict:
         agents.append(owner)
         puller = NixlAgent(f"kvtierd-probe-puller-{os.getpid()}")
         agents.append(puller)
-        owner.register(source_base, _BUFFER_BYTES)
+        region = owner.register(source_base, _BUFFER_BYTES)
         puller.register(target_base, _BUFFER_BYTES)
-        peer = puller.add_peer(owner.metadata())
-        remote = owner.descriptors([(source_base + offset, n) for offset, n in _EXTENTS])
+        peer = puller.add_peer(owner.metadata(region))
+        extents = [(source_base + offset, n) for offset, n in _EXTENTS]
+        remote = owner.descriptors(extents, within=region)
         local = [(target_base + 8192 * i, n) for i, (_, n) in enumerate(_EXTENTS)]
         puller.pull(peer, remote, local, timeout_s=_PULL_TIMEOUT_S)
         for i, (offset, n) in enumerate(_EXTENTS):
@@ -71,7 +74,7 @@ def _self_test() -> NixlVerdict:
                 return NixlVerdict(NixlOutcome.SELFTEST_FAILED, "READ brought other bytes")
         for agent in agents:
             agent.close()
-    except TransferError as exc:
+    except KvtierError as exc:
         return NixlVerdict(NixlOutcome.SELFTEST_FAILED, str(exc))
     version = getattr(sys.modules.get("nixl_cu12") or sys.modules["nixl"], "__version__", "")
     moved = sum(n for _, n in _EXTENTS)
