@@ -5,5 +5,6 @@
 that cannot die loads it; :mod:`kvtierd.nixl.agent` owns one NIXL agent (made through
 :func:`~kvtierd.nixl.agent.start_agent` after the probe) and maps NIXL's errors;
 :mod:`kvtierd.nixl.descriptors` is the pure, pickle-free format of the extents an owner hands a
-puller. Nothing here imports NIXL at import time.
+puller; :mod:`kvtierd.nixl.export` is the daemon's side, each tenant region registered on its
+own. Nothing here imports NIXL at import time.
 """

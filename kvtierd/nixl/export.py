@@ -1,0 +1,144 @@
+"""The daemon's side of NIXL: each tenant region of the arena registered on its own.
+
+Theory of operation
+-------------------
+The arena is one address range holding one sealed region per tenant, next to each other
+(:mod:`kvtierd.store.arena`). :class:`RegionExport` registers every region as its own NIXL
+registration, so that a client of one tenant can be handed the metadata of that registration
+alone (:meth:`RegionExport.grant`) and descriptors of extents inside it
+(:meth:`RegionExport.describe`, which takes the store's arena offsets and refuses any that leave
+the region). NIXL itself does not bound or revoke a peer's access (``docs/nixl.md``): these
+calls make sure kvtierd never *hands out* more than a tenant's own region; what a client may
+read within it is decided by its lease, which it re-checks (with the block's generation) after
+every transfer.
+
+Nothing is registered for the private memory (record headers, write-back staging): it is no
+tenant's. Regions are never deregistered while the daemon runs, since deregistration ends no
+one's access; :meth:`RegionExport.close` does it at teardown.
+
+:func:`start_region_export` is what the daemon will call once at start, like the io backend's
+choice: it proves NIXL in a child (in a worker thread: the probe takes seconds) and only then
+loads it. Not wired into the daemon or the protocol yet (issue 19, item 1).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import anyio.to_thread
+
+from kvtierd.errors import InvalidRequestError
+from kvtierd.nixl.agent import Extent, NixlAgent, Registration, start_agent
+from kvtierd.nixl.probe import NixlVerdict, probe_nixl
+from kvtierd.store.regions import TenantRegion
+
+__all__ = ["RegionExport", "RegionGrant", "start_region_export"]
+
+log = logging.getLogger("kvtierd.nixl")
+
+
+@dataclass(frozen=True, slots=True)
+class RegionGrant:
+    """What a client of one tenant gets once: the region it may pull from and the NIXL metadata
+    that names that region's registration and nothing else of the daemon's."""
+
+    region_id: int
+    metadata: bytes
+
+
+class RegionExport:
+    """Every tenant region of one arena, registered with one agent; see the module docstring.
+
+    ``arena_address`` is the address of arena offset 0 in this process. Construct with
+    :meth:`register` (or :func:`start_region_export`); :meth:`close` deregisters and closes the
+    agent.
+    """
+
+    def __init__(
+        self, agent: NixlAgent, arena_address: int, registrations: Mapping[int, Registration]
+    ) -> None:
+        if arena_address <= 0:
+            raise InvalidRequestError(f"no arena at {arena_address:#x}")
+        self.agent = agent
+        self.arena_address = arena_address
+        self._registrations = dict(registrations)
+        self._grants: dict[int, RegionGrant] = {}
+
+    @classmethod
+    def register(
+        cls, agent: NixlAgent, arena_address: int, regions: Iterable[TenantRegion]
+    ) -> RegionExport:
+        """Register each of ``regions`` with ``agent``; on a failure, what was registered is
+        withdrawn and the error (:class:`~kvtierd.nixl.agent.TransferError`) raised."""
+        registrations: dict[int, Registration] = {}
+        try:
+            for region in regions:
+                address = arena_address + region.mapping.base
+                registrations[region.id] = agent.register(address, region.size_bytes)
+        except BaseException:
+            for registration in registrations.values():
+                agent.deregister(registration)
+            raise
+        return cls(agent, arena_address, registrations)
+
+    @property
+    def region_ids(self) -> frozenset[int]:
+        return frozenset(self._registrations)
+
+    def grant(self, region: TenantRegion) -> RegionGrant:
+        """The metadata a client of ``region``'s tenant loads (the same bytes every time: a
+        region's registration never changes while the daemon runs)."""
+        grant = self._grants.get(region.id)
+        if grant is None:
+            metadata = self.agent.metadata(self._registration(region))
+            grant = self._grants[region.id] = RegionGrant(region.id, metadata)
+        return grant
+
+    def describe(self, region: TenantRegion, extents: Sequence[Extent]) -> bytes:
+        """Descriptors of ``extents`` (arena offsets and lengths, as the store's slots give
+        them) for a client of ``region``'s tenant; raises
+        :class:`~kvtierd.errors.InvalidRequestError` for any extent not wholly inside
+        ``region``."""
+        addresses = [(self.arena_address + offset, length) for offset, length in extents]
+        return self.agent.descriptors(addresses, within=self._registration(region))
+
+    def close(self) -> None:
+        """Deregister every region and close the agent; idempotent."""
+        self._registrations.clear()
+        self._grants.clear()
+        self.agent.close()
+
+    def _registration(self, region: TenantRegion) -> Registration:
+        try:
+            return self._registrations[region.id]
+        except KeyError:
+            raise InvalidRequestError(f"region {region.id} is not exported over NIXL") from None
+
+
+async def start_region_export(
+    name: str,
+    arena_address: int,
+    regions: Iterable[TenantRegion],
+    *,
+    ucx_params: Mapping[str, str] | None = None,
+    probe: Callable[[], NixlVerdict] = probe_nixl,
+) -> RegionExport | None:
+    """Probe NIXL in a child (in a worker thread) and, if it works here, export ``regions``;
+    ``None`` (logged with the probe's reason) when it does not, so the daemon serves on without
+    NIXL reads. Raises :class:`~kvtierd.nixl.agent.TransferError` when NIXL passed its probe
+    but the agent or a registration then failed."""
+    verdict = await anyio.to_thread.run_sync(probe)
+    if not verdict.ok:
+        log.warning("NIXL reads are off: %s", verdict.detail)
+        return None
+    agent = start_agent(name, verdict, ucx_params=ucx_params)
+    try:
+        export = RegionExport.register(agent, arena_address, regions)
+    except BaseException:
+        agent.close()
+        raise
+    log.info("NIXL: %d region(s) exported by agent %s (%s)", len(export.region_ids), name,
+             verdict.detail)  # fmt: skip
+    return export
