@@ -257,9 +257,9 @@ class ServerConnection:
             message, REPLY_TYPES[Opcode(request.opcode)]
         ):
             raise LocalProtocolError(f"{type(message).__name__} does not answer {request.opcode}")
+        body = encode_body(message, peer_minor=self.peer_minor)  # may fail: then reply_error
         if request.unique == self._init_unique:
             self._init_unique = 0
-        body = encode_body(message, peer_minor=self.peer_minor)
         return self._frame(request, 0, body, flags)
 
     def reply_error(self, request: RequestHeader, exc: BaseException) -> bytes:

@@ -37,9 +37,12 @@ class TrafficCounts:
         """The record of the counter dict ``counters`` (which holds at least its fields)."""
         return cls(**{f.name: counters[f.name] for f in dataclasses.fields(cls)})
 
-    def __add__(self, other: TrafficCounts) -> TrafficCounts:
-        return TrafficCounts(
-            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(other))
+    def __add__(self, other: Self) -> Self:
+        """Field by field; both of the same record type."""
+        if type(other) is not type(self):
+            return NotImplemented
+        return type(self)(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self))
         )
 
 

@@ -84,7 +84,7 @@ class Block:
         indexed only while some tier holds it, so never ``MISS``)."""
         if self.dram is not None:
             return ServedBy.DRAM
-        return min(self.copies)
+        return min(self.copies, default=ServedBy.POOL)
 
 
 @dataclass(eq=False, slots=True)

@@ -11,15 +11,15 @@ asks meanwhile (``"pre-faulting the arena, 3.0 of 8.0 GiB"``): the pre-fault thr
 chunk, the NVMe recovery after each run of headers.
 
 What is running while the store is open, each under an async context manager that owns its
-tasks, entered in this order and left in the reverse one: the replica link (its membership,
-writers and restores; only when the composition root, :mod:`kvtierd.server.assembly`, passes a
-:class:`~kvtierd.store.ports.Replica`), the write-back workers, the store's background
-promotions, the prefetcher's ticks. Nothing here imports the pool.
+tasks, entered in this order and left in the reverse one: the write-back workers, the replica
+link (its membership, writers and restores; only when the composition root,
+:mod:`kvtierd.server.assembly`, passes a :class:`~kvtierd.store.ports.Replica`), the store's
+background promotions, the prefetcher's ticks. Nothing here imports the pool.
 
-Closing, whatever happened: the prefetcher stops, running promotions end, no new write-back is
-queued and the workers finish the queue (every committed block reaches the disk when time
-allows), the link gives queued blocks its grace to reach the pool, the NVMe tier writes its
-index snapshot, the backend and the arena go away.
+Closing, whatever happened: the prefetcher stops, running promotions end, the link gives queued
+blocks its grace to reach the pool, no new write-back is queued and the workers finish the queue
+(every committed block reaches the disk when time allows), the NVMe tier writes its index
+snapshot, the backend and the arena go away.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 import anyio
 
 from kvtierd.config import Config, PolicyKind
-from kvtierd.errors import StorageIOError
+from kvtierd.errors import ConfigError, StorageIOError
 from kvtierd.io import BindingVerdict, open_io_backend
 from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES as FIXED_BUFFER_BYTES
 from kvtierd.policy import CachePolicy
@@ -182,6 +182,11 @@ async def open_store(
     the liburing binding's probe verdict, when the caller already has it; ``progress`` is told
     where the opening is (and ends in :attr:`OpenPhase.OPEN`); ``replica``: the shared tier
     and its link (:func:`kvtierd.server.assembly.open_daemon_store` passes the pool's)."""
+    if config.pool.url and replica is None:
+        raise ConfigError(
+            "pool.url is set but no pool was joined to the store: open it through "
+            "kvtierd.server.assembly.open_daemon_store"
+        )
     progress = progress if progress is not None else OpenProgress()
     data_dir = config.data_path
     await anyio.to_thread.run_sync(lambda: data_dir.mkdir(parents=True, exist_ok=True))
@@ -248,12 +253,14 @@ async def open_store(
             )
             adopted = residency.adopt_recovered()
             log.info("store ready: %d blocks adopted from the NVMe tier", adopted)
-            link = None
-            if replica is not None:
-                link = await stack.enter_async_context(replica.open_link(residency))
+            # Write-back before the link: on the way out the link gives queued blocks its grace
+            # to reach the pool first, then write-back drains to disk (which has no deadline).
             await stack.enter_async_context(
                 open_writeback(writeback, LowerWriter(residency).write_back)
             )
+            link = None
+            if replica is not None:
+                link = await stack.enter_async_context(replica.open_link(residency))
             background = await stack.enter_async_context(anyio.create_task_group())
             store = BlockStore(
                 residency,
