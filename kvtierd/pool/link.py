@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -44,9 +45,8 @@ from kvtierd.pool.connect import connect_pool, pool_address, probe
 from kvtierd.pool.group import GroupMembership, GroupState, GroupStatus
 from kvtierd.pool.tier import PoolTier, StoreOutcome
 from kvtierd.store.counts import zeroed
-from kvtierd.store.index import Block
 from kvtierd.store.namespaces import Namespace
-from kvtierd.store.ports import StoreForReplica
+from kvtierd.store.ports import Replicated, StoreForReplica
 from kvtierd.store.tier import MediumFullError
 
 __all__ = ["LinkCounts", "PoolLink", "open_pool_link"]
@@ -71,13 +71,17 @@ class LinkCounts:
     group_lookups: int = 0
 
 
-class PoolLink:
+H = TypeVar("H", bound=Replicated)
+
+
+class PoolLink(Generic[H]):
     """Implements the store's :class:`~kvtierd.store.ports.ReplicaLink` port; it reaches the
-    store only through ``store``, a :class:`~kvtierd.store.ports.StoreForReplica`. Opened by
+    store only through ``store``, a :class:`~kvtierd.store.ports.StoreForReplica`, and holds its
+    blocks only as read-only handles (``H``, :class:`~kvtierd.store.ports.Replicated`). Opened by
     :func:`open_pool_link`, which owns its tasks."""
 
     def __init__(
-        self, config: PoolConfig, tier: PoolTier, store: StoreForReplica, tg: TaskGroup
+        self, config: PoolConfig, tier: PoolTier, store: StoreForReplica[H], tg: TaskGroup
     ) -> None:
         self.config = config
         self.tier = tier
@@ -96,10 +100,10 @@ class PoolLink:
             on_change=self.on_status,
             key_prefix=config.key_prefix,
         )
-        self.pending: dict[tuple[bytes, bytes], Block] = {}
+        self.pending: dict[tuple[bytes, bytes], H] = {}
         self.pending_bytes = 0
         #: Blocks a writer took from ``pending`` and is writing now (FSYNC waits for them too).
-        self._in_flight: set[Block] = set()  # taken from ``pending``, being written
+        self._in_flight: set[H] = set()  # taken from ``pending``, being written
         #: ids FORGET dropped while a restore runs (it must not index them again)
         self._restore_forgets: set[tuple[bytes, bytes]] | None = None
         self.unreached: list[tuple[bytes, bytes]] = []
@@ -180,7 +184,7 @@ class PoolLink:
 
     # -- writes ------------------------------------------------------------------------------
 
-    async def committed(self, blocks: list[Block]) -> None:
+    async def committed(self, blocks: list[H]) -> None:
         """COMMIT published ``blocks``: send them to the pool by the configured policy."""
         if not blocks:
             return
@@ -196,7 +200,7 @@ class PoolLink:
             self._queue(block)
         self._kick()
 
-    def _queue(self, block: Block) -> None:
+    def _queue(self, block: H) -> None:
         queued = self.pending.get(block.id)
         if queued is block or block.pool is not None or block.forgotten:
             return
@@ -208,7 +212,7 @@ class PoolLink:
         self.pending[block.id] = block
         self.pending_bytes += block.ref.raw_bytes
 
-    def _unqueue(self, block: Block) -> None:
+    def _unqueue(self, block: H) -> None:
         if self.pending.pop(block.id, None) is not None:
             self.pending_bytes -= block.ref.raw_bytes
 
@@ -242,8 +246,8 @@ class PoolLink:
                     self._progressed()
                 self._kick()
 
-    def _take_batch(self) -> list[Block]:
-        batch: list[Block] = []
+    def _take_batch(self) -> list[H]:
+        batch: list[H] = []
         size = 0
         for block in list(self.pending.values()):
             if len(batch) >= _BATCH_BLOCKS or (batch and size + block.ref.raw_bytes > _BATCH_BYTES):
@@ -255,18 +259,20 @@ class PoolLink:
             size += block.ref.raw_bytes
         return batch
 
-    async def _write(self, blocks: list[Block]) -> None:
+    async def _write(self, blocks: list[H]) -> None:
         """Write ``blocks`` (made resident and pinned meanwhile) with their manifest entries.
         Raises the pool's first refusal, or else the first block that could not be made
         resident (no DRAM slot free now), after recording what did land and queueing those
         blocks again, so that the caller backs off instead of retrying at once."""
-        unknown = {b.ns.digest: b.ns.spec for b in blocks if b.ns.digest not in self._published}
+        unknown = {
+            b.id[0]: self.store.namespace_of(b) for b in blocks if b.id[0] not in self._published
+        }
         if unknown:  # a wiped host must learn the namespace before it can index the blocks
             await self.catalog.publish_namespaces(unknown)
             self._published.update(unknown)
-        pinned: list[Block] = []
-        sent: list[Block] = []  # those of ``pinned`` whose value goes out, in order
-        later: list[Block] = []
+        pinned: list[H] = []
+        sent: list[H] = []  # those of ``pinned`` whose value goes out, in order
+        later: list[H] = []
         pin_error: KvtierError | None = None
         try:
             values = []
@@ -307,7 +313,7 @@ class PoolLink:
         if pin_error is not None:
             raise pin_error
 
-    def forgotten(self, block: Block) -> None:
+    def forgotten(self, block: H) -> None:
         """FORGET dropped ``block``: a restore running now must not index it again."""
         if self.pending.get(block.id) is block:
             self._unqueue(block)
@@ -381,7 +387,7 @@ class PoolLink:
         # A pool that lost its data (no persistence): local blocks whose copy is gone there go
         # back to the backlog instead of pointing at nothing.
         for indexed in had_pool:
-            if indexed.pool is not None and indexed.ns.digest + indexed.key not in in_pool:
+            if indexed.pool is not None and b"".join(indexed.id) not in in_pool:
                 self.store.drop_copy(indexed)
                 self._queue(indexed)
         unreached: list[tuple[bytes, bytes]] = []
@@ -391,7 +397,7 @@ class PoolLink:
                 stale.append(ns_digest + key)
                 continue
             block = self.store.block_by_id(ns_digest, key)
-            if block is not None and (block.dram is not None or block.lower is not None):
+            if block is not None and self.store.has_local_copy(block):
                 self._queue(block)
             else:
                 unreached.append((ns_digest, key))
@@ -437,8 +443,8 @@ class PoolLink:
 
 @contextlib.asynccontextmanager
 async def open_pool_link(
-    config: PoolConfig, tier: PoolTier, store: StoreForReplica, *, grace_s: float
-) -> AsyncIterator[PoolLink]:
+    config: PoolConfig, tier: PoolTier, store: StoreForReplica[H], *, grace_s: float
+) -> AsyncIterator[PoolLink[H]]:
     """Run a :class:`PoolLink` for ``store``: the group membership, the writers and the restores,
     in a task group of its own. On exit queued writes get ``grace_s`` to reach the pool, then
     everything stops."""

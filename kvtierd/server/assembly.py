@@ -24,6 +24,7 @@ from kvtierd.pool.connect import PoolUnavailableError, pool_address, read_secret
 from kvtierd.pool.link import PoolLink, open_pool_link
 from kvtierd.pool.tier import PoolTier
 from kvtierd.pool.values import PoolNames
+from kvtierd.store.index import Block
 from kvtierd.store.lifecycle import OpenProgress, open_store
 from kvtierd.store.ports import Replica
 from kvtierd.store.store import BlockStore
@@ -51,7 +52,7 @@ def pool_replica(config: PoolConfig, *, grace_s: float) -> Replica:
     return Replica(tier, partial(open_pool_link, config, tier, grace_s=grace_s))
 
 
-def pool_link_of(store: BlockStore) -> PoolLink | None:
+def pool_link_of(store: BlockStore) -> PoolLink[Block] | None:
     """The store's pool link, as the pool's own type (for status and metrics)."""
     return store.pool if isinstance(store.pool, PoolLink) else None
 

@@ -8,6 +8,11 @@
   read its committed bytes, record or drop its shared copy, adopt a copy found in the shared
   tier. It never changes the index any other way.
 
+A link holds the store's blocks only as handles it may read a little of
+(:class:`Replicated`: which block, its ref, whether it was forgotten, its shared copy) and hands
+back to the store; the types say so: a link is generic in the handle type, and nothing of it
+can change a block or read its other tiers.
+
 :class:`Replica` is how the composition root (:mod:`kvtierd.server.assembly`) hands the store a
 link: the shared tier itself (the store promotes pool-only copies from it like from any lower
 tier) and how to open the link over the store's port, as an async context manager that owns
@@ -19,13 +24,34 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvtierd.store.index import Block
-from kvtierd.store.namespaces import Namespace, NamespaceRegistry
+from kvtierd.store.namespaces import Namespace, NamespaceRegistry, NamespaceSpec
 from kvtierd.store.tier import BlockRef, LowerTier
 
-__all__ = ["Replica", "ReplicaLink", "StoreForReplica"]
+__all__ = ["Replica", "ReplicaLink", "Replicated", "StoreForReplica"]
+
+
+class Replicated(Protocol):
+    """What a link may read of a block it was handed (read-only)."""
+
+    @property
+    def id(self) -> tuple[bytes, bytes]:
+        """``(namespace digest, key)``."""
+
+    @property
+    def ref(self) -> BlockRef: ...
+
+    @property
+    def forgotten(self) -> bool: ...
+
+    @property
+    def pool(self) -> Hashable | None:
+        """Where the shared tier holds it (``None``: not there)."""
+
+
+H = TypeVar("H", bound=Replicated)
 
 
 class ReplicaLink(Protocol):
@@ -61,29 +87,35 @@ class ReplicaLink(Protocol):
         """Wait until no block committed up to ``up_to_seq`` waits to be replicated."""
 
 
-class StoreForReplica(Protocol):
-    """What a replica link may ask of the store (:class:`~kvtierd.store.residency.Residency`
-    implements it)."""
+class StoreForReplica(Protocol[H]):
+    """What a replica link may ask of the store about its blocks, handles of type ``H``
+    (:class:`~kvtierd.store.residency.Residency` implements it for
+    :class:`~kvtierd.store.index.Block`)."""
 
     registry: NamespaceRegistry
 
-    def block_by_id(self, ns_digest: bytes, key: bytes) -> Block | None: ...
+    def block_by_id(self, ns_digest: bytes, key: bytes) -> H | None: ...
 
-    def replicated(self) -> Iterator[Block]:
+    def replicated(self) -> Iterator[H]:
         """The indexed blocks that have a shared copy."""
+
+    def namespace_of(self, block: H) -> NamespaceSpec: ...
+
+    def has_local_copy(self, block: H) -> bool:
+        """Whether a tier of this host (DRAM, NVMe) still holds ``block``."""
 
     def adopt_copy(self, ref: BlockRef, location: Hashable) -> bool:
         """The shared tier holds ``ref``; ``True`` when it was not indexed before."""
 
-    def record_copy(self, block: Block, location: Hashable) -> None: ...
+    def record_copy(self, block: H, location: Hashable) -> None: ...
 
-    def drop_copy(self, block: Block) -> None: ...
+    def drop_copy(self, block: H) -> None: ...
 
-    async def pin_resident(self, block: Block) -> None: ...
+    async def pin_resident(self, block: H) -> None: ...
 
-    def unpin(self, block: Block) -> None: ...
+    def unpin(self, block: H) -> None: ...
 
-    async def committed_bytes(self, block: Block) -> bytes | memoryview | None: ...
+    async def committed_bytes(self, block: H) -> bytes | memoryview | None: ...
 
 
 @dataclass(frozen=True)
@@ -91,4 +123,4 @@ class Replica:
     """A shared tier and how to open the link that keeps it filled."""
 
     tier: LowerTier
-    open_link: Callable[[StoreForReplica], AbstractAsyncContextManager[ReplicaLink]]
+    open_link: Callable[[StoreForReplica[Block]], AbstractAsyncContextManager[ReplicaLink]]

@@ -32,7 +32,7 @@ from kvtierd.store.arena import Arena
 from kvtierd.store.codec import checksum_off_loop
 from kvtierd.store.counts import StoreCounts, zeroed
 from kvtierd.store.index import Block, BlockIndex
-from kvtierd.store.namespaces import Namespace, NamespaceRegistry
+from kvtierd.store.namespaces import Namespace, NamespaceRegistry, NamespaceSpec
 from kvtierd.store.planner import reserve
 from kvtierd.store.regions import Regions, TenantRegion
 from kvtierd.store.slots import Slot
@@ -339,6 +339,12 @@ class Residency:
     def block_by_id(self, ns_digest: bytes, key: bytes) -> Block | None:
         ns = self.registry.by_digest(ns_digest)
         return None if ns is None else self.index.get(ns, key)
+
+    def namespace_of(self, block: Block) -> NamespaceSpec:
+        return block.ns.spec
+
+    def has_local_copy(self, block: Block) -> bool:
+        return block.dram is not None or block.lower is not None
 
     def replicated(self) -> Iterator[Block]:
         """The indexed blocks that have a copy in the shared tier."""
