@@ -69,7 +69,7 @@ from kvtierd.server.context import RequestContext
 from kvtierd.store.index import Lease
 from kvtierd.store.namespaces import Compression, Namespace, NamespaceSpec
 
-__all__ = ["HANDLERS", "Handler"]
+__all__ = ["HANDLERS", "NOWAIT_HANDLERS", "Handler"]
 
 Handler = Callable[[RequestContext, RequestHeader, Any], Awaitable[Message]]
 
@@ -163,7 +163,20 @@ async def lookup(ctx: RequestContext, header: RequestHeader, msg: LookupRequest)
 
 async def read(ctx: RequestContext, header: RequestHeader, msg: ReadRequest) -> Message:
     ns = _namespace(ctx, header)
-    lease = await ctx.store.read(ctx.owner, ns, msg.keys)
+    try:
+        lease = ctx.store.read_nowait(ctx.owner, ns, msg.keys)
+    except anyio.WouldBlock:
+        lease = await ctx.store.read(ctx.owner, ns, msg.keys)
+    _count_read(ns, lease)
+    return ReadReply(lease.id, _extents(lease))
+
+
+async def read_nowait(ctx: RequestContext, header: RequestHeader, msg: ReadRequest) -> Message:
+    """READ of blocks all in DRAM now, which the session serves inline (no task, no permit);
+    raises :class:`anyio.WouldBlock`, having done nothing, when one is not: the session then
+    runs :func:`read` in a task."""
+    ns = _namespace(ctx, header)
+    lease = ctx.store.read_nowait(ctx.owner, ns, msg.keys)
     _count_read(ns, lease)
     return ReadReply(lease.id, _extents(lease))
 
@@ -366,3 +379,6 @@ HANDLERS: dict[Opcode, Handler] = {
     Opcode.DOCTOR: doctor,
     Opcode.LIST_KEYS: list_keys,
 }
+
+#: Handlers that either answer at once or raise :class:`anyio.WouldBlock` having done nothing.
+NOWAIT_HANDLERS: dict[Opcode, Handler] = {Opcode.READ: read_nowait}

@@ -43,8 +43,8 @@ from kvtierd.protocol import (
     ServerConnection,
     ServerState,
 )
-from kvtierd.protocol.messages import Message, ReadReply, ReadRequest
-from kvtierd.server.handlers import HANDLERS
+from kvtierd.protocol.messages import Message, ReadReply
+from kvtierd.server.handlers import HANDLERS, NOWAIT_HANDLERS
 from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import PeerCredentials
 
@@ -212,8 +212,11 @@ class Session:
                 await self._send(self.conn.reply_error(event.header, event.error))
             else:
                 assert isinstance(event, RequestReceived)
-                if event.header.opcode in _INLINE or self._resident_read(event):
+                opcode = event.header.opcode
+                if opcode in _INLINE:
                     await self._handle(event)
+                elif opcode in NOWAIT_HANDLERS and await self._handle(event, nowait=True):
+                    pass  # served inline: nothing it needed had to be waited for
                 else:
                     await self._permits.acquire()
                     tg.start_soon(self._handle, event, True)
@@ -221,27 +224,30 @@ class Session:
                 self.closing = True
         return False
 
-    def _resident_read(self, event: RequestReceived) -> bool:
-        """A READ whose blocks are all in DRAM never waits: serve it inline like LOOKUP (no
-        task, no permit), which halves its round trip. Anything unusual takes the normal path,
-        which also reports the errors."""
-        msg = event.message
-        if event.header.opcode != Opcode.READ or not isinstance(msg, ReadRequest):
-            return False
-        if event.header.ns not in self.namespaces:
-            return False
-        store = self.daemon.store
-        return store.all_resident(store.registry.get(event.header.ns), msg.keys)
-
-    async def _handle(self, event: RequestReceived, permit: bool = False) -> None:
+    async def _handle(
+        self, event: RequestReceived, permit: bool = False, *, nowait: bool = False
+    ) -> bool:
+        """Serve ``event`` and send its reply; ``True``. With ``nowait``, its
+        :data:`NOWAIT_HANDLERS` entry, and ``False`` (nothing done, nothing sent) when that
+        would have to wait."""
         header = event.header
-        self.daemon.requests += 1
-        self.requests += 1
         fds: list[int] = []
         started = time.perf_counter()
         reply: Message | None = None
+        handlers = NOWAIT_HANDLERS if nowait else HANDLERS
+        would_block = False
         try:
-            reply = await HANDLERS[Opcode(header.opcode)](self, header, event.message)
+            try:
+                reply = await handlers[Opcode(header.opcode)](self, header, event.message)
+            except anyio.WouldBlock:
+                if not nowait:
+                    raise
+                would_block = True
+                return False
+            finally:
+                if not would_block:
+                    self.daemon.requests += 1
+                    self.requests += 1
             fds = self.reply_fds.pop(header.unique, [])
             flags = FrameFlags.FD_ATTACHED if fds else FrameFlags.NONE
             frame = self.conn.reply(header, reply, flags)  # encoding can fail too
@@ -269,6 +275,7 @@ class Session:
             # permits, and its reader stops, instead of piling up tasks and frames
             if permit:
                 self._permits.release()
+        return True
 
     def _tier_of(self, opcode: int, reply: Message | None) -> str:
         """The request-duration histogram's ``tier``: for READ the deepest tier its lease was

@@ -212,10 +212,6 @@ class BlockStore:
             raise
         return self._lease(owner, blocks, contexts, source)
 
-    def all_resident(self, ns: Namespace, keys: list[bytes]) -> bool:
-        """Whether a READ of ``keys`` would find every block in DRAM now (so it never waits)."""
-        return len(self._resident_prefix(ns, keys)) == len(keys)
-
     def _resident_prefix(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
         """The blocks of the leading ``keys`` that are in DRAM and not loading."""
         blocks: list[Block] = []
@@ -226,14 +222,27 @@ class BlockStore:
             blocks.append(block)
         return blocks
 
+    def read_nowait(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease:
+        """:meth:`read` when every block of ``keys`` is in DRAM now: the lease, with no wait.
+        Raises :class:`anyio.WouldBlock`, having done nothing, when one is not (missing, on a
+        lower tier only, or still loading): the caller then awaits :meth:`read`."""
+        blocks = self._resident_prefix(ns, keys)
+        if len(blocks) != len(keys) or not blocks:
+            raise anyio.WouldBlock
+        return self._lease_in_dram(owner, ns, keys, blocks)
+
     def lease_resident(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease | None:
         """Lease the leading ``keys`` that are in DRAM now, stopping at the first that is not
         (missing, on a lower tier only, or still loading): never waits, never a miss error.
         ``None`` when the first key is not resident. What an engine calls right after LOOKUP
         to hold its DRAM hits, so that reading them later costs no round trip."""
         blocks = self._resident_prefix(ns, keys)
-        if not blocks:
-            return None
+        return self._lease_in_dram(owner, ns, keys, blocks) if blocks else None
+
+    def _lease_in_dram(
+        self, owner: Owner, ns: Namespace, keys: list[bytes], blocks: list[Block]
+    ) -> Lease:
+        """Lease ``blocks``, the resident leading blocks of ``keys`` (quota checked first)."""
         check_lease_quota(self.limits, owner, ns, len(blocks))
         for block in blocks:
             block.pins += 1

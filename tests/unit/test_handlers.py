@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio
 import pytest
 
 from kvtierd.config import Config, load_config
@@ -35,7 +36,7 @@ from kvtierd.protocol.messages import (
     ReleaseRequest,
 )
 from kvtierd.server.daemon import Daemon
-from kvtierd.server.handlers import HANDLERS
+from kvtierd.server.handlers import HANDLERS, NOWAIT_HANDLERS
 from kvtierd.store.index import Owner
 from kvtierd.store.lifecycle import open_store
 from kvtierd.store.namespaces import PeerCredentials
@@ -151,3 +152,21 @@ async def test_a_torn_write_is_refused_and_stores_nothing(ctx: Context) -> None:
         await ctx.call(Opcode.COMMIT, CommitRequest(alloc.write, [12345]), opened.ns)
     lookup = await ctx.call(Opcode.LOOKUP, LookupRequest([b"t" * 16]), opened.ns)
     assert lookup == LookupReply(0, b"")
+
+
+async def test_a_nowait_read_leases_all_in_dram_or_does_nothing(ctx: Context) -> None:
+    opened = await ctx.call(Opcode.OPEN_NS, OpenNsRequest("m", BLOCK))
+    assert isinstance(opened, OpenNsReply)
+    key = b"r" * 16
+    alloc = await ctx.call(Opcode.ALLOC, AllocRequest([key]), opened.ns)
+    assert isinstance(alloc, AllocReply)
+    await ctx.call(Opcode.COMMIT, CommitRequest(alloc.write), opened.ns)
+    nowait = NOWAIT_HANDLERS[Opcode.READ]
+    header = RequestHeader(int(Opcode.READ), 0, 99, opened.ns)
+    with pytest.raises(anyio.WouldBlock):  # one block is not stored: the waiting path says so
+        await nowait(ctx, header, ReadRequest([key, b"m" * 16]))
+    assert not ctx.owner.leases
+    assert ctx.store.residency.statistics().dram_hits == 0
+    reply = await nowait(ctx, header, ReadRequest([key]))
+    assert isinstance(reply, ReadReply)
+    assert list(ctx.owner.leases) == [reply.lease]
