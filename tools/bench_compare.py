@@ -134,7 +134,7 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _plot(result: dict[str, Any], title: str) -> str:
+def _plot(result: dict[str, Any], title: str, name: str) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,10 +155,10 @@ def _plot(result: dict[str, Any], title: str) -> str:
     ax.invert_yaxis()
     ax.set_xlabel("after / before, oriented so that right is better")
     ax.set_title(title, fontsize=10)
-    return benchlib.save_figure(fig, "daemon_before_after.png")
+    return benchlib.save_figure(fig, f"{name}.png")
 
 
-def record(result: dict[str, Any], title: str) -> None:
+def record(result: dict[str, Any], title: str, name: str = "daemon_before_after") -> None:
     before, after = result["before"], result["after"]
     lines = [
         f"## Before and after: {title}",
@@ -186,13 +186,13 @@ def record(result: dict[str, Any], title: str) -> None:
         )
     lines += [
         "",
-        f"![after over before]({_plot(result, title)})",
+        f"![after over before]({_plot(result, title, name)})",
         "",
         "Reproduce: run `python tools/bench_daemon.py --json --no-record` on each commit "
         "(a worktree per commit, `PYTHONPATH` at it), then "
         "`python tools/bench_compare.py BEFORE.json AFTER.json --record --title ...`.",
     ]
-    benchlib.record("daemon_before_after", "\n".join(lines), result)
+    benchlib.record(name, "\n".join(lines), result)
 
 
 def _load(side: dict[str, Any]) -> str:
@@ -207,6 +207,9 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--title", default="a change")
+    parser.add_argument(
+        "--name", default="daemon_before_after", help="the docs/benchmarks.md section to write"
+    )
     args = parser.parse_args()
     try:
         before = json.loads(args.before.read_text())
@@ -216,7 +219,7 @@ def main() -> int:
     result = compare(before, after)
     benchlib.emit(result, args.json)
     if args.record:
-        record(result, args.title)
+        record(result, args.title, args.name)
     return 0
 
 
