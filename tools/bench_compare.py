@@ -42,63 +42,64 @@ def _by_size(key: str, size: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return pick
 
 
+Section = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _rounds(label: str, higher: bool, section: Section, median: str, rounds: str) -> Figure:
+    """A figure with a median and its per-round values in one section of a result."""
+    return (label, higher, lambda r: section(r)[median], lambda r: section(r)[rounds])
+
+
+def _single(label: str, read: Callable[[dict[str, Any]], float]) -> Figure:
+    """A figure of one value (lower is better), with no rounds to show its spread."""
+    return (label, False, read, _none)
+
+
+def _key(key: str) -> Section:
+    return lambda result: result[key]
+
+
 def _figures() -> list[Figure]:
     figures: list[Figure] = []
     for size in (2 * MiB, 32 * MiB):
         cold = _by_size("cold", size)
         label = f"{size // MiB} MiB"
+        figures.append(_rounds(f"cold read vs fio, {label}", True, cold, "median_ratio", "ratios"))
         figures.append(
-            (
-                f"cold read vs fio, {label}",
-                True,
-                lambda r, c=cold: c(r)["median_ratio"],
-                lambda r, c=cold: c(r)["ratios"],
-            )
-        )
-        figures.append(
-            (
+            _rounds(
                 f"cold read zero-copy vs fio, {label}",
                 True,
-                lambda r, c=cold: c(r)["zero_copy"]["median_ratio"],
-                lambda r, c=cold: c(r)["zero_copy"]["ratios"],
+                lambda r, c=cold: c(r)["zero_copy"],
+                "median_ratio",
+                "ratios",
             )
         )
     figures += [
-        (
-            "DRAM copy-out vs numpy",
-            True,
-            lambda r: r["dram"]["median_ratio"],
-            lambda r: r["dram"]["ratios"],
-        ),
-        ("LOOKUP p50 vs echo, 1 key", False, lambda r: r["rtt"]["keys_1"]["ratio_p50"], _none),
-        ("LOOKUP p50 vs echo, 64 keys", False, lambda r: r["rtt"]["keys_64"]["ratio_p50"], _none),
-        (
-            "put + FSYNC vs fio",
-            True,
-            lambda r: r["put"]["median_ratio"],
-            lambda r: r["put"]["ratios"],
-        ),
-        ("restart, snapshot (s)", False, lambda r: r["restart"]["snapshot_s"], _none),
-        ("restart, scan after kill -9 (s)", False, lambda r: r["restart"]["scan_s"], _none),
+        _rounds("DRAM copy-out vs numpy", True, _key("dram"), "median_ratio", "ratios"),
+        _single("LOOKUP p50 vs echo, 1 key", lambda r: r["rtt"]["keys_1"]["ratio_p50"]),
+        _single("LOOKUP p50 vs echo, 64 keys", lambda r: r["rtt"]["keys_64"]["ratio_p50"]),
+        _rounds("put + FSYNC vs fio", True, _key("put"), "median_ratio", "ratios"),
+        _single("restart, snapshot (s)", lambda r: r["restart"]["snapshot_s"]),
+        _single("restart, scan after kill -9 (s)", lambda r: r["restart"]["scan_s"]),
     ]
     for size in (256 << 10, 2 * MiB):
-        staging = _by_size("staging", size)
-        verify = _by_size("verify", size)
         label = f"{size >> 10} KiB" if size < MiB else f"{size // MiB} MiB"
         figures.append(
-            (
+            _rounds(
                 f"put + FSYNC with private copy vs without, {label}",
                 True,
-                lambda r, s=staging: s(r)["median_throughput_ratio"],
-                lambda r, s=staging: s(r)["throughput_ratio"],
+                _by_size("staging", size),
+                "median_throughput_ratio",
+                "throughput_ratio",
             )
         )
         figures.append(
-            (
+            _rounds(
                 f"read_into verify overhead, {label}",
                 False,
-                lambda r, v=verify: v(r)["median_verify_overhead"],
-                lambda r, v=verify: v(r)["verify_overhead"],
+                _by_size("verify", size),
+                "median_verify_overhead",
+                "verify_overhead",
             )
         )
     return figures

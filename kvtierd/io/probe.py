@@ -26,8 +26,6 @@ import contextlib
 import hashlib
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -36,6 +34,7 @@ from pathlib import Path
 import msgspec
 
 import kvtierd
+from kvtierd.childprobe import ChildRun, died_of, last_error_line, run_child, verdict_line
 from kvtierd.io.binding import configured_binding
 
 __all__ = ["PROBE_TIMEOUT_S", "BindingVerdict", "FileStamp", "cached_probe", "probe_binding"]
@@ -44,12 +43,6 @@ __all__ = ["PROBE_TIMEOUT_S", "BindingVerdict", "FileStamp", "cached_probe", "pr
 PROBE_TIMEOUT_S = 10.0
 
 _CHILD = "import sys; from kvtierd.io.selftest import main; sys.exit(main(sys.argv[1:]))"
-_SIGNAL_MEANING: dict[int, str] = {
-    signal.SIGILL: "this CPU lacks an instruction it was built for",
-    signal.SIGSEGV: "it accessed memory it does not own",
-    signal.SIGBUS: "it accessed memory that is not there",
-    signal.SIGABRT: "it aborted",
-}
 
 
 class FileStamp(msgspec.Struct, frozen=True):
@@ -112,32 +105,13 @@ def probe_binding(
     """
     binding = binding or configured_binding()
     scratch = directory if directory is not None else Path(tempfile.gettempdir())
-    command = [
-        *launcher, sys.executable, "-c", _CHILD, binding, str(scratch), str(os.getpid()),
-        str(timeout_s),
-    ]  # fmt: skip
-    env = dict(os.environ)
-    root = str(Path(kvtierd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    try:
-        child = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
+    args = [binding, str(scratch), str(os.getpid()), str(timeout_s)]
+    run = run_child(_CHILD, args, timeout_s=timeout_s, launcher=launcher)
+    if run.start_error:
+        return BindingVerdict(
+            binding, False, f"the io_uring probe could not start: {run.start_error}"
         )
-    except OSError as exc:
-        return BindingVerdict(binding, False, f"the io_uring probe could not start: {exc}")
-    try:
-        out, err = child.communicate(timeout=timeout_s)
-    except BaseException as exc:  # a timeout, or the caller interrupted (Ctrl-C): never orphan it
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signal.SIGKILL)
-        child.communicate()
-        if not isinstance(exc, subprocess.TimeoutExpired):
-            raise
+    if run.timed_out:
         return BindingVerdict(
             binding,
             False,
@@ -145,31 +119,27 @@ def probe_binding(
             "(hung)",
             hung=True,
         )
-    return _interpret(binding, child.returncode, out, err)
+    return _interpret(binding, run.returncode, run.out, run.err)
 
 
 def _interpret(binding: str, returncode: int, out: bytes, err: bytes) -> BindingVerdict:
     """A verdict counts only from a child that exited 0 and spoke of ``binding``."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        meaning = _SIGNAL_MEANING.get(-returncode, "it was killed")
+    run = ChildRun(returncode, out, err)
+    died = died_of(run.returncode)
+    if died is not None:
+        name, meaning = died
         return BindingVerdict(
             binding,
             False,
             f"the liburing binding {binding} died with {name}: {meaning}",
             signal=name,
         )
-    lines = out.decode(errors="replace").strip().splitlines()
-    if returncode == 0 and lines:
-        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-            verdict = msgspec.json.decode(lines[-1], type=BindingVerdict)
-            if verdict.binding == binding:
-                return msgspec.structs.replace(verdict, cached=False)
-    last = (err.decode(errors="replace").strip().splitlines() or ["no verdict"])[-1]
-    return BindingVerdict(binding, False, f"the io_uring probe exited with {returncode}: {last}")
+    verdict = verdict_line(run, BindingVerdict)
+    if verdict is not None and verdict.binding == binding:
+        return msgspec.structs.replace(verdict, cached=False)
+    return BindingVerdict(
+        binding, False, f"the io_uring probe exited with {run.returncode}: {last_error_line(run)}"
+    )
 
 
 def cached_probe(

@@ -12,13 +12,9 @@ the exit status.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import math
 import mmap
 import os
-import resource
 import select
-import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -26,6 +22,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvtierd.childprobe import bind_to_parent
 from kvtierd.host import io_uring_disabled
 from kvtierd.io.binding import FSYNC_DATASYNC, RawRing, RingOp, load_binding
 from kvtierd.io.buffers import buffer_address
@@ -35,8 +32,6 @@ __all__ = ["main"]
 
 #: How long the child waits for one completion to arrive through the eventfd.
 COMPLETION_TIMEOUT_S = 5.0
-#: ``prctl`` option: the signal this process gets when its parent dies (``<linux/prctl.h>``).
-_PR_SET_PDEATHSIG = 1
 _PAGE = 4096
 
 
@@ -183,24 +178,11 @@ def _self_test(binding_name: str, directory: Path) -> BindingVerdict:
     )
 
 
-def _bind_to_parent(parent: int, timeout_s: float) -> None:
-    """Die with the parent (it may be killed while this runs, and this runs in a session of its
-    own), and on our own once the parent would have given up anyway (a hang in the binding)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before the request above took effect
-        os._exit(1)
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(max(1, math.ceil(timeout_s)) + 1)
-
-
 def main(argv: list[str]) -> int:
     """The child's entry point: ``BINDING DIR PARENT_PID TIMEOUT_S``; prints the verdict as one
     JSON line."""
     binding_name, directory, parent, timeout_s = argv
-    _bind_to_parent(int(parent), float(timeout_s))
-    # A crash of the binding is the expected failure here: no core file for it.
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    bind_to_parent(int(parent), float(timeout_s))
     verdict = _self_test(binding_name, Path(directory))
     sys.stdout.write(msgspec.json.encode(verdict).decode() + "\n")
     return 0

@@ -16,18 +16,13 @@ timeout (the child's process group is killed). Only an ``ok`` verdict lets a cal
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Mapping
-from pathlib import Path
 
 import msgspec
 
-import kvtierd
+from kvtierd.childprobe import ChildRun, died_of, last_error_line, run_child, verdict_line
 
 __all__ = ["PROBE_TIMEOUT_S", "NixlOutcome", "NixlVerdict", "probe_nixl"]
 
@@ -38,12 +33,6 @@ _CHILD = (
     "import sys; from kvtierd.nixl.selftest import main; "
     "from kvtierd.nixl.agent import exit_process; exit_process(main(sys.argv[1:]))"
 )
-_SIGNAL_MEANING: dict[int, str] = {
-    signal.SIGILL: "this CPU lacks an instruction it was built for",
-    signal.SIGSEGV: "it accessed memory it does not own",
-    signal.SIGBUS: "it accessed memory that is not there",
-    signal.SIGABRT: "it aborted",
-}
 
 
 class NixlOutcome(enum.Enum):
@@ -88,54 +77,30 @@ def probe_nixl(
     directory is put first on its ``PYTHONPATH`` after that. Never raises for anything the
     child does.
     """
-    child_env = dict(os.environ)
-    child_env.update(env or {})
-    root = str(Path(kvtierd.__file__).resolve().parent.parent)
-    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
-    command = [sys.executable, "-c", _CHILD, str(os.getpid()), str(timeout_s)]
-    try:
-        child = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            env=child_env,
-            start_new_session=True,
-        )
-    except OSError as exc:
-        return NixlVerdict(NixlOutcome.EXIT, f"the NIXL probe could not start: {exc}")
-    try:
-        out, err = child.communicate(timeout=timeout_s)
-    except BaseException as exc:  # a timeout, or the caller interrupted (Ctrl-C): never orphan it
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signal.SIGKILL)
-        child.communicate()
-        if not isinstance(exc, subprocess.TimeoutExpired):
-            raise
+    args = [str(os.getpid()), str(timeout_s)]
+    run = run_child(_CHILD, args, timeout_s=timeout_s, env=env)
+    if run.start_error:
+        return NixlVerdict(NixlOutcome.EXIT, f"the NIXL probe could not start: {run.start_error}")
+    if run.timed_out:
         return NixlVerdict(
             NixlOutcome.TIMEOUT, f"the NIXL self-test did not finish in {timeout_s:g} s (hung)"
         )
-    return _interpret(child.returncode, out, err)
+    return _interpret(run.returncode, run.out, run.err)
 
 
 def _interpret(returncode: int, out: bytes, err: bytes) -> NixlVerdict:
-    """A verdict counts only from a child that exited 0; its last line of stdout is the verdict
-    (NIXL logs to stdout too)."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        meaning = _SIGNAL_MEANING.get(-returncode, "it was killed")
+    """A verdict counts only from a child that exited 0 (NIXL logs to stdout before it)."""
+    run = ChildRun(returncode, out, err)
+    died = died_of(run.returncode)
+    if died is not None:
+        name, meaning = died
         return NixlVerdict(NixlOutcome.SIGNAL, f"the NIXL self-test died with {name}: {meaning}",
                            signal=name)  # fmt: skip
-    lines = out.decode(errors="replace").strip().splitlines()
-    if returncode == 0 and lines:
-        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-            verdict = msgspec.json.decode(lines[-1], type=NixlVerdict)
-            return msgspec.structs.replace(verdict, exit_code=0)
-    last = (err.decode(errors="replace").strip().splitlines() or ["no verdict"])[-1]
+    verdict = verdict_line(run, NixlVerdict)
+    if verdict is not None:
+        return msgspec.structs.replace(verdict, exit_code=0)
     return NixlVerdict(
-        NixlOutcome.EXIT, f"the NIXL self-test exited with {returncode}: {last}",
-        exit_code=returncode,
-    )  # fmt: skip
+        NixlOutcome.EXIT,
+        f"the NIXL self-test exited with {run.returncode}: {last_error_line(run)}",
+        exit_code=run.returncode,
+    )

@@ -12,16 +12,13 @@ here) is read by the parent from the exit status.
 
 from __future__ import annotations
 
-import ctypes
-import math
 import mmap
 import os
-import resource
-import signal
 import sys
 
 import msgspec
 
+from kvtierd.childprobe import bind_to_parent
 from kvtierd.errors import KvtierError
 from kvtierd.io.buffers import buffer_address
 from kvtierd.nixl.probe import NixlOutcome, NixlVerdict
@@ -32,8 +29,6 @@ _BUFFER_BYTES = 64 << 10
 #: ``(offset, length)`` pulled, and where each lands in the puller's buffer.
 _EXTENTS = [(0, 4096), (20000, 5000)]
 _PULL_TIMEOUT_S = 5.0
-#: ``prctl`` option: the signal this process gets when its parent dies (``<linux/prctl.h>``).
-_PR_SET_PDEATHSIG = 1
 
 
 def _buffer(name: str) -> tuple[mmap.mmap, int]:
@@ -83,24 +78,11 @@ def _self_test() -> NixlVerdict:
     )
 
 
-def _bind_to_parent(parent: int, timeout_s: float) -> None:
-    """Die with the parent (this runs in a session of its own), and on our own once the parent
-    would have given up anyway (a hang in NIXL or UCX)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before the request above took effect
-        os._exit(1)
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(max(1, math.ceil(timeout_s)) + 1)
-
-
 def main(argv: list[str]) -> int:
     """The child's entry point: ``PARENT_PID TIMEOUT_S``; prints the verdict as one JSON line.
     The caller must end the process with :func:`~kvtierd.nixl.agent.exit_process`."""
     parent, timeout_s = argv
-    _bind_to_parent(int(parent), float(timeout_s))
-    # A crash in NIXL is the expected failure here: no core file for it.
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    bind_to_parent(int(parent), float(timeout_s))
     verdict = _self_test()
     sys.stdout.write(msgspec.json.encode(verdict).decode() + "\n")
     return 0

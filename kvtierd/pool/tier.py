@@ -238,14 +238,6 @@ class PoolTier(LowerTier):
                 deleted, _, _ = await pipe.execute()
         self._counters["blocks"] -= int(deleted)
 
-    async def discard_quietly(self, location: Hashable) -> None:
-        """:meth:`discard` for a block nothing indexes any more (FORGET dropped it): a failure
-        is logged, and the value stays until the pool evicts it, never restored."""
-        try:
-            await self.discard(location)
-        except KvtierError as exc:
-            log.warning("a forgotten block stays in the pool until it is evicted: %s", exc)
-
     async def sync(self) -> None:
         """Durability is the pool server's (``appendfsync``); nothing is buffered here."""
 

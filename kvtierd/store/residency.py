@@ -299,10 +299,7 @@ class Residency:
         assert block.pool is not None
         location = block.pool
         self.drop_copy(block)
-        try:
-            await self.shared.discard(location)
-        except KvtierError as exc:
-            log.warning("a forgotten block stays in the pool until it is evicted: %s", exc)
+        await self.shared.discard_quietly(location)
 
     def drop_staged(self, block: Block) -> None:
         if block.staged is not None and self.staged is not None:

@@ -10,13 +10,16 @@ suite skips, by capability, what a tier does not promise.
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvtierd.errors import NoSpaceError, StorageIOError
+from kvtierd.errors import KvtierError, NoSpaceError, StorageIOError
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
+
+log = logging.getLogger("kvtierd.store")
 
 __all__ = [
     "BlockRef",
@@ -110,6 +113,15 @@ class LowerTier(abc.ABC):
     @abc.abstractmethod
     async def discard(self, location: Hashable) -> None:
         """Forget the copy at ``location`` so that no later recovery brings it back."""
+
+    async def discard_quietly(self, location: Hashable) -> None:
+        """:meth:`discard` for a copy nothing indexes any more (FORGET dropped it): a failure
+        is logged, and the copy stays until the medium evicts it, never restored."""
+        try:
+            await self.discard(location)
+        except KvtierError as exc:
+            log.warning("a forgotten block stays in the %s tier until it is evicted: %s",
+                        self.kind.name.lower(), exc)  # fmt: skip
 
     @abc.abstractmethod
     async def sync(self) -> None:
