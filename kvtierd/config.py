@@ -41,6 +41,7 @@ __all__ = [
     "DramConfig",
     "LimitsConfig",
     "LogLevel",
+    "NixlConfig",
     "NvmeConfig",
     "PolicyKind",
     "PoolConfig",
@@ -350,6 +351,20 @@ class PoolConfig(_Section):
         return hashlib.sha256(msgspec.json.encode(shared)).hexdigest()[:16]
 
 
+class NixlConfig(_Section):
+    """NIXL reads out of the arena (the ``kvtierd[nixl]`` extra, ``docs/nixl.md``).
+
+    With ``enabled`` the daemon proves NIXL in a child process at start and, if it works,
+    registers every tenant region with its own agent, so that clients may pull leased blocks
+    (READ_NIXL); if the probe fails the daemon serves on without, and says why. UCX chooses its
+    transports from its environment (``UCX_TLS``, set in the unit's ``Environment=``).
+    """
+
+    enabled: bool = False
+    #: How long NIXL's self-test child may take (imports and a loop-back transfer: 1-2 s).
+    probe_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 30.0
+
+
 Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 
@@ -400,6 +415,7 @@ class Config(_Section):
     dram: DramConfig = msgspec.field(default_factory=DramConfig)
     nvme: NvmeConfig = msgspec.field(default_factory=NvmeConfig)
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
+    nixl: NixlConfig = msgspec.field(default_factory=NixlConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     tenants: list[TenantConfig] = []
 

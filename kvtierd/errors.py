@@ -32,6 +32,7 @@ __all__ = [
     "KvtierError",
     "LocalProtocolError",
     "NoSpaceError",
+    "NotSupportedError",
     "QuotaError",
     "RemoteProtocolError",
     "StartingError",
@@ -114,6 +115,14 @@ class BusyError(KvtierError):
     by another daemon (``EBUSY``). In-flight request limits apply back-pressure instead."""
 
     errno = errno.EBUSY
+
+
+class NotSupportedError(KvtierError):
+    """The daemon does not serve this here (``EOPNOTSUPP``): a feature it was not configured
+    for, or one its host cannot run (NIXL reads on a daemon without NIXL). The message says
+    which and why."""
+
+    errno = errno.EOPNOTSUPP
 
 
 class StartingError(KvtierError):
@@ -200,6 +209,7 @@ ERRNO_TO_ERROR: dict[int, type[KvtierError]] = {
         AccessDeniedError,
         RemoteProtocolError,
         BusyError,
+        NotSupportedError,
         StartingError,
         TimedOutError,
         StorageIOError,

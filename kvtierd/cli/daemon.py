@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import sys
+import traceback
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from kvtierd import __version__
 from kvtierd.cli.logs import configure_logging, print_error
 from kvtierd.config import Config, Runtime, load_config
 from kvtierd.errors import ConfigError, KvtierError
+from kvtierd.nixl.agent import exit_process, nixl_loaded
 from kvtierd.server.checks import CheckStatus, HostCheck, exit_status, render
 from kvtierd.server.daemon import serve_daemon
 from kvtierd.server.preflight import check_config_error, check_host, probe_io_uring
@@ -88,6 +91,23 @@ def blame(args: argparse.Namespace) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The daemon's entry point; its exit status. A daemon that loaded NIXL (``nixl.enabled``)
+    ends here through :func:`~kvtierd.nixl.agent.exit_process`, since NIXL's native objects
+    crash in the interpreter's shutdown and would turn any status into 139."""
+    try:
+        status = _main(argv)
+    except BaseException:
+        if not nixl_loaded():
+            raise
+        traceback.print_exc()
+        status = 1
+    if nixl_loaded():
+        logging.shutdown()
+        exit_process(status)
+    return status
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     try:
         return check(args) if args.check else run(args)

@@ -35,6 +35,10 @@ from kvtierd.protocol.messages import (
     LookupReply,
     LookupRequest,
     Message,
+    NixlGrantReply,
+    NixlGrantRequest,
+    ReadNixlReply,
+    ReadNixlRequest,
     ReadReply,
     ReadRequest,
     ReadResidentReply,
@@ -54,9 +58,11 @@ __all__ = [
     "list_keys",
     "lookup",
     "lookup_count",
+    "nixl_grant",
     "put",
     "read",
     "read_into",
+    "read_nixl",
     "release",
     "request",
 ]
@@ -201,6 +207,32 @@ def lease(
     if resident_only:
         return (yield from read_resident(ns, keys, max_keys, daemon_minor))
     return (yield from read(ns, keys, max_keys))
+
+
+#: The first protocol minor whose daemons know NIXL_GRANT and READ_NIXL.
+NIXL_MINOR = 8
+
+
+def nixl_grant(ns: int) -> Op[NixlGrantReply]:
+    """The NIXL metadata of namespace ``ns``'s region (NIXL_GRANT)."""
+    reply: NixlGrantReply = yield NixlGrantRequest(), ns
+    return reply
+
+
+def read_nixl(ns: int, keys: Sequence[bytes], max_keys: int) -> Op[list[ReadNixlReply]]:
+    """Lease the blocks of ``keys`` with their NIXL descriptors (READ_NIXL): one reply per
+    chunk of ``max_keys``. If a later chunk fails, the earlier leases are given back."""
+    check_keys(keys)
+    replies: list[ReadNixlReply] = []
+    try:
+        for chunk in _chunks(keys, max_keys):
+            reply: ReadNixlReply = yield ReadNixlRequest(list(chunk)), ns
+            replies.append(reply)
+    except BaseException:
+        if replies:
+            yield from release([r.lease for r in replies])
+        raise
+    return replies
 
 
 def release(leases: list[int]) -> Op[None]:

@@ -61,6 +61,7 @@ __all__ = [
     "TransferError",
     "exit_process",
     "nixl_errors",
+    "nixl_loaded",
     "start_agent",
 ]
 
@@ -327,3 +328,8 @@ def exit_process(code: int = 0) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def nixl_loaded() -> bool:
+    """Whether this process imported NIXL (and so must end through :func:`exit_process`)."""
+    return any(name == "nixl" or name.startswith(("nixl.", "nixl_")) for name in sys.modules)

@@ -16,9 +16,10 @@ Nothing is registered for the private memory (record headers, write-back staging
 tenant's. Regions are never deregistered while the daemon runs, since deregistration ends no
 one's access; :meth:`RegionExport.close` does it at teardown.
 
-:func:`start_region_export` is what the daemon will call once at start, like the io backend's
-choice: it proves NIXL in a child (in a worker thread: the probe takes seconds) and only then
-loads it. Not wired into the daemon or the protocol yet (issue 19, item 1).
+:func:`start_region_export` is what the daemon calls once at start, like the io backend's
+choice (:func:`kvtierd.server.assembly.open_nixl_reads`): it proves NIXL in a child (in a
+worker thread: the probe takes seconds) and only then loads it. :class:`NixlReads` is what the
+request handlers see: the export, or why there is none.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from dataclasses import dataclass
 
 import anyio.to_thread
 
-from kvtierd.errors import InvalidRequestError
+from kvtierd.errors import InvalidRequestError, NotSupportedError
 from kvtierd.nixl.agent import Extent, NixlAgent, Registration, start_agent
 from kvtierd.nixl.probe import NixlVerdict, probe_nixl
 from kvtierd.store.regions import TenantRegion
 
-__all__ = ["RegionExport", "RegionGrant", "start_region_export"]
+__all__ = ["NixlReads", "RegionExport", "RegionGrant", "start_region_export"]
 
 log = logging.getLogger("kvtierd.nixl")
 
@@ -117,6 +118,21 @@ class RegionExport:
             raise InvalidRequestError(f"region {region.id} is not exported over NIXL") from None
 
 
+@dataclass(frozen=True, slots=True)
+class NixlReads:
+    """The daemon's NIXL reads: its :class:`RegionExport`, or ``None`` and why there is none."""
+
+    export: RegionExport | None
+    why_not: str = ""
+
+    def require(self) -> RegionExport:
+        """The export; raises :class:`~kvtierd.errors.NotSupportedError` saying why there is
+        none."""
+        if self.export is None:
+            raise NotSupportedError(f"this daemon serves no NIXL reads: {self.why_not}")
+        return self.export
+
+
 async def start_region_export(
     name: str,
     arena_address: int,
@@ -124,15 +140,15 @@ async def start_region_export(
     *,
     ucx_params: Mapping[str, str] | None = None,
     probe: Callable[[], NixlVerdict] = probe_nixl,
-) -> RegionExport | None:
-    """Probe NIXL in a child (in a worker thread) and, if it works here, export ``regions``;
-    ``None`` (logged with the probe's reason) when it does not, so the daemon serves on without
-    NIXL reads. Raises :class:`~kvtierd.nixl.agent.TransferError` when NIXL passed its probe
-    but the agent or a registration then failed."""
+) -> RegionExport:
+    """Probe NIXL in a child (in a worker thread) and, if it works here, export ``regions``.
+    Raises :class:`~kvtierd.errors.NotSupportedError` with the probe's reason when it does not
+    (NIXL is then never loaded in this process), and
+    :class:`~kvtierd.nixl.agent.TransferError` when NIXL passed its probe but the agent or a
+    registration then failed."""
     verdict = await anyio.to_thread.run_sync(probe)
     if not verdict.ok:
-        log.warning("NIXL reads are off: %s", verdict.detail)
-        return None
+        raise NotSupportedError(f"NIXL failed its probe: {verdict.detail}")
     agent = start_agent(name, verdict, ucx_params=ucx_params)
     try:
         export = RegionExport.register(agent, arena_address, regions)

@@ -41,8 +41,8 @@ PROTOCOL_VERSION = 1
 #: the READ_RESIDENT opcode; minor 5: the DOCTOR opcode; minor 6: memory per tenant: INIT
 #: passes no descriptor, OPEN_NS passes its tenant region's, extents are region offsets, and
 #: a client must say minor >= 6 in INIT; minor 7: the LIST_KEYS opcode and ``NamespaceInfo``'s
-#: counters).
-PROTOCOL_MINOR = 7
+#: counters; minor 8: the NIXL_GRANT and READ_NIXL opcodes).
+PROTOCOL_MINOR = 8
 #: The oldest client minor a daemon serves: older clients expect the whole arena at INIT.
 MIN_CLIENT_MINOR = 6
 HEADER_BYTES = 32
@@ -79,6 +79,8 @@ class Opcode(enum.IntEnum):
     READ_RESIDENT = 16
     DOCTOR = 17
     LIST_KEYS = 18
+    NIXL_GRANT = 19
+    READ_NIXL = 20
 
 
 class FrameFlags(enum.IntFlag):

@@ -56,10 +56,14 @@ __all__ = [
     "LookupRequest",
     "Message",
     "NamespaceInfo",
+    "NixlGrantReply",
+    "NixlGrantRequest",
     "OpenNsReply",
     "OpenNsRequest",
     "PoolStatusReply",
     "PoolStatusRequest",
+    "ReadNixlReply",
+    "ReadNixlRequest",
     "ReadReply",
     "ReadRequest",
     "ReadResidentReply",
@@ -256,6 +260,41 @@ class ReadResidentRequest(Message, frozen=True):
 class ReadResidentReply(ReadReply, frozen=True):
     """READ's reply (its own type, so each opcode has one); ``extents`` may be fewer than the
     keys (none: ``lease`` 0, nothing to RELEASE)."""
+
+
+class NixlGrantRequest(Message, frozen=True):
+    """NIXL_GRANT (minor 8): the NIXL agent metadata of the region of the header's namespace
+    (which must be open on this connection)."""
+
+
+#: NIXL's metadata of one registration with its connection info is a few KiB; a reply that
+#: claims more than this is not one.
+MAX_NIXL_METADATA_BYTES = 1 << 20
+
+
+class NixlGrantReply(Message, frozen=True):
+    """``agent`` is the daemon's NIXL agent name, ``region`` the tenant region the metadata
+    names (its registration alone), ``metadata`` what the client's agent loads."""
+
+    agent: Name
+    region: U32
+    metadata: Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_NIXL_METADATA_BYTES)]
+
+
+class ReadNixlRequest(Message, frozen=True):
+    """READ_NIXL (minor 8): READ, with the NIXL descriptors of the leased blocks."""
+
+    keys: Keys
+
+
+class ReadNixlReply(Message, frozen=True):
+    """READ's ``lease`` and ``extents``, and ``descriptors``: the blocks' bytes (each
+    ``extents[i].length`` long, in key order) as the daemon's agent describes them for a pull
+    (:mod:`kvtierd.nixl.descriptors`)."""
+
+    lease: U64
+    extents: list[Extent]
+    descriptors: bytes
 
 
 class ReleaseRequest(Message, frozen=True):
@@ -467,6 +506,8 @@ REQUEST_TYPES: Final[dict[Opcode, type[Message]]] = {
     Opcode.DOCTOR: DoctorRequest,
     Opcode.READ_RESIDENT: ReadResidentRequest,
     Opcode.LIST_KEYS: ListKeysRequest,
+    Opcode.NIXL_GRANT: NixlGrantRequest,
+    Opcode.READ_NIXL: ReadNixlRequest,
 }
 
 REPLY_TYPES: Final[dict[Opcode, type[Message]]] = {
@@ -488,6 +529,8 @@ REPLY_TYPES: Final[dict[Opcode, type[Message]]] = {
     Opcode.DOCTOR: DoctorReply,
     Opcode.READ_RESIDENT: ReadResidentReply,
     Opcode.LIST_KEYS: ListKeysReply,
+    Opcode.NIXL_GRANT: NixlGrantReply,
+    Opcode.READ_NIXL: ReadNixlReply,
 }
 
 OPCODE_OF: Final[dict[type[Message], Opcode]] = {

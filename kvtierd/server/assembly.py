@@ -1,4 +1,5 @@
-"""The composition root: the store, and the shared pool joined to it, for a daemon's config.
+"""The composition root: the store, the shared pool joined to it, and the NIXL export of its
+arena, for a daemon's config.
 
 It sits above both :mod:`kvtierd.store` and :mod:`kvtierd.pool`, which do not import each
 other's insides: the store names what it needs from a replica link in
@@ -8,18 +9,27 @@ configuration error), builds the pool tier, and hands the store a
 :class:`~kvtierd.store.ports.Replica`: the tier to promote pool-only copies from, and how to
 open the link (:func:`kvtierd.pool.link.open_pool_link`, which owns the link's tasks and gives
 queued writes half the shutdown grace to reach the pool).
+
+:func:`open_nixl_reads` exports the store's tenant regions over NIXL when ``nixl.enabled``
+asks for it and NIXL passes its probe here; otherwise the daemon serves on without NIXL reads,
+and the request handlers answer READ_NIXL with the reason (``EOPNOTSUPP``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import AsyncIterator
 from functools import partial
 
 from kvtierd.config import Config, PoolConfig
-from kvtierd.errors import ConfigError
+from kvtierd.errors import ConfigError, NotSupportedError
 from kvtierd.io import BindingVerdict
+from kvtierd.nixl.agent import TransferError
+from kvtierd.nixl.export import NixlReads, start_region_export
+from kvtierd.nixl.probe import probe_nixl
 from kvtierd.pool.connect import PoolUnavailableError, pool_address, read_secret
 from kvtierd.pool.link import PoolLink, open_pool_link
 from kvtierd.pool.tier import PoolTier
@@ -29,7 +39,7 @@ from kvtierd.store.lifecycle import OpenProgress, open_store
 from kvtierd.store.ports import Replica
 from kvtierd.store.store import BlockStore
 
-__all__ = ["open_daemon_store", "pool_link_of", "pool_replica"]
+__all__ = ["open_daemon_store", "open_nixl_reads", "pool_link_of", "pool_replica"]
 
 log = logging.getLogger("kvtierd.store")
 
@@ -73,3 +83,24 @@ async def open_daemon_store(
         config, io_verdict=io_verdict, progress=progress, replica=replica
     ) as store:
         yield store
+
+
+@contextlib.asynccontextmanager
+async def open_nixl_reads(config: Config, store: BlockStore) -> AsyncIterator[NixlReads]:
+    """The NIXL export of ``store``'s tenant regions, for as long as the daemon serves; or, when
+    ``nixl.enabled`` is false or NIXL cannot run here, why not (logged)."""
+    if not config.nixl.enabled:
+        yield NixlReads(None, "nixl.enabled is false")
+        return
+    name = f"kvtierd-{socket.gethostname()}-{os.getpid()}"
+    probe = partial(probe_nixl, timeout_s=config.nixl.probe_timeout_s)
+    try:
+        export = await start_region_export(name, store.arena.address, store.regions, probe=probe)
+    except (NotSupportedError, TransferError) as exc:
+        log.warning("NIXL reads are off: %s", exc)
+        yield NixlReads(None, str(exc))
+        return
+    try:
+        yield NixlReads(export)
+    finally:
+        export.close()

@@ -1,9 +1,10 @@
 """What a request handler may touch (:mod:`kvtierd.server.handlers`), and nothing deeper.
 
-A handler sees the store's request methods, the connection's own records (its owner, its peer's
-credentials, the namespaces it opened, the descriptors to pass with a reply), the limits it
-negotiates, and the daemon's reports. Not the socket, the protocol state machine (which closes
-the connection after DESTROY and after a refused INIT), other sessions or the store's insides.
+A handler sees the store's request methods, the daemon's NIXL export, the connection's own
+records (its owner, its peer's credentials, the namespaces it opened, the descriptors to pass
+with a reply), the limits it negotiates, and the daemon's reports. Not the socket, the protocol
+state machine (which closes the connection after DESTROY and after a refused INIT), other
+sessions or the store's insides.
 :class:`~kvtierd.server.session.Session` implements it; the handler tests
 (``tests/unit/test_handlers.py``) implement it over a real store with no socket at all.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvtierd.nixl.export import NixlReads
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply
 from kvtierd.server.checks import HostCheck
 from kvtierd.store.index import Owner
@@ -45,6 +47,10 @@ class RequestContext(Protocol):
 
     @property
     def reports(self) -> Reports: ...
+
+    @property
+    def nixl(self) -> NixlReads:
+        """The daemon's NIXL export of the tenant regions, or why it has none."""
 
     @property
     def max_inflight(self) -> int:

@@ -45,9 +45,10 @@ from kvtierd import __version__
 from kvtierd.config import Config
 from kvtierd.errors import BusyError, ConfigError, KvtierError
 from kvtierd.io import BindingVerdict
+from kvtierd.nixl.export import NixlReads
 from kvtierd.protocol import ServerConnection
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply, TierStatistics
-from kvtierd.server.assembly import open_daemon_store, pool_link_of
+from kvtierd.server.assembly import open_daemon_store, open_nixl_reads, pool_link_of
 from kvtierd.server.checks import HostCheck
 from kvtierd.server.doctor import RunningFacts, running_report
 from kvtierd.server.endpoint import serve_endpoint
@@ -94,9 +95,12 @@ class Daemon:
         store: BlockStore,
         startup: Sequence[HostCheck] = (),
         timings: RequestTimings | None = None,
+        nixl: NixlReads | None = None,
     ) -> None:
         self.config = config
         self.store = store
+        #: The NIXL export of the arena's tenant regions, or why there is none.
+        self.nixl = nixl if nixl is not None else NixlReads(None, "nixl.enabled is false")
         #: The store's link to the shared pool, when one is configured.
         self.pool = pool_link_of(store)
         self.startup = tuple(startup)
@@ -467,11 +471,14 @@ async def serve_daemon(
             with anyio.CancelScope() as opening:
                 tg.start_soon(_watch_stop_signals, readiness, stop, opening)
                 tg.start_soon(_extend_start_timeout, readiness, notifier)
-                async with open_daemon_store(
-                    config, io_verdict=io_verdict, progress=readiness.progress
-                ) as store:
+                async with (
+                    open_daemon_store(
+                        config, io_verdict=io_verdict, progress=readiness.progress
+                    ) as store,
+                    open_nixl_reads(config, store) as nixl,
+                ):
                     timings = metrics.timings if metrics is not None else None
-                    daemon = Daemon(config, store, startup, timings)
+                    daemon = Daemon(config, store, startup, timings, nixl)
                     readiness.serve(daemon)
                     if metrics is not None:
                         metrics.refresh()

@@ -55,9 +55,12 @@ from kvtierd.protocol.messages import (
     LookupRequest,
     Message,
     NamespaceInfo,
+    NixlGrantReply,
     OpenNsReply,
     OpenNsRequest,
     PoolStatusReply,
+    ReadNixlReply,
+    ReadNixlRequest,
     ReadReply,
     ReadRequest,
     ReadResidentReply,
@@ -163,12 +166,17 @@ async def lookup(ctx: RequestContext, header: RequestHeader, msg: LookupRequest)
 
 async def read(ctx: RequestContext, header: RequestHeader, msg: ReadRequest) -> Message:
     ns = _namespace(ctx, header)
-    try:
-        lease = ctx.store.read_nowait(ctx.owner, ns, msg.keys)
-    except anyio.WouldBlock:
-        lease = await ctx.store.read(ctx.owner, ns, msg.keys)
+    lease = await _lease(ctx, ns, msg.keys)
     _count_read(ns, lease)
     return ReadReply(lease.id, _extents(lease))
+
+
+async def _lease(ctx: RequestContext, ns: Namespace, keys: list[bytes]) -> Lease:
+    """READ's lease: at once when every block is in DRAM, else once they are."""
+    try:
+        return ctx.store.read_nowait(ctx.owner, ns, keys)
+    except anyio.WouldBlock:
+        return await ctx.store.read(ctx.owner, ns, keys)
 
 
 async def read_nowait(ctx: RequestContext, header: RequestHeader, msg: ReadRequest) -> Message:
@@ -204,6 +212,36 @@ def _extents(lease: Lease) -> list[Extent]:
         for b in lease.blocks
         if b.dram is not None and b.ns.region is not None
     ]
+
+
+async def nixl_grant(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
+    """The metadata of the NIXL registration of the header's namespace's region alone: what a
+    client of that tenant loads to pull from it, and nothing of another tenant's."""
+    export = ctx.nixl.require()
+    region = _namespace(ctx, header).region
+    assert region is not None  # OPEN_NS admits no namespace without one
+    grant = export.grant(region)
+    return NixlGrantReply(export.agent.name, grant.region_id, grant.metadata)
+
+
+async def read_nixl(ctx: RequestContext, header: RequestHeader, msg: ReadNixlRequest) -> Message:
+    """READ, and the descriptors of the leased blocks' bytes for a NIXL pull: described within
+    the namespace's region only, handed out with the lease that keeps their slots."""
+    export = ctx.nixl.require()
+    ns = _namespace(ctx, header)
+    region = ns.region
+    assert region is not None
+    lease = await _lease(ctx, ns, msg.keys)
+    try:
+        extents = _extents(lease)
+        descriptors = export.describe(
+            region, [(b.dram.offset, b.ref.raw_bytes) for b in lease.blocks if b.dram is not None]
+        )
+    except BaseException:
+        ctx.store.release(ctx.owner, [lease.id])
+        raise
+    _count_read(ns, lease)
+    return ReadNixlReply(lease.id, extents, descriptors)
 
 
 async def release(ctx: RequestContext, header: RequestHeader, msg: ReleaseRequest) -> Message:
@@ -378,6 +416,8 @@ HANDLERS: dict[Opcode, Handler] = {
     Opcode.READ_RESIDENT: read_resident,
     Opcode.DOCTOR: doctor,
     Opcode.LIST_KEYS: list_keys,
+    Opcode.NIXL_GRANT: nixl_grant,
+    Opcode.READ_NIXL: read_nixl,
 }
 
 #: Handlers that either answer at once or raise :class:`anyio.WouldBlock` having done nothing.

@@ -33,6 +33,7 @@ import anyio
 from anyio.abc import SocketAttribute, TaskGroup
 
 from kvtierd.errors import KvtierError, RemoteProtocolError, StorageIOError, TimedOutError
+from kvtierd.nixl.export import NixlReads
 from kvtierd.protocol import (
     NEED_DATA,
     ConnectionClosed,
@@ -77,6 +78,7 @@ _INLINE = frozenset(
         Opcode.POOL_STATUS,
         Opcode.READ_RESIDENT,
         Opcode.LIST_KEYS,
+        Opcode.NIXL_GRANT,
     }
 )
 
@@ -121,6 +123,10 @@ class Session:
     @property
     def reports(self) -> Daemon:
         return self.daemon
+
+    @property
+    def nixl(self) -> NixlReads:
+        return self.daemon.nixl
 
     @property
     def max_inflight(self) -> int:

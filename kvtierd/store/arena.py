@@ -131,6 +131,11 @@ class Arena:
         return self.info.size_bytes
 
     @property
+    def address(self) -> int:
+        """The address of arena offset 0 in this process (for NIXL's registrations)."""
+        return _address_of(self._mapping) + self._pad
+
+    @property
     def resident_bytes(self) -> int:
         """The private memory and the regions: pre-faulted, locked, and what io_uring should
         register (registering pins pages: the lazy memory after it would be resident too)."""

@@ -1,5 +1,5 @@
-"""Children running roles of :mod:`tests.nixl.peer`, watched from the pytest process (which
-never loads NIXL)."""
+"""Children running roles of :mod:`tests.nixl.peer` (or of another module, such as
+:mod:`tests.nixl.reader`), watched from the pytest process (which never loads NIXL)."""
 
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ LINE_TIMEOUT_S = 60.0
 
 
 class Child:
-    """A child running one role of :mod:`tests.nixl.peer`; its stdout read line by line by a
-    thread, so that a wait for a line ends when the line comes, when the child ends, or after
-    :data:`LINE_TIMEOUT_S`."""
+    """A child running one role of ``module`` (:mod:`tests.nixl.peer` by default); its stdout
+    read line by line by a thread, so that a wait for a line ends when the line comes, when the
+    child ends, or after :data:`LINE_TIMEOUT_S`."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, module: str = "tests.nixl.peer") -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.nixl.peer", *args],
+            [sys.executable, "-m", module, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtierd.errors import NotSupportedError
 from kvtierd.nixl.export import start_region_export
 from kvtierd.nixl.probe import NixlOutcome, NixlVerdict
 from tests.nixl.children import Child, pull
@@ -65,6 +66,6 @@ def test_a_forged_descriptor_of_another_tenant_is_refused_by_nixl(
 async def test_without_a_working_nixl_nothing_is_exported_or_loaded() -> None:
     """A failed probe leaves the daemon without NIXL reads, and without NIXL loaded."""
     verdict = NixlVerdict(NixlOutcome.IMPORT_ERROR, "NIXL does not import: stand-in")
-    export = await start_region_export("daemon", 1 << 40, [], probe=lambda: verdict)
-    assert export is None
+    with pytest.raises(NotSupportedError, match="stand-in"):
+        await start_region_export("daemon", 1 << 40, [], probe=lambda: verdict)
     assert "nixl._api" not in sys.modules

@@ -76,6 +76,8 @@ _DEFAULTS: dict[Opcode, Message] = {
     Opcode.POOL_STATUS: REQUEST_TYPES[Opcode.POOL_STATUS](),
     Opcode.DOCTOR: REQUEST_TYPES[Opcode.DOCTOR](),
     Opcode.LIST_KEYS: REQUEST_TYPES[Opcode.LIST_KEYS](1),
+    Opcode.NIXL_GRANT: REQUEST_TYPES[Opcode.NIXL_GRANT](),
+    Opcode.READ_NIXL: REQUEST_TYPES[Opcode.READ_NIXL]([b"k"]),
 }
 
 

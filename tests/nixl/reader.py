@@ -1,0 +1,145 @@
+"""A client of a real daemon that pulls over NIXL, run as ``python -m tests.nixl.reader``.
+
+``SOCKET TENANT NS BLOCK_BYTES COUNT CASE [UID]``: connects to the daemon at ``SOCKET`` (as
+``UID`` when given: NIXL and the client are loaded first, then the process drops to that uid
+and gid), opens namespace ``NS`` of ``TENANT`` with blocks of ``BLOCK_BYTES``, and names the
+blocks the test stored there (:func:`block_keys`, :func:`block_content`). Each
+case prints JSON lines, the last one ``{"error": ..., ...}`` (``error`` is ``Class: message``
+or ""), and the process ends through :func:`kvtierd.nixl.agent.exit_process`:
+
+* ``pull``: :meth:`~kvtierd.client.nixl.NixlReader.read_into` every block; ``sha256`` of each.
+* ``grant``: the region and agent NIXL_GRANT names for this namespace (``region``,
+  ``handle_region``, ``agent``).
+* ``released``: lease the blocks, print ``{"leased": true}``, release the lease, wait for a
+  line on stdin (the test overwrites the slots meanwhile), pull the stale descriptors with the
+  agent directly, as a transfer still in flight when the lease ended would, and report whether
+  those bytes are still the blocks' (``stale_sha256``) and what
+  :meth:`~kvtierd.client.nixl.NixlReader.verify` raised.
+* ``held``: lease, print ``{"leased": true}``, wait for a line (the test evicts and overwrites
+  meanwhile), then pull: ``sha256`` of each.
+* ``scribble``: lease, overwrite the first block's slot through this client's own mapping of
+  its region (what any client of the tenant can do), then pull.
+* ``loop``: pull every block again and again, printing ``{"pulled": n}`` after each (the test
+  kills it mid-transfer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+import numpy as np
+
+
+def block_keys(name: str, count: int) -> list[bytes]:
+    """The keys of the ``count`` blocks a test stores in namespace ``name``."""
+    return [hashlib.sha256(f"{name}/{i}".encode()).digest()[:16] for i in range(count)]
+
+
+def block_content(name: str, i: int, block_bytes: int) -> np.ndarray:
+    """Block ``i`` of namespace ``name``: random bytes, different in every block."""
+    seed = int.from_bytes(hashlib.sha256(f"{name}/{i}".encode()).digest()[:8], "little")
+    return np.random.default_rng(seed).integers(0, 256, block_bytes, dtype=np.uint8)
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    socket, tenant, name, block_text, count_text, case, *uid = argv
+    block_bytes, count = int(block_text), int(count_text)
+
+    import nixl._api  # noqa: F401  (loaded while every file is readable)
+
+    from kvtierd.client import connect
+    from kvtierd.client.nixl import NixlReader
+    from kvtierd.nixl.agent import NixlAgent
+
+    agent = NixlAgent(f"reader-{os.getpid()}")
+    if uid:
+        os.setgroups([])
+        os.setgid(int(uid[0]))
+        os.setuid(int(uid[0]))
+    keys = block_keys(name, count)
+    result: dict[str, Any] = {"error": ""}
+    with connect(socket) as client:
+        reader = NixlReader(client, agent)
+        memory = reader.register(np.zeros(count * block_bytes, np.uint8))
+        buffers = [memory[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
+
+        def digests() -> list[str]:
+            return [hashlib.sha256(b).hexdigest() for b in buffers]
+
+        try:
+            ns = client.namespace(name, block_bytes=block_bytes, tenant=tenant)
+            if case == "pull":
+                reader.read_into(ns, keys, buffers)
+                result["sha256"] = digests()
+            elif case == "grant":
+                from kvtierd.client import ops
+
+                grant = ns._run(lambda: ops.nixl_grant(ns.handle.ns))
+                result.update(region=grant.region, handle_region=ns.handle.region,
+                              agent=grant.agent)  # fmt: skip
+            elif case == "released":
+                lease = reader.lease(ns, keys)
+                _say({"leased": True})
+                lease.release()
+                sys.stdin.readline()
+                start = 0
+                for reply in lease.replies:
+                    parts = buffers[start : start + len(reply.extents)]
+                    pairs = zip(parts, reply.extents, strict=True)
+                    local = [(_address(p), e.length) for p, e in pairs]
+                    agent.pull(lease.peer, reply.descriptors, local, timeout_s=30)
+                    start += len(reply.extents)
+                result["stale_sha256"] = digests()
+                reader.verify(lease, buffers)
+            elif case == "held":
+                with reader.lease(ns, keys) as lease:
+                    _say({"leased": True})
+                    sys.stdin.readline()
+                    reader.pull(lease, buffers)
+                result["sha256"] = digests()
+            elif case == "scribble":
+                with reader.lease(ns, keys) as lease:
+                    extent = lease.replies[0].extents[0]
+                    ns.arena.writable(extent.offset, 64)[:] = b"\xff" * 64
+                    reader.pull(lease, buffers)
+            elif case == "loop":
+                n = 0
+                while True:
+                    reader.read_into(ns, keys, buffers)
+                    n += 1
+                    _say({"pulled": n})
+            else:
+                raise SystemExit(f"unknown case {case!r}")
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+            result["traceback"] = traceback.format_exc()
+        reader.close()
+    agent.close()
+    return result
+
+
+def _address(view: memoryview) -> int:
+    from kvtierd.io.buffers import buffer_address
+
+    return buffer_address(view)
+
+
+def _say(line: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    from kvtierd.nixl.agent import exit_process
+
+    try:
+        _say(main(sys.argv[1:]))
+    except BaseException:
+        traceback.print_exc()
+        exit_process(1)
+    exit_process(0)
