@@ -46,6 +46,8 @@ __all__ = [
     "PolicyKind",
     "PoolConfig",
     "PoolWritePolicy",
+    "RemoteClient",
+    "RemoteConfig",
     "Runtime",
     "TenantConfig",
     "TriState",
@@ -365,6 +367,85 @@ class NixlConfig(_Section):
     probe_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 30.0
 
 
+class RemoteClient(_Section):
+    """A client on another host: the common name of its TLS certificate, and the uid it acts
+    as (tenant checks and connection limits, as ``SO_PEERCRED``'s uid for a local client)."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    uid: Annotated[int, msgspec.Meta(ge=1, le=(1 << 32) - 2)]
+
+
+class RemoteConfig(_Section):
+    """Control connections over TCP, for engines on other hosts that pull blocks over NIXL
+    (``docs/remote.md``).
+
+    ``listen`` empty: the Unix socket only. With it, the daemon also accepts TCP connections
+    there: TLS with client certificates (``ca_file`` signs them; each client's certificate
+    common name must be listed in ``clients``, which gives the uid it acts as) unless
+    ``allow_plaintext``, which accepts unencrypted connections acting as ``plaintext_uid``
+    (a test network only). A TCP connection passes no descriptors: it reads blocks with
+    READ_NIXL and cannot write, so ``nixl.enabled`` must be true.
+    """
+
+    listen: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
+    clients: Annotated[list[RemoteClient], msgspec.Meta(max_length=4096)] = []
+    allow_plaintext: bool = False
+    plaintext_uid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 2)] = 0
+
+    def _broken_rules(self) -> Iterator[ConfigProblem]:
+        if not self.listen:
+            return
+        try:
+            self.address()
+        except ValueError as exc:
+            yield ConfigProblem("listen", str(exc))
+        if self.tls:
+            for name in ("key_file", "ca_file"):
+                if not getattr(self, name):
+                    yield ConfigProblem(name, "is required with remote.cert_file (TLS)")
+            if not self.clients:
+                yield ConfigProblem(
+                    "clients", "lists no client: no certificate could connect over TLS"
+                )
+        elif not self.allow_plaintext:
+            yield ConfigProblem(
+                "cert_file",
+                "is not set, so remote.listen would accept unencrypted, unauthenticated "
+                "connections: give cert_file, key_file and ca_file, or set "
+                "remote.allow_plaintext = true (a test network only)",
+            )
+        elif not self.plaintext_uid:
+            yield ConfigProblem(
+                "plaintext_uid",
+                "is required with remote.allow_plaintext (the uid plaintext clients act as; "
+                "not root)",
+            )
+        names = [c.name for c in self.clients]
+        if len(set(names)) != len(names):
+            yield ConfigProblem("clients", "a client name is listed twice")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cert_file)
+
+    def address(self) -> tuple[str, int]:
+        """``listen`` as (host, port); raises ``ValueError`` for one that is not host:port."""
+        host, colon, port = self.listen.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(
+                f"{self.listen!r} is not host:port (an address or name, and a port 1-65535)"
+            )
+        return host, int(port)
+
+    def uid_of(self, name: str) -> int | None:
+        """The uid the client whose certificate names ``name`` acts as; ``None``: unknown."""
+        return next((c.uid for c in self.clients if c.name == name), None)
+
+
 Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 
@@ -416,6 +497,7 @@ class Config(_Section):
     nvme: NvmeConfig = msgspec.field(default_factory=NvmeConfig)
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
     nixl: NixlConfig = msgspec.field(default_factory=NixlConfig)
+    remote: RemoteConfig = msgspec.field(default_factory=RemoteConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     tenants: list[TenantConfig] = []
 
@@ -438,6 +520,11 @@ class Config(_Section):
                 "limits.max_block_bytes",
                 f"{_show_size(self.limits.max_block_bytes)} exceeds half of nvme.staging_bytes "
                 f"({_show_size(self.nvme.staging_bytes)}): write-back could not stage it",
+            )
+        if self.remote.listen and not self.nixl.enabled:
+            yield ConfigProblem(
+                "remote.listen",
+                "needs nixl.enabled = true: a TCP connection reads blocks over NIXL only",
             )
         if self.pool.url and self.daemon.runtime is Runtime.TRIO:
             yield ConfigProblem(

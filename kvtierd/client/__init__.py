@@ -6,8 +6,9 @@ Both speak the same protocol with the same semantics; every daemon errno raises 
 
 from kvtierd.client.aio import AsyncClient, AsyncNamespace, connect_async
 from kvtierd.client.blocks import BlockLease, BlockWrite
+from kvtierd.client.endpoint import client_tls_context
 from kvtierd.client.reconnect import Reconnect
-from kvtierd.client.sync import Client, Namespace, connect
+from kvtierd.client.sync import Client, Namespace, connect, connect_tcp
 from kvtierd.errors import (
     AccessDeniedError,
     BlockNotFoundError,
@@ -19,6 +20,7 @@ from kvtierd.errors import (
     InvalidRequestError,
     KvtierError,
     NoSpaceError,
+    NotSupportedError,
     QuotaError,
     RemoteProtocolError,
     StartingError,
@@ -46,6 +48,7 @@ __all__ = [
     "Layout",
     "Namespace",
     "NoSpaceError",
+    "NotSupportedError",
     "QuotaError",
     "Reconnect",
     "RemoteProtocolError",
@@ -53,6 +56,8 @@ __all__ = [
     "StorageIOError",
     "TimedOutError",
     "chain_keys",
+    "client_tls_context",
     "connect",
     "connect_async",
+    "connect_tcp",
 ]

@@ -30,6 +30,7 @@ from kvtierd.errors import (
     DaemonNotRunningError,
     InvalidRequestError,
     KvtierError,
+    NotSupportedError,
     RemoteProtocolError,
 )
 from kvtierd.layouts import layout_block_bytes
@@ -117,13 +118,18 @@ def handle_of(request: OpenNsRequest, reply: Message) -> NamespaceHandle:
 class Regions:
     """The tenant regions a client has mapped, by id (both clients keep one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, maps: bool = True) -> None:
         self._mapped: dict[int, ClientArena] = {}
         self._closed = False
+        #: ``False`` on a connection that passes no descriptors (TCP): nothing is mapped.
+        self._maps = maps
 
     def adopt(self, reply: OpenNsReply, fds: list[int]) -> None:
         """Map the region an OPEN_NS reply passed (``fds``), unless it is mapped already (then
         the descriptor is closed: every OPEN_NS reply carries its region)."""
+        if not self._maps:
+            close_all(fds)
+            return
         if not fds:
             if reply.region not in self._mapped:
                 raise RemoteProtocolError(f"the daemon did not pass region {reply.region}")
@@ -143,6 +149,11 @@ class Regions:
         except KeyError:
             if self._closed:
                 raise closed_error() from None
+            if not self._maps:
+                raise NotSupportedError(
+                    "a TCP connection maps no tenant region: read its blocks over NIXL "
+                    "(kvtierd.client.nixl.NixlReader, docs/remote.md)"
+                ) from None
             raise RemoteProtocolError(f"region {region} is not mapped") from None
 
     def close(self, why: KvtierError | None = None) -> None:

@@ -30,11 +30,11 @@ import contextlib
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -47,10 +47,8 @@ from kvtierd.client.base import (
     as_dict,
     broken_error,
     check_init,
-    check_socket_path,
     close_all,
     closed_error,
-    connect_error,
     handle_of,
     in_flight_error,
     init_request,
@@ -59,6 +57,7 @@ from kvtierd.client.base import (
     resolve_socket,
 )
 from kvtierd.client.blocks import BlockLease, BlockWrite, HeldBlocks, release_views
+from kvtierd.client.endpoint import Endpoint, TcpEndpoint, UnixEndpoint
 from kvtierd.client.reconnect import (
     RECONNECTABLE,
     Reconnect,
@@ -68,6 +67,7 @@ from kvtierd.client.reconnect import (
     replaced_region_error,
 )
 from kvtierd.errors import (
+    AccessDeniedError,
     BrokenConnectionError,
     ClosedError,
     CorruptBlockError,
@@ -97,7 +97,7 @@ from kvtierd.protocol.messages import (
     StatfsRequest,
 )
 
-__all__ = ["Client", "Namespace", "connect"]
+__all__ = ["Client", "Namespace", "connect", "connect_endpoint", "connect_tcp"]
 
 T = TypeVar("T")
 _RECEIVE_BYTES = 1 << 16
@@ -112,7 +112,7 @@ class Client:
         sock: socket.socket,
         conn: ClientConnection,
         *,
-        path: Path | None = None,
+        endpoint: Endpoint,
         client_name: str = "",
         timeout_s: float | None = None,
         reconnect: Reconnect | None = None,
@@ -121,11 +121,11 @@ class Client:
         self._conn = conn
         self._lock = threading.Lock()
         self._releases: collections.deque[int] = collections.deque()
-        self._regions = Regions()
+        self._regions = Regions(maps=endpoint.passes_descriptors)
         self._closed = False
         #: What broke the connection (then every call raises it, or reconnects).
         self._broken: KvtierError | None = None
-        self._path = path
+        self._endpoint = endpoint
         self._client_name = client_name
         self._timeout_s = timeout_s
         self.reconnect = reconnect
@@ -142,7 +142,7 @@ class Client:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "broken" if self._broken else "connected"
         return (
-            f"<Client {self._path} {state}, daemon {self.daemon_version or '?'}, "
+            f"<Client {self._endpoint} {state}, daemon {self.daemon_version or '?'}, "
             f"reconnect {'on' if self.reconnect else 'off'}>"
         )
 
@@ -224,7 +224,7 @@ class Client:
             if isinstance(event, ConnectionClosed):
                 raise BrokenConnectionError("kvtierd closed the connection")
             assert event is NEED_DATA
-            if fds is None:
+            if fds is None or not self._endpoint.passes_descriptors:
                 data = self._sock.recv(_RECEIVE_BYTES)
             else:
                 data, received, _, _ = socket.recv_fds(self._sock, _RECEIVE_BYTES, 4)
@@ -308,10 +308,10 @@ class Client:
     def _reopen(self) -> None:
         """Connect and INIT again, reopen every namespace still held, and only then take the
         new connection; leases and queued RELEASEs of the old one are dropped."""
-        sock = _open_socket(self._path or resolve_socket(None), self._timeout_s)
+        sock = self._endpoint.open(self._timeout_s)
         old = self._sock, self._conn
         self._sock, self._conn = sock, ClientConnection()
-        regions = Regions()
+        regions = Regions(maps=self._endpoint.passes_descriptors)
         try:
             self._handshake(self._client_name)
             handles = self._reopen_namespaces(regions)
@@ -380,6 +380,16 @@ class Client:
             raise
         try:
             reply = check_init(message_of(self._receive(unique, fds)))
+        except BrokenConnectionError as exc:
+            raise BrokenConnectionError(f"{exc}{self._endpoint.refusal_hint}") from None
+        except KvtierError:  # the daemon's answer (an OSError too: it has an errno)
+            raise
+        except ssl.SSLError as exc:  # TLS 1.3: the daemon judges the certificate after
+            raise AccessDeniedError(  # the client's side of the handshake is done
+                f"kvtierd at {self._endpoint} refused this client's TLS certificate: {exc}"
+            ) from None
+        except OSError as exc:
+            raise broken_error(exc) from exc
         finally:
             for fd in fds:  # INIT passes no memory (protocol minor 6)
                 os.close(fd)
@@ -662,12 +672,45 @@ def connect(
     """Connect to the daemon (default socket: ``$KVTIERD_SOCKET`` or the configured path).
     With ``reconnect`` the client connects again, as that policy allows, when the connection
     breaks (a daemon restart); see ``docs/client.md`` ("Reconnecting")."""
-    path = resolve_socket(socket_path)
-    sock = _open_socket(path, timeout_s)
+    endpoint = UnixEndpoint(resolve_socket(socket_path))
+    return connect_endpoint(
+        endpoint, client_name=client_name, timeout_s=timeout_s, reconnect=reconnect
+    )
+
+
+def connect_tcp(
+    host: str,
+    port: int,
+    *,
+    tls: ssl.SSLContext | None,
+    server_hostname: str | None = None,
+    client_name: str = "",
+    timeout_s: float | None = None,
+    reconnect: Reconnect | None = None,
+) -> Client:
+    """Connect to the daemon of another host over TCP (its ``remote.listen``), with ``tls``
+    from :func:`kvtierd.client.endpoint.client_tls_context`, or in plaintext with ``None``
+    where the daemon allows it. Such a client reads over NIXL
+    (:class:`kvtierd.client.nixl.NixlReader`) and cannot write (``docs/remote.md``)."""
+    endpoint = TcpEndpoint(host, port, tls, server_hostname)
+    return connect_endpoint(
+        endpoint, client_name=client_name, timeout_s=timeout_s, reconnect=reconnect
+    )
+
+
+def connect_endpoint(
+    endpoint: Endpoint,
+    *,
+    client_name: str = "",
+    timeout_s: float | None = None,
+    reconnect: Reconnect | None = None,
+) -> Client:
+    """Connect to ``endpoint`` (:func:`connect` and :func:`connect_tcp` name one)."""
+    sock = endpoint.open(timeout_s)
     client = Client(
         sock,
         ClientConnection(),
-        path=path,
+        endpoint=endpoint,
         client_name=client_name,
         timeout_s=timeout_s,
         reconnect=reconnect,
@@ -678,19 +721,6 @@ def connect(
         sock.close()
         raise
     return client
-
-
-def _open_socket(path: Path, timeout_s: float | None) -> socket.socket:
-    """A socket connected to ``path``, or the error that says why not."""
-    check_socket_path(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout_s)
-    try:
-        sock.connect(str(path))
-    except OSError as exc:
-        sock.close()
-        raise connect_error(path, exc) from None
-    return sock
 
 
 def _open_ns_reply(reply: Message) -> OpenNsReply:

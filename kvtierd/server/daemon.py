@@ -1,4 +1,5 @@
-"""The daemon: listen on the Unix socket, open the store, serve sessions, stop cleanly.
+"""The daemon: listen on the Unix socket (and on TCP, :mod:`kvtierd.server.remote`), open the
+store, serve sessions, stop cleanly.
 
 Lifecycle. ``serve_daemon`` takes the data directory's lock, binds the socket with the
 configured mode and group (refusing when another kvtierd answers there) and the metrics
@@ -32,14 +33,14 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import msgspec
 import sniffio
-from anyio.abc import SocketStream, TaskStatus, UNIXSocketStream
+from anyio.abc import ByteStream, SocketStream, TaskStatus, UNIXSocketStream
 
 from kvtierd import __version__
 from kvtierd.config import Config
@@ -56,6 +57,7 @@ from kvtierd.server.metrics import Metrics, RequestTimings
 from kvtierd.server.notify import Notifier
 from kvtierd.server.preflight import socket_answers
 from kvtierd.server.readiness import Readiness
+from kvtierd.server.remote import RemoteListener, open_remote_listener
 from kvtierd.server.session import Session, peer_credentials
 from kvtierd.store.counts import TrafficCounts
 from kvtierd.store.lifecycle import arena_bytes
@@ -255,15 +257,26 @@ class Daemon:
         return await anyio.to_thread.run_sync(running_report, facts)
 
     async def handle(self, stream: SocketStream) -> None:
+        """Serve a connection to the Unix socket."""
         assert isinstance(stream, UNIXSocketStream)
         peer = peer_credentials(stream)
+        log.info("connection from pid %d uid %d gid %d", peer.pid, peer.uid, peer.gid)
+        await self._serve(stream, peer, direct=True)
+
+    async def handle_remote(self, stream: ByteStream, peer: PeerCredentials) -> None:
+        """Serve a TCP connection that :mod:`kvtierd.server.remote` admitted as ``peer``."""
+        log.info("connection from %s", peer)
+        # Written through the stream only: a TLS socket carries records, not frames, and on
+        # asyncio a TCP stream's socket is its transport's, which cannot be sent on.
+        await self._serve(stream, peer, direct=False)
+
+    async def _serve(self, stream: ByteStream, peer: PeerCredentials, *, direct: bool) -> None:
         refusal = self._make_room(peer.uid)
         if refusal is not None:
-            log.warning("refusing pid %d uid %d: %s", peer.pid, peer.uid, refusal)
+            log.warning("refusing %s: %s", peer, refusal)
             await _refuse(stream, BusyError(refusal))
             return
-        log.info("connection from pid %d uid %d gid %d", peer.pid, peer.uid, peer.gid)
-        session = Session(self, stream, peer)
+        session = Session(self, stream, peer, direct=direct)
         self.sessions.add(session)
         self.sessions_of_uid.setdefault(peer.uid, set()).add(session)
         if self.idle.is_set():
@@ -274,7 +287,7 @@ class Daemon:
             self._forget(session)
             if not self.sessions:
                 self.idle.set()
-            log.info("pid %d disconnected", peer.pid)
+            log.info("%s disconnected", peer if peer.remote else f"pid {peer.pid}")
 
     def _make_room(self, uid: int) -> str | None:
         """``None`` when a new connection of ``uid`` fits in the limits, once an idle connection
@@ -337,7 +350,7 @@ class Daemon:
                 del self.sessions_of_uid[session.peer.uid]
 
 
-async def _refuse(stream: SocketStream, error: KvtierError) -> None:
+async def _refuse(stream: ByteStream, error: KvtierError) -> None:
     """Send ``error`` as the fatal frame of a new connection, and close it.
 
     The client's INIT is read first, when it comes within :data:`_REFUSAL_READ_S`: a Unix
@@ -365,6 +378,23 @@ async def _admit(stream: SocketStream, readiness: Readiness) -> None:
         await _refuse(stream, readiness.starting_error())
         return
     await daemon.handle(stream)
+
+
+async def _admit_remote(
+    stream: SocketStream, readiness: Readiness, remote: RemoteListener, handshake_timeout_s: float
+) -> None:
+    """Hand a TCP connection to the daemon once its handshake says who it is, or say why
+    not (``docs/remote.md``)."""
+    admitted = await remote.admit(stream, handshake_timeout_s)
+    if admitted is None:
+        return
+    daemon = readiness.daemon
+    refusal = readiness.starting_error() if daemon is None else admitted.refusal
+    if refusal is not None or admitted.peer is None:
+        await _refuse(admitted.stream, refusal or BusyError("no identity"))
+        return
+    assert daemon is not None
+    await daemon.handle_remote(admitted.stream, admitted.peer)
 
 
 @contextlib.asynccontextmanager
@@ -460,9 +490,14 @@ async def serve_daemon(
     readiness = Readiness()
     notifier.status(str(readiness.starting_error()))
     with _exclusive(config.data_path):
-        async with _listen(config) as listener, anyio.create_task_group() as tg:
+        async with (
+            _listen(config) as listener,
+            open_remote_listener(config.remote) as remote,
+            anyio.create_task_group() as tg,
+        ):
             accepting = anyio.CancelScope()
-            tg.start_soon(_serve_connections, listener, readiness, accepting)
+            handshake_s = config.daemon.handshake_timeout_s
+            tg.start_soon(_serve_connections, listener, readiness, accepting, remote, handshake_s)
             tg.start_soon(notifier.run_watchdog)
             metrics = Metrics(config.daemon, readiness) if config.daemon.metrics_port else None
             if metrics is not None:
@@ -484,6 +519,9 @@ async def serve_daemon(
                         metrics.refresh()
                     notifier.ready(f"serving on {config.socket_path}")
                     log.info("kvtierd %s ready on %s", __version__, config.socket_path)
+                    if remote is not None:
+                        kind = "TLS" if remote.tls is not None else "plaintext"
+                        log.info("and on %s for other hosts (%s)", config.remote.listen, kind)
                     task_status.started(daemon)
                     await stop.event.wait()
                     notifier.stopping()
@@ -548,14 +586,39 @@ async def _wait_for_stop_signal() -> signal.Signals:
 
 
 async def _serve_connections(
-    listener: anyio.abc.SocketListener, readiness: Readiness, scope: anyio.CancelScope
+    listener: anyio.abc.SocketListener,
+    readiness: Readiness,
+    scope: anyio.CancelScope,
+    remote: RemoteListener | None = None,
+    handshake_timeout_s: float = 0.0,
 ) -> None:
+    """Accept connections on the Unix socket (and on TCP, with ``remote``) until ``scope``
+    is cancelled; the sessions then finish what they have in flight."""
+
+    async def admit_local(stream: SocketStream) -> None:
+        await _admit(stream, readiness)
+
+    async def admit_remote(stream: SocketStream) -> None:
+        assert remote is not None
+        await _admit_remote(stream, readiness, remote, handshake_timeout_s)
+
     async with anyio.create_task_group() as sessions:
         with scope:
-            while True:
-                stream = await listener.accept()
-                sessions.start_soon(_admit, stream, readiness)
+            async with anyio.create_task_group() as accepting:
+                for tcp in remote.listeners if remote is not None else ():
+                    accepting.start_soon(_accept, tcp, admit_remote, sessions)
+                accepting.start_soon(_accept, listener, admit_local, sessions)
         # accepting stopped: the sessions finish what they have in flight
+
+
+async def _accept(
+    listener: anyio.abc.SocketListener,
+    admit: Callable[[SocketStream], Coroutine[Any, Any, None]],
+    sessions: anyio.abc.TaskGroup,
+) -> None:
+    while True:
+        stream = await listener.accept()
+        sessions.start_soon(admit, stream)
 
 
 async def _drain(daemon: Daemon, serving: anyio.CancelScope, grace_s: float) -> None:

@@ -148,7 +148,8 @@ async def open_ns(ctx: RequestContext, header: RequestHeader, msg: OpenNsRequest
     ctx.namespaces.add(ns.id)
     # Every OPEN_NS reply carries its region (OPEN_NS is rare, and replies of concurrent opens
     # may arrive in any order): a client keeps the first and closes the others.
-    ctx.reply_fds[header.unique] = [region.fd]
+    if not ctx.peer.remote:  # a TCP connection passes no descriptors: it reads over NIXL
+        ctx.reply_fds[header.unique] = [region.fd]
     return OpenNsReply(ns.id, ns.key_salt, ns.digest, region.id, region.size_bytes)
 
 

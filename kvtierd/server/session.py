@@ -30,9 +30,15 @@ import time
 from typing import TYPE_CHECKING
 
 import anyio
-from anyio.abc import SocketAttribute, TaskGroup
+from anyio.abc import ByteStream, SocketAttribute, TaskGroup, UNIXSocketStream
 
-from kvtierd.errors import KvtierError, RemoteProtocolError, StorageIOError, TimedOutError
+from kvtierd.errors import (
+    KvtierError,
+    NotSupportedError,
+    RemoteProtocolError,
+    StorageIOError,
+    TimedOutError,
+)
 from kvtierd.nixl.export import NixlReads
 from kvtierd.protocol import (
     NEED_DATA,
@@ -46,12 +52,11 @@ from kvtierd.protocol import (
 )
 from kvtierd.protocol.messages import Message, ReadReply
 from kvtierd.server.handlers import HANDLERS, NOWAIT_HANDLERS
+from kvtierd.server.remote import REMOTE_OPCODES
 from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import PeerCredentials
 
 if TYPE_CHECKING:
-    from anyio.abc import UNIXSocketStream
-
     from kvtierd.server.daemon import Daemon
     from kvtierd.store.store import BlockStore
 
@@ -94,7 +99,9 @@ def peer_credentials(stream: UNIXSocketStream) -> PeerCredentials:
 class Session:
     """State of one connection; :meth:`serve` runs it to the end."""
 
-    def __init__(self, daemon: Daemon, stream: UNIXSocketStream, peer: PeerCredentials) -> None:
+    def __init__(
+        self, daemon: Daemon, stream: ByteStream, peer: PeerCredentials, *, direct: bool = True
+    ) -> None:
         self.daemon = daemon
         self.stream = stream
         self.peer = peer
@@ -107,7 +114,11 @@ class Session:
         self.closing = False
         self._permits = anyio.Semaphore(daemon.config.daemon.max_inflight)
         self._send_lock = anyio.Lock()
-        self._raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
+        #: The socket, written to directly on the fast path; ``None`` for a stream that must
+        #: only be written through (TLS).
+        self._raw: socket.socket | None = (
+            stream.extra(SocketAttribute.raw_socket) if direct else None
+        )
         self._reader_scope = anyio.CancelScope()
         self._session_scope = anyio.CancelScope()
         self._handshake_scope = anyio.CancelScope()
@@ -153,11 +164,11 @@ class Session:
     def close_with(self, error: KvtierError) -> None:
         """End the session now, requests in flight included; ``error`` is the last frame
         when the stream is between frames and the socket takes it without waiting."""
-        if not self.closing and not self._send_lock.locked():
+        if not self.closing and not self._send_lock.locked() and self._raw is not None:
             try:
                 self._raw.send(self.conn.fatal(error))
             except OSError as exc:  # BlockingIOError included: a peer that does not read
-                log.debug("no last frame for pid %d: %s", self.peer.pid, exc)
+                log.debug("no last frame for %s: %s", self.peer, exc)
         self.closing = True
         self._session_scope.cancel()
 
@@ -170,7 +181,7 @@ class Session:
                         await self._read(tg)
                     self._handshake_scope.cancel()
         except* (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as group:
-            log.debug("connection from pid %d ended: %s", self.peer.pid, group.exceptions[0])
+            log.debug("connection from %s ended: %s", self.peer, group.exceptions[0])
         finally:
             self.daemon.store.drop_owner(self.owner)
             with anyio.CancelScope(shield=True):
@@ -182,8 +193,7 @@ class Session:
             await anyio.sleep(timeout_s)
             if self.conn.state is not ServerState.AWAIT_INIT and not self._send_lock.locked():
                 return  # INIT answered just now; the reader has not said so yet
-            peer = self.peer
-            log.warning("pid %d uid %d sent no INIT in %g s", peer.pid, peer.uid, timeout_s)
+            log.warning("%s sent no INIT in %g s", self.peer, timeout_s)
             self.close_with(TimedOutError(f"no INIT within {timeout_s:g} s"))
 
     async def _read(self, tg: TaskGroup) -> None:
@@ -206,7 +216,7 @@ class Session:
             try:
                 event = self.conn.next_event()
             except RemoteProtocolError as exc:
-                log.warning("protocol violation from pid %d: %s", self.peer.pid, exc)
+                log.warning("protocol violation from %s: %s", self.peer, exc)
                 await self._send(self.conn.fatal(exc))
                 return False
             if event is NEED_DATA:
@@ -219,7 +229,13 @@ class Session:
             else:
                 assert isinstance(event, RequestReceived)
                 opcode = event.header.opcode
-                if opcode in _INLINE:
+                if self.peer.remote and opcode not in REMOTE_OPCODES:
+                    refusal = NotSupportedError(
+                        f"{Opcode(opcode).name} is not served over TCP: a remote client reads "
+                        "blocks with READ_NIXL (docs/remote.md)"
+                    )
+                    await self._send(self.conn.reply_error(event.header, refusal))
+                elif opcode in _INLINE:
                     await self._handle(event)
                 elif opcode in NOWAIT_HANDLERS and await self._handle(event, nowait=True):
                     pass  # served inline: nothing it needed had to be waited for
@@ -300,7 +316,7 @@ class Session:
         replies then wait for, so frames never interleave.
         """
         try:
-            if not fds and not self._send_lock.locked():
+            if not fds and not self._send_lock.locked() and self._raw is not None:
                 try:
                     sent = self._raw.send(frame)
                 except BlockingIOError:
@@ -311,18 +327,16 @@ class Session:
             async with self._send_lock:
                 with anyio.fail_after(SEND_TIMEOUT_S):
                     if fds:
+                        assert isinstance(self.stream, UNIXSocketStream)
                         await self.stream.send_fds(frame, fds)
                     else:
                         await self.stream.send(frame)
         except TimeoutError:
             log.warning(
-                "pid %d uid %d read no reply for %g s: closing its connection",
-                self.peer.pid,
-                self.peer.uid,
-                SEND_TIMEOUT_S,
+                "%s read no reply for %g s: closing its connection", self.peer, SEND_TIMEOUT_S
             )
             self.closing = True
             self._session_scope.cancel()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            log.debug("cannot write to pid %d: %s", self.peer.pid, exc)
+            log.debug("cannot write to %s: %s", self.peer, exc)
             self.stop_reading()

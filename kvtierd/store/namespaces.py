@@ -67,11 +67,19 @@ class Compression(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class PeerCredentials:
-    """A connected process, from ``SO_PEERCRED``."""
+    """A connected process, from ``SO_PEERCRED``; for a client on another host (a TCP
+    connection, :mod:`kvtierd.server.remote`) pid 0, the uid its certificate acts as, gid -1
+    (no group), and ``remote`` saying where it connects from and who it is."""
 
     pid: int
     uid: int
     gid: int
+    remote: str = ""
+
+    def __str__(self) -> str:
+        if self.remote:
+            return f"{self.remote} uid {self.uid}"
+        return f"pid {self.pid} uid {self.uid}"
 
 
 class NamespaceSpec(msgspec.Struct, frozen=True, array_like=True):

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,16 +33,26 @@ class Child:
     read line by line by a thread, so that a wait for a line ends when the line comes, when the
     child ends, or after :data:`LINE_TIMEOUT_S`."""
 
-    def __init__(self, *args: str, module: str = "tests.nixl.peer") -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    def __init__(
+        self,
+        *args: str,
+        module: str = "tests.nixl.peer",
+        prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """``prefix`` goes before the command line (``ip netns exec NAME`` runs the child on
+        another "host"); ``env`` adds to the environment."""
+        environment = dict(os.environ, **(env or {}))
+        environment["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(ROOT), environment.get("PYTHONPATH")])
+        )
         self.process = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*prefix, sys.executable, "-m", module, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=ROOT,
-            env=env,
+            env=environment,
             text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()

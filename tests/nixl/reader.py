@@ -2,7 +2,9 @@
 
 ``SOCKET TENANT NS BLOCK_BYTES COUNT CASE [UID]``: connects to the daemon at ``SOCKET`` (as
 ``UID`` when given: NIXL and the client are loaded first, then the process drops to that uid
-and gid), opens namespace ``NS`` of ``TENANT`` with blocks of ``BLOCK_BYTES``, and names the
+and gid; ``SOCKET`` may be ``tcp://HOST:PORT``, or ``tls://HOST:PORT`` with the CA and this
+client's certificate and key in ``$KVTIERD_TEST_TLS``, ``ca.pem`` and ``client.pem``),
+opens namespace ``NS`` of ``TENANT`` with blocks of ``BLOCK_BYTES``, and names the
 blocks the test stored there (:func:`block_keys`, :func:`block_content`). Each
 case prints JSON lines, the last one ``{"error": ..., ...}`` (``error`` is ``Class: message``
 or ""), and the process ends through :func:`kvtierd.nixl.agent.exit_process`:
@@ -21,6 +23,8 @@ or ""), and the process ends through :func:`kvtierd.nixl.agent.exit_process`:
   its region (what any client of the tenant can do), then pull.
 * ``loop``: pull every block again and again, printing ``{"pulled": n}`` after each (the test
   kills it mid-transfer).
+* ``write``: store the blocks (``put``), which a TCP connection cannot.
+* ``read``: read them through the shared-memory path (``get``), which a TCP connection cannot.
 """
 
 from __future__ import annotations
@@ -52,7 +56,6 @@ def main(argv: list[str]) -> dict[str, Any]:
 
     import nixl._api  # noqa: F401  (loaded while every file is readable)
 
-    from kvtierd.client import connect
     from kvtierd.client.nixl import NixlReader
     from kvtierd.nixl.agent import NixlAgent
 
@@ -63,7 +66,12 @@ def main(argv: list[str]) -> dict[str, Any]:
         os.setuid(int(uid[0]))
     keys = block_keys(name, count)
     result: dict[str, Any] = {"error": ""}
-    with connect(socket) as client:
+    try:
+        client = _connect(socket)
+    except Exception as exc:  # refused: what the caller sees is the test's point
+        agent.close()
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    with client:
         reader = NixlReader(client, agent)
         memory = reader.register(np.zeros(count * block_bytes, np.uint8))
         buffers = [memory[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
@@ -113,6 +121,11 @@ def main(argv: list[str]) -> dict[str, Any]:
                     reader.read_into(ns, keys, buffers)
                     n += 1
                     _say({"pulled": n})
+            elif case == "write":
+                ns.put(keys, [np.zeros(block_bytes, np.uint8) for _ in keys])
+            elif case == "read":
+                with ns.get(keys) as views:
+                    result["sha256"] = [hashlib.sha256(v).hexdigest() for v in views]
             else:
                 raise SystemExit(f"unknown case {case!r}")
         except Exception as exc:
@@ -121,6 +134,24 @@ def main(argv: list[str]) -> dict[str, Any]:
         reader.close()
     agent.close()
     return result
+
+
+def _connect(where: str) -> Any:
+    """A client of the daemon at ``where``: a socket path, ``tcp://`` or ``tls://``."""
+    from kvtierd.client import connect
+    from kvtierd.client.endpoint import client_tls_context
+    from kvtierd.client.sync import connect_tcp
+
+    scheme, _, address = where.partition("://")
+    if not address:
+        return connect(where)
+    host, _, port = address.rpartition(":")
+    tls = None
+    if scheme == "tls":
+        directory = os.environ["KVTIERD_TEST_TLS"]
+        pem = os.path.join(directory, "client.pem")
+        tls = client_tls_context(os.path.join(directory, "ca.pem"), pem, pem)
+    return connect_tcp(host, int(port), tls=tls, timeout_s=60)
 
 
 def _address(view: memoryview) -> int:

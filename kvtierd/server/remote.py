@@ -1,0 +1,158 @@
+"""Control connections over TCP, for engines on other hosts (``docs/remote.md``).
+
+The Unix socket is the daemon's front door for the engines of its own host: the kernel says who
+a peer is (``SO_PEERCRED``) and the socket passes the tenant region's descriptor, so blocks are
+read out of shared memory. An engine on another host has neither. With ``remote.listen`` set,
+the daemon also listens on TCP, and a connection there differs in three ways:
+
+* **Who it is** comes from TLS: the client presents a certificate signed by ``remote.ca_file``
+  (a handshake without one fails), and the certificate's subject common name must be listed in
+  ``remote.clients``, which gives the uid it acts as for tenant checks and connection limits.
+  A name not listed is refused with ``EACCES`` after the handshake. Plaintext TCP, with every
+  client acting as ``remote.plaintext_uid``, exists only where ``remote.allow_plaintext`` says so.
+* **What it may ask** is the read path only (:data:`REMOTE_OPCODES`): INIT, OPEN_NS (whose reply
+  passes no descriptor), LOOKUP, HINT, STATFS, NIXL_GRANT, READ_NIXL, RELEASE, DESTROY. Anything
+  else (writes, shared-memory reads, admin requests) is answered ``EOPNOTSUPP``.
+* **How bytes move**: over NIXL (:mod:`kvtierd.client.nixl`), between the daemon's agent and the
+  client's, never through this connection. Only frames cross it: keys, leases, checksums, and
+  the NIXL metadata and descriptors of the client's own tenant region.
+
+This module is the listener's set-up and the admission of one connection (the TLS handshake,
+within ``daemon.handshake_timeout_s``, and the identity); the daemon then serves it as any
+other :class:`~kvtierd.server.session.Session`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import ByteStream, SocketAttribute, SocketListener, SocketStream
+from anyio.streams.tls import TLSAttribute, TLSStream
+
+from kvtierd.config import RemoteConfig
+from kvtierd.errors import AccessDeniedError, ConfigError, KvtierError
+from kvtierd.protocol import Opcode
+from kvtierd.store.namespaces import PeerCredentials
+
+__all__ = ["REMOTE_OPCODES", "Admitted", "RemoteListener", "open_remote_listener"]
+
+log = logging.getLogger("kvtierd.remote")
+
+#: What a TCP connection may ask: the read path over NIXL, and nothing that needs the arena's
+#: descriptor or an administrator.
+REMOTE_OPCODES = frozenset(
+    {
+        Opcode.INIT,
+        Opcode.OPEN_NS,
+        Opcode.LOOKUP,
+        Opcode.HINT,
+        Opcode.STATFS,
+        Opcode.NIXL_GRANT,
+        Opcode.READ_NIXL,
+        Opcode.RELEASE,
+        Opcode.DESTROY,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A TCP connection through its handshake: the stream to serve and who it is, or the
+    error its last frame says (the daemon sends it and closes)."""
+
+    stream: ByteStream
+    peer: PeerCredentials | None
+    refusal: KvtierError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteListener:
+    """The TCP listeners (one per address ``remote.listen`` names) and what admitting one of
+    their connections needs."""
+
+    listeners: Sequence[SocketListener]
+    config: RemoteConfig
+    tls: ssl.SSLContext | None
+
+    async def admit(self, stream: SocketStream, handshake_timeout_s: float) -> Admitted | None:
+        """Shake hands and say who ``stream``'s client is; ``None`` (the stream closed) when
+        the handshake fails or takes longer than ``handshake_timeout_s``."""
+        address = stream.extra(SocketAttribute.remote_address)
+        where = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+        if self.tls is None:
+            plain = PeerCredentials(0, self.config.plaintext_uid, -1, f"{where} (plaintext)")
+            return Admitted(stream, plain)
+        try:
+            with anyio.fail_after(handshake_timeout_s):
+                secure = await TLSStream.wrap(
+                    stream, server_side=True, ssl_context=self.tls, standard_compatible=False
+                )
+        except (TimeoutError, ssl.SSLError, OSError, anyio.BrokenResourceError) as exc:
+            log.warning("TLS handshake with %s failed: %s", where, exc or type(exc).__name__)
+            await stream.aclose()
+            return None
+        name = _common_name(secure.extra(TLSAttribute.peer_certificate, None))
+        uid = self.config.uid_of(name) if name is not None else None
+        if uid is None:
+            log.warning("refusing %s: certificate %r is not in remote.clients", where, name)
+            return Admitted(
+                secure,
+                None,
+                AccessDeniedError(f"certificate {name!r} is not a client of this daemon"),
+            )
+        return Admitted(secure, PeerCredentials(0, uid, -1, f"{where} ({name})"))
+
+
+def _common_name(certificate: Mapping[str, Any] | None) -> str | None:
+    """The subject's common name of a certificate as ``ssl`` decodes it."""
+    if not certificate:
+        return None
+    for rdn in certificate.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return None
+
+
+def server_tls_context(config: RemoteConfig) -> ssl.SSLContext:
+    """TLS 1.2+ with the daemon's certificate, requiring a client certificate signed by
+    ``config.ca_file``; raises :class:`ConfigError` naming the file that cannot be loaded."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.verify_mode = ssl.CERT_REQUIRED
+    try:
+        context.load_cert_chain(config.cert_file, config.key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"remote.cert_file/key_file cannot be loaded: {exc}") from None
+    try:
+        context.load_verify_locations(cafile=config.ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"remote.ca_file {config.ca_file!r} cannot be loaded: {exc}") from None
+    return context
+
+
+@contextlib.asynccontextmanager
+async def open_remote_listener(config: RemoteConfig) -> AsyncIterator[RemoteListener | None]:
+    """Listen on ``config.listen`` (``None`` when it is empty) until the block ends."""
+    if not config.listen:
+        yield None
+        return
+    tls = await anyio.to_thread.run_sync(server_tls_context, config) if config.tls else None
+    host, port = config.address()
+    try:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    except OSError as exc:
+        raise ConfigError(f"remote.listen {config.listen!r}: cannot listen: {exc}") from None
+    if tls is None:
+        log.warning("remote.listen %s is plaintext (remote.allow_plaintext)", config.listen)
+    try:
+        sockets = [each for each in listener.listeners if isinstance(each, SocketListener)]
+        yield RemoteListener(sockets, config, tls)
+    finally:
+        await listener.aclose()
