@@ -38,6 +38,19 @@ from typing import Any
 
 import numpy as np
 
+#: The daemon tests' two tenants, ``alpha`` (uid 2001) and ``beta`` (uid 2002), 16 MiB each.
+TWO_TENANTS = """
+[[tenants]]
+name = "alpha"
+uids = [2001]
+dram_size = "16M"
+
+[[tenants]]
+name = "beta"
+uids = [2002]
+dram_size = "16M"
+"""
+
 
 def block_keys(name: str, count: int) -> list[bytes]:
     """The keys of the ``count`` blocks a test stores in namespace ``name``."""

@@ -20,7 +20,7 @@ from kvtierd.errors import NotSupportedError
 from kvtierd.nixl.probe import NixlVerdict
 from kvtierd.testing import DaemonProcess
 from tests.nixl.children import Child
-from tests.nixl.reader import block_content, block_keys
+from tests.nixl.reader import TWO_TENANTS, block_content, block_keys
 from tests.support.uids import reachable_directory, require_root
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,17 +37,7 @@ size = "40M"
 
 [nixl]
 enabled = true
-
-[[tenants]]
-name = "alpha"
-uids = [2001]
-dram_size = "16M"
-
-[[tenants]]
-name = "beta"
-uids = [2002]
-dram_size = "16M"
-"""
+""" + TWO_TENANTS
 
 
 @pytest.fixture(scope="module")

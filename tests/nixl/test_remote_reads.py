@@ -26,7 +26,7 @@ from kvtierd.errors import ConfigError
 from kvtierd.nixl.probe import NixlVerdict
 from kvtierd.testing import DaemonProcess
 from tests.nixl.children import Child
-from tests.nixl.reader import block_content, block_keys
+from tests.nixl.reader import TWO_TENANTS, block_content, block_keys
 from tests.support.netns import LoopbackLab, NetnsLab, open_lab
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,17 +52,7 @@ cert_file = "{tls / "server.pem"}"
 key_file = "{tls / "server.pem"}"
 ca_file = "{tls / "ca.pem"}"
 clients = [{clients}]
-
-[[tenants]]
-name = "alpha"
-uids = [2001]
-dram_size = "16M"
-
-[[tenants]]
-name = "beta"
-uids = [2002]
-dram_size = "16M"
-"""
+""" + TWO_TENANTS
 
 
 def _free_port() -> int:
@@ -227,20 +217,18 @@ def test_plaintext_where_the_daemon_allows_it(
     if not nixl_verdict.ok:
         pytest.skip(f"NIXL failed its probe: {nixl_verdict.detail}")
     port = _free_port()
-    text = (
-        _config("127.0.0.1", port, tmp_path).split("[remote]")[0]
-        + f"""
+    text = f"""
+[dram]
+size = "40M"
+
+[nixl]
+enabled = true
+
 [remote]
 listen = "127.0.0.1:{port}"
 allow_plaintext = true
 plaintext_uid = 2001
-
-[[tenants]]
-name = "alpha"
-uids = [2001]
-dram_size = "16M"
-"""
-    )
+{TWO_TENANTS}"""
     daemon = DaemonProcess(tmp_path, dram_size=None, config_text=text, runtime=runtime)
     daemon.start(120)
     try:
