@@ -26,6 +26,11 @@ the shared machines here copying 188 MB into fresh memory took 0.23-0.29 s under
 pre-faulted memory 0.05 s). Each lease is released as soon as its blocks are copied,
 before the forward.
 
+*On a GPU* (a model moved to CUDA) the slab is allocated on the model's device and each run is
+delivered by :func:`kvtierd.client.cuda.deliver` from the arena mapping, registered once as
+pinned memory, layer by layer on a stream of its own; the model's stream waits for the last
+layer and the lease is released once the copies are done.
+
 *Reads overlap the copy.* When some hits are below DRAM, LOOKUP has started promoting all of
 them, and the adapter READs in batches of ``_READ_BATCH_BLOCKS``: while it copies one batch the
 daemon keeps reading the next ones from disk.
@@ -73,6 +78,7 @@ from transformers.cache_utils import DynamicCache
 
 from kvtierd.client import BlockNotFoundError, Client, Layout, Namespace, chain_keys, ops
 from kvtierd.client.arena import verified_prefix
+from kvtierd.client.cuda import PinnedRegion, deliver
 from kvtierd.engines.hf_attention import use_packed_decode_attention
 from kvtierd.engines.hf_cache import BlockRun, KvSlab, copy_run, gather_blocks, slab_cache
 from kvtierd.errors import KvtierError
@@ -219,9 +225,13 @@ class HfKvAdapter:
         self.namespace = namespace
         self.layout = expected
         self.dtype: torch.dtype = model.dtype
+        #: Where the model, and so its KV cache, lives: restores copy straight there.
+        self.device = torch.device(getattr(model, "device", "cpu"))
         self.headroom_tokens = DEFAULT_HEADROOM_TOKENS
         self._arena: torch.Tensor | None = None
         self._arena_reconnects = 0
+        #: The arena mapping registered as pinned memory, for restores into GPU memory.
+        self._pinned: PinnedRegion | None = None
         self._spare: KvSlab | None = None
         self._store_buffer: torch.Tensor | None = None
 
@@ -273,7 +283,7 @@ class HfKvAdapter:
         slab = getattr(cache, "kvtierd_slab", None)
         layout = self.layout
         if not isinstance(slab, KvSlab) or not slab.fits(
-            layout.layers, layout.kv_heads, layout.head_dim, self.dtype
+            layout.layers, layout.kv_heads, layout.head_dim, self.dtype, self.device
         ):
             return
         if self._spare is None or self._spare.capacity < slab.capacity:
@@ -282,7 +292,9 @@ class HfKvAdapter:
 
     def _new_slab(self, capacity: int) -> KvSlab:
         layout = self.layout
-        return KvSlab(layout.layers, layout.kv_heads, layout.head_dim, capacity, self.dtype)
+        return KvSlab(
+            layout.layers, layout.kv_heads, layout.head_dim, capacity, self.dtype, self.device
+        )
 
     def _take_slab(self, tokens: int) -> KvSlab:
         spare = self._spare
@@ -418,15 +430,48 @@ class HfKvAdapter:
             offset, count = extents[first].offset, last - first
             view = arena[offset : offset + count * block_bytes].view(self.dtype).view(count, *shape)
             start = (first_block + first) * bt
-            copy_run(planes, BlockRun(start, min(count * bt, limit - start), view), bt)
+            run = BlockRun(start, min(count * bt, limit - start), view)
+            if planes.device.type == "cpu":
+                copy_run(planes, run, bt)
+            else:
+                self._deliver_run(planes, run)
             first = last
+
+    def _deliver_run(self, planes: torch.Tensor, run: BlockRun) -> None:
+        """``run`` into GPU ``planes`` through :func:`kvtierd.client.cuda.deliver` (DMA from the
+        pinned arena, layer by layer on a stream of its own), waited for before it returns: the
+        caller releases the lease next. The last block, when only part of it is wanted and the
+        slab has no room for all of it, goes through a plain copy."""
+        bt = self.block_tokens
+        whole = run.tokens // bt
+        if run.tokens % bt and run.start + (whole + 1) * bt <= planes.shape[2]:
+            whole += 1  # the extra tokens land beyond the cache's length, unread
+        if whole:
+            self._pin_arena()
+            with deliver(list(run.view[:whole]), planes, run.start) as delivery:
+                delivery.wait(delivery.layers - 1)  # the engine's stream, for its forward
+        if whole * bt < run.tokens:
+            rest = BlockRun(run.start + whole * bt, run.tokens - whole * bt, run.view[whole:])
+            copy_run(planes, rest, bt)
+
+    def _pin_arena(self) -> None:
+        """Register the arena mapping as pinned host memory once (again after a reconnect)."""
+        arena = self._arena_tensor()
+        if self._pinned is not None and self._pinned.buffer is arena:
+            return
+        if self._pinned is not None:
+            self._pinned.__exit__(None, None, None)
+            self._pinned = None
+        pinned = PinnedRegion(arena, self.device)
+        pinned.__enter__()
+        self._pinned = pinned
 
     def forward(self, token_ids: Sequence[int], cache: DynamicCache) -> torch.Tensor:
         """Forward ``token_ids`` onto ``cache`` (which grows by them); the last token's logits
         (``[vocab]``, the model's dtype). The path every prefill takes after its restore."""
         with torch.no_grad():
             out = self.model(
-                input_ids=torch.tensor([list(token_ids)], dtype=torch.long),
+                input_ids=torch.tensor([list(token_ids)], dtype=torch.long, device=self.device),
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,

@@ -61,19 +61,35 @@ class KvSlab:
     """
 
     def __init__(
-        self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
-        self.planes = torch.empty((2 * layers, kv_heads, capacity, head_dim), dtype=dtype)
-        self.planes.view(torch.uint8).view(-1)[::4096].zero_()  # one write per page faults it
+        shape = (2 * layers, kv_heads, capacity, head_dim)
+        self.planes = torch.empty(shape, dtype=dtype, device=device)
+        if self.planes.device.type == "cpu":  # one write per page faults it
+            self.planes.view(torch.uint8).view(-1)[::4096].zero_()
 
     @property
     def capacity(self) -> int:
         return int(self.planes.shape[2])
 
-    def fits(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    def fits(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> bool:
         planes = self.planes
         shape = (int(planes.shape[0]), int(planes.shape[1]), int(planes.shape[3]))
-        return planes.dtype == dtype and shape == (2 * layers, kv_heads, head_dim)
+        same_device = planes.device == torch.device(device)
+        return planes.dtype == dtype and shape == (2 * layers, kv_heads, head_dim) and same_device
 
 
 def copy_run(planes: torch.Tensor, run: BlockRun, bt: int) -> None:

@@ -142,3 +142,47 @@ def test_on_a_gpu_the_arena_is_pinned_while_registered(daemon: DaemonProcess) ->
             assert region.registered
             assert arena.is_pinned()
         assert not arena.is_pinned()
+
+
+# -- the transformers adapter on the same path ------------------------------------------------
+
+
+def _tiny_llama(device: str) -> object:
+    """A two-layer Llama with random weights (transformers only: no download, no files)."""
+    transformers = pytest.importorskip("transformers", reason="the HF adapter needs transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).to(device).eval()
+    return model
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_the_hf_adapter_restores_into_the_models_device(daemon: DaemonProcess, device: str) -> None:
+    """A prompt stored, evicted and restored: the restored K/V equal the computed ones bit for
+    bit in the model's own memory (on a GPU the restore goes through :func:`deliver` from the
+    pinned arena; a prompt of 5 blocks less one token also takes the partial-block copy)."""
+    from kvtierd.engines.hf import HfKvAdapter
+
+    model = _tiny_llama(device)
+    prompt = [int(t) for t in torch.randint(0, 128, (5 * 8,), generator=torch.Generator())]
+    with connect(daemon.socket) as client:
+        adapter = HfKvAdapter.open(client, model, model_id="test/tiny-llama", block_tokens=8)
+        computed = adapter.prefill(prompt)
+        assert computed.stored_blocks == 5
+        client.evict()
+        restored = adapter.prefill(prompt, store=False)
+        assert (restored.cached_tokens, restored.hit_blocks) == (39, 5)
+        for mine, theirs in zip(restored.cache.layers, computed.cache.layers, strict=True):
+            assert mine.keys.device.type == device
+            for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                assert torch.equal(a[:, :, :39].view(torch.int16), b[:, :, :39].view(torch.int16))
+        assert torch.allclose(restored.logits.float(), computed.logits.float(), atol=0.05)
+        assert client.stats()["leases"] == 0
