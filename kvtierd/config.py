@@ -48,6 +48,7 @@ __all__ = [
     "PoolWritePolicy",
     "RemoteClient",
     "RemoteConfig",
+    "RemotePeer",
     "Runtime",
     "TenantConfig",
     "TriState",
@@ -375,6 +376,14 @@ class RemoteClient(_Section):
     uid: Annotated[int, msgspec.Meta(ge=1, le=(1 << 32) - 2)]
 
 
+class RemotePeer(_Section):
+    """Another host's daemon this one may restore blocks from (its ``remote.listen``)."""
+
+    address: Annotated[str, msgspec.Meta(min_length=3, max_length=300)]
+    #: The name its certificate must carry; default: the host part of ``address``.
+    server_name: str = ""
+
+
 class RemoteConfig(_Section):
     """Control connections over TCP, for engines on other hosts that pull blocks over NIXL
     (``docs/remote.md``).
@@ -394,8 +403,16 @@ class RemoteConfig(_Section):
     clients: Annotated[list[RemoteClient], msgspec.Meta(max_length=4096)] = []
     allow_plaintext: bool = False
     plaintext_uid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 2)] = 0
+    #: Daemons of other hosts that a block only the pool holds here is pulled from first.
+    peers: Annotated[list[RemotePeer], msgspec.Meta(max_length=64)] = []
+    #: This daemon's client certificate and key for its peers (TLS), and the CA their
+    #: certificates are checked against (default: ``ca_file``).
+    peer_cert_file: str = ""
+    peer_key_file: str = ""
+    peer_ca_file: str = ""
 
     def _broken_rules(self) -> Iterator[ConfigProblem]:
+        yield from self._broken_peer_rules()
         if not self.listen:
             return
         try:
@@ -427,23 +444,49 @@ class RemoteConfig(_Section):
         if len(set(names)) != len(names):
             yield ConfigProblem("clients", "a client name is listed twice")
 
+    def _broken_peer_rules(self) -> Iterator[ConfigProblem]:
+        for index, peer in enumerate(self.peers):
+            try:
+                _host_port(peer.address)
+            except ValueError as exc:
+                yield ConfigProblem(f"peers[{index}].address", str(exc))
+        if not self.peers:
+            return
+        if self.peer_cert_file and not self.peer_key_file:
+            yield ConfigProblem("peer_key_file", "is required with remote.peer_cert_file")
+        if self.peer_cert_file and not (self.peer_ca_file or self.ca_file):
+            yield ConfigProblem("peer_ca_file", "is required with remote.peer_cert_file")
+        if not self.peer_cert_file and not self.allow_plaintext:
+            yield ConfigProblem(
+                "peer_cert_file",
+                "is not set, so remote.peers would be reached unencrypted: give peer_cert_file, "
+                "peer_key_file and peer_ca_file, or set remote.allow_plaintext = true",
+            )
+
     @property
     def tls(self) -> bool:
         return bool(self.cert_file)
 
+    @property
+    def peer_ca(self) -> str:
+        return self.peer_ca_file or self.ca_file
+
     def address(self) -> tuple[str, int]:
         """``listen`` as (host, port); raises ``ValueError`` for one that is not host:port."""
-        host, colon, port = self.listen.rpartition(":")
-        host = host.removeprefix("[").removesuffix("]")
-        if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ValueError(
-                f"{self.listen!r} is not host:port (an address or name, and a port 1-65535)"
-            )
-        return host, int(port)
+        return _host_port(self.listen)
 
     def uid_of(self, name: str) -> int | None:
         """The uid the client whose certificate names ``name`` acts as; ``None``: unknown."""
         return next((c.uid for c in self.clients if c.name == name), None)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as (host, port); raises ``ValueError`` otherwise."""
+    host, colon, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not host:port (an address or name, and a port 1-65535)")
+    return host, int(port)
 
 
 Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
@@ -525,6 +568,12 @@ class Config(_Section):
             yield ConfigProblem(
                 "remote.listen",
                 "needs nixl.enabled = true: a TCP connection reads blocks over NIXL only",
+            )
+        if self.remote.peers and not (self.nixl.enabled and self.pool.url):
+            yield ConfigProblem(
+                "remote.peers",
+                "needs nixl.enabled = true and a pool.url: peers are asked for blocks the pool "
+                "holds, over NIXL",
             )
         if self.pool.url and self.daemon.runtime is Runtime.TRIO:
             yield ConfigProblem(

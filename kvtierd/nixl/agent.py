@@ -115,6 +115,9 @@ class NixlAgent:
     """The owner of one ``nixl_agent`` with a UCX backend; closed by :meth:`close` (or ``with``).
 
     ``name`` must be unique among the agents that meet (a peer is known by it).
+    ``progress_thread``: NIXL's progress thread, which drives UCX for transfers this agent is
+    the target of (a peer reading its memory over TCP needs it), and spins a core doing so,
+    idle or not; without it the owner calls :meth:`progress` while peers may read.
     ``ucx_params`` are the UCX backend's initialisation parameters (``num_workers``,
     ``ucx_devices``, ``ucx_error_handling_mode``); transports are chosen by UCX's environment
     (``UCX_TLS``). This loads NIXL: in a process that cannot be lost use :func:`start_agent`.
@@ -122,11 +125,18 @@ class NixlAgent:
     backend cannot start.
     """
 
-    def __init__(self, name: str, *, ucx_params: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        ucx_params: Mapping[str, str] | None = None,
+        progress_thread: bool = True,
+    ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
         with nixl_errors("agent creation"):
-            self._agent: Any = nixl_agent(name, nixl_agent_config(backends=[]))
+            self._agent: Any = nixl_agent(name, config)
             if "UCX" not in self._agent.get_plugin_list():
                 raise TransferError("NIXL has no UCX plug-in")
             self._agent.create_backend("UCX", dict(ucx_params or {}))
@@ -164,6 +174,13 @@ class NixlAgent:
         self._registrations.remove(registration)
         with nixl_errors("deregister_memory"):
             self._agent.deregister_memory(registration.descs)
+
+    def progress(self) -> None:
+        """Let UCX make progress on this agent's transfers once (what its progress thread does
+        in a loop; an agent made without one must be driven so while peers read from it)."""
+        self._check_open()
+        with nixl_errors("progress"):
+            self._agent.get_new_notifs()
 
     def metadata(self, registration: Registration | None = None) -> bytes:
         """Metadata for a peer: how to reach this agent and the keys of what is registered, or
@@ -306,14 +323,18 @@ class NixlAgent:
 
 
 def start_agent(
-    name: str, verdict: NixlVerdict, *, ucx_params: Mapping[str, str] | None = None
+    name: str,
+    verdict: NixlVerdict,
+    *,
+    ucx_params: Mapping[str, str] | None = None,
+    progress_thread: bool = True,
 ) -> NixlAgent:
     """A :class:`NixlAgent`, made only when ``verdict`` (of :func:`~kvtierd.nixl.probe.probe_nixl`
     in this environment) is ``ok``; :class:`TransferError` saying why not otherwise, without
     loading NIXL. The way a daemon or a client library makes its agent."""
     if not verdict.ok:
         raise TransferError(f"NIXL is not usable here: {verdict.detail}")
-    return NixlAgent(name, ucx_params=ucx_params)
+    return NixlAgent(name, ucx_params=ucx_params, progress_thread=progress_thread)
 
 
 def exit_process(code: int = 0) -> NoReturn:

@@ -12,6 +12,12 @@ calls make sure kvtierd never *hands out* more than a tenant's own region; what 
 read within it is decided by its lease, which it re-checks (with the block's generation) after
 every transfer.
 
+Progress. NIXL's progress thread spins a core for as long as the agent lives, so the daemon's
+agent has none: :meth:`RegionExport.pump`, a task of the daemon's, drives UCX's progress on the
+event loop (every :data:`PUMP_INTERVAL_S`) while a NIXL lease is held (:meth:`RegionExport.hold`)
+and for :data:`LINGER_S` after the last grant or lease, and sleeps otherwise. A peer reading
+over RDMA or shared memory needs no progress from the daemon; one reading over TCP does.
+
 Nothing is registered for the private memory (record headers, write-back staging): it is no
 tenant's. Regions are never deregistered while the daemon runs, since deregistration ends no
 one's access; :meth:`RegionExport.close` does it at teardown.
@@ -25,9 +31,12 @@ request handlers see: the export, or why there is none.
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import anyio
 import anyio.to_thread
 
 from kvtierd.errors import InvalidRequestError, NotSupportedError
@@ -38,6 +47,12 @@ from kvtierd.store.regions import TenantRegion
 __all__ = ["NixlReads", "RegionExport", "RegionGrant", "start_region_export"]
 
 log = logging.getLogger("kvtierd.nixl")
+
+#: How often the agent's progress is driven while peers may be reading.
+PUMP_INTERVAL_S = 0.0002
+#: How long progress goes on after the last grant or NIXL lease: a pull set up late (a client
+#: that connects, then leases) or the last completions of a released lease still progress.
+LINGER_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +81,30 @@ class RegionExport:
         self.arena_address = arena_address
         self._registrations = dict(registrations)
         self._grants: dict[int, RegionGrant] = {}
+        #: The leases whose blocks peers may be reading now (gone once released).
+        self._held: weakref.WeakSet[object] = weakref.WeakSet()
+        #: Progress continues until then after the last grant or lease (``LINGER_S``).
+        self._linger_until = 0.0
+        self._wake = anyio.Event()
+
+    def hold(self, lease: object) -> None:
+        """Keep UCX progressing while ``lease`` (handed out with descriptors) exists."""
+        self._held.add(lease)
+        self._stir()
+
+    def _stir(self) -> None:
+        self._linger_until = time.monotonic() + LINGER_S
+        self._wake.set()
+
+    async def pump(self) -> None:
+        """Drive the agent's progress while peers may be reading (module docstring), idle
+        otherwise; runs until cancelled, in the daemon's task group."""
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            while self._held or time.monotonic() < self._linger_until:
+                self.agent.progress()
+                await anyio.sleep(PUMP_INTERVAL_S)
 
     @classmethod
     def register(
@@ -91,6 +130,7 @@ class RegionExport:
     def grant(self, region: TenantRegion) -> RegionGrant:
         """The metadata a client of ``region``'s tenant loads (the same bytes every time: a
         region's registration never changes while the daemon runs)."""
+        self._stir()  # the pull that follows connects to this agent
         grant = self._grants.get(region.id)
         if grant is None:
             metadata = self.agent.metadata(self._registration(region))
@@ -149,7 +189,7 @@ async def start_region_export(
     verdict = await anyio.to_thread.run_sync(probe)
     if not verdict.ok:
         raise NotSupportedError(f"NIXL failed its probe: {verdict.detail}")
-    agent = start_agent(name, verdict, ucx_params=ucx_params)
+    agent = start_agent(name, verdict, ucx_params=ucx_params, progress_thread=False)
     try:
         export = RegionExport.register(agent, arena_address, regions)
     except BaseException:

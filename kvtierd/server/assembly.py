@@ -1,5 +1,5 @@
 """The composition root: the store, the shared pool joined to it, and the NIXL export of its
-arena, for a daemon's config.
+arena, and the peers asked before the pool, for a daemon's config.
 
 It sits above both :mod:`kvtierd.store` and :mod:`kvtierd.pool`, which do not import each
 other's insides: the store names what it needs from a replica link in
@@ -24,6 +24,9 @@ import socket
 from collections.abc import AsyncIterator
 from functools import partial
 
+import anyio
+import anyio.to_thread
+
 from kvtierd.config import Config, PoolConfig
 from kvtierd.errors import ConfigError, NotSupportedError
 from kvtierd.io import BindingVerdict
@@ -34,12 +37,20 @@ from kvtierd.pool.connect import PoolUnavailableError, pool_address, read_secret
 from kvtierd.pool.link import PoolLink, open_pool_link
 from kvtierd.pool.tier import PoolTier
 from kvtierd.pool.values import PoolNames
+from kvtierd.server.peers import PeerReads, peer_endpoints
 from kvtierd.store.index import Block
 from kvtierd.store.lifecycle import OpenProgress, open_store
+from kvtierd.store.namespaces import NamespaceSpec
 from kvtierd.store.ports import Replica
 from kvtierd.store.store import BlockStore
 
-__all__ = ["open_daemon_store", "open_nixl_reads", "pool_link_of", "pool_replica"]
+__all__ = [
+    "open_daemon_store",
+    "open_nixl_reads",
+    "open_peer_reads",
+    "pool_link_of",
+    "pool_replica",
+]
 
 log = logging.getLogger("kvtierd.store")
 
@@ -101,6 +112,40 @@ async def open_nixl_reads(config: Config, store: BlockStore) -> AsyncIterator[Ni
         yield NixlReads(None, str(exc))
         return
     try:
-        yield NixlReads(export)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(export.pump)
+            yield NixlReads(export)
+            tasks.cancel_scope.cancel()
     finally:
         export.close()
+
+
+@contextlib.asynccontextmanager
+async def open_peer_reads(
+    config: Config, store: BlockStore, nixl: NixlReads
+) -> AsyncIterator[PeerReads | None]:
+    """Ask ``remote.peers`` first for blocks only the pool holds (:mod:`kvtierd.server.peers`),
+    while the block ends; ``None`` when there are no peers, no pool or no NIXL (logged)."""
+    link = pool_link_of(store)
+    if not config.remote.peers or link is None:
+        yield None
+        return
+    if nixl.export is None:
+        log.warning("remote.peers are not asked: %s", nixl.why_not)
+        yield None
+        return
+    endpoints = peer_endpoints(config.remote)
+
+    def spec_of(digest: bytes) -> NamespaceSpec | None:
+        ns = store.registry.by_digest(digest)
+        return ns.spec if ns is not None else None
+
+    peers = PeerReads(endpoints, nixl.export.agent, spec_of)
+    link.tier.peer_source = peers
+    log.info("blocks only the pool holds are asked of %s first", ", ".join(map(str, endpoints)))
+    try:
+        yield peers
+    finally:
+        link.tier.peer_source = None
+        with anyio.CancelScope(shield=True):  # DESTROY to each peer: a blocking send
+            await anyio.to_thread.run_sync(peers.close)

@@ -49,7 +49,12 @@ from kvtierd.io import BindingVerdict
 from kvtierd.nixl.export import NixlReads
 from kvtierd.protocol import ServerConnection
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply, TierStatistics
-from kvtierd.server.assembly import open_daemon_store, open_nixl_reads, pool_link_of
+from kvtierd.server.assembly import (
+    open_daemon_store,
+    open_nixl_reads,
+    open_peer_reads,
+    pool_link_of,
+)
 from kvtierd.server.checks import HostCheck
 from kvtierd.server.doctor import RunningFacts, running_report
 from kvtierd.server.endpoint import serve_endpoint
@@ -511,6 +516,7 @@ async def serve_daemon(
                         config, io_verdict=io_verdict, progress=readiness.progress
                     ) as store,
                     open_nixl_reads(config, store) as nixl,
+                    open_peer_reads(config, store, nixl),
                 ):
                     timings = metrics.timings if metrics is not None else None
                     daemon = Daemon(config, store, startup, timings, nixl)

@@ -241,6 +241,7 @@ async def read_nixl(ctx: RequestContext, header: RequestHeader, msg: ReadNixlReq
     except BaseException:
         ctx.store.release(ctx.owner, [lease.id])
         raise
+    export.hold(lease)
     _count_read(ns, lease)
     return ReadNixlReply(lease.id, extents, descriptors)
 

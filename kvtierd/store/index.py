@@ -87,7 +87,7 @@ class Block:
         return min(self.copies, default=ServedBy.POOL)
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class Lease:
     id: int
     blocks: list[Block]

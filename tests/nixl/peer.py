@@ -42,7 +42,7 @@ from kvtierd.config import TriState
 from kvtierd.io.buffers import buffer_address
 from kvtierd.nixl import descriptors
 from kvtierd.nixl.agent import Extent, NixlAgent, exit_process
-from kvtierd.nixl.export import start_region_export
+from kvtierd.nixl.export import RegionExport, start_region_export
 from kvtierd.store.arena import Arena
 from kvtierd.store.regions import Regions
 
@@ -128,11 +128,24 @@ def _arena_owner(directory: Path) -> None:
             descriptors.encode(export.agent.name, forged, forged)
         )
         print("ready", flush=True)
-        for line in sys.stdin:
-            if line.strip() == "exit":
-                break
+        anyio.run(_serve_until_exit, export)
     finally:
         export.close()
+
+
+class _Reading:
+    """Stands for the leases a daemon holds while clients pull (what keeps its pump going)."""
+
+
+async def _serve_until_exit(export: RegionExport) -> None:
+    """Drive the export's progress, as the daemon does, until ``exit`` on stdin."""
+    reading = _Reading()
+    export.hold(reading)
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(export.pump)
+        while (await anyio.to_thread.run_sync(sys.stdin.readline)).strip() not in ("exit", ""):
+            pass
+        tasks.cancel_scope.cancel()
 
 
 def _pull(agent: NixlAgent, peer: str, remote: bytes, local: list[Extent], case: str) -> None:

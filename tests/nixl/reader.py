@@ -72,7 +72,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     from kvtierd.client.nixl import NixlReader
     from kvtierd.nixl.agent import NixlAgent
 
-    agent = NixlAgent(f"reader-{os.getpid()}")
+    agent = NixlAgent(f"reader-{os.getpid()}", progress_thread=False)  # pulls only
     if uid:
         os.setgroups([])
         os.setgid(int(uid[0]))

@@ -10,6 +10,8 @@ pytest process stores the blocks through the ordinary client and never loads NIX
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +30,8 @@ pytestmark = pytest.mark.timeout(300)
 ALPHA, BETA = 2001, 2002
 BLOCK = 1 << 20
 COUNT = 4
-CONFIG = """
+CONFIG = (
+    """
 [daemon]
 socket_mode = "0666"
 
@@ -37,7 +40,9 @@ size = "40M"
 
 [nixl]
 enabled = true
-""" + TWO_TENANTS
+"""
+    + TWO_TENANTS
+)
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +189,25 @@ def test_a_failed_probe_leaves_the_daemon_serving_without_nixl(
                 ns._run(lambda: ops.nixl_grant(ns.handle.ns))
         assert "NIXL reads are off" in process.log()
         assert process.stop() == 0
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid`` (all its threads), from ``/proc``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_nixl_daemon_does_not_spin(daemon: DaemonProcess, client: Client) -> None:
+    """NIXL's progress thread busy-waits a whole core for as long as an agent lives; the daemon
+    drives progress itself only while peers may read (``kvtierd.nixl.export``). Once every
+    lease is released and the linger is over, it uses next to no CPU."""
+    from kvtierd.nixl.export import LINGER_S
+
+    _store(client, "idle")
+    _finish(_reader(daemon, "idle", "pull"))
+    time.sleep(LINGER_S + 1)
+    pid = daemon.process.pid
+    cpu, started = _cpu_seconds(pid), time.monotonic()
+    time.sleep(3)
+    share = (_cpu_seconds(pid) - cpu) / (time.monotonic() - started)
+    assert share < 0.3, f"an idle daemon used {share:.0%} of a core"

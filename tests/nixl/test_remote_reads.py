@@ -39,7 +39,8 @@ CLIENTS = {"engine-a": 2001, "engine-b": 2002}
 
 def _config(address: str, port: int, tls: Path) -> str:
     clients = ", ".join(f'{{name = "{name}", uid = {uid}}}' for name, uid in CLIENTS.items())
-    return f"""
+    return (
+        f"""
 [dram]
 size = "40M"
 
@@ -52,7 +53,9 @@ cert_file = "{tls / "server.pem"}"
 key_file = "{tls / "server.pem"}"
 ca_file = "{tls / "ca.pem"}"
 clients = [{clients}]
-""" + TWO_TENANTS
+"""
+        + TWO_TENANTS
+    )
 
 
 def _free_port() -> int:

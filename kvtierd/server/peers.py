@@ -1,0 +1,233 @@
+"""Restoring from peer daemons: a block only the pool holds here is pulled from another host's
+daemon over NIXL first, and from the pool's GET only when no peer has it (``docs/pool.md``,
+"Restoring from a peer daemon instead of the pool").
+
+Theory of operation
+-------------------
+A rank whose disk was wiped (or that moved host) indexes its manifest from the pool: every block
+is a pool copy, read on demand with one GET each. Where another daemon still holds some of
+those blocks (``remote.peers``: the daemons of other hosts that share this one's key secret,
+such as the rank's previous host), :class:`PeerReads` asks them first, as a remote client of
+each (``docs/remote.md``): over a TCP connection with this daemon's own client certificate it
+opens the block's namespace there (the same spec, hence the same digest and keys), leases the
+block with READ_NIXL and pulls its bytes with this daemon's NIXL agent straight into the arena
+slot being filled (the slot lies in a tenant region the agent has registered). The bytes are
+kept only when they hash to the checksum this rank's own manifest recorded: a peer's copy is
+used only if it is exactly the block asked for. Anything else (the peer lacks the block, is
+down, refuses, or sends other bytes) is a peer miss and the pool's GET follows, so a peer can
+make a restore faster, never wrong and never fail.
+
+Where the work runs. The peer connections are the blocking client (:mod:`kvtierd.client.sync`),
+used in a worker thread, one call at a time per peer; the NIXL agent is used on the event loop
+as the request handlers use it (:meth:`~kvtierd.nixl.agent.NixlAgent.pull_async`: only setting
+the transfer up blocks, for milliseconds). A peer that failed is skipped for
+:data:`RETRY_AFTER_S`. The pool tier calls :meth:`PeerReads.load` (its ``peer_source``).
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.to_thread
+
+from kvtierd.client import ops
+from kvtierd.client.endpoint import TcpEndpoint, client_tls_context
+from kvtierd.client.sync import Client, Namespace, connect_endpoint
+from kvtierd.config import RemoteConfig
+from kvtierd.errors import BlockNotFoundError, ConfigError, KvtierError
+from kvtierd.io.buffers import buffer_address
+from kvtierd.nixl.agent import NixlAgent
+from kvtierd.protocol.messages import ReadNixlReply
+from kvtierd.store.codec import THREAD_CHECKSUM_BYTES
+from kvtierd.store.namespaces import NamespaceSpec
+from kvtierd.store.records import checksum
+from kvtierd.store.tier import BlockRef
+
+__all__ = ["PeerReads", "peer_endpoints"]
+
+log = logging.getLogger("kvtierd.peers")
+
+#: A peer that failed (down, refusing, too slow) is not asked again for this long.
+RETRY_AFTER_S = 10.0
+#: The longest one peer's lease and pull may take before the pool is asked instead.
+PEER_TIMEOUT_S = 5.0
+
+
+def peer_endpoints(config: RemoteConfig) -> list[TcpEndpoint]:
+    """The endpoints of ``config.peers``, with this daemon's client certificate (TLS unless
+    ``peer_cert_file`` is empty, which the configuration allows only with ``allow_plaintext``).
+    Raises :class:`ConfigError` for certificate files that cannot be loaded."""
+    tls: ssl.SSLContext | None = None
+    if config.peer_cert_file:
+        try:
+            tls = client_tls_context(config.peer_ca, config.peer_cert_file, config.peer_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"remote.peer_cert_file/key_file/ca_file: {exc}") from None
+    endpoints = []
+    for peer in config.peers:
+        host, _, port = peer.address.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        endpoints.append(TcpEndpoint(host, int(port), tls, peer.server_name or None))
+    return endpoints
+
+
+@dataclass(eq=False)
+class _Peer:
+    """One peer daemon: its connection (made when first needed) and what was set up on it."""
+
+    endpoint: TcpEndpoint
+    client: Client | None = None
+    #: Namespace digest -> the namespace opened on the peer.
+    namespaces: dict[bytes, Namespace] = field(default_factory=dict)
+    #: (connection, region) -> the peer's agent as this daemon's agent knows it.
+    agents: dict[tuple[int, int], str] = field(default_factory=dict)
+    skip_until: float = 0.0
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+
+    def lease(self, spec: NamespaceSpec, digest: bytes, key: bytes) -> _Lease:
+        """(In a worker thread.) Lease ``key`` of ``spec``'s namespace on the peer, with the
+        NIXL metadata of its region when this connection has not loaded it yet."""
+        if self.client is None or not self.client.connected():
+            self.close()
+            self.client = connect_endpoint(
+                self.endpoint, client_name="kvtierd-peer", timeout_s=PEER_TIMEOUT_S
+            )
+        client = self.client
+        if client.daemon_minor < ops.NIXL_MINOR:
+            raise BlockNotFoundError(f"{self.endpoint} speaks minor {client.daemon_minor}")
+        ns = self.namespaces.get(digest)
+        if ns is None:
+            ns = self.namespaces[digest] = client.namespace(
+                spec.name,
+                block_bytes=spec.block_bytes,
+                layout=spec.layout,
+                rank=spec.rank,
+                world_size=spec.world_size,
+                tenant=spec.tenant,
+                compression=spec.compression.value,
+                sparse=spec.sparse,
+                create=False,
+            )
+        replies = ns._run(lambda: ops.read_nixl(ns.handle.ns, [key], client.max_keys))
+        where = (client.reconnects, ns.handle.region)
+        metadata = None
+        if where not in self.agents:
+            metadata = ns._run(lambda: ops.nixl_grant(ns.handle.ns)).metadata
+        return _Lease(replies, where, metadata, client.reconnects)
+
+    def release(self, lease: _Lease) -> None:
+        if self.client is not None:
+            self.client.release_soon([r.lease for r in lease.replies], lease.connection)
+
+    def close(self) -> None:
+        self.namespaces.clear()
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Lease:
+    replies: list[ReadNixlReply]
+    where: tuple[int, int]
+    metadata: bytes | None
+    connection: int
+
+
+class PeerReads:
+    """The peers this daemon asks first for blocks only the pool holds (module docstring)."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[TcpEndpoint],
+        agent: NixlAgent,
+        spec_of: Callable[[bytes], NamespaceSpec | None],
+    ) -> None:
+        self._peers = [_Peer(e) for e in endpoints]
+        self._agent = agent
+        self._spec_of = spec_of
+        #: Blocks pulled from a peer, asked of peers and not found there, and peer failures.
+        self.counters = {"hits": 0, "misses": 0, "failures": 0, "bytes": 0}
+
+    async def load(self, ref: BlockRef, dest: memoryview) -> bool:
+        """Fill ``dest`` with ``ref``'s bytes from a peer; ``True`` when one had them intact,
+        ``False`` when the pool must be asked (``dest`` then holds nothing to rely on)."""
+        spec = self._spec_of(ref.ns_digest)
+        if spec is None:
+            return False
+        target = dest[: ref.raw_bytes]
+        for peer in self._peers:
+            if time.monotonic() < peer.skip_until:
+                continue
+            try:
+                async with peer.lock:
+                    if await self._pull(peer, spec, ref, target):
+                        self.counters["hits"] += 1
+                        self.counters["bytes"] += ref.raw_bytes
+                        return True
+            except (KvtierError, TimeoutError, OSError) as exc:
+                self.counters["failures"] += 1
+                peer.skip_until = time.monotonic() + RETRY_AFTER_S
+                log.warning(
+                    "peer %s failed (%s): the pool serves, the peer is skipped for %g s",
+                    peer.endpoint,
+                    exc,
+                    RETRY_AFTER_S,
+                )
+                await anyio.to_thread.run_sync(peer.close)
+        self.counters["misses"] += 1
+        return False
+
+    async def _pull(
+        self, peer: _Peer, spec: NamespaceSpec, ref: BlockRef, target: memoryview
+    ) -> bool:
+        with anyio.fail_after(PEER_TIMEOUT_S):
+            try:
+                lease = await anyio.to_thread.run_sync(peer.lease, spec, ref.ns_digest, ref.key)
+            except BlockNotFoundError:
+                return False
+            try:
+                extents = [e for reply in lease.replies for e in reply.extents]
+                if len(extents) != 1 or extents[0].length != ref.raw_bytes:
+                    return False
+                if extents[0].checksum != ref.checksum:
+                    return False  # another version of the block: not the one asked for
+                agent = peer.agents.get(lease.where)
+                if agent is None:
+                    assert lease.metadata is not None
+                    agent = peer.agents[lease.where] = self._agent.add_peer(lease.metadata)
+                local = [(buffer_address(target), ref.raw_bytes)]
+                reply = lease.replies[0]
+                await self._agent.pull_async(
+                    agent, reply.descriptors, local, timeout_s=PEER_TIMEOUT_S
+                )
+            finally:
+                await anyio.to_thread.run_sync(peer.release, lease)
+        # The lease was held through the pull; the bytes must still be the manifest's block.
+        if ref.raw_bytes < THREAD_CHECKSUM_BYTES:
+            return checksum(target) == ref.checksum
+        return await anyio.to_thread.run_sync(checksum, target) == ref.checksum
+
+    def close(self) -> None:
+        """Close every peer connection and forget their agents (the agent stays open)."""
+        c = self.counters
+        log.info(
+            "peers served %d block(s), %d bytes; %d asked of them in vain; %d failure(s)",
+            c["hits"],
+            c["bytes"],
+            c["misses"],
+            c["failures"],
+        )
+        for peer in self._peers:
+            for agent in set(peer.agents.values()):
+                try:
+                    self._agent.remove_peer(agent)
+                except KvtierError as exc:
+                    log.debug("forgetting peer agent %s: %s", agent, exc)
+            peer.agents.clear()
+            peer.close()
