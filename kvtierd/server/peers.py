@@ -18,7 +18,8 @@ down, refuses, or sends other bytes) is a peer miss and the pool's GET follows, 
 make a restore faster, never wrong and never fail.
 
 Where the work runs. The peer connections are the blocking client (:mod:`kvtierd.client.sync`),
-used in a worker thread, one call at a time per peer; the NIXL agent is used on the event loop
+used in a worker thread, one lease at a time per peer (the pulls of several blocks overlap);
+RELEASEs are queued without waiting. The NIXL agent is used on the event loop
 as the request handlers use it (:meth:`~kvtierd.nixl.agent.NixlAgent.pull_async`: only setting
 the transfer up blocks, for milliseconds). A peer that failed is skipped for
 :data:`RETRY_AFTER_S`. The pool tier calls :meth:`PeerReads.load` (its ``peer_source``).
@@ -116,7 +117,7 @@ class _Peer:
         replies = ns._run(lambda: ops.read_nixl(ns.handle.ns, [key], client.max_keys))
         where = (client.reconnects, ns.handle.region)
         metadata = None
-        if where not in self.agents:
+        if where not in self.agents:  # (a concurrent load may add it first: then unused)
             metadata = ns._run(lambda: ops.nixl_grant(ns.handle.ns)).metadata
         return _Lease(replies, where, metadata, client.reconnects)
 
@@ -165,21 +166,22 @@ class PeerReads:
             if time.monotonic() < peer.skip_until:
                 continue
             try:
-                async with peer.lock:
-                    if await self._pull(peer, spec, ref, target):
-                        self.counters["hits"] += 1
-                        self.counters["bytes"] += ref.raw_bytes
-                        return True
+                if await self._pull(peer, spec, ref, target):
+                    self.counters["hits"] += 1
+                    self.counters["bytes"] += ref.raw_bytes
+                    return True
             except (KvtierError, TimeoutError, OSError) as exc:
                 self.counters["failures"] += 1
+                if time.monotonic() >= peer.skip_until:  # once per failure, not per block
+                    log.warning(
+                        "peer %s failed (%s): the pool serves, the peer is skipped for %g s",
+                        peer.endpoint,
+                        exc,
+                        RETRY_AFTER_S,
+                    )
                 peer.skip_until = time.monotonic() + RETRY_AFTER_S
-                log.warning(
-                    "peer %s failed (%s): the pool serves, the peer is skipped for %g s",
-                    peer.endpoint,
-                    exc,
-                    RETRY_AFTER_S,
-                )
-                await anyio.to_thread.run_sync(peer.close)
+                async with peer.lock:
+                    await anyio.to_thread.run_sync(peer.close)
         self.counters["misses"] += 1
         return False
 
@@ -188,7 +190,10 @@ class PeerReads:
     ) -> bool:
         with anyio.fail_after(PEER_TIMEOUT_S):
             try:
-                lease = await anyio.to_thread.run_sync(peer.lease, spec, ref.ns_digest, ref.key)
+                async with peer.lock:  # one control call at a time; pulls overlap
+                    lease = await anyio.to_thread.run_sync(
+                        peer.lease, spec, ref.ns_digest, ref.key
+                    )
             except BlockNotFoundError:
                 return False
             try:
@@ -199,7 +204,8 @@ class PeerReads:
                     return False  # another version of the block: not the one asked for
                 agent = peer.agents.get(lease.where)
                 if agent is None:
-                    assert lease.metadata is not None
+                    if lease.metadata is None:  # its grant is another load's, not loaded yet
+                        return False
                     agent = peer.agents[lease.where] = self._agent.add_peer(lease.metadata)
                 local = [(buffer_address(target), ref.raw_bytes)]
                 reply = lease.replies[0]
@@ -207,7 +213,7 @@ class PeerReads:
                     agent, reply.descriptors, local, timeout_s=PEER_TIMEOUT_S
                 )
             finally:
-                await anyio.to_thread.run_sync(peer.release, lease)
+                peer.release(lease)  # queued when a control call holds the connection
         # The lease was held through the pull; the bytes must still be the manifest's block.
         if ref.raw_bytes < THREAD_CHECKSUM_BYTES:
             return checksum(target) == ref.checksum
