@@ -160,6 +160,7 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         }
         self._kv: dict[str, torch.Tensor] = {}
         self._on_device = False
+        self._device: torch.device | None = None
         self._cpu_format = False
         self._session: Session | None = None  # the step's, fixed at bind
         self._loading: list[_Load] = []
@@ -318,6 +319,8 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
                 )
         self._kv = dict(kv_caches)
         self._on_device = any(t.device.type != "cpu" for t in kv_caches.values())
+        #: Where the KV cache lives when not on the host: the arena is pinned for it.
+        self._device = next((t.device for t in kv_caches.values() if t.device.type != "cpu"), None)
         self._cpu_format = kv_format() == "cpu"
 
     def _planes(self, tensor: torch.Tensor, block_id: int) -> torch.Tensor:
@@ -389,7 +392,8 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
                     got = self._load_in_batches(session, run)
                 else:
                     got = len(lease.keys)
-                    load = _Load(run.request_id, lease, run.block_ids[:got], session.arena())
+                    arena = session.arena(self._device)
+                    load = _Load(run.request_id, lease, run.block_ids[:got], arena)
                     self._loading.append(load)
             except KvtierError as exc:
                 self._fail_step(exc)
@@ -407,7 +411,7 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         while the daemon refuses it); returns how many leading blocks were copied."""
         done, batch = 0, max(1, batch or len(run.keys) // 2)
         layers = [(self._layers[name], tensor) for name, tensor in self._kv.items()]
-        arena = session.arena()
+        arena = session.arena(self._device)
         while done < len(run.keys):
             try:
                 lease = session.namespace.acquire(list(run.keys[done : done + batch]))

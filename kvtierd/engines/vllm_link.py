@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvtierd.client import Client, Namespace, connect
+from kvtierd.client.cuda import PinnedRegion
 from kvtierd.engines.vllm_plan import ConnectorSettings
 from kvtierd.errors import CONNECTION_ERRORS, KvtierError
 from kvtierd.protocol.messages import Layout
@@ -136,17 +137,30 @@ class Session:
             self.client.close()
             raise
         self._arena: torch.Tensor | None = None
+        self._pinned: PinnedRegion | None = None
 
-    def arena(self) -> torch.Tensor:
+    def arena(self, device: torch.device | None = None) -> torch.Tensor:
         """The namespace's region as one ``uint8`` tensor (read through lease extents; the
-        tensor keeps the mapping alive after the session closes)."""
+        tensor keeps the mapping alive after the session closes). For a CUDA ``device`` (where
+        the KV cache lives) the mapping is also registered as pinned host memory, once per
+        session (:class:`kvtierd.client.cuda.PinnedRegion`), so the connector's
+        ``non_blocking`` copies into the cache are DMA instead of staged through a bounce
+        buffer."""
         if self._arena is None:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*not writable.*")
                 self._arena = torch.frombuffer(self.namespace.arena_buffer(), dtype=torch.uint8)
+        if device is not None and device.type == "cuda" and self._pinned is None:
+            pinned = PinnedRegion(self._arena, device)
+            pinned.__enter__()
+            self._pinned = pinned
         return self._arena
 
     def close(self) -> None:
+        if self._pinned is not None:  # the connector's copies out of it are synchronised
+            with contextlib.suppress(KvtierError):
+                self._pinned.__exit__(None, None, None)
+            self._pinned = None
         self._arena = None
         with contextlib.suppress(KvtierError, OSError):
             self.client.close()
