@@ -18,32 +18,54 @@ Per block size (2 MiB and 32 MiB by default, ``--total`` bytes of blocks each), 
   into a registered buffer, one ``initialize_xfer`` + ``transfer`` per round, polling
   ``check_xfer_state`` with kvtierd's back-off: what NIXL gives, same UCX transport.
 * *pool*: the remote path without NIXL, measured as ``tools/bench_pool.py`` measures restore
-  (its helpers): a daemon attached to a real ``redis-server`` (write-through, plaintext on
-  loopback, no NVMe tier) stores the same blocks; every round it is stopped, its data directory
-  wiped and it is started again (it indexes the blocks from its manifest in the pool), then a
-  client leases every block with 1-key READs (``--pool-concurrency`` in flight, at most
-  :data:`POOL_IN_FLIGHT_BYTES`), so every byte comes from the pool. The blocks end leased in the
-  daemon's DRAM, not copied into the client's buffer: the pull does more work than this side.
+  (its helpers): a daemon attached to a real ``redis-server`` (write-through, plaintext, no
+  NVMe tier; on loopback, or on a host of its own) stores the same blocks; every round it is
+  stopped, its data directory wiped and it is started again (it indexes the blocks from its
+  manifest in the pool), then a client leases every block with 1-key READs
+  (``--pool-concurrency`` in flight, at most :data:`POOL_IN_FLIGHT_BYTES`), so every byte comes
+  from the pool. The blocks end leased in the daemon's DRAM, not copied into the client's
+  buffer: the pull does more work than this side.
 
 The first pull and the first raw READ (a new connection, the grant and its metadata loaded) are
 reported on their own as *cold*; then every one of ``--rounds`` rounds runs the pull, bare and
 raw sides ``--repeats`` times over, in an order rotating every time (A B C, B C A, ...), so
 that they share the moments of a loaded machine (memory bandwidth swings 2x within seconds on
 these VMs), and then one pool restore (seconds: a daemon restart).
-Every NIXL agent's progress thread polls without a pause (``nixl._api`` sets ``pthrDelay`` 0: an
-idle daemon with NIXL uses a core, which the benchmark measures), so on 2 vCPUs the idle agents
-of the other sides would take the cores a side runs on: while a side runs, the NIXL processes of
-the others are stopped (SIGSTOP, then SIGCONT); ``--keep-others-running`` measures without.
 Ratios are medians of per-round ratios: pull / raw (goal >= 0.9) and pull / pool (goal >= 2 for
-2 MiB blocks). UCX picks its transports from ``UCX_TLS`` as the daemon does; the benchmark leaves
-it as it finds it (unset: UCX's defaults) and records it, and records which transport UCX chose
-for the RMA reads of the reader and of the puller (``UCX_PROTO_INFO=y`` in the children).
+2 MiB blocks).
+
+Progress threads. NIXL's Python layer gives an agent a progress thread that busy-waits a core
+for the agent's whole life (``pthrDelay`` 0). The daemon's agent has none (``docs/nixl.md``, "No
+spinning core": it drives UCX's progress on its event loop while a NIXL lease is held and 5 s
+after), and both pullers, the reader and the raw puller, are made without one
+(``progress_thread=False``): they only pull, and drive their transfers by polling them, so idle
+they use nothing and are never stopped. The raw owner keeps NIXL's defaults, thread included:
+plain NIXL as a user runs it, the limit; it spins, so it is stopped (SIGSTOP, then SIGCONT)
+while the pull, bare and pool sides run. The daemon idles at 0% of a core, but in the 5 s after
+a lease its progress pump spins too (on uvloop, the loop of its asyncio runtime, the pump's
+0.2 ms pause is a 0 ms timer: a whole core; on trio about a tenth), and the raw side follows a
+pull within those 5 s: so the daemon is still stopped while the raw and pool sides run. On 2
+vCPUs a side measured beside a spinning process would lose a core to it. Recorded: the idle
+CPU of the daemon, of the owner and of the pool's daemon, and the daemon's in the 2 s after a
+lease (``nixl_daemon_linger_cpu``); ``--keep-others-running`` measures without stopping anyone.
 
 *Placement* says where the processes run. ``local``: every process on this host, the reader
-reaching the daemon's Unix socket. ``netns`` (daemon and reader, owner and puller, in different
-network namespaces, ``tests/support/netns.py``) needs the reader to reach the daemon over its
-TCP control connections (``remote.listen``, ``docs/remote.md``), which this benchmark does not
-drive yet: asking for it stops the benchmark with that reason before anything starts.
+reaching the daemon's Unix socket, UCX's transports as ``UCX_TLS`` says (the benchmark leaves it
+as it finds it: unset, UCX's defaults, take ``cma`` between two processes of one host).
+``netns``: three network namespaces on one bridge (``tests/support/netns.py``'s
+:class:`~tests.support.netns.NetnsLab`), every one of them reached through its own veth pair:
+the NIXL daemon and the raw owner on the first, the reader, the raw puller and the pool's
+restoring daemon on the second, ``redis-server`` on the third. The reader opens the daemon over
+TCP with TLS (``remote.listen``, a client certificate made with ``trustme``, ``docs/remote.md``)
+and pulls exactly as locally; every NIXL process runs with ``UCX_TLS=tcp``, so the bytes cross
+the veth pair (without it UCX may take ``cma`` between namespaces of one machine), and the
+bytes the second host's ``eth0`` received while each side ran are recorded beside the bytes it
+pulled. The pool side is the remote path of a daemon only the pool can feed: its restore GETs
+cross from the third host to the second. The bench process writes the blocks through the
+daemons' Unix sockets (files, reachable from any namespace) and takes the pool daemon's leases
+through its socket. ``netns`` needs root, ``ip`` and ``trustme``; without them it stops with
+the reason before anything starts. Which transport UCX chose for the RMA reads of the reader
+and of the puller is recorded (``UCX_PROTO_INFO=y`` in the children).
 
 NIXL never enters this process (every process that loaded it must end through
 :func:`kvtierd.nixl.agent.exit_process`): the reader, owner and puller are children running
@@ -56,7 +78,8 @@ JSON in ``docs/benchmarks/nixl.json``; ``--no-record``, ``--quick`` or other siz
 leave docs/ alone. Everything else is written under a temporary directory in /tmp, removed at
 the end.
 
-Run: ``python tools/bench_nixl.py --json`` (about 2 minutes on 2 vCPUs; ``--quick``: under 1).
+Run: ``python tools/bench_nixl.py --json`` (both placements, ``local,netns``: under 4 minutes on
+2 vCPUs; ``--quick``: about 1; ``--placements local`` where namespaces cannot be made).
 """
 
 from __future__ import annotations
@@ -77,7 +100,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -92,7 +115,7 @@ from bench_pool import _daemon_read as pool_read
 from bench_pool import pool_config, redis_server, restart_wiped
 
 from kvtierd import config
-from kvtierd.client import chain_keys, connect
+from kvtierd.client import Client, chain_keys, client_tls_context, connect, connect_tcp
 from kvtierd.testing import DaemonProcess
 
 if TYPE_CHECKING:
@@ -102,6 +125,7 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 NAME = "nixl"
 DEFAULT_SIZES = "2M,32M"
+DEFAULT_PLACEMENTS = "local,netns"
 DEFAULT_TOTAL, QUICK_TOTAL = "256M", "16M"
 DEFAULT_ROUNDS, QUICK_ROUNDS = 7, 2
 DEFAULT_REPEATS = 3
@@ -128,12 +152,13 @@ CHILD_TIMEOUT_S = 120.0
 #: ``kvtierd.nixl.agent``).
 RAW_TIMEOUT_S = 60.0
 RAW_POLL_FIRST_S, RAW_POLL_MAX_S = 1e-4, 5e-3
-NETNS_REASON = (
-    "a reader in another network namespace needs the daemon's TCP control connections "
-    "(remote.listen with TLS, docs/remote.md), which this benchmark does not drive yet; "
-    "measure 'local' until it does"
-)
-NETNS_UNAVAILABLE = f"placement 'netns' is not available yet: {NETNS_REASON}"
+#: ``netns``: the daemon's TCP control port (on its host's address), the common name of the
+#: reader's certificate and the uid the daemon maps it to (in tenant ``default``'s uids), the
+#: transports of every NIXL process.
+REMOTE_PORT = 7460
+READER_NAME, READER_UID = "bench-reader", 2001
+NETNS_UCX_TLS = "tcp"
+UCX_TLS_UNSET = "unset (UCX's defaults)"
 
 
 def log(message: str) -> None:
@@ -153,28 +178,108 @@ class Placement(enum.Enum):
     NETNS = "netns"
 
 
-class PlacementUnavailableError(RuntimeError):
-    """The placement cannot be measured with this kvtierd; the message says why."""
+def placement_unavailable(placement: Placement) -> str | None:
+    """Why ``placement`` cannot be measured here, or ``None``; asks nothing of NIXL."""
+    if placement is Placement.NETNS:
+        from tests.support.netns import netns_available
+
+        reason = netns_available()
+        if reason is not None:
+            return f"placement 'netns' needs network namespaces: {reason}"
+        if importlib.util.find_spec("trustme") is None:
+            return "placement 'netns' needs trustme for its TLS certificates (the test extra)"
+    return None
+
+
+@dataclass(frozen=True)
+class RemoteAccess:
+    """The NIXL daemon's TCP control endpoint (``remote.listen`` with TLS) and the directory of
+    its certificates (``ca.pem``, ``server.pem``, the reader's ``reader.pem``)."""
+
+    address: str
+    port: int
+    tls: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"tls://{self.address}:{self.port}"
+
+    def daemon_config(self) -> str:
+        """``[remote]``, admitting the reader's certificate as :data:`READER_UID`, and the one
+        tenant that uid may use (``default``, where the blocks are written: all of the DRAM)."""
+        return (
+            f'[remote]\nlisten = "{self.address}:{self.port}"\n'
+            f'cert_file = "{self.tls / "server.pem"}"\nkey_file = "{self.tls / "server.pem"}"\n'
+            f'ca_file = "{self.tls / "ca.pem"}"\n'
+            f'clients = [{{name = "{READER_NAME}", uid = {READER_UID}}}]\n\n'
+            f'[[tenants]]\nname = "default"\nuids = [{READER_UID}]\n'
+        )
+
+
+def make_certificates(directory: Path, server_address: str) -> Path:
+    """A CA, the daemon's certificate for ``server_address`` and the reader's (common name
+    :data:`READER_NAME`), in ``directory``, which is returned."""
+    import trustme
+
+    directory.mkdir(parents=True)
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(directory / "ca.pem")
+    server = ca.issue_cert(server_address)
+    server.private_key_and_cert_chain_pem.write_to_path(directory / "server.pem")
+    reader = ca.issue_cert(f"{READER_NAME}.clients", common_name=READER_NAME)
+    reader.private_key_and_cert_chain_pem.write_to_path(directory / "reader.pem")
+    return directory
 
 
 @dataclass(frozen=True)
 class Hosts:
-    """Where each process of one placement runs: a command prefix per role (``ip netns exec
-    NAME`` for a namespace; empty on this host)."""
+    """Where each process of one placement runs and how they meet: a command prefix per role
+    (``ip netns exec NAME env UCX_TLS=tcp`` in a namespace; empty on this host), the pool's
+    address, the daemon's TCP endpoint when the reader is on another host (else its Unix
+    socket), and the bytes the reader's host received so far (``None``: no link to count)."""
 
+    pool: tuple[str, int]
+    ucx_tls: str
     daemon: Sequence[str] = ()
-    reader: Sequence[str] = ()
     owner: Sequence[str] = ()
+    reader: Sequence[str] = ()
     puller: Sequence[str] = ()
+    pool_daemon: Sequence[str] = ()
+    remote: RemoteAccess | None = None
+    reader_rx_bytes: Callable[[], int] | None = None
 
 
 @contextlib.contextmanager
-def open_placement(placement: Placement) -> Iterator[Hosts]:
-    """The hosts of ``placement``; raises :class:`PlacementUnavailableError` for one this kvtierd
-    cannot serve yet."""
-    if placement is Placement.NETNS:
-        raise PlacementUnavailableError(NETNS_UNAVAILABLE)
-    yield Hosts()
+def open_placement(placement: Placement, workdir: Path) -> Iterator[Hosts]:
+    """The hosts of ``placement`` with a ``redis-server`` for the pool side, torn down on the way
+    out (``netns``: the namespaces and whatever still runs in them). Check
+    :func:`placement_unavailable` first."""
+    if placement is Placement.LOCAL:
+        with redis_server(workdir / "redis") as port:
+            yield Hosts(
+                pool=("127.0.0.1", port), ucx_tls=os.environ.get("UCX_TLS") or UCX_TLS_UNSET
+            )
+        return
+    from tests.support.netns import NetnsLab
+
+    with NetnsLab(workdir / "lab", hosts=3) as lab:
+        holder, reader, pool = lab.hosts
+        tcp = ["env", f"UCX_TLS={NETNS_UCX_TLS}"]
+        remote = RemoteAccess(
+            holder.address, REMOTE_PORT, make_certificates(workdir / "tls", holder.address)
+        )
+        with pool.redis_server(workdir / "redis", persistence=False) as redis:
+            yield Hosts(
+                pool=(pool.address, redis.port),
+                ucx_tls=NETNS_UCX_TLS,
+                daemon=holder.command(tcp),
+                owner=holder.command(tcp),
+                reader=reader.command(tcp),
+                puller=reader.command(tcp),
+                pool_daemon=reader.command_prefix,
+                remote=remote,
+                reader_rx_bytes=lambda: reader.link_stats()["rx_bytes"],
+            )
 
 
 # -- the children (NIXL is loaded only there) --------------------------------------------------
@@ -210,17 +315,19 @@ def _memfd(name: str, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _reader(socket: str, ns_name: str, block_text: str, count_text: str) -> None:
+def _reader(endpoint: str, tls: str, ns_name: str, block_text: str, count_text: str) -> None:
     """kvtierd's pull: answers ``pull`` with the timings of one lease + pull + release, and
-    ``bare`` with those of the same round with the pull done by the agent alone (no check)."""
+    ``bare`` with those of the same round with the pull done by the agent alone (no check).
+    ``endpoint`` is the daemon's Unix socket or ``tls://HOST:PORT`` (the CA and the reader's
+    certificate in directory ``tls``)."""
     from kvtierd.client.nixl import NixlReader
     from kvtierd.nixl.agent import NixlAgent
     from kvtierd.store.records import checksum
 
     block_bytes, count = int(block_text), int(count_text)
     started = time.perf_counter()
-    agent = NixlAgent(f"bench-reader-{os.getpid()}")
-    with connect(socket) as client, NixlReader(client, agent) as reader:
+    agent = NixlAgent(f"bench-reader-{os.getpid()}", progress_thread=False)  # it only pulls
+    with _client(endpoint, tls) as client, NixlReader(client, agent) as reader:
         memory = reader.register(_touched(count * block_bytes))
         buffers = [memory[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
         ns = client.namespace(ns_name, block_bytes=block_bytes)
@@ -247,6 +354,17 @@ def _reader(socket: str, ns_name: str, block_text: str, count_text: str) -> None
     agent.close()
 
 
+def _client(endpoint: str, tls: str) -> Client:
+    """A client of the daemon at ``endpoint`` (see :func:`_reader`)."""
+    scheme, _, address = endpoint.partition("://")
+    if scheme != "tls":
+        return connect(endpoint)
+    host, _, port = address.rpartition(":")
+    pem = os.path.join(tls, "reader.pem")
+    context = client_tls_context(os.path.join(tls, "ca.pem"), pem, pem)
+    return connect_tcp(host, int(port), tls=context)
+
+
 def _bare_pull(
     agent: NixlAgent, lease: NixlLease, buffers: Sequence[memoryview], timeout_s: float
 ) -> int:
@@ -265,7 +383,8 @@ def _bare_pull(
 
 def _owner(directory: str, block_text: str, count_text: str) -> None:
     """The raw READ's owner: a memfd of random bytes registered, its metadata and extents in
-    ``directory``; serves until ``exit``."""
+    ``directory``; serves until ``exit``. Its agent has NIXL's defaults, the progress thread
+    (which answers the puller's reads over TCP) included."""
     from kvtierd.nixl.agent import NixlAgent
     from kvtierd.store.records import checksum
 
@@ -291,8 +410,7 @@ def _owner(directory: str, block_text: str, count_text: str) -> None:
 def _puller(directory: str, block_text: str, count_text: str) -> None:
     """The raw READ on ``nixl._api`` alone: answers ``round`` with the time of one READ of every
     extent, the descriptor lists built once, ``check_xfer_state`` polled with the back-off of
-    kvtierd's agent (polling without a pause was no faster on 2 vCPUs: it takes a core from the
-    progress threads)."""
+    kvtierd's agent; no progress thread, as the reader's agent (polling drives its transfers)."""
     from nixl._api import nixl_agent, nixl_agent_config
 
     from kvtierd.store.records import checksum
@@ -301,7 +419,8 @@ def _puller(directory: str, block_text: str, count_text: str) -> None:
     nbytes = block_bytes * count
     source = Path(directory)
     started = time.perf_counter()
-    agent = nixl_agent(f"bench-puller-{os.getpid()}", nixl_agent_config(backends=[]))
+    settings = nixl_agent_config(enable_prog_thread=False, backends=[])  # it only pulls
+    agent = nixl_agent(f"bench-puller-{os.getpid()}", settings)
     agent.create_backend("UCX", {})
     memory = _touched(nbytes)
     base = int(np.frombuffer(memory, np.uint8).ctypes.data)
@@ -474,8 +593,10 @@ class Child:
 # -- the sides ---------------------------------------------------------------------------------
 
 
-def nixl_daemon_config() -> str:
-    return "[nixl]\nenabled = true\n"
+def nixl_daemon_config(hosts: Hosts) -> str:
+    """NIXL reads on, and the TCP control endpoint when the reader is on another host."""
+    text = "[nixl]\nenabled = true\n"
+    return text if hosts.remote is None else f"{text}\n{hosts.remote.daemon_config()}"
 
 
 def check_nixl_exported(daemon: DaemonProcess) -> None:
@@ -533,18 +654,21 @@ def dram_size(nbytes: int) -> str:
 
 @contextlib.contextmanager
 def pool_with_blocks(
-    hosts: Hosts, where: Path, port: int, block_bytes: int, count: int
+    hosts: Hosts, where: Path, block_bytes: int, count: int
 ) -> Iterator[tuple[DaemonProcess, list[bytes], float]]:
-    """A daemon attached to the pool at ``port`` that wrote ``count`` blocks through to it,
-    their keys and its idle CPU (share of a core); on the way out it stops and its values leave
-    the pool."""
+    """A daemon on the reader's host attached to the pool that wrote ``count`` blocks through to
+    it, their keys and its idle CPU (share of a core); on the way out it stops and its values
+    leave the pool."""
     prefix = f"bench-nixl-{block_bytes // MiB}m"
+    address, port = hosts.pool
+    # tools/bench_pool.py's configuration, with the pool at its placement's address
+    text = pool_config(port, prefix).replace(f"//127.0.0.1:{port}", f"//{address}:{port}")
     daemon = DaemonProcess(
         where / "pool-daemon",
         dram_size=dram_size(count * block_bytes),
         nvme_size="0",  # pool -> DRAM only, as in tools/bench_pool.py
-        config_text=pool_config(port, prefix) + f"timeout_s = {POOL_TIMEOUT_S}\n",
-        command_prefix=hosts.daemon,
+        config_text=text + f"timeout_s = {POOL_TIMEOUT_S}\n",
+        command_prefix=hosts.pool_daemon,
     )
     try:
         restart_wiped(daemon)
@@ -557,14 +681,14 @@ def pool_with_blocks(
     finally:
         if daemon.running:
             daemon.stop()
-        _drop_pool_keys(port, prefix)
+        _drop_pool_keys(hosts.pool, prefix)
 
 
-def _drop_pool_keys(port: int, prefix: str) -> None:
+def _drop_pool_keys(pool: tuple[str, int], prefix: str) -> None:
     """Values, manifest, consensus: leave nothing of ``prefix`` in the pool."""
     import redis
 
-    with redis.Redis(port=port) as raw:
+    with redis.Redis(host=pool[0], port=pool[1]) as raw:
         leftovers = list(raw.scan_iter(match=f"{prefix}:*".encode(), count=1000))
         for i in range(0, len(leftovers), 256):
             raw.delete(*leftovers[i : i + 256])
@@ -610,7 +734,7 @@ def _median_fields(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def stopped(pids: Sequence[int]) -> Iterator[None]:
+def stopped(pids: Iterable[int]) -> Iterator[None]:
     """``pids`` stopped (SIGSTOP) for the block and continued after it, whatever happens."""
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
@@ -638,14 +762,13 @@ def bench_size(
     hosts: Hosts,
     workdir: Path,
     nixl_daemon: DaemonProcess,
-    port: int,
     block_bytes: int,
     total_bytes: int,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """One block size in one placement: the blocks written into both daemons while the
-    children start, the cold pulls, then the rounds; each side runs with the NIXL processes of
-    the others stopped, unless ``--keep-others-running``."""
+    children start, the cold pulls, then the rounds; every side but the raw one runs with the
+    raw owner (whose progress thread spins) stopped, unless ``--keep-others-running``."""
     count = max(1, total_bytes // block_bytes)
     ns_name = f"nixl-{block_bytes // MiB}m"
     where = workdir / ns_name
@@ -660,10 +783,12 @@ def bench_size(
             made = Child(role, *args, *shape, prefix=prefix, log_path=where / f"{role}.log")
             return stack.enter_context(made)
 
-        reader = child("reader", str(nixl_daemon.socket), ns_name)
+        remote = hosts.remote
+        endpoint = str(nixl_daemon.socket) if remote is None else remote.endpoint
+        reader = child("reader", endpoint, "" if remote is None else str(remote.tls), ns_name)
         owner = child("owner", str(where))
         pool_daemon, pool_keys, pool_idle = stack.enter_context(
-            pool_with_blocks(hosts, where, port, block_bytes, count)
+            pool_with_blocks(hosts, where, block_bytes, count)
         )
         ready = {"reader": reader.answer()["ready_s"], "owner": owner.answer()["ready_s"]}
         puller = child("puller", str(where))  # it loads the owner's metadata
@@ -671,30 +796,38 @@ def bench_size(
         children_s = ", ".join(f"{k} {v:.1f} s" for k, v in ready.items())
         log(f"{size_name(block_bytes)}: {count} blocks in both daemons, children ready "
             f"({children_s}), {time.perf_counter() - started:.1f} s in all")  # fmt: skip
+        owner_idle = cpu_share(_pid(owner), IDLE_SAMPLE_S)
         in_flight = pool_in_flight(block_bytes, args.pool_concurrency)
-        sides: dict[str, tuple[Callable[[], dict[str, Any]], list[int]]] = {
-            "pull": (lambda: _with_gbps(reader.ask("pull")), [_pid(nixl_daemon), _pid(reader)]),
-            "bare": (lambda: _with_gbps(reader.ask("bare")), [_pid(nixl_daemon), _pid(reader)]),
-            "raw": (lambda: _with_gbps(puller.ask("round")), [_pid(owner), _pid(puller)]),
-            "pool": (lambda: pool_round(pool_daemon, block_bytes, pool_keys, in_flight), []),
+        runs: dict[str, Callable[[], dict[str, Any]]] = {
+            "pull": lambda: _with_gbps(reader.ask("pull")),
+            "bare": lambda: _with_gbps(reader.ask("bare")),
+            "raw": lambda: _with_gbps(puller.ask("round")),
+            "pool": lambda: pool_round(pool_daemon, block_bytes, pool_keys, in_flight),
         }
-        nixl_pids = [pid for _, pids in sides.values() for pid in pids]
+        # what spins while idle (the module docstring says why), and the sides it serves
+        spinners = {_pid(owner): {"raw"}, _pid(nixl_daemon): {"pull", "bare"}}
+        link = LinkCount(hosts.reader_rx_bytes, count * block_bytes)
 
         def alone(side: str) -> Callable[[], dict[str, Any]]:
-            run, own = sides[side]
-            others = [] if args.keep_others_running else [p for p in nixl_pids if p not in own]
+            others = [pid for pid, serves in spinners.items() if side not in serves]
+            if args.keep_others_running:
+                others = []
 
             def measured() -> dict[str, Any]:
-                with stopped(others):
-                    return run()
+                with link.counting(side), stopped(others):
+                    return runs[side]()
 
             return measured
 
         measure = {side: alone(side) for side in SIDES}
-        cold = {side: measure[side]() for side in ("pull", "raw")}
+        cold = {"pull": measure["pull"]()}
+        with stopped([_pid(owner)]):
+            linger = cpu_share(_pid(nixl_daemon), IDLE_SAMPLE_S)
+        cold["raw"] = measure["raw"]()
         transports = {"pull": sorted(reader.read_transports), "raw": sorted(puller.read_transports)}
         log(f"  cold: pull {cold['pull']['gbps']:.2f} GB/s, raw {cold['raw']['gbps']:.2f}; "
-            f"UCX's RMA reads: {transports}")  # fmt: skip
+            f"UCX's RMA reads: {transports}; idle owner {owner_idle:.0%}, "
+            f"daemon after a lease {linger:.0%} of a core")  # fmt: skip
         rounds = run_rounds(measure, args.rounds, args.repeats)
     return {
         "block_bytes": block_bytes,
@@ -702,12 +835,44 @@ def bench_size(
         "total_bytes": count * block_bytes,
         "children_ready_s": ready,
         "pool_daemon_idle_cpu": pool_idle,
+        "raw_owner_idle_cpu": owner_idle,
+        "nixl_daemon_linger_cpu": linger,
         "pool_in_flight": in_flight,
         "read_transports": transports,
+        "reader_link": link.record(),
         "cold": cold,
         "rounds": rounds,
         "median": _medians(rounds),
     }
+
+
+class LinkCount:
+    """Per side, the bytes the reader's host received (``rx_bytes`` of its ``eth0``) while the
+    side ran, beside the bytes it moved; ``rx_bytes`` ``None``: no link to count (``local``)."""
+
+    def __init__(self, rx_bytes: Callable[[], int] | None, moved_bytes: int) -> None:
+        self._rx_bytes = rx_bytes
+        self._moved_bytes = moved_bytes
+        self._counts = {side: {"rx_bytes": 0, "moved_bytes": 0} for side in SIDES}
+
+    @contextlib.contextmanager
+    def counting(self, side: str) -> Iterator[None]:
+        """Count what arrives during the block (read before and after it, outside its timing)."""
+        if self._rx_bytes is None:
+            yield
+            return
+        before = self._rx_bytes()
+        yield
+        self._counts[side]["rx_bytes"] += self._rx_bytes() - before
+        self._counts[side]["moved_bytes"] += self._moved_bytes
+
+    def record(self) -> dict[str, Any] | None:
+        """The counts, and ``crossed``: every NIXL side received at least what it pulled."""
+        if self._rx_bytes is None:
+            return None
+        crossed = all(self._counts[s]["rx_bytes"] >= self._counts[s]["moved_bytes"]
+                      for s in NIXL_SIDES)  # fmt: skip
+        return {**self._counts, "crossed": crossed}
 
 
 def _pid(process: Child | DaemonProcess) -> int:
@@ -731,19 +896,19 @@ def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def bench_placement(
-    placement: Placement, workdir: Path, port: int, sizes: list[int], args: argparse.Namespace
+    placement: Placement, workdir: Path, sizes: list[int], args: argparse.Namespace
 ) -> dict[str, Any]:
     """Every block size in ``placement``: one NIXL daemon holding every size's blocks."""
     total = int(config.parse_size(args.total))
     largest = max(max(1, total // s) * s for s in sizes)
     blocks = sum(max(1, total // s) * s for s in sizes)
-    with open_placement(placement) as hosts:
+    with open_placement(placement, workdir) as hosts:
         daemon = DaemonProcess(
             workdir / "nixl-daemon",
             # every size's blocks, and room to lease the largest size's on one connection
             dram_size=f"{(blocks + largest + 64 * MiB) >> 20}M",
             nvme_size="0",  # the blocks stay in DRAM: NIXL reads only DRAM
-            config_text=nixl_daemon_config(),
+            config_text=nixl_daemon_config(hosts),
             command_prefix=hosts.daemon,
         )
         started = time.perf_counter()
@@ -751,15 +916,14 @@ def bench_placement(
         try:
             check_nixl_exported(daemon)
             log(f"{placement.value}: NIXL daemon serving ({time.perf_counter() - started:.1f} s)")
-            # NIXL's progress thread polls without a pause (nixl._api sets pthrDelay 0)
             idle = cpu_share(_pid(daemon), IDLE_SAMPLE_S)
             log(f"  the NIXL daemon, idle, uses {idle:.0%} of a core")
-            rows = [bench_size(hosts, workdir, daemon, port, s, total, args) for s in sizes]
+            rows = [bench_size(hosts, workdir, daemon, s, total, args) for s in sizes]
         finally:
             code = daemon.stop()
         if code != 0:
             raise RuntimeError(f"the NIXL daemon exited with {code}: {daemon.log()[-2000:]}")
-    return {"nixl_daemon_idle_cpu": idle, "sizes": rows}
+    return {"ucx_tls": hosts.ucx_tls, "nixl_daemon_idle_cpu": idle, "sizes": rows}
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -813,8 +977,9 @@ def plot(result: dict[str, Any]) -> str:
         ]
         ax.set_xticks(range(len(rows)), ticks, fontsize=8)
         ax.set_ylabel("GB/s (median of rounds)")
-        ax.set_title(f"NIXL reads, placement {placement}, UCX_TLS {result['ucx_tls']}")
-        ax.legend(fontsize=8)
+        ax.set_title(f"NIXL reads, placement {placement}, UCX_TLS {measured['ucx_tls']}")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.4)  # room for the legend above the bars
+        ax.legend(fontsize=8, loc="upper center", ncol=2)
     return benchlib.save_figure(fig, f"{NAME}.png")
 
 
@@ -835,6 +1000,8 @@ def markdown(result: dict[str, Any], figure: str) -> str:
                 for g in result["goals"]
             ],
             "",
+            *_shortfall_lines(result),
+            "",
             *_context_lines(result),
             "",
             f"![NIXL reads]({figure})",
@@ -845,17 +1012,31 @@ def markdown(result: dict[str, Any], figure: str) -> str:
 
 
 def _method_lines(result: dict[str, Any]) -> list[str]:
-    alone = (
-        "with the NIXL processes of the other sides stopped (SIGSTOP) meanwhile"
+    placements = result["placements"]
+    where = {
+        "local": "every process on this host, the reader on the daemon's Unix socket",
+        "netns": "three network namespaces on one bridge (`tests/support/netns.py`), each "
+        "behind its own veth pair: the daemon and the raw owner on the first, the reader, the "
+        "raw puller and the restoring pool daemon on the second, `redis-server` on the third; "
+        "the reader opens the daemon over TCP with TLS (`remote.listen`, a client "
+        "certificate), the pool daemon reaches `redis-server` over the bridge",
+    }
+    stopped = (
+        "while the pull, bare and pool sides run the raw owner is stopped (SIGSTOP), and while "
+        "the raw and pool sides run the daemon is (both spin, see below); nothing else is"
         if not result["others_running"]
-        else "with every process running"
+        else "every process runs throughout (`--keep-others-running`)"
     )
     return [
         "`python tools/bench_nixl.py --json`: kvtierd's NIXL pull against a raw two-process NIXL "
         "READ of the same buffers (the limit) and against the pool restore (the remote path "
         f"without NIXL), {size_name(result['total_bytes'])} of blocks per block size, every "
-        f"process on the same 2 shared vCPUs. `UCX_TLS`: {result['ucx_tls']}, as the daemon "
-        "runs.",
+        "process on the same 2 shared vCPUs. Placements: "
+        + "; ".join(
+            f"*{name}*: {where.get(name, name)}, `UCX_TLS` {m['ucx_tls']}"
+            for name, m in placements.items()
+        )
+        + ".",
         "",
         "*Pull*: a daemon with `[nixl] enabled = true` holds the blocks in DRAM; a reader process "
         "with its own NIXL agent leases all of them with one READ_NIXL, pulls them with "
@@ -865,9 +1046,9 @@ def _method_lines(result: dict[str, Any]) -> list[str]:
         "buffers of the same size, one `initialize_xfer` + `transfer` per round, polled with "
         "the same back-off. *Bare*: the pull's round with the agent's READ alone "
         "(`NixlAgent.pull` of the lease's descriptors, no re-check): bare / raw is what the "
-        "daemon's side and the lease cost, pull / bare what the re-check costs. "
-        "*Pool*: `tools/bench_pool.py`'s restore: a daemon attached to a "
-        "`redis-server` on loopback (write-through, no NVMe tier) is restarted on a wiped data "
+        "daemon's side and the lease cost, pull / bare what the re-check costs (pull / raw is "
+        "their product). *Pool*: `tools/bench_pool.py`'s restore: a daemon attached to a "
+        "`redis-server` (write-through, no NVMe tier) is restarted on a wiped data "
         "directory every round and a client leases every block from the pool, 1-key READs, "
         f"at most {result['pool_concurrency']} (and {size_name(POOL_IN_FLIGHT_BYTES)}) in flight "
         "(the blocks end leased in the daemon's DRAM, not "
@@ -875,9 +1056,15 @@ def _method_lines(result: dict[str, Any]) -> list[str]:
         "pull (and raw READ) of a new reader: connection, grant and metadata loading included. "
         f"Then {result['rounds']} rounds: in each, pull, bare and raw {result['repeats']} times "
         "over in an order rotating every time (a round's figure is the median of its repeats), "
-        f"then one pool restore; each side {alone}. Ratios are medians of per-round ratios, "
+        "then one pool restore. Ratios are medians of per-round ratios, "
         "GB/s and ms medians of rounds. *Checksum ms*: "
         "the reader's re-check (xxh3 of every block) timed alone after the round.",
+        "",
+        "Progress: the daemon's agent has no NIXL progress thread (it drives UCX's progress on "
+        "its event loop while a NIXL lease is held and for 5 s after), nor have the two pullers' "
+        "(`progress_thread=False`: they poll their transfers); the raw owner keeps NIXL's "
+        "defaults, a progress thread that busy-waits a core (plain NIXL as users run it); "
+        f"{stopped}.",
     ]
 
 
@@ -904,36 +1091,116 @@ def _table_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: Why a NIXL pull over UCX's ``tcp`` transport gains little on the pool restore here.
+_TCP_BOTH = (
+    "both move the bytes by TCP through this one kernel (a veth pair is a memory copy, no NIC), "
+    "on the same 2 vCPUs: UCX's `tcp` transport emulates the READ over one connection, which the "
+    "reader's agent (no progress thread) progresses only when it polls, with kvtierd's back-off "
+    "of 0.1 ms doubling to 5 ms, while the pool's GETs run {in_flight} at a time on connections "
+    "of their own and the pool already holds the bytes (written through): the pull's advantage, "
+    "RDMA's zero-copy, is not on this machine"
+)
+
+
+def _shortfall_lines(result: dict[str, Any]) -> list[str]:
+    """Where each goal that was not met lost, from the same run's figures."""
+    rows = {(g["placement"], g["block_bytes"]): g for g in result["goals"] if not g["met"]}
+    lines = []
+    for placement, measured in result["placements"].items():
+        for r in measured["sizes"]:
+            if (placement, r["block_bytes"]) not in rows:
+                continue
+            m, pull = r["median"], r["median"]["pull"]
+            where = f"`{placement}`, {size_name(r['block_bytes'])}"
+            if m["pull_over_raw"] < GOAL_PULL_OVER_RAW:
+                lease, check = pull["lease_s"] / pull["s"], pull["verify_s"] / pull["s"]
+                lines.append(
+                    f"- {where}: pull / raw {m['pull_over_raw']:.2f}: bare / raw "
+                    f"{m['bare_over_raw']:.2f} (the lease round trip is {lease:.0%} of a pull's "
+                    "time: the rest is the transfer out of the daemon against raw's out of its "
+                    f"owner) and pull / bare {m['pull_over_bare']:.2f} (the re-check; its "
+                    f"checksum alone is {check:.0%} of a pull's time)."
+                )
+            pool_goal = r["block_bytes"] == GOAL_POOL_BLOCK_BYTES
+            if pool_goal and m["pull_over_pool"] < GOAL_PULL_OVER_POOL:
+                tcp = any(t.startswith("tcp") for t in r["read_transports"]["pull"])
+                lines.append(
+                    f"- {where}: pull / pool {m['pull_over_pool']:.1f}x: the pull "
+                    f"{pull['gbps']:.2f} GB/s, the pool restore {m['pool']['gbps']:.2f} GB/s "
+                    "(its daemon's restart not counted)"
+                    + (f"; {_TCP_BOTH.format(in_flight=r['pool_in_flight'])}." if tcp else ".")
+                )
+    return ["Where a goal was missed:", "", *lines] if lines else ["Every goal was met."]
+
+
 def _context_lines(result: dict[str, Any]) -> list[str]:
     load = result["load_average"]
     lines = []
     for placement, measured in result["placements"].items():
-        transports = sorted({t for r in measured["sizes"] for t in r["read_transports"]["pull"]})
-        raw = sorted({t for r in measured["sizes"] for t in r["read_transports"]["raw"]})
-        pool_idle = benchlib.median([r["pool_daemon_idle_cpu"] for r in measured["sizes"]])
-        cma = (
-            " (`cma`: the reader's kernel copies out of the other process's memory with "
-            "`process_vm_readv`, no network: the transfer is a memory copy)"
-            if any(t.startswith("cma") for t in [*transports, *raw])
-            else ""
-        )
-        lines += [
-            f"Placement `{placement}`: UCX's protocol tables (`UCX_PROTO_INFO=y`) name "
-            f"{', '.join(transports) or 'nothing'} for the pull's RMA reads and "
-            f"{', '.join(raw) or 'nothing'} for the raw ones{cma}. The daemon with NIXL, idle, "
-            f"used {measured['nixl_daemon_idle_cpu']:.0%} of a core "
-            f"(the pool daemon, without NIXL: {pool_idle:.0%}): every NIXL agent's progress "
-            "thread polls without a pause (`nixl._api` sets `pthrDelay` 0), so on these 2 vCPUs "
-            "a side measured beside another's idle agents loses a core to each.",
-            "",
-        ]
+        lines += [*_placement_lines(placement, measured), ""]
     return [
         *lines,
-        f"Placement `netns` is not available yet: {NETNS_REASON}.",
-        "",
         f"One-minute load average {load['start'][0]:.1f} at the start and {load['end'][0]:.1f} "
         "at the end, on 2 vCPUs where other jobs may run too: absolute figures are this loaded "
         "machine's; compare within the run.",
+    ]
+
+
+def _placement_lines(placement: str, measured: dict[str, Any]) -> list[str]:
+    """What UCX chose, what the idle processes used, and (``netns``) what crossed the link."""
+    sizes = measured["sizes"]
+    transports = sorted({t for r in sizes for t in r["read_transports"]["pull"]})
+    raw = sorted({t for r in sizes for t in r["read_transports"]["raw"]})
+    median = benchlib.median
+    linger = median([r["nixl_daemon_linger_cpu"] for r in sizes])
+    cma = (
+        " (`cma`: the reader's kernel copies out of the other process's memory with "
+        "`process_vm_readv`, no network: the transfer is a memory copy)"
+        if any(t.startswith("cma") for t in [*transports, *raw])
+        else ""
+    )
+    spins = (
+        ": it spins, since its pause between progress calls (0.2 ms) is a 0 ms timer on uvloop, "
+        "the loop of the daemon's asyncio runtime (on trio the same pump used about a tenth "
+        "of a core)"
+        if linger >= 0.5
+        else ""
+    )
+    lines = [
+        f"Placement `{placement}`: UCX's protocol tables (`UCX_PROTO_INFO=y`) name "
+        f"{', '.join(transports) or 'nothing'} for the pull's RMA reads and "
+        f"{', '.join(raw) or 'nothing'} for the raw ones{cma}. Share of a core: the daemon "
+        f"with NIXL, idle, {measured['nixl_daemon_idle_cpu']:.0%} (the pool daemon, without "
+        f"NIXL, {median([r['pool_daemon_idle_cpu'] for r in sizes]):.0%}); the same daemon in "
+        f"the 2 s after a lease, while it drives UCX's progress, {linger:.0%}{spins}; the raw "
+        f"owner, idle, {median([r['raw_owner_idle_cpu'] for r in sizes]):.0%} (NIXL's progress "
+        "thread).",
+    ]
+    return lines + _link_lines(sizes)
+
+
+def _link_lines(sizes: list[dict[str, Any]]) -> list[str]:
+    """What the reader's host received beside what each side moved (none without a link)."""
+    links = [(r["block_bytes"], r["reader_link"]) for r in sizes if r["reader_link"]]
+    if not links:
+        return []
+
+    def mib(nbytes: int) -> str:
+        return f"{nbytes / MiB:,.0f}"
+
+    counts = "; ".join(
+        f"{size_name(block)} blocks: "
+        + ", ".join(f"{s} {mib(n[s]['rx_bytes'])} for {mib(n[s]['moved_bytes'])}" for s in SIDES)
+        for block, n in links
+    )
+    verdict = (
+        "every pulled byte crossed the veth pair."
+        if all(link["crossed"] for _, link in links)
+        else "**fewer bytes than were pulled: some took another path.**"
+    )
+    return [
+        "The reader's host's `eth0` received, while each side ran (cold rounds included), against "
+        f"the bytes the side moved: {counts} MiB: {verdict}"
     ]
 
 
@@ -962,8 +1229,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--placements",
-        default=Placement.LOCAL.value,
-        help="where the processes run, comma-separated: local (netns: not yet available)",
+        default=DEFAULT_PLACEMENTS,
+        help=f"where the processes run, comma-separated (default {DEFAULT_PLACEMENTS})",
     )
     parser.add_argument(
         "--pool-concurrency", type=int, default=16, help="1-key READs in flight, pool side"
@@ -971,7 +1238,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--keep-others-running",
         action="store_true",
-        help="measure each side with the other sides' NIXL processes running, not stopped",
+        help="measure each side with the spinning processes (raw owner, daemon) running too",
     )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_TOTAL} per size, 2 rounds")
     parser.add_argument("--no-record", action="store_true", help="leave docs/ untouched")
@@ -1000,11 +1267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report(json.loads(args.report.read_text()))
         return 0
     for placement in args.placements:
-        try:
-            with open_placement(placement):
-                pass
-        except PlacementUnavailableError as exc:
-            log(f"bench_nixl: {exc}")
+        reason = placement_unavailable(placement)
+        if reason is not None:
+            log(f"bench_nixl: {reason} (--placements local measures this host alone)")
             return 2
     if importlib.util.find_spec("nixl") is None:
         log("bench_nixl: NIXL is not installed (pip install 'kvtierd[nixl]'; tools/setup.sh)")
@@ -1020,7 +1285,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": NAME,
         "nixl": verdict.detail,
-        "ucx_tls": os.environ.get("UCX_TLS") or "unset (UCX's defaults)",
         "total_bytes": int(config.parse_size(args.total)),
         "rounds": args.rounds,
         "repeats": args.repeats,
@@ -1030,13 +1294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="kvtierd-nixl-bench-", dir="/tmp") as directory:
         workdir = Path(directory)
-        with redis_server(workdir / "redis") as port:
-            for placement in args.placements:
-                where = workdir / placement.value
-                where.mkdir()
-                result["placements"][placement.value] = bench_placement(
-                    placement, where, port, sizes, args
-                )
+        for placement in args.placements:
+            where = workdir / placement.value
+            where.mkdir()
+            result["placements"][placement.value] = bench_placement(placement, where, sizes, args)
     result["goals"] = goals(result)
     result["load_average"] = {"start": load_start, "end": os.getloadavg()}
     result["machine"] = benchlib.machine()
