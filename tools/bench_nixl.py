@@ -116,6 +116,7 @@ from bench_pool import pool_config, redis_server, restart_wiped
 
 from kvtierd import config
 from kvtierd.client import Client, chain_keys, client_tls_context, connect, connect_tcp
+from kvtierd.nixl.agent import POLL_FIRST_S, POLL_MAX_S
 from kvtierd.testing import DaemonProcess
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ CHILD_TIMEOUT_S = 120.0
 #: How long one raw READ may take before the puller gives up, and its polls' back-off (that of
 #: ``kvtierd.nixl.agent``).
 RAW_TIMEOUT_S = 60.0
-RAW_POLL_FIRST_S, RAW_POLL_MAX_S = 1e-4, 5e-3
+RAW_POLL_FIRST_S, RAW_POLL_MAX_S = POLL_FIRST_S, POLL_MAX_S
 #: ``netns``: the daemon's TCP control port (on its host's address), the common name of the
 #: reader's certificate and the uid the daemon maps it to (in tenant ``default``'s uids), the
 #: transports of every NIXL process.
@@ -1096,8 +1097,9 @@ _TCP_BOTH = (
     "both move the bytes by TCP through this one kernel (a veth pair is a memory copy, no NIC), "
     "on the same 2 vCPUs: UCX's `tcp` transport emulates the READ over one connection, which the "
     "reader's agent (no progress thread) progresses only when it polls, with kvtierd's back-off "
-    "of 0.1 ms doubling to 5 ms, while the pool's GETs run {in_flight} at a time on connections "
-    "of their own and the pool already holds the bytes (written through): the pull's advantage, "
+    f"of {POLL_FIRST_S * 1e3:g} ms doubling to {POLL_MAX_S * 1e3:g} ms, while the pool's GETs "
+    "run {in_flight} at a time on connections of their own and the pool already holds the "
+    "bytes (written through): the pull's advantage, "
     "RDMA's zero-copy, is not on this machine"
 )
 

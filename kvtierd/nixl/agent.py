@@ -65,9 +65,11 @@ __all__ = [
     "start_agent",
 ]
 
-#: The first and the longest sleep between two polls of a transfer's state.
-_POLL_FIRST_S = 0.0001
-_POLL_MAX_S = 0.005
+#: The first and the longest sleep between two polls of a transfer's state. An agent without a
+#: progress thread moves its data only when polled, so the back-off stays short (a pull is
+#: work in progress; the async pull's sleeps are timers, which uvloop keeps at 1 ms or more).
+POLL_FIRST_S = 0.0001
+POLL_MAX_S = 0.0005
 _DRAM = "DRAM"
 #: What NIXL's Python layer raises for a bad argument or a missing plug-in.
 _NIXL_PYTHON_ERRORS = (RuntimeError, ValueError, TypeError)
@@ -237,13 +239,13 @@ class NixlAgent:
         """
         handle = self._start(peer, remote, local)
         deadline = time.monotonic() + timeout_s
-        pause = _POLL_FIRST_S
+        pause = POLL_FIRST_S
         try:
             while not self._finished(handle):
                 if time.monotonic() >= deadline:
                     raise TransferError(f"NIXL READ from {peer} not done in {timeout_s:g} s")
                 time.sleep(pause)
-                pause = min(2 * pause, _POLL_MAX_S)
+                pause = min(2 * pause, POLL_MAX_S)
         finally:
             self._release(handle)
 
@@ -254,12 +256,12 @@ class NixlAgent:
         meanwhile. A cancellation releases (aborts) the transfer; if NIXL cannot abort it, it
         may still write into ``local`` until :meth:`close`."""
         handle = self._start(peer, remote, local)
-        pause = _POLL_FIRST_S
+        pause = POLL_FIRST_S
         try:
             with anyio.move_on_after(timeout_s) as scope:
                 while not self._finished(handle):
                     await anyio.sleep(pause)
-                    pause = min(2 * pause, _POLL_MAX_S)
+                    pause = min(2 * pause, POLL_MAX_S)
             if scope.cancelled_caught:
                 raise TransferError(f"NIXL READ from {peer} not done in {timeout_s:g} s")
         finally:

@@ -14,8 +14,9 @@ every transfer.
 
 Progress. NIXL's progress thread spins a core for as long as the agent lives, so the daemon's
 agent has none: :meth:`RegionExport.pump`, a task of the daemon's, drives UCX's progress on the
-event loop (every :data:`PUMP_INTERVAL_S`) while a NIXL lease is held (:meth:`RegionExport.hold`)
-and for :data:`LINGER_S` after the last grant or lease, and sleeps otherwise. A peer reading
+event loop (every :data:`PUMP_INTERVAL_S`, 1 ms) while a NIXL lease is held
+(:meth:`RegionExport.hold`) and for :data:`LINGER_S` after the last grant or lease, and sleeps
+otherwise. A peer reading
 over RDMA or shared memory needs no progress from the daemon; one reading over TCP does.
 
 Nothing is registered for the private memory (record headers, write-back staging): it is no
@@ -48,8 +49,9 @@ __all__ = ["NixlReads", "RegionExport", "RegionGrant", "start_region_export"]
 
 log = logging.getLogger("kvtierd.nixl")
 
-#: How often the agent's progress is driven while peers may be reading.
-PUMP_INTERVAL_S = 0.0002
+#: How often the agent's progress is driven while peers may be reading. Not below 1 ms: uvloop
+#: rounds a shorter timer down to 0, and the pump would then spin the event loop.
+PUMP_INTERVAL_S = 0.001
 #: How long progress goes on after the last grant or NIXL lease: a pull set up late (a client
 #: that connects, then leases) or the last completions of a released lease still progress.
 LINGER_S = 5.0
