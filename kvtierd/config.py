@@ -13,6 +13,10 @@ Where the daemon keeps its socket and data when nothing says otherwise:
 * in a source checkout (the package sits next to ``pyproject.toml``), ``<checkout>/.kvtierd/``,
   so a developer's daemon never needs root;
 * otherwise ``/run/kvtierd`` and ``/var/lib/kvtierd``.
+
+One module on purpose, long as it is: every section with its rules, in the order
+``docs/configuration.md`` and ``systemd/kvtierd.toml`` give them, so that the reference, the
+example and the code can be read side by side (a test keeps the three in step).
 """
 
 from __future__ import annotations
@@ -383,6 +387,10 @@ class RemotePeer(_Section):
     #: The name its certificate must carry; default: the host part of ``address``.
     server_name: str = ""
 
+    def host_port(self) -> tuple[str, int]:
+        """``address`` as (host, port); raises ``ValueError`` for one that is not host:port."""
+        return _host_port(self.address)
+
 
 class RemoteConfig(_Section):
     """Control connections over TCP, for engines on other hosts that pull blocks over NIXL
@@ -447,7 +455,7 @@ class RemoteConfig(_Section):
     def _broken_peer_rules(self) -> Iterator[ConfigProblem]:
         for index, peer in enumerate(self.peers):
             try:
-                _host_port(peer.address)
+                peer.host_port()
             except ValueError as exc:
                 yield ConfigProblem(f"peers[{index}].address", str(exc))
         if not self.peers:

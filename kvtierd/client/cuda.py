@@ -127,20 +127,28 @@ class PinnedRegion:
         self.device = torch.device(device)
         self.registered = False
 
-    def __enter__(self) -> PinnedRegion:
-        if self.device.type == "cuda" and self.buffer.numel():
+    def pin(self) -> None:
+        """Register the buffer (on a CUDA device; nothing on the CPU); idempotent."""
+        if self.device.type == "cuda" and self.buffer.numel() and not self.registered:
             nbytes = self.buffer.numel() * self.buffer.element_size()
             _check(
                 _cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0),
                 "cudaHostRegister",
             )
             self.registered = True
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def unpin(self) -> None:
+        """Unregister it again (no copy may still read it); idempotent."""
         if self.registered:
             self.registered = False
             _check(_cudart().cudaHostUnregister(self.buffer.data_ptr()), "unregister")
+
+    def __enter__(self) -> PinnedRegion:
+        self.pin()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.unpin()
 
 
 def _cudart() -> Any:

@@ -1,6 +1,7 @@
-"""The blocking client: one request at a time over a Unix socket, thread-safe.
+"""The blocking client: one request at a time over a Unix socket (or, to another host's
+daemon, over TCP: :mod:`kvtierd.client.endpoint`), thread-safe.
 
-Use :func:`kvtierd.client.connect`. Every method may raise the
+Use :func:`kvtierd.client.connect` (or :func:`connect_tcp`). Every method may raise the
 :class:`~kvtierd.errors.KvtierError` subclass that matches the daemon's errno,
 :class:`~kvtierd.errors.BrokenConnectionError` when the daemon goes away and
 :class:`~kvtierd.errors.ClosedError` once the client's own :meth:`Client.close` ran.

@@ -460,11 +460,9 @@ class HfKvAdapter:
         if self._pinned is not None and self._pinned.buffer is arena:
             return
         if self._pinned is not None:
-            self._pinned.__exit__(None, None, None)
-            self._pinned = None
-        pinned = PinnedRegion(arena, self.device)
-        pinned.__enter__()
-        self._pinned = pinned
+            self._pinned.unpin()
+        self._pinned = PinnedRegion(arena, self.device)
+        self._pinned.pin()
 
     def forward(self, token_ids: Sequence[int], cache: DynamicCache) -> torch.Tensor:
         """Forward ``token_ids`` onto ``cache`` (which grows by them); the last token's logits

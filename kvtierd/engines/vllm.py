@@ -159,7 +159,6 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
             name: i for i, name in enumerate(kv_cache_config.kv_cache_groups[0].layer_names)
         }
         self._kv: dict[str, torch.Tensor] = {}
-        self._on_device = False
         self._device: torch.device | None = None
         self._cpu_format = False
         self._session: Session | None = None  # the step's, fixed at bind
@@ -318,7 +317,6 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
                     "smaller than vLLM's blocks are not supported)"
                 )
         self._kv = dict(kv_caches)
-        self._on_device = any(t.device.type != "cpu" for t in kv_caches.values())
         #: Where the KV cache lives when not on the host: the arena is pinned for it.
         self._device = next((t.device for t in kv_caches.values() if t.device.type != "cpu"), None)
         self._cpu_format = kv_format() == "cpu"
@@ -444,7 +442,7 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
             self._finish_loads()
 
     def _sync_copies(self) -> None:
-        if self._on_device:  # copies read the arena until they complete
+        if self._device is not None:  # copies read the arena until they complete
             torch.cuda.current_stream().synchronize()
 
     def _finish_loads(self) -> None:

@@ -150,16 +150,15 @@ class Session:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*not writable.*")
                 self._arena = torch.frombuffer(self.namespace.arena_buffer(), dtype=torch.uint8)
-        if device is not None and device.type == "cuda" and self._pinned is None:
-            pinned = PinnedRegion(self._arena, device)
-            pinned.__enter__()
-            self._pinned = pinned
+        if device is not None and self._pinned is None:
+            self._pinned = PinnedRegion(self._arena, device)
+            self._pinned.pin()  # nothing to do for a CPU device
         return self._arena
 
     def close(self) -> None:
         if self._pinned is not None:  # the connector's copies out of it are synchronised
             with contextlib.suppress(KvtierError):
-                self._pinned.__exit__(None, None, None)
+                self._pinned.unpin()
             self._pinned = None
         self._arena = None
         with contextlib.suppress(KvtierError, OSError):

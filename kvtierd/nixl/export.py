@@ -45,7 +45,7 @@ from kvtierd.nixl.agent import Extent, NixlAgent, Registration, start_agent
 from kvtierd.nixl.probe import NixlVerdict, probe_nixl
 from kvtierd.store.regions import TenantRegion
 
-__all__ = ["NixlReads", "RegionExport", "RegionGrant", "start_region_export"]
+__all__ = ["NIXL_OFF", "NixlReads", "RegionExport", "RegionGrant", "start_region_export"]
 
 log = logging.getLogger("kvtierd.nixl")
 
@@ -173,6 +173,10 @@ class NixlReads:
         if self.export is None:
             raise NotSupportedError(f"this daemon serves no NIXL reads: {self.why_not}")
         return self.export
+
+
+#: What a daemon without ``nixl.enabled`` serves.
+NIXL_OFF = NixlReads(None, "nixl.enabled is false")
 
 
 async def start_region_export(

@@ -25,13 +25,12 @@ from collections.abc import AsyncIterator
 from functools import partial
 
 import anyio
-import anyio.to_thread
 
 from kvtierd.config import Config, PoolConfig
 from kvtierd.errors import ConfigError, NotSupportedError
 from kvtierd.io import BindingVerdict
 from kvtierd.nixl.agent import TransferError
-from kvtierd.nixl.export import NixlReads, start_region_export
+from kvtierd.nixl.export import NIXL_OFF, NixlReads, start_region_export
 from kvtierd.nixl.probe import probe_nixl
 from kvtierd.pool.connect import PoolUnavailableError, pool_address, read_secret
 from kvtierd.pool.link import PoolLink, open_pool_link
@@ -101,7 +100,7 @@ async def open_nixl_reads(config: Config, store: BlockStore) -> AsyncIterator[Ni
     """The NIXL export of ``store``'s tenant regions, for as long as the daemon serves; or, when
     ``nixl.enabled`` is false or NIXL cannot run here, why not (logged)."""
     if not config.nixl.enabled:
-        yield NixlReads(None, "nixl.enabled is false")
+        yield NIXL_OFF
         return
     name = f"kvtierd-{socket.gethostname()}-{os.getpid()}"
     probe = partial(probe_nixl, timeout_s=config.nixl.probe_timeout_s)
@@ -147,5 +146,4 @@ async def open_peer_reads(
         yield peers
     finally:
         link.tier.peer_source = None
-        with anyio.CancelScope(shield=True):  # DESTROY to each peer: a blocking send
-            await anyio.to_thread.run_sync(peers.close)
+        await peers.aclose()

@@ -1,5 +1,5 @@
-"""The daemon: listen on the Unix socket (and on TCP, :mod:`kvtierd.server.remote`), open the
-store, serve sessions, stop cleanly.
+"""The daemon: open the store behind its listeners (the Unix socket, and TCP:
+:mod:`kvtierd.server.accepting`), serve sessions, stop cleanly.
 
 Lifecycle. ``serve_daemon`` takes the data directory's lock, binds the socket with the
 configured mode and group (refusing when another kvtierd answers there) and the metrics
@@ -28,12 +28,11 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
-import grp
 import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +43,11 @@ from anyio.abc import ByteStream, SocketStream, TaskStatus, UNIXSocketStream
 
 from kvtierd import __version__
 from kvtierd.config import Config
-from kvtierd.errors import BusyError, ConfigError, KvtierError
+from kvtierd.errors import BusyError
 from kvtierd.io import BindingVerdict
-from kvtierd.nixl.export import NixlReads
-from kvtierd.protocol import ServerConnection
+from kvtierd.nixl.export import NIXL_OFF, NixlReads
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply, TierStatistics
+from kvtierd.server.accepting import listen_unix, refuse, serve_connections
 from kvtierd.server.assembly import (
     open_daemon_store,
     open_nixl_reads,
@@ -60,9 +59,8 @@ from kvtierd.server.doctor import RunningFacts, running_report
 from kvtierd.server.endpoint import serve_endpoint
 from kvtierd.server.metrics import Metrics, RequestTimings
 from kvtierd.server.notify import Notifier
-from kvtierd.server.preflight import socket_answers
 from kvtierd.server.readiness import Readiness
-from kvtierd.server.remote import RemoteListener, open_remote_listener
+from kvtierd.server.remote import open_remote_listener
 from kvtierd.server.session import Session, peer_credentials
 from kvtierd.store.counts import TrafficCounts
 from kvtierd.store.lifecycle import arena_bytes
@@ -107,7 +105,7 @@ class Daemon:
         self.config = config
         self.store = store
         #: The NIXL export of the arena's tenant regions, or why there is none.
-        self.nixl = nixl if nixl is not None else NixlReads(None, "nixl.enabled is false")
+        self.nixl = nixl if nixl is not None else NIXL_OFF
         #: The store's link to the shared pool, when one is configured.
         self.pool = pool_link_of(store)
         self.startup = tuple(startup)
@@ -279,7 +277,7 @@ class Daemon:
         refusal = self._make_room(peer.uid)
         if refusal is not None:
             log.warning("refusing %s: %s", peer, refusal)
-            await _refuse(stream, BusyError(refusal))
+            await refuse(stream, BusyError(refusal))
             return
         session = Session(self, stream, peer, direct=direct)
         self.sessions.add(session)
@@ -292,7 +290,7 @@ class Daemon:
             self._forget(session)
             if not self.sessions:
                 self.idle.set()
-            log.info("%s disconnected", peer if peer.remote else f"pid {peer.pid}")
+            log.info("%s disconnected", peer)
 
     def _make_room(self, uid: int) -> str | None:
         """``None`` when a new connection of ``uid`` fits in the limits, once an idle connection
@@ -355,74 +353,6 @@ class Daemon:
                 del self.sessions_of_uid[session.peer.uid]
 
 
-async def _refuse(stream: ByteStream, error: KvtierError) -> None:
-    """Send ``error`` as the fatal frame of a new connection, and close it.
-
-    The client's INIT is read first, when it comes within :data:`_REFUSAL_READ_S`: a Unix
-    socket closed with unread data resets the connection, and the peer's next read then fails
-    with ``ECONNRESET`` instead of returning the frame that says why."""
-    with contextlib.suppress(anyio.BrokenResourceError, OSError):
-        await stream.send(ServerConnection().fatal(error))  # one small frame: never waits
-    with (
-        anyio.move_on_after(_REFUSAL_READ_S),
-        contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, OSError),
-    ):
-        await stream.receive(65536)
-    await stream.aclose()
-
-
-#: How long a refused connection is given to send its INIT before it is closed.
-_REFUSAL_READ_S = 1.0
-
-
-async def _admit(stream: SocketStream, readiness: Readiness) -> None:
-    """Hand a new connection to the daemon, or tell it the daemon is still starting."""
-    daemon = readiness.daemon
-    if daemon is None:
-        log.debug("a connection while starting: %s", readiness.progress.describe())
-        await _refuse(stream, readiness.starting_error())
-        return
-    await daemon.handle(stream)
-
-
-async def _admit_remote(
-    stream: SocketStream, readiness: Readiness, remote: RemoteListener, handshake_timeout_s: float
-) -> None:
-    """Hand a TCP connection to the daemon once its handshake says who it is, or say why
-    not (``docs/remote.md``)."""
-    admitted = await remote.admit(stream, handshake_timeout_s)
-    if admitted is None:
-        return
-    daemon = readiness.daemon
-    refusal = readiness.starting_error() if daemon is None else admitted.refusal
-    if refusal is not None or admitted.peer is None:
-        await _refuse(admitted.stream, refusal or BusyError("no identity"))
-        return
-    assert daemon is not None
-    await daemon.handle_remote(admitted.stream, admitted.peer)
-
-
-@contextlib.asynccontextmanager
-async def _listen(config: Config) -> AsyncIterator[anyio.abc.SocketListener]:
-    path = config.socket_path
-    await anyio.to_thread.run_sync(_prepare_socket_dir, path)
-    listener = await anyio.create_unix_listener(path)
-    try:
-        os.chmod(path, int(config.daemon.socket_mode, 8))
-        if config.daemon.socket_group:
-            try:
-                os.chown(path, -1, grp.getgrnam(config.daemon.socket_group).gr_gid)
-            except KeyError:
-                raise ConfigError(
-                    f"socket_group {config.daemon.socket_group!r} does not exist"
-                ) from None
-        yield listener
-    finally:
-        await listener.aclose()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
 def _tolerate_duplicate_readiness() -> None:
     """On asyncio (uvloop), anyio waits for a readable socket with a future that the loop's
     reader callback resolves; when the descriptor fires twice before the future's done-callback
@@ -446,15 +376,6 @@ def _tolerate_duplicate_readiness() -> None:
             loop.default_exception_handler(context)
 
     loop.set_exception_handler(handler)
-
-
-def _prepare_socket_dir(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.is_socket():
-        return
-    if socket_answers(path):
-        raise BusyError(f"another kvtierd is listening on {path}")
-    path.unlink()  # a stale socket left by a daemon that crashed
 
 
 @contextlib.contextmanager
@@ -496,13 +417,14 @@ async def serve_daemon(
     notifier.status(str(readiness.starting_error()))
     with _exclusive(config.data_path):
         async with (
-            _listen(config) as listener,
-            open_remote_listener(config.remote) as remote,
+            listen_unix(config) as listener,
+            open_remote_listener(
+                config.remote, handshake_timeout_s=config.daemon.handshake_timeout_s
+            ) as remote,
             anyio.create_task_group() as tg,
         ):
             accepting = anyio.CancelScope()
-            handshake_s = config.daemon.handshake_timeout_s
-            tg.start_soon(_serve_connections, listener, readiness, accepting, remote, handshake_s)
+            tg.start_soon(serve_connections, listener, readiness, accepting, remote)
             tg.start_soon(notifier.run_watchdog)
             metrics = Metrics(config.daemon, readiness) if config.daemon.metrics_port else None
             if metrics is not None:
@@ -589,42 +511,6 @@ async def _wait_for_stop_signal() -> signal.Signals:
             log.info("%s: stopping", signal.Signals(signum).name)
             return signal.Signals(signum)
     raise AssertionError("the signal receiver ended")  # it never does
-
-
-async def _serve_connections(
-    listener: anyio.abc.SocketListener,
-    readiness: Readiness,
-    scope: anyio.CancelScope,
-    remote: RemoteListener | None = None,
-    handshake_timeout_s: float = 0.0,
-) -> None:
-    """Accept connections on the Unix socket (and on TCP, with ``remote``) until ``scope``
-    is cancelled; the sessions then finish what they have in flight."""
-
-    async def admit_local(stream: SocketStream) -> None:
-        await _admit(stream, readiness)
-
-    async def admit_remote(stream: SocketStream) -> None:
-        assert remote is not None
-        await _admit_remote(stream, readiness, remote, handshake_timeout_s)
-
-    async with anyio.create_task_group() as sessions:
-        with scope:
-            async with anyio.create_task_group() as accepting:
-                for tcp in remote.listeners if remote is not None else ():
-                    accepting.start_soon(_accept, tcp, admit_remote, sessions)
-                accepting.start_soon(_accept, listener, admit_local, sessions)
-        # accepting stopped: the sessions finish what they have in flight
-
-
-async def _accept(
-    listener: anyio.abc.SocketListener,
-    admit: Callable[[SocketStream], Coroutine[Any, Any, None]],
-    sessions: anyio.abc.TaskGroup,
-) -> None:
-    while True:
-        stream = await listener.accept()
-        sessions.start_soon(admit, stream)
 
 
 async def _drain(daemon: Daemon, serving: anyio.CancelScope, grace_s: float) -> None:

@@ -69,12 +69,7 @@ def peer_endpoints(config: RemoteConfig) -> list[TcpEndpoint]:
             tls = client_tls_context(config.peer_ca, config.peer_cert_file, config.peer_key_file)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"remote.peer_cert_file/key_file/ca_file: {exc}") from None
-    endpoints = []
-    for peer in config.peers:
-        host, _, port = peer.address.rpartition(":")
-        host = host.removeprefix("[").removesuffix("]")
-        endpoints.append(TcpEndpoint(host, int(port), tls, peer.server_name or None))
-    return endpoints
+    return [TcpEndpoint(*p.host_port(), tls, p.server_name or None) for p in config.peers]
 
 
 @dataclass(eq=False)
@@ -83,7 +78,9 @@ class _Peer:
 
     endpoint: TcpEndpoint
     client: Client | None = None
-    #: Namespace digest -> the namespace opened on the peer.
+    #: Counts the connections made: what was set up on an earlier one is not this one's.
+    connection: int = 0
+    #: Namespace digest -> the namespace opened on the peer (on this connection).
     namespaces: dict[bytes, Namespace] = field(default_factory=dict)
     #: (connection, region) -> the peer's agent as this daemon's agent knows it.
     agents: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -98,6 +95,7 @@ class _Peer:
             self.client = connect_endpoint(
                 self.endpoint, client_name="kvtierd-peer", timeout_s=PEER_TIMEOUT_S
             )
+            self.connection += 1
         client = self.client
         if client.daemon_minor < ops.NIXL_MINOR:
             raise BlockNotFoundError(f"{self.endpoint} speaks minor {client.daemon_minor}")
@@ -114,16 +112,18 @@ class _Peer:
                 sparse=spec.sparse,
                 create=False,
             )
-        replies = ns._run(lambda: ops.read_nixl(ns.handle.ns, [key], client.max_keys))
-        where = (client.reconnects, ns.handle.region)
+        replies = client.run(ops.read_nixl(ns.handle.ns, [key], client.max_keys))
+        where = (self.connection, ns.handle.region)
         metadata = None
         if where not in self.agents:  # (a concurrent load may add it first: then unused)
-            metadata = ns._run(lambda: ops.nixl_grant(ns.handle.ns)).metadata
-        return _Lease(replies, where, metadata, client.reconnects)
+            metadata = client.run(ops.nixl_grant(ns.handle.ns)).metadata
+        return _Lease(replies, where, metadata)
 
     def release(self, lease: _Lease) -> None:
-        if self.client is not None:
-            self.client.release_soon([r.lease for r in lease.replies], lease.connection)
+        """RELEASE ``lease``, unless its connection is gone (the peer released it then, and
+        its id may name a lease of the new connection)."""
+        if self.client is not None and self.connection == lease.where[0]:
+            self.client.release_soon([r.lease for r in lease.replies])
 
     def close(self) -> None:
         self.namespaces.clear()
@@ -135,9 +135,9 @@ class _Peer:
 @dataclass(frozen=True, slots=True)
 class _Lease:
     replies: list[ReadNixlReply]
+    #: (connection, region): which of the peer's agents, as loaded here, the lease is for.
     where: tuple[int, int]
     metadata: bytes | None
-    connection: int
 
 
 class PeerReads:
@@ -191,9 +191,7 @@ class PeerReads:
         with anyio.fail_after(PEER_TIMEOUT_S):
             try:
                 async with peer.lock:  # one control call at a time; pulls overlap
-                    lease = await anyio.to_thread.run_sync(
-                        peer.lease, spec, ref.ns_digest, ref.key
-                    )
+                    lease = await anyio.to_thread.run_sync(peer.lease, spec, ref.ns_digest, ref.key)
             except BlockNotFoundError:
                 return False
             try:
@@ -206,6 +204,7 @@ class PeerReads:
                 if agent is None:
                     if lease.metadata is None:  # its grant is another load's, not loaded yet
                         return False
+                    self._forget_agents(peer, before=lease.where[0])
                     agent = peer.agents[lease.where] = self._agent.add_peer(lease.metadata)
                 local = [(buffer_address(target), ref.raw_bytes)]
                 reply = lease.replies[0]
@@ -219,8 +218,21 @@ class PeerReads:
             return checksum(target) == ref.checksum
         return await anyio.to_thread.run_sync(checksum, target) == ref.checksum
 
-    def close(self) -> None:
-        """Close every peer connection and forget their agents (the agent stays open)."""
+    def _forget_agents(self, peer: _Peer, *, before: int) -> None:
+        """Forget the peer's agents loaded on connections before ``before`` (a peer that
+        restarted has a new agent; the old one's metadata is of no use)."""
+        for where in [w for w in peer.agents if w[0] < before]:
+            agent = peer.agents.pop(where)
+            if agent not in peer.agents.values():
+                try:
+                    self._agent.remove_peer(agent)
+                except KvtierError as exc:
+                    log.debug("forgetting peer agent %s: %s", agent, exc)
+
+    async def aclose(self) -> None:
+        """Forget the peers' agents (on the event loop, where the agent is used) and close
+        every peer connection (DESTROY: blocking sends, in a worker thread); the agent stays
+        open."""
         c = self.counters
         log.info(
             "peers served %d block(s), %d bytes; %d asked of them in vain; %d failure(s)",
@@ -230,10 +242,7 @@ class PeerReads:
             c["failures"],
         )
         for peer in self._peers:
-            for agent in set(peer.agents.values()):
-                try:
-                    self._agent.remove_peer(agent)
-                except KvtierError as exc:
-                    log.debug("forgetting peer agent %s: %s", agent, exc)
-            peer.agents.clear()
-            peer.close()
+            self._forget_agents(peer, before=peer.connection + 1)
+        with anyio.CancelScope(shield=True):
+            for peer in self._peers:
+                await anyio.to_thread.run_sync(peer.close)

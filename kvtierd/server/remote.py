@@ -18,8 +18,8 @@ the daemon also listens on TCP, and a connection there differs in three ways:
   the NIXL metadata and descriptors of the client's own tenant region.
 
 This module is the listener's set-up and the admission of one connection (the TLS handshake,
-within ``daemon.handshake_timeout_s``, and the identity); the daemon then serves it as any
-other :class:`~kvtierd.server.session.Session`.
+within ``daemon.handshake_timeout_s``, then the identity, whose refusal the daemon sends); the
+daemon then serves it as any other :class:`~kvtierd.server.session.Session`.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from anyio.abc import ByteStream, SocketAttribute, SocketListener, SocketStream
 from anyio.streams.tls import TLSAttribute, TLSStream
 
 from kvtierd.config import RemoteConfig
-from kvtierd.errors import AccessDeniedError, ConfigError, KvtierError
+from kvtierd.errors import AccessDeniedError, ConfigError
 from kvtierd.protocol import Opcode
 from kvtierd.store.namespaces import PeerCredentials
 
-__all__ = ["REMOTE_OPCODES", "Admitted", "RemoteListener", "open_remote_listener"]
+__all__ = ["REMOTE_OPCODES", "Handshake", "RemoteListener", "open_remote_listener"]
 
 log = logging.getLogger("kvtierd.remote")
 
@@ -62,13 +62,13 @@ REMOTE_OPCODES = frozenset(
 
 
 @dataclass(frozen=True, slots=True)
-class Admitted:
-    """A TCP connection through its handshake: the stream to serve and who it is, or the
-    error its last frame says (the daemon sends it and closes)."""
+class Handshake:
+    """A TCP connection through its TLS handshake (or a plaintext one): the stream to serve,
+    where it comes from, and its certificate's common name (``None`` without TLS)."""
 
     stream: ByteStream
-    peer: PeerCredentials | None
-    refusal: KvtierError | None = None
+    where: str
+    name: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,17 +79,18 @@ class RemoteListener:
     listeners: Sequence[SocketListener]
     config: RemoteConfig
     tls: ssl.SSLContext | None
+    #: ``daemon.handshake_timeout_s``: the TLS handshake must end within it.
+    handshake_timeout_s: float
 
-    async def admit(self, stream: SocketStream, handshake_timeout_s: float) -> Admitted | None:
-        """Shake hands and say who ``stream``'s client is; ``None`` (the stream closed) when
-        the handshake fails or takes longer than ``handshake_timeout_s``."""
+    async def shake_hands(self, stream: SocketStream) -> Handshake | None:
+        """TLS on ``stream`` (nothing in plaintext); ``None``, the stream closed, when the
+        handshake fails or takes longer than :attr:`handshake_timeout_s`."""
         address = stream.extra(SocketAttribute.remote_address)
         where = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
         if self.tls is None:
-            plain = PeerCredentials(0, self.config.plaintext_uid, -1, f"{where} (plaintext)")
-            return Admitted(stream, plain)
+            return Handshake(stream, where, None)
         try:
-            with anyio.fail_after(handshake_timeout_s):
+            with anyio.fail_after(self.handshake_timeout_s):
                 secure = await TLSStream.wrap(
                     stream, server_side=True, ssl_context=self.tls, standard_compatible=False
                 )
@@ -98,15 +99,19 @@ class RemoteListener:
             await stream.aclose()
             return None
         name = _common_name(secure.extra(TLSAttribute.peer_certificate, None))
-        uid = self.config.uid_of(name) if name is not None else None
+        return Handshake(secure, where, name)
+
+    def identify(self, hello: Handshake) -> PeerCredentials:
+        """Who the connection acts as; raises :class:`~kvtierd.errors.AccessDeniedError` for
+        a certificate ``remote.clients`` does not list."""
+        if self.tls is None:
+            where = f"{hello.where} (plaintext)"
+            return PeerCredentials(0, self.config.plaintext_uid, -1, where)
+        uid = self.config.uid_of(hello.name) if hello.name is not None else None
         if uid is None:
-            log.warning("refusing %s: certificate %r is not in remote.clients", where, name)
-            return Admitted(
-                secure,
-                None,
-                AccessDeniedError(f"certificate {name!r} is not a client of this daemon"),
-            )
-        return Admitted(secure, PeerCredentials(0, uid, -1, f"{where} ({name})"))
+            log.warning("refusing %s: certificate %r is unlisted", hello.where, hello.name)
+            raise AccessDeniedError(f"certificate {hello.name!r} is not a client of this daemon")
+        return PeerCredentials(0, uid, -1, f"{hello.where} ({hello.name})")
 
 
 def _common_name(certificate: Mapping[str, Any] | None) -> str | None:
@@ -138,7 +143,9 @@ def server_tls_context(config: RemoteConfig) -> ssl.SSLContext:
 
 
 @contextlib.asynccontextmanager
-async def open_remote_listener(config: RemoteConfig) -> AsyncIterator[RemoteListener | None]:
+async def open_remote_listener(
+    config: RemoteConfig, *, handshake_timeout_s: float
+) -> AsyncIterator[RemoteListener | None]:
     """Listen on ``config.listen`` (``None`` when it is empty) until the block ends."""
     if not config.listen:
         yield None
@@ -153,6 +160,6 @@ async def open_remote_listener(config: RemoteConfig) -> AsyncIterator[RemoteList
         log.warning("remote.listen %s is plaintext (remote.allow_plaintext)", config.listen)
     try:
         sockets = [each for each in listener.listeners if isinstance(each, SocketListener)]
-        yield RemoteListener(sockets, config, tls)
+        yield RemoteListener(sockets, config, tls, handshake_timeout_s)
     finally:
         await listener.aclose()
