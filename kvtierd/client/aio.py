@@ -740,7 +740,9 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
         )
 
     async def hint(self, queue: Sequence[Sequence[bytes]], *, session: bytes = b"") -> int:
-        return await self._run(lambda: ops.hint(self.handle.ns, queue, session))
+        return await self._run(
+            lambda: ops.hint(self.handle.ns, queue, session, self.client.max_keys)
+        )
 
 
 @contextlib.asynccontextmanager

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvtierd.client.arena import ClientArena, as_bytes_view, copy_verified, scatter_views
 from kvtierd.errors import CorruptBlockError, InvalidRequestError
+from kvtierd.protocol.frames import MAX_KEYS_PER_REQUEST
 from kvtierd.protocol.messages import (
     AllocReply,
     AllocRequest,
@@ -47,6 +48,7 @@ from kvtierd.protocol.messages import (
 )
 
 __all__ = [
+    "MAX_QUEUE_CHAINS",
     "Call",
     "NoWait",
     "Op",
@@ -329,11 +331,47 @@ def list_keys(ns: int, after: bytes, limit: int, daemon_minor: int) -> Op[ListKe
     return reply
 
 
-def hint(ns: int, queue: Sequence[Sequence[bytes]], session: bytes) -> Op[int]:
-    for chain in queue:
+#: Queued chains per HINT (``HintRequest.queue``'s bound).
+MAX_QUEUE_CHAINS = 256
+
+
+def hint(ns: int, queue: Sequence[Sequence[bytes]], session: bytes, max_keys: int) -> Op[int]:
+    """Tell the daemon the engine's queued requests (key chains, first to start first); how
+    many promotions it started. A HINT carries at most ``max_keys`` keys in all its chains
+    (:data:`~kvtierd.protocol.messages.MAX_QUEUE_KEYS`, lowered like every request's keys by
+    the negotiated frame limit): a longer queue goes as several HINTs, in queue order, each of
+    whole chains. A single chain longer than ``max_keys`` raises ``InvalidRequestError``
+    before anything is sent (hint its first ``max_keys`` keys: prefetch serves a chain from
+    its head)."""
+    chains = [list(chain) for chain in queue]
+    for i, chain in enumerate(chains):
         check_keys(chain, "each chain's keys")
-    reply: HintReply = yield HintRequest(session, [list(k) for k in queue]), ns
-    return reply.planned
+        if not chain:
+            raise InvalidRequestError(f"queued chain {i} has no keys")
+        if len(chain) > max_keys:
+            raise InvalidRequestError(
+                f"queued chain {i} has {len(chain)} keys; a HINT carries at most {max_keys} "
+                f"(hint its first {max_keys}: prefetch serves a chain from its head)"
+            )
+    planned = 0
+    for batch in _queue_batches(chains, max_keys):
+        reply: HintReply = yield HintRequest(session, batch), ns
+        planned += reply.planned
+    return planned
+
+
+def _queue_batches(chains: list[list[bytes]], max_keys: int) -> list[list[list[bytes]]]:
+    """``chains`` in order, cut into runs of at most ``max_keys`` keys and
+    :data:`MAX_QUEUE_CHAINS` chains each (a chain is never cut)."""
+    batches: list[list[list[bytes]]] = [[]]
+    keys = 0
+    for chain in chains:
+        if batches[-1] and (keys + len(chain) > max_keys or len(batches[-1]) >= MAX_QUEUE_CHAINS):
+            batches.append([])
+            keys = 0
+        batches[-1].append(chain)
+        keys += len(chain)
+    return batches
 
 
 def hint_attention(
@@ -347,6 +385,10 @@ def hint_attention(
     """Sparse attention: ``(ranked, predicted)`` keys of ``chain`` for the step's ``queries``
     (float32 ``[len(query_layers), q_heads, head_dim]``); the daemon starts promoting both."""
     check_keys(chain, "chain")
+    if len(chain) > MAX_KEYS_PER_REQUEST:
+        raise InvalidRequestError(
+            f"the chain has {len(chain)} keys; a HINT ranks at most {MAX_KEYS_PER_REQUEST}"
+        )
     array = np.ascontiguousarray(queries, dtype=np.float32)
     request = HintRequest(
         session,

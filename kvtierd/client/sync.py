@@ -660,7 +660,7 @@ class Namespace(NamespaceBase[Client]):
 
     def hint(self, queue: Sequence[Sequence[bytes]], *, session: bytes = b"") -> int:
         """Tell the daemon which key chains are queued; it promotes their hits."""
-        return self._run(lambda: ops.hint(self.handle.ns, queue, session))
+        return self._run(lambda: ops.hint(self.handle.ns, queue, session, self.client.max_keys))
 
 
 def connect(

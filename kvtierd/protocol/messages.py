@@ -18,11 +18,13 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
+from kvtierd.errors import InvalidRequestError
 from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.protocol.frames import MAX_KEYS_PER_REQUEST, MIN_MAX_FRAME_BYTES, Opcode
 
 __all__ = [
     "APPENDED",
+    "MAX_QUEUE_KEYS",
     "REPLY_TYPES",
     "REQUEST_TYPES",
     "AllocReply",
@@ -353,9 +355,19 @@ class FsyncReply(Message, frozen=True):
     durable_blocks: U64
 
 
+#: Keys in all of a HINT's queued chains together: the bound of every other request's keys, so
+#: that no request makes the daemon walk more keys than a LOOKUP does.
+MAX_QUEUE_KEYS: Final = MAX_KEYS_PER_REQUEST
+
+
 class HintRequest(Message, frozen=True):
     """What the engine knows about the future. ``queue`` lists the key chains of queued
-    requests, first to be scheduled first; ``session`` names the conversation."""
+    requests, first to be scheduled first (at most :data:`MAX_QUEUE_KEYS` keys in all);
+    ``session`` names the conversation.
+
+    Raises :class:`~kvtierd.errors.InvalidRequestError` (a ``ValueError``, which the decoder
+    turns into a validation error, so ``EINVAL`` on the wire) for a longer queue.
+    """
 
     session: Session = b""
     queue: Annotated[list[Keys], msgspec.Meta(max_length=256)] = []
@@ -368,6 +380,13 @@ class HintRequest(Message, frozen=True):
     query_layers: Annotated[list[U32], msgspec.Meta(max_length=1024)] = []
     #: ... and how many blocks to keep per (layer, KV head).
     budget_blocks: U32 = 0
+
+    def __post_init__(self) -> None:
+        queued = sum(len(keys) for keys in self.queue)
+        if queued > MAX_QUEUE_KEYS:
+            raise InvalidRequestError(
+                f"the queue holds {queued} keys in all; at most {MAX_QUEUE_KEYS} per HINT"
+            )
 
 
 class HintReply(Message, frozen=True):

@@ -11,7 +11,7 @@ compatibility rule of ``docs/protocol.md`` (an appended field with a default, or
 
 from __future__ import annotations
 
-from kvtierd.errors import BlockNotFoundError, RemoteProtocolError
+from kvtierd.errors import BlockNotFoundError, InvalidRequestError, RemoteProtocolError
 from kvtierd.keys import chain_keys
 from kvtierd.protocol import (
     ClientConnection,
@@ -22,6 +22,7 @@ from kvtierd.protocol import (
     ServerConnection,
 )
 from kvtierd.protocol.messages import (
+    HintRequest,
     InitReply,
     InitRequest,
     LookupReply,
@@ -31,6 +32,7 @@ from kvtierd.protocol.messages import (
     OpenNsRequest,
     ReadRequest,
 )
+from tests.protocol.peers import handshake
 
 SALT = bytes.fromhex("d700654d3bffa7c422d10f5996ecc926")
 DIGEST = bytes.fromhex("8a730622a43be5fde4c7c5fe4d32f84f")
@@ -143,3 +145,38 @@ def test_a_lookup_before_init_is_refused_by_its_golden_bytes() -> None:
     event = server.next_event()
     assert isinstance(event, InvalidRequest)
     assert isinstance(event.error, RemoteProtocolError)
+
+
+#: A HINT of two chains of 4096 and 4097 one-byte keys ``k``: 8193 keys in all, one more than a
+#: HINT's queue holds (issue 31). The body is MessagePack ``[b"", [chain, chain]]``, each chain
+#: an array16 of ``c4 01 6b``.
+HINT_OVER = (
+    bytes.fromhex("4b565451 0100 0a00 2d600000 00000000 0200000000000000 01000000 00000000")
+    + bytes.fromhex("92 c400 92 dc1000")
+    + bytes.fromhex("c4016b") * 4096
+    + bytes.fromhex("dc1001")
+    + bytes.fromhex("c4016b") * 4097
+)
+HINT_EINVAL = bytes.fromhex(
+    "4b565452 0100 0a00 60000000 eaffffff 0200000000000000 00000000 00000000"
+    "91 d93d 48494e543a2074686520717565756520686f6c64732038313933206b65797320696e20616c6c3b"
+    "206174206d6f73742038313932207065722048494e54"
+)
+
+
+def test_a_hint_over_the_queue_bound_is_refused_by_its_golden_bytes() -> None:
+    """The server answers EINVAL (-22) for that HINT alone and goes on serving (``handshake``
+    leaves the client's next unique id at 2)."""
+    client, server = handshake()
+    server.receive_data(HINT_OVER)
+    event = server.next_event()
+    assert isinstance(event, InvalidRequest)
+    assert server.reply_error(event.header, event.error) == HINT_EINVAL
+    unique, _ = client.request(HintRequest(b""), 1)  # the client's HINT that had unique id 2
+    assert unique == event.header.unique == 2
+    error = _answer(client, HINT_EINVAL).error
+    assert isinstance(error, InvalidRequestError)
+    assert str(error) == "HINT: the queue holds 8193 keys in all; at most 8192 per HINT"
+    _, frame = client.request(LookupRequest(KEYS), 1)
+    server.receive_data(frame)
+    assert isinstance(server.next_event(), RequestReceived)
