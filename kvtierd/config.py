@@ -230,6 +230,9 @@ class NvmeConfig(_Section):
     #: block (limits.max_block_bytes is kept for write-back's own copies).
     staging_bytes: ByteSize = ByteSize(256 << 20)
     preallocate: bool = True
+    #: How often the data file is checked to still be the one the tier has open (it is also
+    #: checked at every FSYNC), and a block whose write-back failed is tried again.
+    health_check_interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
     #: LRU by default: the disk tier evicts rarely, and a second reuse model would double the
     #: per-LOOKUP telemetry cost.
     policy: PolicyKind = PolicyKind.LRU

@@ -9,10 +9,11 @@ latencies cannot wait for a snapshot: they are one prometheus_client ``Histogram
 thread-safe), observed once per request by the session through :class:`RequestTimings`.
 
 Every label is bounded: ``tier`` (dram, nvme, pool), ``direction`` (six), ``opcode`` (the
-protocol's), ``state`` (the pool's three), ``phase`` (three). ``namespace`` takes a namespace's
-name when it is listed in ``daemon.metrics_namespaces`` or, when that list is empty, when it is
-among the first ``daemon.metrics_namespace_limit`` names the daemon came to know; every other
-namespace is summed into ``namespace="other"``.
+protocol's), ``state`` (the pool's three), ``phase`` (three), ``reason`` (the disk tier's four
+faults, :class:`~kvtierd.store.diskhealth.DiskFault`, every one always exported).
+``namespace`` takes a namespace's name when it is listed in ``daemon.metrics_namespaces`` or,
+when that list is empty, when it is among the first ``daemon.metrics_namespace_limit`` names
+the daemon came to know; every other namespace is summed into ``namespace="other"``.
 
 The pool's tier gauges (``kvtierd_tier_blocks{tier="pool"}`` and its bytes) describe the pool
 only while this rank is attached to it; while it is not, those series are left out rather than
@@ -39,6 +40,7 @@ from kvtierd.config import DaemonConfig
 from kvtierd.protocol import Opcode
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply
 from kvtierd.server.readiness import DaemonPhase, PoolView, Readiness
+from kvtierd.store.diskhealth import DiskFault
 
 if TYPE_CHECKING:
     from kvtierd.server.daemon import Daemon
@@ -241,6 +243,8 @@ class MetricsSnapshot:
     namespaces: tuple[NamespaceFigures, ...]
     transfers: tuple[Transfer, ...]
     lost_copies: int
+    #: The disk tier's failures by fault (every fault; zeros without an NVMe tier).
+    disk_failures: tuple[tuple[DiskFault, int], ...] = ()
 
 
 class NamespaceLabels:
@@ -326,7 +330,14 @@ def take_snapshot(daemon: Daemon, labels: NamespaceLabels) -> MetricsSnapshot:
         namespaces,
         _transfers(daemon, namespaces),
         daemon.store.residency.statistics().lost,
+        _disk_failures(daemon),
     )
+
+
+def _disk_failures(daemon: Daemon) -> tuple[tuple[DiskFault, int], ...]:
+    watch = daemon.store.disk
+    counts = watch.health.failures if watch is not None else dict.fromkeys(DiskFault, 0)
+    return tuple((fault, counts[fault]) for fault in DiskFault)
 
 
 def _counter(name: str, doc: str, labels: Sequence[str] = ()) -> CounterMetricFamily:
@@ -368,6 +379,16 @@ class SnapshotCollector(Collector):
         yield info
         yield from self._namespaces(snap.namespaces)
         yield from self._transfers(snap.transfers)
+        failures = _counter(
+            "kvtierd_disk_failures",
+            "Disk tier failures by reason (enospc, eio: a block's write-back or a sync failed; "
+            "replaced, removed: the data file path no longer names the open file, seen by a "
+            f"check or an FSYNC refused for it), {_SINCE_START}.",
+            ["reason"],
+        )
+        for fault, count in snap.disk_failures:
+            failures.add_metric([fault.value], count)
+        yield failures
         if snap.pool is not None:
             yield from self._pool(snap.pool)
 
@@ -451,15 +472,28 @@ class ReadinessCollector(Collector):
         r = self.readiness
         yield _gauge(
             "kvtierd_ready",
-            "1 when /ready answers 200: started, serving, not stopping (a detached pool "
-            "still counts as ready).",
+            "1 when /ready answers 200: started, serving, not stopping, the disk tier not "
+            "failing (a detached pool still counts as ready).",
             float(r.ready().ok),
         )
         yield _gauge(
             "kvtierd_healthy",
-            "1 when /health answers 200: the event loop beat within the last 5 s.",
+            "1 when /health answers 200: the event loop beat within the last 5 s and the disk "
+            "tier is not failing.",
             float(r.health().ok),
         )
+        condition = r.disk_condition()
+        failing = GaugeMetricFamily(
+            "kvtierd_disk_failing",
+            "1 for the reason the disk tier fails now (acknowledged data at risk: /health "
+            "fails), 0 for the others; all 0 while it is healthy.",
+            labels=["reason"],
+        )
+        for fault in DiskFault:
+            failing.add_metric(
+                [fault.value], float(condition is not None and condition.fault is fault)
+            )
+        yield failing
         yield _gauge(
             "kvtierd_event_loop_heartbeat_age_seconds",
             "Seconds since the event loop last beat (every 0.5 s when idle); a growing value "

@@ -11,6 +11,13 @@ Liveness is a heartbeat: a task on the event loop calls :meth:`Readiness.beat` e
 :data:`BEAT_S`; a thread that finds the last beat older than :data:`STALE_S` knows the loop is
 blocked (or dead) without touching it. Being alive says nothing about serving: a daemon
 pre-faulting its arena for a minute is alive and not ready.
+
+Acknowledged data at risk is the other way to fail: while the disk tier's health
+(:class:`~kvtierd.store.diskhealth.DiskHealth`, its ``condition`` replaced whole by the loop)
+holds a condition (write-back failing with ENOSPC or EIO, a failed sync, the data file replaced
+or removed), ``/health`` answers 503 ``failing`` and ``/ready`` 503 ``degraded``, each with the
+condition and its remedy; they return to 200 when the condition clears, which a replaced or
+removed data file or a failed sync never does before a restart.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtierd.errors import StartingError
+from kvtierd.store.diskhealth import DiskCondition, DiskHealth
 from kvtierd.store.lifecycle import OpenProgress
 
 if TYPE_CHECKING:
@@ -72,6 +80,8 @@ class Readiness:
         self.daemon: Daemon | None = None
         #: What the last metrics snapshot saw of the pool; ``None``: no pool configured.
         self.pool: PoolView | None = None
+        #: The disk tier's health, once serving with an NVMe tier.
+        self.disk: DiskHealth | None = None
         self.socket = ""
         self._last_beat_s = time.monotonic()
 
@@ -82,6 +92,8 @@ class Readiness:
 
     def serve(self, daemon: Daemon) -> None:
         self.daemon = daemon
+        watch = daemon.store.disk
+        self.disk = watch.health if watch is not None else None
         self.socket = str(daemon.config.socket_path)
         self.phase = DaemonPhase.SERVING
 
@@ -97,21 +109,34 @@ class Readiness:
     def heartbeat_age_s(self) -> float:
         return max(0.0, time.monotonic() - self._last_beat_s)
 
+    def disk_condition(self) -> DiskCondition | None:
+        """What puts acknowledged data at risk now; ``None`` while the disk tier is healthy."""
+        disk = self.disk
+        return disk.condition if disk is not None else None
+
     def health(self) -> Verdict:
-        """``/health``: the process and its event loop are alive."""
+        """``/health``: the process and its event loop are alive, and the disk tier keeps what
+        it acknowledged."""
         age_s = self.heartbeat_age_s()
         if age_s > STALE_S:
             return Verdict(False, "blocked", f"event loop blocked for {age_s:.0f} s")
+        condition = self.disk_condition()
+        if condition is not None:
+            return Verdict(False, "failing", f"{condition.describe()}; {condition.remedy}")
         return Verdict(True, "ok", f"event loop alive ({self.phase.value})")
 
     def ready(self) -> Verdict:
-        """``/ready``: start-up finished, serving, not stopping. A pool that is configured and
-        not attached leaves the daemon ready (it serves from its local tiers), degraded."""
+        """``/ready``: start-up finished, serving, not stopping, acknowledged data safe. A pool
+        that is configured and not attached leaves the daemon ready (it serves from its local
+        tiers), degraded; a failing disk tier makes it degraded and not ready."""
         phase = self.phase
         if phase is DaemonPhase.STARTING:
             return Verdict(False, "starting", f"starting: {self.progress.describe()}")
         if phase is DaemonPhase.STOPPING:
             return Verdict(False, "stopping", "stopping: draining connections, writing back")
+        condition = self.disk_condition()
+        if condition is not None:
+            return Verdict(False, "degraded", f"serving on {self.socket}; {condition.describe()}")
         pool = self.pool
         serving = f"serving on {self.socket}"
         if pool is None:

@@ -11,7 +11,8 @@ asks meanwhile (``"pre-faulting the arena, 3.0 of 8.0 GiB"``): the pre-fault thr
 chunk, the NVMe recovery after each run of headers.
 
 What is running while the store is open, each under an async context manager that owns its
-tasks, entered in this order and left in the reverse one: the write-back workers, the replica
+tasks, entered in this order and left in the reverse one: the write-back workers, the disk
+watch's timer (:mod:`kvtierd.store.diskwatch`; only with an NVMe tier), the replica
 link (its membership, writers and restores; only when the composition root,
 :mod:`kvtierd.server.assembly`, passes a :class:`~kvtierd.store.ports.Replica`), the store's
 background promotions, the prefetcher's ticks. Nothing here imports the pool.
@@ -41,6 +42,7 @@ from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES as FIXED_BUFFER_BYTES
 from kvtierd.policy import CachePolicy
 from kvtierd.slsap.policy import SlsapPolicy
 from kvtierd.store.arena import HUGE_PAGE_BYTES, Arena
+from kvtierd.store.diskwatch import DiskWatch, open_disk_watch
 from kvtierd.store.namespaces import NamespaceRegistry
 from kvtierd.store.nvme import open_nvme_tier
 from kvtierd.store.policy import LruPolicy
@@ -258,6 +260,11 @@ async def open_store(
             await stack.enter_async_context(
                 open_writeback(writeback, LowerWriter(residency).write_back)
             )
+            disk = None
+            if tier is not None:  # after write-back: its timer queues failed blocks again
+                disk = await stack.enter_async_context(
+                    open_disk_watch(DiskWatch(tier, writeback), config.nvme.health_check_interval_s)
+                )
             link = None
             if replica is not None:
                 link = await stack.enter_async_context(replica.open_link(residency))
@@ -268,6 +275,7 @@ async def open_store(
                 link=link,
                 prefetch_bytes_per_s=config.dram.prefetch_bytes_per_s,
                 io_backend=backend,
+                disk=disk,
             )
             await stack.enter_async_context(open_prefetcher(store.prefetcher, store.prefetch))
             if link is not None:

@@ -50,6 +50,7 @@ from kvtierd.errors import (
     BlockNotFoundError,
     ConfigError,
     ConfigProblem,
+    KvtierError,
     NoSpaceError,
     StorageIOError,
 )
@@ -57,6 +58,7 @@ from kvtierd.io import IoBackend
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.codec import checksum_off_loop, compress, decompress_into
+from kvtierd.store.diskhealth import DataFileLostError, DiskFault
 from kvtierd.store.records import (
     PAGE_BYTES,
     CorruptRecord,
@@ -128,6 +130,7 @@ class NvmeTier(LowerTier):
         self._counters = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0}
         self.max_seq = 0
         self.recovery_source = "empty"
+        self._identity = _identity_of(os.fstat(fd))
 
     # -- LowerTier ---------------------------------------------------------------------------
 
@@ -229,7 +232,33 @@ class NvmeTier(LowerTier):
             await self._backend.writev(self._fd, slot.offset, [page])
 
     async def sync(self) -> None:
+        """``fdatasync``, then :meth:`check_data_file`: a sync onto a file that is no longer
+        the data file makes nothing durable there, so it raises instead of returning."""
         await self._backend.fdatasync(self._fd)
+        self.check_data_file()
+
+    def check_data_file(self) -> None:
+        """Raise :class:`DataFileLostError` when :attr:`path` no longer names the open file:
+        another file renamed over it (``replaced``) or none there (``removed``). A data file is
+        the same file while its device and inode are; a block device while its device number is
+        (udev may recreate its node). Two ``stat`` calls on the event loop: the descriptor's
+        cannot block, the path's is a lookup on the local file system O_DIRECT needs."""
+        try:
+            now = os.stat(self.path)
+        except (FileNotFoundError, NotADirectoryError):
+            raise DataFileLostError(
+                DiskFault.REMOVED, f"{self.path} was removed while kvtierd had it open"
+            ) from None
+        except OSError as exc:
+            raise DataFileLostError(
+                DiskFault.EIO, f"cannot check that {self.path} is still the data file: {exc}"
+            ) from exc
+        if _identity_of(now) != self._identity:
+            raise DataFileLostError(
+                DiskFault.REPLACED,
+                f"{self.path} is no longer the data file kvtierd has open (another file was "
+                "put in its place)",
+            )
 
     def recovered(self) -> Sequence[Recovered]:
         return self._recovered
@@ -324,6 +353,13 @@ class NvmeTier(LowerTier):
         save_snapshot(
             self.snapshot, self._segmap, self._records, data_mtime_ns=_mtime_ns(os.fstat(self._fd))
         )
+
+
+def _identity_of(status: os.stat_result) -> tuple[int, int, int]:
+    """What names the medium: a block device's number, or a regular file's device and inode."""
+    if stat.S_ISBLK(status.st_mode):
+        return (1, status.st_rdev, 0)
+    return (0, status.st_dev, status.st_ino)
 
 
 def _mtime_ns(status: os.stat_result) -> int | None:
@@ -484,7 +520,11 @@ async def open_nvme_tier(
             time.monotonic() - started,
         )
         yield tier
-        await tier.sync()  # the snapshot may only name records that are durable
+        try:
+            await tier.sync()  # the snapshot may only name records that are durable
+        except KvtierError as exc:  # the next start scans the headers instead
+            log.error("no index snapshot written for %s: the last sync failed: %s", path, exc)
+            return
         try:
             tier.save_snapshot()
         except OSError as exc:  # only a shortcut: the next start scans the headers instead

@@ -39,6 +39,7 @@ from anyio.abc import TaskGroup
 from kvtierd.errors import BlockNotFoundError, InvalidRequestError, KvtierError
 from kvtierd.io import IoBackend
 from kvtierd.policy import AccessContext, ServedBy
+from kvtierd.store.diskwatch import DiskWatch
 from kvtierd.store.index import Block, Lease, Owner, PendingWrite
 from kvtierd.store.namespaces import Namespace
 from kvtierd.store.ports import ReplicaLink
@@ -65,6 +66,7 @@ class BlockStore:
         link: ReplicaLink | None = None,
         prefetch_bytes_per_s: int = 0,
         io_backend: IoBackend | None = None,
+        disk: DiskWatch | None = None,
     ) -> None:
         self.residency = r = residency
         self._tg = background
@@ -72,6 +74,8 @@ class BlockStore:
         self.pool = link
         #: The I/O backend the tiers use (reported by STATFS).
         self.io_backend = io_backend
+        #: The disk tier's health (with an NVMe tier): FSYNC syncs through it.
+        self.disk = disk
         self.writes = Writes(residency, link)
         self.prefetcher = Prefetcher(residency, prefetch_bytes_per_s)
         # What the daemon and the tests read, by the names they had.
@@ -301,12 +305,14 @@ class BlockStore:
     async def fsync(self, scope: Callable[[Namespace], bool] = lambda ns: True) -> int:
         """Return once every block committed so far is durable; the count of durable blocks
         of the namespaces in ``scope`` (the caller's tenants). A block that could not be made
-        durable raises only for a caller whose scope holds it."""
+        durable raises only for a caller whose scope holds it; a data file that is no longer
+        the one the tier writes (or an earlier failed sync) raises ``StorageIOError`` for
+        every caller: nothing is acknowledged onto it."""
         if self.lower is None:
             raise InvalidRequestError("no durable tier is configured (nvme.size = 0)")
         seq = self.residency.seq  # later commits are the next FSYNC's: they must not starve it
         await self.writeback.drain(seq, concerns=lambda block: scope(block.ns))
-        await self.lower.sync()
+        await (self.disk.sync() if self.disk is not None else self.lower.sync())
         if self.pool is not None and self.pool.fsync_waits:
             await self.pool.drain(up_to_seq=seq)
         return sum(ns.nvme_blocks for ns in self.registry if scope(ns))

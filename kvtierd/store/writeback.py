@@ -7,8 +7,11 @@ committed before it was written (or forgotten), then asks the tier to make the w
 and only then answers: so a block whose FSYNC returned survives ``kill -9``.
 
 A write that fails (the tier is full of other size classes, the device errs) leaves the block
-dirty in DRAM and in the ``failed`` set; the next FSYNC retries those blocks once and raises the
-error if they still cannot be written, so the caller learns that its data is not durable.
+dirty in DRAM and in the ``failed`` set until a retry writes it: the next FSYNC retries those
+blocks once and raises the error if they still cannot be written, so the caller learns that its
+data is not durable; :meth:`WriteBack.retry` (the disk watch's timer) retries them meanwhile.
+Failures and the moment none is left go to a :class:`WriteObserver` (the disk watch, which
+judges the disk tier's health and logs once per change), not to the log block by block.
 """
 
 from __future__ import annotations
@@ -17,15 +20,24 @@ import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 import anyio
 
 from kvtierd.errors import KvtierError
 from kvtierd.store.index import Block
 
-__all__ = ["WriteBack", "open_writeback"]
+__all__ = ["WriteBack", "WriteObserver", "open_writeback"]
 
 log = logging.getLogger("kvtierd.writeback")
+
+
+class WriteObserver(Protocol):
+    """Told of each failed write, and when no failed block is left (on the event loop)."""
+
+    def write_failed(self, exc: KvtierError) -> None: ...
+
+    def writes_recovered(self) -> None: ...
 
 
 class WriteBack:
@@ -39,6 +51,7 @@ class WriteBack:
         self._failed: dict[int, tuple[Block, KvtierError]] = {}
         self._progress = anyio.Condition()
         self.written = 0
+        self.observer: WriteObserver | None = None
 
     @property
     def backlog(self) -> int:
@@ -65,8 +78,13 @@ class WriteBack:
                     if not block.forgotten:
                         await write(block)
                 except KvtierError as exc:
-                    log.warning("write-back of a block failed: %s", exc)
+                    log.debug("write-back of a block failed: %s", exc)
                     self._failed[block.ref.seq] = (block, exc)
+                    if self.observer is not None:
+                        self.observer.write_failed(exc)
+                else:
+                    if self._written(block.ref.seq) and self._failed:
+                        self.retry()  # a failed block went through: the medium works again
                 finally:
                     self._pending.pop(block.ref.seq, None)
                     self.written += 1
@@ -85,17 +103,39 @@ class WriteBack:
         """Return once every block with ``seq <= up_to_seq`` left the queue. Raises the first
         error of a block that could not be written (of those the caller ``concerns``), after
         retrying failed blocks once."""
-        retry = [b for seq, (b, _) in sorted(self._failed.items()) if seq <= up_to_seq]
-        for block in retry:
-            del self._failed[block.ref.seq]
-            if not block.forgotten and block.dirty:
-                self.enqueue(block)
+        self.retry(up_to_seq)
         async with self._progress:
             while any(seq <= up_to_seq for seq in self._pending):
                 await self._progress.wait()
         for seq, (block, exc) in sorted(self._failed.items()):
             if seq <= up_to_seq and not block.forgotten and concerns(block):
                 raise type(exc)(f"a committed block could not be made durable: {exc}")
+
+    def retry(self, up_to_seq: float = math.inf, limit: float = math.inf) -> int:
+        """Queue again the failed blocks with ``seq <= up_to_seq`` that are not queued already,
+        oldest first, at most ``limit`` of them (a block stays failed until written); forget
+        those that need no write any more. Returns how many were queued."""
+        queued = 0
+        for seq, (block, _) in sorted(self._failed.items()):
+            if queued >= limit:
+                break
+            if seq > up_to_seq or seq in self._pending:
+                continue
+            if block.forgotten or not block.dirty:
+                self._written(seq)
+            else:
+                self.enqueue(block)
+                queued += 1
+        return queued
+
+    def _written(self, seq: int) -> bool:
+        """``seq`` needs no write any more; whether it had failed. Tells the observer when it
+        was the last failed block."""
+        if self._failed.pop(seq, None) is None:
+            return False
+        if not self._failed and self.observer is not None:
+            self.observer.writes_recovered()
+        return True
 
     def pending_bytes(self) -> int:
         return sum(b.ref.raw_bytes for b in self._pending.values())
