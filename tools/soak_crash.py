@@ -32,7 +32,10 @@ a forged record ever reached the data file it would be recovered as an honest bl
 checks above catch it; on top of them every hostile block served (during the run and after each
 restart) must be the bytes committed for it (a miss is fine), and no ALLOC left uncommitted may
 ever become visible. A success of a refused attack (ftruncate, finding honest bytes in the
-hostile mapping) is a defence failure. The module is past 600 lines for that second client and
+hostile mapping) is a defence failure. Where NIXL works, ``--hostile`` also turns on the
+daemon's TCP listener and NIXL reads and adds :mod:`soak_remote`'s attackers of both (junk and
+cut-off handshakes, idle floods, writes over TCP, a NIXL reader widening its grant); ``run(...,
+remote=False)`` leaves them out. The module is past 600 lines for that second client and
 for recording runs: they share the loop, its state and its checks.
 """
 
@@ -67,6 +70,9 @@ from kvtierd.store.namespaces import NamespaceSpec
 from kvtierd.store.records import PAGE_BYTES, RecordHeader, checksum
 from kvtierd.testing import DaemonProcess
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak_remote import REMOTE_UID, RemoteAttacker, nixl_attack, prepare
+
 __all__ = ["CrashLoop", "HostileClient", "Summary", "block_content", "hostile_content", "main"]
 
 BLOCK_BYTES = 16 * 1024 + 123  # deliberately not a page multiple
@@ -88,7 +94,7 @@ dram_share = 0.75
 
 [[tenants]]
 name = "hostile"
-uids = [{uid}]
+uids = [{uid}, {remote_uid}]
 dram_share = 0.25
 """
 #: Little staging memory: 128K of copies, 64K of them write-back's own. Most blocks of a long
@@ -173,6 +179,8 @@ class Summary:
     hostile_actions: dict[str, int] = field(default_factory=dict)
     hostile_outcomes: dict[str, int] = field(default_factory=dict)
     defence_failures: int = 0
+    #: The remote attackers' transports (``tcp+tls, nixl``), or why they did not run.
+    remote: str = ""
 
 
 _Client = Callable[[DaemonProcess, random.Random, threading.Event], None]
@@ -182,7 +190,14 @@ class CrashLoop:
     """The loop's state across iterations: which keys were ever written, which are durable."""
 
     def __init__(
-        self, directory: Path, *, seed: int, dram_size: str, nvme_size: str, hostile: bool = False
+        self,
+        directory: Path,
+        *,
+        seed: int,
+        dram_size: str,
+        nvme_size: str,
+        hostile: bool = False,
+        remote: bool = True,
     ) -> None:
         self.directory = directory
         self.rng = random.Random(seed)
@@ -198,13 +213,20 @@ class CrashLoop:
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.dropped_seen = 0  # corrupt_writebacks of the daemon now running
         self._lock = threading.Lock()
+        self.remote = None
+        if hostile and remote:
+            self.remote, self.summary.remote = prepare(directory)
+        if self.remote is not None:
+            self.summary.remote = f"tcp+tls on 127.0.0.1:{self.remote.port}, nixl widen"
 
     # -- one iteration ---------------------------------------------------------------------
 
     def daemon(self, runtime: str = "asyncio", *, small_staging: bool = False) -> DaemonProcess:
         config = None
         if self.hostile:
-            config = TENANTS.format(uid=os.getuid()) + (SMALL_STAGING if small_staging else "")
+            config = TENANTS.format(uid=os.getuid(), remote_uid=REMOTE_UID)
+            config += SMALL_STAGING if small_staging else ""
+            config += self.remote.config_text() if self.remote is not None else ""
         return DaemonProcess(
             self.directory,
             dram_size=self.dram_size,
@@ -219,6 +241,8 @@ class CrashLoop:
         daemon.start(timeout_s=60)
         try:
             self.verify(daemon, number)
+            if self.remote is not None:
+                nixl_attack(self, self.remote, daemon, number)
             self.write_and_kill(daemon)
         finally:
             daemon.kill()
@@ -244,7 +268,7 @@ class CrashLoop:
             if self.hostile:
                 self._verify_hostile(client, number)
             if client.stats()["leases"] != 0:
-                self._violation(f"iteration {number}: leases left after verification")
+                self.violation(f"iteration {number}: leases left after verification")
 
     def _present(self, ns: Namespace, number: int, keys: list[bytes]) -> list[bytes]:
         """The keys LOOKUP reports present (one LOOKUP per missing key, not per key)."""
@@ -257,14 +281,14 @@ class CrashLoop:
             i += hits
             if hits < len(chunk):
                 if keys[i] in self.durable:
-                    self._violation(f"iteration {number}: FSYNC'd key {keys[i].hex()} is missing")
+                    self.violation(f"iteration {number}: FSYNC'd key {keys[i].hex()} is missing")
                 i += 1
         return present
 
     def _verify_one(self, ns: Namespace, number: int, key: bytes) -> None:
         present = ns.lookup([key]) == 1
         if key in self.durable and not present:
-            self._violation(f"iteration {number}: FSYNC'd key {key.hex()} is missing")
+            self.violation(f"iteration {number}: FSYNC'd key {key.hex()} is missing")
             return
         if not present:
             return
@@ -275,7 +299,7 @@ class CrashLoop:
             self._corrupt(f"iteration {number}: honest key {key.hex()} failed its checksum")
         except BlockNotFoundError:
             if key in self.durable:
-                self._violation(f"iteration {number}: FSYNC'd key {key.hex()} unreadable")
+                self.violation(f"iteration {number}: FSYNC'd key {key.hex()} unreadable")
             else:
                 self.summary.misses_not_durable += 1
 
@@ -295,7 +319,7 @@ class CrashLoop:
             self.read_hostile(ns, hostile_key_of(i), f"iteration {number}")
         for key in sorted(self.held_keys):
             if ns.lookup([key]):
-                self._violation(f"iteration {number}: never committed {key.hex()} is present")
+                self.violation(f"iteration {number}: never committed {key.hex()} is present")
 
     def read_hostile(self, ns: Namespace, key: bytes, when: str) -> str:
         """Read one hostile block through the library; returns ``exact``, ``corrupt`` or
@@ -321,6 +345,8 @@ class CrashLoop:
         clients: list[_Client] = [self._writer, self._reader]
         if self.hostile:
             clients += [self._hostile, self._hostile_reader]
+        if self.remote is not None:
+            clients.append(self._remote_attacker)
         threads = [
             threading.Thread(target=self._guard, args=(func, daemon, seed + i, stop))
             for i, func in enumerate(clients)
@@ -332,13 +358,13 @@ class CrashLoop:
         if not daemon.running:  # before the kill: the clients' failures are a crash's
             assert daemon.process is not None
             tail = daemon.log().strip().splitlines()[-1:]
-            self._violation(f"the daemon exited with {daemon.process.returncode}: {tail}")
+            self.violation(f"the daemon exited with {daemon.process.returncode}: {tail}")
         stop.set()
         daemon.kill()
         for thread in threads:
             thread.join(60)
             if thread.is_alive():
-                self._violation("a client thread hung after the daemon was killed")
+                self.violation("a client thread hung after the daemon was killed")
         self.summary.writebacks_dropped += self.dropped_seen
 
     def _guard(
@@ -348,9 +374,9 @@ class CrashLoop:
             func(daemon, random.Random(seed), stop)
         except (KvtierError, OSError) as exc:
             if not stop.is_set():  # set just before the kill: this failure is not the kill's
-                self._violation(f"{func.__name__} failed while the daemon was up: {exc!r}")
+                self.violation(f"{func.__name__} failed while the daemon was up: {exc!r}")
         except Exception as exc:  # any other failure is a finding
-            self._violation(f"{func.__name__} raised {exc!r}")
+            self.violation(f"{func.__name__} raised {exc!r}")
 
     def _writer(self, daemon: DaemonProcess, rng: random.Random, stop: threading.Event) -> None:
         with connect(daemon.socket, timeout_s=30) as client:
@@ -431,6 +457,15 @@ class CrashLoop:
                 key = hostile_key_of(rng.randrange(HOSTILE_UNIVERSE))
                 self.outcome(f"reader_{self.read_hostile(ns, key, 'mid-run')}")
 
+    def _remote_attacker(
+        self, daemon: DaemonProcess, rng: random.Random, stop: threading.Event
+    ) -> None:
+        """Attacks the TCP listener (:class:`soak_remote.RemoteAttacker`) until the kill."""
+        assert self.remote is not None
+        attacker = RemoteAttacker(self, self.remote, rng)
+        while not stop.is_set():
+            attacker.step()
+
     # -- book-keeping (any thread) ---------------------------------------------------------
 
     def action(self, kind: str, n: int = 1) -> None:
@@ -448,19 +483,19 @@ class CrashLoop:
     def defence_failed(self, text: str) -> None:
         with self._lock:
             self.summary.defence_failures += 1
-        self._violation(f"defence failed: {text}")
+        self.violation(f"defence failed: {text}")
 
     def _wrong(self, text: str) -> None:
         with self._lock:
             self.summary.wrong_bytes_served += 1
-        self._violation(text)
+        self.violation(text)
 
     def _corrupt(self, text: str) -> None:
         with self._lock:
             self.summary.corrupt_reads += 1
-        self._violation(text)
+        self.violation(text)
 
-    def _violation(self, text: str) -> None:
+    def violation(self, text: str) -> None:
         with self._lock:
             self.summary.violations.append(text)
 
@@ -627,11 +662,18 @@ def run(
     nvme_size: str = "128M",
     log: bool = False,
     hostile: bool = False,
+    remote: bool = True,
 ) -> Summary:
-    """Run the loop; returns its summary (violations included, never raised)."""
+    """Run the loop; returns its summary (violations included, never raised). ``remote``
+    adds the TCP and NIXL attackers to a ``hostile`` run (:mod:`soak_remote`)."""
     started = time.monotonic()
     loop = CrashLoop(
-        directory, seed=seed, dram_size=dram_size, nvme_size=nvme_size, hostile=hostile
+        directory,
+        seed=seed,
+        dram_size=dram_size,
+        nvme_size=nvme_size,
+        hostile=hostile,
+        remote=remote,
     )
     for number in range(iterations):
         loop.iteration(number)
@@ -656,7 +698,6 @@ def run(
 def record(result: dict[str, Any], command: str) -> Path:
     """Write this run's row into the soak section of ``docs/benchmarks.md`` (the other mode's
     row, from the stored JSON, stays)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import benchlib
 
     result = {"command": command, "machine": benchlib.machine(), **result}
@@ -705,6 +746,21 @@ def record(result: dict[str, Any], command: str) -> Path:
             f" {h['hostile_misses']:,} hostile reads were"
             " refused by the client's checksum (misses). Honest blocks served and checked:"
             f" {h['served_checked']:,}, reads during the runs {h['reads_during_run']:,}.",
+            "",
+            "Remote and NIXL attackers (`tools/soak_remote.py`, issue 31): "
+            + (
+                f"{h['remote']}. The daemon also listens on TCP (TLS, client certificates) with"
+                " NIXL reads on; during every write phase a thread connects and closes before the"
+                " handshake, cuts a ClientHello short, sends junk, resets, presents a certificate"
+                " of another CA, floods idle connections, and asks over TCP to create a namespace"
+                " and to write; after every restart a NIXL reader of the hostile tenant widens its"
+                " grant and reads the 32 MiB after its region, 64 MiB below it and an unmapped"
+                " address (over TCP with `UCX_TLS=tcp` and locally, alternately). A success of"
+                " any of these, an honest block in what the reader pulled, the daemon's exit or an"
+                " honest client failing while it runs counts as a failure above."
+                if h.get("remote", "").startswith("tcp")
+                else f"not run ({h.get('remote') or 'recorded before issue 31'})."
+            ),
         ]
     for mode, r in sorted(runs.items(), key=lambda item: item[0] == "hostile"):
         lines += ["", f"The {mode} run: `{r['command']}`. {benchlib.machine_line(r['machine'])}"]
