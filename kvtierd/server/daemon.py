@@ -74,6 +74,12 @@ __all__ = ["Daemon", "serve_daemon"]
 log = logging.getLogger("kvtierd")
 
 
+def _disk_failing(store: BlockStore) -> str:
+    """The disk tier's failing condition and its remedy, for the report; empty while healthy."""
+    condition = store.disk.health.condition if store.disk is not None else None
+    return f"{condition.describe()}; {condition.remedy}" if condition is not None else ""
+
+
 def _dram_statistics(
     namespaces: list[Namespace], regions: list[TenantRegion], counts: TrafficCounts
 ) -> TierStatistics:
@@ -256,6 +262,7 @@ class Daemon:
             locked=store.arena.info.locked,
             pool_state=status.state.value if status else "",
             pool_reason=status.reason if status else "",
+            disk_failing=_disk_failing(store),
         )
         return await anyio.to_thread.run_sync(running_report, facts)
 

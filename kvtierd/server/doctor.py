@@ -3,8 +3,9 @@
 It starts from the start-up checks (:mod:`kvtierd.server.preflight`, as they were when the
 daemon started) and replaces what the daemon knows better now that it runs: which disk backend
 it uses, how the arena ended up (huge pages, locked), the memory and disk space left, where it
-serves metrics, where it stands with the pool. :class:`RunningFacts` is taken on the event
-loop; :func:`running_report` only reads host files, so it may run in a worker thread.
+serves metrics, where it stands with the pool, whether its disk tier keeps what it acknowledged
+(a failing one fails the ``nvme`` line, with the remedy). :class:`RunningFacts` is taken on the
+event loop; :func:`running_report` only reads host files, so it may run in a worker thread.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class RunningFacts:
     locked: bool
     pool_state: str
     pool_reason: str
+    #: What puts acknowledged data at risk (its description and remedy); empty while healthy.
+    disk_failing: str = ""
 
 
 def running_report(facts: RunningFacts) -> list[HostCheck]:
@@ -71,7 +74,11 @@ def _live(facts: RunningFacts) -> Sequence[HostCheck]:
     )
     if facts.nvme_capacity_bytes:
         used, capacity = size_text(facts.nvme_used_bytes), size_text(facts.nvme_capacity_bytes)
-        checks.append(HostCheck("nvme", CheckStatus.OK, f"{used} of {capacity} in use"))
+        in_use = f"{used} of {capacity} in use"
+        if facts.disk_failing:
+            checks.append(HostCheck("nvme", CheckStatus.FAIL, f"{facts.disk_failing}; {in_use}"))
+        else:
+            checks.append(HostCheck("nvme", CheckStatus.OK, in_use))
     if port := config.daemon.metrics_port:
         where = f"http://{config.daemon.metrics_address}:{port}/metrics"
         checks.append(HostCheck("metrics", CheckStatus.OK, f"serving {where}"))

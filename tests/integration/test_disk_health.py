@@ -1,0 +1,263 @@
+"""Health that tells the truth about acknowledged data (issue 31, item 4), on a real daemon:
+
+* its data file on a tiny tmpfs that fills: FSYNC answers ENOSPC, the failures are counted with
+  reason ``enospc``, ``/health`` fails, ``/ready`` is degraded, one error line says what to do;
+  once the space is freed write-back goes through by itself and health comes back;
+* its data file replaced (another file renamed over it) or removed (unlinked): FSYNC
+  acknowledges nothing (EIO), the failure is counted with reason ``replaced`` or ``removed``,
+  health fails until a restart, and the restart is healthy again.
+
+The daemon runs on the test's event loop kind (asyncio or trio); every wait is a poll with a
+generous deadline, never a timing assertion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from kvtierd.client import AsyncNamespace, NoSpaceError, StorageIOError, connect_async
+from kvtierd.testing import DaemonProcess
+from tests.integration.test_metrics import Scraped, free_port, http_get, scrape
+from tests.support.filesystems import fill, small_file_system
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
+
+MIB = 1 << 20
+
+
+def block(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, MIB, dtype=np.uint8)
+
+
+def key(i: int) -> bytes:
+    return b"disk-%06d" % i + bytes(5)
+
+
+def config(port: int, nvme: str = "") -> str:
+    return f"[daemon]\nmetrics_port = {port}\n\n[nvme]\nhealth_check_interval_s = 0.2\n{nvme}"
+
+
+async def probe(port: int, path: str) -> tuple[int, dict[str, str]]:
+    status, body = await anyio.to_thread.run_sync(http_get, f"http://127.0.0.1:{port}{path}")
+    return status, json.loads(body)
+
+
+async def metrics(port: int) -> Scraped:
+    return await anyio.to_thread.run_sync(scrape, port)
+
+
+async def poll(what: str, check: Callable[[], Awaitable[bool]], deadline_s: float = 60) -> None:
+    """Wait until ``check()`` is true; fail saying ``what`` after ``deadline_s``."""
+    end = anyio.current_time() + deadline_s
+    while anyio.current_time() < end:
+        if await check():
+            return
+        await anyio.sleep(0.1)
+    raise AssertionError(what)
+
+
+async def put(ns: AsyncNamespace, ids: range) -> None:
+    await ns.put([key(i) for i in ids], [block(i) for i in ids])
+
+
+def error_lines(daemon: DaemonProcess, word: str) -> list[str]:
+    return [
+        line
+        for line in daemon.log().splitlines()
+        if "ERROR kvtierd.disk:" in line and word in line
+    ]
+
+
+async def failing_for(port: int, reason: str) -> bool:
+    status, body = await probe(port, "/health")
+    return status == 503 and body["status"] == "failing" and f"({reason})" in body["reason"]
+
+
+async def assert_failing(port: int, reason: str, remedy: str) -> Scraped:
+    """Every outward sign of a failing disk tier, for ``reason``; returns the scrape."""
+    status, body = await probe(port, "/health")
+    assert status == 503, body
+    assert body["status"] == "failing"
+    assert f"({reason})" in body["reason"]
+    assert remedy in body["reason"]
+    status, body = await probe(port, "/ready")
+    assert (status, body["status"]) == (503, "degraded"), body
+    seen: Scraped | None = None
+
+    async def counted() -> bool:
+        nonlocal seen
+        seen = await metrics(port)
+        return seen.value("kvtierd_disk_failures_total", reason=reason) >= 1
+
+    await poll(f"kvtierd_disk_failures_total{{reason={reason}}} never moved", counted)
+    assert seen is not None
+    assert seen.value("kvtierd_disk_failing", reason=reason) == 1
+    others = [r for r in ("enospc", "eio", "replaced", "removed") if r != reason]
+    assert all(seen.value("kvtierd_disk_failing", reason=r) == 0 for r in others)
+    assert seen.value("kvtierd_ready") == 0
+    assert seen.value("kvtierd_healthy") == 0
+    return seen
+
+
+async def assert_healthy(port: int) -> None:
+    status, body = await probe(port, "/health")
+    assert (status, body["status"]) == (200, "ok"), body
+    status, body = await probe(port, "/ready")
+    assert (status, body["status"]) == (200, "ready"), body
+    seen = await metrics(port)
+    assert seen.value("kvtierd_ready") == 1
+    assert seen.value("kvtierd_healthy") == 1
+    assert seen.total("kvtierd_disk_failing") == 0
+
+
+async def test_a_full_file_system_fails_health_until_space_is_freed(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    port = free_port()
+    with small_file_system(tmp_path / "fs", "40m") as fs:
+        nvme = f'preallocate = false\npath = "{fs / "nvme.data"}"\n'
+        with DaemonProcess(
+            tmp_path / "kvtierd",
+            dram_size="64M",
+            nvme_size="128M",
+            config_text=config(port, nvme),
+            runtime=anyio_backend,
+        ) as daemon:
+            async with connect_async(daemon.socket) as client:
+                ns = await client.namespace("disk", block_bytes=MIB)
+                await put(ns, range(4))
+                await client.fsync()
+                await assert_healthy(port)
+                fill(fs / "filler")  # another process takes the rest of the file system
+                await put(ns, range(4, 12))
+                with pytest.raises(NoSpaceError):
+                    await client.fsync()
+                seen = await assert_failing(port, "enospc", "free space on the file system")
+                # the timer keeps retrying (each retry counted) but says so only once
+                first = seen.value("kvtierd_disk_failures_total", reason="enospc")
+
+                async def retried() -> bool:
+                    now = await metrics(port)
+                    return now.value("kvtierd_disk_failures_total", reason="enospc") >= first + 3
+
+                await poll("failed blocks were never tried again", retried)
+                assert await failing_for(port, "enospc")
+                lines = error_lines(daemon, "enospc")
+                assert len(lines) == 1, daemon.log()
+                assert "Remedy: free space on the file system" in lines[0]
+                # blocks whose write-back waits are still served, from DRAM
+                async with ns.get([key(7)]) as views:
+                    assert bytes(views[0]) == block(7).tobytes()
+
+                (fs / "filler").unlink()  # space freed: write-back goes through by itself
+
+                async def recovered() -> bool:
+                    return (await probe(port, "/health"))[0] == 200
+
+                await poll("health never came back after the space was freed", recovered)
+                await assert_healthy(port)
+                assert "disk tier healthy again" in daemon.log()
+                assert len(error_lines(daemon, "enospc")) == 1
+                await client.fsync()
+                await client.evict()  # read them back from the disk
+                async with ns.get([key(i) for i in range(12)]) as views:
+                    for i, view in enumerate(views):
+                        assert bytes(view) == block(i).tobytes(), i
+            assert daemon.stop() == 0
+
+
+async def test_a_replaced_data_file_is_never_acknowledged(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    port = free_port()
+    daemon = DaemonProcess(
+        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
+        runtime=anyio_backend,
+    )  # fmt: skip
+    data = daemon.data_dir / "nvme.data"
+    with daemon:
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("disk", block_bytes=MIB)
+            await put(ns, range(4))
+            await client.fsync()
+            await assert_healthy(port)
+            nvme = [c for c in await client.doctor() if c["subject"] == "nvme"]
+            assert [c["status"] for c in nvme] == ["ok"]
+            impostor = data.with_name("impostor")
+            impostor.write_bytes(bytes(4096))
+            os.rename(impostor, data)  # what a careless deploy or restore script does
+            await put(ns, range(4, 8))
+            with pytest.raises(StorageIOError, match="no longer the data file"):
+                await client.fsync()
+            await assert_failing(port, "replaced", "restart kvtierd")
+            # and it stays refused: nothing is acknowledged onto the old file
+            with pytest.raises(StorageIOError, match="FSYNC refused"):
+                await client.fsync()
+
+            async def refusal_counted() -> bool:
+                now = await metrics(port)
+                return now.value("kvtierd_disk_failures_total", reason="replaced") >= 2
+
+            await poll("the refused FSYNC was not counted", refusal_counted)
+            lines = error_lines(daemon, "replaced")
+            assert len(lines) == 1, daemon.log()
+            assert "until kvtierd is restarted" in lines[0]
+            assert "restart kvtierd" in lines[0]
+            # kvtierctl doctor (DOCTOR) fails its nvme line with the same words
+            nvme = [c for c in await client.doctor() if c["subject"] == "nvme"]
+            assert [c["status"] for c in nvme] == ["fail"]
+            assert "(replaced)" in nvme[0]["detail"]
+            assert "restart kvtierd" in nvme[0]["detail"]
+            # what is in DRAM is still served
+            async with ns.get([key(5)]) as views:
+                assert bytes(views[0]) == block(5).tobytes()
+        assert daemon.stop() == 0
+    assert "no index snapshot written" in daemon.log()
+
+
+async def test_a_removed_data_file_is_noticed_without_an_fsync(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    port = free_port()
+    daemon = DaemonProcess(
+        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
+        runtime=anyio_backend,
+    )  # fmt: skip
+    data = daemon.data_dir / "nvme.data"
+    with daemon:
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("disk", block_bytes=MIB)
+            await put(ns, range(4))
+            await client.fsync()
+            await assert_healthy(port)
+            data.unlink()
+            # nobody FSYNCs: the timer notices
+            await poll("the removal was never noticed", lambda: failing_for(port, "removed"))
+            await assert_failing(port, "removed", "restart kvtierd")
+            before = (await metrics(port)).value("kvtierd_disk_failures_total", reason="removed")
+            await put(ns, range(4, 8))
+            with pytest.raises(StorageIOError, match="removed"):
+                await client.fsync()
+
+            async def counted() -> bool:
+                now = await metrics(port)
+                return now.value("kvtierd_disk_failures_total", reason="removed") > before
+
+            await poll("the refused FSYNC was not counted", counted)
+            assert len(error_lines(daemon, "removed")) == 1, daemon.log()
+        assert daemon.stop() == 0
+    # only a restart clears it: a new data file, healthy again
+    with daemon:
+        assert data.exists()
+        await assert_healthy(port)
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("disk", block_bytes=MIB)
+            await put(ns, range(2))
+            assert await client.fsync() >= 2
