@@ -178,6 +178,12 @@ class DaemonConfig(_Section):
     max_frame_bytes: ByteSize = ByteSize(1 << 20)
     metrics_port: Port = 0
     metrics_address: str = "127.0.0.1"
+    #: Metrics connections served at once, each in a thread of its own; one more is closed at
+    #: once, unanswered.
+    metrics_max_connections: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 8
+    #: A metrics connection whose next bytes take longer than this is closed (a scraper that
+    #: connects and sends nothing holds its thread this long at most).
+    metrics_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
     #: Namespace names that get their own ``namespace`` label in the metrics; the others are
     #: summed into ``namespace="other"``. Empty: the first ``metrics_namespace_limit`` names.
     metrics_namespaces: Annotated[list[str], msgspec.Meta(max_length=1000)] = []
@@ -414,6 +420,15 @@ class RemoteConfig(_Section):
     clients: Annotated[list[RemoteClient], msgspec.Meta(max_length=4096)] = []
     allow_plaintext: bool = False
     plaintext_uid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 2)] = 0
+    #: TCP connections served at once, after their handshake; one more gets ``EBUSY``. Counted
+    #: apart from the Unix socket's ``daemon.max_connections``, which TCP clients never take.
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 64
+    #: TCP connections still in their TLS handshake (or being told why they are refused) at
+    #: once; one more is closed at once, unanswered.
+    max_handshakes: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 32
+    #: Whether a TCP client may create a namespace (OPEN_NS with create); without it, it opens
+    #: only namespaces that exist, and OPEN_NS of an unknown one is answered ``EACCES``.
+    allow_create: bool = False
     #: Daemons of other hosts that a block only the pool holds here is pulled from first.
     peers: Annotated[list[RemotePeer], msgspec.Meta(max_length=64)] = []
     #: This daemon's client certificate and key for its peers (TLS), and the CA their

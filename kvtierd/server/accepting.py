@@ -6,31 +6,68 @@ is open, or told why not (``EAGAIN`` while it starts, the identity refused, ``EB
 kvtierd answers there and removing one a crashed daemon left; :func:`serve_connections` accepts
 on every listener until its scope is cancelled (the sessions then finish what they have in
 flight, in its task group).
+
+Theory of operation: a connection's failure ends that connection only. Each accepted
+connection runs in a task of its own, and whatever it raises (an EOF or a reset in the TLS
+handshake, a TLS alert, a timeout, a bug) ends that task and closes that connection: nothing a
+peer does reaches the task group that would end the daemon. ``accept`` itself fails for the
+listener's sake only on a listener that is gone; ``EMFILE``, ``ENFILE``, ``ENOBUFS`` and
+``ENOMEM`` (the process or the host out of descriptors or memory) pause that listener, longer
+at each failure up to :data:`_PAUSE_MAX_S`, and the pending connection waits in the backlog;
+the network errors Linux reports through ``accept`` are retried at once. Failures are logged
+at most once a minute per listener (:class:`~kvtierd.server.throttle.Throttle`).
+
+Each listener holds at most its share of the descriptor budget (:mod:`kvtierd.server.budget`):
+the Unix socket ``daemon.max_connections`` sessions and ``UNIX_REFUSALS`` refusals, TCP
+``remote.max_handshakes`` connections before their session (and ``remote.max_connections``
+sessions, counted by the daemon). A connection past its listener's cap is closed at once: on
+the Unix socket after a non-blocking write of an ``EBUSY`` frame, on TCP unanswered (no TLS
+record can be written before a handshake).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import logging
 import os
+import ssl
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
-from anyio.abc import ByteStream, SocketStream
+from anyio.abc import ByteStream, SocketAttribute, SocketStream
 
 from kvtierd.config import Config
 from kvtierd.errors import BusyError, ConfigError, KvtierError
 from kvtierd.protocol import ServerConnection
 from kvtierd.server.preflight import socket_answers
 from kvtierd.server.readiness import Readiness
-from kvtierd.server.remote import RemoteListener
+from kvtierd.server.remote import RemoteListener, peer_address
+from kvtierd.server.throttle import Throttle
 
 __all__ = ["listen_unix", "refuse", "serve_connections"]
 
 log = logging.getLogger("kvtierd")
+
+#: ``accept`` errors of a process or host short of descriptors or memory: the listener pauses.
+_SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: ``accept`` errors that say the listener itself is gone: nothing to retry.
+_LISTENER_GONE = frozenset({errno.EBADF, errno.EFAULT, errno.EINVAL, errno.ENOTSOCK})
+#: The first and the longest pause of a listener after a shortage.
+_PAUSE_MIN_S = 0.01
+_PAUSE_MAX_S = 1.0
+#: What a connection's own failure may raise (logged at debug level: the peer's doing).
+_CONNECTION_ERRORS = (
+    anyio.EndOfStream,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    ssl.SSLError,
+    OSError,
+)
 
 
 async def refuse(stream: ByteStream, error: KvtierError) -> None:
@@ -39,22 +76,49 @@ async def refuse(stream: ByteStream, error: KvtierError) -> None:
     The client's INIT is read first, when it comes within :data:`_REFUSAL_READ_S`: a Unix
     socket closed with unread data resets the connection, and the peer's next read then fails
     with ``ECONNRESET`` instead of returning the frame that says why."""
-    with contextlib.suppress(anyio.BrokenResourceError, OSError):
-        await stream.send(ServerConnection().fatal(error))  # one small frame: never waits
-    with (
-        anyio.move_on_after(_REFUSAL_READ_S),
-        contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, OSError),
-    ):
-        await stream.receive(65536)
-    await stream.aclose()
+    try:
+        with contextlib.suppress(*_CONNECTION_ERRORS), anyio.move_on_after(_REFUSAL_READ_S):
+            await stream.send(ServerConnection().fatal(error))  # one small frame
+            await stream.receive(65536)
+    finally:
+        await stream.aclose()
 
 
 #: How long a refused connection is given to send its INIT before it is closed.
 _REFUSAL_READ_S = 1.0
 
 
-async def _admit(stream: SocketStream, readiness: Readiness) -> None:
-    """Hand a new connection to the daemon, or tell it the daemon is still starting."""
+class _Slots:
+    """The connections a listener holds, at most ``cap``."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.held = 0
+
+    def take(self) -> _Slot | None:
+        """A slot for a new connection; ``None`` when all ``cap`` are held."""
+        if self.held >= self.cap:
+            return None
+        self.held += 1
+        return _Slot(self)
+
+
+class _Slot:
+    """One connection's place in its listener's :class:`_Slots`."""
+
+    def __init__(self, slots: _Slots) -> None:
+        self._slots: _Slots | None = slots
+
+    def give_back(self) -> None:
+        """Free the slot (again: nothing)."""
+        if self._slots is not None:
+            self._slots.held -= 1
+            self._slots = None
+
+
+async def _admit(stream: SocketStream, slot: _Slot, where: str, readiness: Readiness) -> None:
+    """Hand a new connection to the daemon, or tell it the daemon is still starting. The
+    connection holds its Unix slot to its end."""
     daemon = readiness.daemon
     if daemon is None:
         log.debug("a connection while starting: %s", readiness.progress.describe())
@@ -63,21 +127,26 @@ async def _admit(stream: SocketStream, readiness: Readiness) -> None:
     await daemon.handle(stream)
 
 
-async def _admit_remote(stream: SocketStream, readiness: Readiness, remote: RemoteListener) -> None:
+async def _admit_remote(
+    stream: SocketStream, slot: _Slot, where: str, readiness: Readiness, remote: RemoteListener
+) -> None:
     """Hand a TCP connection to the daemon once its handshake says who it is, or tell it why
-    not (``docs/remote.md``)."""
-    hello = await remote.shake_hands(stream)
+    not (``docs/remote.md``). It holds its handshake slot until its session starts."""
+    hello = await remote.shake_hands(stream, where)
     if hello is None:
         return
     try:
         daemon = readiness.daemon
         if daemon is None:
             raise readiness.starting_error()
-        peer = remote.identify(hello)
+        # Written through the stream only: a TLS socket carries records, not frames, and on
+        # asyncio a TCP stream's socket is its transport's, which cannot be sent on.
+        session = daemon.admit(hello.stream, remote.identify(hello), direct=False)
     except KvtierError as exc:
         await refuse(hello.stream, exc)
         return
-    await daemon.handle_remote(hello.stream, peer)
+    slot.give_back()
+    await daemon.serve(session)
 
 
 @contextlib.asynccontextmanager
@@ -116,31 +185,118 @@ async def serve_connections(
     readiness: Readiness,
     scope: anyio.CancelScope,
     remote: RemoteListener | None = None,
+    *,
+    unix_cap: int,
 ) -> None:
-    """Accept connections on the Unix socket (and on TCP, with ``remote``) until ``scope``
-    is cancelled; the sessions then finish what they have in flight."""
+    """Accept connections on the Unix socket (at most ``unix_cap`` at once) and on TCP (with
+    ``remote``) until ``scope`` is cancelled; the sessions then finish what they have in
+    flight."""
 
-    async def admit_local(stream: SocketStream) -> None:
-        await _admit(stream, readiness)
+    async def admit_local(stream: SocketStream, slot: _Slot, where: str) -> None:
+        await _admit(stream, slot, where, readiness)
 
-    async def admit_remote(stream: SocketStream) -> None:
-        assert remote is not None
-        await _admit_remote(stream, readiness, remote)
+    doors = [_Door(listener, "the Unix socket", _Slots(unix_cap), admit_local, _turn_away)]
+    if remote is not None:
 
+        async def admit_remote(stream: SocketStream, slot: _Slot, where: str) -> None:
+            await _admit_remote(stream, slot, where, readiness, remote)
+
+        handshakes = _Slots(remote.config.max_handshakes)  # shared by its addresses
+        where = f"TCP {remote.config.listen}"
+        doors += [
+            _Door(tcp, where, handshakes, admit_remote, _close, peer_address)
+            for tcp in remote.listeners
+        ]
     async with anyio.create_task_group() as sessions:
         with scope:
             async with anyio.create_task_group() as accepting:
-                for tcp in remote.listeners if remote is not None else ():
-                    accepting.start_soon(_accept, tcp, admit_remote, sessions)
-                accepting.start_soon(_accept, listener, admit_local, sessions)
+                for door in doors:
+                    accepting.start_soon(_accept, door, sessions)
         # accepting stopped: the sessions finish what they have in flight
 
 
-async def _accept(
-    listener: anyio.abc.SocketListener,
-    admit: Callable[[SocketStream], Coroutine[Any, Any, None]],
-    sessions: anyio.abc.TaskGroup,
-) -> None:
+@dataclass(eq=False)
+class _Door:
+    """A listener, its cap, and what becomes of the connections it accepts."""
+
+    listener: anyio.abc.SocketListener
+    #: The listener in log records.
+    where: str
+    slots: _Slots
+    #: Serves a connection that got a slot, given where it comes from.
+    admit: Callable[[SocketStream, _Slot, str], Coroutine[Any, Any, None]]
+    #: Closes a connection that got none.
+    overflow: Callable[[SocketStream], Coroutine[Any, Any, None]]
+    #: Where a connection comes from, taken as it is accepted (a reset may take it later).
+    where_from: Callable[[SocketStream], str] = lambda stream: ""
+    #: Its failures and refusals, logged at most once a minute each.
+    failures: Throttle = field(default_factory=Throttle)
+
+
+async def _accept(door: _Door, sessions: anyio.abc.TaskGroup) -> None:
+    """Accept on ``door`` for ever: each connection admitted in a task of ``sessions`` while
+    its slots have room, turned away when they have none."""
+    pause_s = 0.0
     while True:
-        stream = await listener.accept()
-        sessions.start_soon(admit, stream)
+        try:
+            stream = await door.listener.accept()
+        except (OSError, anyio.BrokenResourceError) as exc:
+            error = exc if isinstance(exc, OSError) else exc.__cause__
+            code = error.errno if isinstance(error, OSError) else None
+            if code in _LISTENER_GONE:
+                raise
+            shortage = code in _SHORTAGE
+            pause_s = min(max(2 * pause_s, _PAUSE_MIN_S), _PAUSE_MAX_S) if shortage else 0.0
+            remedy = " (lower the connection caps or raise LimitNOFILE: docs/operations.md)"
+            door.failures.report(
+                log,
+                logging.ERROR if shortage else logging.WARNING,
+                "accept",
+                "cannot accept on %s: %s%s",
+                door.where,
+                error or repr(exc),
+                remedy if shortage else "",
+            )
+            await anyio.sleep(pause_s)
+            continue
+        pause_s = 0.0
+        slot = door.slots.take()
+        if slot is None:
+            door.failures.report(
+                log, logging.WARNING, "cap",
+                "%s holds %d connections (its cap): closing new ones at once",
+                door.where, door.slots.cap,
+            )  # fmt: skip
+            await door.overflow(stream)
+        else:
+            sessions.start_soon(_contained, door, stream, slot, door.where_from(stream))
+
+
+async def _contained(door: _Door, stream: SocketStream, slot: _Slot, where: str) -> None:
+    """Admit ``stream``; whatever that raises ends this connection only."""
+    try:
+        await door.admit(stream, slot, where)
+    except _CONNECTION_ERRORS as exc:
+        log.debug("a connection on %s ended: %r", door.where, exc)
+    except Exception as exc:  # a bug must cost one connection, never the daemon
+        door.failures.report(
+            log, logging.ERROR, "bug", "serving a connection on %s failed", door.where,
+            exc_info=exc,
+        )  # fmt: skip
+    finally:
+        slot.give_back()
+        await _close(stream)
+
+
+async def _turn_away(stream: SocketStream) -> None:
+    """Close a Unix connection past the cap at once, after the ``EBUSY`` frame if the socket
+    takes it without waiting (its INIT is not waited for: the peer may read ``ECONNRESET``)."""
+    frame = ServerConnection().fatal(BusyError("too many connections on the socket"))
+    with contextlib.suppress(OSError):
+        stream.extra(SocketAttribute.raw_socket).send(frame)
+    await _close(stream)
+
+
+async def _close(stream: SocketStream) -> None:
+    with anyio.CancelScope(shield=True):
+        await stream.aclose()

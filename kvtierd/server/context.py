@@ -53,6 +53,10 @@ class RequestContext(Protocol):
         """The daemon's NIXL export of the tenant regions, or why it has none."""
 
     @property
+    def may_create_namespaces(self) -> bool:
+        """Whether OPEN_NS may create a namespace here (over TCP: ``remote.allow_create``)."""
+
+    @property
     def max_inflight(self) -> int:
         """Requests this connection may have in flight (told to the client at INIT)."""
 

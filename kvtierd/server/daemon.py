@@ -14,12 +14,14 @@ session finish the requests it has in flight (for at most ``shutdown_grace_s``),
 STOPPING=1, and closes the store, which writes back what is dirty and saves the index snapshot.
 Every task it starts lives in its task group.
 
-Admission. A new connection whose uid already has ``max_connections_per_uid`` open, or that
-finds ``max_connections`` open, is refused with an ``EBUSY`` frame, unless a connection counted
-by that limit is idle (``idle_timeout_s``): the one idle longest is closed instead, with an
-``EBUSY`` frame, and the new one takes its slot. Idle connections are closed for nothing else,
-since the client library does not reconnect. Each connection must then have INIT answered
-within ``handshake_timeout_s`` (:mod:`kvtierd.server.session`).
+Admission. Each listener counts its own sessions: the Unix socket ``daemon.max_connections``,
+TCP ``remote.max_connections`` (so that remote clients never take a local engine's slot). A new
+connection whose uid already has ``max_connections_per_uid`` open on its listener, or that
+finds its listener's cap reached, is refused with an ``EBUSY`` frame, unless a connection
+counted by that limit is idle (``idle_timeout_s``): the one idle longest is closed instead,
+with an ``EBUSY`` frame, and the new one takes its slot. Idle connections are closed for
+nothing else, since the client library does not reconnect. Each connection must then have INIT
+answered within ``handshake_timeout_s`` (:mod:`kvtierd.server.session`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,7 @@ from kvtierd.server.assembly import (
     open_peer_reads,
     pool_link_of,
 )
+from kvtierd.server.budget import reserve_descriptors
 from kvtierd.server.checks import HostCheck
 from kvtierd.server.doctor import RunningFacts, running_report
 from kvtierd.server.endpoint import serve_endpoint
@@ -62,6 +66,7 @@ from kvtierd.server.notify import Notifier
 from kvtierd.server.readiness import Readiness
 from kvtierd.server.remote import open_remote_listener
 from kvtierd.server.session import Session, peer_credentials
+from kvtierd.server.throttle import Throttle
 from kvtierd.store.counts import TrafficCounts
 from kvtierd.store.lifecycle import arena_bytes
 from kvtierd.store.namespaces import Namespace, PeerCredentials
@@ -123,6 +128,8 @@ class Daemon:
         self.requests = 0
         self.started = time.monotonic()
         self.idle = anyio.Event()
+        #: Refused connections, logged at most once a minute per uid.
+        self.refusals = Throttle()
 
     def statistics(self, peer: PeerCredentials | None = None) -> StatfsReply:
         """The STATFS record: the host's (``peer`` None: for the admin), or only what belongs to
@@ -267,49 +274,59 @@ class Daemon:
         return await anyio.to_thread.run_sync(running_report, facts)
 
     async def handle(self, stream: SocketStream) -> None:
-        """Serve a connection to the Unix socket."""
+        """Serve a connection to the Unix socket, or tell it why not (``EBUSY``)."""
         assert isinstance(stream, UNIXSocketStream)
         peer = peer_credentials(stream)
-        log.info("connection from pid %d uid %d gid %d", peer.pid, peer.uid, peer.gid)
-        await self._serve(stream, peer, direct=True)
-
-    async def handle_remote(self, stream: ByteStream, peer: PeerCredentials) -> None:
-        """Serve a TCP connection that :mod:`kvtierd.server.remote` admitted as ``peer``."""
-        log.info("connection from %s", peer)
-        # Written through the stream only: a TLS socket carries records, not frames, and on
-        # asyncio a TCP stream's socket is its transport's, which cannot be sent on.
-        await self._serve(stream, peer, direct=False)
-
-    async def _serve(self, stream: ByteStream, peer: PeerCredentials, *, direct: bool) -> None:
-        refusal = self._make_room(peer.uid)
-        if refusal is not None:
-            log.warning("refusing %s: %s", peer, refusal)
-            await refuse(stream, BusyError(refusal))
+        try:
+            session = self.admit(stream, peer, direct=True)
+        except BusyError as exc:
+            self.refusals.report(log, logging.WARNING, f"uid {peer.uid}", "refusing %s: %s",
+                                 peer, exc)  # fmt: skip
+            await refuse(stream, exc)
             return
+        await self.serve(session)
+
+    def admit(self, stream: ByteStream, peer: PeerCredentials, *, direct: bool) -> Session:
+        """A session for ``stream`` of ``peer``, counted by its listener's limits; raises
+        :class:`BusyError` when it does not fit. ``direct``: replies may be written to the
+        stream's socket directly. The caller then runs it (:meth:`serve`) at once."""
+        refusal = self._make_room(peer)
+        if refusal is not None:
+            raise BusyError(refusal)
+        log.info("connection from %s", peer)
         session = Session(self, stream, peer, direct=direct)
         self.sessions.add(session)
         self.sessions_of_uid.setdefault(peer.uid, set()).add(session)
         if self.idle.is_set():
             self.idle = anyio.Event()
+        return session
+
+    async def serve(self, session: Session) -> None:
+        """Run an admitted session to its end."""
         try:
             await session.serve()
         finally:
             self._forget(session)
             if not self.sessions:
                 self.idle.set()
-            log.info("%s disconnected", peer)
+            log.info("%s disconnected", session.peer)
 
-    def _make_room(self, uid: int) -> str | None:
-        """``None`` when a new connection of ``uid`` fits in the limits, once an idle connection
-        counted by a limit it would break has given its slot up; else why it does not fit."""
+    def _make_room(self, peer: PeerCredentials) -> str | None:
+        """``None`` when a new connection of ``peer`` fits in its listener's limits, once an
+        idle connection counted by a limit it would break has given its slot up; else why it
+        does not fit. The Unix socket and TCP count their own connections (``daemon.`` and
+        ``remote.max_connections``), so that TCP clients never take a local engine's slot."""
         limits = self.config.daemon
+        cap = self.config.remote.max_connections if peer.remote else limits.max_connections
         # A session that has said DESTROY is going (its client waited for the reply and may
         # connect again at once): it holds no slot, unless it is stuck writing to its peer.
-        own = {s for s in self.sessions_of_uid.get(uid, set()) if not s.departing}
+        open_now = [
+            s for s in self.sessions if not s.departing and bool(s.peer.remote) == bool(peer.remote)
+        ]
+        own = {s for s in open_now if s.peer.uid == peer.uid}
         if len(own) >= limits.max_connections_per_uid and not self._reclaim(own):
-            return f"too many connections from uid {uid} ({len(own)} open)"
-        open_now = [s for s in self.sessions if not s.departing]
-        if len(open_now) >= limits.max_connections and not self._reclaim(self._busiest(open_now)):
+            return f"too many connections from uid {peer.uid} ({len(own)} open)"
+        if len(open_now) >= cap and not self._reclaim(self._busiest(open_now)):
             return f"too many connections ({len(open_now)} open)"
         return None
 
@@ -422,6 +439,7 @@ async def serve_daemon(
     notifier = Notifier()
     readiness = Readiness()
     notifier.status(str(readiness.starting_error()))
+    budget = reserve_descriptors(config)
     with _exclusive(config.data_path):
         async with (
             listen_unix(config) as listener,
@@ -431,7 +449,10 @@ async def serve_daemon(
             anyio.create_task_group() as tg,
         ):
             accepting = anyio.CancelScope()
-            tg.start_soon(serve_connections, listener, readiness, accepting, remote)
+            tg.start_soon(
+                partial(serve_connections, unix_cap=budget.unix),
+                listener, readiness, accepting, remote,
+            )  # fmt: skip
             tg.start_soon(notifier.run_watchdog)
             metrics = Metrics(config.daemon, readiness) if config.daemon.metrics_port else None
             if metrics is not None:

@@ -139,7 +139,16 @@ async def open_ns(ctx: RequestContext, header: RequestHeader, msg: OpenNsRequest
         msg.sparse,
     )
     registry = ctx.store.registry
-    ns, _ = registry.open(spec, ctx.peer, create=msg.create)
+    create = msg.create and ctx.may_create_namespaces
+    try:
+        ns, _ = registry.open(spec, ctx.peer, create=create)
+    except BlockNotFoundError:
+        if create == msg.create:
+            raise
+        raise AccessDeniedError(
+            f"namespace {spec.name!r} does not exist, and a client over TCP may not create "
+            "one (remote.allow_create)"
+        ) from None
     if registry.needs_save(ns):  # durable before anyone may write to it
         await anyio.to_thread.run_sync(registry.save)
     region = ns.region

@@ -34,6 +34,7 @@ from kvtierd.config import Config, TriState
 from kvtierd.errors import ConfigError
 from kvtierd.io import IoBackendKind
 from kvtierd.io.probe import BindingVerdict, cached_probe, probe_binding
+from kvtierd.server.budget import budget_problem, descriptor_budget, nofile_limits
 from kvtierd.server.checks import CheckStatus, Fault, HostCheck, size_text
 from kvtierd.store.lifecycle import arena_bytes
 
@@ -119,6 +120,7 @@ def check_host(
         nvme,
         _guard("socket", _socket, config, name, running),
         _guard("metrics", _metrics, config, name, running),
+        _descriptors(config),
         _guard("pool", _pool, config),
     ]
 
@@ -370,6 +372,20 @@ def _metrics(config: Config, name: Namer, running: str | None) -> HostCheck:
             why = f"cannot be bound: {exc.strerror or exc}"
         return _fail("metrics", f"{name('daemon.metrics_port')} {port} on {address} {why}")
     return _ok("metrics", f"http://{address}:{port}/metrics (port free)")
+
+
+def _descriptors(config: Config) -> HostCheck:
+    """The connection caps and the daemon's own descriptors against ``RLIMIT_NOFILE``."""
+    budget = descriptor_budget(config)
+    soft, hard = nofile_limits()
+    problem = budget_problem(budget, hard)
+    if problem is not None:
+        return _fail("nofile", problem, Fault.CONFIGURATION)
+    if budget.total > soft:
+        detail = f"raises RLIMIT_NOFILE from {soft} to {budget.total} (hard limit {hard})"
+    else:
+        detail = f"within RLIMIT_NOFILE {soft}"
+    return _ok("nofile", f"{budget.describe()}, {detail}")
 
 
 def _pool(config: Config) -> HostCheck:

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -38,9 +38,16 @@ from anyio.streams.tls import TLSAttribute, TLSStream
 from kvtierd.config import RemoteConfig
 from kvtierd.errors import AccessDeniedError, ConfigError
 from kvtierd.protocol import Opcode
+from kvtierd.server.throttle import Throttle
 from kvtierd.store.namespaces import PeerCredentials
 
-__all__ = ["REMOTE_OPCODES", "Handshake", "RemoteListener", "open_remote_listener"]
+__all__ = [
+    "REMOTE_OPCODES",
+    "Handshake",
+    "RemoteListener",
+    "open_remote_listener",
+    "peer_address",
+]
 
 log = logging.getLogger("kvtierd.remote")
 
@@ -81,12 +88,17 @@ class RemoteListener:
     tls: ssl.SSLContext | None
     #: ``daemon.handshake_timeout_s``: the TLS handshake must end within it.
     handshake_timeout_s: float
+    #: Failed handshakes and refused identities, logged at most once a minute per address.
+    failures: Throttle = field(default_factory=Throttle)
 
-    async def shake_hands(self, stream: SocketStream) -> Handshake | None:
+    async def shake_hands(self, stream: SocketStream, where: str) -> Handshake | None:
         """TLS on ``stream`` (nothing in plaintext); ``None``, the stream closed, when the
-        handshake fails or takes longer than :attr:`handshake_timeout_s`."""
-        address = stream.extra(SocketAttribute.remote_address)
-        where = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+        handshake fails (the peer closes or resets the connection, sends what is not TLS or
+        an alert, presents no certificate or one ``remote.ca_file`` did not sign) or takes
+        longer than :attr:`handshake_timeout_s`. Failures are logged at most once a minute
+        per peer address, with how many were not. ``where``: :func:`peer_address`, taken as
+        the connection was accepted."""
+        host = where.rpartition(":")[0] or where
         if self.tls is None:
             return Handshake(stream, where, None)
         try:
@@ -94,12 +106,32 @@ class RemoteListener:
                 secure = await TLSStream.wrap(
                     stream, server_side=True, ssl_context=self.tls, standard_compatible=False
                 )
-        except (TimeoutError, ssl.SSLError, OSError, anyio.BrokenResourceError) as exc:
-            log.warning("TLS handshake with %s failed: %s", where, exc or type(exc).__name__)
-            await stream.aclose()
+        except (
+            TimeoutError,
+            ssl.SSLError,
+            OSError,
+            anyio.EndOfStream,
+            anyio.BrokenResourceError,
+            anyio.ClosedResourceError,
+        ) as exc:
+            self.failures.report(
+                log, logging.WARNING, host, "TLS handshake with %s failed: %s", where,
+                self._failure(exc),
+            )  # fmt: skip
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
             return None
         name = _common_name(secure.extra(TLSAttribute.peer_certificate, None))
         return Handshake(secure, where, name)
+
+    def _failure(self, exc: BaseException) -> str:
+        """Why a handshake failed, in words (anyio's own errors carry none)."""
+        if isinstance(exc, TimeoutError):
+            return f"not done within {self.handshake_timeout_s:g} s"
+        if isinstance(exc, anyio.EndOfStream):
+            return "the peer closed the connection"
+        cause = exc.__cause__ if isinstance(exc, anyio.BrokenResourceError) else None
+        return str(cause or exc) or type(cause or exc).__name__
 
     def identify(self, hello: Handshake) -> PeerCredentials:
         """Who the connection acts as; raises :class:`~kvtierd.errors.AccessDeniedError` for
@@ -109,9 +141,22 @@ class RemoteListener:
             return PeerCredentials(0, self.config.plaintext_uid, -1, where)
         uid = self.config.uid_of(hello.name) if hello.name is not None else None
         if uid is None:
-            log.warning("refusing %s: certificate %r is unlisted", hello.where, hello.name)
+            self.failures.report(
+                log, logging.WARNING, hello.where.rpartition(":")[0],
+                "refusing %s: certificate %r is unlisted", hello.where, hello.name,
+            )  # fmt: skip
             raise AccessDeniedError(f"certificate {hello.name!r} is not a client of this daemon")
         return PeerCredentials(0, uid, -1, f"{hello.where} ({hello.name})")
+
+
+def peer_address(stream: SocketStream) -> str:
+    """Where a TCP ``stream`` comes from, host:port; ``"?"`` for a peer already gone (taken
+    as the connection is accepted, it is rarely gone: later, a reset may have taken it)."""
+    try:
+        address = stream.extra(SocketAttribute.remote_address)
+    except (OSError, LookupError, AttributeError):  # asyncio: a reset took the transport's
+        return "?"  # socket away, and anyio's lookup fails in one of these ways
+    return f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
 
 
 def _common_name(certificate: Mapping[str, Any] | None) -> str | None:

@@ -17,12 +17,14 @@ Timing. A connection must have INIT answered within ``handshake_timeout_s`` (a f
 arriving counts as not done): a watchdog task closes it otherwise, with an ``ETIMEDOUT`` frame.
 :attr:`Session.last_request_s` is when the last complete request frame arrived, which the daemon
 reads to find idle connections; :meth:`Session.close_with` ends a session from outside. The last
-frame goes out only when no reply is half-written (the send lock is free), by one non-blocking
-write, so closing never waits on a peer that does not read.
+frame goes out only when no reply is half-written (the send lock is free): on a Unix socket by
+one non-blocking write, over TLS through the stream as the session ends, for at most
+:data:`LAST_FRAME_S`, so closing never waits long on a peer that does not read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import struct
@@ -67,6 +69,8 @@ _RECEIVE_BYTES = 1 << 16
 #: A reply the peer does not take within this long ends its connection (a peer that stops
 #: reading must not hold its slot, its tasks and their frames for ever).
 SEND_TIMEOUT_S = 30.0
+#: How long the last frame of a connection closed from outside (over TLS) may take.
+LAST_FRAME_S = 1.0
 _PEERCRED = struct.Struct("3i")
 
 #: Handlers that never wait on I/O run inline in the reader: no task, no hand-off, one less
@@ -119,6 +123,8 @@ class Session:
         self._raw: socket.socket | None = (
             stream.extra(SocketAttribute.raw_socket) if direct else None
         )
+        #: :meth:`close_with`'s frame, for a stream that must be written through.
+        self._last_frame = b""
         self._reader_scope = anyio.CancelScope()
         self._session_scope = anyio.CancelScope()
         self._handshake_scope = anyio.CancelScope()
@@ -138,6 +144,10 @@ class Session:
     @property
     def nixl(self) -> NixlReads:
         return self.daemon.nixl
+
+    @property
+    def may_create_namespaces(self) -> bool:
+        return not self.peer.remote or self.daemon.config.remote.allow_create
 
     @property
     def max_inflight(self) -> int:
@@ -163,12 +173,18 @@ class Session:
 
     def close_with(self, error: KvtierError) -> None:
         """End the session now, requests in flight included; ``error`` is the last frame
-        when the stream is between frames and the socket takes it without waiting."""
-        if not self.closing and not self._send_lock.locked() and self._raw is not None:
-            try:
-                self._raw.send(self.conn.fatal(error))
-            except OSError as exc:  # BlockingIOError included: a peer that does not read
-                log.debug("no last frame for %s: %s", self.peer, exc)
+        when the stream is between frames: written at once where the socket takes it without
+        waiting, or, for a stream written through only (TLS), as the session ends, within
+        :data:`LAST_FRAME_S`."""
+        if not self.closing and not self._send_lock.locked():
+            frame = self.conn.fatal(error)
+            if self._raw is None:
+                self._last_frame = frame
+            else:
+                try:
+                    self._raw.send(frame)
+                except OSError as exc:  # BlockingIOError included: a peer that does not read
+                    log.debug("no last frame for %s: %s", self.peer, exc)
         self.closing = True
         self._session_scope.cancel()
 
@@ -185,7 +201,18 @@ class Session:
         finally:
             self.daemon.store.drop_owner(self.owner)
             with anyio.CancelScope(shield=True):
+                if self._last_frame:
+                    await self._send_last_frame(self._last_frame)
                 await self.stream.aclose()
+
+    async def _send_last_frame(self, frame: bytes) -> None:
+        """Write :meth:`close_with`'s frame through the stream, unless the peer does not take
+        it within :data:`LAST_FRAME_S` or is gone."""
+        with (
+            anyio.move_on_after(LAST_FRAME_S),
+            contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError),
+        ):
+            await self.stream.send(frame)
 
     async def _expire_handshake(self) -> None:
         timeout_s = self.daemon.config.daemon.handshake_timeout_s

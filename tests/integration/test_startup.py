@@ -276,7 +276,7 @@ def test_check_reports_every_subject_and_changes_nothing(tmp_path: Path) -> None
     subjects = [line.split()[1] for line in lines[:-1]]
     assert subjects == [
         "config", "io_uring", "hugepages", "thp", "mlock", "memory", "data_dir", "nvme",
-        "socket", "metrics", "pool",
+        "socket", "metrics", "nofile", "pool",
     ]  # fmt: skip
     assert lines[0].split()[0] == "ok"
     assert lines[1].startswith("ok        io_uring  kernel.io_uring_disabled = "), lines[1]

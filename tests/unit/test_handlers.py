@@ -61,6 +61,7 @@ class Context:
     reply_fds: dict[int, list[int]] = field(default_factory=dict)
     max_inflight: int = 8
     max_frame_bytes: int = 1 << 20
+    may_create_namespaces: bool = True
     negotiated: int | None = None
 
     def negotiate(self, max_frame_bytes: int) -> None:
