@@ -5,7 +5,9 @@
   once the space is freed write-back goes through by itself and health comes back;
 * its data file replaced (another file renamed over it) or removed (unlinked): FSYNC
   acknowledges nothing (EIO), the failure is counted with reason ``replaced`` or ``removed``,
-  health fails until a restart, and the restart is healthy again.
+  health fails until a restart, and the restart is healthy again;
+* a raw block device (a loop device) is watched by its device number: its node recreated is
+  no change, a node of another device in its place is ``replaced``.
 
 The daemon runs on the test's event loop kind (asyncio or trio); every wait is a poll with a
 generous deadline, never a timing assertion.
@@ -13,9 +15,13 @@ generous deadline, never a timing assertion.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Awaitable, Callable
+import shutil
+import stat
+import subprocess
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -69,9 +75,7 @@ async def put(ns: AsyncNamespace, ids: range) -> None:
 
 def error_lines(daemon: DaemonProcess, word: str) -> list[str]:
     return [
-        line
-        for line in daemon.log().splitlines()
-        if "ERROR kvtierd.disk:" in line and word in line
+        line for line in daemon.log().splitlines() if "ERROR kvtierd.disk:" in line and word in line
     ]
 
 
@@ -261,3 +265,63 @@ async def test_a_removed_data_file_is_noticed_without_an_fsync(
             ns = await client.namespace("disk", block_bytes=MIB)
             await put(ns, range(2))
             assert await client.fsync() >= 2
+
+
+@contextlib.contextmanager
+def loop_devices(directory: Path, count: int) -> Iterator[list[Path]]:
+    """``count`` loop devices over sparse 96 MiB files in ``directory``; detached afterwards."""
+    if shutil.which("losetup") is None or not Path("/dev/loop-control").exists():
+        pytest.skip("needs losetup and /dev/loop-control (util-linux, loop module)")
+    if os.geteuid() != 0:
+        pytest.skip("attaching a loop device needs root")
+    devices: list[Path] = []
+    try:
+        for i in range(count):
+            image = directory / f"device{i}.img"
+            with open(image, "wb") as out:
+                out.truncate(96 << 20)
+            attached = subprocess.run(
+                ["losetup", "--find", "--show", str(image)],
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            if attached.returncode != 0:
+                pytest.skip(f"losetup cannot attach a loop device: {attached.stderr.strip()}")
+            devices.append(Path(attached.stdout.strip()))
+        yield devices
+    finally:
+        for device in devices:
+            subprocess.run(["losetup", "--detach", str(device)], check=False, timeout=60)
+
+
+def node_of(device: Path, path: Path) -> None:
+    """Put a block device node for ``device`` at ``path`` (atomically, as udev would)."""
+    fresh = path.with_name(path.name + ".new")
+    os.mknod(fresh, stat.S_IFBLK | 0o600, os.stat(device).st_rdev)
+    os.rename(fresh, path)
+
+
+async def test_a_raw_device_is_watched_by_its_device_number(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    port = free_port()
+    with loop_devices(tmp_path, 2) as (mine, other):
+        node = tmp_path / "kvtierd-disk"
+        node_of(mine, node)
+        nvme = f'segment_bytes = "1M"\npath = "{node}"\n'
+        with DaemonProcess(
+            tmp_path / "kvtierd", nvme_size="64M", config_text=config(port, nvme),
+            runtime=anyio_backend,
+        ) as daemon:  # fmt: skip
+            async with connect_async(daemon.socket) as client:
+                ns = await client.namespace("raw", block_bytes=MIB)
+                await put(ns, range(4))
+                await client.fsync()
+                node_of(mine, node)  # a new node, the same device: no change
+                await put(ns, range(4, 8))
+                assert await client.fsync() == 8
+                await assert_healthy(port)
+                node_of(other, node)  # the path now names another device
+                with pytest.raises(StorageIOError, match="no longer the data file"):
+                    await client.fsync()
+                await assert_failing(port, "replaced", "restart kvtierd")
+            assert daemon.stop() == 0
