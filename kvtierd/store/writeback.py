@@ -52,6 +52,7 @@ class WriteBack:
         self._progress = anyio.Condition()
         self.written = 0
         self.observer: WriteObserver | None = None
+        self._closed = False
 
     @property
     def backlog(self) -> int:
@@ -63,6 +64,7 @@ class WriteBack:
 
     def close(self) -> None:
         """No more blocks will be queued; workers finish the queue and exit."""
+        self._closed = True
         self._send.close()
         self._receive.close()  # the workers read from clones, which stay open until drained
 
@@ -114,10 +116,11 @@ class WriteBack:
     def retry(self, up_to_seq: float = math.inf, limit: float = math.inf) -> int:
         """Queue again the failed blocks with ``seq <= up_to_seq`` that are not queued already,
         oldest first, at most ``limit`` of them (a block stays failed until written); forget
-        those that need no write any more. Returns how many were queued."""
+        those that need no write any more. Returns how many were queued (none once closed: the
+        failed blocks stay dirty in DRAM, as at a crash)."""
         queued = 0
         for seq, (block, _) in sorted(self._failed.items()):
-            if queued >= limit:
+            if queued >= limit or self._closed:
                 break
             if seq > up_to_seq or seq in self._pending:
                 continue
