@@ -1,0 +1,241 @@
+"""The descriptor budget (issue 31, item 2), on the real daemon under a low ``RLIMIT_NOFILE``.
+
+Before it, idle connections that never sent a byte (on the Unix socket, on TCP before any
+handshake, or on the metrics port, where each held a thread for ever) took descriptors until
+the next accept failed with ``EMFILE`` and the daemon exited. Now each listener holds at most
+its cap (``docs/operations.md``, "The descriptor budget") and closes the rest at once, and an
+accept that fails for want of descriptors pauses and retries.
+
+The daemon runs under ``prlimit --nofile=256``; the floods open several hundred idle
+connections on every listener. Nothing asserts how long anything took: "eventually" is a
+generous deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from kvtierd.errors import BrokenConnectionError, BusyError, TimedOutError
+from kvtierd.testing import DaemonProcess
+from tests.support.tls import (
+    DEADLINE_S,
+    Certificates,
+    free_port,
+    tcp,
+    unix_round_trip,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+runtimes = pytest.mark.parametrize("runtime", ["asyncio", "trio"])
+
+NOFILE = 256
+FLOOD = 300  # idle connections per listener: past every cap, past the limit itself
+
+T = TypeVar("T")
+
+
+def _eventually(attempt: Callable[[], T], what: str) -> T:
+    """``attempt()``'s result once it stops raising the errors of a full listener."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            return attempt()
+        except (BusyError, BrokenConnectionError, TimedOutError, OSError) as exc:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} never succeeded: {exc!r}") from exc
+            time.sleep(0.1)
+
+
+def _health(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+        status: int = reply.status
+        return status
+
+
+def _config(certs: Certificates, tcp_port: int, metrics_port: int) -> str:
+    return f"""
+[daemon]
+max_connections = 16
+max_connections_per_uid = 8
+handshake_timeout_s = 2.0
+metrics_port = {metrics_port}
+metrics_max_connections = 4
+metrics_timeout_s = 1.0
+""" + certs.remote_section(tcp_port, "max_handshakes = 8\nmax_connections = 4\n")
+
+
+@contextlib.contextmanager
+def _idle(count: int, open_one: Callable[[], socket.socket]) -> Iterator[list[socket.socket]]:
+    """``count`` connections that send nothing (those refused at once included)."""
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            with contextlib.suppress(OSError):  # a full backlog may refuse one: still a flood
+                sockets.append(open_one())
+        yield sockets
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _unix(path: Path) -> Callable[[], socket.socket]:
+    def open_one() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(path))
+        return sock
+
+    return open_one
+
+
+@runtimes
+def test_floods_on_every_listener_leave_the_unix_socket_serving(
+    tmp_path: Path, runtime: str
+) -> None:
+    certs = Certificates.make(tmp_path / "tls")
+    tcp_port, metrics_port = free_port(), free_port()
+    daemon = DaemonProcess(
+        tmp_path,
+        config_text=_config(certs, tcp_port, metrics_port),
+        runtime=runtime,
+        command_prefix=["prlimit", f"--nofile={NOFILE}", "--"],
+    )
+    daemon.start(120)
+    try:
+        with (
+            _idle(FLOOD, lambda: tcp(tcp_port)),
+            _idle(FLOOD, lambda: socket.create_connection(("127.0.0.1", metrics_port))),
+        ):
+            # TCP and metrics floods take nothing from a local engine: served at once.
+            unix_round_trip(daemon.socket, "during-the-tcp-flood")
+            with _idle(FLOOD, _unix(daemon.socket)):
+                # Its own uid's flood: the engine gets in once the silent ones time out in
+                # INIT (daemon.handshake_timeout_s).
+                _eventually(
+                    lambda: unix_round_trip(daemon.socket, "during-the-unix-flood"),
+                    "a local engine's round trip",
+                )
+            # The idle metrics connections time out (metrics_timeout_s): the port answers.
+            assert _eventually(lambda: _health(metrics_port), "GET /health") == 200
+            # The idle TCP connections time out in their handshake: a TLS client gets in.
+            stats = _eventually(lambda: _tls_stats(certs, tcp_port), "a TLS client's STATFS")
+            assert stats["scope"] == "tenant"
+        assert daemon.running
+        log = daemon.log()
+        assert "Too many open files" not in log  # the caps held: no accept ever ran out
+        assert "closing new ones at once" in log  # and they were reached
+    finally:
+        status = daemon.stop()
+    assert status == 0, daemon.log()[-3000:]
+
+
+def _tls_stats(certs: Certificates, port: int) -> dict[str, object]:
+    with certs.connect(port) as client:
+        return client.stats()
+
+
+def _lowest_free_descriptor(pid: int) -> int:
+    used = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    return next(fd for fd in range(len(used) + 1) if fd not in used)
+
+
+def _set_nofile(pid: int, soft: int) -> None:
+    """The daemon's soft limit (its hard one stays :data:`NOFILE`)."""
+    subprocess.run(["prlimit", "--pid", str(pid), f"--nofile={soft}:{NOFILE}"], check=True)
+
+
+@runtimes
+def test_accept_out_of_descriptors_pauses_and_serves_again(tmp_path: Path, runtime: str) -> None:
+    """The daemon's limit lowered under it to exactly what it holds: every accept fails with
+    EMFILE. It logs that (once), keeps running, and serves every listener once the limit is
+    back."""
+    certs = Certificates.make(tmp_path / "tls")
+    tcp_port, metrics_port = free_port(), free_port()
+    daemon = DaemonProcess(
+        tmp_path,
+        config_text=_config(certs, tcp_port, metrics_port),
+        runtime=runtime,
+        command_prefix=["prlimit", f"--nofile={NOFILE}", "--"],
+    )
+    daemon.start(120)
+    assert daemon.process is not None
+    pid = daemon.process.pid
+    try:
+        _set_nofile(pid, _lowest_free_descriptor(pid))
+        with (
+            _idle(3, _unix(daemon.socket)),
+            _idle(3, lambda: tcp(tcp_port)),
+            _idle(3, lambda: socket.create_connection(("127.0.0.1", metrics_port))),
+        ):
+            deadline = time.monotonic() + DEADLINE_S
+            while daemon.log().count("Too many open files") < 3:  # one per listener
+                assert daemon.running, daemon.log()[-3000:]
+                assert time.monotonic() < deadline, daemon.log()[-3000:]
+                time.sleep(0.1)
+            time.sleep(1.0)  # more failed accepts, which the log holds back
+            assert daemon.running
+            _set_nofile(pid, NOFILE)
+            unix_round_trip(daemon.socket, "after-emfile")
+            assert _eventually(lambda: _health(metrics_port), "GET /health") == 200
+            assert _tls_stats(certs, tcp_port)["scope"] == "tenant"
+        log = daemon.log()
+        assert log.count("cannot accept on the Unix socket") == 1, log[-3000:]
+        assert log.count("cannot accept on the metrics port") == 1, log[-3000:]
+        assert log.count(f"cannot accept on TCP 127.0.0.1:{tcp_port}") == 1, log[-3000:]
+    finally:
+        status = daemon.stop()
+    assert status == 0, daemon.log()[-3000:]
+
+
+def test_a_budget_beyond_the_hard_limit_refuses_to_start(tmp_path: Path) -> None:
+    """The defaults (256 + 32 Unix connections and the daemon's own) do not fit 200."""
+    args = ["--socket", str(tmp_path / "s.sock"), "--data-dir", str(tmp_path / "data")]
+    command = ["prlimit", "--nofile=200", "--", sys.executable, "-m", "kvtierd", *args]
+    check = subprocess.run([*command, "--check"], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 2, check.stdout
+    assert "fail      nofile    the descriptor budget (288 Unix" in check.stdout
+    assert "exceeds RLIMIT_NOFILE 200" in check.stdout
+    start = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert start.returncode == 2, start.stderr
+    assert "exceeds RLIMIT_NOFILE 200" in start.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_a_soft_limit_below_the_budget_is_raised(tmp_path: Path) -> None:
+    """Soft 300, hard 1024: the daemon raises its soft limit to its budget and serves."""
+    daemon = DaemonProcess(tmp_path, command_prefix=["prlimit", "--nofile=300:1024", "--"])
+    daemon.start(120)
+    try:
+        assert daemon.process is not None
+        limits = Path(f"/proc/{daemon.process.pid}/limits").read_text()
+        line = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+        assert line.split()[3:5] == ["384", "1024"], line  # 256 + 32 + 96
+        unix_round_trip(daemon.socket, "raised")
+    finally:
+        daemon.stop()
+
+
+def test_the_metrics_port_closes_a_connection_past_its_cap_at_once(tmp_path: Path) -> None:
+    port = free_port()
+    config = f"[daemon]\nmetrics_port = {port}\nmetrics_max_connections = 2\n"
+    with DaemonProcess(tmp_path, config_text=config) as daemon:
+        with (
+            _idle(2, lambda: socket.create_connection(("127.0.0.1", port))),
+            socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S) as third,
+        ):
+            third.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+            with contextlib.suppress(ConnectionResetError):
+                assert third.recv(1024) == b""  # closed unanswered
+        assert _eventually(lambda: _health(port), "GET /health") == 200
+        assert daemon.running
