@@ -105,12 +105,16 @@ _REMEDY = {
     (FaultSource.FILE, DiskFault.REPLACED): (
         "another file was put at {path}: what kvtierd writes goes to a file that is gone when "
         "it exits, and FSYNC answers EIO; find what replaced it, then restart kvtierd (it "
-        "opens the file at the path); blocks on the old file are lost then"
+        "opens the file at the path). To keep the old file's blocks, copy it back to {path} "
+        "from the /proc path named above while kvtierd still runs, then restart (records "
+        "torn by the copy are dropped at recovery); else they are lost"
     ),
     (FaultSource.FILE, DiskFault.REMOVED): (
         "{path} was deleted: what kvtierd writes goes to a file that is gone when it exits, "
         "and FSYNC answers EIO; find what removed it, then restart kvtierd (it creates a new "
-        "data file); blocks on the old file are lost then"
+        "data file). To keep the old file's blocks, copy it back to {path} from the /proc "
+        "path named above while kvtierd still runs, then restart (records torn by the copy "
+        "are dropped at recovery); else they are lost"
     ),
 }
 

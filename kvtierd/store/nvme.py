@@ -247,7 +247,8 @@ class NvmeTier(LowerTier):
             now = os.stat(self.path)
         except (FileNotFoundError, NotADirectoryError):
             raise DataFileLostError(
-                DiskFault.REMOVED, f"{self.path} was removed while kvtierd had it open"
+                DiskFault.REMOVED,
+                f"{self.path} was removed while kvtierd had it open{self._still_at()}",
             ) from None
         except OSError as exc:
             raise DataFileLostError(
@@ -257,8 +258,16 @@ class NvmeTier(LowerTier):
             raise DataFileLostError(
                 DiskFault.REPLACED,
                 f"{self.path} is no longer the data file kvtierd has open (another file was "
-                "put in its place)",
+                f"put in its place){self._still_at()}",
             )
+
+    def _still_at(self) -> str:
+        """Where a lost data file can still be read while this process runs (a device is still
+        there under its own name)."""
+        if self._identity[0]:
+            return ""
+        old = f"/proc/{os.getpid()}/fd/{self._fd}"
+        return f"; the old file is readable at {old} until kvtierd exits"
 
     def recovered(self) -> Sequence[Recovered]:
         return self._recovered

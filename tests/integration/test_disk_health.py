@@ -5,7 +5,8 @@
   once the space is freed write-back goes through by itself and health comes back;
 * its data file replaced (another file renamed over it) or removed (unlinked): FSYNC
   acknowledges nothing (EIO), the failure is counted with reason ``replaced`` or ``removed``,
-  health fails until a restart, and the restart is healthy again;
+  health fails until a restart, and the restart is healthy again; the old file, copied back
+  from the ``/proc`` path the remedy names, brings every block back;
 * a raw block device (a loop device) is watched by its device number: its node recreated is
   no change, a node of another device in its place is ``replaced``.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -222,8 +224,21 @@ async def test_a_replaced_data_file_is_never_acknowledged(
             # what is in DRAM is still served
             async with ns.get([key(5)]) as views:
                 assert bytes(views[0]) == block(5).tobytes()
+            # the operator's rescue, while the daemon runs: the old file back at the path
+            reason = (await probe(port, "/health"))[1]["reason"]
+            old = re.search(r"/proc/\d+/fd/\d+", reason)
+            assert old is not None, reason
+            shutil.copyfile(old[0], data)
         assert daemon.stop() == 0
     assert "no index snapshot written" in daemon.log()
+    # the copy is the data file again: every block written to the old file is back, from disk
+    with daemon:
+        await assert_healthy(port)
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("disk", block_bytes=MIB, create=False)
+            async with ns.get([key(i) for i in range(8)]) as views:
+                for i, view in enumerate(views):
+                    assert bytes(view) == block(i).tobytes(), i
 
 
 async def test_a_removed_data_file_is_noticed_without_an_fsync(
