@@ -16,6 +16,7 @@ import os
 import socket
 import ssl
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,14 +48,19 @@ class TlsDaemon:
     daemon: DaemonProcess
     certs: Certificates
     port: int
+    metrics_port: int
     started_s: float
 
     def serves(self, name: str) -> None:
-        """The daemon runs, a local engine does a PUT and a LOOKUP, a good TLS client STATFS."""
+        """The daemon runs, a local engine does a PUT and a LOOKUP, a good TLS client STATFS,
+        and the metrics port answers."""
         assert self.daemon.running, self.daemon.log()[-3000:]
         unix_round_trip(self.daemon.socket, name)
         with self.certs.connect(self.port) as remote:
             assert remote.stats()["scope"] == "tenant"
+        url = f"http://127.0.0.1:{self.metrics_port}/health"
+        with urllib.request.urlopen(url, timeout=DEADLINE_S) as reply:
+            assert reply.status == 200
         assert self.daemon.running
 
 
@@ -65,12 +71,15 @@ def tls_daemon(
     runtime: str = request.param
     directory = tmp_path_factory.mktemp(f"hostile-{runtime}")
     certs = Certificates.make(directory / "tls")
-    port = free_port()
-    config = f"[daemon]\nhandshake_timeout_s = {HANDSHAKE_S}\n" + certs.remote_section(port)
+    port, metrics_port = free_port(), free_port()
+    config = (
+        f"[daemon]\nhandshake_timeout_s = {HANDSHAKE_S}\nmetrics_port = {metrics_port}\n"
+        f"metrics_timeout_s = {HANDSHAKE_S}\n" + certs.remote_section(port)
+    )
     daemon = DaemonProcess(directory, config_text=config, runtime=runtime)
     daemon.start(120)
     try:
-        yield TlsDaemon(daemon, certs, port, time.monotonic())
+        yield TlsDaemon(daemon, certs, port, metrics_port, time.monotonic())
         assert "Traceback" not in daemon.log(), daemon.log()[-5000:]
     finally:
         daemon.kill()
@@ -179,6 +188,90 @@ def test_a_failed_handshake_ends_that_connection_only(
 ) -> None:
     for _ in range(3):
         attack(tls_daemon)
+    tls_daemon.serves(attack.__name__)
+
+
+def _unix(d: TlsDaemon) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(DEADLINE_S)
+    sock.connect(str(d.daemon.socket))
+    return sock
+
+
+def _metrics(d: TlsDaemon) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", d.metrics_port), timeout=DEADLINE_S)
+
+
+def unix_close_at_once(d: TlsDaemon) -> None:
+    _unix(d).close()
+
+
+def unix_close_in_the_init_frame(d: TlsDaemon) -> None:
+    with _unix(d) as sock:
+        sock.sendall(b"KVTD\x01\x00\x00")  # a few bytes of a header
+
+
+def unix_send_garbage(d: TlsDaemon) -> None:
+    with _unix(d) as sock:
+        with contextlib.suppress(OSError):  # the daemon may close before all of it is read
+            sock.sendall(os.urandom(4096))
+        _wait_closed(sock)
+
+
+def unix_say_nothing(d: TlsDaemon) -> None:
+    with _unix(d) as sock:
+        _wait_closed(sock)  # ETIMEDOUT after daemon.handshake_timeout_s
+
+
+def metrics_reset(d: TlsDaemon) -> None:
+    reset(_metrics(d))
+
+
+def metrics_close_in_the_request(d: TlsDaemon) -> None:
+    with _metrics(d) as sock:
+        sock.sendall(b"GET /hea")
+
+
+def metrics_send_garbage(d: TlsDaemon) -> None:
+    with _metrics(d) as sock:
+        sock.sendall(os.urandom(2048) + b"\r\n\r\n")
+        _wait_closed(sock)
+
+
+def metrics_say_nothing(d: TlsDaemon) -> None:
+    with _metrics(d) as sock:
+        _wait_closed(sock)  # after daemon.metrics_timeout_s
+
+
+def metrics_trickle(d: TlsDaemon) -> None:
+    """A byte every tenth of a second: the request's deadline is for the whole of it."""
+    with _metrics(d) as sock:
+        with contextlib.suppress(OSError):
+            for byte in b"GET /health HTTP/1.0\r\nX-Slow: " + b"x" * 10_000:
+                sock.send(bytes([byte]))
+                time.sleep(0.1)
+        _wait_closed(sock)
+
+
+OTHER_LISTENERS: list[Callable[[TlsDaemon], None]] = [
+    unix_close_at_once,
+    unix_close_in_the_init_frame,
+    unix_send_garbage,
+    unix_say_nothing,
+    metrics_reset,
+    metrics_close_in_the_request,
+    metrics_send_garbage,
+    metrics_say_nothing,
+    metrics_trickle,
+]
+
+
+@pytest.mark.parametrize("attack", OTHER_LISTENERS, ids=[a.__name__ for a in OTHER_LISTENERS])
+def test_a_broken_connection_on_the_other_listeners_ends_it_only(
+    tls_daemon: TlsDaemon, attack: Callable[[TlsDaemon], None]
+) -> None:
+    attack(tls_daemon)
+    attack(tls_daemon)
     tls_daemon.serves(attack.__name__)
 
 
