@@ -29,7 +29,15 @@ import msgspec
 
 import kvtierd
 
-__all__ = ["ChildRun", "bind_to_parent", "died_of", "last_error_line", "run_child", "verdict_line"]
+__all__ = [
+    "ChildRun",
+    "bind_to_parent",
+    "child_environment",
+    "died_of",
+    "last_error_line",
+    "run_child",
+    "verdict_line",
+]
 
 T = TypeVar("T")
 
@@ -66,17 +74,13 @@ def run_child(
     session of its own, with kvtierd's own directory first on its ``PYTHONPATH`` and ``env``
     added to its environment. Never raises for anything the child does; re-raises only the
     caller's own interruption, after killing the child."""
-    child_env = dict(os.environ)
-    child_env.update(env or {})
-    root = str(Path(kvtierd.__file__).resolve().parent.parent)
-    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
     try:
         child = subprocess.Popen(
             [*launcher, sys.executable, "-c", code, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
-            env=child_env,
+            env=child_environment(env),
             start_new_session=True,
         )
     except OSError as exc:
@@ -91,6 +95,16 @@ def run_child(
             raise
         return ChildRun(child.returncode, out, err, timed_out=True)
     return ChildRun(child.returncode, out, err)
+
+
+def child_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with ``env`` added and kvtierd's own directory first on
+    ``PYTHONPATH``: what a child Python running kvtierd's code gets."""
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    root = str(Path(kvtierd.__file__).resolve().parent.parent)
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
+    return child_env
 
 
 def died_of(returncode: int) -> tuple[str, str] | None:

@@ -8,10 +8,12 @@ the NIC has it, TCP otherwise) into memory registered with this process's agent,
 GPU memory on a GPU host or a process without the region mapped at all. The control stays on
 the daemon's socket:
 
-1. **Grant, once per region and connection.** NIXL_GRANT answers the metadata of the NIXL
-   registration of the namespace's tenant region alone; the agent loads it
-   (:meth:`~kvtierd.nixl.agent.NixlAgent.add_peer`). A daemon that restarted has a new agent:
-   grants are kept per connection (:attr:`~kvtierd.client.Client.reconnects`).
+1. **Grant, once per region and agent.** NIXL_GRANT answers the metadata of the agent that
+   exports the namespace's tenant region (a process of the daemon's that maps that region
+   alone); the agent loads it (:meth:`~kvtierd.nixl.agent.NixlAgent.add_peer`). A daemon that
+   restarted has new agents: grants are kept per connection
+   (:attr:`~kvtierd.client.Client.reconnects`); and an exporter the daemon restarted has a new
+   agent, which the descriptors of the next lease name: the grant is then asked again.
 2. **Lease.** READ_NIXL leases the blocks, exactly as READ does (tenant checks, quotas, the
    lease pins each block's slot), and adds the descriptors of their bytes, described by the
    daemon within that region only (:class:`NixlLease`).
@@ -50,8 +52,10 @@ from kvtierd.errors import (
     KvtierError,
     NotSupportedError,
     RemoteProtocolError,
+    StartingError,
 )
 from kvtierd.io.buffers import buffer_address
+from kvtierd.nixl import descriptors
 from kvtierd.nixl.agent import Extent, NixlAgent, Registration
 from kvtierd.protocol.messages import ReadNixlReply
 from kvtierd.store.records import checksum
@@ -152,7 +156,7 @@ class NixlReader:
         replies = ns._run(lambda: ops.read_nixl(ns.handle.ns, keys, client.max_keys))
         connection = client.reconnects
         try:
-            peer = self._peer(ns, connection)
+            peer = self._peer(ns, connection, descriptors.agent_of(replies[0].descriptors))
         except BaseException:
             client.release_soon([r.lease for r in replies], connection)
             raise
@@ -206,13 +210,24 @@ class NixlReader:
                     "commit by a client of its tenant): a miss"
                 )
 
-    def _peer(self, ns: Namespace, connection: int) -> str:
+    def _peer(self, ns: Namespace, connection: int, named: str) -> str:
         """The daemon's agent for ``ns``'s region on connection ``connection``, loaded from a
-        NIXL_GRANT the first time."""
+        NIXL_GRANT the first time, and again when the descriptors name another (``named``: the
+        daemon restarted that region's exporter)."""
         where = (connection, ns.handle.region)
         peer = self._peers.get(where)
-        if peer is None:
+        if peer != named:
+            if peer is not None:
+                del self._peers[where]
+                if peer not in self._peers.values():
+                    with contextlib.suppress(KvtierError):
+                        self.agent.remove_peer(peer)
             grant = ns._run(lambda: ops.nixl_grant(ns.handle.ns))
+            if grant.agent != named:
+                raise StartingError(
+                    f"the daemon restarted the NIXL exporter of region {ns.handle.region} "
+                    "during the lease: try again"
+                )
             if grant.region != ns.handle.region:
                 raise RemoteProtocolError(
                     f"NIXL_GRANT named region {grant.region}, not the namespace's "

@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 NIXL moves bytes between registered memory of two *agents* (one per process) over a backend;
 here always UCX, which picks TCP, shared memory or RDMA by what the host has. The owner of the
-bytes (the daemon, for its arena regions) registers each region once and hands a peer two
+bytes (for the daemon's arena, one exporter process per tenant region,
+:mod:`kvtierd.nixl.exporter`) registers its region once and hands a peer two
 things out of band: agent metadata (how to reach it and the remote keys of what is registered,
 :meth:`NixlAgent.metadata`, all of it or one registration's) and the extents it may read
 (:meth:`NixlAgent.descriptors`, :mod:`kvtierd.nixl.descriptors`). The puller loads the metadata
@@ -16,10 +17,12 @@ What this relies on, measured with ``nixl==1.5.1`` over UCX/TCP, and what it doe
 * A transfer ends in ``DONE`` or ``ERR`` as ``check_xfer_state`` reports, or stays ``PROC``
   forever if the peer stops answering: every pull has a deadline.
 * NIXL is **not** an access check. Deregistering memory does not revoke a peer that loaded the
-  metadata (its READs of the old extents still succeed), and a READ of an extent outside what
-  was registered is not always refused. Who may read what is kvtierd's business: a client gets
-  extents only with a lease, re-checks its lease's generation after the transfer and discards
-  the bytes when it changed, and a tenant's client gets the metadata of its own region only.
+  metadata (its READs of the old extents still succeed), and the only check of an extent is
+  the puller's own, against metadata the puller can edit: over UCX the owner serves a READ of
+  any address of its process (and dies of one it does not map). Who may read what is kvtierd's
+  business: whatever a process with an agent maps is readable by its peers, so the daemon's
+  regions are exported each by a process that maps that region alone; a client gets extents
+  only with a lease and re-checks the bytes after the transfer.
 * NIXL raises exceptions with no common base (``nixlNotFoundError`` and eleven more, each a bare
   ``Exception``, plus ``RuntimeError``, ``ValueError`` and ``TypeError`` from its Python layer).
   :func:`nixl_errors` turns them into :class:`TransferError`, in this one place.

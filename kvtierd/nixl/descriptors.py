@@ -8,9 +8,11 @@ a non-positive address or length).
 The owner describes only extents that lie wholly inside memory it registered (one registration,
 when it describes for one tenant's client); the puller checks that the descriptors are the
 peer's and pair, length for length, with its own registered extents. Neither check is a security
-boundary: a puller can hand NIXL any extent it likes, and NIXL 1.5.1 over UCX/TCP does not
-always refuse one outside what was registered (``docs/nixl.md``). They keep kvtierd's own
-callers honest; what a client may read is decided by its lease and re-checked on completion.
+boundary: a puller can hand NIXL any extent it likes (and edit the metadata its NIXL checks
+them against), and over UCX nothing on the owner's side refuses one (``docs/nixl.md``). They
+keep kvtierd's own callers honest; what a client can reach at all is bounded by the process it
+reads from (one exporter per tenant region, :mod:`kvtierd.nixl.exporter`), and which blocks it
+may read by its lease, re-checked on completion.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import msgspec
 
 from kvtierd.errors import InvalidRequestError
 
-__all__ = ["FORMAT", "Descriptors", "Extent", "check_within", "decode", "encode"]
+__all__ = ["FORMAT", "Descriptors", "Extent", "agent_of", "check_within", "decode", "encode"]
 
 #: ``(address, length)`` of bytes in one process.
 Extent = tuple[int, int]
@@ -61,15 +63,27 @@ def encode(agent: str, extents: Sequence[Extent], registered: Sequence[Extent]) 
     return msgspec.msgpack.encode(Descriptors(FORMAT, agent, pairs))
 
 
-def decode(data: bytes, *, peer: str, local: Sequence[Extent]) -> Descriptors:
-    """The :func:`encode`\\ d extents of ``peer``, checked to pair with ``local`` (as many, each
-    as long); :class:`~kvtierd.errors.InvalidRequestError` for anything else."""
+def _decoded(data: bytes) -> Descriptors:
     try:
         described = msgspec.msgpack.decode(data, type=Descriptors)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise InvalidRequestError(f"not NIXL descriptors: {exc}") from exc
     if described.format != FORMAT:
         raise InvalidRequestError(f"NIXL descriptors of format {described.format}, not {FORMAT}")
+    return described
+
+
+def agent_of(data: bytes) -> str:
+    """The agent whose memory the :func:`encode`\\ d ``data`` describes (a daemon's exporter
+    that was restarted has a new one); :class:`~kvtierd.errors.InvalidRequestError` for
+    anything that is not descriptors."""
+    return _decoded(data).agent
+
+
+def decode(data: bytes, *, peer: str, local: Sequence[Extent]) -> Descriptors:
+    """The :func:`encode`\\ d extents of ``peer``, checked to pair with ``local`` (as many, each
+    as long); :class:`~kvtierd.errors.InvalidRequestError` for anything else."""
+    described = _decoded(data)
     if described.agent != peer:
         raise InvalidRequestError(f"descriptors of {described.agent!r}, not of {peer!r}")
     if any(address <= 0 or length <= 0 for address, length in described.extents):

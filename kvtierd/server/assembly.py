@@ -10,8 +10,9 @@ configuration error), builds the pool tier, and hands the store a
 open the link (:func:`kvtierd.pool.link.open_pool_link`, which owns the link's tasks and gives
 queued writes half the shutdown grace to reach the pool).
 
-:func:`open_nixl_reads` exports the store's tenant regions over NIXL when ``nixl.enabled``
-asks for it and NIXL passes its probe here; otherwise the daemon serves on without NIXL reads,
+:func:`open_nixl_reads` exports the store's tenant regions over NIXL, each from an exporter
+process of its own (:mod:`kvtierd.nixl.export`), when ``nixl.enabled`` asks for it and NIXL
+passes its probe here; otherwise the daemon serves on without NIXL reads,
 and the request handlers answer READ_NIXL with the reason (``EOPNOTSUPP``).
 """
 
@@ -24,13 +25,11 @@ import socket
 from collections.abc import AsyncIterator
 from functools import partial
 
-import anyio
-
 from kvtierd.config import Config, PoolConfig
 from kvtierd.errors import ConfigError, NotSupportedError
 from kvtierd.io import BindingVerdict
 from kvtierd.nixl.agent import TransferError
-from kvtierd.nixl.export import NIXL_OFF, NixlReads, start_region_export
+from kvtierd.nixl.export import NIXL_OFF, NixlReads, open_region_export
 from kvtierd.nixl.probe import probe_nixl
 from kvtierd.pool.connect import PoolUnavailableError, pool_address, read_secret
 from kvtierd.pool.link import PoolLink, open_pool_link
@@ -97,26 +96,30 @@ async def open_daemon_store(
 
 @contextlib.asynccontextmanager
 async def open_nixl_reads(config: Config, store: BlockStore) -> AsyncIterator[NixlReads]:
-    """The NIXL export of ``store``'s tenant regions, for as long as the daemon serves; or, when
-    ``nixl.enabled`` is false or NIXL cannot run here, why not (logged)."""
+    """The NIXL export of ``store``'s tenant regions (an exporter process each, supervised), for
+    as long as the daemon serves; or, when ``nixl.enabled`` is false or NIXL cannot run here,
+    why not (logged)."""
     if not config.nixl.enabled:
         yield NIXL_OFF
         return
     name = f"kvtierd-{socket.gethostname()}-{os.getpid()}"
     probe = partial(probe_nixl, timeout_s=config.nixl.probe_timeout_s)
-    try:
-        export = await start_region_export(name, store.arena.address, store.regions, probe=probe)
-    except (NotSupportedError, TransferError) as exc:
-        log.warning("NIXL reads are off: %s", exc)
-        yield NixlReads(None, str(exc))
-        return
-    try:
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(export.pump)
-            yield NixlReads(export)
-            tasks.cancel_scope.cancel()
-    finally:
-        export.close()
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            export = await stack.enter_async_context(
+                open_region_export(
+                    name,
+                    store.arena.address,
+                    store.regions,
+                    start_timeout_s=config.nixl.probe_timeout_s,
+                    probe=probe,
+                )
+            )
+        except (NotSupportedError, TransferError) as exc:
+            log.warning("NIXL reads are off: %s", exc)
+            yield NixlReads(None, str(exc))
+            return
+        yield NixlReads(export)
 
 
 @contextlib.asynccontextmanager
@@ -139,7 +142,7 @@ async def open_peer_reads(
         ns = store.registry.by_digest(digest)
         return ns.spec if ns is not None else None
 
-    peers = PeerReads(endpoints, nixl.export.agent, spec_of)
+    peers = PeerReads(endpoints, nixl.export, spec_of)
     link.tier.peer_source = peers
     log.info("blocks only the pool holds are asked of %s first", ", ".join(map(str, endpoints)))
     try:

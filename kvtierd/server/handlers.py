@@ -225,13 +225,14 @@ def _extents(lease: Lease) -> list[Extent]:
 
 
 async def nixl_grant(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
-    """The metadata of the NIXL registration of the header's namespace's region alone: what a
-    client of that tenant loads to pull from it, and nothing of another tenant's."""
+    """The metadata of the NIXL agent of the header's namespace's region: what a client of that
+    tenant loads to pull from it. The agent runs in that region's exporter process, which maps
+    nothing of another tenant's."""
     export = ctx.nixl.require()
     region = _namespace(ctx, header).region
     assert region is not None  # OPEN_NS admits no namespace without one
     grant = export.grant(region)
-    return NixlGrantReply(export.agent.name, grant.region_id, grant.metadata)
+    return NixlGrantReply(grant.agent, grant.region_id, grant.metadata)
 
 
 async def read_nixl(ctx: RequestContext, header: RequestHeader, msg: ReadNixlRequest) -> Message:
@@ -250,7 +251,7 @@ async def read_nixl(ctx: RequestContext, header: RequestHeader, msg: ReadNixlReq
     except BaseException:
         ctx.store.release(ctx.owner, [lease.id])
         raise
-    export.hold(lease)
+    export.hold(region, lease)
     _count_read(ns, lease)
     return ReadNixlReply(lease.id, extents, descriptors)
 

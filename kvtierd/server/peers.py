@@ -10,8 +10,9 @@ those blocks (``remote.peers``: the daemons of other hosts that share this one's
 such as the rank's previous host), :class:`PeerReads` asks them first, as a remote client of
 each (``docs/remote.md``): over a TCP connection with this daemon's own client certificate it
 opens the block's namespace there (the same spec, hence the same digest and keys), leases the
-block with READ_NIXL and pulls its bytes with this daemon's NIXL agent straight into the arena
-slot being filled (the slot lies in a tenant region the agent has registered). The bytes are
+block with READ_NIXL and has the NIXL exporter of the region the arena slot being filled lies
+in (:mod:`kvtierd.nixl.export`: this daemon's process loads no NIXL) pull its bytes straight
+into that slot. The bytes are
 kept only when they hash to the checksum this rank's own manifest recorded: a peer's copy is
 used only if it is exactly the block asked for. Anything else (the peer lacks the block, is
 down, refuses, or sends other bytes) is a peer miss and the pool's GET follows, so a peer can
@@ -19,9 +20,10 @@ make a restore faster, never wrong and never fail.
 
 Where the work runs. The peer connections are the blocking client (:mod:`kvtierd.client.sync`),
 used in a worker thread, one lease at a time per peer (the pulls of several blocks overlap);
-RELEASEs are queued without waiting. The NIXL agent is used on the event loop
-as the request handlers use it (:meth:`~kvtierd.nixl.agent.NixlAgent.pull_async`: only setting
-the transfer up blocks, for milliseconds). A peer that failed is skipped for
+RELEASEs are queued without waiting. The pull is a control message to the exporter, awaited on
+the event loop (:meth:`~kvtierd.nixl.export.RegionExport.pull_into`), with the peer agent's
+metadata: the exporter loads it the first time. A peer whose exporter was restarted names a new
+agent in its descriptors; its grant is then asked again. A peer that failed is skipped for
 :data:`RETRY_AFTER_S`. The pool tier calls :meth:`PeerReads.load` (its ``peer_source``).
 """
 
@@ -41,8 +43,8 @@ from kvtierd.client.endpoint import TcpEndpoint, client_tls_context
 from kvtierd.client.sync import Client, Namespace, connect_endpoint
 from kvtierd.config import RemoteConfig
 from kvtierd.errors import BlockNotFoundError, ConfigError, KvtierError
-from kvtierd.io.buffers import buffer_address
-from kvtierd.nixl.agent import NixlAgent
+from kvtierd.nixl import descriptors
+from kvtierd.nixl.export import RegionExport
 from kvtierd.protocol.messages import ReadNixlReply
 from kvtierd.store.codec import THREAD_CHECKSUM_BYTES
 from kvtierd.store.namespaces import NamespaceSpec
@@ -82,14 +84,14 @@ class _Peer:
     connection: int = 0
     #: Namespace digest -> the namespace opened on the peer (on this connection).
     namespaces: dict[bytes, Namespace] = field(default_factory=dict)
-    #: (connection, region) -> the peer's agent as this daemon's agent knows it.
-    agents: dict[tuple[int, int], str] = field(default_factory=dict)
+    #: (connection, region) -> the peer's agent there and its metadata (NIXL_GRANT's).
+    grants: dict[tuple[int, int], tuple[str, bytes]] = field(default_factory=dict)
     skip_until: float = 0.0
     lock: anyio.Lock = field(default_factory=anyio.Lock)
 
     def lease(self, spec: NamespaceSpec, digest: bytes, key: bytes) -> _Lease:
         """(In a worker thread.) Lease ``key`` of ``spec``'s namespace on the peer, with the
-        NIXL metadata of its region when this connection has not loaded it yet."""
+        agent its descriptors name and that agent's metadata (asked once per agent)."""
         if self.client is None or not self.client.connected():
             self.close()
             self.client = connect_endpoint(
@@ -114,10 +116,16 @@ class _Peer:
             )
         replies = client.run(ops.read_nixl(ns.handle.ns, [key], client.max_keys))
         where = (self.connection, ns.handle.region)
-        metadata = None
-        if where not in self.agents:  # (a concurrent load may add it first: then unused)
-            metadata = client.run(ops.nixl_grant(ns.handle.ns)).metadata
-        return _Lease(replies, where, metadata)
+        try:
+            named = descriptors.agent_of(replies[0].descriptors)
+            grant = self.grants.get(where)
+            if grant is None or grant[0] != named:  # new, or the peer's exporter restarted
+                reply = client.run(ops.nixl_grant(ns.handle.ns))
+                grant = self.grants[where] = (reply.agent, reply.metadata)
+        except BaseException:
+            client.release_soon([r.lease for r in replies])
+            raise
+        return _Lease(replies, where, *grant)
 
     def release(self, lease: _Lease) -> None:
         """RELEASE ``lease``, unless its connection is gone (the peer released it then, and
@@ -127,6 +135,7 @@ class _Peer:
 
     def close(self) -> None:
         self.namespaces.clear()
+        self.grants.clear()
         if self.client is not None:
             self.client.close()
             self.client = None
@@ -135,9 +144,11 @@ class _Peer:
 @dataclass(frozen=True, slots=True)
 class _Lease:
     replies: list[ReadNixlReply]
-    #: (connection, region): which of the peer's agents, as loaded here, the lease is for.
+    #: (connection, region): where on the peer the lease was granted.
     where: tuple[int, int]
-    metadata: bytes | None
+    #: The peer's agent (of the lease's region) and its metadata.
+    agent: str
+    metadata: bytes
 
 
 class PeerReads:
@@ -146,11 +157,11 @@ class PeerReads:
     def __init__(
         self,
         endpoints: Sequence[TcpEndpoint],
-        agent: NixlAgent,
+        export: RegionExport,
         spec_of: Callable[[bytes], NamespaceSpec | None],
     ) -> None:
         self._peers = [_Peer(e) for e in endpoints]
-        self._agent = agent
+        self._export = export
         self._spec_of = spec_of
         #: Blocks pulled from a peer, asked of peers and not found there, and peer failures.
         self.counters = {"hits": 0, "misses": 0, "failures": 0, "bytes": 0}
@@ -194,45 +205,30 @@ class PeerReads:
                     lease = await anyio.to_thread.run_sync(peer.lease, spec, ref.ns_digest, ref.key)
             except BlockNotFoundError:
                 return False
-            try:
-                extents = [e for reply in lease.replies for e in reply.extents]
-                if len(extents) != 1 or extents[0].length != ref.raw_bytes:
-                    return False
-                if extents[0].checksum != ref.checksum:
-                    return False  # another version of the block: not the one asked for
-                agent = peer.agents.get(lease.where)
-                if agent is None:
-                    if lease.metadata is None:  # its grant is another load's, not loaded yet
-                        return False
-                    self._forget_agents(peer, before=lease.where[0])
-                    agent = peer.agents[lease.where] = self._agent.add_peer(lease.metadata)
-                local = [(buffer_address(target), ref.raw_bytes)]
-                reply = lease.replies[0]
-                await self._agent.pull_async(
-                    agent, reply.descriptors, local, timeout_s=PEER_TIMEOUT_S
-                )
-            finally:
-                peer.release(lease)  # queued when a control call holds the connection
+        try:
+            extents = [e for reply in lease.replies for e in reply.extents]
+            if len(extents) != 1 or extents[0].length != ref.raw_bytes:
+                return False
+            if extents[0].checksum != ref.checksum:
+                return False  # another version of the block: not the one asked for
+            # The exporter's own deadline bounds the pull (it is killed if it overruns).
+            await self._export.pull_into(
+                target,
+                agent=lease.agent,
+                metadata=lease.metadata,
+                remote=lease.replies[0].descriptors,
+                timeout_s=PEER_TIMEOUT_S,
+            )
+        finally:
+            peer.release(lease)  # queued when a control call holds the connection
         # The lease was held through the pull; the bytes must still be the manifest's block.
         if ref.raw_bytes < THREAD_CHECKSUM_BYTES:
             return checksum(target) == ref.checksum
         return await anyio.to_thread.run_sync(checksum, target) == ref.checksum
 
-    def _forget_agents(self, peer: _Peer, *, before: int) -> None:
-        """Forget the peer's agents loaded on connections before ``before`` (a peer that
-        restarted has a new agent; the old one's metadata is of no use)."""
-        for where in [w for w in peer.agents if w[0] < before]:
-            agent = peer.agents.pop(where)
-            if agent not in peer.agents.values():
-                try:
-                    self._agent.remove_peer(agent)
-                except KvtierError as exc:
-                    log.debug("forgetting peer agent %s: %s", agent, exc)
-
     async def aclose(self) -> None:
-        """Forget the peers' agents (on the event loop, where the agent is used) and close
-        every peer connection (DESTROY: blocking sends, in a worker thread); the agent stays
-        open."""
+        """Close every peer connection (DESTROY: blocking sends, in a worker thread); the
+        exporters stay (they forget peer agents by themselves)."""
         c = self.counters
         log.info(
             "peers served %d block(s), %d bytes; %d asked of them in vain; %d failure(s)",
@@ -241,8 +237,6 @@ class PeerReads:
             c["misses"],
             c["failures"],
         )
-        for peer in self._peers:
-            self._forget_agents(peer, before=peer.connection + 1)
         with anyio.CancelScope(shield=True):
             for peer in self._peers:
                 await anyio.to_thread.run_sync(peer.close)

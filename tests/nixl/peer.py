@@ -5,10 +5,11 @@ process: each role runs in a child and ends through :func:`kvtierd.nixl.agent.ex
 
 ``owner DIR``: maps an 8 MiB memfd (as an arena region is), fills it with random bytes,
 registers it and writes into ``DIR``: ``owner.md`` (the metadata of that registration alone, as
-a tenant's client gets it), ``extents.bin`` (descriptors of :data:`EXTENTS`), ``expected.bin``
-(those extents' bytes) and ``refused.txt`` (what :meth:`~kvtierd.nixl.agent.NixlAgent.descriptors`
-raised for an extent reaching past the region's end); then it prints ``ready``. It obeys lines
-on stdin: ``deregister`` (prints ``deregistered``) and ``exit`` (or the end of stdin).
+a tenant's client gets it), ``extents.bin`` (descriptors of :data:`EXTENTS`), ``first.bin``
+(descriptors of the first extent alone), ``expected.bin`` (those extents' bytes) and
+``refused.txt`` (what :meth:`~kvtierd.nixl.agent.NixlAgent.descriptors` raised for an extent
+reaching past the region's end); then it prints ``ready``. It obeys lines on stdin:
+``deregister`` (prints ``deregistered``) and ``exit`` (or the end of stdin).
 
 ``puller DIR CASE``: registers a buffer of its own, loads the owner's metadata and pulls
 :data:`EXTENTS` into it, then prints one JSON line ``{"error": ..., "sha256": ...,
@@ -16,13 +17,7 @@ on stdin: ``deregister`` (prints ``deregistered``) and ``exit`` (or the end of s
 (:meth:`~kvtierd.nixl.agent.NixlAgent.pull`), ``asyncio`` or ``trio``
 (:meth:`~kvtierd.nixl.agent.NixlAgent.pull_async` on that event loop), ``short`` (the
 descriptors truncated), ``unknown-peer`` (descriptors of an agent never loaded), or ``again``
-(a pull, ``pulled`` printed, a line awaited on stdin, then the pull that is reported), or
-``forged`` (``forged.bin`` of an ``arena-owner``: another tenant's extents).
-
-``arena-owner DIR``: the daemon's side, an arena of two tenant regions exported region by
-region; writes the same files as ``owner`` for a client of tenant ``a`` (``refused.txt``: one
-line for an extent in tenant ``b``'s region, one for an extent reaching past ``a``'s end), and
-``forged.bin``.
+(a pull, ``pulled`` printed, a line awaited on stdin, then the pull that is reported).
 """
 
 from __future__ import annotations
@@ -38,13 +33,9 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from kvtierd.config import TriState
 from kvtierd.io.buffers import buffer_address
 from kvtierd.nixl import descriptors
 from kvtierd.nixl.agent import Extent, NixlAgent, exit_process
-from kvtierd.nixl.export import RegionExport, start_region_export
-from kvtierd.store.arena import Arena
-from kvtierd.store.regions import Regions
 
 REGION_BYTES = 8 << 20
 #: (offset, length) in the owner's region: page-aligned, odd-sized, and the region's last page.
@@ -74,6 +65,8 @@ def _owner(directory: Path) -> None:
         extents = [(base + offset, length) for offset, length in EXTENTS]
         (directory / "owner.md").write_bytes(agent.metadata(registration))
         (directory / "extents.bin").write_bytes(agent.descriptors(extents, within=registration))
+        first = agent.descriptors(extents[:1], within=registration)
+        (directory / "first.bin").write_bytes(first)
         expected = b"".join(region[offset : offset + length] for offset, length in EXTENTS)
         (directory / "expected.bin").write_bytes(expected)
         try:
@@ -89,63 +82,6 @@ def _owner(directory: Path) -> None:
                 print("deregistered", flush=True)
             elif line.strip() == "exit":
                 break
-
-
-def _arena_owner(directory: Path) -> None:
-    """The daemon's side: an arena of two tenants' regions exported through
-    :func:`~kvtierd.nixl.export.start_region_export` (its probe included); what a client of
-    tenant ``a`` is handed goes into ``directory`` as for ``owner``, and ``forged.bin``
-    describes the same lengths in tenant ``b``'s region, bypassing the export's checks."""
-    arena = Arena.create(2 << 20, [("a", REGION_BYTES), ("b", REGION_BYTES)], mlock=TriState.NEVER)
-    regions = Regions(arena.regions)
-    mine, theirs = (regions.for_tenant(t) for t in ("a", "b"))
-    assert mine is not None
-    assert theirs is not None
-    for region in (mine, theirs):
-        arena.view[region.mapping.base : region.mapping.base + REGION_BYTES] = os.urandom(
-            REGION_BYTES
-        )
-    address = buffer_address(arena.view)
-    export = anyio.run(start_region_export, f"daemon-{os.getpid()}", address, list(regions))
-    assert export is not None, "NIXL failed its probe"
-    try:
-        offsets = [(mine.mapping.base + offset, length) for offset, length in EXTENTS]
-        (directory / "owner.md").write_bytes(export.grant(mine).metadata)
-        (directory / "extents.bin").write_bytes(export.describe(mine, offsets))
-        view = arena.view
-        expected = b"".join(view[offset : offset + length] for offset, length in offsets)
-        (directory / "expected.bin").write_bytes(expected)
-        refusals = []
-        for extent in [(theirs.mapping.base, 4096), (mine.mapping.base + REGION_BYTES - 1, 2)]:
-            try:
-                export.describe(mine, [extent])
-                refusals.append("")
-            except Exception as exc:
-                refusals.append(_error(exc))
-        (directory / "refused.txt").write_text("\n".join(refusals))
-        forged = [(address + theirs.mapping.base + offset, n) for offset, n in EXTENTS]
-        (directory / "forged.bin").write_bytes(
-            descriptors.encode(export.agent.name, forged, forged)
-        )
-        print("ready", flush=True)
-        anyio.run(_serve_until_exit, export)
-    finally:
-        export.close()
-
-
-class _Reading:
-    """Stands for the leases a daemon holds while clients pull (what keeps its pump going)."""
-
-
-async def _serve_until_exit(export: RegionExport) -> None:
-    """Drive the export's progress, as the daemon does, until ``exit`` on stdin."""
-    reading = _Reading()
-    export.hold(reading)
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(export.pump)
-        while (await anyio.to_thread.run_sync(sys.stdin.readline)).strip() not in ("exit", ""):
-            pass
-        tasks.cancel_scope.cancel()
 
 
 def _pull(agent: NixlAgent, peer: str, remote: bytes, local: list[Extent], case: str) -> None:
@@ -171,8 +107,6 @@ def _puller(directory: Path, case: str) -> None:
             offset += length
         if case == "short":
             remote = remote[: len(remote) // 2]
-        elif case == "forged":
-            remote = (directory / "forged.bin").read_bytes()
         elif case == "unknown-peer":
             peer = "nobody"
             stated = msgspec.msgpack.decode(remote, type=descriptors.Descriptors)
@@ -199,8 +133,6 @@ def main(argv: list[str]) -> int:
     try:
         if role == "owner":
             _owner(Path(directory))
-        elif role == "arena-owner":
-            _arena_owner(Path(directory))
         else:
             _puller(Path(directory), rest[0])
     except BaseException:

@@ -25,6 +25,13 @@ or ""), and the process ends through :func:`kvtierd.nixl.agent.exit_process`:
   kills it mid-transfer).
 * ``write``: store the blocks (``put``), which a TCP connection cannot.
 * ``read``: read them through the shared-memory path (``get``), which a TCP connection cannot.
+* ``widen``: the attack of issue 31. Lease the blocks (to learn where the region is in the
+  exporting process: a descriptor's address less its extent's region offset), widen the
+  registration inside the region's NIXL_GRANT metadata (:func:`widened`) and load it as another
+  agent's, then pull each probe of ``$KVTIERD_TEST_PROBES`` (a JSON list of ``[name, offset,
+  length]``, ``offset`` from the region's base, negative below it; ``name`` ``unmapped`` reads
+  ``length`` bytes at address 4096 instead) with forged descriptors, in order, each into
+  ``$KVTIERD_TEST_OUT/NAME.bin``; ``probes`` maps each name to "" (bytes arrived) or the error.
 """
 
 from __future__ import annotations
@@ -32,11 +39,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import sys
+import time
 import traceback
 from typing import Any
 
+import msgspec
 import numpy as np
+
+from kvtierd.nixl import descriptors
 
 #: The daemon tests' two tenants, ``alpha`` (uid 2001) and ``beta`` (uid 2002), 16 MiB each.
 TWO_TENANTS = """
@@ -134,6 +146,8 @@ def main(argv: list[str]) -> dict[str, Any]:
                     reader.read_into(ns, keys, buffers)
                     n += 1
                     _say({"pulled": n})
+            elif case == "widen":
+                result["probes"] = _widen(ns, reader, keys)
             elif case == "write":
                 ns.put(keys, [np.zeros(block_bytes, np.uint8) for _ in keys])
             elif case == "read":
@@ -147,6 +161,67 @@ def main(argv: list[str]) -> dict[str, Any]:
         reader.close()
     agent.close()
     return result
+
+
+def widened(metadata: bytes, base: int, length: int) -> bytes:
+    """``metadata`` (NIXL's serialisation of one registration) with that registration's address
+    and length replaced by ``base`` and ``length``: what the attacker of issue 31 did. The
+    list is ``|n`` (8-byte size, 8-byte count), then each element as ``|`` (8-byte size) and
+    its address and length first, little-endian."""
+    count = metadata.index(b"|n", metadata.index(b"nixlSDList"))
+    entry = count + 2 + 8 + 8 + 1 + 8
+    return metadata[:entry] + struct.pack("<QQ", base, length) + metadata[entry + 16 :]
+
+
+def _widen(ns: Any, reader: Any, keys: list[bytes]) -> dict[str, str]:
+    """The ``widen`` case (module docstring): each probe against the exporter serving then
+    (an earlier probe may have killed the one before)."""
+    agent = reader.agent
+    out = os.environ["KVTIERD_TEST_OUT"]
+    outcome: dict[str, str] = {}
+    peer = ""
+    for name, offset, length in json.loads(os.environ["KVTIERD_TEST_PROBES"]):
+        buffer = reader.register(np.zeros(length, np.uint8))
+        try:
+            base, metadata = _locate(ns, reader, keys)
+            address = 4096 if name == "unmapped" else base + offset
+            if peer:
+                agent.remove_peer(peer)
+                peer = ""
+            # A registration widened to the probe: what the attacker's NIXL then checks forged
+            # descriptors against (the exporting side checks nothing).
+            peer = agent.add_peer(widened(metadata, address, length))
+            remote = descriptors.encode(peer, [(address, length)], [(address, length)])
+            agent.pull(peer, remote, [(_address(buffer), length)], timeout_s=15)
+            outcome[name] = ""
+        except Exception as exc:
+            outcome[name] = f"{type(exc).__name__}: {exc}"
+        with open(os.path.join(out, f"{name}.bin"), "wb") as f:
+            f.write(buffer)
+        print(f"probe {name}: {outcome[name] or 'bytes arrived'}", flush=True)
+    return outcome
+
+
+def _locate(ns: Any, reader: Any, keys: list[bytes]) -> tuple[int, bytes]:
+    """Where the region is in the exporting process (a descriptor's address less its extent's
+    region offset) and the region's grant metadata, from an honest lease and grant; tried again
+    while the exporter restarts (``StartingError``)."""
+    from kvtierd.client import ops
+    from kvtierd.errors import StartingError
+
+    for attempt in range(60):
+        try:
+            with reader.lease(ns, keys) as lease:
+                reply = lease.replies[0]
+                own = msgspec.msgpack.decode(reply.descriptors, type=descriptors.Descriptors)
+                grant = ns._run(lambda: ops.nixl_grant(ns.handle.ns))
+            if grant.agent == own.agent:
+                return own.extents[0][0] - reply.extents[0].offset, grant.metadata
+        except StartingError:
+            if attempt == 59:
+                raise
+        time.sleep(1)
+    raise RuntimeError("the exporter kept changing")
 
 
 def _connect(where: str) -> Any:

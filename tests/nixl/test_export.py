@@ -1,71 +1,173 @@
 """The daemon's side (:mod:`kvtierd.nixl.export`): an arena of two tenants' regions, each
-registered on its own behind the probe, and a client of one tenant pulling from its region."""
+exported by a process of its own, run in this (the pytest) process on asyncio and trio, which
+never loads NIXL itself; pullers and peer owners are children (:mod:`tests.nixl.peer`)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
+import anyio.to_thread
+import msgspec
 import pytest
 
-from kvtierd.errors import NotSupportedError
-from kvtierd.nixl.export import start_region_export
+from kvtierd.config import TriState
+from kvtierd.errors import InvalidRequestError, NotSupportedError
+from kvtierd.nixl import descriptors
+from kvtierd.nixl.export import RegionExport, open_region_export
+from kvtierd.nixl.exporters import ExporterUnavailableError
 from kvtierd.nixl.probe import NixlOutcome, NixlVerdict
+from kvtierd.store.arena import Arena
+from kvtierd.store.regions import Regions, TenantRegion
 from tests.nixl.children import Child, pull
+from tests.nixl.peer import EXTENTS, REGION_BYTES
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+
+
+@dataclass
+class Exported:
+    arena: Arena
+    mine: TenantRegion
+    theirs: TenantRegion
+    export: RegionExport
 
 
 @pytest.fixture
-def daemon_side(nixl_works: None, tmp_path: Path) -> Iterator[Child]:
-    """An ``arena-owner`` child, ready: what a client of tenant ``a`` gets is in ``tmp_path``."""
-    child = Child("arena-owner", str(tmp_path))
+def arena() -> Iterator[Arena]:
+    """Private memory, then tenant ``a``'s and ``b``'s regions, each of random bytes."""
+    made = Arena.create(2 << 20, [("a", REGION_BYTES), ("b", REGION_BYTES)], mlock=TriState.NEVER)
+    for region in made.regions:
+        made.view[region.base : region.base + REGION_BYTES] = os.urandom(REGION_BYTES)
     try:
-        child.line_starting("ready")
-        yield child
+        yield made
     finally:
-        if child.process.returncode is None:
-            child.kill()
+        made.close()
 
 
-def test_a_tenant_client_pulls_its_blocks_with_its_region_grant(
-    daemon_side: Child, tmp_path: Path
+@pytest.fixture
+async def exported(nixl_works: None, arena: Arena) -> AsyncIterator[Exported]:
+    regions = Regions(arena.regions)
+    mine, theirs = regions.for_tenant("a"), regions.for_tenant("b")
+    assert mine is not None
+    assert theirs is not None
+    async with open_region_export(f"daemon-{os.getpid()}", arena.address, list(regions)) as export:
+        yield Exported(arena, mine, theirs, export)
+    assert "nixl._api" not in sys.modules  # the exporters ran NIXL, this process never did
+
+
+def _hand_over(exported: Exported, directory: Path) -> None:
+    """What a client of tenant ``a`` gets, as the files a ``puller`` child reads."""
+    mine, export = exported.mine, exported.export
+    offsets = [(mine.mapping.base + offset, length) for offset, length in EXTENTS]
+    (directory / "owner.md").write_bytes(export.grant(mine).metadata)
+    (directory / "extents.bin").write_bytes(export.describe(mine, offsets))
+    view = exported.arena.view
+    expected = b"".join(view[offset : offset + length] for offset, length in offsets)
+    (directory / "expected.bin").write_bytes(expected)
+
+
+async def test_a_tenant_client_pulls_its_blocks_from_its_regions_exporter(
+    exported: Exported, tmp_path: Path
 ) -> None:
-    result = pull(tmp_path, "sync")
+    _hand_over(exported, tmp_path)
+    result = await anyio.to_thread.run_sync(pull, tmp_path, "sync")
     assert result["error"] == ""
     assert result["sha256"] == result["expected"]
-    daemon_side.finish("exit")
 
 
-def test_the_export_describes_nothing_outside_the_tenant_region(
-    daemon_side: Child, tmp_path: Path
-) -> None:
+async def test_each_region_has_its_own_exporter_and_agent(exported: Exported) -> None:
+    export = exported.export
+    mine, theirs = export.grant(exported.mine), export.grant(exported.theirs)
+    assert mine.agent != theirs.agent
+    pids = {e.pid for e in export.exporters.values()}
+    assert len(pids) == len(export.exporters)
+    assert None not in pids
+    assert os.getpid() not in pids
+
+
+async def test_the_export_describes_nothing_outside_the_tenant_region(exported: Exported) -> None:
     """Neither an extent of another tenant's region, nor one that starts in the tenant's region
     and runs into the next (the regions are adjacent in the arena)."""
-    other_tenant, past_the_end = (tmp_path / "refused.txt").read_text().splitlines()
-    for refusal in (other_tenant, past_the_end):
-        assert refusal.startswith("kvtierd.errors.InvalidRequestError"), refusal
-        assert "outside registered memory" in refusal
-    daemon_side.finish("exit")
+    mine, theirs = exported.mine, exported.theirs
+    for extent in [(theirs.mapping.base, 4096), (mine.mapping.base + REGION_BYTES - 1, 2)]:
+        with pytest.raises(InvalidRequestError, match="outside region"):
+            exported.export.describe(mine, [extent])
 
 
-def test_a_forged_descriptor_of_another_tenant_is_refused_by_nixl(
-    daemon_side: Child, tmp_path: Path
+async def test_descriptors_are_in_the_exporters_addresses(exported: Exported) -> None:
+    """The daemon's own addresses never leave it: a descriptor names the region's place in its
+    exporter, which maps nothing else of the daemon's."""
+    mine = exported.mine
+    data = exported.export.describe(mine, [(mine.mapping.base, 4096)])
+    described = msgspec.msgpack.decode(data, type=descriptors.Descriptors)
+    assert described.agent == exported.export.grant(mine).agent
+    (address, length), *_ = described.extents
+    assert length == 4096
+    assert address != exported.arena.address + mine.mapping.base
+
+
+async def test_a_peer_restore_pulls_through_the_slots_exporter(
+    exported: Exported, tmp_path: Path
 ) -> None:
-    """The grant names tenant ``a``'s registration alone, so a pull of tenant ``b``'s extents
-    (descriptors a client forged) finds no registration in the loaded metadata: NIXL refuses
-    it. This is NIXL's behaviour, measured; kvtierd's guarantee is not to hand them out."""
-    result = pull(tmp_path, "forged")
-    assert result["error"].startswith("kvtierd.nixl.agent.TransferError"), result
-    assert "nixlNotFoundError" in result["error"]
-    daemon_side.finish("exit")
+    """:meth:`RegionExport.pull_into`: the exporter of the slot's region reads a peer's extent
+    into the slot (what a peer restore does), and the daemon's mapping sees the bytes."""
+    owner = await anyio.to_thread.run_sync(lambda: Child("owner", str(tmp_path)))
+    try:
+        await anyio.to_thread.run_sync(owner.line_starting, "ready")
+        metadata = (tmp_path / "owner.md").read_bytes()
+        remote = (tmp_path / "first.bin").read_bytes()
+        length = EXTENTS[0][1]
+        slot = exported.theirs.mapping.base + (1 << 20)
+        target = exported.arena.view[slot : slot + length]
+        await exported.export.pull_into(
+            target,
+            agent=descriptors.agent_of(remote),
+            metadata=metadata,
+            remote=remote,
+            timeout_s=30,
+        )
+        assert bytes(target) == (tmp_path / "expected.bin").read_bytes()[:length]
+        outside = exported.arena.view[: exported.mine.mapping.base][:length]  # private memory
+        with pytest.raises(InvalidRequestError, match="no exported region"):
+            await exported.export.pull_into(
+                outside, agent="x", metadata=b"x", remote=remote, timeout_s=30
+            )
+    finally:
+        await anyio.to_thread.run_sync(owner.finish, "exit")
 
 
-@pytest.mark.anyio
+async def test_a_killed_exporter_is_restarted_with_a_new_agent(
+    exported: Exported, tmp_path: Path
+) -> None:
+    export, mine = exported.export, exported.mine
+    exporter = export.exporters[mine.id]
+    before, agent = exporter.pid, export.grant(mine).agent
+    other = export.grant(exported.theirs).agent
+    assert before is not None
+    os.kill(before, signal.SIGKILL)
+    with anyio.fail_after(120):
+        while exporter.pid in (before, None):
+            if exporter.pid is None:  # down: answered with the reason, never with a crash
+                with pytest.raises(ExporterUnavailableError, match="SIGKILL"):
+                    export.grant(mine)
+            await anyio.sleep(0.05)
+    assert export.grant(mine).agent != agent
+    assert export.grant(exported.theirs).agent == other  # tenant b's never noticed
+    _hand_over(exported, tmp_path)
+    result = await anyio.to_thread.run_sync(pull, tmp_path, "sync")
+    assert (result["error"], result["sha256"]) == ("", result["expected"])
+
+
 async def test_without_a_working_nixl_nothing_is_exported_or_loaded() -> None:
-    """A failed probe leaves the daemon without NIXL reads, and without NIXL loaded."""
+    """A failed probe leaves the daemon without NIXL reads and starts no exporter."""
     verdict = NixlVerdict(NixlOutcome.IMPORT_ERROR, "NIXL does not import: stand-in")
     with pytest.raises(NotSupportedError, match="stand-in"):
-        await start_region_export("daemon", 1 << 40, [], probe=lambda: verdict)
+        async with open_region_export("daemon", 1 << 40, [], probe=lambda: verdict):
+            pass
     assert "nixl._api" not in sys.modules
