@@ -65,7 +65,7 @@ from kvtierd.server.metrics import Metrics, RequestTimings
 from kvtierd.server.notify import Notifier
 from kvtierd.server.readiness import Readiness
 from kvtierd.server.remote import open_remote_listener
-from kvtierd.server.session import Session, peer_credentials
+from kvtierd.server.session import Session, peer_credentials, throttle_key
 from kvtierd.server.throttle import Throttle
 from kvtierd.store.counts import TrafficCounts
 from kvtierd.store.lifecycle import arena_bytes
@@ -128,8 +128,8 @@ class Daemon:
         self.requests = 0
         self.started = time.monotonic()
         self.idle = anyio.Event()
-        #: Refused connections, logged at most once a minute per uid.
-        self.refusals = Throttle()
+        #: Warnings about peers (refused, silent in INIT), at most once a minute per peer.
+        self.peer_warnings = Throttle()
 
     def statistics(self, peer: PeerCredentials | None = None) -> StatfsReply:
         """The STATFS record: the host's (``peer`` None: for the admin), or only what belongs to
@@ -280,8 +280,8 @@ class Daemon:
         try:
             session = self.admit(stream, peer, direct=True)
         except BusyError as exc:
-            self.refusals.report(log, logging.WARNING, f"uid {peer.uid}", "refusing %s: %s",
-                                 peer, exc)  # fmt: skip
+            key = throttle_key(peer)
+            self.peer_warnings.report(log, logging.WARNING, key, "refusing %s: %s", peer, exc)
             await refuse(stream, exc)
             return
         await self.serve(session)

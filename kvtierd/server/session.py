@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from kvtierd.server.daemon import Daemon
     from kvtierd.store.store import BlockStore
 
-__all__ = ["Session", "peer_credentials"]
+__all__ = ["Session", "peer_credentials", "throttle_key"]
 
 log = logging.getLogger("kvtierd.session")
 _RECEIVE_BYTES = 1 << 16
@@ -90,6 +90,13 @@ _INLINE = frozenset(
         Opcode.NIXL_GRANT,
     }
 )
+
+
+def throttle_key(peer: PeerCredentials) -> str:
+    """Whose warnings one throttle key counts: a local peer's uid, a remote peer's host."""
+    if peer.remote:
+        return peer.remote.rpartition(":")[0] or peer.remote
+    return f"uid {peer.uid}"
 
 
 def peer_credentials(stream: UNIXSocketStream) -> PeerCredentials:
@@ -220,7 +227,10 @@ class Session:
             await anyio.sleep(timeout_s)
             if self.conn.state is not ServerState.AWAIT_INIT and not self._send_lock.locked():
                 return  # INIT answered just now; the reader has not said so yet
-            log.warning("%s sent no INIT in %g s", self.peer, timeout_s)
+            self.daemon.peer_warnings.report(
+                log, logging.WARNING, throttle_key(self.peer), "%s sent no INIT in %g s",
+                self.peer, timeout_s,
+            )  # fmt: skip
             self.close_with(TimedOutError(f"no INIT within {timeout_s:g} s"))
 
     async def _read(self, tg: TaskGroup) -> None:
