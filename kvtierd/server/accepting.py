@@ -116,9 +116,8 @@ class _Slot:
             self._slots = None
 
 
-async def _admit(stream: SocketStream, slot: _Slot, where: str, readiness: Readiness) -> None:
-    """Hand a new connection to the daemon, or tell it the daemon is still starting. The
-    connection holds its Unix slot to its end."""
+async def _admit(stream: SocketStream, readiness: Readiness) -> None:
+    """Hand a new connection to the daemon, or tell it the daemon is still starting."""
     daemon = readiness.daemon
     if daemon is None:
         log.debug("a connection while starting: %s", readiness.progress.describe())
@@ -193,7 +192,7 @@ async def serve_connections(
     flight."""
 
     async def admit_local(stream: SocketStream, slot: _Slot, where: str) -> None:
-        await _admit(stream, slot, where, readiness)
+        await _admit(stream, readiness)  # holding its slot to its end
 
     doors = [_Door(listener, "the Unix socket", _Slots(unix_cap), admit_local, _turn_away)]
     if remote is not None:
