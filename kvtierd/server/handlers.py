@@ -69,7 +69,7 @@ from kvtierd.protocol.messages import (
     ReleaseRequest,
 )
 from kvtierd.server.context import RequestContext
-from kvtierd.store.index import Lease
+from kvtierd.store.index import Block, Lease
 from kvtierd.store.namespaces import Compression, Namespace, NamespaceSpec
 
 __all__ = ["HANDLERS", "NOWAIT_HANDLERS", "Handler"]
@@ -178,7 +178,7 @@ async def read(ctx: RequestContext, header: RequestHeader, msg: ReadRequest) -> 
     ns = _namespace(ctx, header)
     lease = await _lease(ctx, ns, msg.keys)
     _count_read(ns, lease)
-    return ReadReply(lease.id, _extents(lease))
+    return ReadReply(lease.id, await _extents_in_slices(ctx, lease))
 
 
 async def _lease(ctx: RequestContext, ns: Namespace, keys: list[bytes]) -> Lease:
@@ -204,11 +204,11 @@ async def read_resident(
 ) -> Message:
     store = ctx.store
     ns = _namespace(ctx, header)
-    lease = store.lease_resident(ctx.owner, ns, msg.keys)
+    lease = await store.lease_resident(ctx.owner, ns, msg.keys)
     if lease is None:
         return ReadResidentReply(0, [])
     _count_read(ns, lease)
-    return ReadResidentReply(lease.id, _extents(lease))
+    return ReadResidentReply(lease.id, await _extents_in_slices(ctx, lease))
 
 
 def _count_read(ns: Namespace, lease: Lease) -> None:
@@ -217,11 +217,19 @@ def _count_read(ns: Namespace, lease: Lease) -> None:
 
 
 def _extents(lease: Lease) -> list[Extent]:
-    return [
-        Extent(b.ns.region.relative(b.dram.offset), b.ref.raw_bytes, b.ref.checksum)
-        for b in lease.blocks
-        if b.dram is not None and b.ns.region is not None
-    ]
+    return [extent for b in lease.blocks if (extent := _extent(b)) is not None]
+
+
+def _extent(b: Block) -> Extent | None:
+    if b.dram is None or b.ns.region is None:
+        return None
+    return Extent(b.ns.region.relative(b.dram.offset), b.ref.raw_bytes, b.ref.checksum)
+
+
+async def _extents_in_slices(ctx: RequestContext, lease: Lease) -> list[Extent]:
+    """:func:`_extents` of a large lease, built in slices on the store's lane."""
+    extents = await ctx.store.lane.map(lease.blocks, _extent)
+    return [extent for extent in extents if extent is not None]
 
 
 async def nixl_grant(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
@@ -257,7 +265,7 @@ async def read_nixl(ctx: RequestContext, header: RequestHeader, msg: ReadNixlReq
 
 
 async def release(ctx: RequestContext, header: RequestHeader, msg: ReleaseRequest) -> Message:
-    return ReleaseReply(ctx.store.release(ctx.owner, msg.leases))
+    return ReleaseReply(await ctx.store.release_in_slices(ctx.owner, msg.leases))
 
 
 async def alloc(ctx: RequestContext, header: RequestHeader, msg: AllocRequest) -> Message:
@@ -292,8 +300,8 @@ async def forget(ctx: RequestContext, header: RequestHeader, msg: ForgetRequest)
 async def evict(ctx: RequestContext, header: RequestHeader, msg: EvictRequest) -> Message:
     if msg.all_namespaces:
         _require_admin(ctx, "evicting every namespace")
-        return EvictReply(ctx.store.evict_dram(None))
-    return EvictReply(ctx.store.evict_dram(_namespace(ctx, header)))
+        return EvictReply(await ctx.store.evict_dram(None))
+    return EvictReply(await ctx.store.evict_dram(_namespace(ctx, header)))
 
 
 async def fsync(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
@@ -309,7 +317,7 @@ async def fsync(ctx: RequestContext, header: RequestHeader, msg: Message) -> Mes
 async def hint(ctx: RequestContext, header: RequestHeader, msg: HintRequest) -> Message:
     ns = _namespace(ctx, header)
     store = ctx.store
-    planned = store.hint(ns, msg.queue)
+    planned = await store.hint(ns, msg.queue)
     if not msg.queries:
         return HintReply(planned)
     if not ns.spec.sparse:
@@ -382,7 +390,7 @@ async def list_ns(ctx: RequestContext, header: RequestHeader, msg: Message) -> M
 
 async def list_keys(ctx: RequestContext, header: RequestHeader, msg: ListKeysRequest) -> Message:
     """A page of one namespace's keys, for a peer that LIST_NS shows it to: O(log n + limit)
-    on the event loop (``limit`` is bounded by the decoder)."""
+    on the event loop (``limit`` is bounded by the decoder), the records built in slices."""
     registry = ctx.store.registry
     try:
         ns = registry.get(msg.ns)
@@ -391,18 +399,14 @@ async def list_keys(ctx: RequestContext, header: RequestHeader, msg: ListKeysReq
     if not registry.may_use(ns.spec.tenant, ctx.peer):
         raise AccessDeniedError(f"uid {ctx.peer.uid} may not list namespace {msg.ns}")
     blocks, more = ctx.store.page(ns, msg.after, msg.limit)
-    records = [
-        KeyRecord(
-            b.key,
-            b.dram is not None,
-            b.lower is not None,
-            b.pool is not None,
-            b.ref.raw_bytes,
-            b.dirty,
-        )
-        for b in blocks
-    ]
+    records = await ctx.store.lane.map(blocks, _key_record)  # a block's state when its turn came
     return ListKeysReply(records, more, ns.blocks)
+
+
+def _key_record(b: Block) -> KeyRecord:
+    return KeyRecord(
+        b.key, b.dram is not None, b.lower is not None, b.pool is not None, b.ref.raw_bytes, b.dirty
+    )
 
 
 async def destroy(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:

@@ -65,11 +65,19 @@ class Prefetcher:
         request_id = self._observe(ns, keys)
         if request_id < 0:
             return
-        named = self._named
         for position, key in enumerate(keys):
-            entry = named.pop((ns.digest, key), None)
-            reads = entry[2] + 1 if entry is not None else 1
-            named[(ns.digest, key)] = (request_id, position, reads)
+            self._name(ns, key, request_id, position)
+        self._forget_oldest()
+
+    def _name(self, ns: Namespace, key: bytes, request_id: int, position: int) -> None:
+        """``key`` was named by request ``request_id`` at ``position``: one READ more expected."""
+        named = self._named
+        entry = named.pop((ns.digest, key), None)
+        reads = entry[2] + 1 if entry is not None else 1
+        named[(ns.digest, key)] = (request_id, position, reads)
+
+    def _forget_oldest(self) -> None:
+        named = self._named
         while len(named) > _NAMED_BLOCKS:
             named.popitem(last=False)
 
@@ -96,15 +104,31 @@ class Prefetcher:
         however its READs are cut (batches, READ_RESIDENT then READ) and whatever other
         requests named the same blocks meanwhile."""
         entries = [self._take_read(ns, key) for key in keys]
+        return [*map(self._contexts_of(ns, keys, entries), entries)]
+
+    async def read_contexts_in_slices(
+        self, ns: Namespace, keys: Sequence[bytes]
+    ) -> list[AccessContext]:
+        """:meth:`read_contexts`, its walks over the keys in slices on the store's lane."""
+        lane = self._store.lane
+        entries = await lane.map(keys, lambda key: self._take_read(ns, key))
+        return await lane.map(entries, self._contexts_of(ns, keys, entries))
+
+    def _contexts_of(
+        self, ns: Namespace, keys: Sequence[bytes], entries: list[tuple[int, int, int] | None]
+    ) -> Callable[[tuple[int, int, int] | None], AccessContext]:
+        """The step that turns each key's entry into its context, in key order; the keys no
+        LOOKUP named are observed first, as one request."""
         unnamed = [key for key, entry in zip(keys, entries, strict=True) if entry is None]
         fresh = self._observe(ns, unnamed) if unnamed else -1
-        positions = iter(range(len(unnamed)))
-        return [
-            AccessContext(fresh, position=next(positions))
-            if entry is None
-            else AccessContext(entry[0], position=entry[1])
-            for entry in entries
-        ]
+        positions = itertools.count()
+
+        def context(entry: tuple[int, int, int] | None) -> AccessContext:
+            if entry is None:
+                return AccessContext(fresh, position=next(positions))
+            return AccessContext(entry[0], position=entry[1])
+
+        return context
 
     def _take_read(self, ns: Namespace, key: bytes) -> tuple[int, int, int] | None:
         """The (request id, position, READs expected) of the request that named ``key``, with
@@ -114,19 +138,35 @@ class Prefetcher:
             self._named[(ns.digest, key)] = (entry[0], entry[1], entry[2] - 1)
         return entry
 
-    def plan_queue(self, ns: Namespace, queue: Sequence[Sequence[bytes]]) -> list[Block]:
-        """The blocks to promote for an engine's queue (HINT), in the order to promote them."""
+    async def plan_queue(self, ns: Namespace, queue: Sequence[Sequence[bytes]]) -> list[Block]:
+        """The blocks to promote for an engine's queue (HINT), in the order to promote them.
+
+        The walk over the queue's keys (naming them, as LOOKUP does, and finding the blocks a
+        lower tier holds and DRAM does not) runs in slices on the store's lane; the pure
+        planner then sees only those candidates, which is what it would have kept of the whole
+        queue. A block that changed between the walk and the promotion is handled there (a
+        resident one is skipped, a forgotten one is a miss)."""
         store = self._store
+        index = store.index
         planner = self._planners.setdefault(
             ns.spec.block_bytes, PrefetchPlanner(ns.spec.block_bytes)
         )
         now = time.monotonic()
-        for keys in queue:  # each queued request is named once, as a LOOKUP names it
-            self.on_lookup(ns, keys)
-        queued = [
-            QueuedRequest(i, [(ns.digest, k) for k in keys], now + i * _QUEUE_SPACING_S)
-            for i, keys in enumerate(queue)
-        ]
+        queued: list[QueuedRequest] = []
+        async with store.lane.walk(sum(len(keys) for keys in queue)) as walk:
+            for i, keys in enumerate(queue):
+                self.reuse_paused = False
+                request_id = self._observe(ns, keys)  # each queued request once, as LOOKUP
+                candidates: list[Hashable] = []
+                for position, key in enumerate(keys):
+                    await walk.pause()
+                    if request_id >= 0:
+                        self._name(ns, key, request_id, position)
+                    block = index.get(ns, key)
+                    if block is not None and not block.resident and block.lower is not None:
+                        candidates.append(block.id)
+                self._forget_oldest()
+                queued.append(QueuedRequest(i, candidates, now + i * _QUEUE_SPACING_S))
         plan = planner.plan(
             now,
             queued,
@@ -135,7 +175,7 @@ class Prefetcher:
             in_dram=self._in_dram,
             in_lower_tier=self._in_lower,
         )
-        blocks = (store.index.by_id(p.block) for p in plan.promotions)
+        blocks = (index.by_id(p.block) for p in plan.promotions)
         return [b for b in blocks if b is not None]
 
     def _in_dram(self, block_id: Hashable) -> bool:

@@ -35,6 +35,7 @@ from kvtierd.store.index import Block, BlockIndex
 from kvtierd.store.namespaces import Namespace, NamespaceRegistry, NamespaceSpec
 from kvtierd.store.planner import reserve
 from kvtierd.store.regions import Regions, TenantRegion
+from kvtierd.store.slicing import Lane
 from kvtierd.store.slots import Slot
 from kvtierd.store.sparse import SparseRetrieval
 from kvtierd.store.staging import StagedCopies
@@ -46,6 +47,9 @@ __all__ = ["Residency"]
 
 log = logging.getLogger("kvtierd.store")
 _EVICT_BATCH = 16
+#: Promotions a READ runs at once: the disk wants queue depth, but a task per block of an
+#: 8192-block READ cost the loop tens of ms to start.
+_READ_DEPTH = 32
 
 
 class Residency:
@@ -91,6 +95,8 @@ class Residency:
         self.demand_promotions = 0
         #: The host's counters (:class:`~kvtierd.store.counts.StoreCounts` names them).
         self.counters = zeroed(StoreCounts)
+        #: Large requests' work on the loop takes turns in slices (:mod:`.slicing`).
+        self.lane = Lane()
 
     def statistics(self) -> StoreCounts:
         """The host's counts so far."""
@@ -198,21 +204,24 @@ class Residency:
             self.unpin(block)
 
     async def make_all_resident(self, blocks: list[tuple[Block, AccessContext]]) -> None:
-        """Promote concurrently (the disk wants queue depth); raise the first failure."""
+        """Promote concurrently, at most :data:`_READ_DEPTH` at a time, in order (the disk
+        wants queue depth); raise the first failure."""
         if len(blocks) == 1:  # no task group for one block: the common small READ
             await self.make_resident(blocks[0][0], wait=True, context=blocks[0][1])
             return
         errors: list[KvtierError] = []
+        pending = iter(blocks)  # shared by the workers: each takes the next block
 
-        async def one(block: Block, context: AccessContext) -> None:
-            try:
-                await self.make_resident(block, wait=True, context=context)
-            except KvtierError as exc:
-                errors.append(exc)
+        async def worker() -> None:
+            for block, context in pending:
+                try:
+                    await self.make_resident(block, wait=True, context=context)
+                except KvtierError as exc:
+                    errors.append(exc)
 
         async with anyio.create_task_group() as tg:
-            for block, context in blocks:
-                tg.start_soon(one, block, context)
+            for _ in range(min(_READ_DEPTH, len(blocks))):
+                tg.start_soon(worker)
         if errors:
             raise errors[0]
 
@@ -234,9 +243,10 @@ class Residency:
 
     async def allocate_dram(self, region: TenantRegion, nbytes: int, *, wait: bool = False) -> Slot:
         """A slot in ``region`` (evicting that region's blocks only)."""
+        await self.dram_policies[region.id].settle(self.lane)
         deadline = time.monotonic() + self.alloc_wait_s
         while True:
-            slot = self._allocate_dram_nowait(region, nbytes)
+            slot = self.allocate_dram_nowait(region, nbytes)
             if slot is not None:
                 return slot
             if not wait or not self.writeback.backlog or time.monotonic() >= deadline:
@@ -246,7 +256,7 @@ class Residency:
                 )
             await self.writeback.wait_progress(deadline - time.monotonic())
 
-    def _allocate_dram_nowait(self, region: TenantRegion, nbytes: int) -> Slot | None:
+    def allocate_dram_nowait(self, region: TenantRegion, nbytes: int) -> Slot | None:
         """A slot in ``region`` now, evicting what :func:`~kvtierd.store.planner.reserve`
         chose (clean, unleased blocks of that region only)."""
         policy = self.dram_policies[region.id]
@@ -318,6 +328,7 @@ class Residency:
                 and lower.slot_class(candidate.ref) == slot_class
             )
 
+        await self.lower_policy.settle(self.lane)
         victims = self.lower_policy.victims(_EVICT_BATCH, same_class)
         for victim in victims:
             if not same_class(victim):  # dropped or being promoted since it was chosen

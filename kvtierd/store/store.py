@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import anyio
@@ -53,6 +54,8 @@ from kvtierd.store.writes import Writes
 __all__ = ["BlockStore"]
 
 log = logging.getLogger("kvtierd.store")
+#: Background promotions running at once.
+_PROMOTERS = 8
 
 
 class BlockStore:
@@ -83,9 +86,13 @@ class BlockStore:
         self.index, self.sparse, self.limits = r.index, r.sparse, r.limits
         self.lower, self.lower_policy, self.dram_policies = r.lower, r.lower_policy, r.dram_policies
         self.staged, self.writeback, self.counters = r.staged, r.writeback, r.counters
-        # Background promotions share the disk with demand reads: keep their queue short so a
-        # READ that arrives behind them waits for few.
-        self._promote_limit = anyio.CapacityLimiter(8)
+        #: Large requests' work on the loop takes turns in slices (:mod:`.slicing`).
+        self.lane = r.lane
+        # Background promotions wait here for one of _PROMOTERS tasks: few at a time share the
+        # disk with demand reads, so a READ that arrives behind them waits for few (a task per
+        # block instead cost a LOOKUP or HINT of 8192 blocks 250 ms of loop to start).
+        self._promotions: deque[Block] = deque()
+        self._promoters = 0
 
     def dram_policy_of(self, ns: Namespace) -> TierPolicy:
         """The DRAM policy of ``ns``'s region."""
@@ -142,22 +149,26 @@ class BlockStore:
         return len(own), bytes([b.nearest for b in own])
 
     def prefetch(self, blocks: list[Block]) -> int:
-        """Start promoting the non-resident ``blocks`` into DRAM, first block first."""
+        """Queue the non-resident ``blocks`` for promotion into DRAM, first block first; how
+        many were queued."""
         started = 0
         for block in blocks:
             if block.resident or block.loading is not None or block.queued:
                 continue
             block.prefetched = True
             block.queued = True
-            self._tg.start_soon(self._prefetch_one, block)
+            self._promotions.append(block)
             started += 1
         self.counters["prefetch_promoted"] += started
+        while self._promoters < min(_PROMOTERS, len(self._promotions)):
+            self._promoters += 1
+            self._tg.start_soon(self._promote_queued)
         return started
 
-    def hint(self, ns: Namespace, queue: Sequence[Sequence[bytes]]) -> int:
+    async def hint(self, ns: Namespace, queue: Sequence[Sequence[bytes]]) -> int:
         """HINT: promote what the engine's queued requests will read, as the prefetcher plans
-        it; how many promotions started."""
-        return self.prefetch(self.prefetcher.plan_queue(ns, queue))
+        it (in slices); how many promotions started."""
+        return self.prefetch(await self.prefetcher.plan_queue(ns, queue))
 
     def prefetch_keys(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """:meth:`prefetch` the stored blocks of ``keys`` (unknown keys are skipped)."""
@@ -167,38 +178,37 @@ class BlockStore:
         """A page of ``ns``'s blocks by key, after ``after``; whether more follow."""
         return self.index.page(ns, after, limit)
 
-    async def _prefetch_one(self, block: Block) -> None:
-        limit = self._promote_limit
+    async def _promote_queued(self) -> None:
+        """One of the promoters: promote queued blocks, oldest first, until none is left."""
         try:
-            try:  # acquire() yields to the loop even when a token is free: try without first
-                limit.acquire_nowait()
-            except anyio.WouldBlock:
-                await limit.acquire()
-        except BaseException:
-            block.queued = False
-            raise
-        try:
-            await self.residency.make_resident(block)
-        except KvtierError as exc:
-            log.debug("prefetch of a block failed: %s", exc)
+            while self._promotions:
+                block = self._promotions.popleft()
+                try:
+                    await self.residency.make_resident(block)
+                except KvtierError as exc:
+                    log.debug("prefetch of a block failed: %s", exc)
+                finally:
+                    block.queued = False
         finally:
-            block.queued = False
-            limit.release()
+            self._promoters -= 1
 
     async def read(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease:
-        """Make every block of ``keys`` resident, lease them to ``owner``."""
+        """Make every block of ``keys`` resident, lease them to ``owner``. The walk over many
+        keys runs in slices; each block is pinned as it is found, so what a later slice does
+        cannot take it away."""
+        held = check_lease_quota(self.limits, owner, ns, len(keys))
         blocks: list[Block] = []
-        for key in keys:
-            block = self.index.get(ns, key)
-            if block is None:
-                self.residency.count(ns, "misses")
-                raise BlockNotFoundError(f"block {key.hex()} is not stored")
-            blocks.append(block)
-        held = check_lease_quota(self.limits, owner, ns, len(blocks))
-        for block in blocks:
-            block.pins += 1
-        contexts = self.prefetcher.read_contexts(ns, keys)
         try:
+            async with self.lane.walk(len(keys)) as walk:
+                for key in keys:
+                    await walk.pause()
+                    block = self.index.get(ns, key)
+                    if block is None:
+                        self.residency.count(ns, "misses")
+                        raise BlockNotFoundError(f"block {key.hex()} is not stored")
+                    block.pins += 1
+                    blocks.append(block)
+            contexts = await self.prefetcher.read_contexts_in_slices(ns, keys)
             missing = [(b, c) for b, c in zip(blocks, contexts, strict=True) if not b.resident]
             self.residency.count(ns, "dram_hits", len(blocks) - len(missing))
             # Where the slowest block comes from, decided before loading moves it to DRAM.
@@ -209,12 +219,12 @@ class BlockStore:
                     await self.residency.make_all_resident(missing)
                 finally:
                     self.residency.demand_promotions -= 1
+            return await self._lease_in_slices(owner, blocks, contexts, source)
         except BaseException:
             owner.hold(ns.region, -held)
             for block in blocks:
                 self.residency.unpin(block)
             raise
-        return self._lease(owner, blocks, contexts, source)
 
     def _resident_prefix(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
         """The blocks of the leading ``keys`` that are in DRAM and not loading."""
@@ -227,21 +237,48 @@ class BlockStore:
         return blocks
 
     def read_nowait(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease:
-        """:meth:`read` when every block of ``keys`` is in DRAM now: the lease, with no wait.
-        Raises :class:`anyio.WouldBlock`, having done nothing, when one is not (missing, on a
-        lower tier only, or still loading): the caller then awaits :meth:`read`."""
+        """:meth:`read` of a few keys (at most the lane's ``inline_items``) all in DRAM now:
+        the lease, with no wait. Raises :class:`anyio.WouldBlock`, having done nothing, when
+        one is not (missing, on a lower tier only, or still loading), or when there are more
+        keys (their walk is sliced): the caller then awaits :meth:`read`."""
+        if len(keys) > self.lane.inline_items:
+            raise anyio.WouldBlock
         blocks = self._resident_prefix(ns, keys)
         if len(blocks) != len(keys) or not blocks:
             raise anyio.WouldBlock
         return self._lease_in_dram(owner, ns, keys, blocks)
 
-    def lease_resident(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease | None:
+    async def lease_resident(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease | None:
         """Lease the leading ``keys`` that are in DRAM now, stopping at the first that is not
-        (missing, on a lower tier only, or still loading): never waits, never a miss error.
-        ``None`` when the first key is not resident. What an engine calls right after LOOKUP
-        to hold its DRAM hits, so that reading them later costs no round trip."""
-        blocks = self._resident_prefix(ns, keys)
-        return self._lease_in_dram(owner, ns, keys, blocks) if blocks else None
+        (missing, on a lower tier only, or still loading): never waits on I/O, never a miss
+        error. ``None`` when the first key is not resident. What an engine calls right after
+        LOOKUP to hold its DRAM hits, so that reading them later costs no round trip."""
+        if len(keys) <= self.lane.inline_items:
+            found = self._resident_prefix(ns, keys)
+            return self._lease_in_dram(owner, ns, keys, found) if found else None
+
+        blocks: list[Block] = []
+        held = 0
+        try:
+            async with self.lane.walk(len(keys)) as walk:
+                for key in keys:
+                    await walk.pause()
+                    block = self.index.get(ns, key)
+                    if block is None or block.dram is None or block.loading is not None:
+                        break
+                    block.pins += 1  # found in one slice, kept through the next
+                    blocks.append(block)
+            if not blocks:
+                return None
+            held = check_lease_quota(self.limits, owner, ns, len(blocks))
+            self.residency.count(ns, "dram_hits", len(blocks))
+            contexts = await self.prefetcher.read_contexts_in_slices(ns, keys[: len(blocks)])
+            return await self._lease_in_slices(owner, blocks, contexts)
+        except BaseException:
+            owner.hold(ns.region, -held)
+            for block in blocks:
+                self.residency.unpin(block)
+            raise
 
     def _lease_in_dram(
         self, owner: Owner, ns: Namespace, keys: list[bytes], blocks: list[Block]
@@ -266,6 +303,23 @@ class BlockStore:
         now = time.monotonic()
         for block, context in zip(blocks, contexts, strict=True):
             self.residency.note_read(block, now, context)
+        return self._grant(owner, blocks, source)
+
+    async def _lease_in_slices(
+        self,
+        owner: Owner,
+        blocks: list[Block],
+        contexts: list[AccessContext],
+        source: ServedBy = ServedBy.DRAM,
+    ) -> Lease:
+        """:meth:`_lease`, its walk over the blocks in slices."""
+        now = time.monotonic()
+        note_read = self.residency.note_read
+        await self.lane.map(range(len(blocks)), lambda i: note_read(blocks[i], now, contexts[i]))
+        return self._grant(owner, blocks, source)
+
+    @staticmethod
+    def _grant(owner: Owner, blocks: list[Block], source: ServedBy) -> Lease:
         lease = Lease(Owner.next_id(), blocks, source)
         owner.leases[lease.id] = lease
         return lease
@@ -282,6 +336,18 @@ class BlockStore:
             for block in lease.blocks:
                 self.residency.unpin(block)
             released += 1
+        return released
+
+    async def release_in_slices(self, owner: Owner, lease_ids: list[int]) -> int:
+        """:meth:`release` (RELEASE), pausing between leases once their blocks are many: a
+        lease is released whole, so one cut short leaves the rest with ``owner``, whose
+        connection's end releases them."""
+        blocks = sum(len(owner.leases[i].blocks) for i in lease_ids if i in owner.leases)
+        released = 0
+        async with self.lane.walk(blocks) as walk:
+            for lease_id in lease_ids:
+                await walk.pause()
+                released += self.release(owner, [lease_id])
         return released
 
     # -- writes (kvtierd.store.writes) -------------------------------------------------------
@@ -320,34 +386,43 @@ class BlockStore:
     # -- removal -----------------------------------------------------------------------------
 
     async def forget(self, ns: Namespace, keys: list[bytes]) -> int:
+        """Drop every copy of the stored ``keys``; how many were stored. Many keys are walked
+        in slices, and the lane is let go while a copy's discard waits on its tier."""
         r = self.residency
         forgotten = 0
-        for key in keys:
-            block = self.index.get(ns, key)
-            if block is None:
-                continue
-            self.index.remove(block)  # its sparse summary goes with it
-            if block.pins == 0:  # else write-back is writing it and frees the copy after
-                r.drop_staged(block)
-            if self.pool is not None:
-                self.pool.forgotten(block)
-            if block.dram is not None and block.pins == 0:
-                r.drop_dram(block)
-            if block.lower is not None:
-                await r.drop_lower(block)
-            if block.pool is not None:
-                await r.discard_shared(block)
-            forgotten += 1
+        async with self.lane.walk(len(keys)) as walk:
+            for key in keys:
+                await walk.pause()
+                block = self.index.get(ns, key)
+                if block is None:
+                    continue
+                self.index.remove(block)  # its sparse summary goes with it
+                if block.pins == 0:  # else write-back is writing it and frees the copy after
+                    r.drop_staged(block)
+                if self.pool is not None:
+                    self.pool.forgotten(block)
+                if block.dram is not None and block.pins == 0:
+                    r.drop_dram(block)
+                if block.lower is not None or block.pool is not None:
+                    walk.release()
+                if block.lower is not None:
+                    await r.drop_lower(block)
+                if block.pool is not None:
+                    await r.discard_shared(block)
+                forgotten += 1
         return forgotten
 
-    def evict_dram(self, ns: Namespace | None) -> int:
-        """Drop the DRAM copy of every clean, unleased block (of ``ns``, or all)."""
+    async def evict_dram(self, ns: Namespace | None) -> int:
+        """Drop the DRAM copy of every clean, unleased block (of ``ns``, or all): a walk over
+        the whole index, in slices (each block checked when its turn comes)."""
         r = self.residency
-        victims = [
-            b for b in self.index.blocks() if (ns is None or b.ns is ns) and r.dram_evictable(b)
-        ]
-        for block in victims:
-            r.drop_dram(block)
-            r.count(block.ns, "dram_evictions")
+        evicted = 0
+        async with self.lane.walk(len(self.index)) as walk:
+            for block in self.index.blocks():
+                await walk.pause()
+                if (ns is None or block.ns is ns) and r.dram_evictable(block):
+                    r.drop_dram(block)
+                    r.count(block.ns, "dram_evictions")
+                    evicted += 1
         self.prefetcher.reuse_paused = True
-        return len(victims)
+        return evicted

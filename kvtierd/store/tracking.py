@@ -17,6 +17,7 @@ import anyio.lowlevel
 
 from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.store.index import Block, BlockIndex
+from kvtierd.store.slicing import Lane
 
 __all__ = ["RequestObserver", "ReuseCandidates", "TierPolicy"]
 
@@ -64,9 +65,12 @@ class TierPolicy:
         self.sampled_out = 0
 
     def _defer(self, event: Callable[[], object]) -> None:
-        self._journal.append(event)
-        if len(self._journal) >= _MAX_DEFERRED:  # nobody flushed for long: stay bounded
-            self.flush()
+        journal = self._journal
+        journal.append(event)
+        if len(journal) >= _MAX_DEFERRED:  # nobody flushed for long: stay bounded
+            # two old events for each new one, never all at once (that held the loop 0.5 s)
+            journal.popleft()()
+            journal.popleft()()
 
     def flush(self) -> None:
         """Apply the deferred telemetry, all of it, now (before a decision)."""
@@ -82,6 +86,25 @@ class TierPolicy:
             for _ in range(min(events_per_slice, len(journal))):
                 journal.popleft()()
             await anyio.lowlevel.checkpoint()
+
+    async def settle(self, lane: Lane) -> None:
+        """Apply the deferred telemetry before a decision, in slices on ``lane`` when there is
+        much of it: a decision (:meth:`victims`) applies what is left at once, and the 8192
+        insertions of one large COMMIT are some 50 ms of a reuse model's bookkeeping."""
+        journal = self._journal
+        if len(journal) <= lane.inline_items:
+            return
+        async with lane.walk(len(journal)) as walk:
+            while True:
+                await walk.pause()
+                if not journal:  # another settler (or the tick) applied the rest meanwhile
+                    break
+                journal.popleft()()
+
+    @property
+    def backlog(self) -> int:
+        """Events deferred, not applied yet."""
+        return len(self._journal)
 
     def new_period(self) -> None:
         """Start a sampling period: :data:`_MAX_PENDING_REQUESTS` more chains may be queued.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from kvtierd.errors import InvalidRequestError, NoSpaceError, QuotaError
-from kvtierd.store.codec import checksum_off_loop
+from kvtierd.store.codec import THREAD_CHECKSUM_BYTES, checksum_off_loop
 from kvtierd.store.index import Block, Owner, PendingWrite
 from kvtierd.store.namespaces import Namespace
 from kvtierd.store.ports import ReplicaLink
@@ -49,12 +49,22 @@ class Writes:
             )
         held = hold_pinned(r.limits, owner, ns, len(new) * ns.spec.block_bytes)
         slots: list[Slot | None] = []
+        policy = r.dram_policies[region.id]
         try:
-            for key in keys:
-                if r.index.get(ns, key) is not None:
-                    slots.append(None)
-                    continue
-                slots.append(await r.allocate_dram(region, ns.spec.block_bytes, wait=True))
+            async with r.lane.walk(len(keys)) as walk:
+                for key in keys:
+                    await walk.pause()
+                    if r.index.get(ns, key) is not None:
+                        slots.append(None)
+                        continue
+                    if policy.backlog > r.lane.inline_items:  # else evicting applies it all
+                        walk.release()
+                        await policy.settle(r.lane)
+                    slot = r.allocate_dram_nowait(region, ns.spec.block_bytes)
+                    if slot is None:  # waits for write-back to free room: not on the lane
+                        walk.release()
+                        slot = await r.allocate_dram(region, ns.spec.block_bytes, wait=True)
+                    slots.append(slot)
         except BaseException:
             owner.hold(region, -held)
             for slot in slots:
@@ -81,7 +91,13 @@ class Writes:
             return 0
         staged: list[Slot | None] = []
         try:
-            sums = [await self._seal(slot, write.ns, staged) for slot in write.slots]
+            sums: list[int] = []
+            async with self._r.lane.walk(len(write.slots)) as walk:
+                for slot in write.slots:
+                    await walk.pause()
+                    if write.ns.spec.block_bytes >= THREAD_CHECKSUM_BYTES:
+                        walk.release()  # hashed in a worker thread: not on the lane
+                    sums.append(await self._seal(slot, write.ns, staged))
             for i, (given, actual) in enumerate(zip(checksums, sums, strict=False)):
                 if write.slots[i] is not None and given != actual:
                     raise InvalidRequestError(f"block {i}: checksum mismatch (torn client write)")
@@ -103,7 +119,7 @@ class Writes:
                 self._unstage(staged)
                 self.abandon(write)
                 raise
-        committed, new = self._publish(write, sums, staged)
+        committed, new = await self._publish(write, sums, staged)
         if self._link is not None:
             await self._link.committed(new)
         return committed
@@ -132,37 +148,53 @@ class Writes:
             if copy is not None and self._r.staged is not None:
                 self._r.staged.free(copy)
 
-    def _publish(
+    async def _publish(
         self, write: PendingWrite, sums: list[int], staged: list[Slot | None]
     ) -> tuple[int, list[Block]]:
-        """Index the written blocks; (how many keys are stored now, the new blocks)."""
+        """Index the written blocks, in slices when many; (how many keys are stored now, the
+        new blocks). Cut short, the blocks not indexed yet are dropped (their slots freed)."""
         r = self._r
         now = time.monotonic()
         committed = 0
         new: list[Block] = []
-        for key, slot, digest, copy in zip(write.keys, write.slots, sums, staged, strict=True):
-            if slot is None:
-                committed += 1
-                continue
-            if r.index.get(write.ns, key) is not None:  # a racing writer won
-                r.region(write.ns).allocator.free(slot)
+        rows = list(zip(write.keys, write.slots, sums, staged, strict=True))
+        done = 0
+        try:
+            async with r.lane.walk(len(rows)) as walk:
+                for key, slot, digest, copy in rows:
+                    await walk.pause()
+                    done += 1
+                    committed += 1
+                    if slot is None:
+                        continue
+                    if r.index.get(write.ns, key) is not None:  # a racing writer won
+                        r.region(write.ns).allocator.free(slot)
+                        self._unstage([copy])
+                        continue
+                    new.append(self._index(write.ns, key, slot, digest, copy, now))
+        except BaseException:
+            for _, slot, _, copy in rows[done:]:
+                if slot is not None:
+                    r.region(write.ns).allocator.free(slot)
                 self._unstage([copy])
-                committed += 1
-                continue
-            r.seq += 1
-            ref = BlockRef(
-                write.ns.digest, key, write.ns.spec.block_bytes, digest, r.seq, write.ns.compress
-            )
-            block = Block(write.ns, ref, dram=slot, dirty=r.lower is not None, staged=copy)
-            r.index.add(block)
-            write.ns.dram_blocks += 1
-            r.dram_policy_of(block.ns).inserted(block, now)
-            r.count(write.ns, "bytes_committed", ref.raw_bytes)
-            if block.dirty:
-                r.writeback.enqueue(block)
-            new.append(block)
-            committed += 1
+            raise
         return committed, new
+
+    def _index(
+        self, ns: Namespace, key: bytes, slot: Slot, digest: int, copy: Slot | None, now: float
+    ) -> Block:
+        """Make one committed block visible, and queue it for write-back."""
+        r = self._r
+        r.seq += 1
+        ref = BlockRef(ns.digest, key, ns.spec.block_bytes, digest, r.seq, ns.compress)
+        block = Block(ns, ref, dram=slot, dirty=r.lower is not None, staged=copy)
+        r.index.add(block)
+        ns.dram_blocks += 1
+        r.dram_policy_of(block.ns).inserted(block, now)
+        r.count(ns, "bytes_committed", ref.raw_bytes)
+        if block.dirty:
+            r.writeback.enqueue(block)
+        return block
 
     def abandon(self, write: PendingWrite) -> None:
         for slot in write.slots:

@@ -25,7 +25,7 @@ async def on_nvme_only(store: BlockStore, ns: Namespace, count: int) -> list[byt
     for key in keys:
         await put(store, owner, ns, key)
     await store.fsync()
-    store.evict_dram(ns)
+    await store.evict_dram(ns)
     store.dram_policy_of(ns).flush()
     return keys
 
@@ -48,7 +48,7 @@ async def test_lookup_read_resident_then_read_is_one_request(tmp_path: Path) -> 
         hits, _ = store.lookup(ns, keys, promote=False)
         assert hits == 6
         observed = references(store)
-        lease = store.lease_resident(owner, ns, keys)
+        lease = await store.lease_resident(owner, ns, keys)
         assert lease is not None
         assert [b.key for b in lease.blocks] == keys[:3]
         rest = await store.read(owner, ns, keys[3:])
@@ -56,7 +56,7 @@ async def test_lookup_read_resident_then_read_is_one_request(tmp_path: Path) -> 
         # observed as a request of its own
         assert references(store) == observed
         store.release(owner, [lease.id, rest.id])
-        assert store.lease_resident(owner, ns, [b"not-stored" + bytes(6)]) is None
+        assert await store.lease_resident(owner, ns, [b"not-stored" + bytes(6)]) is None
 
 
 async def test_a_lookup_promotion_is_not_a_second_reference(tmp_path: Path) -> None:
@@ -108,7 +108,7 @@ async def test_hinted_promotions_are_not_references(tmp_path: Path) -> None:
         owner = Owner()
         keys = await on_nvme_only(store, ns, 4)
         before = references(store)
-        assert store.prefetch(store.prefetcher.plan_queue(ns, [keys])) == len(keys)
+        assert store.prefetch(await store.prefetcher.plan_queue(ns, [keys])) == len(keys)
         lease = await store.read(owner, ns, keys)  # waits for the promotions
         assert references(store) - before == len(keys)  # the queued request, once
         store.release(owner, [lease.id])

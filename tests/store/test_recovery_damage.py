@@ -473,7 +473,7 @@ async def test_an_unreadable_block_stops_being_a_hit(tmp_path: Path) -> None:
         for key in keys:
             await put(store, owner, ns, key)
         await store.fsync()
-        store.evict_dram(ns)
+        await store.evict_dram(ns)
         assert store.lookup(ns, keys, promote=False)[0] == 3
         assert isinstance(store.lower, NvmeTier)
         backend = store.lower._backend

@@ -94,7 +94,7 @@ async def _fsynced_and_evicted(store: BlockStore, ns: Namespace, keys: list[byte
     for key in keys:
         await put(store, owner, ns, key)
     await store.fsync()
-    assert store.evict_dram(ns) == len(keys)
+    assert await store.evict_dram(ns) == len(keys)
     return owner
 
 
