@@ -35,19 +35,20 @@ Ratios are medians of per-round ratios: pull / raw (goal >= 0.9) and pull / pool
 2 MiB blocks).
 
 Progress threads. NIXL's Python layer gives an agent a progress thread that busy-waits a core
-for the agent's whole life (``pthrDelay`` 0). The daemon's agent has none (``docs/nixl.md``, "No
-spinning core": it drives UCX's progress on its event loop while a NIXL lease is held and 5 s
-after), and both pullers, the reader and the raw puller, are made without one
+for the agent's whole life (``pthrDelay`` 0). The daemon loads no NIXL: each tenant region is
+exported by a process of its own (issue 31, ``docs/nixl.md``), whose agent has none ("No
+spinning core": it drives UCX's progress on its event loop while a NIXL lease of the region is
+held and 5 s after), and both pullers, the reader and the raw puller, are made without one
 (``progress_thread=False``): they only pull, and drive their transfers by polling them, so idle
 they use nothing and are never stopped. The raw owner keeps NIXL's defaults, thread included:
 plain NIXL as a user runs it, the limit; it spins, so it is stopped (SIGSTOP, then SIGCONT)
-while the pull, bare and pool sides run. The daemon idles at 0% of a core, but in the 5 s after
-a lease its progress pump spins too (on uvloop, the loop of its asyncio runtime, the pump's
-0.2 ms pause is a 0 ms timer: a whole core; on trio about a tenth), and the raw side follows a
-pull within those 5 s: so the daemon is still stopped while the raw and pool sides run. On 2
-vCPUs a side measured beside a spinning process would lose a core to it. Recorded: the idle
-CPU of the daemon, of the owner and of the pool's daemon, and the daemon's in the 2 s after a
-lease (``nixl_daemon_linger_cpu``); ``--keep-others-running`` measures without stopping anyone.
+while the pull, bare and pool sides run. The daemon and its exporters idle at 0% of a core, but
+in the 5 s after a lease the exporter's progress pump runs, and the raw side follows a pull
+within those 5 s: so the daemon and its exporters are stopped while the raw and pool sides
+run. On 2 vCPUs a side measured beside a spinning process would lose a core to it. Recorded:
+the idle CPU of the daemon with its exporters, of the owner and of the pool's daemon, and the
+daemon's with its exporters in the 2 s after a lease (``nixl_daemon_linger_cpu``);
+``--keep-others-running`` measures without stopping anyone.
 
 *Placement* says where the processes run. ``local``: every process on this host, the reader
 reaching the daemon's Unix socket, UCX's transports as ``UCX_TLS`` says (the benchmark leaves it
@@ -747,12 +748,27 @@ def stopped(pids: Iterable[int]) -> Iterator[None]:
                 os.kill(pid, signal.SIGCONT)
 
 
+def family(pid: int) -> list[int]:
+    """``pid`` and its children: a NIXL daemon and its exporter processes (one per region)."""
+    pids = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            pids += [int(child) for child in (task / "children").read_text().split()]
+    return pids
+
+
 def cpu_share(pid: int, seconds: float) -> float:
-    """The share of one core ``pid`` used (user + system) over the next ``seconds``."""
+    """The share of one core ``pid`` and its children used (user + system) over the next
+    ``seconds``: a NIXL daemon's is its own and its exporters'."""
+    pids = family(pid)
 
     def used() -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for one in pids:
+            with contextlib.suppress(FileNotFoundError):
+                fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
 
     before = used()
     time.sleep(seconds)
@@ -806,7 +822,10 @@ def bench_size(
             "pool": lambda: pool_round(pool_daemon, block_bytes, pool_keys, in_flight),
         }
         # what spins while idle (the module docstring says why), and the sides it serves
-        spinners = {_pid(owner): {"raw"}, _pid(nixl_daemon): {"pull", "bare"}}
+        spinners = {
+            _pid(owner): {"raw"},
+            **{key: {"pull", "bare"} for key in family(_pid(nixl_daemon))},
+        }
         link = LinkCount(hosts.reader_rx_bytes, count * block_bytes)
 
         def alone(side: str) -> Callable[[], dict[str, Any]]:
@@ -1024,7 +1043,8 @@ def _method_lines(result: dict[str, Any]) -> list[str]:
     }
     stopped = (
         "while the pull, bare and pool sides run the raw owner is stopped (SIGSTOP), and while "
-        "the raw and pool sides run the daemon is (both spin, see below); nothing else is"
+        "the raw and pool sides run the daemon and its exporters are (both spin, see below); "
+        "nothing else is"
         if not result["others_running"]
         else "every process runs throughout (`--keep-others-running`)"
     )
@@ -1061,8 +1081,10 @@ def _method_lines(result: dict[str, Any]) -> list[str]:
         "GB/s and ms medians of rounds. *Checksum ms*: "
         "the reader's re-check (xxh3 of every block) timed alone after the round.",
         "",
-        "Progress: the daemon's agent has no NIXL progress thread (it drives UCX's progress on "
-        "its event loop while a NIXL lease is held and for 5 s after), nor have the two pullers' "
+        "Progress: the daemon loads no NIXL; each tenant region is exported by a process of its "
+        "own (`kvtierd.nixl.exporter`, issue 31), whose agent has no NIXL progress thread (it "
+        "drives UCX's progress on its event loop while a NIXL lease of the region is held and "
+        "for 5 s after), nor have the two pullers' "
         "(`progress_thread=False`: they poll their transfers); the raw owner keeps NIXL's "
         "defaults, a progress thread that busy-waits a core (plain NIXL as users run it); "
         f"{stopped}.",
@@ -1119,9 +1141,10 @@ def _shortfall_lines(result: dict[str, Any]) -> list[str]:
                 lines.append(
                     f"- {where}: pull / raw {m['pull_over_raw']:.2f}: bare / raw "
                     f"{m['bare_over_raw']:.2f} (the lease round trip is {lease:.0%} of a pull's "
-                    "time: the rest is the transfer out of the daemon against raw's out of its "
-                    f"owner) and pull / bare {m['pull_over_bare']:.2f} (the re-check; its "
-                    f"checksum alone is {check:.0%} of a pull's time)."
+                    "time: the rest is the transfer out of the daemon's exporter process "
+                    "against raw's out of its owner) and pull / bare "
+                    f"{m['pull_over_bare']:.2f} (the re-check; its checksum alone is {check:.0%} "
+                    "of a pull's time)."
                 )
             pool_goal = r["block_bytes"] == GOAL_POOL_BLOCK_BYTES
             if pool_goal and m["pull_over_pool"] < GOAL_PULL_OVER_POOL:
@@ -1161,20 +1184,15 @@ def _placement_lines(placement: str, measured: dict[str, Any]) -> list[str]:
         if any(t.startswith("cma") for t in [*transports, *raw])
         else ""
     )
-    spins = (
-        ": it spins, since its pause between progress calls (0.2 ms) is a 0 ms timer on uvloop, "
-        "the loop of the daemon's asyncio runtime (on trio the same pump used about a tenth "
-        "of a core)"
-        if linger >= 0.5
-        else ""
-    )
+    spins = ": it spins" if linger >= 0.5 else ""
     lines = [
         f"Placement `{placement}`: UCX's protocol tables (`UCX_PROTO_INFO=y`) name "
         f"{', '.join(transports) or 'nothing'} for the pull's RMA reads and "
         f"{', '.join(raw) or 'nothing'} for the raw ones{cma}. Share of a core: the daemon "
-        f"with NIXL, idle, {measured['nixl_daemon_idle_cpu']:.0%} (the pool daemon, without "
-        f"NIXL, {median([r['pool_daemon_idle_cpu'] for r in sizes]):.0%}); the same daemon in "
-        f"the 2 s after a lease, while it drives UCX's progress, {linger:.0%}{spins}; the raw "
+        f"with NIXL and its exporters, idle, {measured['nixl_daemon_idle_cpu']:.0%} (the pool "
+        f"daemon, without NIXL, {median([r['pool_daemon_idle_cpu'] for r in sizes]):.0%}); the "
+        f"same in the 2 s after a lease, while the exporter drives UCX's progress, "
+        f"{linger:.0%}{spins}; the raw "
         f"owner, idle, {median([r['raw_owner_idle_cpu'] for r in sizes]):.0%} (NIXL's progress "
         "thread).",
     ]

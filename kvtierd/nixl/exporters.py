@@ -7,7 +7,8 @@ Each tenant region is exported over NIXL by a process of its own (:mod:`kvtierd.
 says why: NIXL checks no access, so the process is the bound). :class:`RegionExporter` starts it
 with ``exec`` of ``python -m kvtierd.nixl.exporter`` (``anyio.open_process``: no fork of the
 daemon survives), passing exactly two descriptors, the region's sealed memory file and one end of
-a Unix socket pair, and waits up to the start timeout for its
+a Unix socket pair, and an environment of UCX's, NIXL's and the interpreter's variables only
+(:func:`exporter_environment`), and waits up to the start timeout for its
 :class:`~kvtierd.nixl.control.Ready`. That message carries everything NIXL_GRANT and READ_NIXL
 need (the agent's name and the metadata of its one registration, where the region is mapped in
 the exporter), so answering them takes no round trip: :meth:`RegionExporter.grant` and
@@ -43,6 +44,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -70,6 +72,7 @@ __all__ = [
     "RegionExporter",
     "RegionGrant",
     "check_extents",
+    "exporter_environment",
 ]
 
 log = logging.getLogger("kvtierd.nixl")
@@ -152,6 +155,23 @@ class _Link:
                 await self.process.wait()
             await self.stream.aclose()
         return _ending(self.process.returncode)
+
+
+#: What an exporter's environment keeps of the daemon's: UCX's and NIXL's settings and what the
+#: interpreter and the dynamic loader need. Nothing else (a secret the daemon's unit passed, for
+#: one) enters a process whose memory NIXL peers can read.
+_ENVIRONMENT_PREFIXES = ("UCX_", "NIXL_", "PYTHON", "LD_", "CUDA_", "LC_")
+_ENVIRONMENT_NAMES = frozenset({"PATH", "HOME", "LANG", "TMPDIR", "VIRTUAL_ENV"})
+
+
+def exporter_environment(environment: Mapping[str, str]) -> dict[str, str]:
+    """``environment`` (the daemon's, :func:`~kvtierd.childprobe.child_environment`) less
+    everything but :data:`_ENVIRONMENT_PREFIXES` and :data:`_ENVIRONMENT_NAMES`."""
+    return {
+        name: value
+        for name, value in environment.items()
+        if name in _ENVIRONMENT_NAMES or name.startswith(_ENVIRONMENT_PREFIXES)
+    }
 
 
 def _ending(returncode: int | None) -> str:
@@ -262,7 +282,7 @@ class RegionExporter:
                 stdout=subprocess.DEVNULL,  # NIXL logs INFO lines to stdout
                 stderr=None,  # the daemon's: an exporter's own failures are logged there
                 pass_fds=(self.region.fd, theirs.fileno()),
-                env=child_environment(),
+                env=exporter_environment(child_environment()),
                 start_new_session=True,
             )
         except OSError as exc:
