@@ -168,7 +168,33 @@ def test_a_daemon_that_loaded_nixl_stops_with_status_0(
     exporters = _children(process.process.pid)
     assert exporters
     assert process.stop() == 0, process.log()[-2000:]
-    assert not [pid for pid in exporters if Path(f"/proc/{pid}").exists()]  # killed with it
+    assert not [pid for pid in exporters if _running(pid)]  # killed with it
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is no zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_the_exporters_end_with_a_killed_daemon(nixl_verdict: NixlVerdict, tmp_path: Path) -> None:
+    """kill -9 of the daemon closes its end of every control socket: each exporter sees it and
+    exits (none is left serving its region with nobody to supervise it)."""
+    if not nixl_verdict.ok:
+        pytest.skip(f"NIXL failed its probe: {nixl_verdict.detail}")
+    process = DaemonProcess(tmp_path, config_text="[nixl]\nenabled = true\n").start(120)
+    assert process.process is not None
+    exporters = _children(process.process.pid)
+    assert exporters
+    process.kill()
+    for _ in range(600):  # a bound on the wait, not a timing assertion
+        if not any(_running(pid) for pid in exporters):
+            break
+        time.sleep(0.1)
+    assert not [pid for pid in exporters if _running(pid)]
 
 
 def test_without_nixl_enabled_read_nixl_is_not_supported(tmp_path: Path) -> None:

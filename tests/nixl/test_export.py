@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from kvtierd.config import TriState
-from kvtierd.errors import InvalidRequestError, NotSupportedError
+from kvtierd.errors import InvalidRequestError, NotSupportedError, TimedOutError
 from kvtierd.nixl import descriptors
 from kvtierd.nixl.export import RegionExport, open_region_export
 from kvtierd.nixl.exporters import ExporterUnavailableError
@@ -162,6 +162,25 @@ async def test_a_killed_exporter_is_restarted_with_a_new_agent(
     _hand_over(exported, tmp_path)
     result = await anyio.to_thread.run_sync(pull, tmp_path, "sync")
     assert (result["error"], result["sha256"]) == ("", result["expected"])
+
+
+async def test_a_hung_exporter_is_killed_and_restarted(exported: Exported) -> None:
+    """An exporter that does not answer a pull within its deadline and the slack after it is
+    killed (no transfer may go on into a slot the daemon gave up on) and started again."""
+    export, theirs = exported.export, exported.theirs
+    exporter = export.exporters[theirs.id]
+    hung = exporter.pid
+    assert hung is not None
+    os.kill(hung, signal.SIGSTOP)
+    slot = exported.arena.view[theirs.mapping.base : theirs.mapping.base + 4096]
+    with pytest.raises(TimedOutError, match="did not answer a pull"):
+        await export.pull_into(slot, agent="peer", metadata=b"m", remote=b"d", timeout_s=0.5)
+    with anyio.fail_after(120):  # a bound on the wait for the restart
+        while True:
+            if exporter.pid not in (hung, None):
+                break
+            await anyio.sleep(0.05)
+    assert export.grant(theirs).agent.endswith("-2")
 
 
 async def test_without_a_working_nixl_nothing_is_exported_or_loaded() -> None:

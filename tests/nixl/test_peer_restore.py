@@ -186,6 +186,9 @@ def test_a_wiped_rank_restores_from_its_peer_before_the_pool(setting: Setting) -
     if isinstance(setting.lab, NetnsLab):  # and the bytes came in through B's eth0
         assert setting.lab.hosts[1].link_stats()["rx_bytes"] - link["rx_bytes"] >= 4 * BLOCK
 
+    assert setting.rank.process is not None  # B pulled through its exporter: it loads no NIXL
+    assert "libucp" not in Path(f"/proc/{setting.rank.process.pid}/maps").read_text()
+
     _read(setting.rank, "pool-only", 3)
     assert setting.gets() == before + 3  # the peer has none of them: one GET each
 
