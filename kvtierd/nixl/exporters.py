@@ -339,7 +339,6 @@ class RegionExporter:
                 if link is not None:
                     how = await self._serve(link)
                     delay = self._backoff.died(time.monotonic() - link.started_at)
-                    self._why_down = f"the NIXL exporter of {self.label} {how}; restarting"
                     log.warning("NIXL exporter of %s %s: its readers lose their transfers; "
                                 "restarting it in %.1f s", self.label, how, delay)  # fmt: skip
                 await anyio.sleep(delay)
@@ -389,9 +388,11 @@ class RegionExporter:
                         waiter.done.set()
             tasks.cancel_scope.cancel()
         self._link = None
-        self._why_down = f"the NIXL exporter of {self.label} stopped; restarting"
+        self._why_down = f"the NIXL exporter of {self.label} ended; restarting"
         link.fail_pending()
-        return await link.aclose() + why
+        how = await link.aclose() + why
+        self._why_down = f"the NIXL exporter of {self.label} {how}; restarting"
+        return how
 
     async def _stir(self, link: _Link) -> None:
         """Stir the exporter when woken (a grant, a lease) and every :data:`STIR_EVERY_S`
