@@ -199,17 +199,21 @@ class Prefetcher:
                 await policy.flush_gradually()
             idle = not store.demand_promotions and not self.reuse_paused
             if self.prefetch_bytes_per_s and store.lower is not None and idle:
-                promote(self._reuse_candidates())
+                promote(await self._reuse_candidates())
 
-    def _reuse_candidates(self) -> list[Block]:
+    async def _reuse_candidates(self) -> list[Block]:
         # Reuse promotions only fill free arena room: a guess never displaces a resident
         # (demand and prefix promotions evict by the policy as usual).
         store = self._store
         budget = self.prefetch_bytes_per_s * _TICK_S
         chosen: list[Block] = []
         for region in store.regions:  # each region's guesses fill that region's free room only
+            policy = store.dram_policies[region.id]
+            # candidates() applies the journal first: a long one in slices, not all at once
+            # (three READs of 8192 blocks left 150 ms of it between two ticks)
+            await policy.settle(store.lane)
             room = region.allocator.free_bytes
-            for block_id in store.dram_policies[region.id].candidates(64):
+            for block_id in policy.candidates(64):
                 block = store.index.by_id(block_id)
                 if block is None or block.resident or block.lower is None:
                     continue
