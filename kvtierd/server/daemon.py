@@ -59,6 +59,7 @@ from kvtierd.server.assembly import (
 )
 from kvtierd.server.budget import reserve_descriptors
 from kvtierd.server.checks import HostCheck
+from kvtierd.server.collector import serve_collector
 from kvtierd.server.doctor import RunningFacts, running_report
 from kvtierd.server.endpoint import serve_endpoint
 from kvtierd.server.metrics import Metrics, RequestTimings
@@ -471,6 +472,7 @@ async def serve_daemon(
                     timings = metrics.timings if metrics is not None else None
                     daemon = Daemon(config, store, startup, timings, nixl)
                     readiness.serve(daemon)
+                    tg.start_soon(serve_collector)
                     if metrics is not None:
                         metrics.refresh()
                     notifier.ready(f"serving on {config.socket_path}")
