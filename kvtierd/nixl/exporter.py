@@ -170,9 +170,15 @@ class _Exporter:
 
 
 def _map(fd: int, size_bytes: int) -> tuple[mmap.mmap, int]:
-    """The region, mapped shared and populated (first touches would slow the first reads)."""
+    """The region, mapped shared, **read-only** and populated (first touches would slow the
+    first reads). Read-only because NIXL peers can write as well as read whatever this process
+    registered (UCX refuses no remote WRITE): a write into a read-only page is refused by the
+    kernel (``cma``) or faults this process (TCP: it is restarted), and never changes a byte of
+    the tenant's blocks. Nothing in this process maps the region writable."""
     try:
-        region = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        region = mmap.mmap(
+            fd, size_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
+        )
     finally:
         os.close(fd)
     view = memoryview(region)

@@ -32,6 +32,12 @@ or ""), and the process ends through :func:`kvtierd.nixl.agent.exit_process`:
   length]``, ``offset`` from the region's base, negative below it; ``name`` ``unmapped`` reads
   ``length`` bytes at address 4096 instead) with forged descriptors, in order, each into
   ``$KVTIERD_TEST_OUT/NAME.bin``; ``probes`` maps each name to "" (bytes arrived) or the error.
+* ``overwrite``: the WRITE attack of issue 31's second review, with the honest grant. Lease the
+  blocks (which keeps the exporter driving UCX), print ``{"leased": true}``, wait for a line
+  (the test has a slot allocated and filled, not committed, meanwhile), then NIXL WRITE
+  ``0xEE`` over the first ``$KVTIERD_TEST_WRITE_BYTES`` of the region (the honest
+  registration covers all of it: the committed blocks and the slot being filled);
+  ``write`` is NIXL's final state (``DONE``, ``ERR``) or the error raised.
 """
 
 from __future__ import annotations
@@ -148,6 +154,8 @@ def main(argv: list[str]) -> dict[str, Any]:
                     _say({"pulled": n})
             elif case == "widen":
                 result["probes"] = _widen(ns, reader, keys)
+            elif case == "overwrite":
+                result["write"] = _overwrite(ns, reader, keys)
             elif case == "write":
                 ns.put(keys, [np.zeros(block_bytes, np.uint8) for _ in keys])
             elif case == "read":
@@ -200,6 +208,34 @@ def _widen(ns: Any, reader: Any, keys: list[bytes]) -> dict[str, str]:
             f.write(buffer)
         print(f"probe {name}: {outcome[name] or 'bytes arrived'}", flush=True)
     return outcome
+
+
+def _overwrite(ns: Any, reader: Any, keys: list[bytes]) -> str:
+    """The ``overwrite`` case (module docstring): NIXL's final state of the WRITE, or the
+    error it raised."""
+    from kvtierd.nixl.agent import _DRAM
+
+    length = int(os.environ["KVTIERD_TEST_WRITE_BYTES"])
+    poison = reader.register(np.full(length, 0xEE, np.uint8))
+    with reader.lease(ns, keys) as lease:
+        reply = lease.replies[0]
+        own = msgspec.msgpack.decode(reply.descriptors, type=descriptors.Descriptors)
+        base = own.extents[0][0] - reply.extents[0].offset
+        _say({"leased": True})
+        sys.stdin.readline()
+        agent = reader.agent._agent  # NIXL's own: the attacker is not bound to kvtierd's API
+        try:
+            remote = agent.get_xfer_descs([(base, length, 0)], _DRAM)
+            local = agent.get_xfer_descs([(_address(poison), length, 0)], _DRAM)
+            handle = agent.initialize_xfer("WRITE", local, remote, lease.peer)
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + 20
+            while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+                time.sleep(0.005)
+                state = agent.check_xfer_state(handle)
+            return str(state)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
 
 
 def _locate(ns: Any, reader: Any, keys: list[bytes]) -> tuple[int, bytes]:

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from kvtierd.client import Client, connect
+from kvtierd.errors import CorruptBlockError
 from kvtierd.nixl.probe import NixlVerdict
 from kvtierd.testing import DaemonProcess
 from tests.nixl.children import Child
@@ -275,3 +276,46 @@ def test_a_killed_exporter_is_restarted(placement: Placement, client: Client) ->
     assert after["alpha"] != before["alpha"]
     assert after["beta"] == before["beta"]  # the other tenants' exporters were not touched
     assert "NIXL exporter of region" in placement.daemon.log()
+
+
+def test_a_nixl_write_with_the_honest_grant_changes_no_byte(
+    placement: Placement, client: Client
+) -> None:
+    """A client of ``alpha`` (read-only by design) NIXL WRITEs over its whole region with its
+    honest grant: over its own committed blocks and over a slot allocated and filled by an
+    engine of its tenant but not yet committed. The exporter maps the region read-only, so the
+    WRITE fails (``cma``: the kernel refuses the write) or faults the exporter (TCP: it is
+    restarted); the committed blocks read back exactly, the slot commits exactly the engine's
+    bytes, and the daemon serves on. Before the region was mapped read-only the poison was
+    committed, FSYNCed and served."""
+    tag = f"overwrite-{placement.name}"
+    alpha = _store(client, tag, "alpha")
+    before = _exporters(placement.daemon)
+    attacker = placement.reader(tag, "overwrite", "alpha",
+                                KVTIERD_TEST_WRITE_BYTES=str(REGION))  # fmt: skip
+    attacker.line_starting('{"leased"')
+    ns = client.namespace(tag, block_bytes=BLOCK, tenant="alpha", create=False)
+    fresh = block_keys(f"{tag}-fresh", 1)
+    engine = block_content(f"{tag}-fresh", 0, BLOCK).tobytes()
+    with ns.write(fresh) as slots:
+        (view,) = slots.views
+        assert view is not None
+        view[:BLOCK] = engine
+        attacker.send("write")  # between the engine's fill and its COMMIT
+        result = _finish(attacker)
+    assert result["error"] == "", result
+    assert placement.daemon.running, placement.daemon.log()[-3000:]
+    client.fsync()
+    got: list[bytes | str] = []
+    for key in block_keys(tag, COUNT) + fresh:
+        try:
+            with ns.get([key]) as (view,):
+                got.append(bytes(view[:BLOCK]))
+        except CorruptBlockError as exc:  # poisoned after its COMMIT
+            got.append(str(exc))
+    poisoned = [i for i, (g, w) in enumerate(zip(got, [*alpha, engine], strict=True)) if g != w]
+    assert poisoned == [], f"the WRITE ({result['write']}) changed blocks {poisoned}"
+    restarted = _exporters(placement.daemon).get("alpha") != before["alpha"]
+    assert result["write"] != "DONE" or restarted, result
+    mine = _pull_eventually(placement, tag, "alpha")
+    assert (mine["error"], mine["sha256"]) == ("", [hashlib.sha256(b).hexdigest() for b in alpha])
