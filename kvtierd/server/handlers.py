@@ -168,7 +168,7 @@ async def lookup(ctx: RequestContext, header: RequestHeader, msg: LookupRequest)
     if store.needs_group_lookup(ns):  # a TP group on the pool: ask the pool (one round trip)
         hits, tiers = await store.lookup_group(ns, msg.keys, promote=msg.promote)
     else:
-        hits, tiers = store.lookup(ns, msg.keys, promote=msg.promote)
+        hits, tiers = await store.lookup_in_turn(ns, msg.keys, promote=msg.promote)
     ns.counters.lookup_blocks += len(msg.keys)
     ns.counters.hit_blocks += hits
     return LookupReply(hits, tiers)

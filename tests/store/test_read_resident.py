@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 
 from kvtierd.slsap import SlsapPolicy
@@ -112,3 +113,30 @@ async def test_hinted_promotions_are_not_references(tmp_path: Path) -> None:
         lease = await store.read(owner, ns, keys)  # waits for the promotions
         assert references(store) - before == len(keys)  # the queued request, once
         store.release(owner, [lease.id])
+
+
+async def test_a_large_lookup_waits_its_turn_on_the_lane_and_a_small_one_does_not(
+    tmp_path: Path,
+) -> None:
+    """A LOOKUP of more keys than the lane's ``inline_items`` runs only when the bulk work
+    before it gave the lane up (issue 31: one such LOOKUP is a step of a few ms); a small one
+    is answered at once, whoever holds the lane."""
+    async with small_store(tmp_path, 4096) as (store, ns):
+        keys = [key_of(i) for i in range(store.lane.inline_items + 1)]
+        for key in keys[:3]:
+            await put(store, Owner(), ns, key)
+        answers: list[int] = []
+
+        async def large() -> None:
+            hits, _ = await store.lookup_in_turn(ns, keys, promote=False)
+            answers.append(hits)
+
+        async with store.lane.walk(len(keys)) as bulk, anyio.create_task_group() as tg:
+            await bulk.pause()  # another request's bulk work holds the lane
+            tg.start_soon(large)
+            await anyio.sleep(0.05)
+            assert answers == []
+            small, _ = await store.lookup_in_turn(ns, keys[:2], promote=False)
+            assert small == 2
+            bulk.release()
+        assert answers == [3]
