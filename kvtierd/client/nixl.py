@@ -73,7 +73,7 @@ class NixlLease:
 
     keys: Sequence[bytes]
     replies: list[ReadNixlReply]
-    #: The daemon's agent, as this process's agent knows it.
+    #: The region's exporter agent, as this process's agent knows it.
     peer: str
     _client: Client
     #: The connection the lease was granted on (``Client.reconnects`` then).
@@ -117,7 +117,7 @@ class NixlReader:
         self.client = client
         self.agent = agent
         self.timeout_s = timeout_s
-        #: (connection, region) -> the daemon's agent as loaded for that region's grant.
+        #: (connection, region) -> the region's exporter agent as loaded for its grant.
         self._peers: dict[tuple[int, int], str] = {}
         #: The buffers registered here, kept alive as long as NIXL may write into them.
         self._buffers: list[tuple[memoryview, Registration]] = []

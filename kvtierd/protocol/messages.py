@@ -275,8 +275,9 @@ MAX_NIXL_METADATA_BYTES = 1 << 20
 
 
 class NixlGrantReply(Message, frozen=True):
-    """``agent`` is the daemon's NIXL agent name, ``region`` the tenant region the metadata
-    names (its registration alone), ``metadata`` what the client's agent loads."""
+    """``agent`` is the NIXL agent name of the region's exporter (a process of the daemon's
+    that maps that region alone; a new name after it restarts), ``region`` the tenant region
+    the metadata names (its registration alone), ``metadata`` what the client's agent loads."""
 
     agent: Name
     region: U32
@@ -291,7 +292,7 @@ class ReadNixlRequest(Message, frozen=True):
 
 class ReadNixlReply(Message, frozen=True):
     """READ's ``lease`` and ``extents``, and ``descriptors``: the blocks' bytes (each
-    ``extents[i].length`` long, in key order) as the daemon's agent describes them for a pull
+    ``extents[i].length`` long, in key order) as the region's exporter agent describes them
     (:mod:`kvtierd.nixl.descriptors`)."""
 
     lease: U64
