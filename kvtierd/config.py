@@ -239,6 +239,11 @@ class NvmeConfig(_Section):
     #: How often the data file is checked to still be the one the tier has open (it is also
     #: checked at every FSYNC), and a block whose write-back failed is tried again.
     health_check_interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
+    #: An existing, non-empty data file whose superblock cannot be read (nor rebuilt from its
+    #: first segment header) was truncated or overwritten: by default the daemon refuses to
+    #: start rather than initialise it empty. True initialises it (one ERROR line); meant for
+    #: one start, where the file cannot be moved aside (a block device).
+    reinitialize_unreadable: bool = False
     #: LRU by default: the disk tier evicts rarely, and a second reuse model would double the
     #: per-LOOKUP telemetry cost.
     policy: PolicyKind = PolicyKind.LRU

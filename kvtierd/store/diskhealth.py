@@ -14,11 +14,19 @@ file is no longer the one the daemon has open) is carried out by
   and drops torn ones).
 * ``FILE``: the path no longer names the open data file (``replaced``: another file was
   renamed over it; ``removed``: unlinked). Everything written since, and everything
-  acknowledged before, lives only in an inode that disappears when the daemon exits. It never
-  clears: only a restart opens the file the path names now.
+  acknowledged before, lives only in an inode that disappears when the daemon exits. Or it is
+  still the file but no longer what the daemon wrote: ``truncated`` (shorter than the tier,
+  by the path's or the descriptor's ``st_size``), ``damaged`` (its superblock, the first
+  page, no longer reads back byte for byte as written: overwritten in place). It never
+  clears: only a restart, which refuses a file it cannot recognise, ends it.
+* ``CATALOG``: the namespace catalog (both copies, ``namespaces.catalog`` and ``.1``) was
+  removed, replaced or changed under the daemon *and rewriting it from memory failed*
+  (a rewrite that succeeds is only counted and logged as a warning). Without the catalog a
+  restart drops every recovered block of the namespaces it named. It clears once a rewrite
+  succeeds.
 
 While any condition holds, acknowledged data is at risk: ``/health`` fails and ``/ready`` is
-degraded. While one that never clears holds, FSYNC acknowledges nothing
+degraded. While one that never clears holds, or the catalog's, FSYNC acknowledges nothing
 (:meth:`DiskHealth.refusal`). Each failure is counted by its :class:`DiskFault`; a change of
 the verdict (healthy, failing for one reason, failing for another, healthy again) is returned
 as a :class:`HealthChange` so that the caller logs once per change, not once per block.
@@ -49,6 +57,9 @@ class DiskFault(enum.StrEnum):
     EIO = "eio"
     REPLACED = "replaced"
     REMOVED = "removed"
+    TRUNCATED = "truncated"
+    DAMAGED = "damaged"
+    CATALOG = "catalog"
 
 
 class FaultSource(enum.Enum):
@@ -57,6 +68,7 @@ class FaultSource(enum.Enum):
     WRITE = "write-back"
     SYNC = "sync"
     FILE = "data file"
+    CATALOG = "namespace catalog"
 
 
 class DataFileLostError(StorageIOError):
@@ -109,6 +121,26 @@ _REMEDY = {
         "from the /proc path named above while kvtierd still runs, then restart (records "
         "torn by the copy are dropped at recovery); else they are lost"
     ),
+    (FaultSource.FILE, DiskFault.TRUNCATED): (
+        "{path} is shorter than the tier kvtierd wrote (something truncated it): the blocks "
+        "past its end, and everything acknowledged there, are gone, and FSYNC answers EIO; "
+        "find what truncated it, stop kvtierd, and move {path} aside (keep it for inspection; "
+        "the next start refuses an existing file it cannot recognise, see "
+        "nvme.reinitialize_unreadable)"
+    ),
+    (FaultSource.FILE, DiskFault.DAMAGED): (
+        "the superblock of {path} no longer reads back as what kvtierd wrote (the file was "
+        "overwritten in place): its blocks cannot be trusted, and FSYNC answers EIO; find "
+        "what wrote to it, stop kvtierd, and move {path} aside (keep it for inspection; the "
+        "next start refuses an existing file it cannot recognise, see "
+        "nvme.reinitialize_unreadable)"
+    ),
+    (FaultSource.CATALOG, DiskFault.CATALOG): (
+        "the namespace catalog beside {path} was removed or replaced and cannot be rewritten: "
+        "without it a restart drops every block of the namespaces it named, so FSYNC answers "
+        "EIO; make the data directory writable (free space, check the device), and kvtierd "
+        "rewrites it at the next check or FSYNC and health returns"
+    ),
     (FaultSource.FILE, DiskFault.REMOVED): (
         "{path} was deleted: what kvtierd writes goes to a file that is gone when it exits, "
         "and FSYNC answers EIO; find what removed it, then restart kvtierd (it creates a new "
@@ -131,11 +163,15 @@ class DiskCondition:
     @property
     def clears(self) -> bool:
         """Whether it can end without a restart."""
-        return self.source is FaultSource.WRITE
+        return self.source in (FaultSource.WRITE, FaultSource.CATALOG)
 
     @property
     def remedy(self) -> str:
-        remedy = _REMEDY.get((self.source, self.fault)) or _REMEDY[(self.source, DiskFault.EIO)]
+        remedy = (
+            _REMEDY.get((self.source, self.fault))
+            or _REMEDY.get((self.source, DiskFault.EIO))
+            or _REMEDY[(FaultSource.CATALOG, DiskFault.CATALOG)]
+        )
         return remedy.format(path=self.path)
 
     def describe(self) -> str:
@@ -196,8 +232,9 @@ class DiskHealth:
         return self._decide()
 
     def refusal(self) -> DiskCondition | None:
-        """The condition for which FSYNC acknowledges nothing (one that never clears)."""
-        for source in (FaultSource.FILE, FaultSource.SYNC):
+        """The condition for which FSYNC acknowledges nothing: one that never clears, or a
+        catalog that could not be rewritten (the caller tries to rewrite it first)."""
+        for source in (FaultSource.FILE, FaultSource.SYNC, FaultSource.CATALOG):
             if (held := self._held.get(source)) is not None:
                 return held
         return None
@@ -206,11 +243,11 @@ class DiskHealth:
         return source in self._held
 
     def _decide(self) -> HealthChange | None:
-        """The worst condition decides: the file's, then the sync's, then write-back's."""
+        """The worst condition decides: the file's, the sync's, the catalog's, write-back's."""
         before = self.condition
+        order = (FaultSource.FILE, FaultSource.SYNC, FaultSource.CATALOG, FaultSource.WRITE)
         after = next(
-            (self._held[s] for s in (FaultSource.FILE, FaultSource.SYNC, FaultSource.WRITE)
-             if s in self._held),
+            (self._held[s] for s in order if s in self._held),
             None,
         )  # fmt: skip
         self.condition = after

@@ -223,6 +223,7 @@ async def open_store(
                         preallocate=config.nvme.preallocate,
                         progress=partial(progress.advance, OpenPhase.RECOVERING),
                         snapshot_dir=data_dir,
+                        reinitialize=config.nvme.reinitialize_unreadable,
                     )
                 )
             staged = None
@@ -263,7 +264,9 @@ async def open_store(
             disk = None
             if tier is not None:  # after write-back: its timer queues failed blocks again
                 disk = await stack.enter_async_context(
-                    open_disk_watch(DiskWatch(tier, writeback), config.nvme.health_check_interval_s)
+                    open_disk_watch(
+                        DiskWatch(tier, writeback, registry), config.nvme.health_check_interval_s
+                    )
                 )
             link = None
             if replica is not None:

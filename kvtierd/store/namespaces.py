@@ -15,7 +15,9 @@ lists (root always). Every number a request chooses is bounded here before anyth
 computed from it (``[limits]``), and namespaces are counted per tenant.
 
 The catalog (``namespaces.catalog``) lets a restarted daemon name the namespaces of recovered
-blocks before any client reopens them.
+blocks before any client reopens them. A copy removed, replaced or changed under the running
+daemon is rewritten from memory (:meth:`NamespaceRegistry.restore_catalog`, asked by the disk
+watch at every FSYNC and health tick); only a rewrite that fails is a health condition.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +44,13 @@ from kvtierd.errors import (
 )
 from kvtierd.layouts import layout_block_bytes
 from kvtierd.protocol.messages import Layout
-from kvtierd.store.catalog import CatalogCopy, CopyState, read_copies, write_copies
+from kvtierd.store.catalog import (
+    CatalogCopy,
+    CopyState,
+    copy_paths,
+    read_copies,
+    write_copies,
+)
 from kvtierd.store.regions import Regions, TenantRegion
 
 __all__ = [
@@ -54,6 +63,33 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvtierd.namespaces")
+
+#: What names one catalog copy as last seen: device, inode, size, mtime (``None``: none there).
+_Identity = tuple[int, int, int, int] | None
+
+
+def _copy_identities(catalog: Path) -> tuple[_Identity, _Identity]:
+    first, second = (_identity(path) for path in copy_paths(catalog))
+    return first, second
+
+
+def _identity(path: Path) -> _Identity:
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return (-1, -1, -1, -1)  # unreadable now: differs from anything seen, so rewritten
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def _change(path: Path, was: _Identity, now: _Identity) -> str:
+    if now is None:
+        return f"the namespace catalog copy {path} was removed"
+    if was is None or was[:2] != now[:2]:
+        return f"another file was put at the namespace catalog copy {path}"
+    return f"the namespace catalog copy {path} was changed in place"
+
 
 #: Sanity bounds on a layout's fields (far beyond any model), so nothing sized by them can be
 #: made absurdly large by a client.
@@ -319,6 +355,44 @@ class NamespaceRegistry:
                 return
             self._saved(namespaces)
 
+    def restore_catalog(self) -> str | None:
+        """Rewrite the catalog from memory when a copy is no longer the file the daemon last
+        wrote or read (removed, another file in its place, changed in place: its device,
+        inode, size or mtime moved); what was found, or ``None`` when nothing changed (or the
+        daemon has no namespace a catalog must name). Runs off the event loop (the watch's
+        timer and every FSYNC, :mod:`kvtierd.store.diskwatch`). Raises ``NoSpaceError`` or
+        ``StorageIOError``, naming what was found, when the rewrite fails.
+
+        Why rewrite rather than only report: the daemon owns the catalog and rewrites it whole
+        at every save anyway, and memory holds every namespace it ever loaded or created (the
+        union any copy could name), so the rewrite is exact; while it succeeds nothing
+        acknowledged is at risk."""
+        if self._catalog is None:
+            return None
+        with self._save_lock:
+            if not self._durable and not self._beyond_limits:
+                return None
+            now = _copy_identities(self._catalog)
+            paths = copy_paths(self._catalog)
+            found = [
+                _change(path, was, is_)
+                for path, was, is_ in zip(paths, self._identities, now, strict=True)
+                if was != is_
+            ]
+            if not found:
+                return None
+            what = "; ".join(found)
+            namespaces = list(self._by_id.values())
+            specs = [ns.spec for ns in namespaces] + self._beyond_limits
+            try:
+                write_copies(self._catalog, msgspec.msgpack.encode(specs))
+            except NoSpaceError as exc:
+                raise NoSpaceError(f"{what}, and rewriting it failed: {exc}") from exc
+            except StorageIOError as exc:
+                raise StorageIOError(f"{what}, and rewriting it failed: {exc}") from exc
+            self._saved(namespaces)
+            return f"{what}; rewritten from memory ({len(specs)} namespaces)"
+
     def _load(self, catalog: Path) -> None:
         """Adopt the union of the catalog's readable copies; note whether one needs rewriting."""
         #: Digests of the namespaces some intact copy of the catalog holds.
@@ -329,6 +403,8 @@ class NamespaceRegistry:
         #: Whether a copy is damaged, missing, legacy or behind the other.
         self._catalog_repair: bool = False
         copies = read_copies(catalog)
+        #: What each copy was when last read or written (:meth:`restore_catalog`).
+        self._identities = _copy_identities(catalog)
         readable = 0
         for copy in copies:
             specs = self._catalog_specs(copy)
@@ -372,6 +448,8 @@ class NamespaceRegistry:
         """A save that held ``namespaces`` reached both copies."""
         self._durable.update(ns.digest for ns in namespaces)
         self._catalog_repair = False
+        if self._catalog is not None:
+            self._identities = _copy_identities(self._catalog)
 
     @staticmethod
     def _catalog_specs(copy: CatalogCopy) -> list[NamespaceSpec] | None:

@@ -117,6 +117,7 @@ class NvmeTier(LowerTier):
         segmap: SegmentMap,
         backend: IoBackend,
         pages: StagingPages,
+        superblock: Superblock | None = None,
     ) -> None:
         self._fd = fd
         self.path = path
@@ -131,6 +132,8 @@ class NvmeTier(LowerTier):
         self.max_seq = 0
         self.recovery_source = "empty"
         self._identity = _identity_of(os.fstat(fd))
+        #: The first page as written (``None``: not checked, a tier built by a test).
+        self._superblock = superblock.pack() if superblock is not None else None
 
     # -- LowerTier ---------------------------------------------------------------------------
 
@@ -235,14 +238,18 @@ class NvmeTier(LowerTier):
         """``fdatasync``, then :meth:`check_data_file`: a sync onto a file that is no longer
         the data file makes nothing durable there, so it raises instead of returning."""
         await self._backend.fdatasync(self._fd)
-        self.check_data_file()
+        await self.check_data_file()
 
-    def check_data_file(self) -> None:
+    async def check_data_file(self) -> None:
         """Raise :class:`DataFileLostError` when :attr:`path` no longer names the open file:
-        another file renamed over it (``replaced``) or none there (``removed``). A data file is
-        the same file while its device and inode are; a block device while its device number is
-        (udev may recreate its node). Two ``stat`` calls on the event loop: the descriptor's
-        cannot block, the path's is a lookup on the local file system O_DIRECT needs."""
+        another file renamed over it (``replaced``) or none there (``removed``); or when the
+        file is no longer what the tier wrote: shorter than the tier (``truncated``: the
+        path's or the descriptor's ``st_size``, a regular file only) or its superblock no
+        longer reads back as written (``damaged``). A data file is the same file while its
+        device and inode are; a block device while its device number is (udev may recreate
+        its node). Two ``stat`` calls and an ``fstat`` on the event loop (the descriptor's
+        cannot block, the path's is a lookup on the local file system O_DIRECT needs), and one
+        O_DIRECT read of the first page through the I/O backend."""
         try:
             now = os.stat(self.path)
         except (FileNotFoundError, NotADirectoryError):
@@ -259,6 +266,32 @@ class NvmeTier(LowerTier):
                 DiskFault.REPLACED,
                 f"{self.path} is no longer the data file kvtierd has open (another file was "
                 f"put in its place){self._still_at()}",
+            )
+        expected = self._segmap.file_bytes
+        if stat.S_ISREG(now.st_mode):
+            size = min(now.st_size, os.fstat(self._fd).st_size)
+            if size < expected:
+                raise DataFileLostError(
+                    DiskFault.TRUNCATED,
+                    f"{self.path} holds {size} bytes, but kvtierd's tier is {expected} bytes: "
+                    "it was truncated while kvtierd had it open",
+                )
+        if self._superblock is None:
+            return
+        try:
+            async with self._pages.page() as page:
+                await self._backend.readv(self._fd, 0, [page])
+                intact = bytes(page) == self._superblock
+                found = _describe_page(page)
+        except StorageIOError as exc:
+            raise DataFileLostError(
+                DiskFault.DAMAGED, f"cannot read back the superblock of {self.path}: {exc}"
+            ) from exc
+        if not intact:
+            raise DataFileLostError(
+                DiskFault.DAMAGED,
+                f"the superblock of {self.path} no longer reads back as kvtierd wrote it "
+                f"(found {found}): the file was overwritten in place",
             )
 
     def _still_at(self) -> str:
@@ -364,6 +397,18 @@ class NvmeTier(LowerTier):
         )
 
 
+def _describe_page(page: bytes | bytearray | memoryview) -> str:
+    """What a page that should be a superblock holds, in a few words (for a log line)."""
+    data = bytes(page)
+    if not any(data):
+        return "zeroes"
+    try:
+        superblock = Superblock.unpack(data)
+    except CorruptRecord as exc:
+        return f"no superblock: {exc}"
+    return f"the superblock of another file, id {superblock.file_id.hex()}"
+
+
 def _identity_of(status: os.stat_result) -> tuple[int, int, int]:
     """What names the medium: a block device's number, or a regular file's device and inode."""
     if stat.S_ISBLK(status.st_mode):
@@ -377,16 +422,19 @@ def _mtime_ns(status: os.stat_result) -> int | None:
     return status.st_mtime_ns if stat.S_ISREG(status.st_mode) else None
 
 
-def _prepare_file(path: Path, size_bytes: int, preallocate: bool) -> tuple[int, int, int | None]:
+def _prepare_file(
+    path: Path, size_bytes: int, preallocate: bool
+) -> tuple[int, int, int | None, int | None]:
     """Open the data file (creating and sizing it) or block device, claimed for this process
-    alone (``flock``, ``O_EXCL``); its fd, the bytes used and its mtime before this start
-    (:func:`_mtime_ns`). Runs in a worker thread."""
+    alone (``flock``, ``O_EXCL``); its fd, the bytes used, its mtime before this start
+    (:func:`_mtime_ns`) and its size before this start (``None``: created now, or a block
+    device). Runs in a worker thread."""
     try:
         mode: int | None = path.stat().st_mode
     except FileNotFoundError:
         mode = None
     if mode is not None and stat.S_ISBLK(mode):
-        return (*_open_device(path, size_bytes), None)
+        return (*_open_device(path, size_bytes), None, None)
     if mode is not None and not stat.S_ISREG(mode):
         raise StorageIOError(f"{path} is neither a regular file nor a block device")
     if mode is None and path.is_relative_to("/dev"):
@@ -416,7 +464,9 @@ def _prepare_file(path: Path, size_bytes: int, preallocate: bool) -> tuple[int, 
                 "(lower nvme.size or free space)"
             ) from exc
         raise StorageIOError(f"cannot size {path}: {exc.strerror}") from exc
-    return fd, size_bytes, None if created else _mtime_ns(before)
+    if created:
+        return fd, size_bytes, None, None
+    return fd, size_bytes, _mtime_ns(before), before.st_size
 
 
 def _open_device(path: Path, size_bytes: int) -> tuple[int, int]:
@@ -463,32 +513,88 @@ def _open_direct(path: Path, flags: int) -> int:
 
 
 async def _open_superblock(
-    fd: int, path: Path, file_bytes: int, backend: IoBackend, pages: StagingPages
+    fd: int,
+    path: Path,
+    file_bytes: int,
+    backend: IoBackend,
+    pages: StagingPages,
+    *,
+    held_bytes: int | None = None,
+    reinitialize: bool = False,
 ) -> Superblock:
-    """The data file's superblock, written first for a new file. A damaged one (not zeroes) is
-    rebuilt from the first segment header, which names the file id too: one flipped bit in it
-    must not make every record of the file foreign."""
+    """The data file's superblock, written first for a new file. A damaged one is rebuilt from
+    the first segment header, which names the file id too: one flipped bit in it must not make
+    every record of the file foreign.
+
+    A file that existed with bytes in it (``held_bytes``, its size before this start), whose
+    superblock cannot be read and cannot be rebuilt, was truncated or overwritten: it may hold
+    acknowledged blocks, so it is never initialised silently. Unless ``reinitialize``
+    (``nvme.reinitialize_unreadable``) this raises :class:`StorageIOError` naming the file and
+    what was found (the daemon exits 1); with it, the file is initialised afresh after an
+    ERROR line. A file created now, an existing empty one, and a block device whose first two
+    pages are zeroes (a new device) are initialised."""
     async with pages.page() as page:
         await backend.readv(fd, 0, [page])
         try:
             return Superblock.unpack(page)
         except CorruptRecord:
-            damaged = bytes(page).count(0) != PAGE_BYTES
+            found = _describe_page(page)
+            zeroes = not any(bytes(page))
         file_id = None
-        if damaged:
-            await backend.readv(fd, PAGE_BYTES, [page])
-            with contextlib.suppress(CorruptRecord):
-                first = SegmentHeader.unpack(page)
-                file_id = first.file_id if first.start == PAGE_BYTES else None
+        await backend.readv(fd, PAGE_BYTES, [page])
+        first_zeroes = not any(bytes(page))
+        with contextlib.suppress(CorruptRecord):
+            first = SegmentHeader.unpack(page)
+            file_id = first.file_id if first.start == PAGE_BYTES else None
+        # a new device (or one zeroed on purpose); a file created by this start, or empty
+        fresh = zeroes and first_zeroes if _is_device(fd) else not held_bytes
+        if file_id is None and not fresh:
+            what = (
+                f"{path} exists ({held_bytes} bytes)"
+                if held_bytes is not None
+                else f"the device {path}"
+            )
+            problem = (
+                f"{what} but its superblock cannot be read (found {found}) and its first "
+                "segment header does not name the file either: it was truncated or "
+                "overwritten, and every block it held is lost"
+            )
+            if not reinitialize:
+                log.error(
+                    "%s; refusing to start rather than initialise it empty. Remedy: keep it "
+                    "for inspection by moving it aside (mv %s %s.damaged), then start "
+                    "kvtierd, which creates a new data file; or set "
+                    "nvme.reinitialize_unreadable = true for one start to initialise it in place",
+                    problem,
+                    path,
+                    path,
+                )
+                raise StorageIOError(
+                    f"{problem}; refusing to initialise it (move it aside, or set "
+                    "nvme.reinitialize_unreadable = true for one start)"
+                )
+            log.error(
+                "%s; initialising it empty as nvme.reinitialize_unreadable = true asks "
+                "(remove that setting now)",
+                problem,
+            )
         superblock = Superblock(file_id or uuid.uuid4().bytes, file_bytes, time.time_ns())
         page[:] = superblock.pack()
         await backend.writev(fd, 0, [page])
         await backend.fdatasync(fd)
     if file_id is not None:
-        log.warning("the superblock of %s was damaged; rebuilt from its first segment", path)
+        log.warning(
+            "the superblock of %s was damaged (found %s); rebuilt from its first segment",
+            path,
+            found,
+        )
     else:
         log.info("initialised NVMe data file %s (%d MiB)", path, file_bytes >> 20)
     return superblock
+
+
+def _is_device(fd: int) -> bool:
+    return stat.S_ISBLK(os.fstat(fd).st_mode)
 
 
 @contextlib.asynccontextmanager
@@ -502,20 +608,24 @@ async def open_nvme_tier(
     preallocate: bool = True,
     progress: Callable[[int], None] | None = None,
     snapshot_dir: Path | None = None,
+    reinitialize: bool = False,
 ) -> AsyncIterator[NvmeTier]:
     """Open (creating if needed) the data file, recover its index, and yield the tier. On a
     clean exit the index snapshot is written into ``snapshot_dir`` (the daemon's data directory;
     default: the data file's), so the next start skips the scan. ``progress`` is told, during a
-    scan, how many records it has recovered so far."""
+    scan, how many records it has recovered so far. ``reinitialize``: initialise an existing
+    file whose superblock cannot be read instead of refusing (:func:`_open_superblock`)."""
     snapshot = snapshot_path(snapshot_dir if snapshot_dir is not None else path.parent, path)
-    fd, file_bytes, mtime_ns = await anyio.to_thread.run_sync(
+    fd, file_bytes, mtime_ns, held_bytes = await anyio.to_thread.run_sync(
         _prepare_file, path, size_bytes, preallocate
     )
     try:
         started = time.monotonic()
-        superblock = await _open_superblock(fd, path, file_bytes, backend, pages)
+        superblock = await _open_superblock(
+            fd, path, file_bytes, backend, pages, held_bytes=held_bytes, reinitialize=reinitialize
+        )
         segmap = SegmentMap(superblock.file_id, file_bytes, segment_bytes)
-        tier = NvmeTier(fd, path, snapshot, segmap, backend, pages)
+        tier = NvmeTier(fd, path, snapshot, segmap, backend, pages, superblock)
         legacy = path.parent / SNAPSHOT_NAME  # where earlier versions wrote it
         found = await load_snapshot(
             snapshot, fd, segmap, backend, pages, legacy=legacy, data_mtime_ns=mtime_ns

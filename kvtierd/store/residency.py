@@ -127,11 +127,11 @@ class Residency:
         """Index the blocks the local lower tier found when it opened; how many."""
         if self.lower is None or not self.lower.capabilities.recovers_on_open:
             return 0
-        adopted = 0
+        adopted = unknown = 0
         for found in self.lower.recovered():
             ns = self.registry.by_digest(found.ref.ns_digest)
             if ns is None:
-                log.warning("dropping a recovered block of an unknown namespace")
+                unknown += 1
                 continue
             block = Block(ns, found.ref, copies={self.lower.kind: found.location})
             self.index.add(block)
@@ -139,6 +139,12 @@ class Residency:
             self.lower_policy.inserted(block, 0.0)
             self.saw_seq(found.ref.seq)
             adopted += 1
+        if unknown:
+            log.warning(
+                "dropped %d recovered blocks of namespaces the namespace catalog does not name "
+                "(it is missing or damaged, or they were forgotten)",
+                unknown,
+            )
         return adopted
 
     # -- promotion ---------------------------------------------------------------------------

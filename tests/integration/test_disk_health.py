@@ -8,7 +8,14 @@
   health fails until a restart, and the restart is healthy again; the old file, copied back
   from the ``/proc`` path the remedy names, brings every block back;
 * a raw block device (a loop device) is watched by its device number: its node recreated is
-  no change, a node of another device in its place is ``replaced``.
+  no change, a node of another device in its place is ``replaced``;
+* its data file truncated in place (same inode) or its superblock zeroed in place: FSYNC
+  acknowledges nothing (EIO), reason ``truncated`` or ``damaged``, health fails until a
+  restart; the restart refuses a file it cannot recognise (exit 1, one ERROR with the remedy)
+  unless ``nvme.reinitialize_unreadable``, and rebuilds a superblock its first segment names;
+* its namespace catalog removed: rewritten from memory at once (reason ``catalog`` counted,
+  health stays ok) so that a kill -9 and restart still finds every acknowledged block; a
+  catalog that cannot be rewritten refuses FSYNC and fails health until it can.
 
 The daemon runs on the test's event loop kind (asyncio or trio); every wait is a poll with a
 generous deadline, never a timing assertion.
@@ -105,7 +112,8 @@ async def assert_failing(port: int, reason: str, remedy: str) -> Scraped:
     await poll(f"kvtierd_disk_failures_total{{reason={reason}}} never moved", counted)
     assert seen is not None
     assert seen.value("kvtierd_disk_failing", reason=reason) == 1
-    others = [r for r in ("enospc", "eio", "replaced", "removed") if r != reason]
+    reasons = ("enospc", "eio", "replaced", "removed", "truncated", "damaged", "catalog")
+    others = [r for r in reasons if r != reason]
     assert all(seen.value("kvtierd_disk_failing", reason=r) == 0 for r in others)
     assert seen.value("kvtierd_ready") == 0
     assert seen.value("kvtierd_healthy") == 0
@@ -340,3 +348,216 @@ async def test_a_raw_device_is_watched_by_its_device_number(
                     await client.fsync()
                 await assert_failing(port, "replaced", "restart kvtierd")
             assert daemon.stop() == 0
+
+
+def tamper_config(daemon: DaemonProcess, port: int, nvme: str = "") -> None:
+    """Rewrite the daemon's configuration file before its next start."""
+    (daemon.directory / "kvtierd.toml").write_text(config(port, nvme))
+
+
+def overwrite(path: Path, data: bytes) -> None:
+    """Write ``data`` over the start of ``path`` in place (the same inode and size), durably."""
+    with open(path, "r+b") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def start_fails(daemon: DaemonProcess) -> str:
+    """Start ``daemon``, which must exit instead of serving; the log it left."""
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        daemon.start(60)
+    return daemon.log()
+
+
+async def test_a_truncated_data_file_is_never_acknowledged_nor_silently_reinitialised(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    port = free_port()
+    daemon = DaemonProcess(
+        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
+        runtime=anyio_backend,
+    )  # fmt: skip
+    data = daemon.data_dir / "nvme.data"
+    with daemon:
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("disk", block_bytes=MIB)
+            await put(ns, range(4))
+            assert await client.fsync() == 4
+            await assert_healthy(port)
+            os.truncate(data, 0)  # the same inode: only its size tells
+            await put(ns, range(4, 8))
+            with pytest.raises(StorageIOError, match="truncated"):
+                await client.fsync()
+            await assert_failing(port, "truncated", "move")
+            with pytest.raises(StorageIOError, match="FSYNC refused"):
+                await client.fsync()
+            lines = error_lines(daemon, "truncated")
+            assert len(lines) == 1, daemon.log()
+            assert "until kvtierd is restarted" in lines[0]
+        daemon.kill()  # the crash case: nothing is written on the way out
+    assert data.stat().st_size > 0  # write-back went on writing into the shortened file
+    # the restart refuses the file it cannot recognise, saying what it found and what to do
+    log = start_fails(daemon)
+    refusal = [line for line in log.splitlines() if "refusing to start" in line]
+    assert len(refusal) == 1, log
+    assert "ERROR kvtierd.nvme:" in refusal[0]
+    assert str(data) in refusal[0]
+    assert "found zeroes" in refusal[0]
+    assert "nvme.reinitialize_unreadable" in refusal[0]
+    assert f"{data}.damaged" in refusal[0]
+    assert "kvtierd: cannot run:" in log
+    # the operator opts in (for one start): initialised empty, one ERROR line, healthy
+    tamper_config(daemon, port, "reinitialize_unreadable = true\n")
+    with daemon:
+        assert "initialising it empty as nvme.reinitialize_unreadable" in daemon.log()
+        await assert_healthy(port)
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("disk", block_bytes=MIB)
+            assert await ns.lookup([key(i) for i in range(8)], promote=False) == 0
+            await put(ns, range(2))
+            assert await client.fsync() == 2
+        assert daemon.stop() == 0
+
+
+async def test_a_moved_aside_data_file_starts_afresh(tmp_path: Path, anyio_backend: str) -> None:
+    """The remedy the refusal names: the damaged file moved aside, the start creates anew."""
+    port = free_port()
+    daemon = DaemonProcess(
+        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
+        runtime=anyio_backend,
+    )  # fmt: skip
+    data = daemon.data_dir / "nvme.data"
+    with daemon:
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("disk", block_bytes=MIB)
+            await put(ns, range(2))
+            await client.fsync()
+        daemon.kill()
+    overwrite(data, b"\xa5" * (2 * 4096))  # no superblock, no segment header left
+    log = start_fails(daemon)
+    assert "found no superblock: no magic" in log
+    data.rename(data.with_name("nvme.data.damaged"))
+    with daemon:
+        await assert_healthy(port)
+        assert data.exists()
+        assert data.with_name("nvme.data.damaged").exists()
+        assert daemon.stop() == 0
+
+
+async def test_a_zeroed_superblock_is_never_acknowledged_and_rebuilt_at_restart(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    port = free_port()
+    daemon = DaemonProcess(
+        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
+        runtime=anyio_backend,
+    )  # fmt: skip
+    data = daemon.data_dir / "nvme.data"
+    with daemon:
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("disk", block_bytes=MIB)
+            await put(ns, range(4))
+            assert await client.fsync() == 4
+            await assert_healthy(port)
+            overwrite(data, bytes(4096))  # in place, the same inode and size
+            # nobody FSYNCs: the timer reads the first page back
+            await poll(
+                "the zeroed superblock was never noticed", lambda: failing_for(port, "damaged")
+            )
+            await assert_failing(port, "damaged", "move")
+            with pytest.raises(StorageIOError, match="FSYNC refused"):
+                await client.fsync()
+            lines = error_lines(daemon, "damaged")
+            assert len(lines) == 1, daemon.log()
+            assert "found zeroes" in lines[0]
+        daemon.kill()
+    # the first segment header still names the file: the restart rebuilds the superblock
+    # from it (a warning) and every acknowledged block is back
+    with daemon:
+        assert "rebuilt from its first segment" in daemon.log()
+        await assert_healthy(port)
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("disk", block_bytes=MIB, create=False)
+            async with ns.get([key(i) for i in range(4)]) as views:
+                for i, view in enumerate(views):
+                    assert bytes(view) == block(i).tobytes(), i
+        assert daemon.stop() == 0
+
+
+async def test_a_removed_catalog_is_rewritten_from_memory(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    port = free_port()
+    daemon = DaemonProcess(
+        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
+        runtime=anyio_backend,
+    )  # fmt: skip
+    copies = [daemon.data_dir / n for n in ("namespaces.catalog", "namespaces.catalog.1")]
+    with daemon:
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("disk", block_bytes=MIB)
+            await put(ns, range(4))
+            assert await client.fsync() == 4
+            await assert_healthy(port)
+            for copy in copies:
+                copy.unlink()
+
+            async def restored() -> bool:
+                now = await metrics(port)
+                counted = now.value("kvtierd_disk_failures_total", reason="catalog") >= 1
+                return counted and all(copy.exists() for copy in copies)
+
+            await poll("the removed catalog was never rewritten", restored)
+            await assert_healthy(port)  # nothing acknowledged is at risk any more
+            warned = [line for line in daemon.log().splitlines() if "rewritten from memory" in line]
+            assert len(warned) == 1, daemon.log()
+            assert "WARNING kvtierd.disk:" in warned[0]
+            # removed again just before an FSYNC: the FSYNC itself rewrites it first
+            for copy in copies:
+                copy.unlink()
+            await put(ns, range(4, 8))
+            assert await client.fsync() == 8
+            assert all(copy.exists() for copy in copies)
+        daemon.kill()
+    with daemon:
+        assert "recovered blocks of namespaces the namespace catalog does not name" not in (
+            daemon.log()
+        )
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("disk", block_bytes=MIB, create=False)
+            assert await ns.lookup([key(i) for i in range(8)], promote=False) == 8
+        assert daemon.stop() == 0
+
+
+async def test_a_catalog_that_cannot_be_rewritten_refuses_fsync_until_it_can(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    port = free_port()
+    daemon = DaemonProcess(
+        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
+        runtime=anyio_backend,
+    )  # fmt: skip
+    catalog = daemon.data_dir / "namespaces.catalog"
+    with daemon:
+        async with connect_async(daemon.socket) as client:
+            ns = await client.namespace("disk", block_bytes=MIB)
+            await put(ns, range(2))
+            await client.fsync()
+            catalog.unlink()
+            catalog.mkdir()  # a directory at the path: the rewrite's rename fails
+            await put(ns, range(2, 4))
+            with pytest.raises(StorageIOError, match="namespace catalog"):
+                await client.fsync()
+            await assert_failing(port, "catalog", "rewrites it")
+            assert len(error_lines(daemon, "catalog")) == 1, daemon.log()
+            catalog.rmdir()
+
+            async def recovered() -> bool:
+                return (await probe(port, "/health"))[0] == 200
+
+            await poll("health never came back once the catalog could be written", recovered)
+            await assert_healthy(port)
+            assert catalog.is_file()
+            assert await client.fsync() == 4
+        assert daemon.stop() == 0
