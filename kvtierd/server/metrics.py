@@ -382,8 +382,11 @@ class SnapshotCollector(Collector):
         failures = _counter(
             "kvtierd_disk_failures",
             "Disk tier failures by reason (enospc, eio: a block's write-back or a sync failed; "
-            "replaced, removed: the data file path no longer names the open file, seen by a "
-            f"check or an FSYNC refused for it), {_SINCE_START}.",
+            "replaced, removed: the data file path no longer names the open file; truncated, "
+            "damaged: the data file is shorter than the tier, or its superblock no longer reads "
+            "back as written; each seen by a check or an FSYNC refused for it; catalog: a "
+            "namespace catalog copy removed, replaced or changed under the daemon, each rewrite "
+            f"and each failed rewrite), {_SINCE_START}.",
             ["reason"],
         )
         for fault, count in snap.disk_failures:

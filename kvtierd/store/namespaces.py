@@ -26,6 +26,7 @@ import enum
 import hashlib
 import logging
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,8 +65,9 @@ __all__ = [
 
 log = logging.getLogger("kvtierd.namespaces")
 
-#: What names one catalog copy as last seen: device, inode, size, mtime (``None``: none there).
-_Identity = tuple[int, int, int, int] | None
+#: What names one catalog copy as last seen: device, inode, file type, size, mtime (``None``:
+#: none there). An inode number freed by an unlink may come back at once for another file.
+_Identity = tuple[int, int, int, int, int] | None
 
 
 def _copy_identities(catalog: Path) -> tuple[_Identity, _Identity]:
@@ -79,14 +81,15 @@ def _identity(path: Path) -> _Identity:
     except FileNotFoundError:
         return None
     except OSError:
-        return (-1, -1, -1, -1)  # unreadable now: differs from anything seen, so rewritten
-    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+        return (-1, -1, -1, -1, -1)  # unreadable now: differs from anything seen, so rewritten
+    kind = stat.S_IFMT(status.st_mode)
+    return status.st_dev, status.st_ino, kind, status.st_size, status.st_mtime_ns
 
 
 def _change(path: Path, was: _Identity, now: _Identity) -> str:
     if now is None:
         return f"the namespace catalog copy {path} was removed"
-    if was is None or was[:2] != now[:2]:
+    if was is None or was[:3] != now[:3]:
         return f"another file was put at the namespace catalog copy {path}"
     return f"the namespace catalog copy {path} was changed in place"
 

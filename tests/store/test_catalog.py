@@ -253,3 +253,53 @@ def test_a_full_file_system_fails_the_save_with_enospc(tmp_path: Path) -> None:
         reg.save()
         assert not reg.needs_save(ns)
         assert names(registry(path)) == {"a", "b" * 200}
+
+
+# -- a catalog changed under the running daemon -------------------------------------------------
+
+
+def test_a_removed_replaced_or_edited_copy_is_rewritten_from_memory(tmp_path: Path) -> None:
+    path = tmp_path / "namespaces.catalog"
+    reg = saved(path, spec("a"), spec("b"))
+    assert reg.restore_catalog() is None  # nothing changed: nothing written
+    first, second = copy_paths(path)
+    first.unlink()
+    second.unlink()
+    found = reg.restore_catalog()
+    assert found is not None
+    assert f"{first} was removed" in found
+    assert f"{second} was removed" in found
+    assert "rewritten from memory (2 namespaces)" in found
+    assert names(registry(path)) == {"a", "b"}
+    assert reg.restore_catalog() is None
+    # another file renamed over a copy (an old backup), and one edited in place
+    stale = tmp_path / "old"
+    stale.write_bytes(catalog.encode(msgspec.msgpack.encode([spec("a")])))
+    os.replace(stale, first)
+    with open(second, "r+b") as out:
+        out.write(b"\0" * 8)
+    found = reg.restore_catalog()
+    assert found is not None
+    assert f"another file was put at the namespace catalog copy {first}" in found
+    assert f"{second} was changed in place" in found
+    assert [c.state for c in read_copies(path)] == [CopyState.INTACT] * 2
+    assert names(registry(path)) == {"a", "b"}
+
+
+def test_no_namespace_no_catalog_to_keep(tmp_path: Path) -> None:
+    reg = registry(tmp_path / "namespaces.catalog")
+    assert reg.restore_catalog() is None
+    assert not (tmp_path / "namespaces.catalog").exists()
+
+
+def test_a_rewrite_that_fails_raises_naming_what_was_found(tmp_path: Path) -> None:
+    path = tmp_path / "namespaces.catalog"
+    reg = saved(path, spec("a"))
+    path.unlink()
+    path.mkdir()  # the rename over it fails
+    with pytest.raises(StorageIOError, match="was put at the namespace catalog copy"):
+        reg.restore_catalog()
+    path.rmdir()
+    found = reg.restore_catalog()
+    assert found is not None
+    assert names(registry(path)) == {"a"}

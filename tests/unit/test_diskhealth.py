@@ -140,3 +140,55 @@ def test_probes_fail_while_the_disk_fails_and_recover() -> None:
     readiness.stop()
     assert readiness.ready().status == "stopping"
     assert readiness.health().status == "failing"
+
+
+@pytest.mark.parametrize("fault", [DiskFault.TRUNCATED, DiskFault.DAMAGED])
+def test_a_file_changed_in_place_never_clears_and_says_move_it_aside(fault: DiskFault) -> None:
+    health = DiskHealth(PATH)
+    change = health.failed(FaultSource.FILE, fault, "changed in place")
+    assert change is not None
+    assert change.after is not None
+    assert not change.after.clears
+    message = change.message()
+    assert f"({fault.value})" in message
+    assert "until kvtierd is restarted" in message
+    assert f"move {PATH} aside" in message
+    assert "nvme.reinitialize_unreadable" in message
+    assert health.cleared(FaultSource.FILE) is None
+    refusal = health.refusal()
+    assert refusal is not None
+    assert refusal.fault is fault
+
+
+def test_a_catalog_that_cannot_be_rewritten_refuses_fsync_until_one_can() -> None:
+    health = DiskHealth(PATH)
+    health.failed(FaultSource.WRITE, DiskFault.ENOSPC, "full")
+    change = health.failed(FaultSource.CATALOG, DiskFault.CATALOG, "rewriting it failed")
+    assert change is not None
+    assert change.after is not None
+    assert change.after.fault is DiskFault.CATALOG  # worse than a failing write-back
+    assert change.after.clears
+    assert "until it clears" in change.message()
+    assert "rewrites it" in change.message()
+    refusal = health.refusal()
+    assert refusal is not None
+    assert refusal.source is FaultSource.CATALOG
+    back = health.cleared(FaultSource.CATALOG)
+    assert back is not None
+    assert back.after is not None
+    assert back.after.fault is DiskFault.ENOSPC  # write-back's condition still holds
+    assert health.refusal() is None
+    # a lost data file outranks the catalog
+    health.failed(FaultSource.CATALOG, DiskFault.CATALOG, "again")
+    health.failed(FaultSource.FILE, DiskFault.DAMAGED, "overwritten")
+    assert health.condition is not None
+    assert health.condition.fault is DiskFault.DAMAGED
+    refusal = health.refusal()
+    assert refusal is not None
+    assert refusal.fault is DiskFault.DAMAGED
+
+
+def test_every_reason_is_a_label() -> None:
+    assert {fault.value for fault in DiskFault} == {
+        "enospc", "eio", "replaced", "removed", "truncated", "damaged", "catalog",
+    }  # fmt: skip
