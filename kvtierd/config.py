@@ -384,6 +384,12 @@ class NixlConfig(_Section):
     enabled: bool = False
     #: How long NIXL's self-test child may take (imports and a loop-back transfer: 1-2 s).
     probe_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 30.0
+    #: The user each region's exporter process drops to when the daemon runs as root (its
+    #: memory is reachable by NIXL peers, ``docs/nixl.md``): not root. Ignored when the daemon
+    #: is not root (the exporters keep its uid); empty keeps root (not advised).
+    exporter_user: Annotated[
+        str, msgspec.Meta(max_length=255, pattern=r"^(?!root$)[A-Za-z0-9_.-]*$")
+    ] = "nobody"
 
 
 class RemoteClient(_Section):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvtierd.nixl")
+
+#: The landing slot of a daemon that says no size: the default ``limits.max_block_bytes``.
+LANDING_SLOT_BYTES = 64 << 20
 
 
 class RegionExport:
@@ -80,17 +84,21 @@ class RegionExport:
 
     async def pull_into(
         self, target: memoryview, *, agent: str, metadata: bytes, remote: bytes, timeout_s: float
-    ) -> None:
+    ) -> int:
         """Fill ``target`` (a slot of the arena, inside one region) with ``remote``, the
-        descriptors of peer agent ``agent`` (loaded from ``metadata``), through the exporter of
-        ``target``'s region; raises what the pull raised."""
+        descriptors of peer agent ``agent`` (loaded from ``metadata``): pulled by the exporter
+        of ``target``'s region into its landing buffer (the region is read-only there), then
+        copied into ``target`` by the daemon. Returns the xxh3-64 of the bytes now in
+        ``target``, which the caller compares with the checksum it expects; raises what the
+        pull raised."""
         offset = buffer_address(target) - self.arena_address
         for exporter in self.exporters.values():
             region = exporter.region
             if region.mapping.base <= offset < region.mapping.base + region.size_bytes:
-                ((start, length),) = check_extents(region, [(offset, len(target))])
-                await exporter.pull(agent, metadata, remote, start, length, timeout_s=timeout_s)
-                return
+                check_extents(region, [(offset, len(target))])
+                return await exporter.pull_into(
+                    target, agent, metadata, remote, timeout_s=timeout_s
+                )
         raise InvalidRequestError(f"arena offset {offset} lies in no exported region")
 
     def _exporter(self, region: TenantRegion) -> RegionExporter:
@@ -127,19 +135,38 @@ async def open_region_export(
     *,
     start_timeout_s: float = PROBE_TIMEOUT_S,
     probe: Callable[[], NixlVerdict] = probe_nixl,
+    landing_slot_bytes: int = LANDING_SLOT_BYTES,
+    user: str = "nobody",
 ) -> AsyncIterator[RegionExport]:
     """Probe NIXL in a child (in a worker thread) and, if it works here, start an exporter of
-    each of ``regions`` (agents ``{name}-r{id}-{generation}``) and supervise them until the
-    block ends, which kills them. Raises before the block, having started nothing that still
+    each of ``regions`` (agents ``{name}-r{id}-{generation}``; each dropping to ``user`` when
+    the daemon is root, with a landing buffer of slots of ``landing_slot_bytes``, the largest
+    block a peer restore pulls) and supervise them until the block ends, which kills them.
+    Raises before the block, having started nothing that still
     runs: :class:`~kvtierd.errors.NotSupportedError` with the probe's reason when NIXL does not
     work here, :class:`~kvtierd.nixl.agent.TransferError` when an exporter could not start."""
     verdict = await anyio.to_thread.run_sync(probe)
     if not verdict.ok:
         raise NotSupportedError(f"NIXL failed its probe: {verdict.detail}")
+    slot = -(-landing_slot_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
     exporters = {
-        region.id: RegionExporter(region, name, start_timeout_s=start_timeout_s)
+        region.id: RegionExporter(
+            region, name, start_timeout_s=start_timeout_s, landing_slot_bytes=slot, user=user
+        )
         for region in regions
     }
+    try:
+        async with _exported(name, verdict, arena_address, exporters) as export:
+            yield export
+    finally:
+        for exporter in exporters.values():
+            exporter.close_landing()
+
+
+@contextlib.asynccontextmanager
+async def _exported(
+    name: str, verdict: NixlVerdict, arena_address: int, exporters: dict[int, RegionExporter]
+) -> AsyncIterator[RegionExport]:
     failures: list[TransferError] = []
 
     async def start(exporter: RegionExporter) -> None:

@@ -10,26 +10,41 @@ descriptors against the metadata it loaded, which the peer can edit. So whatever
 process that runs the agent maps, a NIXL peer of that process can read, and an address it does
 not map kills it (SIGSEGV). The bound therefore has to be the process: this one is started
 fresh by ``exec`` (never a fork of the daemon, which would inherit the whole arena), inherits
-exactly two descriptors (its region's sealed memory file and one end of a control socket
-pair), maps that region, registers it with an agent of its own and serves NIXL peers. What a
-peer can reach here is this tenant's region and this process's own memory (an interpreter,
-NIXL, UCX, and the metadata of the peer daemons it pulled from for this region): no other
-tenant's byte, nothing of the daemon's. A peer that makes it fault ends this process only; the
-daemon starts another.
+exactly three descriptors (its region's sealed memory file, a small landing memory file for
+peer-restore pulls, and one end of a control socket pair) besides stdin (``/dev/null``), stdout
+(``/dev/null``: NIXL's INFO lines) and stderr (a pipe the daemon relays to its log), and closes
+any other it finds. It maps the region **read-only** (NIXL peers can WRITE whatever is
+registered: UCX refuses no remote write; a write to a read-only page is refused by the kernel
+or faults this process, and never changes a byte of the tenant's), registers it with an agent
+of its own and serves NIXL peers. What a peer can reach here is this tenant's region (to read)
+and this process's own memory (an interpreter, NIXL, UCX, the landing buffer, and the metadata
+of the peer daemons it pulled from for this region): no other tenant's byte, nothing of the
+daemon's. A peer that makes it fault ends this process only; the daemon starts another.
+
+Privileges (:func:`_confine`): started as root, it drops to ``--user`` (``nixl.exporter_user``,
+``nobody`` by default: ``setgroups([])``, ``setgid``, ``setuid``) after its agent is made and its
+memory registered and before it tells the daemon it is ready, so no NIXL peer is ever served by
+a privileged process (NIXL is loaded, and UCX's transports opened, before the drop because the
+interpreter's and NIXL's files need not be readable by that user: under ``/root`` here). In
+every case it sets ``PR_SET_NO_NEW_PRIVS`` and ``PR_SET_DUMPABLE`` 0 (no core file of a
+tenant's memory, and ``/proc/PID/mem`` is the kernel's to guard, not the uid's).
 
 The control socket (:mod:`kvtierd.nixl.control`): once ready, this process sends
 :class:`~kvtierd.nixl.control.Ready` (its agent's name, where the region is mapped here, the
 metadata of the region's registration), then serves :class:`~kvtierd.nixl.control.Stir` and
 :class:`~kvtierd.nixl.control.Pull` until the daemon closes its end (or dies: the kernel closes
-it then), and exits.
+it then), and exits. A pull (a peer restore) fills part of the **landing buffer**, never the
+region: the daemon copies it into the arena slot and checks the copy against its manifest's
+checksum (a NIXL peer can write the landing buffer too: only the copy is trusted).
 
 Progress. The agent has no progress thread (it would spin a core for the agent's life); the
 pump drives UCX's progress every :data:`PUMP_INTERVAL_S` for :data:`LINGER_S` after each stir
 or pull (the daemon stirs while a NIXL lease of this region is held), and sleeps otherwise. A
 peer reading over TCP needs it; one over shared memory or RDMA does not.
 
-Arguments: ``--region-fd N --control-fd N --size-bytes N --agent NAME --region ID --tenant T``
-(the last two name it in ``ps`` and logs only). The process ends through
+Arguments: ``--region-fd N --landing-fd N --control-fd N --size-bytes N --landing-bytes N
+--agent NAME --user USER --region ID --tenant T`` (the last two name it in ``ps`` and logs
+only; ``--user ""`` keeps the uid). The process ends through
 :func:`~kvtierd.nixl.agent.exit_process`, as every process that loaded NIXL must.
 """
 
@@ -37,9 +52,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
+import pwd
 import resource
 import signal
 import socket
@@ -75,10 +92,15 @@ class _Exporter:
     """The region's agent, driven from the control socket."""
 
     def __init__(
-        self, agent: NixlAgent, registration: Registration, stream: anyio.abc.SocketStream
+        self,
+        agent: NixlAgent,
+        registration: Registration,
+        landing: Registration,
+        stream: anyio.abc.SocketStream,
     ) -> None:
         self.agent = agent
         self.registration = registration
+        self.landing = landing
         self.stream = stream
         self._send_lock = anyio.Lock()
         self._linger_until = 0.0
@@ -123,13 +145,14 @@ class _Exporter:
             tasks.cancel_scope.cancel()
 
     async def pull(self, request: Pull) -> None:
-        """Carry out ``request`` and answer it, with the error's errno when it fails."""
+        """Carry out ``request`` (into the landing buffer, never the region, which is mapped
+        read-only) and answer it, with the error's errno when it fails."""
         reply = Pulled(request.id)
         try:
-            base, size = self.registration.extent
+            base, size = self.landing.extent
             if request.offset < 0 or request.length <= 0 or request.offset + request.length > size:
                 raise InvalidRequestError(
-                    f"{request.length} bytes at offset {request.offset} leave the region"
+                    f"{request.length} bytes at offset {request.offset} leave the landing buffer"
                 )
             peer = self._load(request.agent, request.metadata)
             self._pulling[peer] = self._pulling.get(peer, 0) + 1
@@ -169,6 +192,63 @@ class _Exporter:
         return name
 
 
+def _map_landing(fd: int, size_bytes: int) -> tuple[mmap.mmap, int]:
+    """The landing buffer (the daemon's memory file, sealed against resizing): mapped shared
+    and writable, the only writable mapping of a file the daemon shares here."""
+    try:
+        landing = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    view = memoryview(landing)
+    try:
+        return landing, buffer_address(view)
+    finally:
+        view.release()
+
+
+#: ``prctl`` options (``<linux/prctl.h>``).
+_PR_SET_DUMPABLE = 4
+_PR_SET_NO_NEW_PRIVS = 38
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                  ctypes.c_ulong(0)) != 0:  # fmt: skip
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl({option}, {value}): {os.strerror(error)}")
+
+
+def _close_other_fds(keep: set[int]) -> None:
+    """Close every descriptor but ``keep`` (and stdin, stdout, stderr): whatever the daemon's
+    process had open that ``exec`` let through (its log file, for one) is no business of a
+    process whose memory NIXL peers can reach."""
+    keep = keep | {0, 1, 2}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+                os.close(fd)
+
+
+def _confine(user: str) -> None:
+    """Drop to ``user`` when running as root (``setgroups([])``, ``setgid``, ``setuid``, and
+    checked: no way back to uid 0), then, in every case, no new privileges and not dumpable."""
+    if user and os.geteuid() == 0:
+        entry = pwd.getpwnam(user)
+        if entry.pw_uid == 0:
+            raise PermissionError(f"nixl.exporter_user {user!r} is root")
+        os.setgroups([])
+        os.setgid(entry.pw_gid)
+        os.setuid(entry.pw_uid)
+        with contextlib.suppress(PermissionError):
+            os.setuid(0)
+        if os.geteuid() == 0 or os.getuid() == 0:
+            raise PermissionError(f"still root after dropping to {user!r}")
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    _prctl(_PR_SET_DUMPABLE, 0)
+
+
 def _map(fd: int, size_bytes: int) -> tuple[mmap.mmap, int]:
     """The region, mapped shared, **read-only** and populated (first touches would slow the
     first reads). Read-only because NIXL peers can write as well as read whatever this process
@@ -188,10 +268,12 @@ def _map(fd: int, size_bytes: int) -> tuple[mmap.mmap, int]:
         view.release()
 
 
-async def _serve(agent: NixlAgent, registration: Registration, control: socket.socket) -> None:
+async def _serve(
+    agent: NixlAgent, registration: Registration, landing: Registration, control: socket.socket
+) -> None:
     stream = await anyio.abc.UNIXSocketStream.from_socket(control)
     async with stream:
-        exporter = _Exporter(agent, registration, stream)
+        exporter = _Exporter(agent, registration, landing, stream)
         metadata = agent.metadata(registration)
         address, size = registration.extent
         await exporter.send(Ready(agent.name, address, size, metadata))
@@ -200,9 +282,11 @@ async def _serve(agent: NixlAgent, registration: Registration, control: socket.s
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kvtierd.nixl.exporter")
-    for name in ("--region-fd", "--control-fd", "--size-bytes", "--region"):
+    for name in ("--region-fd", "--landing-fd", "--control-fd", "--size-bytes",
+                 "--landing-bytes", "--region"):  # fmt: skip
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--agent", required=True)
+    parser.add_argument("--user", default="nobody")
     parser.add_argument("--tenant", required=True)
     return parser.parse_args(argv)
 
@@ -214,16 +298,26 @@ def main(argv: list[str]) -> int:
     # A peer that makes this process fault is expected: no core file of a tenant's memory.
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon ends it, not the terminal
+    _close_other_fds({args.region_fd, args.landing_fd, args.control_fd})
     control = socket.socket(fileno=args.control_fd)
     region, address = _map(args.region_fd, args.size_bytes)
+    landing, landing_address = _map_landing(args.landing_fd, args.landing_bytes)
+    # The interpreter's and NIXL's files need not be readable by the user dropped to: load
+    # what serving needs first. No peer can reach this process before Ready is sent.
+    import anyio._backends._asyncio
+    import nixl._api  # noqa: F401
+
     agent = NixlAgent(args.agent, progress_thread=False)
     try:
         registration = agent.register(address, args.size_bytes)
-        anyio.run(_serve, agent, registration, control)
+        landing_registration = agent.register(landing_address, args.landing_bytes)
+        _confine(args.user)
+        anyio.run(_serve, agent, registration, landing_registration, control)
     finally:
         agent.close()
-        with contextlib.suppress(BufferError):
-            region.close()
+        for mapping in (region, landing):
+            with contextlib.suppress(BufferError):
+                mapping.close()
     return 0
 
 

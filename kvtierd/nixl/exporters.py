@@ -6,8 +6,10 @@ Theory of operation
 Each tenant region is exported over NIXL by a process of its own (:mod:`kvtierd.nixl.exporter`
 says why: NIXL checks no access, so the process is the bound). :class:`RegionExporter` starts it
 with ``exec`` of ``python -m kvtierd.nixl.exporter`` (``anyio.open_process``: no fork of the
-daemon survives), passing exactly two descriptors, the region's sealed memory file and one end of
-a Unix socket pair, and an environment of UCX's, NIXL's and the interpreter's variables only
+daemon survives), passing exactly three descriptors, the region's sealed memory file, the
+region's landing memory file and one end of a Unix socket pair (stdin and stdout
+``/dev/null``, stderr a pipe relayed to the daemon's log, rate-limited: :class:`_Relay`), and
+an environment of UCX's, NIXL's and the interpreter's variables only
 (:func:`exporter_environment`), and waits up to the start timeout for its
 :class:`~kvtierd.nixl.control.Ready`. That message carries everything NIXL_GRANT and READ_NIXL
 need (the agent's name and the metadata of its one registration, where the region is mapped in
@@ -19,11 +21,21 @@ exporter's addresses.
 What does go to the exporter, over the control socket and always under a deadline: a stir
 whenever a grant or a NIXL lease of the region is handed out and every :data:`STIR_EVERY_S`
 while such a lease is held (the exporter drives UCX's progress for its linger after each: a
-peer reading over TCP needs it), and the pulls of peer restores into the region
-(:meth:`RegionExporter.pull`). A send that does not complete within :data:`CONTROL_TIMEOUT_S`,
+peer reading over TCP needs it), and the pulls of peer restores (:meth:`RegionExporter.pull`).
+
+Peer restores and the landing buffer. The exporter maps its region read-only (a NIXL peer can
+WRITE whatever the exporter registered), so a peer restore cannot be pulled into the arena
+slot there. Each exporter has a small landing memory file instead, made here (sealed against
+resizing, so that the exporter can never make the daemon's copy fault) in
+:data:`LANDING_SLOTS` slots of the largest block (``limits.max_block_bytes``), mapped
+read-only by the daemon and writable by the exporter: :meth:`RegionExporter.pull_into` takes a
+slot, has the exporter pull the peer's bytes into it, then copies them into the arena slot and
+hashes **the copy** (:func:`~kvtierd.store.codec.copy_checksum_off_loop`): a NIXL peer can
+still write the landing buffer, so only the bytes the daemon holds are checked (against the
+manifest's checksum, by the caller). A send that does not complete within :data:`CONTROL_TIMEOUT_S`,
 or a pull not answered :data:`PULL_SLACK_S` after its own deadline, means a hung exporter: it
 is killed. So is one whose pull the daemon stops waiting for (a cancellation): a transfer the
-daemon gave up on must not go on writing into a slot it may reuse.
+daemon gave up on must not go on writing into a landing slot it may reuse.
 
 Supervision (:meth:`RegionExporter.supervise`, a task of the daemon's): when the exporter's
 control socket closes (it died, or was killed), every pull awaiting it fails, one warning says
@@ -37,8 +49,11 @@ died sees its control socket close and exits.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import logging
+import mmap
+import os
 import socket
 import subprocess
 import sys
@@ -64,6 +79,7 @@ from kvtierd.nixl import descriptors
 from kvtierd.nixl.agent import Extent, TransferError
 from kvtierd.nixl.control import FrameDecoder, FromExporter, Pull, Pulled, Ready, Stir, encode
 from kvtierd.nixl.restarts import RestartBackoff
+from kvtierd.store.codec import copy_checksum_off_loop
 from kvtierd.store.regions import TenantRegion
 
 __all__ = [
@@ -84,6 +100,14 @@ CONTROL_TIMEOUT_S = 5.0
 STIR_EVERY_S = 1.0
 #: How long after a pull's own deadline its answer may come before the exporter counts as hung.
 PULL_SLACK_S = 5.0
+#: Peer-restore pulls one exporter carries at once: its landing buffer has this many slots.
+LANDING_SLOTS = 2
+#: Lines of an exporter's stderr relayed to the daemon's log per :data:`RELAY_WINDOW_S`, and the
+#: longest line relayed (the rest is cut): an exporter is reachable by NIXL peers, and its
+#: output must not flood the daemon's log.
+RELAY_LINES = 20
+RELAY_WINDOW_S = 10.0
+RELAY_LINE_CHARS = 1000
 _RECEIVE_BYTES = 1 << 16
 
 
@@ -108,16 +132,62 @@ class _Waiter:
     reply: Pulled | None = None
 
 
+class _Relay:
+    """An exporter's stderr, line by line into the daemon's log: at most :data:`RELAY_LINES`
+    per :data:`RELAY_WINDOW_S` (the rest counted and said once the window ends), each cut at
+    :data:`RELAY_LINE_CHARS`."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._partial = b""
+        self._window = float("-inf")
+        self._lines = 0
+        self._dropped = 0
+
+    def feed(self, data: bytes) -> None:
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        if len(self._partial) > RELAY_LINE_CHARS:
+            lines.append(self._partial)
+            self._partial = b""
+        for line in lines:
+            self._say(line)
+
+    def flush(self) -> None:
+        if self._partial:
+            self._say(self._partial)
+            self._partial = b""
+        if self._dropped:
+            log.warning("NIXL exporter of %s: %d more line(s) not logged", self.label,
+                        self._dropped)  # fmt: skip
+            self._dropped = 0
+
+    def _say(self, line: bytes) -> None:
+        now = time.monotonic()
+        if now - self._window >= RELAY_WINDOW_S:
+            if self._dropped:
+                log.warning("NIXL exporter of %s: %d more line(s) not logged", self.label,
+                            self._dropped)  # fmt: skip
+            self._window, self._lines, self._dropped = now, 0, 0
+        if self._lines >= RELAY_LINES:
+            self._dropped += 1
+            return
+        self._lines += 1
+        text = line.decode(errors="replace").rstrip()[:RELAY_LINE_CHARS]
+        if text:
+            log.warning("NIXL exporter of %s: %s", self.label, text)
+
+
 class _Link:
     """One running exporter process: its control stream, its :class:`Ready`, and the pulls
     awaiting its answer."""
 
     def __init__(
-        self, process: anyio.abc.Process, stream: anyio.abc.SocketStream, ready: Ready
+        self, process: anyio.abc.Process, stream: anyio.abc.SocketStream, ready: Ready, label: str
     ) -> None:
         self.process = process
         self.stream = stream
         self.ready = ready
+        self.relay = _Relay(label)
         self.started_at = time.monotonic()
         self.pending: dict[int, _Waiter] = {}
         self._send_lock = anyio.Lock()
@@ -147,13 +217,29 @@ class _Link:
             waiter.done.set()
         self.pending.clear()
 
+    async def relay_stderr(self) -> None:
+        """Relay the exporter's stderr to the daemon's log until it closes."""
+        stderr = self.process.stderr
+        if stderr is None:
+            return
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError,
+                                 anyio.ClosedResourceError):  # fmt: skip
+            while True:
+                self.relay.feed(await stderr.receive(_RECEIVE_BYTES))
+
     async def aclose(self) -> str:
-        """Kill the process (if it still runs), reap it and close the stream; how it ended."""
+        """Kill the process (if it still runs), reap it, log what it left on stderr and close
+        the streams; how it ended."""
         with anyio.CancelScope(shield=True):
             self.kill()
             with anyio.move_on_after(CONTROL_TIMEOUT_S):
                 await self.process.wait()
+            with anyio.move_on_after(1.0):
+                await self.relay_stderr()
+            self.relay.flush()
             await self.stream.aclose()
+            if self.process.stderr is not None:
+                await self.process.stderr.aclose()
         return _ending(self.process.returncode)
 
 
@@ -195,12 +281,23 @@ class RegionExporter:
         agent_prefix: str,
         *,
         start_timeout_s: float,
+        landing_slot_bytes: int,
+        user: str = "nobody",
         backoff: RestartBackoff | None = None,
     ) -> None:
         if start_timeout_s <= 0:
             raise ValueError("an exporter needs a positive start timeout")
+        if landing_slot_bytes <= 0 or landing_slot_bytes % mmap.PAGESIZE:
+            raise ValueError("a landing slot is a positive number of pages")
         self.region = region
+        self.user = user
         self._prefix = agent_prefix
+        self.landing_slot_bytes = landing_slot_bytes
+        self._landing_fd, self._landing = _landing_file(
+            f"nixl-landing-{region.tenant or 'default'}", LANDING_SLOTS * landing_slot_bytes
+        )
+        self._free_slots = list(range(LANDING_SLOTS))
+        self._slots = anyio.Semaphore(LANDING_SLOTS)
         self._start_timeout_s = start_timeout_s
         self._backoff = backoff if backoff is not None else RestartBackoff()
         self._link: _Link | None = None
@@ -240,12 +337,45 @@ class RegionExporter:
         self._held.add(lease)
         self._wake.set()
 
+    async def pull_into(
+        self, target: memoryview, agent: str, metadata: bytes, remote: bytes,
+        *, timeout_s: float,
+    ) -> int:  # fmt: skip
+        """Fill ``target`` (an arena slot of this region, in the daemon) with ``remote``
+        (descriptors of peer agent ``agent``, whose ``metadata`` the exporter loads if it has
+        not): pulled by the exporter into a landing slot, then copied into ``target`` here. The
+        xxh3-64 of the bytes now in ``target`` (the copy's, never the landing buffer's, which a
+        NIXL peer can write), for the caller to check. Raises as :meth:`pull`, and
+        :class:`~kvtierd.errors.InvalidRequestError` for a block larger than a landing slot."""
+        length = len(target)
+        if length > self.landing_slot_bytes:
+            raise InvalidRequestError(
+                f"a {length}-byte block is larger than the landing slot ({self.landing_slot_bytes})"
+            )
+        async with self._slots:
+            slot = self._free_slots.pop()
+            try:
+                start = slot * self.landing_slot_bytes
+                await self.pull(agent, metadata, remote, start, length, timeout_s=timeout_s)
+                with memoryview(self._landing) as landing:
+                    return await copy_checksum_off_loop(target, landing[start : start + length])
+            finally:
+                self._free_slots.append(slot)
+
+    def close_landing(self) -> None:
+        """Unmap and close the landing buffer (the daemon is stopping; no pull may follow)."""
+        with contextlib.suppress(BufferError):
+            self._landing.close()
+        with contextlib.suppress(OSError):
+            os.close(self._landing_fd)
+
     async def pull(
         self, agent: str, metadata: bytes, remote: bytes, offset: int, length: int,
         *, timeout_s: float,
     ) -> None:  # fmt: skip
         """Have the exporter read ``remote`` (descriptors of peer agent ``agent``, whose
-        ``metadata`` it loads if it has not) into ``length`` bytes at ``offset`` of the region.
+        ``metadata`` it loads if it has not) into ``length`` bytes at ``offset`` of its landing
+        buffer (:meth:`pull_into` is what the daemon uses).
         Raises what the exporter raised, :class:`ExporterUnavailableError` when it is not
         serving or died meanwhile, and :class:`~kvtierd.errors.TimedOutError` when it did not
         answer in time (then it is killed, as it is when this call is cancelled)."""
@@ -280,8 +410,8 @@ class RegionExporter:
                 self._command(agent, theirs.fileno()),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,  # NIXL logs INFO lines to stdout
-                stderr=None,  # the daemon's: an exporter's own failures are logged there
-                pass_fds=(self.region.fd, theirs.fileno()),
+                stderr=subprocess.PIPE,  # relayed to the daemon's log, never its log file
+                pass_fds=(self.region.fd, self._landing_fd, theirs.fileno()),
                 env=exporter_environment(child_environment()),
                 start_new_session=True,
             )
@@ -291,7 +421,7 @@ class RegionExporter:
         finally:
             theirs.close()
         stream = await anyio.abc.UNIXSocketStream.from_socket(ours)
-        link = _Link(process, stream, Ready("", 0, 0, b""))
+        link = _Link(process, stream, Ready("", 0, 0, b""), self.label)
         try:
             link.ready = await self._first_ready(stream)
         except BaseException as exc:
@@ -310,8 +440,10 @@ class RegionExporter:
     def _command(self, agent: str, control_fd: int) -> list[str]:
         return [
             sys.executable, "-m", "kvtierd.nixl.exporter",
-            "--region-fd", str(self.region.fd), "--control-fd", str(control_fd),
-            "--size-bytes", str(self.region.size_bytes), "--agent", agent,
+            "--region-fd", str(self.region.fd), "--landing-fd", str(self._landing_fd),
+            "--control-fd", str(control_fd), "--size-bytes", str(self.region.size_bytes),
+            "--landing-bytes", str(LANDING_SLOTS * self.landing_slot_bytes),
+            "--agent", agent, "--user", self.user,
             "--region", str(self.region.id), "--tenant", self.region.tenant or "default",
         ]  # fmt: skip
 
@@ -369,6 +501,7 @@ class RegionExporter:
         why = ""
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(self._stir, link)
+            tasks.start_soon(link.relay_stderr)
             decoder: FrameDecoder[FromExporter] = FrameDecoder(FromExporter)
             while True:
                 try:
@@ -421,6 +554,20 @@ class RegionExporter:
         if link is None:
             raise ExporterUnavailableError(self._why_down or f"{self.label} has no exporter")
         return link
+
+
+def _landing_file(name: str, size_bytes: int) -> tuple[int, mmap.mmap]:
+    """A memory file of ``size_bytes`` sealed against resizing (an exporter that truncated it
+    would make the daemon's copy fault), and the daemon's read-only mapping of it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size_bytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)  # fmt: skip
+        return fd, mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def check_extents(region: TenantRegion, extents: list[Extent]) -> list[Extent]:

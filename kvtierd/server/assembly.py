@@ -113,6 +113,8 @@ async def open_nixl_reads(config: Config, store: BlockStore) -> AsyncIterator[Ni
                     store.regions,
                     start_timeout_s=config.nixl.probe_timeout_s,
                     probe=probe,
+                    landing_slot_bytes=config.limits.max_block_bytes,
+                    user=config.nixl.exporter_user,
                 )
             )
         except (NotSupportedError, TransferError) as exc:

@@ -11,9 +11,10 @@ such as the rank's previous host), :class:`PeerReads` asks them first, as a remo
 each (``docs/remote.md``): over a TCP connection with this daemon's own client certificate it
 opens the block's namespace there (the same spec, hence the same digest and keys), leases the
 block with READ_NIXL and has the NIXL exporter of the region the arena slot being filled lies
-in (:mod:`kvtierd.nixl.export`: this daemon's process loads no NIXL) pull its bytes straight
-into that slot. The bytes are
-kept only when they hash to the checksum this rank's own manifest recorded: a peer's copy is
+in (:mod:`kvtierd.nixl.export`: this daemon's process loads no NIXL) pull its bytes into that
+exporter's landing buffer (the exporter maps the region read-only); the daemon copies them into
+the slot, hashing the copy as it makes it. The bytes are
+kept only when the copy hashes to the checksum this rank's own manifest recorded: a peer's copy is
 used only if it is exactly the block asked for. Anything else (the peer lacks the block, is
 down, refuses, or sends other bytes) is a peer miss and the pool's GET follows, so a peer can
 make a restore faster, never wrong and never fail.
@@ -46,9 +47,7 @@ from kvtierd.errors import BlockNotFoundError, ConfigError, KvtierError
 from kvtierd.nixl import descriptors
 from kvtierd.nixl.export import RegionExport
 from kvtierd.protocol.messages import ReadNixlReply
-from kvtierd.store.codec import THREAD_CHECKSUM_BYTES
 from kvtierd.store.namespaces import NamespaceSpec
-from kvtierd.store.records import checksum
 from kvtierd.store.tier import BlockRef
 
 __all__ = ["PeerReads", "peer_endpoints"]
@@ -211,8 +210,11 @@ class PeerReads:
                 return False
             if extents[0].checksum != ref.checksum:
                 return False  # another version of the block: not the one asked for
-            # The exporter's own deadline bounds the pull (it is killed if it overruns).
-            await self._export.pull_into(
+            # The exporter's own deadline bounds the pull (it is killed if it overruns). The
+            # exporter pulls into its landing buffer (it maps the region read-only); the copy
+            # into ``target`` is hashed as it is made, and only that hash counts: the landing
+            # buffer is NIXL-registered memory, which a peer could write after the pull.
+            copied = await self._export.pull_into(
                 target,
                 agent=lease.agent,
                 metadata=lease.metadata,
@@ -221,10 +223,8 @@ class PeerReads:
             )
         finally:
             peer.release(lease)  # queued when a control call holds the connection
-        # The lease was held through the pull; the bytes must still be the manifest's block.
-        if ref.raw_bytes < THREAD_CHECKSUM_BYTES:
-            return checksum(target) == ref.checksum
-        return await anyio.to_thread.run_sync(checksum, target) == ref.checksum
+        # The bytes in the slot must be exactly the manifest's block: anything else is a miss.
+        return copied == ref.checksum
 
     async def aclose(self) -> None:
         """Close every peer connection (DESTROY: blocking sends, in a worker thread); the

@@ -23,6 +23,7 @@ from kvtierd.nixl.export import RegionExport, open_region_export
 from kvtierd.nixl.exporters import ExporterUnavailableError
 from kvtierd.nixl.probe import NixlOutcome, NixlVerdict
 from kvtierd.store.arena import Arena
+from kvtierd.store.records import checksum
 from kvtierd.store.regions import Regions, TenantRegion
 from tests.nixl.children import Child, pull
 from tests.nixl.peer import EXTENTS, REGION_BYTES
@@ -126,7 +127,8 @@ async def test_a_peer_restore_pulls_through_the_slots_exporter(
     exported: Exported, tmp_path: Path
 ) -> None:
     """:meth:`RegionExport.pull_into`: the exporter of the slot's region reads a peer's extent
-    into the slot (what a peer restore does), and the daemon's mapping sees the bytes."""
+    into its landing buffer (it maps the region read-only), the daemon copies it into the slot
+    (what a peer restore does) and returns the hash of the slot's bytes."""
     owner = await anyio.to_thread.run_sync(lambda: Child("owner", str(tmp_path)))
     try:
         await anyio.to_thread.run_sync(owner.line_starting, "ready")
@@ -135,7 +137,7 @@ async def test_a_peer_restore_pulls_through_the_slots_exporter(
         length = EXTENTS[0][1]
         slot = exported.theirs.mapping.base + (1 << 20)
         target = exported.arena.view[slot : slot + length]
-        await exported.export.pull_into(
+        copied = await exported.export.pull_into(
             target,
             agent=descriptors.agent_of(remote),
             metadata=metadata,
@@ -143,6 +145,7 @@ async def test_a_peer_restore_pulls_through_the_slots_exporter(
             timeout_s=30,
         )
         assert bytes(target) == (tmp_path / "expected.bin").read_bytes()[:length]
+        assert copied == checksum(target)
         outside = exported.arena.view[: exported.mine.mapping.base][:length]  # private memory
         with pytest.raises(InvalidRequestError, match="no exported region"):
             await exported.export.pull_into(

@@ -319,3 +319,46 @@ def test_a_nixl_write_with_the_honest_grant_changes_no_byte(
     assert result["write"] != "DONE" or restarted, result
     mine = _pull_eventually(placement, tag, "alpha")
     assert (mine["error"], mine["sha256"]) == ("", [hashlib.sha256(b).hexdigest() for b in alpha])
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+
+
+def test_exporters_run_unprivileged_undumpable_and_with_no_inherited_descriptor(
+    placement: Placement, client: Client
+) -> None:
+    """The daemon runs as root here: each exporter, whose memory NIXL peers can reach, runs as
+    ``nobody`` (``nixl.exporter_user``) with no supplementary groups, no new privileges and not
+    dumpable (``/proc/PID/mem`` then belongs to root, not to its uid), and holds none of the
+    daemon's descriptors but its region's and landing buffer's memory files, its control
+    socket, ``/dev/null`` and the pipe of its stderr."""
+    assert placement.daemon.process is not None
+    assert os.stat(f"/proc/{placement.daemon.process.pid}").st_uid == 0
+    _store(client, f"confined-{placement.name}", "alpha")
+    _finish(placement.reader(f"confined-{placement.name}", "pull", "alpha"))
+    exporters = _exporters(placement.daemon)
+    daemon_fds = {
+        os.readlink(fd)
+        for fd in Path(f"/proc/{placement.daemon.process.pid}/fd").iterdir()
+        if os.readlink(fd).startswith("/")
+    }
+    for tenant, pid in exporters.items():
+        status = _status(pid)
+        assert status["Uid"].split() == ["65534"] * 4, (tenant, status["Uid"])
+        assert status["Gid"].split() == ["65534"] * 4, (tenant, status["Gid"])
+        assert status["Groups"].strip() == "", (tenant, status["Groups"])
+        assert status["NoNewPrivs"].strip() == "1"
+        assert os.stat(f"/proc/{pid}/mem").st_uid == 0  # not dumpable
+        opened = {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+        files = {name for name in opened if name.startswith("/") and name != "/dev/null"}
+        files = {name.removesuffix(" (deleted)") for name in files}
+        assert {f"/memfd:kvtierd-{tenant}", f"/memfd:nixl-landing-{tenant}"} <= files, files
+        # Nothing else the daemon has open (its log, data files, sockets' paths).
+        leaked = {
+            name
+            for name in files & {n.removesuffix(" (deleted)") for n in daemon_fds}
+            if not name.startswith("/memfd:")
+        }
+        assert leaked == set(), (tenant, leaked)
