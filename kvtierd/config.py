@@ -178,12 +178,15 @@ class DaemonConfig(_Section):
     max_frame_bytes: ByteSize = ByteSize(1 << 20)
     metrics_port: Port = 0
     metrics_address: str = "127.0.0.1"
-    #: Metrics connections served at once, each in a thread of its own; one more is closed at
-    #: once, unanswered.
+    #: Metrics connections still sending their request at once (a new one closes the oldest),
+    #: and scrapes answered at once (one more is answered 503); the probes need no slot.
     metrics_max_connections: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 8
-    #: A metrics connection whose next bytes take longer than this is closed (a scraper that
-    #: connects and sends nothing holds its thread this long at most).
+    #: Each write of a metrics answer must go through within this many seconds, or the
+    #: connection is closed (a scraper that stops reading).
     metrics_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
+    #: A metrics request's line and headers must arrive whole within this many seconds; while
+    #: they have not, the connection is the first closed when the port is full (slowloris).
+    metrics_request_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 2.0
     #: Namespace names that get their own ``namespace`` label in the metrics; the others are
     #: summed into ``namespace="other"``. Empty: the first ``metrics_namespace_limit`` names.
     metrics_namespaces: Annotated[list[str], msgspec.Meta(max_length=1000)] = []
@@ -437,6 +440,13 @@ class RemoteConfig(_Section):
     #: TCP connections still in their TLS handshake (or being told why they are refused) at
     #: once; one more is closed at once, unanswered.
     max_handshakes: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 32
+    #: Of ``max_handshakes``, those one source address may hold; one more from it is closed
+    #: at once, unanswered. Must be below ``max_handshakes``.
+    max_handshakes_per_host: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 8
+    #: Of ``max_connections``, the sessions one client uid may hold (0: a quarter of
+    #: ``max_connections``, at least 1); must be below ``max_connections``, so that no one
+    #: client takes every remote session.
+    max_connections_per_uid: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
     #: Whether a TCP client may create a namespace (OPEN_NS with create); without it, it opens
     #: only namespaces that exist, and OPEN_NS of an unknown one is answered ``EACCES``.
     allow_create: bool = False
@@ -480,6 +490,18 @@ class RemoteConfig(_Section):
         names = [c.name for c in self.clients]
         if len(set(names)) != len(names):
             yield ConfigProblem("clients", "a client name is listed twice")
+        if self.uid_cap >= self.max_connections:
+            yield ConfigProblem(
+                "max_connections_per_uid",
+                f"{self.uid_cap} is not below remote.max_connections ({self.max_connections}): "
+                "one client could take every remote session",
+            )
+        if self.max_handshakes_per_host >= self.max_handshakes:
+            yield ConfigProblem(
+                "max_handshakes_per_host",
+                f"{self.max_handshakes_per_host} is not below remote.max_handshakes "
+                f"({self.max_handshakes}): one host could take every handshake slot",
+            )
 
     def _broken_peer_rules(self) -> Iterator[ConfigProblem]:
         for index, peer in enumerate(self.peers):
@@ -503,6 +525,12 @@ class RemoteConfig(_Section):
     @property
     def tls(self) -> bool:
         return bool(self.cert_file)
+
+    @property
+    def uid_cap(self) -> int:
+        """The remote sessions one client uid may hold: ``max_connections_per_uid``, or a
+        quarter of ``max_connections`` (at least 1) when it is 0."""
+        return self.max_connections_per_uid or max(1, self.max_connections // 4)
 
     @property
     def peer_ca(self) -> str:

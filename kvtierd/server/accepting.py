@@ -23,6 +23,13 @@ the Unix socket ``daemon.max_connections`` sessions and ``UNIX_REFUSALS`` refusa
 sessions, counted by the daemon). A connection past its listener's cap is closed at once: on
 the Unix socket after a non-blocking write of an ``EBUSY`` frame, on TCP unanswered (no TLS
 record can be written before a handshake).
+
+Within TCP's caps, no one peer takes all: one source host holds at most
+``remote.max_handshakes_per_host`` of the connections before their session (its next one is
+closed at once, unanswered: a host trickling ClientHellos leaves the others room), and one
+client uid at most ``remote.max_connections_per_uid`` sessions (``EBUSY`` past it, unless one
+of its own is idle: :func:`_make_uid_room`), so that one tenant never takes every remote
+session from another.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import ssl
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import ByteStream, SocketAttribute, SocketStream
@@ -48,6 +55,10 @@ from kvtierd.server.preflight import socket_answers
 from kvtierd.server.readiness import Readiness
 from kvtierd.server.remote import RemoteListener, peer_address
 from kvtierd.server.throttle import Throttle
+from kvtierd.store.namespaces import PeerCredentials
+
+if TYPE_CHECKING:
+    from kvtierd.server.daemon import Daemon
 
 __all__ = ["listen_unix", "refuse", "serve_connections"]
 
@@ -89,31 +100,47 @@ _REFUSAL_READ_S = 1.0
 
 
 class _Slots:
-    """The connections a listener holds, at most ``cap``."""
+    """The connections a listener holds: at most ``cap``, and at most ``per_key`` of one key
+    (a source host) when it is given."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, per_key: int | None = None) -> None:
         self.cap = cap
+        self.per_key = per_key
         self.held = 0
+        #: The slots each key holds (keys holding none are forgotten).
+        self.of_key: dict[str, int] = {}
 
-    def take(self) -> _Slot | None:
-        """A slot for a new connection; ``None`` when all ``cap`` are held."""
+    def refusal(self, key: str) -> str | None:
+        """Why a new connection of ``key`` gets no slot (the key of the cap it would break:
+        ``"cap"`` or ``key``), or ``None`` when one is free."""
         if self.held >= self.cap:
-            return None
+            return "cap"
+        if self.per_key is not None and self.of_key.get(key, 0) >= self.per_key:
+            return key
+        return None
+
+    def take(self, key: str) -> _Slot:
+        """A slot for a new connection of ``key`` (:meth:`refusal` said there is one)."""
         self.held += 1
-        return _Slot(self)
+        self.of_key[key] = self.of_key.get(key, 0) + 1
+        return _Slot(self, key)
 
 
 class _Slot:
     """One connection's place in its listener's :class:`_Slots`."""
 
-    def __init__(self, slots: _Slots) -> None:
+    def __init__(self, slots: _Slots, key: str) -> None:
         self._slots: _Slots | None = slots
+        self._key = key
 
     def give_back(self) -> None:
         """Free the slot (again: nothing)."""
-        if self._slots is not None:
-            self._slots.held -= 1
-            self._slots = None
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots.held -= 1
+            left = slots.of_key.pop(self._key) - 1
+            if left:
+                slots.of_key[self._key] = left
 
 
 async def _admit(stream: SocketStream, readiness: Readiness) -> None:
@@ -138,14 +165,32 @@ async def _admit_remote(
         daemon = readiness.daemon
         if daemon is None:
             raise readiness.starting_error()
+        peer = remote.identify(hello)
+        _make_uid_room(daemon, peer, remote)
         # Written through the stream only: a TLS socket carries records, not frames, and on
         # asyncio a TCP stream's socket is its transport's, which cannot be sent on.
-        session = daemon.admit(hello.stream, remote.identify(hello), direct=False)
+        session = daemon.admit(hello.stream, peer, direct=False)
     except KvtierError as exc:
         await refuse(hello.stream, exc)
         return
     slot.give_back()
     await daemon.serve(session)
+
+
+def _make_uid_room(daemon: Daemon, peer: PeerCredentials, remote: RemoteListener) -> None:
+    """Raise :class:`BusyError` when ``peer``'s uid holds ``remote.max_connections_per_uid``
+    TCP sessions and none of them is idle (``daemon.idle_timeout_s``: the one idle longest is
+    then closed instead, as at any other connection limit), so that one remote client never
+    takes every remote session (``remote.max_connections``)."""
+    cap = remote.config.uid_cap
+    own = {s for s in daemon.sessions_of_uid.get(peer.uid, ()) if s.peer.remote and not s.departing}
+    if len(own) >= cap and not daemon._reclaim(own):
+        remote.failures.report(
+            log, logging.WARNING, f"uid {peer.uid}",
+            "refusing %s: its uid holds %d TCP sessions (remote.max_connections_per_uid)",
+            peer, len(own),
+        )  # fmt: skip
+        raise BusyError(f"too many connections from uid {peer.uid} over TCP ({len(own)} open)")
 
 
 @contextlib.asynccontextmanager
@@ -200,10 +245,11 @@ async def serve_connections(
         async def admit_remote(stream: SocketStream, slot: _Slot, where: str) -> None:
             await _admit_remote(stream, slot, where, readiness, remote)
 
-        handshakes = _Slots(remote.config.max_handshakes)  # shared by its addresses
+        # Shared by its addresses; ``max_handshakes_per_host`` of them per source host.
+        handshakes = _Slots(remote.config.max_handshakes, remote.config.max_handshakes_per_host)
         where = f"TCP {remote.config.listen}"
         doors += [
-            _Door(tcp, where, handshakes, admit_remote, _close, peer_address)
+            _Door(tcp, where, handshakes, admit_remote, _close, peer_address, _host)
             for tcp in remote.listeners
         ]
     async with anyio.create_task_group() as sessions:
@@ -228,6 +274,8 @@ class _Door:
     overflow: Callable[[SocketStream], Coroutine[Any, Any, None]]
     #: Where a connection comes from, taken as it is accepted (a reset may take it later).
     where_from: Callable[[SocketStream], str] = lambda stream: ""
+    #: The key of ``slots``' per-key cap, given where it comes from: its host.
+    key_of: Callable[[str], str] = lambda where: ""
     #: Its failures and refusals, logged at most once a minute each.
     failures: Throttle = field(default_factory=Throttle)
 
@@ -259,16 +307,25 @@ async def _accept(door: _Door, sessions: anyio.abc.TaskGroup) -> None:
             await anyio.sleep(pause_s)
             continue
         pause_s = 0.0
-        slot = door.slots.take()
-        if slot is None:
+        where = door.where_from(stream)
+        key = door.key_of(where)
+        refusal = door.slots.refusal(key)
+        if refusal == "cap":
             door.failures.report(
                 log, logging.WARNING, "cap",
                 "%s holds %d connections (its cap): closing new ones at once",
                 door.where, door.slots.cap,
             )  # fmt: skip
             await door.overflow(stream)
+        elif refusal is not None:
+            door.failures.report(
+                log, logging.WARNING, f"host {key}",
+                "%s holds %d connections before their session from %s (its cap per host): "
+                "closing new ones from it at once", door.where, door.slots.per_key, key,
+            )  # fmt: skip
+            await door.overflow(stream)
         else:
-            sessions.start_soon(_contained, door, stream, slot, door.where_from(stream))
+            sessions.start_soon(_contained, door, stream, door.slots.take(key), where)
 
 
 async def _contained(door: _Door, stream: SocketStream, slot: _Slot, where: str) -> None:
@@ -285,6 +342,11 @@ async def _contained(door: _Door, stream: SocketStream, slot: _Slot, where: str)
     finally:
         slot.give_back()
         await _close(stream)
+
+
+def _host(where: str) -> str:
+    """The host of ``host:port`` (:func:`peer_address`)."""
+    return where.rpartition(":")[0] or where
 
 
 async def _turn_away(stream: SocketStream) -> None:

@@ -11,8 +11,12 @@ Each listener therefore has a cap of its own, which the accept loop enforces
 * the Unix socket: ``daemon.max_connections`` sessions, and :data:`UNIX_REFUSALS` more being
   told ``EBUSY`` (a refusal holds its descriptor up to a second, to read the client's INIT);
 * TCP (``remote.listen``): ``remote.max_handshakes`` connections before their session (the TLS
-  handshake, the identity, a refusal) and ``remote.max_connections`` sessions;
-* the metrics port: ``daemon.metrics_max_connections``.
+  handshake, the identity, a refusal; ``remote.max_handshakes_per_host`` of them from one
+  source host) and ``remote.max_connections`` sessions (``remote.max_connections_per_uid`` of
+  them for one client);
+* the metrics port: twice ``daemon.metrics_max_connections`` (those still sending their
+  request, those being answered a scrape) and
+  :data:`~kvtierd.server.endpoint.PROBE_ROOM` (probes being answered).
 
 A connection past its listener's cap is closed at once, so no listener's flood can take
 another's descriptors, and the Unix socket (the local engines) always has its own. The daemon's
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 
 from kvtierd.config import Config
 from kvtierd.errors import ConfigError
+from kvtierd.server.endpoint import metrics_descriptors
 
 __all__ = ["UNIX_REFUSALS", "DescriptorBudget", "descriptor_budget", "reserve_descriptors"]
 
@@ -72,7 +77,7 @@ def descriptor_budget(config: Config) -> DescriptorBudget:
     """The budget ``config`` asks for (see the module docstring)."""
     daemon, remote = config.daemon, config.remote
     tcp = remote.max_handshakes + remote.max_connections if remote.listen else 0
-    metrics = daemon.metrics_max_connections if daemon.metrics_port else 0
+    metrics = metrics_descriptors(daemon.metrics_max_connections) if daemon.metrics_port else 0
     pool = config.pool.max_connections if config.pool.url else 0
     reserve = BASE_RESERVE + pool + TENANT_RESERVE * len(config.tenants)
     return DescriptorBudget(daemon.max_connections + UNIX_REFUSALS, tcp, metrics, reserve)

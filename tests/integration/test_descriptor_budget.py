@@ -27,10 +27,14 @@ from typing import TypeVar
 import pytest
 
 from kvtierd.errors import BrokenConnectionError, BusyError, TimedOutError
+from kvtierd.protocol import ClientConnection, ReplyReceived
+from kvtierd.protocol.frames import PROTOCOL_VERSION
+from kvtierd.protocol.messages import InitRequest
 from kvtierd.testing import DaemonProcess
 from tests.support.tls import (
     DEADLINE_S,
     Certificates,
+    client_hello,
     free_port,
     tcp,
     unix_round_trip,
@@ -73,7 +77,7 @@ handshake_timeout_s = 2.0
 metrics_port = {metrics_port}
 metrics_max_connections = 4
 metrics_timeout_s = 1.0
-""" + certs.remote_section(tcp_port, "max_handshakes = 8\nmax_connections = 4\n")
+""" + certs.remote_section(tcp_port, "max_handshakes = 16\nmax_connections = 4\n")
 
 
 @contextlib.contextmanager
@@ -226,16 +230,143 @@ def test_a_soft_limit_below_the_budget_is_raised(tmp_path: Path) -> None:
         daemon.stop()
 
 
-def test_the_metrics_port_closes_a_connection_past_its_cap_at_once(tmp_path: Path) -> None:
+def test_the_metrics_port_closes_its_oldest_silent_connection_for_a_new_one(
+    tmp_path: Path,
+) -> None:
+    """Two silent connections fill ``metrics_max_connections = 2``: a third connection that
+    sends its request is answered, and the oldest silent one is closed for it (before, the
+    third was closed unanswered: what made a slowloris flood fail the liveness probe)."""
     port = free_port()
     config = f"[daemon]\nmetrics_port = {port}\nmetrics_max_connections = 2\n"
+    config += "metrics_request_timeout_s = 60.0\n"  # only the eviction can close them
     with DaemonProcess(tmp_path, config_text=config) as daemon:
-        with (
-            _idle(2, lambda: socket.create_connection(("127.0.0.1", port))),
-            socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S) as third,
-        ):
-            third.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        with _idle(2, lambda: socket.create_connection(("127.0.0.1", port))) as silent:
+            for sock in silent:
+                sock.settimeout(DEADLINE_S)
+                sock.sendall(b"GET /hea")  # accepted in order, still sending its request
+            assert _health(port) == 200
             with contextlib.suppress(ConnectionResetError):
-                assert third.recv(1024) == b""  # closed unanswered
-        assert _eventually(lambda: _health(port), "GET /health") == 200
+                assert silent[0].recv(1024) == b""  # the oldest: closed unanswered
+        assert "closing the oldest for each new one" in daemon.log()
         assert daemon.running
+
+
+# -- one remote client, one remote host ----------------------------------------------------
+
+
+@runtimes
+def test_one_remote_client_cannot_take_every_remote_session(tmp_path: Path, runtime: str) -> None:
+    """Before ``remote.max_connections_per_uid``, one certificate's idle sessions took all of
+    ``remote.max_connections`` (the daemon's per-uid cap, 64, was as large): another tenant's
+    engine got ``EBUSY`` until ``idle_timeout_s``. Now one uid holds a quarter of them (2 of
+    8) and the others stay open to the other clients."""
+    certs = Certificates.make(tmp_path / "tls")
+    port = free_port()
+    config = certs.remote_section(port, "max_connections = 8\n")
+    daemon = DaemonProcess(tmp_path, config_text=config, runtime=runtime)
+    daemon.start(120)
+    held = []
+    try:
+        refused = None
+        for _ in range(8):  # as many as it is given, up to every remote session
+            try:
+                held.append(certs.connect(port))
+            except BusyError as exc:
+                refused = exc
+                break
+        assert len(held) == 2, f"one client holds {len(held)} of 8 remote sessions"
+        assert refused is not None
+        assert "from uid 2001 over TCP" in str(refused)
+        for _ in range(3):  # the other client gets in, again and again
+            with certs.connect(port, "second") as other:
+                assert other.stats()["scope"] == "tenant"
+        assert held[0].stats()["scope"] == "tenant"  # the first client's sessions serve on
+    finally:
+        for client in held:
+            client.close()
+        status = daemon.stop()
+    assert status == 0, daemon.log()[-3000:]
+
+
+def _init_from(certs: Certificates, port: int, source: str) -> None:
+    """A listed TLS client connecting from ``source`` (its socket bound to it): the TLS
+    handshake, then INIT answered without an error."""
+    context = certs.client_context()
+    with tcp(port, source) as raw, context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        conn = ClientConnection()
+        _, frame = conn.request(InitRequest(PROTOCOL_VERSION, 8, 1 << 20))
+        tls.sendall(frame)
+        while True:
+            data = tls.recv(1 << 16)
+            assert data, "the daemon closed the connection instead of answering INIT"
+            conn.receive_data(data)
+            event = conn.next_event()
+            if isinstance(event, ReplyReceived):
+                assert event.error is None, event.error
+                return
+
+
+def _closed_at_once(port: int) -> bool:
+    """Whether a connection from 127.0.0.1 that sends a ClientHello is closed unanswered."""
+    with tcp(port) as sock:
+        sock.sendall(client_hello())
+        try:
+            return sock.recv(1 << 16) == b""
+        except ConnectionResetError:
+            return True
+
+
+@runtimes
+def test_one_host_cannot_take_every_handshake_slot(tmp_path: Path, runtime: str) -> None:
+    """Before ``remote.max_handshakes_per_host``, 40 connections from one host trickling a
+    ClientHello (no certificate needed) held all of ``remote.max_handshakes`` (32), shared by
+    every source address, and a good client's connection was closed at once. Now one host holds
+    8, past which its own are closed at once, and a client from another address (127.0.0.2)
+    shakes hands and is served."""
+    certs = Certificates.make(tmp_path / "tls")
+    port = free_port()
+    config = "[daemon]\nhandshake_timeout_s = 60.0\n" + certs.remote_section(port)
+    daemon = DaemonProcess(tmp_path, config_text=config, runtime=runtime)
+    daemon.start(120)
+    try:
+        hello = client_hello()
+        with _idle(40, lambda: tcp(port)) as flood:
+            for sock in flood:  # a trickle of a ClientHello: the handshake has begun
+                with contextlib.suppress(OSError):
+                    sock.send(hello[:1])
+            # the flood is held: 127.0.0.1's next connection is closed at once
+            assert _eventually(lambda: _closed_at_once(port) or _raise(), "a full host")
+            for _ in range(3):
+                _init_from(certs, port, "127.0.0.2")
+            assert daemon.running
+        log = daemon.log()
+        assert "(its cap per host): closing new ones from it at once" in log, log[-3000:]
+    finally:
+        status = daemon.stop()
+    assert status == 0, daemon.log()[-3000:]
+
+
+def _raise() -> bool:
+    raise OSError("not yet")
+
+
+@pytest.mark.parametrize(
+    ("caps", "where"),
+    [
+        ("max_connections_per_uid = 64\n", "remote.max_connections_per_uid: 64 is not below"),
+        ("max_connections = 1\n", "remote.max_connections_per_uid: 1 is not below"),
+        ("max_handshakes = 8\n", "remote.max_handshakes_per_host: 8 is not below"),
+    ],
+)
+def test_a_per_peer_cap_not_below_its_listeners_refuses_to_start(
+    tmp_path: Path, caps: str, where: str
+) -> None:
+    """One client or one host allowed a whole listener's cap is a configuration error."""
+    certs = Certificates.make(tmp_path / "tls")
+    config = tmp_path / "kvtierd.toml"
+    config.write_text(certs.remote_section(free_port(), caps))
+    args = ["--config", str(config), "--socket", str(tmp_path / "s.sock")]
+    command = [sys.executable, "-m", "kvtierd", *args, "--data-dir", str(tmp_path / "data")]
+    start = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert start.returncode == 2, start.stderr
+    assert where in start.stderr

@@ -15,6 +15,7 @@ import contextlib
 import os
 import socket
 import ssl
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -362,3 +363,57 @@ def test_remote_allow_create_lets_a_remote_client_create(tmp_path: Path) -> None
             assert "made-far" in {ns["name"] for ns in local.namespaces()}
     finally:
         daemon.kill()
+
+
+# -- a flood of the metrics port -----------------------------------------------------------
+
+
+def _slowloris(port: int, stop: threading.Event, opened: list[int]) -> None:
+    """20 connections to the metrics port, each sending a request header a byte at a time
+    (every 0.2 s) and never finishing it; reopened as the daemon closes them."""
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: b\r\n" * 1000
+    held: list[tuple[socket.socket, int]] = []
+    try:
+        while not stop.is_set():
+            while len(held) < 20:
+                with contextlib.suppress(OSError):
+                    held.append((socket.create_connection(("127.0.0.1", port), timeout=5), 0))
+                    opened[0] += 1
+            still: list[tuple[socket.socket, int]] = []
+            for sock, sent in held:
+                try:
+                    sock.send(request[sent : sent + 1])
+                    still.append((sock, sent + 1))
+                except OSError:
+                    sock.close()
+            held = still
+            stop.wait(0.2)
+    finally:
+        for sock, _ in held:
+            sock.close()
+
+
+def test_probes_are_answered_through_a_slowloris_flood_of_the_metrics_port(
+    tls_daemon: TlsDaemon,
+) -> None:
+    """20 slowloris connections against ``daemon.metrics_max_connections`` (8): each holding a
+    slot, they made 35 of 43 probes fail (closed unanswered), so a liveness probe restarted a
+    healthy daemon. Now the oldest connection still sending its request is closed for each
+    new one, and a probe's answer needs no slot: every probe is answered."""
+    d = tls_daemon
+    stop, opened = threading.Event(), [0]
+    flood = threading.Thread(target=_slowloris, args=(d.metrics_port, stop, opened))
+    flood.start()
+    try:
+        while opened[0] < 40:  # the flood fills the port, and is reopening what was closed
+            time.sleep(0.1)
+        for path in ["/health", "/ready"] * 15:
+            url = f"http://127.0.0.1:{d.metrics_port}{path}"
+            with urllib.request.urlopen(url, timeout=DEADLINE_S) as reply:
+                assert reply.status == 200, path
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        flood.join()
+    d.serves("after-the-slowloris")
+    assert "closing the oldest for each new one" in d.daemon.log()

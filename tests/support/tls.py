@@ -24,6 +24,9 @@ from kvtierd.client.sync import connect_tcp
 #: The client certificate the daemon lists, and the uid (tenant ``alpha``) it acts as.
 CLIENT = "engine-a"
 CLIENT_UID = 2001
+#: A second listed client (certificate ``second``), another tenant's uid (no region of its own).
+SECOND_CLIENT = "engine-b"
+SECOND_UID = 2002
 DEADLINE_S = 30.0  # generous: only a daemon that never answers reaches it
 
 
@@ -36,8 +39,8 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class Certificates:
-    """Files under ``directory``: the daemon's, a listed client's (signed by the daemon's CA),
-    and a client whose certificate another CA signed."""
+    """Files under ``directory``: the daemon's, two listed clients' (signed by the daemon's CA:
+    ``client`` and ``second``), and a client whose certificate another CA signed."""
 
     directory: Path
 
@@ -49,8 +52,12 @@ class Certificates:
         other.cert_pem.write_to_path(directory / "other-ca.pem")
         server = ca.issue_cert("127.0.0.1")
         server.private_key_and_cert_chain_pem.write_to_path(directory / "server.pem")
-        for name, issuer in (("client", ca), ("forged", other)):
-            cert = issuer.issue_cert(f"{CLIENT}.clients", common_name=CLIENT)
+        for name, issuer, common in (
+            ("client", ca, CLIENT),
+            ("forged", other, CLIENT),
+            ("second", ca, SECOND_CLIENT),
+        ):
+            cert = issuer.issue_cert(f"{common}.clients", common_name=common)
             cert.private_key_and_cert_chain_pem.write_to_path(directory / f"{name}.pem")
         return cls(directory)
 
@@ -66,7 +73,10 @@ listen = "127.0.0.1:{port}"
 cert_file = "{d / "server.pem"}"
 key_file = "{d / "server.pem"}"
 ca_file = "{d / "ca.pem"}"
-clients = [{{name = "{CLIENT}", uid = {CLIENT_UID}}}]
+clients = [
+  {{name = "{CLIENT}", uid = {CLIENT_UID}}},
+  {{name = "{SECOND_CLIENT}", uid = {SECOND_UID}}},
+]
 {extra}
 [[tenants]]
 name = "alpha"
@@ -92,7 +102,7 @@ dram_size = "16M"
         return context
 
     def connect(self, port: int, certificate: str = "client") -> Client:
-        """The client library over TLS, as the listed client."""
+        """The client library over TLS, as a listed client (``client`` or ``second``)."""
         tls = self.client_context(certificate)
         return connect_tcp("127.0.0.1", port, tls=tls, timeout_s=DEADLINE_S)
 
@@ -109,8 +119,13 @@ def client_hello() -> bytes:
     return outgoing.read()
 
 
-def tcp(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S)
+def tcp(port: int, source: str = "") -> socket.socket:
+    """A connection to 127.0.0.1:``port``, from ``source`` (another loopback address such as
+    127.0.0.2: another host, as far as the daemon can tell) when it is given."""
+    source_address = (source, 0) if source else None
+    sock = socket.create_connection(
+        ("127.0.0.1", port), timeout=DEADLINE_S, source_address=source_address
+    )
     return sock
 
 

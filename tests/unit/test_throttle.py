@@ -78,12 +78,14 @@ def test_the_budget_adds_each_listener_and_the_reserve() -> None:
                 "allow_plaintext": True,
                 "plaintext_uid": 7,
                 "max_handshakes": 5,
+                "max_handshakes_per_host": 2,
                 "max_connections": 6,
             },
         },
     )
     budget = descriptor_budget(config)
-    assert (budget.unix, budget.tcp, budget.metrics) == (10 + UNIX_REFUSALS, 11, 3)
+    # the metrics port: 3 sending their request, 3 answering a scrape, and the probes' room
+    assert (budget.unix, budget.tcp, budget.metrics) == (10 + UNIX_REFUSALS, 11, 2 * 3 + 8)
     assert budget.reserve == BASE_RESERVE
     assert budget_problem(budget, budget.total) is None
     problem = budget_problem(budget, budget.total - 1)
