@@ -557,7 +557,7 @@ async def _open_superblock(
             problem = (
                 f"{what} but its superblock cannot be read (found {found}) and its first "
                 "segment header does not name the file either: it was truncated or "
-                "overwritten, and every block it held is lost"
+                "overwritten, and the blocks it held cannot be found"
             )
             if not reinitialize:
                 log.error(
