@@ -83,7 +83,8 @@ log = logging.getLogger("kvtierd.metrics")
 
 
 class _Handler(WSGIRequestHandler):
-    """wsgiref's handler, quiet, with the request's deadline (``timeout``, set per server)."""
+    """wsgiref's handler, quiet, with the request's deadline (:attr:`request_timeout_s`) and
+    each write's (``timeout``), set per server; what is not a probe takes an answer slot."""
 
     def log_message(self, format: str, *args: Any) -> None:
         """A probe every few seconds must not fill the journal."""
