@@ -50,27 +50,46 @@ only; ``--user ""`` keeps the uid). The process ends through
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import ctypes
-import logging
-import mmap
 import os
-import pwd
-import resource
-import signal
-import socket
-import sys
-import time
-from collections import OrderedDict
 
-import anyio
-import anyio.abc
+#: ``prctl`` options (``<linux/prctl.h>``).
+_PR_SET_DUMPABLE = 4
+_PR_SET_NO_NEW_PRIVS = 38
 
-from kvtierd.errors import InvalidRequestError, KvtierError, RemoteProtocolError, errno_of
-from kvtierd.io.buffers import buffer_address
-from kvtierd.nixl.agent import NixlAgent, Registration, exit_process
-from kvtierd.nixl.control import FrameDecoder, Pull, Pulled, Ready, Stir, ToExporter, encode
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                  ctypes.c_ulong(0)) != 0:  # fmt: skip
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl({option}, {value}): {os.strerror(error)}")
+
+
+if __name__ == "__main__":
+    # First of all: no_new_privs holds per thread and is inherited only by threads made after
+    # it, and the imports below start threads (numpy's OpenBLAS does, at import).
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import logging  # noqa: E402
+import mmap  # noqa: E402
+import pwd  # noqa: E402
+import resource  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections import OrderedDict  # noqa: E402
+
+import anyio  # noqa: E402
+import anyio.abc  # noqa: E402
+
+from kvtierd.errors import InvalidRequestError, KvtierError, RemoteProtocolError, errno_of  # noqa: E402
+from kvtierd.io.buffers import buffer_address  # noqa: E402
+from kvtierd.nixl.agent import NixlAgent, Registration, exit_process  # noqa: E402
+from kvtierd.nixl.control import FrameDecoder, Pull, Pulled, Ready, Stir, ToExporter, encode  # noqa: E402
 
 __all__ = ["LINGER_S", "PUMP_INTERVAL_S", "main"]
 
@@ -206,19 +225,6 @@ def _map_landing(fd: int, size_bytes: int) -> tuple[mmap.mmap, int]:
         view.release()
 
 
-#: ``prctl`` options (``<linux/prctl.h>``).
-_PR_SET_DUMPABLE = 4
-_PR_SET_NO_NEW_PRIVS = 38
-
-
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                  ctypes.c_ulong(0)) != 0:  # fmt: skip
-        error = ctypes.get_errno()
-        raise OSError(error, f"prctl({option}, {value}): {os.strerror(error)}")
-
-
 def _close_other_fds(keep: set[int]) -> None:
     """Close every descriptor but ``keep`` (and stdin, stdout, stderr): whatever the daemon's
     process had open that ``exec`` let through (its log file, for one) is no business of a
@@ -233,7 +239,9 @@ def _close_other_fds(keep: set[int]) -> None:
 
 def _confine(user: str) -> None:
     """Drop to ``user`` when running as root (``setgroups([])``, ``setgid``, ``setuid``, and
-    checked: no way back to uid 0), then, in every case, no new privileges and not dumpable."""
+    checked: no way back to uid 0; every thread, as glibc applies them to all), then, in every
+    case, not dumpable (and no new privileges: set again for this thread; run as a program, the
+    module set it before any import could start a thread, as it holds per thread)."""
     if user and os.geteuid() == 0:
         entry = pwd.getpwnam(user)
         if entry.pw_uid == 0:
