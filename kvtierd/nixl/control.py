@@ -11,7 +11,8 @@ Exporter to daemon: :class:`Ready` once, when the region is mapped and registere
 the daemon needs to answer NIXL_GRANT and READ_NIXL without a round trip), then one
 :class:`Pulled` per :class:`Pull`. Daemon to exporter: :class:`Stir` (peers may be reading:
 drive UCX's progress for the exporter's linger from now) and :class:`Pull` (read a peer's
-extents into this region, for a peer restore).
+extents into the exporter's landing buffer, for a peer restore: the region itself is mapped
+read-only there, and the daemon copies the landed bytes into the arena slot).
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ class Stir(msgspec.Struct, frozen=True, tag="stir"):
 
 class Pull(msgspec.Struct, frozen=True, tag="pull"):
     """Read ``descriptors`` (a peer agent's, :mod:`kvtierd.nixl.descriptors`) into ``length``
-    bytes at ``offset`` of the region, loading ``metadata`` (the peer agent ``agent``'s) first
-    when the exporter has not; answered by a :class:`Pulled` of the same ``id``."""
+    bytes at ``offset`` of the exporter's landing buffer (never the region), loading
+    ``metadata`` (the peer agent ``agent``'s) first when the exporter has not; answered by a
+    :class:`Pulled` of the same ``id``."""
 
     id: int
     agent: str
