@@ -71,7 +71,7 @@ from kvtierd.store.records import PAGE_BYTES, RecordHeader, checksum
 from kvtierd.testing import DaemonProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_remote import REMOTE_UID, RemoteAttacker, nixl_attack, prepare
+from soak_remote import NIXL_BLOCK, REMOTE_UID, RemoteAttacker, nixl_attack, prepare
 
 __all__ = ["CrashLoop", "HostileClient", "Summary", "block_content", "hostile_content", "main"]
 
@@ -83,6 +83,7 @@ HONEST, HOSTILE = "honest", "hostile"
 HOSTILE_NAMESPACE = "crash-hostile"
 #: A hostile block is one whole forged record as the data file lays it out: header page, payload.
 HOSTILE_BLOCK_BYTES = PAGE_BYTES + -(-BLOCK_BYTES // PAGE_BYTES) * PAGE_BYTES
+assert NIXL_BLOCK == HOSTILE_BLOCK_BYTES, "the NIXL attacker's blocks share the hostile size class"
 HOSTILE_UNIVERSE = 200  # keys it commits; the keys of its uncommitted ALLOCs come after these
 #: Forged records claim to be newer than anything written (recovery keeps the newest record).
 FORGED_SEQ = 1 << 60

@@ -62,7 +62,10 @@ REMOTE_UID = 4242
 #: The hostile tenant's namespace the NIXL attacker leases from (blocks of
 #: :mod:`tests.nixl.reader`'s making, so that the child knows them).
 NIXL_NAMESPACE = "crash-hostile-nixl"
-NIXL_BLOCK = 64 * 1024
+#: The hostile tenant's own block size: a size class of its own would need an NVMe segment
+#: (64 MiB) of its own, which the soak's 128 MiB tier, split between the two tenants' classes,
+#: does not have (its write-back would fail, and with it every FSYNC).
+NIXL_BLOCK = 24576
 NIXL_COUNT = 4
 #: ``[name, offset from the hostile region's base, length]``, pulled in this order.
 NIXL_PROBES = [
