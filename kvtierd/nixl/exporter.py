@@ -254,6 +254,14 @@ def _confine(user: str) -> None:
         if os.geteuid() == 0 or os.getuid() == 0:
             raise PermissionError(f"still root after dropping to {user!r}")
     _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    forbid_dumps()
+
+
+def forbid_dumps() -> None:
+    """``PR_SET_DUMPABLE`` 0 for this process: no core file, and no process of its uid but root
+    may ptrace it or open its ``/proc/PID/mem``. The daemon calls it for itself where its
+    exporters keep its uid (a non-root daemon), so that an exporter taken over through its
+    NIXL peers cannot read the daemon's memory (``docs/nixl.md``)."""
     _prctl(_PR_SET_DUMPABLE, 0)
 
 

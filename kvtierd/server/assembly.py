@@ -30,6 +30,7 @@ from kvtierd.errors import ConfigError, NotSupportedError
 from kvtierd.io import BindingVerdict
 from kvtierd.nixl.agent import TransferError
 from kvtierd.nixl.export import NIXL_OFF, NixlReads, open_region_export
+from kvtierd.nixl.exporter import forbid_dumps
 from kvtierd.nixl.probe import probe_nixl
 from kvtierd.pool.connect import PoolUnavailableError, pool_address, read_secret
 from kvtierd.pool.link import PoolLink, open_pool_link
@@ -121,6 +122,9 @@ async def open_nixl_reads(config: Config, store: BlockStore) -> AsyncIterator[Ni
             log.warning("NIXL reads are off: %s", exc)
             yield NixlReads(None, str(exc))
             return
+        if os.geteuid() != 0:  # the exporters keep this uid (docs/nixl.md)
+            forbid_dumps()
+            log.info("not dumpable: the NIXL exporters run as this daemon's uid")
         yield NixlReads(export)
 
 
