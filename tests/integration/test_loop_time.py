@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from kvtierd.client import NotSupportedError, chain_keys, connect, connect_async, ops
-from kvtierd.protocol import MAX_KEYS_PER_REQUEST
 from kvtierd.protocol.messages import (
     EvictReply,
     EvictRequest,
@@ -31,21 +30,18 @@ from kvtierd.protocol.messages import (
     ReleaseRequest,
 )
 from kvtierd.testing import DaemonProcess
+from tools.bench_loop import (
+    BLOCK_BYTES,
+    BLOCK_TOKENS,
+    HEAD_DIM,
+    LAYERS,
+    LAYOUT,
+    SPARSE_BYTES,
+    N,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
 
-N = MAX_KEYS_PER_REQUEST
-BLOCK_BYTES = 4096
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 2, 1, 8, 4
-LAYOUT = {
-    "model_id": "loop",
-    "layers": LAYERS,
-    "kv_heads": KV_HEADS,
-    "head_dim": HEAD_DIM,
-    "dtype": "float32",
-    "block_tokens": BLOCK_TOKENS,
-}
-SPARSE_BYTES = 2 * LAYERS * KV_HEADS * HEAD_DIM * BLOCK_TOKENS * 4
 #: 768 KiB of float32 queries ([layers, q_heads, head_dim]): with the 8192-key chain, about the
 #: most a 1 MiB frame carries (HINT's own bound on queries is 1 MiB).
 QUERY_BYTES = 768 << 10
