@@ -103,10 +103,9 @@ def _unix(path: Path) -> Callable[[], socket.socket]:
     return open_one
 
 
-@runtimes
-def test_floods_on_every_listener_leave_the_unix_socket_serving(
-    tmp_path: Path, runtime: str
-) -> None:
+def _start_capped(tmp_path: Path, runtime: str) -> tuple[Certificates, int, int, DaemonProcess]:
+    """A daemon started under ``prlimit --nofile=NOFILE`` with a TLS and a metrics listener:
+    its certificates, TCP port, metrics port and itself."""
     certs = Certificates.make(tmp_path / "tls")
     tcp_port, metrics_port = free_port(), free_port()
     daemon = DaemonProcess(
@@ -116,6 +115,14 @@ def test_floods_on_every_listener_leave_the_unix_socket_serving(
         command_prefix=["prlimit", f"--nofile={NOFILE}", "--"],
     )
     daemon.start(120)
+    return certs, tcp_port, metrics_port, daemon
+
+
+@runtimes
+def test_floods_on_every_listener_leave_the_unix_socket_serving(
+    tmp_path: Path, runtime: str
+) -> None:
+    certs, tcp_port, metrics_port, daemon = _start_capped(tmp_path, runtime)
     try:
         with (
             _idle(FLOOD, lambda: tcp(tcp_port)),
@@ -164,15 +171,7 @@ def test_accept_out_of_descriptors_pauses_and_serves_again(tmp_path: Path, runti
     """The daemon's limit lowered under it to exactly what it holds: every accept fails with
     EMFILE. It logs that (once), keeps running, and serves every listener once the limit is
     back."""
-    certs = Certificates.make(tmp_path / "tls")
-    tcp_port, metrics_port = free_port(), free_port()
-    daemon = DaemonProcess(
-        tmp_path,
-        config_text=_config(certs, tcp_port, metrics_port),
-        runtime=runtime,
-        command_prefix=["prlimit", f"--nofile={NOFILE}", "--"],
-    )
-    daemon.start(120)
+    certs, tcp_port, metrics_port, daemon = _start_capped(tmp_path, runtime)
     assert daemon.process is not None
     pid = daemon.process.pid
     try:
