@@ -88,6 +88,31 @@ def error_lines(daemon: DaemonProcess, word: str) -> list[str]:
     ]
 
 
+async def healthy(port: int) -> bool:
+    return (await probe(port, "/health"))[0] == 200
+
+
+async def failures_reach(port: int, reason: str, count: float) -> bool:
+    """Whether ``kvtierd_disk_failures_total{reason}`` has reached ``count``."""
+    now = await metrics(port)
+    return now.value("kvtierd_disk_failures_total", reason=reason) >= count
+
+
+async def assert_blocks(ns: AsyncNamespace, count: int) -> None:
+    """The first ``count`` blocks read back from ``ns`` are the ones :func:`put` stored."""
+    async with ns.get([key(i) for i in range(count)]) as views:
+        for i, view in enumerate(views):
+            assert bytes(view) == block(i).tobytes(), i
+
+
+def disk_daemon(tmp_path: Path, port: int, anyio_backend: str) -> DaemonProcess:
+    """A daemon with 64 MiB of DRAM and of NVMe on the test's event loop kind."""
+    return DaemonProcess(
+        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
+        runtime=anyio_backend,
+    )  # fmt: skip
+
+
 async def failing_for(port: int, reason: str) -> bool:
     status, body = await probe(port, "/health")
     return status == 503 and body["status"] == "failing" and f"({reason})" in body["reason"]
@@ -156,12 +181,10 @@ async def test_a_full_file_system_fails_health_until_space_is_freed(
                 seen = await assert_failing(port, "enospc", "free space on the file system")
                 # the timer keeps retrying (each retry counted) but says so only once
                 first = seen.value("kvtierd_disk_failures_total", reason="enospc")
-
-                async def retried() -> bool:
-                    now = await metrics(port)
-                    return now.value("kvtierd_disk_failures_total", reason="enospc") >= first + 3
-
-                await poll("failed blocks were never tried again", retried)
+                await poll(
+                    "failed blocks were never tried again",
+                    lambda: failures_reach(port, "enospc", first + 3),
+                )
                 assert await failing_for(port, "enospc")
                 lines = error_lines(daemon, "enospc")
                 assert len(lines) == 1, daemon.log()
@@ -171,19 +194,15 @@ async def test_a_full_file_system_fails_health_until_space_is_freed(
                     assert bytes(views[0]) == block(7).tobytes()
 
                 (fs / "filler").unlink()  # space freed: write-back goes through by itself
-
-                async def recovered() -> bool:
-                    return (await probe(port, "/health"))[0] == 200
-
-                await poll("health never came back after the space was freed", recovered)
+                await poll(
+                    "health never came back after the space was freed", lambda: healthy(port)
+                )
                 await assert_healthy(port)
                 assert "disk tier healthy again" in daemon.log()
                 assert len(error_lines(daemon, "enospc")) == 1
                 await client.fsync()
                 await client.evict()  # read them back from the disk
-                async with ns.get([key(i) for i in range(12)]) as views:
-                    for i, view in enumerate(views):
-                        assert bytes(view) == block(i).tobytes(), i
+                await assert_blocks(ns, 12)
             assert daemon.stop() == 0
 
 
@@ -191,10 +210,7 @@ async def test_a_replaced_data_file_is_never_acknowledged(
     tmp_path: Path, anyio_backend: str
 ) -> None:
     port = free_port()
-    daemon = DaemonProcess(
-        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
-        runtime=anyio_backend,
-    )  # fmt: skip
+    daemon = disk_daemon(tmp_path, port, anyio_backend)
     data = daemon.data_dir / "nvme.data"
     with daemon:
         async with connect_async(daemon.socket) as client:
@@ -214,12 +230,9 @@ async def test_a_replaced_data_file_is_never_acknowledged(
             # and it stays refused: nothing is acknowledged onto the old file
             with pytest.raises(StorageIOError, match="FSYNC refused"):
                 await client.fsync()
-
-            async def refusal_counted() -> bool:
-                now = await metrics(port)
-                return now.value("kvtierd_disk_failures_total", reason="replaced") >= 2
-
-            await poll("the refused FSYNC was not counted", refusal_counted)
+            await poll(
+                "the refused FSYNC was not counted", lambda: failures_reach(port, "replaced", 2)
+            )
             lines = error_lines(daemon, "replaced")
             assert len(lines) == 1, daemon.log()
             assert "until kvtierd is restarted" in lines[0]
@@ -244,19 +257,14 @@ async def test_a_replaced_data_file_is_never_acknowledged(
         await assert_healthy(port)
         async with connect_async(daemon.socket) as client:
             ns = await client.namespace("disk", block_bytes=MIB, create=False)
-            async with ns.get([key(i) for i in range(8)]) as views:
-                for i, view in enumerate(views):
-                    assert bytes(view) == block(i).tobytes(), i
+            await assert_blocks(ns, 8)
 
 
 async def test_a_removed_data_file_is_noticed_without_an_fsync(
     tmp_path: Path, anyio_backend: str
 ) -> None:
     port = free_port()
-    daemon = DaemonProcess(
-        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
-        runtime=anyio_backend,
-    )  # fmt: skip
+    daemon = disk_daemon(tmp_path, port, anyio_backend)
     data = daemon.data_dir / "nvme.data"
     with daemon:
         async with connect_async(daemon.socket) as client:
@@ -272,12 +280,10 @@ async def test_a_removed_data_file_is_noticed_without_an_fsync(
             await put(ns, range(4, 8))
             with pytest.raises(StorageIOError, match="removed"):
                 await client.fsync()
-
-            async def counted() -> bool:
-                now = await metrics(port)
-                return now.value("kvtierd_disk_failures_total", reason="removed") > before
-
-            await poll("the refused FSYNC was not counted", counted)
+            await poll(
+                "the refused FSYNC was not counted",
+                lambda: failures_reach(port, "removed", before + 1),
+            )
             assert len(error_lines(daemon, "removed")) == 1, daemon.log()
         assert daemon.stop() == 0
     # only a restart clears it: a new data file, healthy again
@@ -374,10 +380,7 @@ async def test_a_truncated_data_file_is_never_acknowledged_nor_silently_reinitia
     tmp_path: Path, anyio_backend: str
 ) -> None:
     port = free_port()
-    daemon = DaemonProcess(
-        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
-        runtime=anyio_backend,
-    )  # fmt: skip
+    daemon = disk_daemon(tmp_path, port, anyio_backend)
     data = daemon.data_dir / "nvme.data"
     with daemon:
         async with connect_async(daemon.socket) as client:
@@ -423,10 +426,7 @@ async def test_a_truncated_data_file_is_never_acknowledged_nor_silently_reinitia
 async def test_a_moved_aside_data_file_starts_afresh(tmp_path: Path, anyio_backend: str) -> None:
     """The remedy the refusal names: the damaged file moved aside, the start creates anew."""
     port = free_port()
-    daemon = DaemonProcess(
-        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
-        runtime=anyio_backend,
-    )  # fmt: skip
+    daemon = disk_daemon(tmp_path, port, anyio_backend)
     data = daemon.data_dir / "nvme.data"
     with daemon:
         async with connect_async(daemon.socket) as client:
@@ -449,10 +449,7 @@ async def test_a_zeroed_superblock_is_never_acknowledged_and_rebuilt_at_restart(
     tmp_path: Path, anyio_backend: str
 ) -> None:
     port = free_port()
-    daemon = DaemonProcess(
-        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
-        runtime=anyio_backend,
-    )  # fmt: skip
+    daemon = disk_daemon(tmp_path, port, anyio_backend)
     data = daemon.data_dir / "nvme.data"
     with daemon:
         async with connect_async(daemon.socket) as client:
@@ -479,9 +476,7 @@ async def test_a_zeroed_superblock_is_never_acknowledged_and_rebuilt_at_restart(
         await assert_healthy(port)
         async with connect_async(daemon.socket) as client:
             ns = await client.namespace("disk", block_bytes=MIB, create=False)
-            async with ns.get([key(i) for i in range(4)]) as views:
-                for i, view in enumerate(views):
-                    assert bytes(view) == block(i).tobytes(), i
+            await assert_blocks(ns, 4)
         assert daemon.stop() == 0
 
 
@@ -489,10 +484,7 @@ async def test_a_removed_catalog_is_rewritten_from_memory(
     tmp_path: Path, anyio_backend: str
 ) -> None:
     port = free_port()
-    daemon = DaemonProcess(
-        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
-        runtime=anyio_backend,
-    )  # fmt: skip
+    daemon = disk_daemon(tmp_path, port, anyio_backend)
     copies = [daemon.data_dir / n for n in ("namespaces.catalog", "namespaces.catalog.1")]
     with daemon:
         async with connect_async(daemon.socket) as client:
@@ -534,10 +526,7 @@ async def test_a_catalog_that_cannot_be_rewritten_refuses_fsync_until_it_can(
     tmp_path: Path, anyio_backend: str
 ) -> None:
     port = free_port()
-    daemon = DaemonProcess(
-        tmp_path / "kvtierd", dram_size="64M", nvme_size="64M", config_text=config(port),
-        runtime=anyio_backend,
-    )  # fmt: skip
+    daemon = disk_daemon(tmp_path, port, anyio_backend)
     catalog = daemon.data_dir / "namespaces.catalog"
     with daemon:
         async with connect_async(daemon.socket) as client:
@@ -552,11 +541,9 @@ async def test_a_catalog_that_cannot_be_rewritten_refuses_fsync_until_it_can(
             await assert_failing(port, "catalog", "rewrites it")
             assert len(error_lines(daemon, "catalog")) == 1, daemon.log()
             catalog.rmdir()
-
-            async def recovered() -> bool:
-                return (await probe(port, "/health"))[0] == 200
-
-            await poll("health never came back once the catalog could be written", recovered)
+            await poll(
+                "health never came back once the catalog could be written", lambda: healthy(port)
+            )
             await assert_healthy(port)
             assert catalog.is_file()
             assert await client.fsync() == 4
