@@ -23,9 +23,10 @@ import pytest
 
 from kvtierd.client import Client, connect
 from kvtierd.client.base import init_request
-from kvtierd.errors import BrokenConnectionError, BusyError, KvtierError, TimedOutError
-from kvtierd.protocol import ClientConnection, ReplyReceived
+from kvtierd.errors import BrokenConnectionError, BusyError, TimedOutError
+from kvtierd.protocol import ClientConnection
 from tests.support.daemon import DaemonProcess
+from tests.support.frames import last_word
 from tests.support.uids import client_as, reachable_directory, require_root, start_as
 
 BLOCK = 4096
@@ -39,24 +40,6 @@ def _raw(path: Path) -> socket.socket:
     sock.settimeout(DEADLINE_S)
     sock.connect(str(path))
     return sock
-
-
-def _last_word(sock: socket.socket) -> KvtierError | None:
-    """The error of the daemon's last frame (unique id 0) on ``sock``, read until the daemon
-    closes it; ``None`` if it closed without one. Fails the test if it never closes."""
-    conn = ClientConnection()
-    error = None
-    try:
-        while data := sock.recv(1 << 16):
-            conn.receive_data(data)
-            event = conn.next_event()
-            if isinstance(event, ReplyReceived) and event.header.unique == 0:
-                error = event.error
-    except ConnectionResetError:
-        pass  # what follows the frame when the daemon closed without reading all we sent
-    except TimeoutError:
-        pytest.fail(f"the daemon kept the connection open for {DEADLINE_S} s")
-    return error
 
 
 def _connect_eventually(path: Path) -> Client:
@@ -98,7 +81,7 @@ def test_partial_headers_do_not_lock_out_a_good_client(
                     sock.sendall(init_header[:10])
             with _connect_eventually(d.socket) as good:
                 assert good.stats()["connections"] <= 32
-            words = [_last_word(sock) for sock in slow]
+            words = [last_word(sock, DEADLINE_S) for sock in slow]
         finally:
             for sock in slow:
                 sock.close()
@@ -114,7 +97,7 @@ def test_a_silent_connection_is_closed_after_the_handshake_timeout(
     config = "[daemon]\nhandshake_timeout_s = 0.5\n"
     daemon = DaemonProcess(tmp_path, config_text=config, runtime=runtime)
     with daemon as d, connect(d.socket) as good, _raw(d.socket) as silent:
-        word = _last_word(silent)
+        word = last_word(silent, DEADLINE_S)
         assert isinstance(word, TimedOutError)
         assert "no INIT within 0.5 s" in str(word)
         # A connection that did its INIT is not touched by the handshake timeout.

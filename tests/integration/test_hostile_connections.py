@@ -26,8 +26,8 @@ import pytest
 
 from kvtierd.client import connect
 from kvtierd.errors import AccessDeniedError, KvtierError, TimedOutError
-from kvtierd.protocol import ClientConnection, ReplyReceived
 from kvtierd.testing import DaemonProcess
+from tests.support.frames import last_word
 from tests.support.tls import (
     DEADLINE_S,
     Certificates,
@@ -307,27 +307,10 @@ def test_failed_handshakes_are_logged_once_a_minute_per_address(tls_daemon: TlsD
 # -- the INIT timeout over TLS -------------------------------------------------------------
 
 
-def _last_word(sock: socket.socket) -> KvtierError | None:
-    """The error of the daemon's last frame (unique id 0), read until the daemon closes."""
-    conn = ClientConnection()
-    error = None
-    try:
-        while data := sock.recv(1 << 16):
-            conn.receive_data(data)
-            event = conn.next_event()
-            if isinstance(event, ReplyReceived) and event.header.unique == 0:
-                error = event.error
-    except (ConnectionResetError, ssl.SSLEOFError):
-        pass
-    except TimeoutError:
-        pytest.fail(f"the daemon kept the connection open for {DEADLINE_S} s")
-    return error
-
-
 def test_a_tls_client_without_init_gets_the_etimedout_frame(tls_daemon: TlsDaemon) -> None:
     context = tls_daemon.certs.client_context()
     with tcp(tls_daemon.port) as raw, context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
-        word = _last_word(tls)
+        word = last_word(tls, DEADLINE_S)
     assert isinstance(word, TimedOutError), word
     assert f"no INIT within {HANDSHAKE_S:g} s" in str(word)
     tls_daemon.serves("after-the-timeout")
