@@ -214,15 +214,7 @@ class _Exporter:
 def _map_landing(fd: int, size_bytes: int) -> tuple[mmap.mmap, int]:
     """The landing buffer (the daemon's memory file, sealed against resizing): mapped shared
     and writable, the only writable mapping of a file the daemon shares here."""
-    try:
-        landing = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-    view = memoryview(landing)
-    try:
-        return landing, buffer_address(view)
-    finally:
-        view.release()
+    return _map_fd(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def _close_other_fds(keep: set[int]) -> None:
@@ -271,15 +263,19 @@ def _map(fd: int, size_bytes: int) -> tuple[mmap.mmap, int]:
     registered (UCX refuses no remote WRITE): a write into a read-only page is refused by the
     kernel (``cma``) or faults this process (TCP: it is restarted), and never changes a byte of
     the tenant's blocks. Nothing in this process maps the region writable."""
+    return _map_fd(fd, size_bytes, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+
+
+def _map_fd(fd: int, size_bytes: int, flags: int, prot: int) -> tuple[mmap.mmap, int]:
+    """``fd`` mapped with ``flags`` and ``prot``, then closed (the mapping keeps the file); the
+    mapping and its address."""
     try:
-        region = mmap.mmap(
-            fd, size_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
-        )
+        mapped = mmap.mmap(fd, size_bytes, flags=flags, prot=prot)
     finally:
         os.close(fd)
-    view = memoryview(region)
+    view = memoryview(mapped)
     try:
-        return region, buffer_address(view)
+        return mapped, buffer_address(view)
     finally:
         view.release()
 
