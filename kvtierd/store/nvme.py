@@ -24,6 +24,11 @@ never lies beside the data file (``/dev`` has no room for it, and a directory ma
 daemons' files): it is in the data directory, named by
 :func:`~kvtierd.store.recovery.snapshot_path`.
 
+The module is past 600 lines since issue 31 for the data file's identity checks (device and
+inode against the path's, size, the superblock read back), which need the tier's open
+descriptor; the verdict they feed is pure (:mod:`kvtierd.store.diskhealth`). Moving the checks
+beside :mod:`kvtierd.store.diskwatch` is part of issue 33's reshaping.
+
 Optional zstd (per namespace) compresses through a bounce buffer in a worker thread, with one
 compressor per thread (a shared ``ZstdCompressor`` crashes the process).
 """
