@@ -7,6 +7,7 @@ the process. Large blocks are hashed in a worker thread so the loop keeps servin
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import anyio
 import xxhash
@@ -17,6 +18,7 @@ from kvtierd.store.records import checksum
 __all__ = [
     "THREAD_CHECKSUM_BYTES",
     "checksum_off_loop",
+    "checksums_off_loop",
     "compress",
     "copy_checksum_off_loop",
     "decompress_into",
@@ -52,6 +54,19 @@ async def checksum_off_loop(view: bytes | memoryview) -> int:
     if len(view) < THREAD_CHECKSUM_BYTES:
         return checksum(view)
     return await anyio.to_thread.run_sync(checksum, view)
+
+
+def _checksums(views: Sequence[memoryview]) -> list[int]:
+    return [checksum(view) for view in views]
+
+
+async def checksums_off_loop(views: Sequence[memoryview]) -> list[int]:
+    """The xxh3-64 of each of ``views``: in one worker thread hop for them all once they
+    reach :data:`THREAD_CHECKSUM_BYTES` together (a run of blocks read in one request), so
+    the hop is paid once per run, not once per block."""
+    if sum(len(view) for view in views) < THREAD_CHECKSUM_BYTES:
+        return _checksums(views)
+    return await anyio.to_thread.run_sync(_checksums, views)
 
 
 #: Copy and hash in pieces this size, so the hash reads each piece while it is still in cache.

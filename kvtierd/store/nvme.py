@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -62,7 +63,7 @@ from kvtierd.errors import (
 from kvtierd.io import IoBackend
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
-from kvtierd.store.codec import checksum_off_loop, compress, decompress_into
+from kvtierd.store.codec import checksum_off_loop, checksums_off_loop, compress, decompress_into
 from kvtierd.store.diskhealth import DataFileLostError, DiskFault
 from kvtierd.store.records import (
     PAGE_BYTES,
@@ -183,6 +184,97 @@ class NvmeTier(LowerTier):
 
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
         slot = self._slot(location)
+        header, padded = self._readable(ref, slot)
+        async with self._pages.page() as page:
+            await self._read_record(slot, header, page, padded, dest)
+            self._verify_header(page, ref)
+        self._verified(ref, slot, await checksum_off_loop(dest[: ref.raw_bytes]))
+        self._counters["bytes_read"] += PAGE_BYTES + padded
+
+    def follows(self, before: Hashable, after: Hashable) -> bool:
+        """Both are plain (uncompressed) records, ``after``'s slot starting where ``before``'s
+        ends: one vectored read of ``[page, payload, page, payload]`` covers both."""
+        if not isinstance(before, DiskSlot) or not isinstance(after, DiskSlot):
+            return False
+        return before.offset + before.size == after.offset and self._plain(before, after)
+
+    def _plain(self, *slots: DiskSlot) -> bool:
+        for slot in slots:
+            header = self._records.get(slot)
+            if header is None or header.flags & RecordHeader.FLAG_ZSTD:
+                return False
+            if slot.size != slot_bytes_for(header.stored_bytes):
+                return False
+        return True
+
+    async def load_run(
+        self, items: Sequence[tuple[BlockRef, Hashable, memoryview]]
+    ) -> list[BlockNotFoundError | None]:
+        """One vectored read of the records of ``items`` (each slot following the one before),
+        each header page and payload in place; then each header checked and every payload
+        hashed in one worker-thread hop. A run that no longer qualifies (a record gone or
+        replaced since it was planned) is loaded record by record instead."""
+        slots = [self._slot(location) for _, location, _ in items]
+        if not self._one_read(items, slots):
+            return await super().load_run(items)
+        outcomes: list[BlockNotFoundError | None] = [None] * len(items)
+        async with self._pages.pages(len(items)) as pages:
+            buffers: list[memoryview] = []
+            for page, (_, _, dest), slot in zip(pages, items, slots, strict=True):
+                buffers += [page, dest[: slot.size - PAGE_BYTES]]  # a plain record fills its slot
+            unreadable = await self._read_run(slots[0].offset, buffers)
+            if unreadable is not None:
+                return [unreadable] * len(items)
+            for i, (page, (ref, _, _)) in enumerate(zip(pages, items, strict=True)):
+                try:
+                    self._verify_header(page, ref)
+                except BlockNotFoundError as exc:
+                    outcomes[i] = exc
+        sums = await checksums_off_loop([dest[: ref.raw_bytes] for ref, _, dest in items])
+        for i, ((ref, _, _), slot, value) in enumerate(zip(items, slots, sums, strict=True)):
+            if outcomes[i] is None:
+                try:
+                    self._verified(ref, slot, value)
+                except BlockNotFoundError as exc:
+                    outcomes[i] = exc
+        self._counters["bytes_read"] += sum(slot.size for slot in slots)
+        return outcomes
+
+    def _one_read(
+        self, items: Sequence[tuple[BlockRef, Hashable, memoryview]], slots: list[DiskSlot]
+    ) -> bool:
+        """Whether ``items`` still make one run: several plain records, each following the one
+        before, each still the block asked for, all inside the file, with header pages for all."""
+        if not 1 < len(items) <= self._pages.count:
+            return False
+        if not all(self.follows(a, b) for a, b in itertools.pairwise(slots)):
+            return False
+        for (ref, _, _), slot in zip(items, slots, strict=True):
+            header = self._records.get(slot)
+            if header is None or header.seq != ref.seq:
+                return False
+        return slots[-1].offset + slots[-1].size <= self._segmap.file_bytes
+
+    async def _read_run(self, offset: int, buffers: list[memoryview]) -> BlockNotFoundError | None:
+        """Read ``buffers`` from ``offset``, trying twice; the miss every record of the run is
+        when the medium still refuses (as :meth:`_read_record` makes of one record)."""
+        for attempt in (1, 2):
+            try:
+                await self._backend.readv(self._fd, offset, buffers)
+                return None
+            except StorageIOError as exc:
+                if attempt == 2:
+                    self._counters["misses"] += len(buffers) // 2
+                    log.error(
+                        "cannot read the blocks at offset %d of %s: %s", offset, self.path, exc
+                    )
+                    return BlockNotFoundError(f"stored block unreadable: {exc}")
+        raise AssertionError("unreachable")
+
+    def _readable(self, ref: BlockRef, slot: DiskSlot) -> tuple[RecordHeader, int]:
+        """The record ``slot`` holds for ``ref`` and its payload's length on disk (whole pages);
+        raises :class:`BlockNotFoundError` when the slot holds another block now, or lies
+        outside the data file."""
         header = self._records.get(slot)
         if header is None or header.seq != ref.seq:
             raise BlockNotFoundError("the disk slot no longer holds this block")
@@ -191,10 +283,12 @@ class NvmeTier(LowerTier):
             self._counters["misses"] += 1
             log.error("a block's place, offset %d, lies outside %s", slot.offset, self.path)
             raise BlockNotFoundError("the block's disk slot lies outside the data file")
-        async with self._pages.page() as page:
-            await self._read_record(slot, header, page, padded, dest)
-            self._verify_header(page, ref)
-        if await checksum_off_loop(dest[: ref.raw_bytes]) != ref.checksum:
+        return header, padded
+
+    def _verified(self, ref: BlockRef, slot: DiskSlot, value: int) -> None:
+        """Count a hit when the payload read from ``slot`` hashed to ``value`` matches ``ref``;
+        else count a miss and raise :class:`BlockNotFoundError` (torn or corrupt)."""
+        if value != ref.checksum:
             self._counters["misses"] += 1
             log.error(
                 "torn or corrupt block at offset %d of %s: checksum mismatch",
@@ -203,7 +297,6 @@ class NvmeTier(LowerTier):
             )
             raise BlockNotFoundError("stored block failed its checksum")
         self._counters["hits"] += 1
-        self._counters["bytes_read"] += PAGE_BYTES + padded
 
     async def _read_record(
         self, slot: DiskSlot, header: RecordHeader, page: memoryview, padded: int, dest: memoryview

@@ -35,6 +35,7 @@ from kvtierd.store.index import Block, BlockIndex
 from kvtierd.store.namespaces import Namespace, NamespaceRegistry, NamespaceSpec
 from kvtierd.store.planner import reserve
 from kvtierd.store.regions import Regions, TenantRegion
+from kvtierd.store.runs import plan_runs
 from kvtierd.store.slicing import Lane
 from kvtierd.store.slots import Slot
 from kvtierd.store.sparse import SparseRetrieval
@@ -50,6 +51,11 @@ _EVICT_BATCH = 16
 #: Promotions a READ runs at once: the disk wants queue depth, but a task per block of an
 #: 8192-block READ cost the loop tens of ms to start.
 _READ_DEPTH = 32
+#: Copies of a READ that follow one another on the local tier are read in one request of at
+#: most this many bytes and records (:mod:`.runs`): at 448 KiB blocks, a request per block
+#: cost more loop time than the disk took to read it.
+_RUN_BYTES = 4 << 20
+_RUN_RECORDS = 16
 
 
 class Residency:
@@ -199,37 +205,134 @@ class Residency:
                         await self.drop_lower(block)
                         self.counters["lost"] += 1
                 raise
-            block.dram = slot
-            block.ns.dram_blocks += 1
-            self.dram_policy_of(block.ns).inserted(block, time.monotonic(), context)
-            self.count(block.ns, "pool_hits" if shared else "lower_hits")
-            self.count(block.ns, "promotions")
+            self._install(block, slot, context, shared)
         finally:
             block.loading.set()
             block.loading = None
             self.unpin(block)
 
+    def _install(self, block: Block, slot: Slot, context: AccessContext, shared: bool) -> None:
+        """``block``'s bytes, loaded from a lower tier, are in ``slot`` now."""
+        block.dram = slot
+        block.ns.dram_blocks += 1
+        self.dram_policy_of(block.ns).inserted(block, time.monotonic(), context)
+        self.count(block.ns, "pool_hits" if shared else "lower_hits")
+        self.count(block.ns, "promotions")
+
     async def make_all_resident(self, blocks: list[tuple[Block, AccessContext]]) -> None:
-        """Promote concurrently, at most :data:`_READ_DEPTH` at a time, in order (the disk
-        wants queue depth); raise the first failure."""
-        if len(blocks) == 1:  # no task group for one block: the common small READ
+        """Promote concurrently, at most :data:`_READ_DEPTH` requests at a time, in order (the
+        disk wants queue depth), copies that follow one another on the local tier in one
+        request each (:func:`~kvtierd.store.runs.plan_runs`); raise the first failure."""
+        runs = self._plan_runs(blocks)
+        if len(runs) == 1 and len(runs[0]) == 1:  # no task group for one block: a small READ
             await self.make_resident(blocks[0][0], wait=True, context=blocks[0][1])
             return
         errors: list[KvtierError] = []
-        pending = iter(blocks)  # shared by the workers: each takes the next block
+        pending = iter(runs)  # shared by the workers: each takes the next run
 
         async def worker() -> None:
-            for block, context in pending:
+            for run in pending:
                 try:
-                    await self.make_resident(block, wait=True, context=context)
+                    if len(run) == 1:
+                        await self.make_resident(run[0][0], wait=True, context=run[0][1])
+                    else:
+                        await self._promote_run(run)
                 except KvtierError as exc:
                     errors.append(exc)
 
         async with anyio.create_task_group() as tg:
-            for _ in range(min(_READ_DEPTH, len(blocks))):
+            for _ in range(min(_READ_DEPTH, len(runs))):
                 tg.start_soon(worker)
         if errors:
             raise errors[0]
+
+    def _plan_runs(
+        self, blocks: list[tuple[Block, AccessContext]]
+    ) -> list[list[tuple[Block, AccessContext]]]:
+        lower = self.lower
+        if lower is None or len(blocks) == 1:
+            return [[item] for item in blocks]
+        kind = lower.kind
+
+        def follows(a: tuple[Block, AccessContext], b: tuple[Block, AccessContext]) -> bool:
+            before, after = a[0].copies.get(kind), b[0].copies.get(kind)
+            return before is not None and after is not None and lower.follows(before, after)
+
+        return plan_runs(
+            blocks,
+            follows,
+            lambda item: item[0].ref.raw_bytes,
+            max_bytes=_RUN_BYTES,
+            max_items=_RUN_RECORDS,
+        )
+
+    def _runnable(self, block: Block) -> bool:
+        """``block`` may join a run read from the local tier now (nothing else is promoting
+        it, it is not in DRAM yet, and the local tier is the nearest copy)."""
+        return (
+            block.loading is None
+            and not block.resident
+            and not block.forgotten
+            and self.lower is not None
+            and block.lower is not None
+        )
+
+    async def _promote_run(self, run: list[tuple[Block, AccessContext]]) -> None:
+        """:meth:`make_resident` of blocks whose local copies follow one another, read in one
+        request (:meth:`~kvtierd.store.tier.LowerTier.load_run`). A run changed since it was
+        planned (a block promoted, evicted or forgotten meanwhile) is promoted block by
+        block. Raises the first failure, after every block was dealt with."""
+        lower = self.lower
+        if lower is None or not all(self._runnable(block) for block, _ in run):
+            await self._promote_each(run)
+            return
+        for block, _ in run:
+            block.loading = anyio.Event()
+            block.pins += 1
+        slots: list[Slot] = []
+        try:
+            try:
+                for block, _ in run:
+                    region = self.region(block.ns)
+                    slots.append(await self.allocate_dram(region, block.ref.raw_bytes, wait=True))
+                outcomes = await lower.load_run(
+                    [
+                        (block.ref, block.copies[lower.kind], self.slot_view(slot))
+                        for (block, _), slot in zip(run, slots, strict=False)
+                    ]
+                )
+            except BaseException:
+                for (block, _), slot in zip(run, slots, strict=False):
+                    self.region(block.ns).allocator.free(slot)
+                raise
+            first: BlockNotFoundError | None = None
+            for (block, context), slot, outcome in zip(run, slots, outcomes, strict=True):
+                if outcome is None:
+                    self._install(block, slot, context, shared=False)
+                    continue
+                self.region(block.ns).allocator.free(slot)
+                if block.lower is not None:  # else a FORGET during the read dropped it
+                    await self.drop_lower(block)
+                    self.counters["lost"] += 1
+                first = first or outcome
+            if first is not None:
+                raise first
+        finally:
+            for block, _ in run:
+                assert block.loading is not None
+                block.loading.set()
+                block.loading = None
+                self.unpin(block)
+
+    async def _promote_each(self, run: list[tuple[Block, AccessContext]]) -> None:
+        first: KvtierError | None = None
+        for block, context in run:
+            try:
+                await self.make_resident(block, wait=True, context=context)
+            except KvtierError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def unpin(self, block: Block) -> None:
         block.pins -= 1

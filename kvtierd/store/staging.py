@@ -47,6 +47,7 @@ class StagingPages:
         self._region = region
         self._free = list(range(count))
         self._available = anyio.Semaphore(count)
+        self._several = anyio.Lock()
         self.count = count
 
     @contextlib.asynccontextmanager
@@ -58,6 +59,26 @@ class StagingPages:
                 yield self._region[index * PAGE_BYTES : (index + 1) * PAGE_BYTES]
             finally:
                 self._free.append(index)
+
+    @contextlib.asynccontextmanager
+    async def pages(self, n: int) -> AsyncIterator[list[memoryview]]:
+        """``n`` pages (1 to :attr:`count`) for the duration of the ``async with`` block, for
+        one vectored read of ``n`` records. They are taken one at a time under a lock: two
+        callers never each hold part of what the other waits for, and a single page held
+        elsewhere comes back once its I/O ends. Raises :class:`ValueError` for another ``n``."""
+        if not 1 <= n <= self.count:
+            raise ValueError(f"{n} pages asked of {self.count}")
+        taken: list[int] = []
+        try:
+            async with self._several:
+                for _ in range(n):
+                    await self._available.acquire()
+                    taken.append(self._free.pop())
+            yield [self._region[i * PAGE_BYTES : (i + 1) * PAGE_BYTES] for i in taken]
+        finally:
+            for index in taken:
+                self._free.append(index)
+                self._available.release()
 
 
 class StagedCopies:

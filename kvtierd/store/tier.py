@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvtierd.errors import KvtierError, NoSpaceError, StorageIOError
+from kvtierd.errors import BlockNotFoundError, KvtierError, NoSpaceError, StorageIOError
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
 
@@ -109,6 +109,30 @@ class LowerTier(abc.ABC):
         Raises :class:`~kvtierd.errors.BlockNotFoundError` when the stored copy is torn or
         not this block (the caller drops it) and ``StorageIOError`` when the medium fails.
         """
+
+    def follows(self, before: Hashable, after: Hashable) -> bool:
+        """Whether the copy at ``after`` lies right behind the one at ``before`` on the medium,
+        so that :meth:`load_run` reads them in one request. By default no copy does."""
+        return False
+
+    async def load_run(
+        self, items: Sequence[tuple[BlockRef, Hashable, memoryview]]
+    ) -> list[BlockNotFoundError | None]:
+        """:meth:`load` of each ``(ref, location, dest)``, each location :meth:`following
+        <follows>` the one before, in as few requests as the tier can. For each item, ``None``
+        when its ``dest`` holds its verified bytes, else the :class:`~kvtierd.errors.
+        BlockNotFoundError` its own :meth:`load` would have raised (the caller drops that
+        copy). Raises what :meth:`load` raises for anything else. By default one load after
+        another."""
+        outcomes: list[BlockNotFoundError | None] = []
+        for ref, location, dest in items:
+            try:
+                await self.load(ref, location, dest)
+            except BlockNotFoundError as exc:
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
+        return outcomes
 
     @abc.abstractmethod
     async def discard(self, location: Hashable) -> None:

@@ -31,6 +31,7 @@ DATA_FILE = "nvme.data"
 
 class TestNvmeTier(TierContract):
     capabilities = NvmeTier.capabilities
+    merges_following_copies = True
 
     @pytest.fixture(autouse=True, params=["io_uring", "threads"])
     def io_backend(self, request: pytest.FixtureRequest) -> str:

@@ -22,6 +22,7 @@ import xxhash
 
 from kvtierd.errors import BlockNotFoundError, NoSpaceError
 from kvtierd.store.records import PAGE_BYTES, checksum
+from kvtierd.store.runs import plan_runs
 from kvtierd.store.tier import BlockRef, LowerTier, MediumFullError, TierCapabilities
 
 NS = bytes(range(16))
@@ -102,6 +103,8 @@ class TierContract:
     MAX_BLOCK_BYTES = 1 << 20
     #: what the tier under test promises (its class's ``capabilities``)
     capabilities: TierCapabilities
+    #: copies stored one after another follow one another (:meth:`LowerTier.follows`)
+    merges_following_copies = False
 
     def require_recovery(self) -> None:
         if not self.capabilities.recovers_on_open:
@@ -277,6 +280,50 @@ class TierContract:
             for found in h.tier.recovered():  # a tier may or may not list it; never serve it
                 with pytest.raises(BlockNotFoundError):
                     await h.get(found.ref, found.location)
+
+    # -- runs ----------------------------------------------------------------------------------
+
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("damaged", [None, "payload", "header", "discarded"])
+    async def test_load_run_fills_each_block_and_misses_only_a_damaged_one(
+        self, tmp_path: Path, damaged: str | None
+    ) -> None:
+        async with self.open_tier(tmp_path, self.SIZE_BYTES) as h:
+            stored = []
+            for i in range(3):
+                key = b"L%d" % i + bytes(14)
+                data = content(key, (64 << 10) + 100)
+                stored.append((*(await h.put(key, data)), data))
+            runs = plan_runs(
+                stored,
+                lambda a, b: h.tier.follows(a[1], b[1]),
+                lambda item: len(item[2]),
+                max_bytes=1 << 30,
+                max_items=16,
+            )
+            if self.merges_following_copies:
+                assert [len(run) for run in runs] == [3]
+            if damaged == "discarded":
+                await h.tier.discard(stored[1][1])
+            elif damaged is not None:
+                self.corrupt(tmp_path, stored[1][1], damaged)
+            with contextlib.ExitStack() as stack:
+                views = [stack.enter_context(h.buffer(len(data))) for _, _, data in stored]
+                for view in views:
+                    view[:] = b"\x5a" * len(view)
+                outcomes: list[BlockNotFoundError | None] = []
+                for run in runs:
+                    first = len(outcomes)
+                    items = [(ref, loc, views[first + i]) for i, (ref, loc, _) in enumerate(run)]
+                    outcomes += await h.tier.load_run(items)
+                for i, ((_, _, data), view, outcome) in enumerate(
+                    zip(stored, views, outcomes, strict=True)
+                ):
+                    if damaged is not None and i == 1:
+                        assert isinstance(outcome, BlockNotFoundError)
+                    else:
+                        assert outcome is None
+                        assert bytes(view[: len(data)]) == data
 
     # -- recovery ------------------------------------------------------------------------------
 

@@ -1,0 +1,163 @@
+"""READs of blocks whose NVMe records lie side by side: one request per run, each block still
+verified alone (a damaged record inside a run is a miss for that block only), and a run that
+changes while it is read (FORGET) leaks nothing. In-process, on the real io_uring or thread
+backend and a real data file."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from kvtierd.config import load_config
+from kvtierd.errors import BlockNotFoundError
+from kvtierd.store.index import Owner
+from kvtierd.store.lifecycle import open_store
+from kvtierd.store.namespaces import Namespace, NamespaceSpec
+from kvtierd.store.records import PAGE_BYTES
+from kvtierd.store.segments import DiskSlot
+from kvtierd.store.store import BlockStore
+from tests.store.test_store_pressure import ROOT, content, key_of, put, read_back
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+BLOCK = 256 << 10
+
+
+@contextlib.asynccontextmanager
+async def store_in_order(
+    directory: Path, backend: str
+) -> AsyncIterator[tuple[BlockStore, Namespace]]:
+    """A store whose write-back writes one block at a time, so that blocks committed in order
+    get slots in order, side by side."""
+    config = load_config(
+        None,
+        {
+            "daemon": {"data_dir": str(directory)},
+            "dram": {"size": "32M", "mlock": "never", "hugepages": "never"},
+            "nvme": {
+                "size": "64M",
+                "segment_bytes": "8M",
+                "queue_depth": 16,
+                "writeback_concurrency": 1,
+                "io_backend": backend,
+            },
+        },
+    )
+    async with open_store(config) as store:
+        ns, _ = store.registry.open(NamespaceSpec("r", "default", BLOCK, None, 0, 1), ROOT)
+        yield store, ns
+
+
+async def stored_on_disk(store: BlockStore, ns: Namespace, count: int) -> tuple[Owner, list[bytes]]:
+    owner = Owner("runs")
+    keys = [key_of(i) for i in range(count)]
+    for key in keys:
+        await put(store, owner, ns, key)
+    await store.fsync()
+    assert await store.evict_dram(ns) == count
+    return owner, keys
+
+
+def location(store: BlockStore, ns: Namespace, key: bytes) -> DiskSlot:
+    block = store.index.get(ns, key)
+    assert block is not None
+    assert isinstance(block.lower, DiskSlot)
+    return block.lower
+
+
+def damage(directory: Path, slot: DiskSlot, where: str) -> None:
+    """Flip one byte of the record at ``slot`` on the medium, behind the tier's back."""
+    offset = slot.offset + (PAGE_BYTES + 20 if where == "payload" else 40)
+    fd = os.open(directory / "nvme.data", os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0xFF]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
+async def test_blocks_written_in_order_are_read_in_runs(tmp_path: Path, backend: str) -> None:
+    async with store_in_order(tmp_path, backend) as (store, ns):
+        owner, keys = await stored_on_disk(store, ns, 12)
+        slots = [location(store, ns, key) for key in keys]
+        assert all(a.offset + a.size == b.offset for a, b in itertools.pairwise(slots))
+        assert store.io_backend is not None
+        before = store.io_backend.statistics().submitted
+        lease = await store.read(owner, ns, keys)
+        requests = store.io_backend.statistics().submitted - before
+        try:
+            for key, block in zip(keys, lease.blocks, strict=True):
+                assert block.dram is not None
+                got = bytes(store.arena.view[block.dram.offset :][:BLOCK])
+                assert got == content(key, BLOCK)
+        finally:
+            store.release(owner, [lease.id])
+        assert requests < len(keys)  # 12 x 260 KiB in runs of at most 4 MiB: 1 or 2 requests
+        assert store.counters["lower_hits"] == len(keys)
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+async def test_a_damaged_record_inside_a_run_is_a_miss_for_it_alone(
+    tmp_path: Path, where: str
+) -> None:
+    async with store_in_order(tmp_path, "io_uring") as (store, ns):
+        owner, keys = await stored_on_disk(store, ns, 5)
+        damage(tmp_path, location(store, ns, keys[2]), where)
+        with pytest.raises(BlockNotFoundError):
+            await store.read(owner, ns, keys)
+        assert store.index.get(ns, keys[2]) is None  # the damaged copy was its only one
+        assert store.counters["lost"] == 1
+        assert not owner.leases
+        for key in keys[:2] + keys[3:]:  # read together, their bytes in DRAM now
+            assert await read_back(store, owner, ns, key) == content(key, BLOCK)
+        await store.evict_dram(ns)
+        assert store.regions.used_bytes == 0
+
+
+async def test_forget_while_a_run_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FORGET of a block of a run in flight: the READ is a miss, the others land, nothing
+    leaks, and the forgotten block stays forgotten."""
+    async with store_in_order(tmp_path, "io_uring") as (store, ns):
+        owner, keys = await stored_on_disk(store, ns, 4)
+        assert store.lower is not None
+        real_load_run = store.lower.load_run
+        started, proceed = anyio.Event(), anyio.Event()
+
+        async def gated_load_run(*args: Any) -> Any:
+            started.set()
+            await proceed.wait()
+            return await real_load_run(*args)
+
+        monkeypatch.setattr(store.lower, "load_run", gated_load_run)
+        outcome: list[BaseException | None] = []
+
+        async def reader() -> None:
+            try:
+                await store.read(owner, ns, keys)
+                outcome.append(None)
+            except BlockNotFoundError as exc:
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            await started.wait()
+            assert await store.forget(ns, [keys[1]]) == 1
+            proceed.set()
+        monkeypatch.setattr(store.lower, "load_run", real_load_run)
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], BlockNotFoundError)
+        assert store.index.get(ns, keys[1]) is None
+        assert not owner.leases
+        for key in (keys[0], keys[2], keys[3]):
+            assert await read_back(store, owner, ns, key) == content(key, BLOCK)
+        await store.evict_dram(ns)
+        assert store.regions.used_bytes == 0
+        await store.fsync()  # the store's own tasks are still alive
