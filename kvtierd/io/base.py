@@ -62,6 +62,9 @@ class IoStatistics:
     than ``queue_depth`` (calls still waiting for a slot are not counted). io_uring counts a
     resubmitted partial transfer as another request; the threads backend counts calls.
     ``fixed_ops`` counts ``readv``/``writev`` calls served from registered (fixed) buffers.
+    ``submit_calls`` counts the system calls that handed requests to the kernel: io_uring
+    hands a turn of the loop's requests over in one (see :mod:`kvtierd.io.ring`), the threads
+    backend makes one per call.
     """
 
     kind: str
@@ -72,6 +75,7 @@ class IoStatistics:
     bytes_written: int
     fixed_ops: int
     fsyncs: int
+    submit_calls: int
 
 
 class IoBackend(abc.ABC):
@@ -121,7 +125,15 @@ class IoBackend(abc.ABC):
 class OpCounters:
     """The mutable counters behind :class:`IoStatistics`; touched only from the event loop."""
 
-    __slots__ = ("bytes_read", "bytes_written", "completed", "fixed_ops", "fsyncs", "submitted")
+    __slots__ = (
+        "bytes_read",
+        "bytes_written",
+        "completed",
+        "fixed_ops",
+        "fsyncs",
+        "submit_calls",
+        "submitted",
+    )
 
     def __init__(self) -> None:
         self.submitted = 0
@@ -130,6 +142,7 @@ class OpCounters:
         self.bytes_written = 0
         self.fixed_ops = 0
         self.fsyncs = 0
+        self.submit_calls = 0
 
     def snapshot(self, kind: IoBackendKind) -> IoStatistics:
         return IoStatistics(
@@ -141,6 +154,7 @@ class OpCounters:
             bytes_written=self.bytes_written,
             fixed_ops=self.fixed_ops,
             fsyncs=self.fsyncs,
+            submit_calls=self.submit_calls,
         )
 
 

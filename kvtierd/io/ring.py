@@ -10,6 +10,12 @@ request's buffers; after it, it never touches them again. The ring itself comes 
 of liburing (:mod:`kvtierd.io.binding`), which prepares and tags an SQE in one call.
 
 * Everything runs on the event-loop thread: preparing SQEs, submitting, reaping. No locks.
+* Submissions are grouped: a request's SQE is published at once, but handed to the kernel by a
+  single submitter task, woken by the first request of a turn of the loop, which runs after
+  every task of that turn has queued its own: one ``io_uring_enter`` per group, however many
+  requests the group holds (the workers of a READ, the completions of one reap, each
+  followed by its next request). A failed submission is retried by that task, every
+  :data:`_RETRY_SUBMIT_S`, until it is taken or the ring breaks.
 * Completions wake the loop through an eventfd registered with the ring
   (``io_uring_register_eventfd``): the kernel bumps it for every CQE it posts, and a single reaper
   task waits for it with ``anyio.wait_readable`` (epoll on both asyncio and trio). The reaper
@@ -94,6 +100,10 @@ class CompletionRing:
         self._closing = False
         self._drained = anyio.Event()
         self._reaper_scope: anyio.CancelScope | None = None
+        self._submitter_scope: anyio.CancelScope | None = None
+        self._queued = anyio.Event()
+        #: ``io_uring_enter`` calls that handed requests to the kernel.
+        self.enters = 0
         #: Requests handed to the kernel by :meth:`run`, and those of them that completed.
         self.submitted = 0
         self.completed = 0
@@ -115,9 +125,6 @@ class CompletionRing:
             waiter = self._prepare(prep)
             self.submitted += 1
             with anyio.CancelScope(shield=True):
-                while not waiter.submitted and not waiter.done.is_set():
-                    await anyio.sleep(_RETRY_SUBMIT_S)
-                    self._flush()
                 await waiter.done.wait()
             self.completed += 1
         await anyio.lowlevel.checkpoint_if_cancelled()
@@ -150,7 +157,7 @@ class CompletionRing:
         waiter = _Waiter(token, keepalive)
         self._waiters[token] = waiter
         self._unsubmitted.append(waiter)
-        self._flush()
+        self._queued.set()  # the submitter hands this turn's requests over in one call
         return waiter
 
     def _flush(self) -> None:
@@ -164,8 +171,20 @@ class CompletionRing:
                 return
             self._break(exc)
             return
+        self.enters += 1
         for _ in range(min(consumed, len(self._unsubmitted))):
             self._unsubmitted.popleft().submitted = True
+
+    async def _submit_forever(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        with anyio.CancelScope(shield=True) as self._submitter_scope:
+            task_status.started()
+            while True:
+                await self._queued.wait()
+                self._queued = anyio.Event()
+                self._flush()
+                while self._unsubmitted and self._broken is None:  # EAGAIN, EBUSY, EINTR
+                    await anyio.sleep(_RETRY_SUBMIT_S)
+                    self._flush()
 
     def _break(self, exc: OSError) -> None:
         logger.error("io_uring submission failed, the backend is unusable: %s", exc)
@@ -258,6 +277,7 @@ async def open_completion_ring(
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(ring._reap_forever)
+            await tg.start(ring._submit_forever)
             try:
                 yield ring
             except Exception as exc:
@@ -265,7 +285,9 @@ async def open_completion_ring(
             finally:
                 await ring._drain()
                 assert ring._reaper_scope is not None
+                assert ring._submitter_scope is not None
                 ring._reaper_scope.cancel()
+                ring._submitter_scope.cancel()
     finally:
         ring._teardown()
         ring._abandon()

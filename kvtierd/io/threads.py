@@ -142,6 +142,7 @@ class ThreadBackend(IoBackend):
             raise ClosedError("the thread backend is closed")
         async with self._slots:
             self._counters.submitted += 1
+            self._counters.submit_calls += 1
             job = _Job(func)
             try:
                 outcome = await anyio.to_thread.run_sync(

@@ -107,6 +107,7 @@ class UringBackend(IoBackend):
     def statistics(self) -> IoStatistics:
         self._counters.submitted = self._ring.submitted
         self._counters.completed = self._ring.completed
+        self._counters.submit_calls = self._ring.enters
         return self._counters.snapshot(self.kind)
 
     async def _transfer(self, op: str, fd: int, offset: int, buffers: Sequence[memoryview]) -> int:

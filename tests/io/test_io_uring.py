@@ -128,3 +128,24 @@ async def test_a_failed_preparation_leaves_the_ring_usable(data_fd: int, arena: 
         assert await backend.writev(data_fd, 0, [arena[:BLOCK]]) == BLOCK
         assert await backend.readv(data_fd, 0, [arena[BLOCK : 2 * BLOCK]]) == BLOCK
         assert backend.statistics().in_flight == 0
+
+
+async def test_requests_of_one_turn_enter_the_kernel_together(
+    data_fd: int, arena: memoryview
+) -> None:
+    """Reads started in the same turn of the loop are handed to the kernel in one
+    ``io_uring_enter``, not one each; every one still gets its own bytes."""
+    data = os.urandom(32 * BLOCK)
+    arena[: len(data)] = data
+    async with open_uring_backend(32) as backend:
+        backend.register_buffer(arena)
+        await backend.writev(data_fd, 0, [arena[: len(data)]])
+        before = backend.statistics()
+        targets = [arena[MIB + i * BLOCK : MIB + (i + 1) * BLOCK] for i in range(32)]
+        async with anyio.create_task_group() as tg:
+            for i, target in enumerate(targets):
+                tg.start_soon(backend.readv, data_fd, i * BLOCK, [target])
+        after = backend.statistics()
+    assert after.submitted - before.submitted == 32
+    assert after.submit_calls - before.submit_calls < 32
+    assert all(bytes(t) == data[i * BLOCK : (i + 1) * BLOCK] for i, t in enumerate(targets))
