@@ -1,10 +1,14 @@
 """Benchmarks of the foundation: kvtierd against references measured in the same run.
 
 * ``cold``: blocks read from the NVMe tier (DRAM emptied, O_DIRECT, so no page cache) through
-  the daemon into client buffers, against ``fio --ioengine=io_uring --direct=1`` random reads
-  of the same data file with the same block size and queue depth; rounds alternate A B A B
-  because the virtual disk here is bimodal (``../shared/PLATFORM.md``), and ratios are taken
-  pair by pair.
+  the daemon into client buffers, at 448 KiB, 2, 8 and 32 MiB (``--cold-sizes``), in the order
+  they were written and in random order, against ``fio --ioengine=io_uring --direct=1``
+  reading the same data file the same way (``read`` / ``randread``) with the same block size
+  and queue depth: the daemon's ``nvme.queue_depth`` is fio's ``iodepth`` (``--qd``), and
+  the client keeps READs of about 4 MiB in flight for twice that many blocks (an engine
+  pipelines its loads; the daemon then always has the next read to submit). Rounds alternate
+  A B A B because the virtual disk here is bimodal (``../shared/PLATFORM.md``), and ratios are
+  taken pair by pair. The daemon's CPU seconds per GB read are recorded beside them.
 * ``dram``: DRAM hits copied out by the client against a plain numpy copy of the same bytes
   from a shared mapping into the same destination buffers.
 * ``rtt``: LOOKUP round trip (1 and 64 keys), p50/p99, against a bare asyncio Unix-socket echo
@@ -40,6 +44,7 @@ import contextlib
 import functools
 import mmap
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -74,23 +79,37 @@ def _put_all(ns: Any, keys: list[bytes], block: np.ndarray) -> None:
         ns.put(chunk, [block] * len(chunk))
 
 
+#: Blocks a cold-read client asks for per READ: about 4 MiB of them (one block of 8 MiB and up).
+_COLD_READ_BYTES = 4 * MiB
+
+
+def cold_window(block_bytes: int, qd: int) -> tuple[int, int]:
+    """(READs kept in flight, blocks per READ) for a cold read at queue depth ``qd``: READs of
+    about 4 MiB, enough of them that twice ``qd`` blocks are asked for at any time. The daemon
+    runs at most ``qd`` disk requests (its ``nvme.queue_depth``), like fio's ``iodepth``; the
+    client asks for more so that the daemon always has the next read to submit while the
+    client copies a finished one out (an engine pipelines its loads the same way)."""
+    batch = max(1, min(16, _COLD_READ_BYTES // block_bytes))
+    return max(2, -(-2 * qd // batch)), batch
+
+
 async def _cold_read(
     socket_path: Path, block_bytes: int, keys: list[bytes], qd: int, *, zero_copy: bool = False
 ) -> float:
-    """GB/s of reading every key from NVMe into client buffers, ``qd`` blocks in flight;
-    ``zero_copy``: leased in the shared arena instead (what an engine that moves the bytes on
-    to the GPU from the mapped arena waits for), like fio, which never touches its buffer."""
-    workers = min(qd, 4)
-    batch = max(1, qd // workers)
+    """GB/s of reading every key from NVMe into client buffers, in the order of ``keys``, READs
+    pipelined as :func:`cold_window` says; ``zero_copy``: leased in the shared arena instead
+    (what an engine that moves the bytes on to the GPU from the mapped arena waits for), like
+    fio, which never touches its buffer."""
+    workers, batch = cold_window(block_bytes, qd)
     async with connect_async(socket_path) as client:
         await client.evict()
         ns = await client.namespace("bench", block_bytes=block_bytes)
-        buffers = [[np.empty(block_bytes, np.uint8) for _ in range(batch)] for _ in range(workers)]
-        chunks = [keys[i : i + batch] for i in range(0, len(keys), batch)]
+        buffers = [[np.ones(block_bytes, np.uint8) for _ in range(batch)] for _ in range(workers)]
+        chunks = iter([keys[i : i + batch] for i in range(0, len(keys), batch)])
         started = time.perf_counter()
 
         async def worker(n: int) -> None:
-            for chunk in chunks[n::workers]:
+            for chunk in chunks:  # shared: each worker takes the next READ as its last ends
                 if zero_copy:
                     async with ns.lease(chunk):
                         pass
@@ -104,16 +123,44 @@ async def _cold_read(
     return len(keys) * block_bytes / elapsed / 1e9
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _fio_cold(
+    data_file: Path, used: int, block_bytes: int, count: int, qd: int, order: str
+) -> float:
+    fio = fio_json(
+        [
+            "--rw=read" if order == "in_order" else "--rw=randread",
+            f"--bs={block_bytes}",
+            f"--iodepth={qd}",
+            f"--filename={data_file}",
+            f"--size={used}",
+            "--readonly",
+            f"--io_size={count * block_bytes}",
+        ]
+    )
+    return float(fio["jobs"][0]["read"]["bw_bytes"]) / 1e9
+
+
 def bench_cold(
     workdir: Path, block_bytes: int, total_bytes: int, qd: int, rounds: int
-) -> dict[str, Any]:
+) -> list[dict[str, Any]]:
+    """Cold reads of ``block_bytes`` blocks in order and in random order, each against fio
+    reading the daemon's data file the same way (``read`` / ``randread``, same block size and
+    queue depth), in pairs that alternate A B A B; one result per order."""
     count = total_bytes // block_bytes
-    dram = max(256 * MiB, 2 * qd * block_bytes + 64 * MiB)
+    workers, batch = cold_window(block_bytes, qd)
+    dram = max(256 * MiB, 2 * workers * batch * block_bytes + 64 * MiB)
+    config = os.environ.get("KVTIERD_BENCH_CONFIG") or f"[nvme]\nqueue_depth = {qd}\n"
     with DaemonProcess(
-        workdir / f"cold-{block_bytes >> 20}M",  # size classes do not share disk space
+        workdir / f"cold-{block_bytes >> 10}K",  # size classes do not share disk space
         dram_size=f"{dram >> 20}M",
         nvme_size=f"{(count * (block_bytes + 8192) + 256 * MiB) >> 20}M",
-        config_text=os.environ.get("KVTIERD_BENCH_CONFIG"),
+        config_text=config,
     ) as d:
         with connect(d.socket) as client:
             ns = client.namespace("bench", block_bytes=block_bytes)
@@ -121,48 +168,57 @@ def bench_cold(
             _fill(ns, keys, block_bytes)
             client.fsync()
             used = client.stats()["tiers"][1]["used_bytes"]
-        data_file = d.data_dir / "nvme.data"
-        daemon_gbps, lease_gbps, fio_gbps = [], [], []
+        assert d.process is not None
+        shuffled = list(keys)
+        random.Random(7).shuffle(shuffled)
+        orders = {"in_order": keys, "random": shuffled}
+        runs: dict[str, dict[str, list[float]]] = {
+            order: {"kvtierd": [], "lease": [], "fio": [], "cpu": []} for order in orders
+        }
         for _ in range(rounds):
-            daemon_gbps.append(anyio.run(_cold_read, d.socket, block_bytes, keys, qd))
-            lease_gbps.append(
-                anyio.run(
-                    functools.partial(_cold_read, zero_copy=True),
-                    d.socket,
-                    block_bytes,
-                    keys,
-                    qd,
+            for order, ordered in orders.items():
+                r = runs[order]
+                before = _cpu_s(d.process.pid)
+                r["kvtierd"].append(anyio.run(_cold_read, d.socket, block_bytes, ordered, qd))
+                r["cpu"].append((_cpu_s(d.process.pid) - before) / (count * block_bytes / 1e9))
+                r["fio"].append(
+                    _fio_cold(d.data_dir / "nvme.data", used, block_bytes, count, qd, order)
                 )
-            )
-            fio = fio_json(
-                [
-                    "--rw=randread",
-                    f"--bs={block_bytes}",
-                    f"--iodepth={qd}",
-                    f"--filename={data_file}",
-                    f"--size={used}",
-                    "--readonly",
-                    f"--io_size={count * block_bytes}",
-                ]
-            )
-            fio_gbps.append(fio["jobs"][0]["read"]["bw_bytes"] / 1e9)
-    ratios = [a / b for a, b in zip(daemon_gbps, fio_gbps, strict=True)]
-    lease_ratios = [a / b for a, b in zip(lease_gbps, fio_gbps, strict=True)]
-    return {
-        "block_bytes": block_bytes,
-        "queue_depth": qd,
-        "blocks": count,
-        "kvtierd_gbps": daemon_gbps,
-        "fio_gbps": fio_gbps,
-        "ratios": ratios,
-        "median_ratio": benchlib.median(ratios),
-        "zero_copy": {
-            "kvtierd_gbps": lease_gbps,
-            "fio_gbps": fio_gbps,
-            "ratios": lease_ratios,
-            "median_ratio": benchlib.median(lease_ratios),
-        },
-    }
+                r["lease"].append(
+                    anyio.run(
+                        functools.partial(_cold_read, zero_copy=True),
+                        d.socket,
+                        block_bytes,
+                        ordered,
+                        qd,
+                    )
+                )
+    results = []
+    for order, r in runs.items():
+        ratios = [a / b for a, b in zip(r["kvtierd"], r["fio"], strict=True)]
+        lease_ratios = [a / b for a, b in zip(r["lease"], r["fio"], strict=True)]
+        results.append(
+            {
+                "block_bytes": block_bytes,
+                "order": order,
+                "queue_depth": qd,
+                "reads_in_flight": workers,
+                "blocks_per_read": batch,
+                "blocks": count,
+                "kvtierd_gbps": r["kvtierd"],
+                "fio_gbps": r["fio"],
+                "ratios": ratios,
+                "median_ratio": benchlib.median(ratios),
+                "daemon_cpu_s_per_gb": r["cpu"],
+                "zero_copy": {
+                    "kvtierd_gbps": r["lease"],
+                    "fio_gbps": r["fio"],
+                    "ratios": lease_ratios,
+                    "median_ratio": benchlib.median(lease_ratios),
+                },
+            }
+        )
+    return results
 
 
 def bench_dram(workdir: Path, block_bytes: int, total_bytes: int, rounds: int) -> dict[str, Any]:
@@ -1033,12 +1089,19 @@ def record_integrity(result: dict[str, Any]) -> None:
     benchlib.record("daemon_integrity", "\n".join(lines), result)
 
 
+def _size(text: str) -> int:
+    """``448K``, ``2M``: bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--only", default="cold,dram,rtt,put,restart,staging,verify")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--cold-bytes", type=int, default=1536 * MiB)
+    parser.add_argument("--cold-sizes", default="448K,2M,8M,32M")
     parser.add_argument("--qd", type=int, default=16)
     parser.add_argument("--restart-blocks", type=int, default=100_000)
     parser.add_argument("--staging-bytes", type=int, default=1024 * MiB)
@@ -1054,8 +1117,9 @@ def main() -> int:
         work = Path(tmp)
         if "cold" in only:
             result["cold"] = [
-                bench_cold(work, bs, args.cold_bytes, args.qd, args.rounds)
-                for bs in (2 * MiB, 32 * MiB)
+                entry
+                for size in args.cold_sizes.split(",")
+                for entry in bench_cold(work, _size(size), args.cold_bytes, args.qd, args.rounds)
             ]
         if "dram" in only:
             result["dram"] = bench_dram(work, 2 * MiB, 512 * MiB, args.rounds)
