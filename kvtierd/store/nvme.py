@@ -3,8 +3,11 @@
 Theory of operation. A block goes to disk as one vectored write of ``[header page, payload]``
 from the arena, and comes back as one vectored read into ``[header page, arena slot]``: with the
 io_uring backend both buffers lie in the registered arena, so the kernel moves the bytes between
-the device and shared memory with no copy. Placement (:mod:`kvtierd.store.segments`) and the
-record format (:mod:`kvtierd.store.records`) are pure; this module performs their decisions.
+the device and shared memory with no copy. Records that lie side by side come back in one
+vectored read of all their ``[header page, arena slot]`` pairs (:meth:`NvmeTier.load_run`,
+planned by :mod:`kvtierd.store.runs`), each still checked alone. Placement
+(:mod:`kvtierd.store.segments`) and the record format (:mod:`kvtierd.store.records`) are pure;
+this module performs their decisions.
 
 Guarantees this module gives the store:
 
@@ -27,7 +30,8 @@ daemons' files): it is in the data directory, named by
 The module is past 600 lines since issue 31 for the data file's identity checks (device and
 inode against the path's, size, the superblock read back), which need the tier's open
 descriptor; the verdict they feed is pure (:mod:`kvtierd.store.diskhealth`). Moving the checks
-beside :mod:`kvtierd.store.diskwatch` is part of issue 33's reshaping.
+beside :mod:`kvtierd.store.diskwatch` is part of issue 33's reshaping. Issue 32 added the run
+reads (``load_run``: about 100 lines), which need the tier's records and staging pages.
 
 Optional zstd (per namespace) compresses through a bounce buffer in a worker thread, with one
 compressor per thread (a shared ``ZstdCompressor`` crashes the process).
