@@ -256,7 +256,9 @@ class Residency:
 
         def follows(a: tuple[Block, AccessContext], b: tuple[Block, AccessContext]) -> bool:
             before, after = a[0].copies.get(kind), b[0].copies.get(kind)
-            return before is not None and after is not None and lower.follows(before, after)
+            if before is None or after is None or not lower.follows(before, after):
+                return False
+            return self._runnable(a[0]) and self._runnable(b[0])
 
         return plan_runs(
             blocks,
@@ -325,14 +327,22 @@ class Residency:
                 self.unpin(block)
 
     async def _promote_each(self, run: list[tuple[Block, AccessContext]]) -> None:
-        first: KvtierError | None = None
-        for block, context in run:
+        """:meth:`make_resident` of each block of ``run`` at once (a prefetch that began
+        promoting one of them since the run was planned must not make the others wait in
+        turn); raise the first failure."""
+        errors: list[KvtierError] = []
+
+        async def one(block: Block, context: AccessContext) -> None:
             try:
                 await self.make_resident(block, wait=True, context=context)
             except KvtierError as exc:
-                first = first or exc
-        if first is not None:
-            raise first
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for block, context in run:
+                tg.start_soon(one, block, context)
+        if errors:
+            raise errors[0]
 
     def unpin(self, block: Block) -> None:
         block.pins -= 1

@@ -161,3 +161,41 @@ async def test_forget_while_a_run_is_read(tmp_path: Path, monkeypatch: pytest.Mo
         await store.evict_dram(ns)
         assert store.regions.used_bytes == 0
         await store.fsync()  # the store's own tasks are still alive
+
+
+async def test_a_read_waits_for_a_block_a_prefetch_is_promoting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block of the READ is being promoted by a prefetch (LOOKUP) when the READ arrives: the
+    READ reads the others (in runs around it), waits for that one, and gets every block."""
+    async with store_in_order(tmp_path, "io_uring") as (store, ns):
+        owner, keys = await stored_on_disk(store, ns, 6)
+        assert store.lower is not None
+        real_load = store.lower.load
+        started, proceed = anyio.Event(), anyio.Event()
+
+        async def gated_load(*args: Any) -> None:
+            started.set()
+            await proceed.wait()
+            await real_load(*args)
+
+        monkeypatch.setattr(store.lower, "load", gated_load)
+        assert store.lookup(ns, [keys[2]]) == (1, b"\x01")  # promotes it in the background
+        await started.wait()
+        leases = []
+        async with anyio.create_task_group() as tg:
+
+            async def reader() -> None:
+                leases.append(await store.read(owner, ns, keys))
+
+            tg.start_soon(reader)
+            await anyio.wait_all_tasks_blocked()
+            assert not leases  # waiting for the block the prefetch holds
+            proceed.set()
+        (lease,) = leases
+        try:
+            for key, block in zip(keys, lease.blocks, strict=True):
+                assert block.dram is not None
+                assert bytes(store.arena.view[block.dram.offset :][:BLOCK]) == content(key, BLOCK)
+        finally:
+            store.release(owner, [lease.id])
