@@ -72,11 +72,14 @@ class CopyHashVerdict(msgspec.Struct, frozen=True):
     signal: str = ""
 
 
-def probe(module: str, *, timeout_s: float = PROBE_TIMEOUT_S) -> CopyHashVerdict:
-    """Run ``module``'s self-test (:func:`_selftest`) in a child process and say how it ended.
-    Never raises for anything the child does."""
+def probe(
+    module: str, *, timeout_s: float = PROBE_TIMEOUT_S, launcher: Sequence[str] = ()
+) -> CopyHashVerdict:
+    """Run ``module``'s self-test (:func:`_selftest`) in a child process and say how it ended;
+    ``launcher`` is prepended to the child's command line (an emulator of an older CPU, such as
+    ``qemu-x86_64 -cpu Nehalem``). Never raises for anything the child does."""
     args = [module, str(os.getpid()), str(timeout_s)]
-    run = run_child(_CHILD, args, timeout_s=timeout_s)
+    run = run_child(_CHILD, args, timeout_s=timeout_s, launcher=launcher)
     if run.start_error:
         return CopyHashVerdict(module, False, f"the probe could not start: {run.start_error}")
     if run.timed_out:
