@@ -33,7 +33,8 @@ needs_module = pytest.mark.skipif(not BUILT, reason=f"{DEFAULT_MODULE} is not bu
 def native() -> CopyHasher:
     hasher = CopyHasher(DEFAULT_MODULE)
     verdict = hasher.verdict(wait=True)
-    assert verdict is not None and verdict.ok, verdict
+    assert verdict is not None
+    assert verdict.ok, verdict.detail
     assert hasher.native
     return hasher
 
@@ -42,7 +43,9 @@ def native() -> CopyHasher:
 def python() -> CopyHasher:
     hasher = CopyHasher("")
     verdict = hasher.verdict(wait=True)
-    assert verdict is not None and not verdict.ok and MODULE_ENV in verdict.detail
+    assert verdict is not None
+    assert not verdict.ok
+    assert MODULE_ENV in verdict.detail
     assert not hasher.native
     return hasher
 
@@ -151,7 +154,9 @@ def test_copy_verified_uses_the_native_path(native: CopyHasher) -> None:
 
     verdict = default_hasher().verdict(wait=True)
     if os.environ.get(MODULE_ENV, DEFAULT_MODULE) == DEFAULT_MODULE:
-        assert verdict is not None and verdict.ok and default_hasher().native
+        assert verdict is not None
+        assert verdict.ok
+        assert default_hasher().native
     source = os.urandom(NATIVE_MIN_BYTES * 100 + 7)
     dest = memoryview(bytearray(len(source)))
     assert copy_verified(memoryview(source), [dest], xxhash.xxh3_64_intdigest(source))
@@ -161,7 +166,8 @@ def test_copy_verified_uses_the_native_path(native: CopyHasher) -> None:
 def test_a_module_that_dies_is_refused_and_python_copies(python: CopyHasher) -> None:
     hasher = CopyHasher("tests.store.standins.sigill_copyhash")
     verdict = hasher.verdict(wait=True)
-    assert verdict is not None and not verdict.ok
+    assert verdict is not None
+    assert not verdict.ok
     assert verdict.signal == "SIGILL", verdict.detail
     assert not hasher.native
     source = os.urandom(1 << 20)
@@ -173,7 +179,8 @@ def test_a_module_that_dies_is_refused_and_python_copies(python: CopyHasher) -> 
 def test_a_module_that_hashes_wrongly_is_refused() -> None:
     hasher = CopyHasher("tests.store.standins.wrong_copyhash")
     verdict = hasher.verdict(wait=True)
-    assert verdict is not None and not verdict.ok
+    assert verdict is not None
+    assert not verdict.ok
     assert "differs from xxhash" in verdict.detail
     assert not hasher.native
     source = os.urandom(300)
@@ -183,7 +190,8 @@ def test_a_module_that_hashes_wrongly_is_refused() -> None:
 
 def test_a_missing_module_is_refused() -> None:
     verdict = probe("tests.store.standins.no_such_module")
-    assert not verdict.ok and not verdict.signal
+    assert not verdict.ok
+    assert not verdict.signal
     assert "ModuleNotFoundError" in verdict.detail
 
 
