@@ -995,16 +995,17 @@ FIRST_DESIGN = (
 
 
 def _verify_lines(runs: list[dict[str, Any]]) -> list[str]:
+    reads = ", ".join(f"{r['keys_per_read']} keys" for r in runs)
     lines = [
         "**Readers' verification.** A DRAM-only daemon holds 512 MiB in blocks of each size; "
-        f"each round, in a rotating order: `read_into` of every block ({runs[0]['keys_per_read']}"
-        " keys per READ; it copies each block out of the arena and hashes the copy in the same "
-        "pass), `np.copyto` of the same arena bytes into the same destination buffers, that copy "
-        "followed by xxh3-64 of each destination (verifying in two passes, as before issue 32), "
-        "the one-pass copy and xxh3-64 in the benchmark's own process (`copyhash.copy_checksum`, "
-        f"kernel `{runs[0].get('copy_kernel', '?')}`), and xxh3-64 of the arena bytes alone. "
-        "Overheads are over the copy, per round: read_into's includes the READ / RELEASE round "
-        "trips besides the hash.",
+        f"each round, in a rotating order: `read_into` of every block ({reads} per READ, at "
+        "most 128 MiB; it copies each block out of the arena and hashes the copy in the same "
+        "pass), `np.copyto` of the same arena bytes into the same destination buffers, that "
+        "copy followed by xxh3-64 of each destination (verifying in two passes, as before "
+        "issue 32), the one-pass copy and xxh3-64 in the benchmark's own process "
+        f"(`copyhash.copy_checksum`, kernel `{runs[0].get('copy_kernel', '?')}`), and xxh3-64 "
+        "of the arena bytes alone. Overheads are over the copy, per round: read_into's "
+        "includes the READ / RELEASE round trips besides the hash.",
         "",
         "| block | read_into GB/s | numpy copy GB/s | copy + xxh3 GB/s | one pass GB/s "
         "| xxh3 alone GB/s | read_into over the copy, per round | **median** "
