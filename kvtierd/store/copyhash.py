@@ -263,6 +263,18 @@ def default_hasher() -> CopyHasher:
     return _default
 
 
+def _after_fork_in_child() -> None:
+    """A fork during the probe leaves the child without the probe's thread: probe again there
+    (else the child would copy in Python for good)."""
+    hasher = _default
+    if hasher is not None and not hasher._done.is_set():
+        hasher._lock = threading.Lock()
+        hasher._started = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def copy_checksum(dest: memoryview, source: memoryview) -> int:
     """:meth:`CopyHasher.copy` of the process's hasher."""
     return default_hasher().copy(dest, source)

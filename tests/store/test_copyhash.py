@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -16,6 +18,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtierd.childprobe import child_environment
 from kvtierd.client.arena import copy_verified
 from kvtierd.store.copyhash import (
     DEFAULT_MODULE,
@@ -208,3 +211,25 @@ def test_the_module_runs_and_agrees_on_older_cpus(
     verdict = probe(DEFAULT_MODULE, launcher=launcher, timeout_s=180)
     assert verdict.ok, verdict.detail
     assert verdict.kernel == kernel
+
+
+_FORK_DURING_PROBE = """
+import os
+from kvtierd.store import copyhash
+copyhash.default_hasher().verdict()  # the probe starts in a thread, which a fork leaves behind
+pid = os.fork()
+if pid == 0:
+    verdict = copyhash.default_hasher().verdict(wait=True)
+    os._exit(0 if verdict is not None and verdict.ok and copyhash.default_hasher().native else 3)
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@needs_module
+def test_a_child_forked_during_the_probe_probes_again() -> None:
+    env = child_environment({MODULE_ENV: DEFAULT_MODULE})
+    run = subprocess.run(
+        [sys.executable, "-c", _FORK_DURING_PROBE], env=env, capture_output=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr.decode()
