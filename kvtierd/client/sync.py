@@ -570,31 +570,42 @@ class Namespace(NamespaceBase[Client]):
             yield lease.views
 
     @contextlib.contextmanager
-    def lease(self, keys: Sequence[bytes], *, resident_only: bool = False) -> Iterator[BlockLease]:
+    def lease(
+        self, keys: Sequence[bytes], *, resident_only: bool = False, verify_on_copy: bool = False
+    ) -> Iterator[BlockLease]:
         """Lease the blocks: views and extents (offsets into :meth:`arena_buffer`), verified
         against their checksums and valid until the ``with`` block ends or ``release()`` is
-        called. ``resident_only``: see :meth:`acquire`."""
-        lease = self.acquire(keys, resident_only=resident_only)
+        called. ``resident_only`` and ``verify_on_copy``: see :meth:`acquire`."""
+        lease = self.acquire(keys, resident_only=resident_only, verify_on_copy=verify_on_copy)
         try:
             yield lease
         finally:
             lease.release()
 
-    def acquire(self, keys: Sequence[bytes], *, resident_only: bool = False) -> BlockLease:
+    def acquire(
+        self, keys: Sequence[bytes], *, resident_only: bool = False, verify_on_copy: bool = False
+    ) -> BlockLease:
         """:meth:`lease` for a lease that outlives one block of code (an engine that hands the
         views to another component): call ``release()`` when done, or use it in ``with``.
 
         ``resident_only`` leases just the leading keys that are in DRAM now (``lease.keys`` is
         that prefix, possibly empty) and never waits or fails on a miss: called right after
         :meth:`lookup`, it holds the DRAM hits so that reading them later costs no round trip
-        and no eviction can take them. A daemon older than protocol minor 4 leases nothing."""
+        and no eviction can take them. A daemon older than protocol minor 4 leases nothing.
+
+        ``verify_on_copy``, for an engine that copies every block out of the arena: the blocks
+        are not hashed now; :meth:`BlockLease.copy_into` hashes each copy as it makes it and
+        raises on a block changed after COMMIT (the views themselves are then unverified)."""
         c = self.client
 
         def take() -> BlockLease:
             leases, extents = c._drive(self._lease_op(keys, resident_only))
             reconnects = c.reconnects
             release = (lambda: c.release_soon(leases, reconnects)) if leases else None
-            return c._held.track(self._block_lease(keys, extents, release, partial=resident_only))
+            lease = self._block_lease(
+                keys, extents, release, partial=resident_only, verify_on_copy=verify_on_copy
+            )
+            return c._held.track(lease)
 
         return c._retrying(take, retry=True, ns=self)
 

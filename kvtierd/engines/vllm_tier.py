@@ -409,9 +409,11 @@ class _Transfers:
                     view[:] = memoryview(self._rows[slot])
 
     def _read(self, ns: Namespace, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        with ns.lease(keys) as lease:
-            for view, slot in zip(lease.views, slots, strict=True):
-                memoryview(self._rows[slot])[:] = view
+        # Each block is checked as it is copied into its row, in the one pass that copies it
+        # (a block changed after COMMIT raises CorruptBlockError, as the lease itself would).
+        with ns.lease(keys, verify_on_copy=True) as lease:
+            for i, slot in enumerate(slots):
+                lease.copy_into(i, self._rows[slot])
 
 
 def _with_room(ns: Namespace, action: Callable[[], None]) -> None:

@@ -10,9 +10,9 @@ import threading
 from collections.abc import Sequence
 
 import anyio
-import xxhash
 import zstandard
 
+from kvtierd.store.copyhash import copy_checksum
 from kvtierd.store.records import checksum
 
 __all__ = [
@@ -69,26 +69,10 @@ async def checksums_off_loop(views: Sequence[memoryview]) -> list[int]:
     return await anyio.to_thread.run_sync(_checksums, views)
 
 
-#: Copy and hash in pieces this size, so the hash reads each piece while it is still in cache.
-_PIECE_BYTES = 128 << 10
-
-
-def _copy_checksum(dest: memoryview, source: memoryview) -> int:
-    if len(source) <= _PIECE_BYTES:
-        dest[:] = source
-        return checksum(dest)
-    state = xxhash.xxh3_64()
-    for start in range(0, len(source), _PIECE_BYTES):
-        piece = dest[start : start + _PIECE_BYTES]
-        piece[:] = source[start : start + _PIECE_BYTES]
-        state.update(piece)
-    return state.intdigest()
-
-
 async def copy_checksum_off_loop(dest: memoryview, source: memoryview) -> int:
-    """Copy ``source`` into ``dest`` (same length) and hash the copy in the same pass, piece by
-    piece: the checksum describes exactly the bytes now in ``dest``, whatever happens to
-    ``source`` meanwhile, for little more than the copy costs."""
+    """Copy ``source`` into ``dest`` (same length) and hash the copy in the same pass
+    (:mod:`kvtierd.store.copyhash`): the checksum describes exactly the bytes now in ``dest``,
+    whatever happens to ``source`` meanwhile, for what the copy alone costs."""
     if len(source) < THREAD_CHECKSUM_BYTES:
-        return _copy_checksum(dest, source)
-    return await anyio.to_thread.run_sync(_copy_checksum, dest, source)
+        return copy_checksum(dest, source)
+    return await anyio.to_thread.run_sync(copy_checksum, dest, source)
