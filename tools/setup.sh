@@ -62,9 +62,10 @@ if "$PYTHON" -c 'import importlib.metadata as m; m.distribution("liburing")' 2>/
 fi
 
 # Succeeds when the editable install would change nothing: kvtierd installed from this checkout
-# (-P: not the egg-info in the working directory), its binding built from the current build script
-# and loadable (in this throwaway process), every requirement of setup.cfg for these extras met,
-# and every installed package that tools/constraints.txt names at its pin.
+# (-P: not the egg-info in the working directory), its io_uring binding built from the current build
+# script and loadable (in this throwaway process), the copy-and-hash module built from its current
+# one, every requirement of setup.cfg for these extras met, and every installed package that
+# tools/constraints.txt names at its pin.
 installed_here() {
     "$PYTHON" -P - "$root" "$extras" <<'PY'
 import configparser, importlib.metadata as md, json, sys
@@ -94,11 +95,17 @@ need(version("kvtierd"), "kvtierd is not installed")
 url = json.loads(md.distribution("kvtierd").read_text("direct_url.json") or "{}")
 need(url.get("dir_info", {}).get("editable"), "kvtierd is not an editable install")
 need(Path(unquote(urlparse(url["url"]).path)).resolve() == root, "kvtierd is installed from elsewhere")
-built = sorted((root / "kvtierd/io").glob("_liburing*.so"))
-script = root / "kvtierd/io/_liburing_build.py"
-need(built and built[0].stat().st_mtime >= script.stat().st_mtime, "the binding is missing or stale")
+def native(folder, name):
+    """The module built from ``folder/name_build.py``, present and newer than its script."""
+    built = sorted((root / "kvtierd" / folder).glob(f"{name}*.so"))
+    script = root / "kvtierd" / folder / f"{name}_build.py"
+    need(built and built[0].stat().st_mtime >= script.stat().st_mtime, f"{name} is missing or stale")
+    return built[0]
+
+built = native("io", "_liburing")
 import kvtierd.io._liburing as binding
-need(Path(binding.__file__).resolve() == built[0].resolve(), "the binding loads from elsewhere")
+need(Path(binding.__file__).resolve() == built.resolve(), "the binding loads from elsewhere")
+native("store", "_copyhash")  # not imported here: only a probing child loads it
 
 cfg = configparser.ConfigParser()
 cfg.read(root / "setup.cfg")
