@@ -122,6 +122,8 @@ class BlockStore:
         such a LOOKUP is one step of a few ms (8192 keys: about 5 ms), so it waits for the bulk
         work before it and only one runs per turn of the loop, daemon-wide; a few keys are
         answered at once."""
+        if len(keys) <= self.lane.inline_items:  # the lane would not slice it: skip the walk
+            return self.lookup(ns, keys, promote=promote)
         async with self.lane.walk(len(keys)) as walk:
             await walk.pause()
             return self.lookup(ns, keys, promote=promote)
