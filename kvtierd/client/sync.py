@@ -149,28 +149,40 @@ class Client:
 
     # -- transport ---------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _turn(self, *, reconnect: bool = False, closing: bool = False) -> Iterator[None]:
+    def _turn(self, *, reconnect: bool = False, closing: bool = False) -> _Turn:
         """Hold the connection for one call, its requests and their replies, with no other
-        thread's in between. Raises ``ClosedError`` once the client is closed, and what broke
-        the connection unless ``reconnect`` (and a policy) lets it reconnect. Queued RELEASEs
-        (:meth:`release_soon`) go out before the call's first request and, those queued
-        meanwhile, as the turn ends."""
+        thread's in between (``with self._turn(): ...``). Raises ``ClosedError`` once the
+        client is closed, and what broke the connection unless ``reconnect`` (and a policy)
+        lets it reconnect. Queued RELEASEs (:meth:`release_soon`) go out before the call's
+        first request and, those queued meanwhile, as the turn ends."""
+        return _Turn(self, reconnect, closing)
+
+    def _begin_turn(self, reconnect: bool, closing: bool) -> None:
+        """:meth:`_turn`'s entry: the lock taken, or an error raised without it."""
+        self._lock.acquire()
         try:
-            with self._lock:
-                if self._closed:
-                    raise closed_error()
-                if self._broken is not None and not closing:
-                    if not reconnect or self.reconnect is None:
-                        raise type(self._broken)(*self._broken.args)
-                    self._recover(self.reconnect)
-                self._send_releases()  # queued by a turn that has not flushed them yet
-                try:
-                    yield
-                finally:
-                    self._send_releases()
-        finally:
+            if self._closed:
+                raise closed_error()
+            if self._broken is not None and not closing:
+                if not reconnect or self.reconnect is None:
+                    raise type(self._broken)(*self._broken.args)
+                self._recover(self.reconnect)
+            if self._releases:  # queued by a turn that has not flushed them yet
+                self._send_releases()
+        except BaseException:
+            self._lock.release()
             self._flush_releases()
+            raise
+
+    def _end_turn(self) -> None:
+        """:meth:`_turn`'s exit: the RELEASEs queued meanwhile sent, the lock given back."""
+        try:
+            if self._releases:
+                self._send_releases()
+        finally:
+            self._lock.release()
+            if self._releases:
+                self._flush_releases()
 
     def _call(self, message: Message, ns: int = 0, fds: list[int] | None = None) -> Message:
         """One request and its reply, in a turn of its own (see :meth:`_exchange`)."""
@@ -661,6 +673,26 @@ class Namespace(NamespaceBase[Client]):
     def hint(self, queue: Sequence[Sequence[bytes]], *, session: bytes = b"") -> int:
         """Tell the daemon which key chains are queued; it promotes their hits."""
         return self._run(lambda: ops.hint(self.handle.ns, queue, session, self.client.max_keys))
+
+
+class _Turn:
+    """:meth:`Client._turn`: a context manager written out, because every call takes one and
+    a generator-based one costs several times as much to enter and leave."""
+
+    __slots__ = ("_client", "_closing", "_reconnect")
+
+    def __init__(self, client: Client, reconnect: bool, closing: bool) -> None:
+        self._client = client
+        self._reconnect = reconnect
+        self._closing = closing
+
+    def __enter__(self) -> None:
+        self._client._begin_turn(self._reconnect, self._closing)
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._client._end_turn()
 
 
 def connect(
