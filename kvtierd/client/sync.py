@@ -102,6 +102,7 @@ __all__ = ["Client", "Namespace", "connect", "connect_endpoint", "connect_tcp"]
 
 T = TypeVar("T")
 _RECEIVE_BYTES = 1 << 16
+_NO_WAIT = ops.NoWait
 
 
 class Client:
@@ -294,7 +295,8 @@ class Client:
         replaced and ``call()`` made once more."""
         again = retry and self.reconnect is not None
         while True:
-            with self._turn(reconnect=True):
+            self._begin_turn(True, False)  # the turn written out: every call comes here
+            try:
                 if ns is not None and ns.lost is not None:
                     raise type(ns.lost)(*ns.lost.args)
                 try:
@@ -303,6 +305,8 @@ class Client:
                     if not again or self._broken is None:
                         raise
                     again = False
+            finally:
+                self._end_turn()
 
     def _recover(self, policy: Reconnect) -> None:
         """Replace the broken connection (the lock held): up to ``policy.attempts``
@@ -365,7 +369,7 @@ class Client:
         try:
             call = next(op)
             while True:
-                if isinstance(call, ops.NoWait):
+                if isinstance(call, _NO_WAIT):
                     self._send_only(call.message, call.ns)
                     call = op.send(None)
                     continue
@@ -555,7 +559,8 @@ class Namespace(NamespaceBase[Client]):
     def _run(self, make_op: Callable[[], ops.Op[T]], *, retry: bool = True) -> T:
         """Drive ``make_op()`` on the client (made after any reconnect, so it names this
         namespace's id on the connection it goes out on)."""
-        return self.client._run_op(make_op, retry=retry, ns=self)
+        c = self.client
+        return c._retrying(lambda: c._drive(make_op()), retry=retry, ns=self)
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
         """Store ``blocks[i]`` under ``keys[i]`` (lists: ``put([key], [block])`` for one)."""
