@@ -229,21 +229,22 @@ class Client:
     def _receive(self, unique: int, fds: list[int] | None = None) -> ReplyReceived:
         """The reply to ``unique`` (or the daemon's last frame); replies to requests nobody
         waits for (RELEASE) are dropped."""
+        conn = self._conn
         while True:
-            event = self._conn.next_event()
-            if isinstance(event, ReplyReceived):
+            event = conn.next_event()
+            if event is NEED_DATA:  # first: the usual answer to the first look
+                if fds is None or not self._endpoint.passes_descriptors:
+                    data = self._sock.recv(_RECEIVE_BYTES)
+                else:
+                    data, received, _, _ = socket.recv_fds(self._sock, _RECEIVE_BYTES, 4)
+                    fds.extend(received)
+                conn.receive_data(data)
+            elif isinstance(event, ReplyReceived):
                 if event.header.unique in (unique, 0):
                     return event
-                continue
-            if isinstance(event, ConnectionClosed):
-                raise BrokenConnectionError("kvtierd closed the connection")
-            assert event is NEED_DATA
-            if fds is None or not self._endpoint.passes_descriptors:
-                data = self._sock.recv(_RECEIVE_BYTES)
             else:
-                data, received, _, _ = socket.recv_fds(self._sock, _RECEIVE_BYTES, 4)
-                fds.extend(received)
-            self._conn.receive_data(data)
+                assert isinstance(event, ConnectionClosed)
+                raise BrokenConnectionError("kvtierd closed the connection")
 
     def release_soon(self, leases: Sequence[int], reconnects: int | None = None) -> None:
         """RELEASE ``leases`` without waiting, from any thread and from a finalizer: sent now
