@@ -21,9 +21,11 @@ connection lives and waits on it directly:
   error event (``POLLERR``: a peer that closed with replies unread) stops the poll for good.
 
 Every wait is a checkpoint, as anyio's receive is: cancelling the reader's scope interrupts it.
-On trio, and for streams written through only (TLS), :class:`StreamReceiver` is anyio's
-``receive``. Both return ``b""`` at the end of the stream; a socket error propagates as the
-``OSError`` it is (:class:`ReadinessReceiver`) or as anyio's ``BrokenResourceError``
+On trio, :class:`WaitingReceiver` follows the same rules with the backend's own
+``wait_readable`` (which registers for each wait, as trio's sockets do, but skips the turn of
+the loop trio's ``recv`` takes after every read). For streams written through only (TLS),
+:class:`StreamReceiver` is anyio's ``receive``. All return ``b""`` at the end of the stream; a
+socket error propagates as the ``OSError`` it is, or as anyio's ``BrokenResourceError``
 (:class:`StreamReceiver`): the session ends on either.
 """
 
@@ -38,7 +40,7 @@ import anyio.lowlevel
 import sniffio
 from anyio.abc import ByteStream
 
-__all__ = ["ReadinessReceiver", "Receiver", "StreamReceiver", "open_receiver"]
+__all__ = ["ReadinessReceiver", "Receiver", "StreamReceiver", "WaitingReceiver", "open_receiver"]
 
 
 class Receiver(Protocol):
@@ -127,9 +129,39 @@ class ReadinessReceiver:
         self._loop.remove_reader(self._fd)
 
 
+class WaitingReceiver:
+    """Receives from a non-blocking socket, waiting with anyio's ``wait_readable`` (trio)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        #: The last ``recv`` emptied the socket: wait before the next one.
+        self._drained = False
+
+    async def receive(self, max_bytes: int) -> bytes:
+        sock = self._sock
+        if self._drained:
+            await anyio.wait_readable(sock)
+        else:
+            await anyio.lowlevel.checkpoint()
+        while True:
+            try:
+                data = sock.recv(max_bytes)
+            except (BlockingIOError, InterruptedError):
+                await anyio.wait_readable(sock)
+                continue
+            self._drained = len(data) < max_bytes
+            return data
+
+    def close(self) -> None:
+        pass
+
+
 def open_receiver(stream: ByteStream, raw: socket.socket | None) -> Receiver:
-    """The receiver for ``stream``: :class:`ReadinessReceiver` on asyncio when the session may
-    use the raw socket ``raw`` directly, else :class:`StreamReceiver`."""
-    if raw is not None and sniffio.current_async_library() == "asyncio":
+    """The receiver for ``stream``: when the session may use the raw socket ``raw`` directly,
+    :class:`ReadinessReceiver` on asyncio and :class:`WaitingReceiver` elsewhere (trio); else
+    :class:`StreamReceiver`."""
+    if raw is None:
+        return StreamReceiver(stream)
+    if sniffio.current_async_library() == "asyncio":
         return ReadinessReceiver(raw, asyncio.get_running_loop())
-    return StreamReceiver(stream)
+    return WaitingReceiver(raw)

@@ -1,7 +1,8 @@
-"""The session's receivers on real Unix sockets, on asyncio, uvloop and trio: bytes arrive in
-order and whole, the end of the stream reads as ``b""``, bytes that come while nobody waits are
-not lost (and do not make the loop spin), and a peer that hangs up on unread replies (an error
-event, after which libuv stops the poll) never leaves the reader waiting for ever."""
+"""The session's receivers on real Unix sockets, on asyncio, uvloop and trio (and anyio's
+stream, for TLS): bytes arrive in order and whole, the end of the stream reads as ``b""``,
+bytes that come while nobody waits are not lost (and do not make the loop spin), and a peer
+that hangs up on unread replies (an error event, after which libuv stops the poll) never
+leaves the reader waiting for ever."""
 
 from __future__ import annotations
 
@@ -86,6 +87,16 @@ async def test_bytes_arrive_in_order_then_the_end_reads_empty(pair: _Pair) -> No
             assert await _receive_exactly(pair.receiver, len(message)) == message
         pair.client.close()
         assert await pair.receiver.receive(1 << 16) == b""
+
+
+async def test_a_stream_written_through_only_reads_through_it(pair: _Pair) -> None:
+    """Without the raw socket (TLS), anyio's receive, with the same contract."""
+    receiver = open_receiver(pair.stream, None)
+    with anyio.fail_after(10):
+        pair.client.sendall(b"through the stream")
+        assert await _receive_exactly(receiver, 18) == b"through the stream"
+        pair.client.close()
+        assert await receiver.receive(1 << 16) == b""
 
 
 async def test_a_full_buffer_is_followed_by_the_rest(pair: _Pair) -> None:
