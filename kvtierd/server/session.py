@@ -1,10 +1,12 @@
 """One client connection: read frames, run handlers concurrently, write replies in any order.
 
-Theory of operation. The reader feeds bytes to the sans-IO :class:`ServerConnection` and starts
-one handler task per request in the session's task group, after taking one of ``max_inflight``
-permits: when all are taken the reader stops reading, which is the back-pressure a pipelining
-client feels. Requests that never wait on I/O (LOOKUP, RELEASE, STATFS...) are served inline by
-the reader instead, which saves a task and a wake-up on the latency-critical path. Replies are
+Theory of operation. The reader reads through :mod:`kvtierd.server.receiving` (on asyncio one
+``recv`` per wake-up with the socket's reader left registered), feeds the bytes to the sans-IO
+:class:`ServerConnection` and starts one handler task per request in the session's task group,
+after taking one of ``max_inflight`` permits: when all are taken the reader stops reading,
+which is the back-pressure a pipelining client feels. Requests that never wait on I/O (LOOKUP,
+RELEASE, STATFS...) are served inline by the reader instead, which saves a task and a wake-up
+on the latency-critical path. Replies are
 written under a lock as soon as each is ready (out of order, matched by unique id). A frame
 whose header is broken ends the connection after a last error frame; a request
 that is merely invalid gets its errno and the connection goes on. Whatever ends the session,
