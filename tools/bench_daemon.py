@@ -13,7 +13,9 @@
   the same pass) against a plain numpy copy of the same arena bytes into the same destination
   buffers, 448 KiB (an SGLang page) and 8 MiB blocks, in alternating order.
 * ``rtt``: LOOKUP round trip (1 and 64 keys), p50/p99, against a bare asyncio Unix-socket echo
-  of a frame of the same size.
+  of a frame of the same size, sample by sample in turn: the blocking client against the
+  daemon on asyncio (uvloop), the goal's row, and also against the daemon on trio, and the
+  async client on asyncio and on trio (``RTT_VARIANTS``).
 * ``put``: put + FSYNC throughput against fio sequential O_DIRECT writes with a final fsync.
 * ``restart``: time until a restarted daemon answers with 100K blocks indexed, after a clean
   stop (index snapshot) and after ``kill -9`` (header scan).
@@ -277,39 +279,108 @@ def bench_dram(workdir: Path, block_bytes: int, total_bytes: int, rounds: int) -
     }
 
 
+#: The LOOKUP round trips measured: (row, daemon runtime, client). The first is the goal's:
+#: the blocking client against the daemon as deployed (asyncio on uvloop).
+RTT_VARIANTS = (
+    ("sync", "asyncio", "sync"),
+    ("sync_trio", "trio", "sync"),
+    ("async", "asyncio", "asyncio"),
+    ("async_trio", "trio", "trio"),
+)
+
+
 def bench_rtt(workdir: Path, samples: int) -> dict[str, Any]:
+    """LOOKUP round trips of 1 and 64 keys against a bare asyncio echo of a frame of the same
+    size over a Unix socket, sample by sample in turn (A B A B), for each of
+    :data:`RTT_VARIANTS`; the rows without a suffix are the goal's."""
     result: dict[str, Any] = {}
-    with DaemonProcess(workdir / "rtt", nvme_size="0") as d, connect(d.socket) as client:
+    with echo_server(workdir / "echo.sock") as echo_path:
+        for row, runtime, client in RTT_VARIANTS:
+            with DaemonProcess(workdir / f"rtt-{row}", nvme_size="0", runtime=runtime) as d:
+                echo = socket.socket(socket.AF_UNIX)
+                echo.connect(str(echo_path))
+                try:
+                    if client == "sync":
+                        pairs = _rtt_sync(d.socket, echo, samples)
+                    else:
+                        pairs = anyio.run(_rtt_async, d.socket, echo, samples, backend=client)
+                finally:
+                    echo.close()
+            suffix = "" if row == "sync" else f"_{row}"
+            for n, (lat_kv, lat_echo) in pairs.items():
+                result[f"keys_{n}{suffix}"] = _rtt_row(lat_kv, lat_echo, runtime, client)
+    return result
+
+
+def _rtt_sync(path: Path, echo: socket.socket, samples: int) -> dict[int, tuple[list, list]]:
+    pairs: dict[int, tuple[list, list]] = {}
+    with connect(path) as client:
         ns = client.namespace("bench", block_bytes=4096)
         keys = chain_keys(range(64), 1, ns.key_salt)
         ns.put(keys, [bytes(4096)] * 64)
-        with echo_server(workdir / "echo.sock") as echo_path:
-            echo = socket.socket(socket.AF_UNIX)
-            echo.connect(str(echo_path))
-            for n in (1, 64):
-                frame = 32 + 4 + 17 * n
-                lat_kv, lat_echo = [], []
-                for _ in range(samples):
-                    t0 = time.perf_counter()
-                    ns.lookup(keys[:n])
-                    lat_kv.append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    echo.sendall(b"x" * frame)
-                    got = 0
-                    while got < frame:
-                        got += len(echo.recv(65536))
-                    lat_echo.append(time.perf_counter() - t0)
-                result[f"keys_{n}"] = {
-                    "kvtierd_p50_us": benchlib.percentile(lat_kv, 50) * 1e6,
-                    "kvtierd_p99_us": benchlib.percentile(lat_kv, 99) * 1e6,
-                    "echo_p50_us": benchlib.percentile(lat_echo, 50) * 1e6,
-                    "echo_p99_us": benchlib.percentile(lat_echo, 99) * 1e6,
-                }
-                r = result[f"keys_{n}"]
-                r["ratio_p50"] = r["kvtierd_p50_us"] / r["echo_p50_us"]
-                r["ratio_p99"] = r["kvtierd_p99_us"] / r["echo_p99_us"]
-            echo.close()
-    return result
+        for n in (1, 64):
+            lat_kv: list[float] = []
+            lat_echo: list[float] = []
+            chain = keys[:n]
+            for _ in range(samples):
+                t0 = time.perf_counter()
+                ns.lookup(chain)
+                lat_kv.append(time.perf_counter() - t0)
+                lat_echo.append(_echo_once(echo, _rtt_frame_bytes(n)))
+            pairs[n] = (lat_kv, lat_echo)
+    return pairs
+
+
+async def _rtt_async(path: Path, echo: socket.socket, samples: int) -> dict[int, tuple[list, list]]:
+    """:func:`_rtt_sync` with the async client; the echo stays a blocking round trip (nothing
+    else runs on the loop meanwhile)."""
+    pairs: dict[int, tuple[list, list]] = {}
+    async with connect_async(path) as client:
+        ns = await client.namespace("bench", block_bytes=4096)
+        keys = chain_keys(range(64), 1, ns.key_salt)
+        await ns.put(keys, [bytes(4096)] * 64)
+        for n in (1, 64):
+            lat_kv: list[float] = []
+            lat_echo: list[float] = []
+            chain = keys[:n]
+            for _ in range(samples):
+                t0 = time.perf_counter()
+                await ns.lookup(chain)
+                lat_kv.append(time.perf_counter() - t0)
+                lat_echo.append(_echo_once(echo, _rtt_frame_bytes(n)))
+            pairs[n] = (lat_kv, lat_echo)
+    return pairs
+
+
+def _rtt_frame_bytes(keys: int) -> int:
+    """A LOOKUP request's frame: the header, the body's array and a 16-byte key each."""
+    return 32 + 4 + 17 * keys
+
+
+def _echo_once(echo: socket.socket, frame_bytes: int) -> float:
+    frame = b"x" * frame_bytes
+    t0 = time.perf_counter()
+    echo.sendall(frame)
+    got = 0
+    while got < frame_bytes:
+        got += len(echo.recv(65536))
+    return time.perf_counter() - t0
+
+
+def _rtt_row(
+    lat_kv: list[float], lat_echo: list[float], runtime: str, client: str
+) -> dict[str, Any]:
+    r: dict[str, Any] = {
+        "daemon_runtime": runtime,
+        "client": client,
+        "kvtierd_p50_us": benchlib.percentile(lat_kv, 50) * 1e6,
+        "kvtierd_p99_us": benchlib.percentile(lat_kv, 99) * 1e6,
+        "echo_p50_us": benchlib.percentile(lat_echo, 50) * 1e6,
+        "echo_p99_us": benchlib.percentile(lat_echo, 99) * 1e6,
+    }
+    r["ratio_p50"] = r["kvtierd_p50_us"] / r["echo_p50_us"]
+    r["ratio_p99"] = r["kvtierd_p99_us"] / r["echo_p99_us"]
+    return r
 
 
 def bench_put(
@@ -1141,6 +1212,7 @@ def main() -> int:
     parser.add_argument("--dram-bytes", type=int, default=512 * MiB)
     parser.add_argument("--staging-bytes", type=int, default=1024 * MiB)
     parser.add_argument("--staging-fsync-bytes", type=int, default=128 * MiB)
+    parser.add_argument("--rtt-samples", type=int, default=2000)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -1161,7 +1233,7 @@ def main() -> int:
                 bench_dram(work, bs, args.dram_bytes, args.rounds) for bs in (448 << 10, 8 * MiB)
             ]
         if "rtt" in only:
-            result["rtt"] = bench_rtt(work, 2000)
+            result["rtt"] = bench_rtt(work, args.rtt_samples)
         if "put" in only:
             result["put"] = bench_put(work, 2 * MiB, 1024 * MiB, args.qd, max(2, args.rounds // 2))
         if "restart" in only:

@@ -26,13 +26,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import socket
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
-from anyio.abc import TaskGroup, UNIXSocketStream
+from anyio.abc import SocketAttribute, TaskGroup, UNIXSocketStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvtierd.client import ops
@@ -193,14 +194,8 @@ class AsyncClient:
         waiter = _Waiter()
         sent = False
         try:
-            async with self._send_lock:
-                unique, frame = self._conn.request(message, ns)
-                self._waiters[unique] = waiter
-                try:
-                    await self._stream.send(frame)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-                    raise self._send_failed(exc) from exc
-                sent = True
+            await self._send_request(message, ns, waiter)
+            sent = True
             await waiter.done.wait()
         except BaseException:
             # Cancelled while sending or waiting: whatever the daemon grants (a lease, an
@@ -222,6 +217,29 @@ class AsyncClient:
         else:
             close_all(waiter.fds)
         return message_of(waiter.event)
+
+    async def _send_request(self, message: Message, ns: int, waiter: _Waiter) -> None:
+        """Number ``message``, register ``waiter`` for its reply and send it, whole, with no
+        other frame in between. When nobody else is sending, the frame is offered to the
+        non-blocking socket at once (the usual case: no wait for the lock, no checkpoint, two
+        turns of the loop less per request), and only what the socket does not take goes
+        through the stream."""
+        lock = self._send_lock
+        if lock.locked():
+            await lock.acquire()
+        else:
+            lock.acquire_nowait()  # taken before any await: no frame can start in between
+        try:
+            unique, frame = self._conn.request(message, ns)
+            self._waiters[unique] = waiter
+            try:
+                sent = _send_nowait(self._stream, frame)
+                if sent < len(frame):
+                    await self._stream.send(frame[sent:])
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                raise self._send_failed(exc) from exc
+        finally:
+            lock.release()
 
     async def _send_only(self, message: Message, ns: int) -> None:
         self._check_open()
@@ -791,6 +809,15 @@ async def _connect(path: Path) -> UNIXSocketStream:
         return await anyio.connect_unix(path)
     except OSError as exc:
         raise connect_error(path, exc) from None
+
+
+def _send_nowait(stream: UNIXSocketStream, frame: bytes) -> int:
+    """How much of ``frame`` the stream's non-blocking socket took at once (0 when full)."""
+    raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
+    try:
+        return raw.send(frame)
+    except BlockingIOError:
+        return 0
 
 
 async def _exchange_unread(

@@ -93,6 +93,8 @@ def check_keys(keys: Sequence[bytes], what: str = "keys") -> None:
         raise InvalidRequestError(
             f"{what} must be a list of keys, not a single {type(keys).__name__}: pass [key]"
         )
+    if set(map(type, keys)) <= _BYTES:  # the usual case, without a Python loop per key
+        return
     for i, key in enumerate(keys):
         if not isinstance(key, bytes):
             raise InvalidRequestError(
@@ -100,8 +102,13 @@ def check_keys(keys: Sequence[bytes], what: str = "keys") -> None:
             )
 
 
+_BYTES = frozenset({bytes})
+
+
 def _chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
-    return [items[i : i + size] for i in range(0, len(items), size)] or [items]
+    if len(items) <= size:  # one request: its keys are copied into it once, not twice
+        return [items]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def request(message: Message, ns: int = 0) -> Op[Message]:

@@ -102,6 +102,7 @@ __all__ = ["Client", "Namespace", "connect", "connect_endpoint", "connect_tcp"]
 
 T = TypeVar("T")
 _RECEIVE_BYTES = 1 << 16
+_NO_WAIT = ops.NoWait
 
 
 class Client:
@@ -149,28 +150,40 @@ class Client:
 
     # -- transport ---------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _turn(self, *, reconnect: bool = False, closing: bool = False) -> Iterator[None]:
+    def _turn(self, *, reconnect: bool = False, closing: bool = False) -> _Turn:
         """Hold the connection for one call, its requests and their replies, with no other
-        thread's in between. Raises ``ClosedError`` once the client is closed, and what broke
-        the connection unless ``reconnect`` (and a policy) lets it reconnect. Queued RELEASEs
-        (:meth:`release_soon`) go out before the call's first request and, those queued
-        meanwhile, as the turn ends."""
+        thread's in between (``with self._turn(): ...``). Raises ``ClosedError`` once the
+        client is closed, and what broke the connection unless ``reconnect`` (and a policy)
+        lets it reconnect. Queued RELEASEs (:meth:`release_soon`) go out before the call's
+        first request and, those queued meanwhile, as the turn ends."""
+        return _Turn(self, reconnect, closing)
+
+    def _begin_turn(self, reconnect: bool, closing: bool) -> None:
+        """:meth:`_turn`'s entry: the lock taken, or an error raised without it."""
+        self._lock.acquire()
         try:
-            with self._lock:
-                if self._closed:
-                    raise closed_error()
-                if self._broken is not None and not closing:
-                    if not reconnect or self.reconnect is None:
-                        raise type(self._broken)(*self._broken.args)
-                    self._recover(self.reconnect)
-                self._send_releases()  # queued by a turn that has not flushed them yet
-                try:
-                    yield
-                finally:
-                    self._send_releases()
-        finally:
+            if self._closed:
+                raise closed_error()
+            if self._broken is not None and not closing:
+                if not reconnect or self.reconnect is None:
+                    raise type(self._broken)(*self._broken.args)
+                self._recover(self.reconnect)
+            if self._releases:  # queued by a turn that has not flushed them yet
+                self._send_releases()
+        except BaseException:
+            self._lock.release()
             self._flush_releases()
+            raise
+
+    def _end_turn(self) -> None:
+        """:meth:`_turn`'s exit: the RELEASEs queued meanwhile sent, the lock given back."""
+        try:
+            if self._releases:
+                self._send_releases()
+        finally:
+            self._lock.release()
+            if self._releases:
+                self._flush_releases()
 
     def _call(self, message: Message, ns: int = 0, fds: list[int] | None = None) -> Message:
         """One request and its reply, in a turn of its own (see :meth:`_exchange`)."""
@@ -216,21 +229,22 @@ class Client:
     def _receive(self, unique: int, fds: list[int] | None = None) -> ReplyReceived:
         """The reply to ``unique`` (or the daemon's last frame); replies to requests nobody
         waits for (RELEASE) are dropped."""
+        conn = self._conn
         while True:
-            event = self._conn.next_event()
-            if isinstance(event, ReplyReceived):
+            event = conn.next_event()
+            if event is NEED_DATA:  # first: the usual answer to the first look
+                if fds is None or not self._endpoint.passes_descriptors:
+                    data = self._sock.recv(_RECEIVE_BYTES)
+                else:
+                    data, received, _, _ = socket.recv_fds(self._sock, _RECEIVE_BYTES, 4)
+                    fds.extend(received)
+                conn.receive_data(data)
+            elif isinstance(event, ReplyReceived):
                 if event.header.unique in (unique, 0):
                     return event
-                continue
-            if isinstance(event, ConnectionClosed):
-                raise BrokenConnectionError("kvtierd closed the connection")
-            assert event is NEED_DATA
-            if fds is None or not self._endpoint.passes_descriptors:
-                data = self._sock.recv(_RECEIVE_BYTES)
             else:
-                data, received, _, _ = socket.recv_fds(self._sock, _RECEIVE_BYTES, 4)
-                fds.extend(received)
-            self._conn.receive_data(data)
+                assert isinstance(event, ConnectionClosed)
+                raise BrokenConnectionError("kvtierd closed the connection")
 
     def release_soon(self, leases: Sequence[int], reconnects: int | None = None) -> None:
         """RELEASE ``leases`` without waiting, from any thread and from a finalizer: sent now
@@ -282,7 +296,8 @@ class Client:
         replaced and ``call()`` made once more."""
         again = retry and self.reconnect is not None
         while True:
-            with self._turn(reconnect=True):
+            self._begin_turn(True, False)  # the turn written out: every call comes here
+            try:
                 if ns is not None and ns.lost is not None:
                     raise type(ns.lost)(*ns.lost.args)
                 try:
@@ -291,6 +306,8 @@ class Client:
                     if not again or self._broken is None:
                         raise
                     again = False
+            finally:
+                self._end_turn()
 
     def _recover(self, policy: Reconnect) -> None:
         """Replace the broken connection (the lock held): up to ``policy.attempts``
@@ -353,7 +370,7 @@ class Client:
         try:
             call = next(op)
             while True:
-                if isinstance(call, ops.NoWait):
+                if isinstance(call, _NO_WAIT):
                     self._send_only(call.message, call.ns)
                     call = op.send(None)
                     continue
@@ -543,7 +560,8 @@ class Namespace(NamespaceBase[Client]):
     def _run(self, make_op: Callable[[], ops.Op[T]], *, retry: bool = True) -> T:
         """Drive ``make_op()`` on the client (made after any reconnect, so it names this
         namespace's id on the connection it goes out on)."""
-        return self.client._run_op(make_op, retry=retry, ns=self)
+        c = self.client
+        return c._retrying(lambda: c._drive(make_op()), retry=retry, ns=self)
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
         """Store ``blocks[i]`` under ``keys[i]`` (lists: ``put([key], [block])`` for one)."""
@@ -672,6 +690,26 @@ class Namespace(NamespaceBase[Client]):
     def hint(self, queue: Sequence[Sequence[bytes]], *, session: bytes = b"") -> int:
         """Tell the daemon which key chains are queued; it promotes their hits."""
         return self._run(lambda: ops.hint(self.handle.ns, queue, session, self.client.max_keys))
+
+
+class _Turn:
+    """:meth:`Client._turn`: a context manager written out, because every call takes one and
+    a generator-based one costs several times as much to enter and leave."""
+
+    __slots__ = ("_client", "_closing", "_reconnect")
+
+    def __init__(self, client: Client, reconnect: bool, closing: bool) -> None:
+        self._client = client
+        self._reconnect = reconnect
+        self._closing = closing
+
+    def __enter__(self) -> None:
+        self._client._begin_turn(self._reconnect, self._closing)
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._client._end_turn()
 
 
 def connect(

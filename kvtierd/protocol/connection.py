@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import errno
 import itertools
-from dataclasses import dataclass
+import struct
 from typing import Final
 
 import msgspec
@@ -53,7 +53,6 @@ from kvtierd.protocol.frames import (
     RequestHeader,
 )
 from kvtierd.protocol.messages import (
-    OPCODE_OF,
     REPLY_TYPES,
     REQUEST_TYPES,
     ErrorReply,
@@ -88,22 +87,19 @@ class NeedData(enum.Enum):
 NEED_DATA: Final = NeedData.NEED_DATA
 
 
-@dataclass(frozen=True, slots=True)
-class RequestReceived:
+class RequestReceived(msgspec.Struct, frozen=True):
     header: RequestHeader
     message: Message
 
 
-@dataclass(frozen=True, slots=True)
-class InvalidRequest:
+class InvalidRequest(msgspec.Struct, frozen=True):
     """A request frame arrived intact but cannot be served; answer it with ``error``."""
 
     header: RequestHeader
     error: KvtierError
 
 
-@dataclass(frozen=True, slots=True)
-class ReplyReceived:
+class ReplyReceived(msgspec.Struct, frozen=True):
     """A reply: ``message`` on success, ``error`` (a :class:`KvtierError`) otherwise.
 
     A reply with unique id 0 is the server's last word before it closes the connection.
@@ -114,8 +110,7 @@ class ReplyReceived:
     error: KvtierError | None
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectionClosed:
+class ConnectionClosed(msgspec.Struct, frozen=True):
     """The peer ended the stream at a frame boundary."""
 
 
@@ -143,6 +138,21 @@ SERVER_REPLY_TRANSITIONS: Final[dict[tuple[ServerState, Opcode], ServerState]] =
     (ServerState.READY, Opcode.INIT): ServerState.CLOSED,
 }
 
+#: :data:`SERVER_TRANSITIONS` by state, then by the header's opcode number: what every request
+#: looks up (no ``Opcode`` built, no tuple of enums hashed).
+_FOLLOWING: Final[dict[ServerState, dict[int, ServerState]]] = {
+    state: {int(op): nxt for (at, op), nxt in SERVER_TRANSITIONS.items() if at is state}
+    for state in ServerState
+}
+_OPCODES: Final = frozenset(int(op) for op in Opcode)
+_REQUEST_TYPE: Final[dict[int, type[Message]]] = {int(op): c for op, c in REQUEST_TYPES.items()}
+_REPLY_TYPE: Final[dict[int, type[Message]]] = {int(op): c for op, c in REPLY_TYPES.items()}
+#: Request and reply structs by type, to their opcode number.
+_REQUEST_OPCODE: Final[dict[type[Message], int]] = {c: int(op) for op, c in REQUEST_TYPES.items()}
+_REPLY_OPCODE: Final[dict[type[Message], int]] = {c: int(op) for op, c in REPLY_TYPES.items()}
+#: magic, version, opcode, length: the first 12 bytes of either header.
+_PREFIX = struct.Struct("<4sHHI")
+
 
 class _FrameBuffer:
     """Accumulates bytes and cuts complete frames off the front."""
@@ -163,19 +173,26 @@ class _FrameBuffer:
 
     def next_frame(self) -> bytes | ConnectionClosed | None:
         """A whole frame, ``None`` when more bytes are needed, or ``ConnectionClosed``."""
-        buffered = len(self._buffer)
-        if buffered >= 8:
-            self._check_prefix()
+        buffer = self._buffer
+        buffered = len(buffer)
         if buffered >= HEADER_BYTES:
-            length = int.from_bytes(self._buffer[8:12], "little")
+            magic, version, _, length = _PREFIX.unpack_from(buffer)
+            if magic != self._magic or version != PROTOCOL_VERSION:
+                self._check_prefix()
             if not HEADER_BYTES <= length <= self.max_frame_bytes:
                 raise RemoteProtocolError(
                     f"frame length {length} outside [{HEADER_BYTES}, {self.max_frame_bytes}]"
                 )
-            if buffered >= length:
-                frame = bytes(self._buffer[:length])
-                del self._buffer[:length]
+            if buffered == length:  # the usual case: one whole frame, nothing after it
+                frame = bytes(buffer)
+                buffer.clear()
                 return frame
+            if buffered > length:
+                frame = bytes(buffer[:length])
+                del buffer[:length]
+                return frame
+        elif buffered >= 8:
+            self._check_prefix()
         if self._eof:
             if buffered:
                 raise RemoteProtocolError(f"stream ended inside a frame ({buffered} bytes)")
@@ -223,26 +240,29 @@ class ServerConnection:
         if isinstance(frame, ConnectionClosed):
             return frame
         _, header = RequestHeader.unpack(frame)
-        if header.unique == 0 or header.unique in self._in_flight:
-            raise RemoteProtocolError(f"unique id {header.unique} is zero or already in flight")
+        unique = header.unique
+        in_flight = self._in_flight
+        if unique == 0 or unique in in_flight:
+            raise RemoteProtocolError(f"unique id {unique} is zero or already in flight")
         if self.state is ServerState.CLOSED:
             raise RemoteProtocolError("request after DESTROY or a refused INIT")
-        self._in_flight.add(header.unique)
+        in_flight.add(unique)
         return self._decode(header, memoryview(frame)[HEADER_BYTES:])
 
     def _decode(self, header: RequestHeader, body: memoryview) -> RequestReceived | InvalidRequest:
-        try:
-            opcode = Opcode(header.opcode)
-        except ValueError:
-            return InvalidRequest(header, InvalidRequestError(f"unknown opcode {header.opcode}"))
-        following = SERVER_TRANSITIONS.get((self.state, opcode))
+        opcode = header.opcode
+        following = _FOLLOWING[self.state].get(opcode)
         if following is None:
-            error = RemoteProtocolError(f"{opcode.name} not allowed in state {self.state.name}")
+            if opcode not in _OPCODES:
+                return InvalidRequest(header, InvalidRequestError(f"unknown opcode {opcode}"))
+            name = Opcode(opcode).name
+            error = RemoteProtocolError(f"{name} not allowed in state {self.state.name}")
             return InvalidRequest(header, error)
         try:
-            message = decode_body(REQUEST_TYPES[opcode], body)
+            message = decode_body(_REQUEST_TYPE[opcode], body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return InvalidRequest(header, InvalidRequestError(f"{opcode.name}: {exc}"))
+            name = Opcode(opcode).name
+            return InvalidRequest(header, InvalidRequestError(f"{name}: {exc}"))
         self.state = following
         if isinstance(message, InitRequest):
             self.peer_minor = message.minor
@@ -253,9 +273,7 @@ class ServerConnection:
         self, request: RequestHeader, message: Message, flags: FrameFlags = FrameFlags.NONE
     ) -> bytes:
         """Bytes of the successful reply to ``request``."""
-        if OPCODE_OF.get(type(message)) != request.opcode or not isinstance(
-            message, REPLY_TYPES[Opcode(request.opcode)]
-        ):
+        if _REPLY_OPCODE.get(type(message)) != request.opcode:
             raise LocalProtocolError(f"{type(message).__name__} does not answer {request.opcode}")
         body = encode_body(message, peer_minor=self.peer_minor)  # may fail: then reply_error
         if request.unique == self._init_unique:
@@ -296,7 +314,7 @@ class ClientConnection:
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self._frames = _FrameBuffer(REPLY_MAGIC, max_frame_bytes)
         self._uniques = itertools.count(1)
-        self._pending: dict[int, Opcode] = {}
+        self._pending: dict[int, int] = {}
         self.max_request_bytes = max_frame_bytes
 
     @property
@@ -305,14 +323,14 @@ class ClientConnection:
 
     def request(self, message: Message, ns: int = 0) -> tuple[int, bytes]:
         """``(unique, frame bytes)`` for ``message`` sent on namespace ``ns``."""
-        opcode = OPCODE_OF.get(type(message))
-        if opcode is None or REQUEST_TYPES[opcode] is not type(message):
+        opcode = _REQUEST_OPCODE.get(type(message))
+        if opcode is None:
             raise LocalProtocolError(f"{type(message).__name__} is not a request")
         unique = next(self._uniques)
         body = encode_body(message)
         if HEADER_BYTES + len(body) > self.max_request_bytes:
             raise InvalidRequestError(
-                f"{opcode.name} frame of {HEADER_BYTES + len(body)} bytes exceeds the "
+                f"{Opcode(opcode).name} frame of {HEADER_BYTES + len(body)} bytes exceeds the "
                 f"{self.max_request_bytes}-byte limit: send fewer keys per call"
             )
         self._pending[unique] = opcode
@@ -337,9 +355,10 @@ class ClientConnection:
         if header.error:
             return ReplyReceived(header, None, self._error(header, body))
         try:
-            message = decode_body(REPLY_TYPES[opcode], body)
+            message = decode_body(_REPLY_TYPE[opcode], body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise RemoteProtocolError(f"malformed {opcode.name} reply: {exc}") from exc
+            name = Opcode(opcode).name
+            raise RemoteProtocolError(f"malformed {name} reply: {exc}") from exc
         if isinstance(message, InitReply):
             self.max_request_bytes = min(self.max_request_bytes, message.max_frame_bytes)
         return ReplyReceived(header, message, None)

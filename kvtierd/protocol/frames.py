@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+
+import msgspec
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -91,9 +92,10 @@ class FrameFlags(enum.IntFlag):
     FD_ATTACHED = 1
 
 
-@dataclass(frozen=True, slots=True)
-class RequestHeader:
-    """The header of a request frame."""
+class RequestHeader(msgspec.Struct, frozen=True, gc=False):
+    """The header of a request frame (a struct, not a dataclass: one is built per frame, and a
+    frozen dataclass costs seven times as much to build; only numbers, so never in a cycle and
+    never tracked by the garbage collector)."""
 
     opcode: int
     length: int
@@ -121,8 +123,7 @@ class RequestHeader:
         return magic, cls(opcode, length, unique, ns, flags, version)
 
 
-@dataclass(frozen=True, slots=True)
-class ReplyHeader:
+class ReplyHeader(msgspec.Struct, frozen=True, gc=False):
     """The header of a reply frame. ``error`` is 0 or a negative errno."""
 
     opcode: int

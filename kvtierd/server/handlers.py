@@ -413,7 +413,8 @@ async def destroy(ctx: RequestContext, header: RequestHeader, msg: Message) -> M
     return DestroyReply()  # the protocol's state machine is CLOSED since DESTROY arrived
 
 
-HANDLERS: dict[Opcode, Handler] = {
+#: By opcode number (an Opcode is its number: the session looks a header's up as it is).
+HANDLERS: dict[int, Handler] = {
     Opcode.INIT: init,
     Opcode.OPEN_NS: open_ns,
     Opcode.LOOKUP: lookup,
@@ -437,4 +438,4 @@ HANDLERS: dict[Opcode, Handler] = {
 }
 
 #: Handlers that either answer at once or raise :class:`anyio.WouldBlock` having done nothing.
-NOWAIT_HANDLERS: dict[Opcode, Handler] = {Opcode.READ: read_nowait}
+NOWAIT_HANDLERS: dict[int, Handler] = {Opcode.READ: read_nowait}

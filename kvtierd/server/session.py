@@ -1,10 +1,12 @@
 """One client connection: read frames, run handlers concurrently, write replies in any order.
 
-Theory of operation. The reader feeds bytes to the sans-IO :class:`ServerConnection` and starts
-one handler task per request in the session's task group, after taking one of ``max_inflight``
-permits: when all are taken the reader stops reading, which is the back-pressure a pipelining
-client feels. Requests that never wait on I/O (LOOKUP, RELEASE, STATFS...) are served inline by
-the reader instead, which saves a task and a wake-up on the latency-critical path. Replies are
+Theory of operation. The reader reads through :mod:`kvtierd.server.receiving` (on asyncio one
+``recv`` per wake-up with the socket's reader left registered), feeds the bytes to the sans-IO
+:class:`ServerConnection` and starts one handler task per request in the session's task group,
+after taking one of ``max_inflight`` permits: when all are taken the reader stops reading,
+which is the back-pressure a pipelining client feels. Requests that never wait on I/O (LOOKUP,
+RELEASE, STATFS...) are served inline by the reader instead, which saves a task and a wake-up
+on the latency-critical path. Replies are
 written under a lock as soon as each is ready (out of order, matched by unique id). A frame
 whose header is broken ends the connection after a last error frame; a request
 that is merely invalid gets its errno and the connection goes on. Whatever ends the session,
@@ -54,6 +56,7 @@ from kvtierd.protocol import (
 )
 from kvtierd.protocol.messages import Message, ReadReply
 from kvtierd.server.handlers import HANDLERS, NOWAIT_HANDLERS
+from kvtierd.server.receiving import Receiver, open_receiver
 from kvtierd.server.remote import REMOTE_OPCODES
 from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import PeerCredentials
@@ -135,6 +138,7 @@ class Session:
         self._reader_scope = anyio.CancelScope()
         self._session_scope = anyio.CancelScope()
         self._handshake_scope = anyio.CancelScope()
+        self._receiver: Receiver | None = None
         #: ``time.monotonic()`` when the last request frame arrived (or the connection did).
         self.last_request_s = time.monotonic()
 
@@ -206,6 +210,8 @@ class Session:
         except* (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as group:
             log.debug("connection from %s ended: %s", self.peer, group.exceptions[0])
         finally:
+            if self._receiver is not None:
+                self._receiver.close()  # before the stream closes its socket
             self.daemon.store.drop_owner(self.owner)
             with anyio.CancelScope(shield=True):
                 if self._last_frame:
@@ -235,11 +241,10 @@ class Session:
 
     async def _read(self, tg: TaskGroup) -> None:
         handshaking = True
+        receiver = self._receiver = open_receiver(self.stream, self._raw)
+        receive = receiver.receive
         while not self.closing:
-            try:
-                data = await self.stream.receive(_RECEIVE_BYTES)
-            except anyio.EndOfStream:
-                data = b""
+            data = await receive(_RECEIVE_BYTES)
             self.conn.receive_data(data)
             if not await self._dispatch_buffered(tg):
                 return
@@ -290,14 +295,15 @@ class Session:
         :data:`NOWAIT_HANDLERS` entry, and ``False`` (nothing done, nothing sent) when that
         would have to wait."""
         header = event.header
-        fds: list[int] = []
-        started = time.perf_counter()
+        fds: list[int] | None = None
+        timings = self.daemon.timings
+        started = time.perf_counter() if timings is not None else 0.0
         reply: Message | None = None
         handlers = NOWAIT_HANDLERS if nowait else HANDLERS
         would_block = False
         try:
             try:
-                reply = await handlers[Opcode(header.opcode)](self, header, event.message)
+                reply = await handlers[header.opcode](self, header, event.message)
             except anyio.WouldBlock:
                 if not nowait:
                     raise
@@ -307,23 +313,24 @@ class Session:
                 if not would_block:
                     self.daemon.requests += 1
                     self.requests += 1
-            fds = self.reply_fds.pop(header.unique, [])
-            flags = FrameFlags.FD_ATTACHED if fds else FrameFlags.NONE
-            frame = self.conn.reply(header, reply, flags)  # encoding can fail too
+            if self.reply_fds:
+                fds = self.reply_fds.pop(header.unique, None)
+            frame = self.conn.reply(
+                header, reply, FrameFlags.FD_ATTACHED if fds else FrameFlags.NONE
+            )  # encoding can fail too
         except KvtierError as exc:
-            fds = []  # a failed reply carries no descriptor
+            fds = None  # a failed reply carries no descriptor
             self.reply_fds.pop(header.unique, None)
             frame = self.conn.reply_error(header, exc)
         except Exception as exc:  # a bug must cost one request, never the daemon
             log.exception("handler for %s failed", Opcode(header.opcode).name)
-            fds = []
+            fds = None
             self.reply_fds.pop(header.unique, None)
             frame = self.conn.reply_error(header, StorageIOError(f"internal error: {exc}"))
         except BaseException:
             if permit:
                 self._permits.release()
             raise
-        timings = self.daemon.timings
         if timings is not None:  # dispatch to reply ready, failures included
             elapsed = time.perf_counter() - started
             timings.observe(header.opcode, self._tier_of(header.opcode, reply), elapsed)

@@ -85,11 +85,12 @@ class Prefetcher:
         """Give the chain to the policies as one request; its id, or -1 if every policy's
         sampler turned it away (a LOOKUP storm)."""
         store = self._store
-        policies = [store.lower_policy]
-        if ns.region is not None:
-            policies.append(store.dram_policies[ns.region.id])
-        if not keys or not any(policy.wants_request for policy in policies):
+        lower = store.lower_policy
+        dram = store.dram_policies[ns.region.id] if ns.region is not None else None
+        # spelt out, not any() over a generator: under a LOOKUP storm every LOOKUP stops here
+        if not keys or not (lower.wants_request or (dram is not None and dram.wants_request)):
             return -1
+        policies = [lower] if dram is None else [lower, dram]
         request_id = next(self._ids)
         ids = [(ns.digest, key) for key in keys]
         now = time.monotonic()

@@ -122,6 +122,8 @@ class BlockStore:
         such a LOOKUP is one step of a few ms (8192 keys: about 5 ms), so it waits for the bulk
         work before it and only one runs per turn of the loop, daemon-wide; a few keys are
         answered at once."""
+        if len(keys) <= self.lane.inline_items:  # the lane would not slice it: skip the walk
+            return self.lookup(ns, keys, promote=promote)
         async with self.lane.walk(len(keys)) as walk:
             await walk.pause()
             return self.lookup(ns, keys, promote=promote)
@@ -155,9 +157,17 @@ class BlockStore:
         return found
 
     def _answer(self, own: list[Block], promote: bool) -> tuple[int, bytes]:
+        # One pass that touches a resident block once: DRAM's code is 0, and only the others
+        # have a tier to look up and a promotion to queue.
+        tiers = bytearray(len(own))
+        elsewhere: list[Block] = []
+        for i, block in enumerate(own):
+            if block.dram is None:
+                tiers[i] = block.nearest
+                elsewhere.append(block)
         if promote:
-            self.prefetch(own)
-        return len(own), bytes([b.nearest for b in own])
+            self.prefetch(elsewhere)
+        return len(own), bytes(tiers)
 
     def prefetch(self, blocks: list[Block]) -> int:
         """Queue the non-resident ``blocks`` for promotion into DRAM, first block first; how

@@ -1,0 +1,174 @@
+"""The session's receivers on real Unix sockets, on asyncio, uvloop and trio (and anyio's
+stream, for TLS): bytes arrive in order and whole, the end of the stream reads as ``b""``,
+bytes that come while nobody waits are not lost (and do not make the loop spin), and a peer
+that hangs up on unread replies (an error event, after which libuv stops the poll) never
+leaves the reader waiting for ever."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+from anyio.abc import SocketAttribute, SocketListener, SocketStream
+
+from kvtierd.server.receiving import ReadinessReceiver, Receiver, open_receiver
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(("asyncio", {}), id="asyncio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+        pytest.param(("trio", {}), id="trio"),
+    ]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    backend: tuple[str, dict[str, Any]] = request.param
+    return backend
+
+
+class _Pair:
+    """The daemon's end (a stream and its receiver) and a plain blocking client socket."""
+
+    def __init__(self, stream: SocketStream, client: socket.socket) -> None:
+        self.stream = stream
+        self.raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
+        self.receiver: Receiver = open_receiver(stream, self.raw)
+        self.client = client
+
+
+@contextlib.asynccontextmanager
+async def _connected(listener: SocketListener, path: Path) -> AsyncIterator[_Pair]:
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(str(path))
+    pair = _Pair(await listener.accept(), client)
+    try:
+        yield pair
+    finally:
+        pair.receiver.close()  # before the stream closes the socket, as the session does
+        client.close()
+        await pair.stream.aclose()
+
+
+@pytest.fixture
+async def listener(tmp_path: Path) -> AsyncIterator[tuple[SocketListener, Path]]:
+    path = tmp_path / "s.sock"
+    async with await anyio.create_unix_listener(path) as listener:
+        yield listener, path
+
+
+@pytest.fixture
+async def pair(listener: tuple[SocketListener, Path]) -> AsyncIterator[_Pair]:
+    async with _connected(*listener) as pair:
+        yield pair
+
+
+async def _receive_exactly(receiver: Receiver, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        data = await receiver.receive(1 << 16)
+        assert data, "end of stream before the bytes sent"
+        got += data
+    return got
+
+
+async def test_bytes_arrive_in_order_then_the_end_reads_empty(pair: _Pair) -> None:
+    with anyio.fail_after(10):
+        for i in range(50):  # each one waited for: the registration is reused every time
+            message = bytes([i]) * (i + 1)
+            pair.client.sendall(message)
+            assert await _receive_exactly(pair.receiver, len(message)) == message
+        pair.client.close()
+        assert await pair.receiver.receive(1 << 16) == b""
+
+
+async def test_a_stream_written_through_only_reads_through_it(pair: _Pair) -> None:
+    """Without the raw socket (TLS), anyio's receive, with the same contract."""
+    receiver = open_receiver(pair.stream, None)
+    with anyio.fail_after(10):
+        pair.client.sendall(b"through the stream")
+        assert await _receive_exactly(receiver, 18) == b"through the stream"
+        pair.client.close()
+        assert await receiver.receive(1 << 16) == b""
+
+
+async def test_a_full_buffer_is_followed_by_the_rest(pair: _Pair) -> None:
+    payload = bytes(range(256)) * 1024  # 256 KiB: several receives, some of them full
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, pair.client.sendall, payload)
+            assert await _receive_exactly(pair.receiver, len(payload)) == payload
+
+
+class _CountingReceiver(ReadinessReceiver):
+    """A real receiver that counts its readiness callbacks."""
+
+    callbacks = 0
+
+    def _on_readable(self) -> None:
+        self.callbacks += 1
+        super()._on_readable()
+
+
+async def test_bytes_that_come_while_nobody_waits_neither_spin_nor_get_lost(
+    pair: _Pair, anyio_backend: tuple[str, dict[str, Any]]
+) -> None:
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("the readiness receiver is asyncio's")
+    import asyncio
+
+    receiver = _CountingReceiver(pair.raw, asyncio.get_running_loop())
+    with anyio.fail_after(10):
+        pair.client.sendall(b"first")
+        assert await _receive_exactly(receiver, 5) == b"first"  # registered, then woken
+        pair.client.sendall(b"second")  # nobody waits now
+        for _ in range(100):
+            await anyio.lowlevel.checkpoint()  # turns of the loop with the bytes unread
+        assert receiver.callbacks <= 2  # one to wake, at most one to stop watching
+        assert await _receive_exactly(receiver, 6) == b"second"
+    receiver.close()
+
+
+async def test_a_peer_that_hangs_up_on_unread_replies_ends_the_stream(
+    listener: tuple[SocketListener, Path],
+) -> None:
+    """The peer's unread bytes make its close an error (``ECONNRESET``, ``POLLERR``) on this
+    side; what it sent before is still received, and then the end, never a wait for ever.
+    Each round is a new connection, which may reuse the last one's descriptor number."""
+    for round_ in range(20):  # the hang-up comes while the receiver waits, or before
+        async with _connected(*listener) as pair:
+            pair.raw.send(b"a reply nobody reads")
+
+            def hang_up(pair: _Pair = pair) -> None:
+                pair.client.sendall(b"last words")
+                pair.client.close()
+
+            with anyio.fail_after(10):
+                if round_ % 2:
+                    hang_up()
+                else:
+                    await _receive_after(pair, hang_up)  # registered, then woken: then no more
+                assert await _receive_exactly(pair.receiver, 10) == b"last words"
+                with contextlib.suppress(ConnectionResetError, anyio.BrokenResourceError):
+                    assert await pair.receiver.receive(1 << 16) == b""
+
+
+async def _receive_after(pair: _Pair, hang_up: Callable[[], None]) -> None:
+    """Have the receiver register and wait first, then hang up the peer (sending a first
+    byte, read here, so that the second wait is on a registration that has fired)."""
+    async with anyio.create_task_group() as tg:
+
+        async def later() -> None:
+            await anyio.sleep(0.01)
+            pair.client.sendall(b"!")
+
+        tg.start_soon(later)
+        assert await pair.receiver.receive(1 << 16) == b"!"
+    hang_up()
