@@ -368,6 +368,41 @@ def bench_ops(workdir: Path, block_bytes: int, count: int, qd: int, rounds: int)
     }
 
 
+def bench_overflow(workdir: Path, dram_mib: int, past: int) -> dict[str, Any]:
+    """Puts of 4 KiB blocks once DRAM is full: each needs a victim evicted (written back
+    first when dirty). ``past`` puts are timed after DRAM was filled; their rate against
+    the rate while DRAM filled, for a DRAM of ``dram_mib``. Run at two DRAM sizes, it shows
+    whether the cost of a put past DRAM grows with the blocks resident."""
+    block_bytes = 4 * KiB
+    fill = dram_mib * MiB // block_bytes
+    directory = workdir / f"overflow-{dram_mib}M"
+    block = np.random.default_rng(7).integers(0, 256, block_bytes, dtype=np.uint8)
+    rates = []
+    try:
+        with (
+            DaemonProcess(
+                directory, dram_size=f"{dram_mib}M", nvme_size=f"{4 * dram_mib + 256}M"
+            ) as d,
+            connect(d.socket) as client,
+        ):
+            ns = client.namespace("overflow", block_bytes=block_bytes)
+            for first, count in ((0, fill), (fill, past)):
+                keys = [_key(7, i) for i in range(first, first + count)]
+                started = time.perf_counter()
+                for i in range(0, count, 64):
+                    ns.put(keys[i : i + 64], [block] * len(keys[i : i + 64]))
+                rates.append(count / (time.perf_counter() - started))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return {
+        "dram_mib": dram_mib,
+        "resident_blocks": fill,
+        "put_ops_filling": rates[0],
+        "put_ops_past_dram": rates[1],
+        "ratio": rates[1] / rates[0],
+    }
+
+
 # -- report ------------------------------------------------------------------------------------
 
 _GOAL_BYTES_PER_BLOCK = 128
@@ -493,13 +528,29 @@ def _markdown(result: dict[str, Any], plot: str | None) -> str:
                 f"({run['fio_read_cpu_s_per_gb']:.2f}) | {run['put_cpu_s_per_gb']:.1f} "
                 f"({run['fio_write_cpu_s_per_gb']:.2f}) |"
             )
+    overflow = result.get("overflow", [])
+    if overflow:
+        lines += [
+            "",
+            "4 KiB puts (acknowledged, no FSYNC) for one more DRAM's worth once DRAM is full, "
+            "each evicting a victim, against the same daemon's rate while DRAM filled:",
+            "",
+            "| DRAM | resident blocks | put ops/s filling | put ops/s past DRAM | ratio |",
+            "|---|---|---|---|---|",
+        ]
+        for run in overflow:
+            lines.append(
+                f"| {run['dram_mib']} MiB | {run['resident_blocks']:,} | "
+                f"{run['put_ops_filling']:,.0f} | {run['put_ops_past_dram']:,.0f} | "
+                f"{run['ratio']:.3f} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--only", default="index,ops")
+    parser.add_argument("--only", default="index,ops,overflow")
     parser.add_argument(
         "--sizes", default="250000,500000,1000000", help="blocks per index run, comma-separated"
     )
@@ -540,6 +591,10 @@ def main() -> int:
             result["ops"] = [
                 bench_ops(work, bs, args.ops_blocks, args.qd, args.rounds)
                 for bs in (4 * KiB, 64 * KiB)
+            ]
+        if "overflow" in only:
+            result["overflow"] = [
+                bench_overflow(work, mib, mib * MiB // (4 * KiB)) for mib in (16, 32)
             ]
     result["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
     result["rounds"] = args.rounds
