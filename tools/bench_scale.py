@@ -557,8 +557,8 @@ def main() -> int:
     parser.add_argument("--max-daemon-gib", type=float, default=6.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--qd", type=int, default=16)
-    # write-back of small blocks runs at about 100 a second here (docs/benchmarks.md): a put
-    # round of 4096 blocks takes most of a minute
+    # rounds fit in the 64 MiB of DRAM: puts past a full DRAM run at a few hundred a second
+    # here (``overflow``), so a round larger than DRAM would take many minutes
     parser.add_argument("--ops-blocks", type=int, default=4096, help="blocks per ops round")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
