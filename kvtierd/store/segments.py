@@ -51,7 +51,9 @@ class SegmentMap:
         self.segments: list[SegmentHeader] = []
         self._tail = PAGE_BYTES  # after the superblock
         self._free: dict[int, list[tuple[int, int]]] = {}
-        self._used: set[tuple[int, int]] = set()
+        #: One byte a slot, per segment: 1 while the slot holds a record. A set of
+        #: ``(segment, index)`` tuples cost about 110 bytes a stored block; this costs one.
+        self._used: list[bytearray] = []
         self._used_bytes = 0
 
     @property
@@ -120,6 +122,7 @@ class SegmentMap:
             raise ValueError(f"segment at {header.start} does not follow the tail {self._tail}")
         number = len(self.segments)
         self.segments.append(header)
+        self._used.append(bytearray(header.slot_count))
         self._tail = header.end
         if all_free:
             bucket = self._free.setdefault(header.slot_bytes, [])
@@ -146,16 +149,24 @@ class SegmentMap:
     def free(self, slot: DiskSlot) -> None:
         """Return a slot; raises ``ValueError`` if it is not in use."""
         place = (slot.segment, slot.index)
-        if place not in self._used:
+        if not self._in_use(*place):
             raise ValueError(f"disk slot {place} is not in use")
-        self._used.remove(place)
+        self._used[slot.segment][slot.index] = 0
         self._used_bytes -= slot.size
         self._free.setdefault(slot.size, []).append(place)
 
+    def _in_use(self, segment: int, index: int) -> bool:
+        return (
+            0 <= segment < len(self._used)
+            and 0 <= index < len(self._used[segment])
+            and bool(self._used[segment][index])
+        )
+
     def _take(self, segment: int, index: int) -> DiskSlot:
-        self._used.add((segment, index))
         slot = self._slot(segment, index)
-        self._used_bytes += slot.size
+        if not self._used[segment][index]:
+            self._used[segment][index] = 1
+            self._used_bytes += slot.size
         return slot
 
     def _slot(self, segment: int, index: int) -> DiskSlot:
