@@ -51,9 +51,11 @@ _EVICT_BATCH = 16
 #: Promotions a READ runs at once: the disk wants queue depth, but a task per block of an
 #: 8192-block READ cost the loop tens of ms to start.
 _READ_DEPTH = 32
-#: Copies of a READ that follow one another on the local tier are read in one request of at
-#: most this many bytes and records (:mod:`.runs`): at 448 KiB blocks, a request per block
-#: cost more loop time than the disk took to read it.
+#: A READ's local copies are promoted in batches of at most this many bytes and records
+#: (:mod:`.runs`), each batch by one task with all its reads in flight at once, those that
+#: follow one another in one request, and its payloads hashed in one pass: at 448 KiB
+#: blocks a task, a request and a hash call per block cost more loop time than the disk took
+#: to read it. The bytes bound what one batch holds before any of it is verified.
 _RUN_BYTES = 4 << 20
 _RUN_RECORDS = 16
 
@@ -220,9 +222,9 @@ class Residency:
         self.count(block.ns, "promotions")
 
     async def make_all_resident(self, blocks: list[tuple[Block, AccessContext]]) -> None:
-        """Promote concurrently, at most :data:`_READ_DEPTH` requests at a time, in order (the
-        disk wants queue depth), copies that follow one another on the local tier in one
-        request each (:func:`~kvtierd.store.runs.plan_runs`); raise the first failure."""
+        """Promote concurrently, at most :data:`_READ_DEPTH` batches at a time, in order (the
+        disk wants queue depth), local copies in batches (:func:`~kvtierd.store.runs.
+        plan_runs`, :meth:`_promote_run`); raise the first failure."""
         runs = self._plan_runs(blocks)
         if len(runs) == 1 and len(runs[0]) == 1:  # no task group for one block: a small READ
             await self.make_resident(blocks[0][0], wait=True, context=blocks[0][1])
@@ -252,17 +254,15 @@ class Residency:
         lower = self.lower
         if lower is None or len(blocks) == 1:
             return [[item] for item in blocks]
-        kind = lower.kind
 
-        def follows(a: tuple[Block, AccessContext], b: tuple[Block, AccessContext]) -> bool:
-            before, after = a[0].copies.get(kind), b[0].copies.get(kind)
-            if before is None or after is None or not lower.follows(before, after):
-                return False
+        def together(a: tuple[Block, AccessContext], b: tuple[Block, AccessContext]) -> bool:
+            # any two local copies share a batch: the tier reads those that follow one another
+            # in one request, and the others beside it, all in flight at once
             return self._runnable(a[0]) and self._runnable(b[0])
 
         return plan_runs(
             blocks,
-            follows,
+            together,
             lambda item: item[0].ref.raw_bytes,
             max_bytes=_RUN_BYTES,
             max_items=_RUN_RECORDS,
@@ -280,8 +280,8 @@ class Residency:
         )
 
     async def _promote_run(self, run: list[tuple[Block, AccessContext]]) -> None:
-        """:meth:`make_resident` of blocks whose local copies follow one another, read in one
-        request (:meth:`~kvtierd.store.tier.LowerTier.load_run`). A run changed since it was
+        """:meth:`make_resident` of a batch of blocks with local copies, read together
+        (:meth:`~kvtierd.store.tier.LowerTier.load_run`). A batch changed since it was
         planned (a block promoted, evicted or forgotten meanwhile) is promoted block by
         block. Raises the first failure, after every block was dealt with."""
         lower = self.lower

@@ -325,6 +325,24 @@ class TierContract:
                         assert outcome is None
                         assert bytes(view[: len(data)]) == data
 
+    @pytest.mark.anyio
+    async def test_load_run_takes_copies_in_any_order(self, tmp_path: Path) -> None:
+        async with self.open_tier(tmp_path, self.SIZE_BYTES) as h:
+            stored = []
+            for i in range(4):
+                key = b"A%d" % i + bytes(14)
+                data = content(key, (64 << 10) + 100)
+                stored.append((*(await h.put(key, data)), data))
+            order = [2, 0, 3, 1]
+            with contextlib.ExitStack() as stack:
+                views = [stack.enter_context(h.buffer(len(data))) for _, _, data in stored]
+                outcomes = await h.tier.load_run(
+                    [(stored[i][0], stored[i][1], views[i]) for i in order]
+                )
+                assert outcomes == [None] * len(order)
+                for (_, _, data), view in zip(stored, views, strict=True):
+                    assert bytes(view[: len(data)]) == data
+
     # -- recovery ------------------------------------------------------------------------------
 
     @pytest.mark.anyio
