@@ -51,13 +51,12 @@ _EVICT_BATCH = 16
 #: Promotions a READ runs at once: the disk wants queue depth, but a task per block of an
 #: 8192-block READ cost the loop tens of ms to start.
 _READ_DEPTH = 32
-#: A READ's local copies are promoted in batches of at most this many bytes and records
-#: (:mod:`.runs`), each batch by one task with all its reads in flight at once, those that
-#: follow one another in one request, and its payloads hashed in one pass: at 448 KiB
-#: blocks a task, a request and a hash call per block cost more loop time than the disk took
-#: to read it. The bytes bound what one batch holds before any of it is verified.
-_RUN_BYTES = 4 << 20
-_RUN_RECORDS = 16
+#: A READ's local copies are promoted in batches of at most ``nvme.read_batch_bytes`` and
+#: ``nvme.read_batch_blocks`` (:mod:`.runs`), each batch by one task with all its reads in
+#: flight at once, those that follow one another in one request, and its payloads hashed in
+#: one pass: at 448 KiB blocks a task, a request and a hash call per block cost more loop
+#: time than the disk took to read it. So a READ holds at most :data:`_READ_DEPTH` batches'
+#: bytes in flight, and the disk at most ``nvme.queue_depth`` requests.
 
 
 class Residency:
@@ -76,6 +75,7 @@ class Residency:
         staged: StagedCopies | None = None,
         shared: LowerTier | None = None,
         limits: LimitsConfig | None = None,
+        read_batch: tuple[int, int] = (4 << 20, 16),
         alloc_wait_s: float = 10.0,
     ) -> None:
         if lower is not None and staged is None:
@@ -97,6 +97,8 @@ class Residency:
         self.staged = staged
         self.writeback = writeback
         self.alloc_wait_s = alloc_wait_s
+        #: (bytes, blocks): the bounds of one batch of a READ's promotions from the local tier.
+        self.read_batch = read_batch
         #: The newest commit sequence number seen (``BlockRef.seq``).
         self.seq = 0
         #: READs promoting blocks now (reuse prefetch waits while any runs).
@@ -264,8 +266,8 @@ class Residency:
             blocks,
             together,
             lambda item: item[0].ref.raw_bytes,
-            max_bytes=_RUN_BYTES,
-            max_items=_RUN_RECORDS,
+            max_bytes=self.read_batch[0],
+            max_items=self.read_batch[1],
         )
 
     def _runnable(self, block: Block) -> bool:
