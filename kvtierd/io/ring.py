@@ -147,7 +147,10 @@ class CompletionRing:
         waiters: list[_Waiter] = []
         try:
             for prep in preps:
-                await self._slots.acquire()
+                try:
+                    self._slots.acquire_nowait()  # no checkpoint per request while slots are free
+                except anyio.WouldBlock:
+                    await self._slots.acquire()
                 try:
                     waiters.append(self._prepare(prep, releases=True))
                 except BaseException:
@@ -157,7 +160,8 @@ class CompletionRing:
         finally:
             with anyio.CancelScope(shield=True):  # the kernel may own their buffers
                 for waiter in waiters:
-                    await waiter.done.wait()
+                    if not waiter.done.is_set():  # waiting on a set Event still yields a turn
+                        await waiter.done.wait()
         await anyio.lowlevel.checkpoint_if_cancelled()
         return [self._result(waiter) for waiter in waiters]
 

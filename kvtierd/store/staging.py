@@ -75,7 +75,10 @@ class StagingPages:
         try:
             async with self._several:
                 for _ in range(n):
-                    await self._available.acquire()
+                    try:
+                        self._available.acquire_nowait()  # no checkpoint per free page
+                    except anyio.WouldBlock:
+                        await self._available.acquire()
                     taken.append(self._free.pop())
             yield [self._region[i * PAGE_BYTES : (i + 1) * PAGE_BYTES] for i in taken]
         finally:
