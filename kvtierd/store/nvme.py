@@ -3,9 +3,11 @@
 Theory of operation. A block goes to disk as one vectored write of ``[header page, payload]``
 from the arena, and comes back as one vectored read into ``[header page, arena slot]``: with the
 io_uring backend both buffers lie in the registered arena, so the kernel moves the bytes between
-the device and shared memory with no copy. Records that lie side by side come back in one
-vectored read of all their ``[header page, arena slot]`` pairs (:meth:`NvmeTier.load_run`,
-planned by :mod:`kvtierd.store.runs`), each still checked alone. Placement
+the device and shared memory with no copy. A READ's records come back in batches
+(:meth:`NvmeTier.load_run`, planned by :mod:`kvtierd.store.runs`): those that lie side by side
+in one vectored read of all their ``[header page, arena slot]`` pairs, the others beside it,
+all in flight at once from one task (:meth:`~kvtierd.io.IoBackend.readv_each`), each record
+still checked alone. Placement
 (:mod:`kvtierd.store.segments`) and the record format (:mod:`kvtierd.store.records`) are pure;
 this module performs their decisions.
 
