@@ -221,27 +221,45 @@ class NvmeTier(LowerTier):
         once (:meth:`~kvtierd.io.IoBackend.readv_each`); then each header checked and every
         payload hashed in one pass (one worker-thread hop at most, :func:`checksums_off_loop`).
         A record that does not qualify (compressed, gone or replaced since it was planned,
-        outside the file) is loaded alone, as :meth:`load` would."""
+        outside the file) is loaded alone, as :meth:`load` would, beside the others."""
         outcomes: list[BlockNotFoundError | None] = [None] * len(items)
         together: list[int] = []
+        alone: list[int] = []
         for i, (ref, location, _) in enumerate(items):
             slot = self._slot(location)
             header = self._records.get(slot)
-            if (
-                header is None
-                or header.seq != ref.seq
-                or not self._plain(slot)
-                or slot.offset + slot.size > self._segmap.file_bytes
-            ):
-                try:
-                    await self.load(ref, slot, items[i][2])
-                except BlockNotFoundError as exc:
-                    outcomes[i] = exc
-            else:
+            plain = header is not None and header.seq == ref.seq and self._plain(slot)
+            if plain and slot.offset + slot.size <= self._segmap.file_bytes:
                 together.append(i)
-        count = self._pages.count
-        for first in range(0, len(together), count):
-            await self._load_together(items, together[first : first + count], outcomes)
+            else:
+                alone.append(i)
+        failures: list[KvtierError] = []
+
+        async def load_alone(i: int) -> None:
+            try:
+                await self.load(*items[i])
+            except BlockNotFoundError as exc:
+                outcomes[i] = exc
+            except KvtierError as exc:  # raised as itself below, not in an exception group
+                failures.append(exc)
+
+        async def load_together() -> None:
+            count = self._pages.count
+            try:
+                for first in range(0, len(together), count):
+                    await self._load_together(items, together[first : first + count], outcomes)
+            except KvtierError as exc:
+                failures.append(exc)
+
+        if alone:
+            async with anyio.create_task_group() as tg:
+                for i in alone:
+                    tg.start_soon(load_alone, i)
+                await load_together()
+        else:  # the common case: no task at all
+            await load_together()
+        if failures:
+            raise failures[0]
         return outcomes
 
     async def _load_together(
