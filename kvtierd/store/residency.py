@@ -389,6 +389,9 @@ class Residency:
 
     async def allocate_dram(self, region: TenantRegion, nbytes: int, *, wait: bool = False) -> Slot:
         """A slot in ``region`` (evicting that region's blocks only)."""
+        slot = region.allocator.allocate(nbytes)
+        if slot is not None:  # a free slot: no policy decision, nothing to settle first
+            return slot
         await self.dram_policies[region.id].settle(self.lane)
         deadline = time.monotonic() + self.alloc_wait_s
         while True:
@@ -405,6 +408,9 @@ class Residency:
     def allocate_dram_nowait(self, region: TenantRegion, nbytes: int) -> Slot | None:
         """A slot in ``region`` now, evicting what :func:`~kvtierd.store.planner.reserve`
         chose (clean, unleased blocks of that region only)."""
+        slot = region.allocator.allocate(nbytes)
+        if slot is not None:  # what reserve takes first: no plan needed (one per block read)
+            return slot
         policy = self.dram_policies[region.id]
 
         def victims(n: int, eligible: Callable[[Block], bool]) -> list[Block]:
