@@ -235,6 +235,12 @@ class NvmeConfig(_Section):
     queue_depth: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
     segment_bytes: ByteSize = ByteSize(64 << 20)
     writeback_concurrency: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    #: A READ's blocks on disk are promoted in batches of at most this many bytes and blocks:
+    #: one task, their reads all in flight at once (records side by side in one request), one
+    #: hash pass. What a batch holds in DRAM before any of it is verified; a larger block is a
+    #: batch of its own.
+    read_batch_bytes: ByteSize = ByteSize(4 << 20)
+    read_batch_blocks: Annotated[int, msgspec.Meta(ge=1, le=64)] = 16
     #: Daemon-private memory committed blocks are copied into (at COMMIT while there is room,
     #: else at write-back, verified) before they are written: no client can change what
     #: reaches the disk. Used only while blocks await write-back; at least twice the largest
@@ -263,6 +269,9 @@ class NvmeConfig(_Section):
             None
             if n >= 1 << 20 and n % 4096 == 0
             else f"must be a multiple of 4K and at least 1M, not {_show_size(n)}"
+        ),
+        "read_batch_bytes": lambda n: (
+            None if 4 << 10 <= n <= 256 << 20 else f"{_show_size(n)} is outside 4K..256M"
         ),
     }
 

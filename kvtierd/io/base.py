@@ -27,6 +27,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import anyio
+
 from kvtierd.errors import InvalidRequestError, KvtierError, NoSpaceError, StorageIOError
 
 __all__ = [
@@ -105,6 +107,33 @@ class IoBackend(abc.ABC):
         :class:`NoSpaceError` for ``ENOSPC``, :class:`InvalidRequestError` for malformed
         arguments, :class:`ClosedError` after the backend was closed.
         """
+
+    async def readv_each(
+        self, fd: int, requests: Sequence[tuple[int, Sequence[memoryview]]]
+    ) -> list[int | StorageIOError]:
+        """:meth:`readv` of each ``(offset, buffers)`` of ``requests``, all in flight at once
+        (within the queue depth); for each, the bytes read or the :class:`StorageIOError` its
+        own :meth:`readv` raised, so that one unreadable request spoils no other. Raises what
+        :meth:`readv` raises for anything else (malformed arguments, a closed backend), once
+        every request has finished. By default a task per request; io_uring queues them all
+        from the calling task."""
+        results: list[int | StorageIOError] = [0] * len(requests)
+        other: list[KvtierError] = []
+
+        async def one(i: int, offset: int, buffers: Sequence[memoryview]) -> None:
+            try:
+                results[i] = await self.readv(fd, offset, buffers)
+            except StorageIOError as exc:
+                results[i] = exc
+            except KvtierError as exc:
+                other.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for i, (offset, buffers) in enumerate(requests):
+                tg.start_soon(one, i, offset, buffers)
+        if other:
+            raise other[0]
+        return results
 
     @abc.abstractmethod
     async def writev(self, fd: int, offset: int, buffers: Sequence[memoryview]) -> int:

@@ -92,7 +92,8 @@ class ThreadBackend(IoBackend):
     def __init__(self, queue_depth: int) -> None:
         # Admission in the loop (so that counters are exact), then a thread each: the limiter only
         # sizes anyio's worker pool and never makes a call wait.
-        self._slots = anyio.Semaphore(queue_depth)
+        # fast_acquire: the call's thread hop that follows is the checkpoint (see ring.py).
+        self._slots = anyio.Semaphore(queue_depth, fast_acquire=True)
         self._limiter = anyio.CapacityLimiter(queue_depth)
         self._counters = OpCounters()
         self._closing = False

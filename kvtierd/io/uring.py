@@ -91,6 +91,43 @@ class UringBackend(IoBackend):
         self._counters.bytes_read += done
         return done
 
+    async def readv_each(
+        self, fd: int, requests: Sequence[tuple[int, Sequence[memoryview]]]
+    ) -> list[int | StorageIOError]:
+        """All queued from this task (:meth:`CompletionRing.run_many`): no task, no wake-up,
+        no slot wait per request. A request the kernel completes partially (end of file)
+        goes on alone, as :meth:`readv` would."""
+        plans: list[tuple[int, list[Span], int, int | None]] = []
+        for offset, buffers in requests:
+            views = check_request(fd, offset, buffers)
+            spans: list[Span] = [(buffer_address(view), view.nbytes) for view in views]
+            index = self._regions.index_for(spans) if self._regions is not None else None
+            plans.append((offset, spans, sum(length for _, length in spans), index))
+        raw = self._ring.raw
+        moved = await self._ring.run_many(
+            [
+                partial(
+                    raw.prep_rw,
+                    RingOp.READV if index is None else RingOp.READV_FIXED,
+                    fd,
+                    spans,
+                    offset,
+                    -1 if index is None else index,
+                )
+                for offset, spans, _, index in plans
+            ]
+        )
+        results: list[int | StorageIOError] = []
+        for (offset, spans, total, index), first in zip(plans, moved, strict=True):
+            try:
+                done = await self._complete("readv", fd, offset, spans, total, index, first)
+            except StorageIOError as exc:
+                results.append(exc)
+            else:
+                self._counters.bytes_read += done
+                results.append(done)
+        return results
+
     async def writev(self, fd: int, offset: int, buffers: Sequence[memoryview]) -> int:
         done = await self._transfer("writev", fd, offset, buffers)
         self._counters.bytes_written += done
@@ -115,13 +152,36 @@ class UringBackend(IoBackend):
         spans: list[Span] = [(buffer_address(view), view.nbytes) for view in views]
         total = sum(length for _, length in spans)
         index = self._regions.index_for(spans) if self._regions is not None else None
+        first = await self._submit_once(op, fd, offset, spans, index)
+        return await self._complete(op, fd, offset, spans, total, index, first)
+
+    async def _complete(
+        self,
+        op: str,
+        fd: int,
+        offset: int,
+        spans: list[Span],
+        total: int,
+        index: int | None,
+        moved: int,
+    ) -> int:
+        """The transfer of ``spans`` whose first request returned ``moved`` (bytes, or
+        ``-errno``), the rest resubmitted until done."""
+        if moved < 0:
+            raise os_error(op, fd, offset, -moved) from OSError(-moved, os.strerror(-moved))
         done = 0
-        while spans:
-            moved = await self._submit_once(op, fd, offset + done, spans, index)
+        while True:
             if moved == 0:
                 raise short_transfer_error(op, fd, offset, done, total)
             done += moved
             spans = advance_spans(spans, moved)
+            if not spans:
+                break
+            moved = await self._submit_once(op, fd, offset + done, spans, index)
+            if moved < 0:
+                raise os_error(op, fd, offset + done, -moved) from OSError(
+                    -moved, os.strerror(-moved)
+                )
         if index is not None:
             self._counters.fixed_ops += 1
         return done
@@ -129,6 +189,7 @@ class UringBackend(IoBackend):
     async def _submit_once(
         self, op: str, fd: int, offset: int, spans: list[Span], index: int | None
     ) -> int:
+        """One request for ``spans``: the bytes it moved, or ``-errno``."""
         if op == "readv":
             opcode = RingOp.READV if index is None else RingOp.READV_FIXED
         else:
@@ -136,10 +197,7 @@ class UringBackend(IoBackend):
         prep = partial(
             self._ring.raw.prep_rw, opcode, fd, spans, offset, -1 if index is None else index
         )
-        result = await self._ring.run(prep)
-        if result < 0:
-            raise os_error(op, fd, offset, -result) from OSError(-result, os.strerror(-result))
-        return result
+        return await self._ring.run(prep)
 
 
 def _fixed_opcodes_supported(ring: CompletionRing) -> bool:

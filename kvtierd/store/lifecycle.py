@@ -253,6 +253,7 @@ async def open_store(
                 staged=staged,
                 shared=replica.tier if replica is not None else None,
                 limits=config.limits,
+                read_batch=(config.nvme.read_batch_bytes, config.nvme.read_batch_blocks),
             )
             adopted = residency.adopt_recovered()
             log.info("store ready: %d blocks adopted from the NVMe tier", adopted)

@@ -3,9 +3,11 @@
 Theory of operation. A block goes to disk as one vectored write of ``[header page, payload]``
 from the arena, and comes back as one vectored read into ``[header page, arena slot]``: with the
 io_uring backend both buffers lie in the registered arena, so the kernel moves the bytes between
-the device and shared memory with no copy. Records that lie side by side come back in one
-vectored read of all their ``[header page, arena slot]`` pairs (:meth:`NvmeTier.load_run`,
-planned by :mod:`kvtierd.store.runs`), each still checked alone. Placement
+the device and shared memory with no copy. A READ's records come back in batches
+(:meth:`NvmeTier.load_run`, planned by :mod:`kvtierd.store.runs`): those that lie side by side
+in one vectored read of all their ``[header page, arena slot]`` pairs, the others beside it,
+all in flight at once from one task (:meth:`~kvtierd.io.IoBackend.readv_each`), each record
+still checked alone. Placement
 (:mod:`kvtierd.store.segments`) and the record format (:mod:`kvtierd.store.records`) are pure;
 this module performs their decisions.
 
@@ -42,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import itertools
 import logging
 import mmap
 import os
@@ -65,6 +66,7 @@ from kvtierd.errors import (
     StorageIOError,
 )
 from kvtierd.io import IoBackend
+from kvtierd.io.base import MAX_BUFFERS_PER_OP
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.codec import checksum_off_loop, checksums_off_loop, compress, decompress_into
@@ -214,60 +216,115 @@ class NvmeTier(LowerTier):
     async def load_run(
         self, items: Sequence[tuple[BlockRef, Hashable, memoryview]]
     ) -> list[BlockNotFoundError | None]:
-        """One vectored read of the records of ``items`` (each slot following the one before),
-        each header page and payload in place; then each header checked and every payload
-        hashed in one worker-thread hop. A run that no longer qualifies (a record gone or
-        replaced since it was planned) is loaded record by record instead."""
-        slots = [self._slot(location) for _, location, _ in items]
-        if not self._one_read(items, slots):
-            return await super().load_run(items)
+        """The records of ``items`` read together: those that follow one another in one
+        vectored request of their ``[header page, payload]`` pairs, every request in flight at
+        once (:meth:`~kvtierd.io.IoBackend.readv_each`); then each header checked and every
+        payload hashed in one pass (one worker-thread hop at most, :func:`checksums_off_loop`).
+        A record that does not qualify (compressed, gone or replaced since it was planned,
+        outside the file) is loaded alone, as :meth:`load` would, beside the others."""
         outcomes: list[BlockNotFoundError | None] = [None] * len(items)
-        async with self._pages.pages(len(items)) as pages:
-            buffers: list[memoryview] = []
-            for page, (_, _, dest), slot in zip(pages, items, slots, strict=True):
-                buffers += [page, dest[: slot.size - PAGE_BYTES]]  # a plain record fills its slot
-            unreadable = await self._read_run(slots[0].offset, buffers)
-            if unreadable is not None:
-                return [unreadable] * len(items)
-            for i, (page, (ref, _, _)) in enumerate(zip(pages, items, strict=True)):
-                try:
-                    self._verify_header(page, ref)
-                except BlockNotFoundError as exc:
-                    outcomes[i] = exc
-        sums = await checksums_off_loop([dest[: ref.raw_bytes] for ref, _, dest in items])
-        for i, ((ref, _, _), slot, value) in enumerate(zip(items, slots, sums, strict=True)):
-            if outcomes[i] is None:
-                try:
-                    self._verified(ref, slot, value)
-                except BlockNotFoundError as exc:
-                    outcomes[i] = exc
-        self._counters["bytes_read"] += sum(slot.size for slot in slots)
+        together: list[int] = []
+        alone: list[int] = []
+        for i, (ref, location, _) in enumerate(items):
+            slot = self._slot(location)
+            header = self._records.get(slot)
+            plain = header is not None and header.seq == ref.seq and self._plain(slot)
+            if plain and slot.offset + slot.size <= self._segmap.file_bytes:
+                together.append(i)
+            else:
+                alone.append(i)
+        failures: list[KvtierError] = []
+
+        async def load_alone(i: int) -> None:
+            try:
+                await self.load(*items[i])
+            except BlockNotFoundError as exc:
+                outcomes[i] = exc
+            except KvtierError as exc:  # raised as itself below, not in an exception group
+                failures.append(exc)
+
+        async def load_together() -> None:
+            count = self._pages.count
+            try:
+                for first in range(0, len(together), count):
+                    await self._load_together(items, together[first : first + count], outcomes)
+            except KvtierError as exc:
+                failures.append(exc)
+
+        if alone:
+            async with anyio.create_task_group() as tg:
+                for i in alone:
+                    tg.start_soon(load_alone, i)
+                await load_together()
+        else:  # the common case: no task at all
+            await load_together()
+        if failures:
+            raise failures[0]
         return outcomes
 
-    def _one_read(
-        self, items: Sequence[tuple[BlockRef, Hashable, memoryview]], slots: list[DiskSlot]
-    ) -> bool:
-        """Whether ``items`` still make one run: several plain records, each following the one
-        before, each still the block asked for, all inside the file, with header pages for all."""
-        if not 1 < len(items) <= self._pages.count:
-            return False
-        if not all(self.follows(a, b) for a, b in itertools.pairwise(slots)):
-            return False
-        for (ref, _, _), slot in zip(items, slots, strict=True):
-            header = self._records.get(slot)
-            if header is None or header.seq != ref.seq:
-                return False
-        return slots[-1].offset + slots[-1].size <= self._segmap.file_bytes
+    async def _load_together(
+        self,
+        items: Sequence[tuple[BlockRef, Hashable, memoryview]],
+        chosen: list[int],
+        outcomes: list[BlockNotFoundError | None],
+    ) -> None:
+        """:meth:`load_run` of the plain records ``chosen`` (indexes into ``items``, at most a
+        page each of the staging pages), their outcomes set in ``outcomes``."""
+        slots = [self._slot(items[i][1]) for i in chosen]
+        read: list[int] = []  # of chosen, those whose record was read and whose header matched
+        async with self._pages.pages(len(chosen)) as pages:
+            #: (offset, buffers, positions in ``chosen``) of each request
+            requests: list[tuple[int, list[memoryview], list[int]]] = []
+            for k, (i, slot) in enumerate(zip(chosen, slots, strict=True)):
+                buffers = [pages[k], items[i][2][: slot.size - PAGE_BYTES]]  # a plain record
+                before = slots[k - 1] if k else None  # fills its slot
+                if (
+                    before is not None
+                    and before.offset + before.size == slot.offset
+                    and len(requests[-1][1]) + 2 <= MAX_BUFFERS_PER_OP
+                ):
+                    requests[-1][1].extend(buffers)
+                    requests[-1][2].append(k)
+                else:
+                    requests.append((slot.offset, buffers, [k]))
+            results = await self._backend.readv_each(
+                self._fd, [(offset, buffers) for offset, buffers, _ in requests]
+            )
+            for (offset, buffers, members), result in zip(requests, results, strict=True):
+                if isinstance(result, StorageIOError):  # once more, alone
+                    unreadable = await self._read_run(offset, buffers, attempts=1)
+                    if unreadable is not None:
+                        for k in members:
+                            outcomes[chosen[k]] = unreadable
+                        continue
+                self._counters["bytes_read"] += sum(slots[k].size for k in members)
+                for k in members:
+                    try:
+                        self._verify_header(pages[k], items[chosen[k]][0])
+                    except BlockNotFoundError as exc:
+                        outcomes[chosen[k]] = exc
+                    else:
+                        read.append(k)
+        sums = await checksums_off_loop(
+            [items[chosen[k]][2][: items[chosen[k]][0].raw_bytes] for k in read]
+        )
+        for k, value in zip(read, sums, strict=True):
+            try:
+                self._verified(items[chosen[k]][0], slots[k], value)
+            except BlockNotFoundError as exc:
+                outcomes[chosen[k]] = exc
 
-    async def _read_run(self, offset: int, buffers: list[memoryview]) -> BlockNotFoundError | None:
-        """Read ``buffers`` from ``offset``, trying twice; the miss every record of the run is
-        when the medium still refuses (as :meth:`_read_record` makes of one record)."""
-        for attempt in (1, 2):
+    async def _read_run(
+        self, offset: int, buffers: list[memoryview], *, attempts: int = 2
+    ) -> BlockNotFoundError | None:
+        """Read ``buffers`` from ``offset``, trying ``attempts`` times; the miss every record
+        of them is when the medium still refuses (as :meth:`_read_record` makes of one)."""
+        for attempt in range(1, attempts + 1):
             try:
                 await self._backend.readv(self._fd, offset, buffers)
                 return None
             except StorageIOError as exc:
-                if attempt == 2:
+                if attempt == attempts:
                     self._counters["misses"] += len(buffers) // 2
                     log.error(
                         "cannot read the blocks at offset %d of %s: %s", offset, self.path, exc

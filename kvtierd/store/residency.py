@@ -51,11 +51,12 @@ _EVICT_BATCH = 16
 #: Promotions a READ runs at once: the disk wants queue depth, but a task per block of an
 #: 8192-block READ cost the loop tens of ms to start.
 _READ_DEPTH = 32
-#: Copies of a READ that follow one another on the local tier are read in one request of at
-#: most this many bytes and records (:mod:`.runs`): at 448 KiB blocks, a request per block
-#: cost more loop time than the disk took to read it.
-_RUN_BYTES = 4 << 20
-_RUN_RECORDS = 16
+#: A READ's local copies are promoted in batches of at most ``nvme.read_batch_bytes`` and
+#: ``nvme.read_batch_blocks`` (:mod:`.runs`), each batch by one task with all its reads in
+#: flight at once, those that follow one another in one request, and its payloads hashed in
+#: one pass: at 448 KiB blocks a task, a request and a hash call per block cost more loop
+#: time than the disk took to read it. So a READ holds at most :data:`_READ_DEPTH` batches'
+#: bytes in flight, and the disk at most ``nvme.queue_depth`` requests.
 
 
 class Residency:
@@ -74,6 +75,7 @@ class Residency:
         staged: StagedCopies | None = None,
         shared: LowerTier | None = None,
         limits: LimitsConfig | None = None,
+        read_batch: tuple[int, int] = (4 << 20, 16),
         alloc_wait_s: float = 10.0,
     ) -> None:
         if lower is not None and staged is None:
@@ -95,6 +97,8 @@ class Residency:
         self.staged = staged
         self.writeback = writeback
         self.alloc_wait_s = alloc_wait_s
+        #: (bytes, blocks): the bounds of one batch of a READ's promotions from the local tier.
+        self.read_batch = read_batch
         #: The newest commit sequence number seen (``BlockRef.seq``).
         self.seq = 0
         #: READs promoting blocks now (reuse prefetch waits while any runs).
@@ -220,9 +224,9 @@ class Residency:
         self.count(block.ns, "promotions")
 
     async def make_all_resident(self, blocks: list[tuple[Block, AccessContext]]) -> None:
-        """Promote concurrently, at most :data:`_READ_DEPTH` requests at a time, in order (the
-        disk wants queue depth), copies that follow one another on the local tier in one
-        request each (:func:`~kvtierd.store.runs.plan_runs`); raise the first failure."""
+        """Promote concurrently, at most :data:`_READ_DEPTH` batches at a time, in order (the
+        disk wants queue depth), local copies in batches (:func:`~kvtierd.store.runs.
+        plan_runs`, :meth:`_promote_run`); raise the first failure."""
         runs = self._plan_runs(blocks)
         if len(runs) == 1 and len(runs[0]) == 1:  # no task group for one block: a small READ
             await self.make_resident(blocks[0][0], wait=True, context=blocks[0][1])
@@ -252,20 +256,18 @@ class Residency:
         lower = self.lower
         if lower is None or len(blocks) == 1:
             return [[item] for item in blocks]
-        kind = lower.kind
 
-        def follows(a: tuple[Block, AccessContext], b: tuple[Block, AccessContext]) -> bool:
-            before, after = a[0].copies.get(kind), b[0].copies.get(kind)
-            if before is None or after is None or not lower.follows(before, after):
-                return False
+        def together(a: tuple[Block, AccessContext], b: tuple[Block, AccessContext]) -> bool:
+            # any two local copies share a batch: the tier reads those that follow one another
+            # in one request, and the others beside it, all in flight at once
             return self._runnable(a[0]) and self._runnable(b[0])
 
         return plan_runs(
             blocks,
-            follows,
+            together,
             lambda item: item[0].ref.raw_bytes,
-            max_bytes=_RUN_BYTES,
-            max_items=_RUN_RECORDS,
+            max_bytes=self.read_batch[0],
+            max_items=self.read_batch[1],
         )
 
     def _runnable(self, block: Block) -> bool:
@@ -279,14 +281,37 @@ class Residency:
             and block.lower is not None
         )
 
-    async def _promote_run(self, run: list[tuple[Block, AccessContext]]) -> None:
-        """:meth:`make_resident` of blocks whose local copies follow one another, read in one
-        request (:meth:`~kvtierd.store.tier.LowerTier.load_run`). A run changed since it was
+    async def promote_batch(self, blocks: list[Block]) -> None:
+        """Background promotion (a prefetch) of ``blocks``: :meth:`make_resident` of each,
+        those with local copies read together as a READ's batch is (:meth:`_promote_run`), and
+        like :meth:`make_resident` for a prefetch, no waiting for write-back to free room.
+        Raises the first failure, after every block was dealt with."""
+        if len(blocks) == 1:
+            await self.make_resident(blocks[0])
+            return
+        await self._promote_run([(block, PROMOTION) for block in blocks], wait=False)
+
+    def joins_batch(self, batch: list[Block], block: Block) -> bool:
+        """Whether ``block`` may be promoted in one batch with ``batch``: all of them local
+        copies to read (:meth:`_runnable`), within ``nvme.read_batch_bytes``/``_blocks``."""
+        max_bytes, max_blocks = self.read_batch
+        return (
+            len(batch) < max_blocks
+            and self._runnable(block)
+            and all(self._runnable(b) for b in batch)
+            and sum(b.ref.raw_bytes for b in batch) + block.ref.raw_bytes <= max_bytes
+        )
+
+    async def _promote_run(
+        self, run: list[tuple[Block, AccessContext]], *, wait: bool = True
+    ) -> None:
+        """:meth:`make_resident` of a batch of blocks with local copies, read together
+        (:meth:`~kvtierd.store.tier.LowerTier.load_run`). A batch changed since it was
         planned (a block promoted, evicted or forgotten meanwhile) is promoted block by
         block. Raises the first failure, after every block was dealt with."""
         lower = self.lower
         if lower is None or not all(self._runnable(block) for block, _ in run):
-            await self._promote_each(run)
+            await self._promote_each(run, wait=wait)
             return
         for block, _ in run:
             block.loading = anyio.Event()
@@ -296,7 +321,7 @@ class Residency:
             try:
                 for block, _ in run:
                     region = self.region(block.ns)
-                    slots.append(await self.allocate_dram(region, block.ref.raw_bytes, wait=True))
+                    slots.append(await self.allocate_dram(region, block.ref.raw_bytes, wait=wait))
                 outcomes = await lower.load_run(
                     [
                         (block.ref, block.copies[lower.kind], self.slot_view(slot))
@@ -326,7 +351,9 @@ class Residency:
                 block.loading = None
                 self.unpin(block)
 
-    async def _promote_each(self, run: list[tuple[Block, AccessContext]]) -> None:
+    async def _promote_each(
+        self, run: list[tuple[Block, AccessContext]], *, wait: bool = True
+    ) -> None:
         """:meth:`make_resident` of each block of ``run`` at once (a prefetch that began
         promoting one of them since the run was planned must not make the others wait in
         turn); raise the first failure."""
@@ -334,7 +361,7 @@ class Residency:
 
         async def one(block: Block, context: AccessContext) -> None:
             try:
-                await self.make_resident(block, wait=True, context=context)
+                await self.make_resident(block, wait=wait, context=context)
             except KvtierError as exc:
                 errors.append(exc)
 
@@ -362,6 +389,9 @@ class Residency:
 
     async def allocate_dram(self, region: TenantRegion, nbytes: int, *, wait: bool = False) -> Slot:
         """A slot in ``region`` (evicting that region's blocks only)."""
+        slot = region.allocator.allocate(nbytes)
+        if slot is not None:  # a free slot: no policy decision, nothing to settle first
+            return slot
         await self.dram_policies[region.id].settle(self.lane)
         deadline = time.monotonic() + self.alloc_wait_s
         while True:
@@ -378,6 +408,9 @@ class Residency:
     def allocate_dram_nowait(self, region: TenantRegion, nbytes: int) -> Slot | None:
         """A slot in ``region`` now, evicting what :func:`~kvtierd.store.planner.reserve`
         chose (clean, unleased blocks of that region only)."""
+        slot = region.allocator.allocate(nbytes)
+        if slot is not None:  # what reserve takes first: no plan needed (one per block read)
+            return slot
         policy = self.dram_policies[region.id]
 
         def victims(n: int, eligible: Callable[[Block], bool]) -> list[Block]:

@@ -1,13 +1,15 @@
-"""Which promotions of a READ go to the disk together: runs of copies that follow one another.
+"""Which promotions of a READ go to the disk together: runs (batches) of a READ's blocks.
 
 A READ of blocks written one after another finds their records side by side in the data file.
 Reading each record alone costs one request (and its Python, its completion, its wake-up) per
 block, which at 448 KiB blocks is more of the event loop than the disk's time; one vectored read
-of the whole run moves the same bytes with one request. :func:`plan_runs` decides, purely, which
-neighbours of the READ's order go together: consecutive items whose copies the tier says follow
-one another (:meth:`~kvtierd.store.tier.LowerTier.follows`), up to a bound on bytes and on
-items per run (what one request may hold in flight, and the header pages it needs). It never
-reorders: a READ in random order gets runs of one, exactly the requests it had before.
+of the whole run moves the same bytes with one request. Blocks read in random order cost a
+task, a wait and a hash call each unless they too go together: the store batches any local
+copies of a READ, and the tier reads those that follow one another in one request and the
+others beside it, all in flight at once (:meth:`~kvtierd.store.tier.LowerTier.load_run`).
+:func:`plan_runs` decides, purely, which neighbours of the READ's order go together: consecutive
+items ``follows`` accepts, up to a bound on bytes and on items per run (what one batch holds
+before any of it is verified, and the header pages it needs). It never reorders.
 """
 
 from __future__ import annotations

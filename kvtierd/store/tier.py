@@ -118,8 +118,9 @@ class LowerTier(abc.ABC):
     async def load_run(
         self, items: Sequence[tuple[BlockRef, Hashable, memoryview]]
     ) -> list[BlockNotFoundError | None]:
-        """:meth:`load` of each ``(ref, location, dest)``, each location :meth:`following
-        <follows>` the one before, in as few requests as the tier can. For each item, ``None``
+        """:meth:`load` of each ``(ref, location, dest)``, in as few requests as the tier can
+        (copies that :meth:`follow <follows>` one another in one, for a tier that can). For
+        each item, ``None``
         when its ``dest`` holds its verified bytes, else the :class:`~kvtierd.errors.
         BlockNotFoundError` its own :meth:`load` would have raised (the caller drops that
         copy). Raises what :meth:`load` raises for anything else. By default one load after

@@ -119,6 +119,44 @@ async def test_read_past_end_of_file_raises(
         assert backend.statistics().in_flight == 0
 
 
+async def test_readv_each_fills_every_request_beyond_queue_depth(
+    backend_kind: IoBackendKind, data_fd: int, arena: memoryview
+) -> None:
+    count = 3 * QUEUE_DEPTH + 1  # more requests than slots: each slot is reused as one ends
+    for i in range(count):
+        arena[i * BLOCK : (i + 1) * BLOCK] = _pattern(i, BLOCK)
+    async with open_io_backend(backend_kind, queue_depth=QUEUE_DEPTH) as backend:
+        await backend.writev(data_fd, 0, [arena[: count * BLOCK]])
+        base = count * BLOCK  # read back in reverse order, into buffers two blocks apart
+        requests = [
+            (i * BLOCK, [arena[base + 2 * i * BLOCK :][:BLOCK]]) for i in reversed(range(count))
+        ]
+        assert await backend.readv_each(data_fd, requests) == [BLOCK] * count
+        stats = backend.statistics()
+    for i in range(count):
+        assert bytes(arena[base + 2 * i * BLOCK :][:BLOCK]) == _pattern(i, BLOCK)
+    assert stats.submitted == stats.completed == count + 1
+    assert stats.in_flight == 0
+    assert stats.bytes_read == count * BLOCK
+
+
+async def test_readv_each_reports_an_unreadable_request_alone(
+    backend_kind: IoBackendKind, data_fd: int, arena: memoryview
+) -> None:
+    async with open_io_backend(backend_kind, queue_depth=QUEUE_DEPTH) as backend:
+        arena[: 2 * BLOCK] = _pattern(3, 2 * BLOCK)
+        await backend.writev(data_fd, 0, [arena[: 2 * BLOCK]])
+        first, beyond, second = (arena[(4 + i) * BLOCK : (5 + i) * BLOCK] for i in range(3))
+        results = await backend.readv_each(
+            data_fd, [(0, [first]), (100 * BLOCK, [beyond]), (BLOCK, [second])]
+        )
+        assert results[0] == results[2] == BLOCK
+        assert isinstance(results[1], StorageIOError)
+        assert "end of file after 0 of 4096" in str(results[1])
+        assert bytes(first) + bytes(second) == _pattern(3, 2 * BLOCK)
+        assert backend.statistics().in_flight == 0
+
+
 async def test_bad_file_descriptor_raises(backend_kind: IoBackendKind, arena: memoryview) -> None:
     # The highest fd number allowed: closed, and no fd opened meanwhile can take it by accident.
     unused = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 1

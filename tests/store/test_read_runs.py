@@ -104,15 +104,44 @@ async def test_blocks_written_in_order_are_read_in_runs(tmp_path: Path, backend:
         assert store.counters["lower_hits"] == len(keys)
 
 
+#: The order a READ asks for the blocks written 0, 1, ... 11: no two neighbours side by side
+#: on disk except 4, 5 (then 8, 9 and 10, 11 in reverse, which no request can merge).
+SHUFFLED = [3, 0, 7, 4, 5, 1, 9, 8, 11, 10, 2, 6]
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
+async def test_blocks_read_in_any_order_are_read_together_and_verified(
+    tmp_path: Path, backend: str
+) -> None:
+    async with store_in_order(tmp_path, backend) as (store, ns):
+        owner, written = await stored_on_disk(store, ns, 12)
+        keys = [written[i] for i in SHUFFLED]
+        assert store.io_backend is not None
+        before = store.io_backend.statistics().submitted
+        lease = await store.read(owner, ns, keys)
+        requests = store.io_backend.statistics().submitted - before
+        try:
+            for key, block in zip(keys, lease.blocks, strict=True):
+                assert block.dram is not None
+                got = bytes(store.arena.view[block.dram.offset :][:BLOCK])
+                assert got == content(key, BLOCK)
+        finally:
+            store.release(owner, [lease.id])
+        assert requests == len(keys) - 1  # 4 and 5 in one request, every other block alone
+        assert store.counters["lower_hits"] == len(keys)
+
+
+@pytest.mark.parametrize("order", ["in_order", "shuffled"])
 @pytest.mark.parametrize("where", ["payload", "header"])
 async def test_a_damaged_record_inside_a_run_is_a_miss_for_it_alone(
-    tmp_path: Path, where: str
+    tmp_path: Path, where: str, order: str
 ) -> None:
     async with store_in_order(tmp_path, "io_uring") as (store, ns):
         owner, keys = await stored_on_disk(store, ns, 5)
         damage(tmp_path, location(store, ns, keys[2]), where)
+        asked = keys if order == "in_order" else [keys[i] for i in (3, 2, 0, 4, 1)]
         with pytest.raises(BlockNotFoundError):
-            await store.read(owner, ns, keys)
+            await store.read(owner, ns, asked)
         assert store.index.get(ns, keys[2]) is None  # the damaged copy was its only one
         assert store.counters["lost"] == 1
         assert not owner.leases
@@ -199,3 +228,27 @@ async def test_a_read_waits_for_a_block_a_prefetch_is_promoting(
                 assert bytes(store.arena.view[block.dram.offset :][:BLOCK]) == content(key, BLOCK)
         finally:
             store.release(owner, [lease.id])
+
+
+async def test_a_lookup_promotes_blocks_on_disk_in_batches(tmp_path: Path) -> None:
+    """Background promotions (a LOOKUP's) read the queued blocks together as a READ's batch
+    is: records side by side in one request, each still verified alone."""
+    async with store_in_order(tmp_path, "io_uring") as (store, ns):
+        owner, keys = await stored_on_disk(store, ns, 12)
+        damage(tmp_path, location(store, ns, keys[5]), "payload")
+        assert store.io_backend is not None
+        before = store.io_backend.statistics().submitted
+        hits, _ = store.lookup(ns, keys)
+        assert hits == len(keys)
+        while store.counters["promotions"] + store.counters["lost"] < len(keys):  # noqa: ASYNC110
+            await anyio.sleep(0.01)  # promotions have no event to wait on
+        requests = store.io_backend.statistics().submitted - before
+        assert requests < len(keys)  # 12 x 260 KiB queued together: one or two requests
+        assert store.index.get(ns, keys[5]) is None  # its only copy failed its checksum
+        assert store.counters["lost"] == 1
+        for key in keys[:5] + keys[6:]:
+            block = store.index.get(ns, key)
+            assert block is not None
+            assert block.dram is not None  # promoted, not read yet
+            assert bytes(store.arena.view[block.dram.offset :][:BLOCK]) == content(key, BLOCK)
+        assert await read_back(store, owner, ns, keys[0]) == content(keys[0], BLOCK)

@@ -325,6 +325,27 @@ class TierContract:
                         assert outcome is None
                         assert bytes(view[: len(data)]) == data
 
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("mixed", [False, True])
+    async def test_load_run_takes_copies_in_any_order(self, tmp_path: Path, mixed: bool) -> None:
+        """``mixed``: every other copy compressed (a tier may read those alone, beside)."""
+        async with self.open_tier(tmp_path, self.SIZE_BYTES) as h:
+            stored = []
+            for i in range(4):
+                key = b"A%d" % i + bytes(14)
+                data = bytes(64 << 10) + content(key, 100) if mixed else content(key, 65636)
+                ref, location = await h.put(key, data, compress=mixed and i % 2 == 1)
+                stored.append((ref, location, data))
+            order = [2, 0, 3, 1]
+            with contextlib.ExitStack() as stack:
+                views = [stack.enter_context(h.buffer(len(data))) for _, _, data in stored]
+                outcomes = await h.tier.load_run(
+                    [(stored[i][0], stored[i][1], views[i]) for i in order]
+                )
+                assert outcomes == [None] * len(order)
+                for (_, _, data), view in zip(stored, views, strict=True):
+                    assert bytes(view[: len(data)]) == data
+
     # -- recovery ------------------------------------------------------------------------------
 
     @pytest.mark.anyio
