@@ -60,7 +60,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
-from references import echo_server, fio_json
+from references import echo_server, fio_json, fio_read_args
 
 from kvtierd.client import chain_keys, connect, connect_async
 from kvtierd.config import LimitsConfig, NvmeConfig
@@ -137,15 +137,7 @@ def _fio_cold(
     data_file: Path, used: int, block_bytes: int, count: int, qd: int, order: str
 ) -> float:
     fio = fio_json(
-        [
-            "--rw=read" if order == "in_order" else "--rw=randread",
-            f"--bs={block_bytes}",
-            f"--iodepth={qd}",
-            f"--filename={data_file}",
-            f"--size={used}",
-            "--readonly",
-            f"--io_size={count * block_bytes}",
-        ]
+        fio_read_args(data_file, used, block_bytes, count, qd, in_order=order == "in_order")
     )
     return float(fio["jobs"][0]["read"]["bw_bytes"]) / 1e9
 

@@ -51,7 +51,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
-from references import fio_json
+from references import fio_json, fio_read_args
 
 from kvtierd.client import connect, connect_async
 from kvtierd.store.records import PAGE_BYTES, RecordHeader, Superblock, checksum
@@ -328,17 +328,7 @@ def bench_ops(workdir: Path, block_bytes: int, count: int, qd: int, rounds: int)
                 rows["read_cpu_s"].append(cpu)
                 with connect(d.socket) as client:
                     used = client.stats()["tiers"][1]["used_bytes"]
-                iops, cpu = _fio(
-                    [
-                        "--rw=randread",
-                        f"--bs={block_bytes}",
-                        f"--iodepth={qd}",
-                        f"--filename={data_file}",
-                        f"--size={used}",
-                        "--readonly",
-                        f"--io_size={count * block_bytes}",
-                    ]
-                )
+                iops, cpu = _fio(fio_read_args(data_file, used, block_bytes, count, qd))
                 rows["fio_read_iops"].append(iops)
                 rows["fio_read_cpu_s"].append(cpu)
                 print(

@@ -47,6 +47,22 @@ def fio_json(args: Sequence[str]) -> dict[str, Any]:
     return report
 
 
+def fio_read_args(
+    data_file: Path, used: int, block_bytes: int, count: int, qd: int, *, in_order: bool = False
+) -> list[str]:
+    """fio's arguments for ``count`` reads of ``block_bytes`` from the first ``used`` bytes of a
+    daemon's data file (read-only: fio never writes the file it measures)."""
+    return [
+        "--rw=read" if in_order else "--rw=randread",
+        f"--bs={block_bytes}",
+        f"--iodepth={qd}",
+        f"--filename={data_file}",
+        f"--size={used}",
+        "--readonly",
+        f"--io_size={count * block_bytes}",
+    ]
+
+
 @contextlib.contextmanager
 def echo_server(path: Path) -> Iterator[Path]:
     """A bare asyncio Unix-socket echo server in its own process (the RTT reference)."""
