@@ -1,0 +1,66 @@
+"""The bytes of a strided CPU tensor as the contiguous runs a block fills in order.
+
+An engine's host page or cache slice is often a strided view (SGLang's ``page_first`` pages are
+two runs, K and V; its ``layer_first`` pages one run per layer and half; a restored HF slab one
+run per plane and head). A leased block is stored in the view's row-major order, so copying it
+into the view is copying it into these runs one after the other: what
+``BlockLease.copy_into(i, runs)`` does while it hashes the copy, one pass over memory instead of
+a hash of the lease and then a torch copy.
+
+The runs are slices of one byte view of the tensor's whole storage, found by arithmetic on the
+strides (a few microseconds per run, not a torch indexing per run).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+__all__ = ["HostRuns", "byte_runs"]
+
+
+class HostRuns:
+    """:func:`byte_runs` for an engine that copies into one host buffer (its host pool or
+    cache) again and again: the byte view of the last storage is kept (about 5 us saved per
+    call), and so is that storage, until a tensor of another storage comes."""
+
+    def __init__(self) -> None:
+        self._storage: torch.UntypedStorage | None = None
+        self._bytes = memoryview(b"")
+
+    def __call__(self, tensor: torch.Tensor) -> list[memoryview]:
+        """Writable byte views of ``tensor``'s elements in row-major order: one per contiguous
+        run (one for a contiguous tensor). ``tensor`` must live in host memory."""
+        if tensor.device.type != "cpu":
+            raise ValueError(f"byte runs need a tensor in host memory, not on {tensor.device}")
+        if tensor.numel() == 0:
+            return []
+        storage = tensor.untyped_storage()
+        held = self._storage
+        if held is None or (held.data_ptr(), held.nbytes()) != (
+            storage.data_ptr(),
+            storage.nbytes(),
+        ):
+            whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+            self._storage, self._bytes = storage, memoryview(whole.numpy().data)
+        return _runs(tensor, self._bytes)
+
+
+def byte_runs(tensor: torch.Tensor) -> list[memoryview]:
+    """Writable byte views of ``tensor``'s elements in row-major order, one per contiguous run
+    (see :class:`HostRuns`, which keeps the storage's view between calls)."""
+    return HostRuns()(tensor)
+
+
+def _runs(tensor: torch.Tensor, storage: memoryview) -> list[memoryview]:
+    size = tensor.element_size()
+    dims = [(n, s) for n, s in zip(tensor.shape, tensor.stride(), strict=True) if n != 1]
+    run, inner = 1, len(dims)
+    while inner and dims[inner - 1][1] == run:  # the trailing dimensions that are contiguous
+        run *= dims[inner - 1][0]
+        inner -= 1
+    base = tensor.storage_offset()
+    ranges = [range(0, n * s, s) for n, s in dims[:inner]]
+    starts = [base + sum(p) for p in itertools.product(*ranges)]
+    return [storage[s * size : (s + run) * size] for s in starts]
