@@ -21,13 +21,13 @@ __all__ = ["HostRuns", "byte_runs"]
 
 
 class HostRuns:
-    """:func:`byte_runs` for an engine that copies into one host buffer (its host pool or
-    cache) again and again: the byte view of the last storage is kept (about 5 us saved per
-    call), and so is that storage, until a tensor of another storage comes."""
+    """:func:`byte_runs` for an engine that copies into the same host buffers again and again
+    (its host pool, or one KV tensor per layer): the byte view of each storage is kept (about
+    5 us saved per call), and so is the storage, for the last ``keep`` storages used."""
 
-    def __init__(self) -> None:
-        self._storage: torch.UntypedStorage | None = None
-        self._bytes = memoryview(b"")
+    def __init__(self, keep: int = 256) -> None:
+        self._keep = keep
+        self._views: dict[tuple[int, int], tuple[torch.UntypedStorage, memoryview]] = {}
 
     def __call__(self, tensor: torch.Tensor) -> list[memoryview]:
         """Writable byte views of ``tensor``'s elements in row-major order: one per contiguous
@@ -37,14 +37,14 @@ class HostRuns:
         if tensor.numel() == 0:
             return []
         storage = tensor.untyped_storage()
-        held = self._storage
-        if held is None or (held.data_ptr(), held.nbytes()) != (
-            storage.data_ptr(),
-            storage.nbytes(),
-        ):
+        where = (storage.data_ptr(), storage.nbytes())
+        held = self._views.get(where)
+        if held is None:  # a storage kept here is alive, so no other can have its address
+            while len(self._views) >= self._keep:
+                del self._views[next(iter(self._views))]
             whole = torch.empty(0, dtype=torch.uint8).set_(storage)
-            self._storage, self._bytes = storage, memoryview(whole.numpy().data)
-        return _runs(tensor, self._bytes)
+            held = self._views[where] = (storage, memoryview(whole.numpy().data))
+        return _runs(tensor, held[1])
 
 
 def byte_runs(tensor: torch.Tensor) -> list[memoryview]:
