@@ -32,10 +32,15 @@ class HostRuns:
     def __call__(self, tensor: torch.Tensor) -> list[memoryview]:
         """Writable byte views of ``tensor``'s elements in row-major order: one per contiguous
         run (one for a contiguous tensor). ``tensor`` must live in host memory."""
+        storage, spans = self.spans(tensor)
+        return [storage[start:stop] for start, stop in spans]
+
+    def spans(self, tensor: torch.Tensor) -> tuple[memoryview, list[tuple[int, int]]]:
+        """A writable byte view of ``tensor``'s whole storage and where its runs lie in it
+        (``[start, stop)`` byte ranges, row-major order): for an engine that precomputes the
+        runs of one block of a paged cache and shifts them to reach the others."""
         if tensor.device.type != "cpu":
             raise ValueError(f"byte runs need a tensor in host memory, not on {tensor.device}")
-        if tensor.numel() == 0:
-            return []
         storage = tensor.untyped_storage()
         where = (storage.data_ptr(), storage.nbytes())
         held = self._views.get(where)
@@ -44,7 +49,7 @@ class HostRuns:
                 del self._views[next(iter(self._views))]
             whole = torch.empty(0, dtype=torch.uint8).set_(storage)
             held = self._views[where] = (storage, memoryview(whole.numpy().data))
-        return _runs(tensor, held[1])
+        return held[1], _spans(tensor) if tensor.numel() else []
 
 
 def byte_runs(tensor: torch.Tensor) -> list[memoryview]:
@@ -53,14 +58,15 @@ def byte_runs(tensor: torch.Tensor) -> list[memoryview]:
     return HostRuns()(tensor)
 
 
-def _runs(tensor: torch.Tensor, storage: memoryview) -> list[memoryview]:
+def _spans(tensor: torch.Tensor) -> list[tuple[int, int]]:
     size = tensor.element_size()
-    dims = [(n, s) for n, s in zip(tensor.shape, tensor.stride(), strict=True) if n != 1]
+    shape, strides = [int(n) for n in tensor.shape], [int(s) for s in tensor.stride()]
+    dims = [(n, s) for n, s in zip(shape, strides, strict=True) if n != 1]
     run, inner = 1, len(dims)
     while inner and dims[inner - 1][1] == run:  # the trailing dimensions that are contiguous
         run *= dims[inner - 1][0]
         inner -= 1
-    base = tensor.storage_offset()
+    base = int(tensor.storage_offset())
     ranges = [range(0, n * s, s) for n, s in dims[:inner]]
     starts = [base + sum(p) for p in itertools.product(*ranges)]
-    return [storage[s * size : (s + run) * size] for s in starts]
+    return [(s * size, (s + run) * size) for s in starts]

@@ -46,3 +46,19 @@ def test_the_kept_storage_follows_the_tensor() -> None:
     assert bytes(runs(b[8:16])[0]) == b"\x01" * 8  # another storage: another view
     with pytest.raises(ValueError, match="host memory"):
         runs(torch.zeros(4, device="meta"))
+
+
+def test_block_zero_spans_shifted_by_tiles_are_the_runs_of_any_block() -> None:
+    # vLLM's CPU cache: [blocks, heads, 2 * tokens, head_dim], a block's planes K then V
+    cache = torch.arange(6 * 3 * 2 * 8 * 4, dtype=torch.int16).view(6, 3, 16, 4)
+    runs = HostRuns()
+
+    def planes(block: int) -> torch.Tensor:
+        return cache[block].view(3, 2, 8, 4).permute(1, 0, 2, 3)
+
+    storage, spans = runs.spans(planes(0))
+    tile = cache.stride(0) * cache.element_size()
+    for block in range(6):
+        shifted = [bytes(storage[a + block * tile : b + block * tile]) for a, b in spans]
+        assert shifted == [bytes(r) for r in runs(planes(block))]
+        assert b"".join(shifted) == planes(block).contiguous().numpy().tobytes()
