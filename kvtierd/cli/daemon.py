@@ -32,7 +32,13 @@ from kvtierd.errors import ConfigError, KvtierError
 from kvtierd.nixl.agent import exit_process, nixl_loaded
 from kvtierd.server.checks import CheckStatus, HostCheck, exit_status, render
 from kvtierd.server.daemon import serve_daemon
-from kvtierd.server.preflight import check_config_error, check_host, probe_io_uring
+from kvtierd.server.preflight import (
+    check_config_error,
+    check_copy_module,
+    check_host,
+    probe_io_uring,
+)
+from kvtierd.store.copyhash import CopyHasher
 
 __all__ = ["main", "parse_args"]
 
@@ -127,6 +133,7 @@ def check(args: argparse.Namespace) -> int:
         verdict = probe_io_uring(config, use_cache=False)
         valid = HostCheck("config", CheckStatus.OK, f"valid: {source}")
         checks = [valid, *check_host(config, verdict, blame(args), restart=True)]
+        checks.append(check_copy_module(CopyHasher().verdict(wait=True)))
     print(render(checks))
     status = exit_status(checks)
     failed = sum(c.status is CheckStatus.FAIL for c in checks)

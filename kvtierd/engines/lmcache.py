@@ -35,6 +35,11 @@ each batch's lease released at once), so a request larger than the DRAM tier sti
 a READ answered ``ENOSPC`` because free slots await write-back is retried once after FSYNC.
 With ``local_cpu: true`` LMCache would keep retrieved objects in its own hot cache
 indefinitely, which would pin arena blocks; in that mode every block is copied out that way.
+*Verification.* A zero-copy object is hashed when it is leased (LMCache's GPU connector makes
+the one copy, with torch, which kvtierd cannot hash as it goes), so a warm zero-copy read reads
+each byte twice: the hash, then LMCache's copy. A block copied into LMCache's pool is hashed in
+the pass that copies it (:func:`kvtierd.client.arena.copy_verified`). Either way a block that
+fails (a client of its tenant changed it after COMMIT) ends the hit there, never served.
 
 *Writes.* ``batched_submit_put_task`` ALLOCs arena slots for the keys not stored yet, copies each
 object's bytes in and COMMITs; a key becomes visible to any LOOKUP only at COMMIT, and a copy
@@ -96,7 +101,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, Tensor
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from kvtierd.client import Client, Namespace, connect, ops
-from kvtierd.client.arena import verified_prefix
+from kvtierd.client.arena import copy_verified, verified_prefix
 from kvtierd.engines.lmcache_keys import NamespaceSpec, block_key, namespace_spec
 from kvtierd.engines.lmcache_pins import PinTable, SharedLease
 from kvtierd.errors import (
@@ -532,14 +537,14 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         self, session: _Session, ns: Namespace, keys: list[bytes], zero_copy: bool
     ) -> list[Any]:
         client = session.client
-        try:
-            leases, extents = self._lease(session, ns, keys)
+        try:  # zero-copy objects are hashed here; copies are hashed as they are made
+            leases, extents = self._lease(session, ns, keys, verify=zero_copy)
         except BlockNotFoundError:  # gone since LOOKUP: read the prefix that is still there
             present = ns.lookup(keys)
             if not present:
                 return []
             try:
-                leases, extents = self._lease(session, ns, keys[:present])
+                leases, extents = self._lease(session, ns, keys[:present], verify=zero_copy)
             except BlockNotFoundError:
                 return []
         except NoSpaceError:  # the arena is full of leases: a shorter hit, not a failure
@@ -564,7 +569,13 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
                 )
                 if obj is None:
                     break
-                _raw_bytes(obj).copy_(session.arena[e.offset : e.offset + e.length])
+                # One pass: the copy into LMCache's pool is hashed as it is made; a block that
+                # fails (changed after COMMIT) ends the hit there, as the lease's check would.
+                target = _raw_bytes(obj).numpy().data
+                if not copy_verified(ns.arena.view(e.offset, e.length), [target], e.checksum):
+                    client.corrupt_reads += 1
+                    obj.ref_count_down()  # back to LMCache's allocator, never served
+                    break
                 objs.append(obj)
         finally:
             client.run(ops.release(leases))
@@ -581,10 +592,12 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
 
     @staticmethod
     def _lease(
-        session: _Session, ns: Namespace, keys: list[bytes]
+        session: _Session, ns: Namespace, keys: list[bytes], *, verify: bool = True
     ) -> tuple[list[int], list[Extent]]:
         """READ ``keys``. A READ that finds every free slot awaiting write-back (``ENOSPC``)
-        is retried once after FSYNC has made those slots clean, so evictable."""
+        is retried once after FSYNC has made those slots clean, so evictable. With ``verify``
+        the leased blocks are hashed now (zero-copy objects: LMCache's own copy moves them,
+        which kvtierd cannot hash); without, the caller verifies each copy it makes."""
         client = session.client
         try:
             leases, extents = client.run(ops.read(ns.handle.ns, keys, client.max_keys))
@@ -592,6 +605,8 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
             with contextlib.suppress(InvalidRequestError):  # no NVMe tier: nothing to wait for
                 client.fsync()
             leases, extents = client.run(ops.read(ns.handle.ns, keys, client.max_keys))
+        if not verify:
+            return leases, extents
         # Verified like the library's own reads: a block that fails its checksum ends the hit
         good = verified_prefix([ns.arena.view(e.offset, e.length) for e in extents], extents)
         if good < len(extents):

@@ -19,9 +19,11 @@ namespace, the tenant's ``cache_salt`` and SGLang's page hash into the key.
 layer of ``page_size`` tokens, in the pool's layout, so the legacy ``batch_get``/``batch_set``
 (tensors) and the ``_v1`` calls (host-pool indices, used when ``interface_v1`` is set) store the
 same bytes. ``batch_get_v1`` leases the leading hits in the arena and copies each straight into
-its host-pool page (one copy); ``batch_set_v1`` ALLOCs arena slots, copies each host page into
-its slot and COMMITs (the two-phase write: a page is visible at COMMIT or never). A full arena
-(``ENOSPC``) is answered by FSYNC, which makes written blocks evictable, and one retry.
+its host-pool page (one copy, into the page's contiguous runs, hashed as it is copied: a page
+changed after COMMIT is a miss, found in the one pass over memory that loads it);
+``batch_set_v1`` ALLOCs arena slots, copies each host page into its slot and COMMITs (the
+two-phase write: a page is visible at COMMIT or never). A full arena (``ENOSPC``) is answered
+by FSYNC, which makes written blocks evictable, and one retry.
 
 *Lookups.* ``batch_exists`` is one LOOKUP: the leading pages present in any tier; it also starts
 promoting the NVMe hits into DRAM, so the prefetch that follows finds them there.
@@ -45,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -54,6 +55,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvtierd.client import Client, Namespace, connect
+from kvtierd.engines.host_runs import HostRuns
 from kvtierd.engines.sglang_keys import (
     StorageIdentity,
     cache_salt_of,
@@ -61,7 +63,13 @@ from kvtierd.engines.sglang_keys import (
     namespace_name,
     page_key,
 )
-from kvtierd.errors import BlockNotFoundError, InvalidRequestError, KvtierError, NoSpaceError
+from kvtierd.errors import (
+    BlockNotFoundError,
+    CorruptBlockError,
+    InvalidRequestError,
+    KvtierError,
+    NoSpaceError,
+)
 
 __all__ = ["KvtierdHiCacheStorage", "StorageStatistics"]
 
@@ -92,6 +100,7 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.socket_path: str | None = extra.get("socket") or (kwargs or {}).get("socket")
         self.tenant = str(extra.get("tenant", "default"))
         self.mem_pool_host: Any = None
+        self._page_runs = HostRuns()  # the host pool's pages as byte runs
         self._lock = threading.Lock()
         self._client: Client | None = None
         self._namespaces: dict[tuple[str, str, int], Namespace] = {}
@@ -195,13 +204,18 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _load_pages(self, ns: Namespace, keys: list[bytes], host_indices: torch.Tensor) -> int:
         """Lease ``keys`` (all stored, else ``BlockNotFoundError``) and copy each block into
-        its host-pool page; returns how many."""
+        its host-pool page, verified in the pass that copies it (the page's contiguous runs
+        filled in order); returns how many: the pages before the first block that failed its
+        checksum (changed after COMMIT), which is a miss, like those after it."""
         pages = self._host_pages(host_indices, len(keys))
-        with ns.lease(keys) as lease, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            for view, page in zip(lease.views, pages, strict=True):
-                src = torch.frombuffer(view, dtype=torch.uint8).view(page.dtype)
-                page.copy_(src.view(page.shape))
+        with ns.lease(keys, verify_on_copy=True) as lease:
+            for i, page in enumerate(pages):
+                try:
+                    lease.copy_into(i, self._page_runs(page))
+                except CorruptBlockError as exc:
+                    log.warning("kvtierd batch_get_v1: %s", exc)
+                    ns.client.corrupt_reads += 1
+                    return i
         return len(keys)
 
     def batch_set_v1(

@@ -14,13 +14,16 @@ vLLM builds two instances. The **scheduler** side answers ``get_num_new_matched_
 one LOOKUP of the request's block keys; while hits are still coming up from NVMe it answers
 "ask again" instead of waiting, then leases the DRAM-resident hits (READ_RESIDENT: no eviction
 can take what vLLM was promised) until the worker reports them loaded. The **worker** side
-loads layer by layer from the arena into vLLM's paged KV tensors (one copy per layer and block)
-and saves a step's completed prompt blocks with the two-phase write: arena slots allocated at
-the first layer, each layer's K and V copied in as vLLM writes them, committed after the step
-(abandoned, never visible, if anything fails or a layer was never written). A block that
-vanished between lookup and load is reported to vLLM as a load error (with
-``kv_load_failure_policy="recompute"`` vLLM recomputes it), and the request saves nothing more:
-blocks computed over a failed load would be wrong.
+loads from the arena into vLLM's paged KV tensors: on a GPU layer by layer (one copy per layer
+and block, overlapping the forward; each block hashed when leased, since the copy is DMA), into
+a host (CPU) cache at once, each block copied into every layer's planes and hashed in the same
+pass (``BlockLease.copy_into``, the planes' byte runs as scatter targets). It saves a step's
+completed prompt blocks with the two-phase write: arena slots allocated at the first layer,
+each layer's K and V copied in as vLLM writes them, committed after the step (abandoned, never
+visible, if anything fails or a layer was never written). A block that vanished between lookup
+and load, or that fails its checksum (changed after COMMIT by a client of the tenant), is
+reported to vLLM as a load error (with ``kv_load_failure_policy="recompute"`` vLLM recomputes
+it), and the request saves nothing more: blocks computed over a failed load would be wrong.
 
 Keys are kvtierd's chain keys over the prompt's token ids, not vLLM's block hashes: those depend
 on an engine setting (``prefix_caching_hash_algo``: the ``xxhash`` ones are seeded at random per
@@ -37,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +53,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtierd.client import BlockLease
+from kvtierd.client.arena import copy_verified
+from kvtierd.engines.host_runs import HostRuns
 from kvtierd.engines.vllm_link import (
     Link,
     Session,
@@ -160,6 +166,10 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         }
         self._kv: dict[str, torch.Tensor] = {}
         self._device: torch.device | None = None
+        self._kv_by_layer: list[tuple[int, torch.Tensor]] = []
+        self._one_pass = False
+        #: Per layer of a host cache: its storage's bytes, block 0's runs there, a tile's bytes.
+        self._block_spans: list[tuple[memoryview, list[tuple[int, int]], int]] = []
         self._cpu_format = False
         self._session: Session | None = None  # the step's, fixed at bind
         self._loading: list[_Load] = []
@@ -226,7 +236,12 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
                 )
                 if promotion.ask_again(resident, now):
                     return None, False
-            lease = session.namespace.acquire(plan.keys[local:stored], resident_only=True)
+            # The lease only holds the DRAM hits against eviction until the worker has read
+            # them; the worker verifies what it copies, so hashing them here too would be a
+            # second pass over every block for nothing.
+            lease = session.namespace.acquire(
+                plan.keys[local:stored], resident_only=True, verify_on_copy=True
+            )
         except KvtierError as exc:  # a miss; a broken connection also drops the session
             self._link.failed(exc)
             return 0, False
@@ -317,9 +332,26 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
                     "smaller than vLLM's blocks are not supported)"
                 )
         self._kv = dict(kv_caches)
+        self._kv_by_layer = sorted(
+            ((self._layers[name], tensor) for name, tensor in kv_caches.items()),
+            key=lambda pair: pair[0],
+        )
         #: Where the KV cache lives when not on the host: the arena is pinned for it.
         self._device = next((t.device for t in kv_caches.values() if t.device.type != "cpu"), None)
+        #: A host cache holding every layer of a block: loads are copied at once, each block
+        #: into all its layers' planes, hashed in the pass that copies it.
+        #: (vLLM's CPU format: a block's planes are runs of a whole head's tokens, not of
+        #: one token's head_dim, so the runs are few).
         self._cpu_format = kv_format() == "cpu"
+        every_layer = [layer for layer, _ in self._kv_by_layer] == list(range(lo.layers))
+        self._one_pass = self._device is None and every_layer and self._cpu_format
+        self._block_spans = []
+        if self._one_pass:
+            host_runs = HostRuns()
+            for _, tensor in self._kv_by_layer:
+                storage, spans = host_runs.spans(self._planes(tensor, 0))
+                tile = tensor.stride(0) * tensor.element_size()
+                self._block_spans.append((storage, spans, tile))
 
     def _planes(self, tensor: torch.Tensor, block_id: int) -> torch.Tensor:
         """vLLM block ``block_id`` of one layer as ``[2, kv_heads, block_tokens, head_dim]``
@@ -382,6 +414,10 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         self._loaded.add(run.request_id)
         if session is not None and self._step_error is None:
             try:
+                if self._one_pass:  # a host cache: copied now, verified as it is copied
+                    got = self._load_in_batches(session, run, batch=len(run.keys))
+                    self._not_loaded(run, got)
+                    return
                 try:
                     lease = session.namespace.acquire(list(run.keys))
                 except BlockNotFoundError:  # one is gone: take what is still in DRAM
@@ -406,28 +442,76 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
 
     def _load_in_batches(self, session: Session, run: BlockRun, *, batch: int = 0) -> int:
         """Copy the run's blocks, every layer at once, a batch at a time (halving the batch
-        while the daemon refuses it); returns how many leading blocks were copied."""
+        while the daemon refuses it); returns how many leading blocks were copied. A batch
+        with a block gone from every tier loads the part of it still in DRAM, then stops."""
         done, batch = 0, max(1, batch or len(run.keys) // 2)
-        layers = [(self._layers[name], tensor) for name, tensor in self._kv.items()]
-        arena = session.arena(self._device)
+        host = self._one_pass
         while done < len(run.keys):
+            keys, complete = list(run.keys[done : done + batch]), True
             try:
-                lease = session.namespace.acquire(list(run.keys[done : done + batch]))
+                lease = session.namespace.acquire(keys, verify_on_copy=host)
             except (QuotaError, NoSpaceError):
                 if batch == 1:
                     return done
                 batch //= 2
                 continue
-            except BlockNotFoundError:
-                return done
+            except BlockNotFoundError:  # one is gone (or failed its checksum): what precedes
+                complete = False
+                try:
+                    lease = session.namespace.acquire(keys, resident_only=True, verify_on_copy=host)
+                except (QuotaError, NoSpaceError):
+                    return done
             with lease:
-                for extent, block_id in zip(lease.extents, run.block_ids[done:], strict=False):
-                    planes = self._extent_planes(arena, extent)
-                    for layer, tensor in layers:
-                        self._planes(tensor, block_id).copy_(planes[2 * layer : 2 * layer + 2])
-                self._sync_copies()
-            done += len(lease.keys)
+                block_ids = run.block_ids[done : done + len(lease.keys)]
+                copied = self._copy_verified(session, lease, block_ids) if host else None
+                if copied is None:  # the lease was verified when taken
+                    self._copy_layers(session.arena(self._device), lease, block_ids)
+                    copied = len(lease.keys)
+            done += copied
+            if not complete or copied < len(keys):
+                return done
         return done
+
+    def _copy_verified(self, session: Session, lease: BlockLease, block_ids: Sequence[int]) -> int:
+        """Copy leased blocks into vLLM's host KV cache, each hashed in the pass that copies it
+        (every layer's K and V planes filled in block order, the scatter form of
+        ``copy_into``); returns how many leading blocks were intact. The first block that
+        fails (changed after COMMIT) is a miss, and so are those after it: the bytes the
+        failed copy left in its vLLM block are never reported loaded."""
+        for i, block_id in enumerate(block_ids):
+            # copy_verified, not copy_into: the runs are byte views already, 180 of them per
+            # block for SmolLM2, and checking each again costs about a tenth of the copy
+            extent = lease.extents[i]
+            if not copy_verified(lease.views[i], self._host_runs_of(block_id), extent.checksum):
+                log.warning(
+                    "kvtierd load: block %s failed its checksum in DRAM (changed after commit "
+                    "by a client of its tenant): a miss",
+                    bytes(lease.keys[i]).hex(),
+                )
+                session.client.corrupt_reads += 1
+                return i
+        return len(block_ids)
+
+    def _host_runs_of(self, block_id: int) -> list[memoryview]:
+        """Where vLLM block ``block_id`` lives in the host cache, as the byte runs a kvtierd
+        block fills in order (layer by layer, K then V): block 0's runs, found once per layer
+        (:meth:`register_kv_caches`), moved by ``block_id`` tiles."""
+        runs: list[memoryview] = []
+        for storage, spans, tile in self._block_spans:
+            shift = block_id * tile
+            runs += [storage[start + shift : stop + shift] for start, stop in spans]
+        return runs
+
+    def _copy_layers(
+        self, arena: torch.Tensor, lease: BlockLease, block_ids: Sequence[int]
+    ) -> None:
+        """Copy leased (verified) blocks layer by layer with torch (a GPU cache: the copy is
+        DMA from the pinned arena, which kvtierd cannot hash as it goes)."""
+        for extent, block_id in zip(lease.extents, block_ids, strict=False):
+            planes = self._extent_planes(arena, extent)
+            for layer, tensor in self._kv_by_layer:
+                self._planes(tensor, block_id).copy_(planes[2 * layer : 2 * layer + 2])
+        self._sync_copies()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loading:

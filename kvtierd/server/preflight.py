@@ -36,10 +36,12 @@ from kvtierd.io import IoBackendKind
 from kvtierd.io.probe import BindingVerdict, cached_probe, probe_binding
 from kvtierd.server.budget import budget_problem, descriptor_budget, nofile_limits
 from kvtierd.server.checks import CheckStatus, Fault, HostCheck, size_text
+from kvtierd.store.copyhash import MODULE_ENV, CopyHashVerdict
 from kvtierd.store.lifecycle import arena_bytes
 
 __all__ = [
     "check_config_error",
+    "check_copy_module",
     "check_host",
     "lock_holder",
     "probe_io_uring",
@@ -123,6 +125,25 @@ def check_host(
         _descriptors(config),
         _guard("pool", _pool, config),
     ]
+
+
+def check_copy_module(verdict: CopyHashVerdict | None) -> HostCheck:
+    """Which kernel copies blocks and hashes them in one pass (:mod:`kvtierd.store.copyhash`):
+    the native module's ("avx2", "sse2"), or Python's, and then why. Python still verifies
+    every copy, 256 KiB at a time, but a DRAM hit then costs more than a plain copy: a
+    fallback, never a failure."""
+    subject = "copyhash"
+    if verdict is None:
+        return _fallback(subject, "python until the probe answers: it gave no verdict in time")
+    if verdict.ok:
+        return _ok(subject, f"{verdict.kernel}: one pass copies and hashes ({verdict.detail})")
+    if not verdict.module:
+        why = f"{MODULE_ENV} is empty (the native module is turned off)"
+    elif "ModuleNotFoundError" in verdict.detail:
+        why = f"{verdict.module} is not built (reinstall kvtierd): {verdict.detail}"
+    else:
+        why = f"{verdict.module} failed its probe: {verdict.detail}"
+    return _fallback(subject, f"python, 256 KiB at a time, slower than a copy: {why}")
 
 
 def _guard(subject: str, check: Callable[..., HostCheck], *args: Any) -> HostCheck:

@@ -24,6 +24,7 @@ import pytest
 from kvtierd.client import connect
 from kvtierd.engines.lmcache_keys import block_key
 from kvtierd.testing import DaemonProcess
+from tests.support.scribble import scribble
 
 try:
     with warnings.catch_warnings():
@@ -81,13 +82,14 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class Engine:
-    """One LMCacheEngine whose only storage is kvtierd (LMCache's CPU pool stages stores)."""
+    """One LMCacheEngine whose only storage is kvtierd (LMCache's CPU pool stages stores; with
+    ``local_cpu`` it is also LMCache's hot cache, and kvtierd's reads are copied into it)."""
 
-    def __init__(self, socket: Path, staging_gb: float = 0.03) -> None:
+    def __init__(self, socket: Path, staging_gb: float = 0.03, local_cpu: bool = False) -> None:
         kv_shape = (LAYERS, 2, CHUNK, KV_HEADS, HEAD_DIM)
         config = LMCacheEngineConfig.from_defaults(
             chunk_size=CHUNK,
-            local_cpu=False,
+            local_cpu=local_cpu,
             max_local_cpu_size=staging_gb,
             storage_plugins=["kvtierd"],
             extra_config={
@@ -267,6 +269,46 @@ def _no_leases_soon(client: Any) -> bool:
     while client.stats()["leases"] and time.monotonic() < deadline:
         time.sleep(0.01)
     return client.stats()["leases"] == 0
+
+
+def test_with_local_cpu_reads_are_copies_into_lmcache_s_pool(daemon: DaemonProcess) -> None:
+    writer, reader = Engine(daemon.socket), Engine(daemon.socket, local_cpu=True)
+    try:
+        ids, kv = tokens(512), random_kv(512, seed=7)
+        writer.store(ids, kv)
+        assert reader.engine.lookup(ids) == 512
+        mask, out = reader.retrieve(ids)
+        assert bool(mask.all())
+        assert same_bytes(out, kv)
+        stats = reader.backend.statistics()
+        assert (stats.read_chunks, stats.pinned_chunks, stats.errors) == (32, 0, 0)
+        with connect(daemon.socket) as client:
+            assert _no_leases_soon(client)  # copied out: no lease outlives the read
+    finally:
+        writer.close()
+        reader.close()
+
+
+@pytest.mark.parametrize("local_cpu", [False, True], ids=["zero-copy", "local-cpu"])
+def test_a_chunk_scribbled_after_commit_is_a_miss(daemon: DaemonProcess, local_cpu: bool) -> None:
+    """Zero-copy objects are verified when leased, copies into LMCache's pool as they are
+    made: either way the chunk a client of the tenant changed after COMMIT ends the hit."""
+    writer, reader = Engine(daemon.socket), Engine(daemon.socket, local_cpu=local_cpu)
+    try:
+        ids, kv = tokens(512), random_kv(512, seed=8)
+        writer.store(ids, kv)
+        with connect(daemon.socket) as client:
+            scribble(writer.namespace(client, ids), [block_key(writer.keys(ids)[5].chunk_hash)])
+        mask, out = reader.retrieve(ids)
+        assert int(mask.sum()) == 5 * CHUNK
+        assert bool(mask[: 5 * CHUNK].all())
+        assert same_bytes(out[:, :, : 5 * CHUNK], kv[:, :, : 5 * CHUNK])
+        assert reader.backend.statistics().read_chunks == 5
+        with connect(daemon.socket) as client:
+            assert _no_leases_soon(client)
+    finally:
+        writer.close()
+        reader.close()
 
 
 def test_failed_store_is_never_visible(engine: Engine) -> None:

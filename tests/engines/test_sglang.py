@@ -40,6 +40,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 
 from kvtierd.engines.sglang import KvtierdHiCacheStorage  # noqa: E402
 from kvtierd.engines.sglang_keys import identity_of, namespace_name, page_key  # noqa: E402
+from tests.support.scribble import scribble  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -249,6 +250,28 @@ def test_ported_zero_copy_on_a_host_pool(daemon: DaemonProcess, layout: str) -> 
         assert same(pool.get_data_page(8 * PAGE + i * PAGE), expected[i])
     # the tensor calls read the same page bytes the _v1 calls wrote
     assert same(store.batch_get(keys[:1], [pool.get_dummy_flat_data_page()])[0], expected[0])
+    store.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_a_page_scribbled_after_commit_is_a_miss(daemon: DaemonProcess, layout: str) -> None:
+    """``batch_get_v1`` verifies each page in the pass that copies it into the host pool (the
+    page's runs, scattered): the page a client of the tenant changed after COMMIT, and those
+    after it, are misses; the pages before it load intact."""
+    store = backend(daemon.socket, config(is_page_first_layout=layout == "page_first"))
+    pool = HostPool(16, layout)
+    store.register_mem_pool_host(pool)
+    pool.fill(5)
+    keys = hashes(6)
+    assert store.batch_set_v1(keys, torch.arange(0, 6 * PAGE)) == [True] * 6
+    expected = [pool.get_data_page(i * PAGE).clone() for i in range(6)]
+    scribble(store._pool_namespace(), [page_key(keys[3], None)])
+    dst = torch.arange(8 * PAGE, 14 * PAGE)
+    assert store.batch_get_v1(keys, dst) == [True] * 3 + [False] * 3
+    for i in range(3):
+        assert same(pool.get_data_page(8 * PAGE + i * PAGE), expected[i])
+    assert store.statistics().pages_missed == 3
+    assert store.batch_get(keys, empty_pages(6))[3] is None  # the tensor calls too
     store.close()
 
 

@@ -33,6 +33,7 @@ from kvtierd.client import Namespace, connect
 from kvtierd.engines.smollm2 import unavailable_reason
 from kvtierd.keys import chain_keys
 from kvtierd.testing import DaemonProcess
+from tests.support.scribble import scribble
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data" / "loogle" / "shortdep_qa.jsonl"
@@ -169,6 +170,16 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
             finally:
                 small.stop()
             daemon.start()
+            # A client of the tenant inverts every byte of block 3 in DRAM after its COMMIT:
+            # the load verifies each block as it copies it, so blocks 3.. are load errors
+            # that vLLM recomputes, never attention over the scribbled bytes.
+            s.tiers["scribbled"] = _promote_all(daemon, prompt, 8)
+            with connect(daemon.socket) as client:
+                ns = _namespace(client, "bfloat16")
+                keys = chain_keys(prompt, BLOCK, ns.key_salt)
+                scribble(ns, keys[3:4], at=0, count=ns.block_bytes)
+            b.reset_prefix_cache()
+            s.runs["scribbled"] = b.generate(prompt, max_tokens=16)
         with connect(daemon.socket) as client:
             s.namespaces["before_float32"] = client.namespaces()
         args = engine_args(model, daemon.socket, dtype="float32")
@@ -248,3 +259,13 @@ def test_a_prompt_of_whole_blocks_is_loaded_whole_before_the_forward(scenario: S
     # and bf16 attention over another split of cached and computed tokens rounds differently
     # (measured 0.03, as vLLM's own hit against a full recomputation).
     assert total_variation(run.logprobs, scenario.whole_reference.logprobs) < 0.1
+
+
+def test_a_block_scribbled_after_commit_is_recomputed_not_served(scenario: Scenario) -> None:
+    assert scenario.tiers["scribbled"][:8] == ["dram"] * 8
+    run = scenario.runs["scribbled"]
+    assert scenario.reference is not None
+    assert run.tokens == scenario.reference.tokens
+    # Not bitwise (blocks 3.. recomputed: another split of cached and computed tokens), but
+    # attention over a block of inverted bytes would answer something else entirely.
+    assert total_variation(run.logprobs, scenario.reference.logprobs) < 0.1

@@ -5,7 +5,9 @@ per problem with an exit status that says who must act (2 configuration, 1 envir
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +21,7 @@ import pytest
 from kvtierd import host
 from kvtierd.client import connect
 from kvtierd.io.binding import BINDING_ENV
+from kvtierd.store.copyhash import DEFAULT_MODULE, MODULE_ENV
 from kvtierd.testing import DaemonProcess
 
 
@@ -276,12 +279,43 @@ def test_check_reports_every_subject_and_changes_nothing(tmp_path: Path) -> None
     subjects = [line.split()[1] for line in lines[:-1]]
     assert subjects == [
         "config", "io_uring", "hugepages", "thp", "mlock", "memory", "data_dir", "nvme",
-        "socket", "metrics", "nofile", "pool",
+        "socket", "metrics", "nofile", "pool", "copyhash",
     ]  # fmt: skip
     assert lines[0].split()[0] == "ok"
     assert lines[1].startswith("ok        io_uring  kernel.io_uring_disabled = "), lines[1]
     assert lines[-1] == "kvtierd would start (the embedded defaults)"
     assert list(tmp_path.iterdir()) == []  # no data dir, no socket, no cache
+
+
+def _copyhash_line(tmp_path: Path, module: str | None) -> str:
+    env = {} if module is None else {MODULE_ENV: module}
+    result = _kvtierd(tmp_path, "--check", env=env)
+    assert result.returncode == 0, result.stdout
+    [line] = [line for line in result.stdout.splitlines() if line.split()[1:2] == ["copyhash"]]
+    return line
+
+
+def test_check_names_the_copy_kernel(tmp_path: Path) -> None:
+    line = _copyhash_line(tmp_path, DEFAULT_MODULE)
+    if importlib.util.find_spec(DEFAULT_MODULE) is None:  # not built here: said so
+        assert line.startswith("fallback  copyhash  python, "), line
+        assert "is not built" in line
+    else:
+        assert re.fullmatch(r"ok        copyhash  (avx2|sse2): one pass copies and hashes .*", line)
+
+
+@pytest.mark.parametrize(
+    ("module", "why"),
+    [
+        ("tests.store.standins.sigill_copyhash", "failed its probe: .* died with SIGILL"),
+        ("tests.store.standins.no_such_module", "is not built .*ModuleNotFoundError"),
+        ("", "KVTIERD_COPYHASH_MODULE is empty"),
+    ],
+)
+def test_check_says_why_copies_are_hashed_in_python(tmp_path: Path, module: str, why: str) -> None:
+    line = _copyhash_line(tmp_path, module)
+    assert line.startswith("fallback  copyhash  python, 256 KiB at a time"), line
+    assert re.search(why, line), line
 
 
 def test_check_lists_every_problem_and_exits_with_the_worst(tmp_path: Path) -> None:
