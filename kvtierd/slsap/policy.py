@@ -38,6 +38,7 @@ Decisions:
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -328,7 +329,8 @@ class SlsapPolicy(CachePolicy):
         return [t.keys[s] for s in ghosts[order].tolist()]
 
     def weakest_density(self) -> float | None:
-        """The density of the resident :meth:`victims` would offer first (None when empty)."""
+        """The density of the resident :meth:`victims` would offer first (None when none is
+        resident or every resident is held)."""
         return self._weakest_density()
 
     def statistics(self) -> SlsapStatistics:
@@ -338,7 +340,10 @@ class SlsapPolicy(CachePolicy):
             ghosts=t.ghost_count,
             references=self._references,
             refits=self._model.refits,
-            memory_bytes=t.nbytes() + self._queue.nbytes + self._queue_versions.nbytes,
+            memory_bytes=t.nbytes()
+            + self._queue.nbytes
+            + self._queue_versions.nbytes
+            + sum(map(sys.getsizeof, (self._passed, self._held, self._unranked))),
         )
 
     # -- internals ---------------------------------------------------------------------------
