@@ -223,7 +223,8 @@ class SlsapPolicy(CachePolicy):
         slot = self._observe_one(block, context)
         t = self._table
         t.set_resident(slot, True)
-        self._held.discard(slot)
+        if self._held:
+            self._held.discard(slot)
         self._unranked.add(slot)
         self._insertions += 1
         if t.resident_count > self._peak_resident:
@@ -237,7 +238,8 @@ class SlsapPolicy(CachePolicy):
         slot = t.find(block)
         if slot >= 0 and t.resident_cells[slot]:
             t.set_resident(slot, False)
-            self._held.discard(slot)
+            if self._held:
+                self._held.discard(slot)
             self._unranked.discard(slot)
 
     def hold(self, block: Hashable) -> None:
@@ -264,18 +266,21 @@ class SlsapPolicy(CachePolicy):
         self._refresh_queue()
         taken: set[int] = set()
         resident, version, keys, held = t.resident_cells, t.version_cells, t.keys, self._held
-        # The passed entries first: they precede the cursor in queue order.
-        passed, kept = self._passed, deque[tuple[int, int]]()
+        # The passed entries first: they precede the cursor in queue order. Those no longer
+        # valid leave; the others stay, in order.
+        passed = self._passed
+        kept: list[tuple[int, int]] = []
         while passed and len(chosen) < count:
-            slot, ver = passed.popleft()
-            if not resident[slot] or version[slot] != ver or slot in held:
+            entry = passed.popleft()
+            slot = entry[0]
+            if not resident[slot] or version[slot] != entry[1] or slot in held:
                 continue
-            kept.append((slot, ver))
+            kept.append(entry)
             if slot not in taken and evictable(keys[slot]):
                 chosen.append(keys[slot])
                 taken.add(slot)
-        kept.extend(passed)
-        self._passed = passed = kept
+        if kept:
+            passed.extendleft(reversed(kept))
         queue, versions = self._queue, self._queue_versions
         reranked = False
         i = self._cursor
