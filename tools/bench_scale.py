@@ -22,6 +22,10 @@ blocks, and small-block op rates and CPU against fio (issue 32, item 4).
   ``../shared/PLATFORM.md``) and ratios are taken pair by pair. CPU-seconds per GB: the
   daemon's ``utime + stime`` from ``/proc/<pid>/stat`` plus this (client) process's, over the
   bytes moved; fio's from its own report (``usr_cpu + sys_cpu`` of its run time).
+* ``overflow``: 4 KiB puts into a daemon whose DRAM (``--overflow-mib``, each size its own
+  daemon) is full of blocks not yet written back, one more DRAM's worth, against the same
+  daemon's rate while DRAM filled. Each needs a victim that write-back has cleaned; the rate
+  past DRAM should not fall as the DRAM (the blocks resident) grows.
 
 Goals (issue 32): at most 128 bytes of daemon memory per indexed block, a restart at 10M blocks
 under 20 s, 64 KiB reads at 0.8 of fio's IOPS. A size whose projected daemon memory (from the
