@@ -29,14 +29,15 @@ def key_of(i: int) -> bytes:
     return i.to_bytes(8, "little") + b"dirtyput"
 
 
+@pytest.mark.parametrize("policy", ["slsap", "lru"])
 async def test_puts_past_a_full_dram_ask_the_policy_about_few_blocks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str
 ) -> None:
     config = load_config(
         None,
         {
             "daemon": {"data_dir": str(tmp_path)},
-            "dram": {"size": "16M", "mlock": "never", "hugepages": "never"},
+            "dram": {"size": "16M", "mlock": "never", "hugepages": "never", "policy": policy},
             "nvme": {"size": "96M", "segment_bytes": "4M"},
         },
     )
