@@ -73,6 +73,18 @@ class CachePolicy(abc.ABC):
     def removed(self, block: Hashable) -> None:
         """``block`` left the tier (evicted, forgotten or lost); forget its place."""
 
+    def hold(self, block: Hashable) -> None:
+        """``block``, cached, cannot be evicted until :meth:`release` (the store holds a block
+        whose only copy is still to be written back). ``victims`` never offers what
+        ``evictable`` refuses, so a policy may ignore this (the default); one that keeps held
+        blocks out of its candidates instead finds a victim among many held blocks without
+        asking about each of them in turn. A new :meth:`inserted` of ``block`` ends a hold."""
+        return None
+
+    def release(self, block: Hashable) -> None:
+        """``block`` may be evicted again (it was written back); see :meth:`hold`."""
+        return None
+
     @abc.abstractmethod
     def victims(self, count: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
         """Up to ``count`` cached blocks to evict, best victim first, all satisfying ``evictable``.

@@ -19,6 +19,13 @@ Decisions:
 - ``victims``: residents in increasing density, oldest first on ties. Densities are ranked in a
   batch (a *victim queue*) and re-ranked after an eighth of the residents' worth of references;
   a resident named since the ranking is skipped until the next one.
+- Held residents (:meth:`SlsapPolicy.hold`: the store's dirty blocks, not written back yet) are
+  kept out of the queue until released. Each queue entry is walked once: those the caller
+  refused or was offered stay, in order, in a short *passed* list walked first next time, and
+  held ones leave. When the queue runs out while blocks are held, only the residents left
+  unranked since the ranking (inserted, named or released) are ranked, not all of them: a
+  burst of puts into a DRAM full of dirty blocks then costs each allocation a constant number
+  of steps, not a walk and a ranking of every resident.
 - ``admit``: a missing block is admitted when its density at age zero is at least the density of
   the weakest resident it would displace, so a class whose blocks are rarely read again (the
   unique tail of a prompt, a one-off document) does not push out a shared prefix.
@@ -31,6 +38,8 @@ Decisions:
 from __future__ import annotations
 
 import math
+import sys
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -108,6 +117,14 @@ class SlsapPolicy(CachePolicy):
         self._queue_versions: memoryview[int] = np.zeros(0, dtype=np.uint32).data
         self._cursor = 0
         self._queue_built_at = -1
+        # Queue entries walked and still valid (refused or offered, not evicted yet), in queue
+        # order, as (slot, version): walked first, so that the cursor can pass them.
+        self._passed: deque[tuple[int, int]] = deque()
+        # Residents that cannot be evicted now (hold/release): never queued.
+        self._held: set[int] = set()
+        # Residents neither held nor validly queued: inserted, named or released since the
+        # ranking. What is left to rank when the queue runs out with blocks held.
+        self._unranked: set[int] = set()
 
     # -- telemetry ---------------------------------------------------------------------------
 
@@ -149,6 +166,12 @@ class SlsapPolicy(CachePolicy):
         t.last[slots] = self._clock
         t.request[slots] = rid
         t.version[slots] += 1
+        named = slots[t.resident[slots]]  # their queue entries are stale now
+        if named.size:
+            if self._held:
+                self._unranked.update(s for s in named.tolist() if s not in self._held)
+            else:
+                self._unranked.update(named.tolist())
         if self._references >= self._next_maintenance:
             self._maintain()
 
@@ -178,6 +201,8 @@ class SlsapPolicy(CachePolicy):
         t.last_cells[slot] = self._clock
         t.request_cells[slot] = -1
         t.version_cells[slot] = (t.version_cells[slot] + 1) & VERSION_MASK
+        if t.resident_cells[slot] and slot not in self._held:  # its queue entry is stale
+            self._unranked.add(slot)
         if self._references >= self._next_maintenance:
             self._maintain()
         return slot
@@ -198,6 +223,9 @@ class SlsapPolicy(CachePolicy):
         slot = self._observe_one(block, context)
         t = self._table
         t.set_resident(slot, True)
+        if self._held:
+            self._held.discard(slot)
+        self._unranked.add(slot)
         self._insertions += 1
         if t.resident_count > self._peak_resident:
             self._peak_resident = t.resident_count
@@ -210,39 +238,71 @@ class SlsapPolicy(CachePolicy):
         slot = t.find(block)
         if slot >= 0 and t.resident_cells[slot]:
             t.set_resident(slot, False)
+            if self._held:
+                self._held.discard(slot)
+            self._unranked.discard(slot)
+
+    def hold(self, block: Hashable) -> None:
+        """Keep resident ``block`` out of :meth:`victims` (and of the weakest density
+        :meth:`admit` compares with) until :meth:`release` or a new insertion."""
+        slot = self._table.find(block)
+        if slot >= 0 and self._table.resident_cells[slot]:
+            self._held.add(slot)
+            self._unranked.discard(slot)
+
+    def release(self, block: Hashable) -> None:
+        slot = self._table.find(block)
+        if slot in self._held:
+            self._held.discard(slot)
+            self._unranked.add(slot)
 
     def victims(self, count: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
-        """Up to ``count`` residents, lowest density first, all satisfying ``evictable``."""
+        """Up to ``count`` residents, lowest density first, all satisfying ``evictable``, none
+        held."""
         t = self._table
         chosen: list[Hashable] = []
-        taken: set[int] = set()
         if count <= 0 or t.resident_count == 0:
             return chosen
         self._refresh_queue()
-        resident, version, keys = t.resident_cells, t.version_cells, t.keys
+        taken: set[int] = set()
+        resident, version, keys, held = t.resident_cells, t.version_cells, t.keys, self._held
+        # The passed entries first: they precede the cursor in queue order. Those no longer
+        # valid leave; the others stay, in order.
+        passed = self._passed
+        kept: list[tuple[int, int]] = []
+        while passed and len(chosen) < count:
+            entry = passed.popleft()
+            slot = entry[0]
+            if not resident[slot] or version[slot] != entry[1] or slot in held:
+                continue
+            kept.append(entry)
+            if slot not in taken and evictable(keys[slot]):
+                chosen.append(keys[slot])
+                taken.add(slot)
+        if kept:
+            passed.extendleft(reversed(kept))
         queue, versions = self._queue, self._queue_versions
-        rebuilt = False
+        reranked = False
         i = self._cursor
         while len(chosen) < count:
             if i >= len(queue):
-                if rebuilt:
+                if reranked or not self._rerank():
                     break
-                self._build_queue()
-                queue, versions = self._queue, self._queue_versions
-                rebuilt, i = True, 0
+                passed, queue, versions = self._passed, self._queue, self._queue_versions
+                reranked, i = True, 0
                 continue
-            slot = queue[i]
-            valid = resident[slot] and version[slot] == versions[i]
-            if not valid or slot in taken:
-                if i == self._cursor and not valid:
-                    self._cursor += 1
-                i += 1
+            slot, ver = queue[i], versions[i]
+            i += 1
+            if not resident[slot] or version[slot] != ver or slot in held:
+                continue
+            passed.append((slot, ver))
+            if slot in taken:
                 continue
             key = keys[slot]
             if evictable(key):
                 chosen.append(key)
                 taken.add(slot)
-            i += 1
+        self._cursor = i
         return chosen
 
     def __len__(self) -> int:
@@ -274,7 +334,8 @@ class SlsapPolicy(CachePolicy):
         return [t.keys[s] for s in ghosts[order].tolist()]
 
     def weakest_density(self) -> float | None:
-        """The density of the resident :meth:`victims` would offer first (None when empty)."""
+        """The density of the resident :meth:`victims` would offer first (None when none is
+        resident or every resident is held)."""
         return self._weakest_density()
 
     def statistics(self) -> SlsapStatistics:
@@ -284,7 +345,10 @@ class SlsapPolicy(CachePolicy):
             ghosts=t.ghost_count,
             references=self._references,
             refits=self._model.refits,
-            memory_bytes=t.nbytes() + self._queue.nbytes + self._queue_versions.nbytes,
+            memory_bytes=t.nbytes()
+            + self._queue.nbytes
+            + self._queue_versions.nbytes
+            + sum(map(sys.getsizeof, (self._passed, self._held, self._unranked))),
         )
 
     # -- internals ---------------------------------------------------------------------------
@@ -322,38 +386,73 @@ class SlsapPolicy(CachePolicy):
             self._build_queue()
 
     def _build_queue(self) -> None:
+        """Rank every resident not held: the queue starts afresh."""
         t = self._table
         res = t.resident_slots()
+        if self._held:
+            held = np.fromiter(self._held, dtype=np.int64, count=len(self._held))
+            res = res[~np.isin(res, held)]
+        self._set_queue(res)
+        self._passed.clear()
+        self._unranked.clear()
+        self._queue_built_at = self._references
+
+    def _rerank(self) -> bool:
+        """The queue ran out: rank again, whether anything is left to walk. With no block held,
+        every resident, as the policy always has. With blocks held, only the unranked ones:
+        the other candidates are in the passed list already, and ranking every resident on
+        each allocation while DRAM is full of dirty blocks is what made puts slow down with
+        the number of blocks resident."""
+        if not self._held:
+            self._build_queue()
+            return True
+        if not self._unranked:
+            return False
+        res = np.fromiter(self._unranked, dtype=np.int64, count=len(self._unranked))
+        self._unranked.clear()
+        self._set_queue(np.sort(res))  # slot order, as resident_slots() gives, for ties
+        return True
+
+    def _set_queue(self, res: npt.NDArray[np.int64]) -> None:
+        t = self._table
         dens = self._model.density(t.klass[res], self._clock - t.last[res])
         queue = res[np.lexsort((t.last[res], dens))]
         self._queue = queue.data
         self._queue_versions = t.version[queue].data
         self._cursor = 0
-        self._queue_built_at = self._references
 
     def _weakest_density(self) -> float | None:
-        # The first queued slot still resident and unchanged since the ranking; the queue is
-        # re-ranked once if it runs out. Called for every admission: locals instead of attribute
-        # lookups in the loop.
+        # The first passed or queued entry still resident, unchanged since the ranking and not
+        # held; re-ranked once if the queue runs out. Called for every admission: locals
+        # instead of attribute lookups in the loop.
         t = self._table
         if t.resident_count == 0:
             return None
         self._refresh_queue()
-        resident, version = t.resident_cells, t.version_cells
+        resident, version, held = t.resident_cells, t.version_cells, self._held
+        passed = self._passed
+        while passed:
+            slot, ver = passed[0]
+            if resident[slot] and version[slot] == ver and slot not in held:
+                return self._density_at(slot)
+            passed.popleft()
         queue, versions, cursor = self._queue, self._queue_versions, self._cursor
-        rebuilt = False
+        reranked = False
         while True:
             if cursor < len(queue):
                 slot = queue[cursor]
-                if resident[slot] and version[slot] == versions[cursor]:
+                if resident[slot] and version[slot] == versions[cursor] and slot not in held:
                     self._cursor = cursor
-                    age = self._clock - t.last_cells[slot]
-                    return self._model.density_of(t.klass_cells[slot], age)
+                    return self._density_at(slot)
                 cursor += 1
-            elif rebuilt:
+            elif reranked or not self._rerank():
                 self._cursor = cursor
                 return None
             else:
-                self._build_queue()
+                # a full re-ranking emptied the passed list; a partial one left it empty
                 queue, versions, cursor = self._queue, self._queue_versions, 0
-                rebuilt = True
+                reranked = True
+
+    def _density_at(self, slot: int) -> float:
+        t = self._table
+        return self._model.density_of(t.klass_cells[slot], self._clock - t.last_cells[slot])

@@ -141,7 +141,15 @@ class TierPolicy:
         return self._reuse.promotion_candidates(limit)
 
     def inserted(self, block: Block, now: float, context: AccessContext | None = None) -> None:
+        """``block`` entered the tier; a dirty one is held (:meth:`CachePolicy.hold`) until
+        :meth:`release`, so that the policy keeps it out of its candidates meanwhile."""
         self._defer(partial(self.policy.inserted, block.id, now, context))
+        if block.dirty:
+            self._defer(partial(self.policy.hold, block.id))
+
+    def release(self, block: Block) -> None:
+        """``block`` was written back: the policy may offer it as a victim again."""
+        self._defer(partial(self.policy.release, block.id))
 
     def accessed(self, block: Block, now: float, context: AccessContext | None = None) -> None:
         self._defer(partial(self.policy.accessed, block.id, now, context))

@@ -52,6 +52,7 @@ class LowerWriter:
             return
         block.copies[r.lower.kind] = location
         block.dirty = False
+        r.dram_policy_of(block.ns).release(block)
         block.ns.nvme_blocks += 1
         r.counters["written_back"] += 1
         r.lower_policy.inserted(block, time.monotonic())
