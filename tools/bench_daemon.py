@@ -63,7 +63,7 @@ import benchlib
 from references import echo_server, fio_json, fio_read_args
 
 from kvtierd.client import chain_keys, connect, connect_async
-from kvtierd.config import LimitsConfig, NvmeConfig
+from kvtierd.config import LimitsConfig, NvmeConfig, parse_size
 from kvtierd.store import copyhash
 from kvtierd.store.codec import checksum_off_loop, copy_checksum_off_loop
 from kvtierd.store.records import checksum
@@ -1186,12 +1186,6 @@ def record_integrity(result: dict[str, Any]) -> None:
     benchlib.record("daemon_integrity", "\n".join(lines), result)
 
 
-def _size(text: str) -> int:
-    """``448K``, ``2M``: bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -1218,7 +1212,9 @@ def main() -> int:
             result["cold"] = [
                 entry
                 for size in args.cold_sizes.split(",")
-                for entry in bench_cold(work, _size(size), args.cold_bytes, args.qd, args.rounds)
+                for entry in bench_cold(
+                    work, parse_size(size), args.cold_bytes, args.qd, args.rounds
+                )
             ]
         if "dram" in only:
             result["dram"] = [
