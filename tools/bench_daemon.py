@@ -1213,7 +1213,7 @@ def main() -> int:
                 entry
                 for size in args.cold_sizes.split(",")
                 for entry in bench_cold(
-                    work, parse_size(size), args.cold_bytes, args.qd, args.rounds
+                    work, int(parse_size(size)), args.cold_bytes, args.qd, args.rounds
                 )
             ]
         if "dram" in only:
