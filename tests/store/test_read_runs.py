@@ -65,6 +65,21 @@ async def stored_on_disk(store: BlockStore, ns: Namespace, count: int) -> tuple[
     return owner, keys
 
 
+async def read_and_check(store: BlockStore, owner: Owner, ns: Namespace, keys: list[bytes]) -> int:
+    """READ ``keys``, check every block's bytes in DRAM, release; how many disk requests it took."""
+    assert store.io_backend is not None
+    before = store.io_backend.statistics().submitted
+    lease = await store.read(owner, ns, keys)
+    requests = store.io_backend.statistics().submitted - before
+    try:
+        for key, block in zip(keys, lease.blocks, strict=True):
+            assert block.dram is not None
+            assert bytes(store.arena.view[block.dram.offset :][:BLOCK]) == content(key, BLOCK)
+    finally:
+        store.release(owner, [lease.id])
+    return requests
+
+
 def location(store: BlockStore, ns: Namespace, key: bytes) -> DiskSlot:
     block = store.index.get(ns, key)
     assert block is not None
@@ -89,17 +104,7 @@ async def test_blocks_written_in_order_are_read_in_runs(tmp_path: Path, backend:
         owner, keys = await stored_on_disk(store, ns, 12)
         slots = [location(store, ns, key) for key in keys]
         assert all(a.offset + a.size == b.offset for a, b in itertools.pairwise(slots))
-        assert store.io_backend is not None
-        before = store.io_backend.statistics().submitted
-        lease = await store.read(owner, ns, keys)
-        requests = store.io_backend.statistics().submitted - before
-        try:
-            for key, block in zip(keys, lease.blocks, strict=True):
-                assert block.dram is not None
-                got = bytes(store.arena.view[block.dram.offset :][:BLOCK])
-                assert got == content(key, BLOCK)
-        finally:
-            store.release(owner, [lease.id])
+        requests = await read_and_check(store, owner, ns, keys)
         assert requests < len(keys)  # 12 x 260 KiB in runs of at most 4 MiB: 1 or 2 requests
         assert store.counters["lower_hits"] == len(keys)
 
@@ -116,17 +121,7 @@ async def test_blocks_read_in_any_order_are_read_together_and_verified(
     async with store_in_order(tmp_path, backend) as (store, ns):
         owner, written = await stored_on_disk(store, ns, 12)
         keys = [written[i] for i in SHUFFLED]
-        assert store.io_backend is not None
-        before = store.io_backend.statistics().submitted
-        lease = await store.read(owner, ns, keys)
-        requests = store.io_backend.statistics().submitted - before
-        try:
-            for key, block in zip(keys, lease.blocks, strict=True):
-                assert block.dram is not None
-                got = bytes(store.arena.view[block.dram.offset :][:BLOCK])
-                assert got == content(key, BLOCK)
-        finally:
-            store.release(owner, [lease.id])
+        requests = await read_and_check(store, owner, ns, keys)
         assert requests == len(keys) - 1  # 4 and 5 in one request, every other block alone
         assert store.counters["lower_hits"] == len(keys)
 
