@@ -281,37 +281,14 @@ class Residency:
             and block.lower is not None
         )
 
-    async def promote_batch(self, blocks: list[Block]) -> None:
-        """Background promotion (a prefetch) of ``blocks``: :meth:`make_resident` of each,
-        those with local copies read together as a READ's batch is (:meth:`_promote_run`), and
-        like :meth:`make_resident` for a prefetch, no waiting for write-back to free room.
-        Raises the first failure, after every block was dealt with."""
-        if len(blocks) == 1:
-            await self.make_resident(blocks[0])
-            return
-        await self._promote_run([(block, PROMOTION) for block in blocks], wait=False)
-
-    def joins_batch(self, batch: list[Block], block: Block) -> bool:
-        """Whether ``block`` may be promoted in one batch with ``batch``: all of them local
-        copies to read (:meth:`_runnable`), within ``nvme.read_batch_bytes``/``_blocks``."""
-        max_bytes, max_blocks = self.read_batch
-        return (
-            len(batch) < max_blocks
-            and self._runnable(block)
-            and all(self._runnable(b) for b in batch)
-            and sum(b.ref.raw_bytes for b in batch) + block.ref.raw_bytes <= max_bytes
-        )
-
-    async def _promote_run(
-        self, run: list[tuple[Block, AccessContext]], *, wait: bool = True
-    ) -> None:
+    async def _promote_run(self, run: list[tuple[Block, AccessContext]]) -> None:
         """:meth:`make_resident` of a batch of blocks with local copies, read together
         (:meth:`~kvtierd.store.tier.LowerTier.load_run`). A batch changed since it was
         planned (a block promoted, evicted or forgotten meanwhile) is promoted block by
         block. Raises the first failure, after every block was dealt with."""
         lower = self.lower
         if lower is None or not all(self._runnable(block) for block, _ in run):
-            await self._promote_each(run, wait=wait)
+            await self._promote_each(run)
             return
         for block, _ in run:
             block.loading = anyio.Event()
@@ -321,7 +298,7 @@ class Residency:
             try:
                 for block, _ in run:
                     region = self.region(block.ns)
-                    slots.append(await self.allocate_dram(region, block.ref.raw_bytes, wait=wait))
+                    slots.append(await self.allocate_dram(region, block.ref.raw_bytes, wait=True))
                 outcomes = await lower.load_run(
                     [
                         (block.ref, block.copies[lower.kind], self.slot_view(slot))
@@ -351,9 +328,7 @@ class Residency:
                 block.loading = None
                 self.unpin(block)
 
-    async def _promote_each(
-        self, run: list[tuple[Block, AccessContext]], *, wait: bool = True
-    ) -> None:
+    async def _promote_each(self, run: list[tuple[Block, AccessContext]]) -> None:
         """:meth:`make_resident` of each block of ``run`` at once (a prefetch that began
         promoting one of them since the run was planned must not make the others wait in
         turn); raise the first failure."""
@@ -361,7 +336,7 @@ class Residency:
 
         async def one(block: Block, context: AccessContext) -> None:
             try:
-                await self.make_resident(block, wait=wait, context=context)
+                await self.make_resident(block, wait=True, context=context)
             except KvtierError as exc:
                 errors.append(exc)
 

@@ -200,22 +200,16 @@ class BlockStore:
         return self.index.page(ns, after, limit)
 
     async def _promote_queued(self) -> None:
-        """One of the promoters: promote queued blocks, oldest first, until none is left; the
-        next queued blocks with local copies together, in a batch as a READ's are
-        (:meth:`Residency.promote_batch`): a LOOKUP of blocks on disk costs a task hop and a
-        hash call per batch, not per block."""
+        """One of the promoters: promote queued blocks, oldest first, until none is left."""
         try:
             while self._promotions:
-                batch = [self._promotions.popleft()]
-                while self._promotions and self.residency.joins_batch(batch, self._promotions[0]):
-                    batch.append(self._promotions.popleft())
+                block = self._promotions.popleft()
                 try:
-                    await self.residency.promote_batch(batch)
+                    await self.residency.make_resident(block)
                 except KvtierError as exc:
                     log.debug("prefetch of a block failed: %s", exc)
                 finally:
-                    for block in batch:
-                        block.queued = False
+                    block.queued = False
         finally:
             self._promoters -= 1
 

@@ -223,27 +223,3 @@ async def test_a_read_waits_for_a_block_a_prefetch_is_promoting(
                 assert bytes(store.arena.view[block.dram.offset :][:BLOCK]) == content(key, BLOCK)
         finally:
             store.release(owner, [lease.id])
-
-
-async def test_a_lookup_promotes_blocks_on_disk_in_batches(tmp_path: Path) -> None:
-    """Background promotions (a LOOKUP's) read the queued blocks together as a READ's batch
-    is: records side by side in one request, each still verified alone."""
-    async with store_in_order(tmp_path, "io_uring") as (store, ns):
-        owner, keys = await stored_on_disk(store, ns, 12)
-        damage(tmp_path, location(store, ns, keys[5]), "payload")
-        assert store.io_backend is not None
-        before = store.io_backend.statistics().submitted
-        hits, _ = store.lookup(ns, keys)
-        assert hits == len(keys)
-        while store.counters["promotions"] + store.counters["lost"] < len(keys):  # noqa: ASYNC110
-            await anyio.sleep(0.01)  # promotions have no event to wait on
-        requests = store.io_backend.statistics().submitted - before
-        assert requests < len(keys)  # 12 x 260 KiB queued together: one or two requests
-        assert store.index.get(ns, keys[5]) is None  # its only copy failed its checksum
-        assert store.counters["lost"] == 1
-        for key in keys[:5] + keys[6:]:
-            block = store.index.get(ns, key)
-            assert block is not None
-            assert block.dram is not None  # promoted, not read yet
-            assert bytes(store.arena.view[block.dram.offset :][:BLOCK]) == content(key, BLOCK)
-        assert await read_back(store, owner, ns, keys[0]) == content(keys[0], BLOCK)
