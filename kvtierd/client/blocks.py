@@ -18,6 +18,7 @@ from typing import TypeVar
 from kvtierd.client.arena import copy_verified, scatter_views
 from kvtierd.errors import CorruptBlockError, InvalidRequestError, KvtierError
 from kvtierd.protocol.messages import Extent
+from kvtierd.store.records import checksum
 
 __all__ = ["BlockLease", "BlockWrite", "HeldBlocks", "release_views"]
 
@@ -59,10 +60,19 @@ class BlockLease:
                 raise InvalidRequestError(
                     f"block {i} is {self.extents[i].length} bytes: the target is too small"
                 )
-            raise CorruptBlockError(
-                f"block {bytes(self.keys[i]).hex()} failed its checksum in DRAM (changed after "
-                "commit by a client of its tenant): a miss"
-            )
+            raise self._corrupt(i)
+
+    def verify(self, i: int) -> None:
+        """Hash block ``i`` where it lies (for a caller whose own copy follows while the block
+        is still in cache); raises ``CorruptBlockError`` as :meth:`copy_into` does."""
+        if checksum(self.views[i]) != self.extents[i].checksum:
+            raise self._corrupt(i)
+
+    def _corrupt(self, i: int) -> CorruptBlockError:
+        return CorruptBlockError(
+            f"block {bytes(self.keys[i]).hex()} failed its checksum in DRAM (changed after "
+            "commit by a client of its tenant): a miss"
+        )
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "released" if self._ended else "held"

@@ -71,7 +71,6 @@ from kvtierd.errors import (
     KvtierError,
     NoSpaceError,
 )
-from kvtierd.store.records import checksum
 
 __all__ = ["KvtierdHiCacheStorage", "StorageStatistics"]
 
@@ -430,10 +429,6 @@ def _hash_then_copy(lease: BlockLease, i: int, page: torch.Tensor) -> None:
     torch's strided copy beats the one-pass copy's Python walk over some 56 runs of 8 KiB
     (quiet run, 2026-12-06: ``batch_get_v1`` warm 2.5 GB/s scattered against 3.5-3.9 this way).
     Raises ``CorruptBlockError`` for a block changed after COMMIT."""
+    lease.verify(i)
     view = lease.views[i]
-    if checksum(view) != lease.extents[i].checksum:
-        raise CorruptBlockError(
-            f"block {bytes(lease.keys[i]).hex()} failed its checksum in DRAM (changed after "
-            "commit by a client of its tenant): a miss"
-        )
     page.copy_(torch.frombuffer(view, dtype=torch.uint8).view(page.dtype).view(page.shape))
