@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,31 +27,23 @@ import numpy as np
 import pytest
 
 from kvtierd.client import connect
-from kvtierd.errors import KvtierError
 from kvtierd.protocol import (
     MAX_KEYS_PER_REQUEST,
-    ClientConnection,
-    ReplyReceived,
 )
-from kvtierd.protocol.frames import HEADER_BYTES, PROTOCOL_MINOR, Opcode, RequestHeader
+from kvtierd.protocol.frames import HEADER_BYTES, Opcode, RequestHeader
 from kvtierd.protocol.messages import (
     EvictReply,
     EvictRequest,
-    InitRequest,
     LookupReply,
     LookupRequest,
-    Message,
-    OpenNsReply,
-    OpenNsRequest,
     ReadReply,
     ReadRequest,
 )
 from kvtierd.testing import DaemonProcess
-from tests.support.frames import last_word
+from tests.support.rawpeer import DEADLINE_S, RawPeer
 
 pytestmark = pytest.mark.timeout(300)
 
-DEADLINE_S = 30.0  # generous: only a daemon that never answers reaches it
 BLOCK = 16 << 10
 KEYS = [b"attack-%09d" % i for i in range(256)]
 #: Keys per READ of the cold attacks: each round reads keys no earlier round leased.
@@ -64,55 +55,6 @@ MAX_INFLIGHT = 8
 def _blocks() -> list[bytes]:
     rng = np.random.default_rng(32)
     return [rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes() for _ in KEYS]
-
-
-class RawPeer:
-    """A client that speaks the protocol by hand on a plain socket: INIT and OPEN_NS done,
-    then whatever the attack sends. The region descriptor OPEN_NS passes is never received
-    (a plain ``recv`` makes the kernel close it)."""
-
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(DEADLINE_S)
-        self.sock.connect(str(path))
-        self.conn = ClientConnection()
-        self.ns = 0
-        self.call(InitRequest(1, PROTOCOL_MINOR, 1 << 20, "attacker"))
-        reply = self.call(OpenNsRequest("attacked", BLOCK))
-        assert isinstance(reply, OpenNsReply)
-        self.ns = reply.ns
-
-    def frame(self, message: Message) -> bytes:
-        return self.conn.request(message, self.ns)[1]
-
-    def call(self, message: Message) -> Message:
-        self.sock.sendall(self.frame(message))
-        event = self.next_reply()
-        assert event.error is None, event.error
-        assert event.message is not None
-        return event.message
-
-    def next_reply(self) -> ReplyReceived:
-        while True:
-            event = self.conn.next_event()
-            if isinstance(event, ReplyReceived):
-                return event
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise ConnectionError("the daemon closed the connection")
-            self.conn.receive_data(data)
-
-    def reset(self) -> None:
-        """Close with an RST (``SO_LINGER`` 0), whatever is unread or unsent."""
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.sock.close()
-
-    def closed_by_daemon(self) -> KvtierError | None:
-        """Read until the daemon closes; its last frame's error (fails on a hang)."""
-        try:
-            return last_word(self.sock, DEADLINE_S)
-        finally:
-            self.sock.close()
 
 
 # -- the attacks ------------------------------------------------------------------------------
@@ -307,7 +249,7 @@ def test_one_attack_leaves_nothing_behind(
     attacked: DaemonProcess, attack: Callable[[RawPeer], None]
 ) -> None:
     before = _books(attacked)
-    attack(RawPeer(attacked.socket))
+    attack(RawPeer(attacked.socket, "attacked", BLOCK))
     _serves_its_blocks(attacked)
     assert _books(attacked) == before
     assert attacked.running
@@ -323,7 +265,7 @@ def test_every_attack_at_once_leaves_nothing_behind(attacked: DaemonProcess) -> 
 
     def run(attack: Callable[[RawPeer], None]) -> None:
         try:
-            attack(RawPeer(attacked.socket))
+            attack(RawPeer(attacked.socket, "attacked", BLOCK))
         except BaseException as exc:  # reported below, by attack
             failures.append(AssertionError(f"{attack.__name__}: {exc!r}"))
 
