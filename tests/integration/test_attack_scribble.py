@@ -70,10 +70,10 @@ def test_blocks_changed_while_leased_give_their_slots_back(daemon: DaemonProcess
                 else:
                     pytest.fail("a block changed after COMMIT was served")
             client.evict()
-            stats = client.stats()
-            assert stats["dirty_blocks"] == 0
-            assert stats["corrupt_writebacks"] > 0  # the path under attack was taken
+            assert client.stats()["dirty_blocks"] == 0
             assert _dram(client) == (0, 0), "slots of dropped blocks were never freed"
+        # the path under attack was taken (write-back reached most blocks after the scribble)
+        assert client.stats()["corrupt_writebacks"] > 0
         assert ns.put(KEYS, blocks) == len(KEYS)  # the region takes them all again
         with ns.get(KEYS) as views:
             for view, block in zip(views, blocks, strict=True):
