@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 from kvtierd.client import connect
-from kvtierd.client.sync import Client
 from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.testing import DaemonProcess
+from tests.support.attacks import tier_usage, unharmed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,12 +65,6 @@ def daemon(
         process.kill()
 
 
-def _dram(client: Client) -> tuple[int, int]:
-    """(blocks, bytes) in the DRAM tier."""
-    (tier,) = [t for t in client.stats()["tiers"] if t["name"] == "dram"]
-    return tier["blocks"], tier["used_bytes"]
-
-
 def _nothing_held(daemon: DaemonProcess) -> None:
     """Once only this connection is left: no lease, and EVICT empties DRAM (every block is
     clean); then each namespace's blocks, read cold, are their own bytes."""
@@ -82,16 +76,14 @@ def _nothing_held(daemon: DaemonProcess) -> None:
         assert stats["leases"] == 0
         assert stats["leased_blocks"] == 0
         client.evict()
-        assert _dram(client) == (0, 0)
+        assert tier_usage(client, "dram") == (0, 0)
         for name in NAMESPACES:
             ns = client.namespace(name, block_bytes=BLOCK)
             with ns.get(KEYS) as views:
                 for i, view in enumerate(views):
                     assert np.array_equal(np.asarray(view), _block(name, i)), (name, i)
             client.evict()
-    log = daemon.log()
-    assert "Traceback" not in log, log[-4000:]
-    assert "handler for" not in log, log[-4000:]
+    unharmed(daemon)
 
 
 def test_a_read_naming_cold_blocks_twice_holds_nothing_after(daemon: DaemonProcess) -> None:

@@ -30,6 +30,7 @@ from kvtierd.client import connect
 from kvtierd.client.sync import Client
 from kvtierd.errors import BlockNotFoundError
 from kvtierd.testing import DaemonProcess
+from tests.support.attacks import tier_usage
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,11 +56,6 @@ def _fixed_transfers(client: Client) -> int:
     return int(found.group(1)) if found else 0
 
 
-def _nvme_blocks(client: Client) -> int:
-    (tier,) = [t for t in client.stats()["tiers"] if t["name"] == "nvme"]
-    return int(tier["blocks"])
-
-
 @pytest.mark.xfail(
     strict=True,
     reason="a fixed-buffer read into a region with a hole lands in orphaned pages; the daemon "
@@ -72,7 +68,7 @@ def test_holes_punched_in_a_region_destroy_no_durable_block(daemon: DaemonProces
         assert ns.put(KEYS, blocks) == len(KEYS)
         client.fsync()  # acknowledged: durable on the NVMe tier
         client.evict()
-        assert _nvme_blocks(client) == len(KEYS)
+        assert tier_usage(client, "nvme")[0] == len(KEYS)
         with mmap.mmap(ns.arena.fd, ns.arena.size_bytes) as region:
             region.madvise(mmap.MADV_REMOVE)  # every page of the region: a hole
         try:
@@ -84,7 +80,7 @@ def test_holes_punched_in_a_region_destroy_no_durable_block(daemon: DaemonProces
         if _fixed_transfers(client) == 0:
             pytest.skip("no transfer used io_uring fixed buffers here")
         client.evict()
-        assert _nvme_blocks(client) == len(KEYS), "durable blocks were discarded"
+        assert tier_usage(client, "nvme")[0] == len(KEYS), "durable blocks were discarded"
         with ns.get(KEYS) as views:
             for view, block in zip(views, blocks, strict=True):
                 assert np.array_equal(np.asarray(view), block)
