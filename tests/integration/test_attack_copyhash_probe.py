@@ -36,6 +36,21 @@ def _alive(pid: int) -> bool:
     return "(zombie)" not in state
 
 
+def _serves(daemon: DaemonProcess, ns_name: str) -> None:
+    """Blocks put, read from DRAM, then promoted from the NVMe tier: each its own bytes."""
+    blocks = [np.full(BLOCK, i, np.uint8) for i in range(8)]
+    keys = [b"probe-%d" % i for i in range(8)]
+    with connect(daemon.socket, timeout_s=DEADLINE_S) as client:
+        ns = client.namespace(ns_name, block_bytes=BLOCK)
+        assert ns.put(keys, blocks) == len(keys)
+        for _ in range(2):  # from DRAM, then promoted from the NVMe tier
+            with ns.get(keys) as views:
+                for view, block in zip(views, blocks, strict=True):
+                    assert np.array_equal(np.asarray(view), block)
+            client.fsync()
+            client.evict()
+
+
 @pytest.mark.parametrize("runtime", ["asyncio", "trio"])
 def test_a_probe_that_hangs_neither_stops_the_daemon_nor_outlives_it(
     runtime: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -46,25 +61,14 @@ def test_a_probe_that_hangs_neither_stops_the_daemon_nor_outlives_it(
     daemon = DaemonProcess(tmp_path / "kvtierd", runtime=runtime)
     daemon.start(120)
     try:
-        blocks = [np.full(BLOCK, i, np.uint8) for i in range(8)]
-        keys = [b"probe-%d" % i for i in range(8)]
-        with connect(daemon.socket, timeout_s=DEADLINE_S) as client:
-            ns = client.namespace("probe", block_bytes=BLOCK)
-            assert ns.put(keys, blocks) == len(keys)
-            deadline = time.monotonic() + DEADLINE_S
-            while not pidfile.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert pidfile.exists(), "the daemon never probed the copy kernel"
-            child = int(pidfile.read_text())
-            assert _alive(child)  # the probe hangs now
-            with ns.get(keys) as views:
-                for view, block in zip(views, blocks, strict=True):
-                    assert np.array_equal(np.asarray(view), block)
-            client.fsync()
-            client.evict()
-            with ns.get(keys) as views:  # promoted from the NVMe tier, verified in Python
-                for view, block in zip(views, blocks, strict=True):
-                    assert np.array_equal(np.asarray(view), block)
+        _serves(daemon, "before")
+        deadline = time.monotonic() + DEADLINE_S
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pidfile.exists(), "the daemon never probed the copy kernel"
+        child = int(pidfile.read_text())
+        assert _alive(child)  # the probe hangs now
+        _serves(daemon, "while")
         assert daemon.stop() == 0
     finally:
         daemon.kill()
@@ -72,5 +76,22 @@ def test_a_probe_that_hangs_neither_stops_the_daemon_nor_outlives_it(
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child), "the probe's child outlived the daemon"
+    log = daemon.log()
+    assert "Traceback" not in log, log[-4000:]
+
+
+@pytest.mark.parametrize("runtime", ["asyncio", "trio"])
+def test_a_probe_that_dies_of_sigill_leaves_the_daemon_serving(
+    runtime: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(MODULE_ENV, "tests.store.standins.sigill_copyhash")
+    daemon = DaemonProcess(tmp_path / "kvtierd", runtime=runtime)
+    daemon.start(120)
+    try:
+        for name in ("first", "second"):  # the probe's verdict comes between, or before
+            _serves(daemon, name)
+        assert daemon.stop() == 0
+    finally:
+        daemon.kill()
     log = daemon.log()
     assert "Traceback" not in log, log[-4000:]
