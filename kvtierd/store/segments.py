@@ -177,12 +177,13 @@ class SegmentMap:
         )
 
     def _take(self, segment: int, index: int) -> DiskSlot:
-        slot = self._slot(segment, index)
+        slot = self.slot(segment, index)
         if not self._used[segment][index]:
             self._used[segment][index] = 1
             self._used_bytes += slot.size
         return slot
 
-    def _slot(self, segment: int, index: int) -> DiskSlot:
+    def slot(self, segment: int, index: int) -> DiskSlot:
+        """Slot ``index`` of ``segment``, used or not."""
         header = self.segments[segment]
         return DiskSlot(segment, index, header.slot_offset(index), header.slot_bytes)
