@@ -27,9 +27,10 @@ being replaced stays readable by its place meanwhile.
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -241,6 +242,14 @@ class ColdIndex:
         live = self.rows()
         return {name: self._cols[name][live] for name, _, _ in COLUMNS}
 
+    def chunks(self, rows: int = 1 << 16) -> Iterator[dict[str, npt.NDArray[Any]]]:
+        """:meth:`columns` in pieces of up to ``rows`` rows (no copy of the whole index at
+        once); the rows in use when each piece is taken."""
+        for first in range(0, self._high, rows):
+            live = np.flatnonzero(self._cols["klen"][first : first + rows]) + first
+            if len(live):
+                yield {name: self._cols[name][live] for name, _, _ in COLUMNS}
+
     @classmethod
     def from_columns(
         cls, columns: Columns, digests: list[bytes], *, seed: int | None = None
@@ -269,9 +278,12 @@ class ColdIndex:
         if len(np.unique(places)) != count:
             raise ValueError("a place is listed twice")
         index._high = index._live = count
-        for segment in np.unique(c["segment"][:count]):
-            mine = np.flatnonzero(c["segment"][:count] == segment)
-            index._set_places(int(segment), c["index"][mine], mine + 1)
+        by_segment = np.argsort(c["segment"][:count], kind="stable")
+        segments = c["segment"][by_segment].astype(np.int64)
+        starts = np.flatnonzero(np.diff(segments, prepend=-1, append=-1))
+        for first, end in itertools.pairwise(starts):
+            mine = by_segment[first:end]
+            index._set_places(int(segments[first]), c["index"][mine], mine + 1)
         hashes = index._hash_rows(np.arange(count))
         words = c["key"][:count]
         # Per (namespace, key): the highest seq, then the first listed, sorts last.

@@ -96,6 +96,11 @@ class ColdIndexMachine(RuleBasedStateMachine):
         for digest in DIGESTS:
             for key in KEYS:
                 assert self.index.find(digest, key) == self.keys.get((digest, key), -1)
+        columns = self.index.columns()
+        pieces = list(self.index.chunks(5))
+        for name, column in columns.items():
+            joined = np.concatenate([p[name] for p in pieces]) if pieces else column
+            assert np.array_equal(joined, column)
         if self.rows:
             assert self.index.max_seq() == max(h.seq for h, _ in self.rows.values())
 
