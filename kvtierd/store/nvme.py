@@ -67,6 +67,7 @@ from kvtierd.errors import (
 )
 from kvtierd.io import IoBackend
 from kvtierd.io.base import MAX_BUFFERS_PER_OP
+from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.codec import checksum_off_loop, checksums_off_loop, compress, decompress_into
@@ -466,18 +467,23 @@ class NvmeTier(LowerTier):
         return f"; the old file is readable at {old} until kvtierd exits"
 
     def recovered(self) -> Iterator[Recovered]:
-        """Made from the index as it is asked for: nothing per block is kept for it."""
-        for row in self._cold.rows().tolist():
-            header = self._cold.record(row)
-            ref = BlockRef(
-                header.ns_digest,
-                header.key,
-                header.raw_bytes,
-                header.payload_checksum,
-                header.seq,
-                bool(header.flags & RecordHeader.FLAG_ZSTD),
+        """Made from the index as it is asked for, a piece of its columns at a time: nothing
+        per block is kept for it. Every ref of a namespace shares one digest object."""
+        digests = self._cold.digests
+        width = MAX_KEY_BYTES
+        for c in self._cold.chunks():
+            keys = c["key"].tobytes()
+            fields = zip(
+                *(c[name].tolist() for name in ("klen", "ns", "raw", "checksum", "seq", "flags")),
+                c["segment"].tolist(),
+                c["index"].tolist(),
+                strict=True,
             )
-            yield Recovered(ref, self._segmap.slot(*self._cold.place(row)))
+            for i, (klen, ns, raw, check, seq, flags, segment, index) in enumerate(fields):
+                zstd = bool(flags & RecordHeader.FLAG_ZSTD)
+                key = keys[i * width : i * width + klen]
+                ref = BlockRef(digests[ns], key, raw, check, seq, zstd)
+                yield Recovered(ref, self._segmap.slot(segment, index))
 
     def statistics(self) -> TierStatistics:
         c = self._counters
