@@ -40,7 +40,7 @@ from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.store.freestack import FreeStack
 from kvtierd.store.records import RecordHeader
 
-__all__ = ["COLUMNS", "ColdIndex", "Columns"]
+__all__ = ["COLUMNS", "ColdIndex", "Columns", "identity_hashes", "repeated"]
 
 #: Every column of a row: name, element type, elements a row.
 COLUMNS: tuple[tuple[str, type[np.generic], int], ...] = (
@@ -275,7 +275,7 @@ class ColdIndex:
         if count and int(ns.max()) >= len(digests):
             raise ValueError("a namespace number names no digest")
         places = (c["segment"][:count].astype(np.uint64) << np.uint64(32)) | c["index"][:count]
-        if len(np.unique(places)) != count:
+        if repeated(places).any():
             raise ValueError("a place is listed twice")
         index._high = index._live = count
         by_segment = np.argsort(c["segment"][:count], kind="stable")
@@ -284,15 +284,14 @@ class ColdIndex:
         for first, end in itertools.pairwise(starts):
             mine = by_segment[first:end]
             index._set_places(int(segments[first]), c["index"][mine], mine + 1)
-        hashes = index._hash_rows(np.arange(count))
-        words = c["key"][:count]
-        # Per (namespace, key): the highest seq, then the first listed, sorts last.
-        order = np.lexsort(
-            (-np.arange(count), c["seq"][:count], klen, *words.T[::-1], ns)  # ns is primary
-        )
-        same = (ns[order][1:] == ns[order][:-1]) & (klen[order][1:] == klen[order][:-1])
-        same &= (words[order][1:] == words[order][:-1]).all(axis=1)
-        winners = order[np.append(~same, True)] if count else order
+        hashes = identity_hashes(c["key"][:count], klen, ns, index._seed)
+        # Only rows whose hash repeats can share a key: sort those exactly. Per (namespace,
+        # key): the highest seq, then the first listed, sorts last and wins.
+        suspects = np.flatnonzero(repeated(hashes))
+        losers = np.zeros(count, bool)
+        order = suspects[_by_identity(c, suspects, -suspects, c["seq"][suspects])]
+        losers[order[:-1][_same_identity(c, order)]] = True
+        winners = np.flatnonzero(~losers)
         index._build(hashes[winners], winners.astype(np.uint32), _capacity_for(len(winners)))
         return index
 
@@ -333,20 +332,11 @@ class ColdIndex:
         slots[indices] = values
 
     def _hash_of(self, ns: int, klen: int, padded: bytes) -> int:
+        """:func:`identity_hashes` of one key."""
         h = self._seed ^ (ns << 8 | klen)
         for word in _WORDS.unpack(padded):
             h = _mix(h ^ word)
         return h if h > _TOMBSTONE else h + 2
-
-    def _hash_rows(self, rows: npt.NDArray[np.intp]) -> npt.NDArray[np.uint64]:
-        """:meth:`_hash_of` of many rows at once."""
-        c = self._cols
-        h = np.uint64(self._seed) ^ (
-            (c["ns"][rows].astype(np.uint64) << np.uint64(8)) | c["klen"][rows]
-        )
-        for w in range(MAX_KEY_BYTES // 8):
-            h = _mix_all(h ^ c["key"][rows, w])
-        return np.where(h > _TOMBSTONE, h, h + np.uint64(2))
 
     def _is(self, row: int, ns: int, klen: int, padded: bytes) -> bool:
         c = self._cols
@@ -415,3 +405,40 @@ def _capacity_for(keys: int) -> int:
     while keys > 0.6 * capacity:
         capacity *= 2
     return capacity
+
+
+def identity_hashes(
+    key: npt.NDArray[np.uint64],
+    klen: npt.NDArray[np.integer],
+    ns: npt.NDArray[np.integer],
+    seed: int,
+) -> npt.NDArray[np.uint64]:
+    """The bucket hash of many ``(namespace, key)`` at once (keys as rows of four words):
+    what :meth:`ColdIndex._hash_of` gives for one."""
+    h = np.uint64(seed) ^ ((ns.astype(np.uint64) << np.uint64(8)) | klen.astype(np.uint64))
+    for w in range(MAX_KEY_BYTES // 8):
+        h = _mix_all(h ^ key[:, w])
+    return np.where(h > _TOMBSTONE, h, h + np.uint64(2))
+
+
+def repeated(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+    """Which of ``values`` occur more than once (one sort; a search only when some do)."""
+    ordered = np.sort(values)
+    twice = ordered[1:][ordered[1:] == ordered[:-1]]
+    if not len(twice):
+        return np.zeros(len(values), bool)
+    return np.isin(values, twice)
+
+
+def _by_identity(c: Columns, rows: npt.NDArray[np.intp], *last: npt.NDArray[Any]) -> Any:
+    """The order of ``rows`` by ``(namespace, key length, key)``, then by ``last`` (the last
+    of them most significant among those)."""
+    words = c["key"][rows]
+    return np.lexsort((*last, c["klen"][rows], *words.T[::-1], c["ns"][rows]))
+
+
+def _same_identity(c: Columns, order: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+    """For rows in ``order``: whether each but the last has the key of the one after it."""
+    ns, klen, words = c["ns"][order], c["klen"][order], c["key"][order]
+    same = (ns[1:] == ns[:-1]) & (klen[1:] == klen[:-1])
+    return same & (words[1:] == words[:-1]).all(axis=1)  # type: ignore[no-any-return]

@@ -27,7 +27,7 @@ import numpy.typing as npt
 import xxhash
 
 from kvtierd.keys import MAX_KEY_BYTES
-from kvtierd.store.coldindex import COLUMNS
+from kvtierd.store.coldindex import COLUMNS, identity_hashes, repeated
 from kvtierd.store.records import PAGE_BYTES, RecordHeader
 
 __all__ = ["Snapshot", "SnapshotV1", "decode", "encode", "problem"]
@@ -198,7 +198,7 @@ def problem(snap: Snapshot, file_bytes: int) -> str | None:
     if len(past):
         i = int(past[0])
         return f"a record names slot {index[i]} of the {counts[i]} of segment {segment[i]}"
-    if len(np.unique(segment << 32 | index)) != rows:
+    if repeated((segment << 32 | index).astype(np.uint64)).any():
         return "a slot is listed twice"
     klen = c["klen"].astype(np.int64)
     if klen.min() < 1 or klen.max() > MAX_KEY_BYTES or int(c["ns"].max()) >= len(snap.digests):
@@ -212,11 +212,17 @@ def problem(snap: Snapshot, file_bytes: int) -> str | None:
     pages = PAGE_BYTES + (stored + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
     if ((stored < 1) | (stored > c["raw"]) | (pages > slot_bytes)).any():
         return "a record does not fit its slot"
-    order = np.lexsort((c["seq"], klen, *c["key"].T, c["ns"]))
-    same = c["seq"][order][1:] == c["seq"][order][:-1]
-    for name in ("klen", "ns"):
-        same &= c[name][order][1:] == c[name][order][:-1]
-    same &= (c["key"][order][1:] == c["key"][order][:-1]).all(axis=1)
-    if same.any():
-        return "a key is listed twice with one sequence number"
+    # Only rows whose (key, seq) hash repeats can repeat: compare those exactly.
+    hashes = identity_hashes(c["key"], c["klen"], c["ns"], 0) ^ c["seq"].astype(np.uint64)
+    suspects = np.flatnonzero(repeated(hashes))
+    if len(suspects):
+        mine = {name: column[suspects] for name, column in c.items()}
+        versions = {(r[0], r[1], r[2].tobytes(), r[3]) for r in _identities(mine)}
+        if len(versions) != len(suspects):
+            return "a key is listed twice with one sequence number"
     return None
+
+
+def _identities(c: dict[str, npt.NDArray[Any]]) -> list[tuple[int, int, Any, int]]:
+    """``(namespace, key length, key words, seq)`` of each row of ``c``."""
+    return list(zip(c["ns"].tolist(), c["klen"].tolist(), c["key"], c["seq"].tolist(), strict=True))
