@@ -11,10 +11,12 @@ blocks, and small-block op rates and CPU against fio (issue 32, item 4).
   the socket, so 10M blocks take minutes, not hours. Then the real daemon is started twice:
   after a crash (no snapshot: every header is scanned) and after the clean stop that follows it
   (index snapshot). Each start is timed from ``exec`` to the first INIT answered as a serving
-  daemon (``kvtierd.testing.wait_until_serving``), and the daemon's memory (``VmRSS``; and its
-  peak, ``VmHWM``) is read from ``/proc``. Memory per block is the RSS above the same daemon
-  started on the same file before the records were written, divided by the blocks. A sample of
-  keys is looked up and read back to show the index is the real one.
+  daemon (``kvtierd.testing.wait_until_serving``), with the tier's part (its recovery) and the
+  store's (adopting the recovered blocks) from the stamps of the daemon's log lines, and the
+  daemon's memory (``VmRSS``; and its peak, ``VmHWM``) is read from ``/proc``. Memory per
+  block is the RSS above the same daemon started on the same file before the records were
+  written, divided by the blocks. A sample of keys is looked up and read back to show the
+  index is the real one.
 * ``ops``: 4 KiB and 64 KiB blocks put (+ FSYNC) and read back from NVMe (DRAM emptied first)
   through the daemon, ``--qd`` blocks in flight, against ``fio --ioengine=io_uring --direct=1``
   random writes (with a final fsync) and random reads of the same size and queue depth in the
@@ -152,6 +154,25 @@ def _tier_recovery_s(d: DaemonProcess) -> float | None:
     return float(found[-1][1]) if found else None
 
 
+_STAMPED = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*(blocks recovered by|store ready)"
+)
+
+
+def _adoption_s(d: DaemonProcess) -> float | None:
+    """How long the store took to adopt the recovered blocks at the daemon's last start: from
+    the tier's "recovered" log line to "store ready" (millisecond stamps)."""
+    stamps: dict[str, float] = {}
+    for line in d.log().splitlines():
+        found = _STAMPED.match(line)
+        if found:
+            when = time.mktime(time.strptime(found[1], "%Y-%m-%d %H:%M:%S")) + int(found[2]) / 1e3
+            stamps[found[3]] = when
+    if len(stamps) < 2:
+        return None
+    return stamps["store ready"] - stamps["blocks recovered by"]
+
+
 def _timed_start(d: DaemonProcess) -> float:
     started = time.perf_counter()
     d.start(timeout_s=1800)
@@ -211,6 +232,7 @@ def bench_index(workdir: Path, blocks: int, block_bytes: int) -> dict[str, Any]:
             result[mode] = {
                 "start_s": seconds,
                 "tier_recovery_s": _tier_recovery_s(d),
+                "adoption_s": _adoption_s(d),
                 **memory,
                 "bytes_per_block": (memory["rss_bytes"] - empty["rss_bytes"]) / blocks,
                 "anon_bytes_per_block": (memory["anon_bytes"] - empty["anon_bytes"]) / blocks,
@@ -454,8 +476,9 @@ def _plot(runs: list[dict[str, Any]]) -> str:
 
 
 def _start(run: dict[str, Any]) -> str:
-    tier = run.get("tier_recovery_s")
-    return f"{run['start_s']:.1f}" + (f" ({tier:.1f})" if tier is not None else "")
+    tier, adoption = run.get("tier_recovery_s"), run.get("adoption_s")
+    parts = [f"{tier:.1f}" if tier is not None else "-", f"{adoption:.1f}" if adoption else "-"]
+    return f"{run['start_s']:.1f} ({' / '.join(parts)})"
 
 
 def _markdown(result: dict[str, Any], plot: str | None) -> str:
@@ -474,8 +497,9 @@ def _markdown(result: dict[str, Any], plot: str | None) -> str:
             f"empty file, per block (goal <= {_GOAL_BYTES_PER_BLOCK} B). Restart: exec to first "
             f"INIT served (goal < {_GOAL_RESTART_S:.0f} s at 10M).",
             "",
-            "| blocks | start s: scan (tier's part) | start s: snapshot (tier's part) "
-            "| B/block (scan) | B/block (snapshot) | peak RSS GiB | keys found |",
+            "| blocks | start s: scan (tier's / store's part) "
+            "| start s: snapshot (tier's / store's) | B/block (scan) | B/block (snapshot) "
+            "| peak RSS GiB | keys found |",
             "|---|---|---|---|---|---|---|",
         ]
         for run in runs:

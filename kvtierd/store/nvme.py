@@ -51,7 +51,7 @@ import stat
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -67,9 +67,11 @@ from kvtierd.errors import (
 )
 from kvtierd.io import IoBackend
 from kvtierd.io.base import MAX_BUFFERS_PER_OP
+from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.codec import checksum_off_loop, checksums_off_loop, compress, decompress_into
+from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.diskhealth import DataFileLostError, DiskFault
 from kvtierd.store.records import (
     PAGE_BYTES,
@@ -137,8 +139,9 @@ class NvmeTier(LowerTier):
         self._segmap = segmap
         self._backend = backend
         self._pages = pages
-        self._records: dict[DiskSlot, RecordHeader] = {}
-        self._recovered: list[Recovered] = []
+        #: The record in each used slot (:mod:`kvtierd.store.coldindex`): about 90 bytes a
+        #: block, where a ``RecordHeader`` in a dict keyed by ``DiskSlot`` cost about 300.
+        self._cold = ColdIndex()
         self._carving = anyio.Lock()
         self._counters = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0}
         self.max_seq = 0
@@ -184,7 +187,7 @@ class NvmeTier(LowerTier):
                 stored.release()
                 body.release()
                 _close_bounce(bounce)
-        self._records[slot] = header
+        self._cold.add(ref.ns_digest, header, slot.segment, slot.index)
         self._counters["bytes_written"] += PAGE_BYTES + padded
         return slot
 
@@ -206,7 +209,7 @@ class NvmeTier(LowerTier):
 
     def _plain(self, *slots: DiskSlot) -> bool:
         for slot in slots:
-            header = self._records.get(slot)
+            header = self._record_at(slot)
             if header is None or header.flags & RecordHeader.FLAG_ZSTD:
                 return False
             if slot.size != slot_bytes_for(header.stored_bytes):
@@ -227,7 +230,7 @@ class NvmeTier(LowerTier):
         alone: list[int] = []
         for i, (ref, location, _) in enumerate(items):
             slot = self._slot(location)
-            header = self._records.get(slot)
+            header = self._record_at(slot)
             plain = header is not None and header.seq == ref.seq and self._plain(slot)
             if plain and slot.offset + slot.size <= self._segmap.file_bytes:
                 together.append(i)
@@ -336,7 +339,7 @@ class NvmeTier(LowerTier):
         """The record ``slot`` holds for ``ref`` and its payload's length on disk (whole pages);
         raises :class:`BlockNotFoundError` when the slot holds another block now, or lies
         outside the data file."""
-        header = self._records.get(slot)
+        header = self._record_at(slot)
         if header is None or header.seq != ref.seq:
             raise BlockNotFoundError("the disk slot no longer holds this block")
         padded = -(-header.stored_bytes // PAGE_BYTES) * PAGE_BYTES
@@ -381,8 +384,10 @@ class NvmeTier(LowerTier):
 
     async def discard(self, location: Hashable) -> None:
         slot = self._slot(location)
-        if self._records.pop(slot, None) is None:
+        row = self._cold.at(slot.segment, slot.index)
+        if row < 0:
             return
+        self._cold.remove(row)
         await self._tombstone(slot)
         self._segmap.free(slot)
 
@@ -461,14 +466,30 @@ class NvmeTier(LowerTier):
         old = f"/proc/{os.getpid()}/fd/{self._fd}"
         return f"; the old file is readable at {old} until kvtierd exits"
 
-    def recovered(self) -> Sequence[Recovered]:
-        return self._recovered
+    def recovered(self) -> Iterator[Recovered]:
+        """Made from the index as it is asked for, a piece of its columns at a time: nothing
+        per block is kept for it. Every ref of a namespace shares one digest object."""
+        digests = self._cold.digests
+        width = MAX_KEY_BYTES
+        for c in self._cold.chunks():
+            keys = c["key"].tobytes()
+            fields = zip(
+                *(c[name].tolist() for name in ("klen", "ns", "raw", "checksum", "seq", "flags")),
+                c["segment"].tolist(),
+                c["index"].tolist(),
+                strict=True,
+            )
+            for i, (klen, ns, raw, check, seq, flags, segment, index) in enumerate(fields):
+                zstd = bool(flags & RecordHeader.FLAG_ZSTD)
+                key = keys[i * width : i * width + klen]
+                ref = BlockRef(digests[ns], key, raw, check, seq, zstd)
+                yield Recovered(ref, self._segmap.slot(segment, index))
 
     def statistics(self) -> TierStatistics:
         c = self._counters
         return TierStatistics(
             "nvme",
-            len(self._records),
+            len(self._cold),
             self._segmap.used_bytes,
             self._segmap.capacity_bytes,
             c["hits"],
@@ -484,6 +505,11 @@ class NvmeTier(LowerTier):
         if not isinstance(location, DiskSlot):
             raise TypeError("not an NVMe location")
         return location
+
+    def _record_at(self, slot: DiskSlot) -> RecordHeader | None:
+        """The record ``slot`` holds, or ``None``."""
+        row = self._cold.at(slot.segment, slot.index)
+        return self._cold.record(row) if row >= 0 else None
 
     def _verify_header(self, page: memoryview, ref: BlockRef) -> None:
         try:
@@ -536,23 +562,13 @@ class NvmeTier(LowerTier):
         for slot in found.stale:
             await self._tombstone(slot)
             self._segmap.free(slot)
-        for slot, header in found.records.items():
-            self._records[slot] = header
-            ref = BlockRef(
-                header.ns_digest,
-                header.key,
-                header.raw_bytes,
-                header.payload_checksum,
-                header.seq,
-                bool(header.flags & RecordHeader.FLAG_ZSTD),
-            )
-            self._recovered.append(Recovered(ref, slot))
+        self._cold = found.cold
         self.max_seq = found.max_seq
         self.recovery_source = found.source
 
     def save_snapshot(self) -> None:
         save_snapshot(
-            self.snapshot, self._segmap, self._records, data_mtime_ns=_mtime_ns(os.fstat(self._fd))
+            self.snapshot, self._segmap, self._cold, data_mtime_ns=_mtime_ns(os.fstat(self._fd))
         )
 
 
@@ -793,7 +809,7 @@ async def open_nvme_tier(
         log.info(
             "NVMe tier %s: %d blocks recovered by %s in %.3f s",
             path,
-            len(found.records),
+            len(found.cold),
             found.source,
             time.monotonic() - started,
         )

@@ -30,6 +30,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from kvtierd.keys import MAX_KEY_BYTES
@@ -43,6 +45,7 @@ __all__ = [
     "Superblock",
     "checksum",
     "damaged_segment_header",
+    "record_headers",
 ]
 
 FORMAT_VERSION = 1
@@ -173,6 +176,31 @@ class RecordHeader:
         )
 
     @classmethod
+    def known(
+        cls,
+        ns_digest: bytes,
+        key: bytes,
+        stored_bytes: int,
+        raw_bytes: int,
+        payload_checksum: int,
+        seq: int,
+        flags: int,
+    ) -> RecordHeader:
+        """A header of fields already checked (the cold index's rows), made without the
+        frozen dataclass's ``__init__``, whose ``object.__setattr__`` per field costs twice as
+        much: the NVMe tier makes one on every READ's path."""
+        header = object.__new__(cls)
+        put = _HEADER_SETTERS
+        put[0](header, ns_digest)
+        put[1](header, key)
+        put[2](header, stored_bytes)
+        put[3](header, raw_bytes)
+        put[4](header, payload_checksum)
+        put[5](header, seq)
+        put[6](header, flags)
+        return header
+
+    @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> RecordHeader:
         fields = _open(data, _RECORD, cls.MAGIC)
         _, _, flags, digest, key_len, key, stored, raw, payload_checksum, seq = fields
@@ -180,6 +208,19 @@ class RecordHeader:
             raise CorruptRecord("bad key length")
         return cls(digest, key[:key_len], stored, raw, payload_checksum, seq, flags)
 
+
+_HEADER_SETTERS = tuple(
+    getattr(RecordHeader, name).__set__
+    for name in (
+        "ns_digest",
+        "key",
+        "stored_bytes",
+        "raw_bytes",
+        "payload_checksum",
+        "seq",
+        "flags",
+    )
+)
 
 #: A sealed segment header page is zero from here on (its fields, then its checksum).
 _SEGMENT_SEALED_BYTES = _SEGMENT.size + _CHECK.size
@@ -201,3 +242,64 @@ def damaged_segment_header(data: bytes | bytearray | memoryview, file_id: bytes)
         return False
     named = int.from_bytes(page[8:24], "little") ^ int.from_bytes(file_id, "little")
     return named.bit_count() <= _FILE_ID_BITS_OFF
+
+
+_RECORD_MAGIC = int.from_bytes(b"KVTB", "little")
+#: The fields of :data:`_RECORD` (and the checksum after it) at their offsets.
+_RECORD_FIELDS = {
+    "magic": ("<u4", 0),
+    "version": ("<u2", 4),
+    "flags": ("<u2", 6),
+    "digest": ("V16", 8),
+    "klen": ("u1", 24),
+    "key": (("<u8", (4,)), 25),
+    "stored": ("<u4", 60),
+    "raw": ("<u4", 64),
+    "checksum": ("<u8", 68),
+    "seq": ("<u8", 76),
+    "check": ("<u8", _RECORD.size),
+}
+
+
+def record_headers(
+    buffer: bytes | bytearray | memoryview, stride: int, count: int, slot_bytes: int
+) -> tuple[npt.NDArray[np.intp], dict[str, npt.NDArray[Any]]]:
+    """The intact record headers among ``count`` pages ``stride`` bytes apart in ``buffer``
+    that fit a slot of ``slot_bytes``: their positions (0 to ``count - 1``) and their fields
+    (columns: ``digest`` (16-byte voids), ``klen``, ``key`` as four u64 words, zero past the key,
+    ``flags``, ``stored``, ``raw``, ``checksum``, ``seq``). What :meth:`RecordHeader.unpack`
+    accepts, parsed with numpy; only the header checksum is computed one page at a time, and
+    only for pages that start with the magic."""
+    names = list(_RECORD_FIELDS)
+    layout = np.dtype(
+        {
+            "names": names,
+            "formats": [_RECORD_FIELDS[n][0] for n in names],
+            "offsets": [_RECORD_FIELDS[n][1] for n in names],
+            "itemsize": _RECORD.size + _CHECK.size,
+        }
+    )
+    view = memoryview(buffer)
+    if count:
+        span = view[: (count - 1) * stride + layout.itemsize]
+        pages = np.ndarray((count,), layout, buffer=span, strides=(stride,))
+    else:
+        pages = np.zeros(0, layout)
+    keep = (pages["magic"] == _RECORD_MAGIC) & (pages["version"] == FORMAT_VERSION)
+    keep &= (pages["klen"] >= 1) & (pages["klen"] <= MAX_KEY_BYTES)
+    padded = PAGE_BYTES + (pages["stored"].astype(np.int64) + PAGE_BYTES - 1) // PAGE_BYTES * (
+        PAGE_BYTES
+    )
+    keep &= padded <= slot_bytes
+    for i in np.flatnonzero(keep):
+        at = int(i) * stride
+        if checksum(view[at : at + _RECORD.size]) != int(pages["check"][i]):
+            keep[i] = False
+    found = np.flatnonzero(keep)
+    fields = {
+        name: np.ascontiguousarray(pages[name][found])
+        for name in ("digest", "klen", "key", "flags", "stored", "raw", "checksum", "seq")
+    }
+    as_bytes = fields["key"].view(np.uint8).reshape(len(found), MAX_KEY_BYTES)
+    as_bytes[np.arange(MAX_KEY_BYTES) >= fields["klen"][:, None].astype(np.int64)] = 0
+    return found, fields

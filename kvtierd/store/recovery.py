@@ -45,13 +45,16 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
-import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.io import IoBackend
-from kvtierd.keys import MAX_KEY_BYTES
+from kvtierd.store import snapshot as snapshots
+from kvtierd.store.coldindex import ColdIndex, Columns
 from kvtierd.store.durable import fsync_directory, replace_durably
 from kvtierd.store.records import (
     PAGE_BYTES,
@@ -59,8 +62,9 @@ from kvtierd.store.records import (
     RecordHeader,
     SegmentHeader,
     damaged_segment_header,
+    record_headers,
 )
-from kvtierd.store.segments import DiskSlot, SegmentMap, slot_bytes_for
+from kvtierd.store.segments import DiskSlot, SegmentMap
 from kvtierd.store.staging import StagingPages
 
 __all__ = [
@@ -81,46 +85,45 @@ _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 _RUN_BYTES = 1 << 20
 _SMALL_SLOT_BYTES = 64 << 10
 _SCAN_WORKERS = 16
-_U32 = 1 << 32
-_U64 = 1 << 64
 _KNOWN_FLAGS = RecordHeader.FLAG_ZSTD
-
-
-class _Snapshot(msgspec.Struct, array_like=True):
-    file_id: bytes
-    file_bytes: int
-    segments: list[tuple[int, int, int]]  # start, slot bytes, slot count
-    records: list[tuple[int, int, bytes, bytes, int, int, int, int, int]]
-    # segment, index, ns digest, key, stored, raw, checksum, seq, flags
-    #: The data file's mtime when the snapshot was written (``None``: a block device, or a
-    #: snapshot of an older version): a write since then, by a daemon with another data
-    #: directory, makes the snapshot stale.
-    data_mtime_ns: int | None = None
 
 
 @dataclass
 class RecoveredIndex:
-    """What recovery found: adopted records by place, and places to discard."""
+    """What recovery found: the records adopted, as the tier's index, and places to discard
+    (older records of a key that a newer one replaced)."""
 
-    records: dict[DiskSlot, RecordHeader] = field(default_factory=dict)
+    cold: ColdIndex = field(default_factory=ColdIndex)
     stale: list[DiskSlot] = field(default_factory=list)
-    max_seq: int = 0
     source: str = "empty"
 
-    def adopt(
-        self, slot: DiskSlot, header: RecordHeader, best: dict[tuple[bytes, bytes], DiskSlot]
-    ) -> None:
-        identity = (header.ns_digest, header.key)
-        previous = best.get(identity)
-        if previous is not None and self.records[previous].seq >= header.seq:
-            self.stale.append(slot)
-            return
-        if previous is not None:
-            self.stale.append(previous)
-            del self.records[previous]
-        best[identity] = slot
-        self.records[slot] = header
-        self.max_seq = max(self.max_seq, header.seq)
+    @property
+    def max_seq(self) -> int:
+        return self.cold.max_seq()
+
+
+def _recovered(
+    segmap: SegmentMap,
+    columns: Columns,
+    digests: list[bytes],
+    source: str,
+) -> RecoveredIndex:
+    """Mark the slots ``columns`` name used in ``segmap`` (the rest of its segments free) and
+    index them, newest record of each key first; older ones become ``stale``."""
+    segment = np.asarray(columns["segment"])
+    order = np.argsort(segment, kind="stable")
+    bounds = np.searchsorted(segment[order], np.arange(len(segmap.segments) + 1))
+    index = np.asarray(columns["index"])[order]
+    for number, header in enumerate(segmap.segments):
+        used = np.zeros(header.slot_count, bool)
+        used[index[bounds[number] : bounds[number + 1]]] = True
+        segmap.adopt_used(number, used)
+    cold = ColdIndex.from_columns(columns, digests)
+    stale = []
+    for row in cold.shadowed().tolist():
+        stale.append(segmap.slot(*cold.place(row)))
+        cold.remove(row)
+    return RecoveredIndex(cold, stale, source)
 
 
 # -- the snapshot ------------------------------------------------------------------------------
@@ -179,16 +182,18 @@ async def load_snapshot(
     if snap.file_bytes != segmap.file_bytes:
         log.warning("index snapshot does not match the data file's size; scanning instead")
         return None
-    problem = _snapshot_problem(snap, segmap.file_bytes)
+    problem = snapshots.problem(snap, segmap.file_bytes)
     if problem is None:
         problem = await _check_segment_headers(fd, _segments_of(snap), backend, pages)
     if problem is not None:
         log.warning("index snapshot disagrees with the data file (%s); scanning instead", problem)
         return None
-    return _adopt_snapshot(snap, segmap)
+    for header in _segments_of(snap):
+        segmap.add_segment(header, all_free=False)
+    return _recovered(segmap, snap.columns, snap.digests, "snapshot")
 
 
-def _take_snapshot(path: Path, file_id: bytes, *, keep_foreign: bool) -> _Snapshot | None:
+def _take_snapshot(path: Path, file_id: bytes, *, keep_foreign: bool) -> snapshots.Snapshot | None:
     """Read and delete the snapshot at ``path`` when it names the data file ``file_id``; one
     that does not, or cannot be decoded, is deleted with a WARNING, or with ``keep_foreign``
     left in place (it may be another daemon's)."""
@@ -197,9 +202,9 @@ def _take_snapshot(path: Path, file_id: bytes, *, keep_foreign: bool) -> _Snapsh
     except FileNotFoundError:
         return None
     try:
-        snap: _Snapshot | None = msgspec.msgpack.decode(raw, type=_Snapshot)
+        snap: snapshots.Snapshot | None = snapshots.decode(raw)
         problem = None
-    except msgspec.DecodeError as exc:
+    except snapshots.CorruptSnapshot as exc:
         snap, problem = None, f"ignoring unreadable index snapshot {path}: {exc}"
     if snap is not None and snap.file_id != file_id:
         snap, problem = None, f"index snapshot {path} names another data file; scanning instead"
@@ -211,42 +216,8 @@ def _take_snapshot(path: Path, file_id: bytes, *, keep_foreign: bool) -> _Snapsh
     return snap
 
 
-def _segments_of(snap: _Snapshot) -> list[SegmentHeader]:
+def _segments_of(snap: snapshots.Snapshot) -> list[SegmentHeader]:
     return [SegmentHeader(snap.file_id, *geometry) for geometry in snap.segments]
-
-
-def _snapshot_problem(snap: _Snapshot, file_bytes: int) -> str | None:
-    """What makes the snapshot impossible for a file of ``file_bytes``, or ``None``."""
-    tail = PAGE_BYTES
-    for number, (start, slot_bytes, count) in enumerate(snap.segments):
-        if start != tail:
-            return f"segment {number} starts at {start}, not where segment {number - 1} ends"
-        if slot_bytes < 2 * PAGE_BYTES or slot_bytes % PAGE_BYTES or count < 1:
-            return f"segment {number} has an impossible geometry"
-        tail = start + PAGE_BYTES + slot_bytes * count
-        if tail > file_bytes:
-            return f"segment {number} ends at {tail}, past the end of the file at {file_bytes}"
-    places: set[tuple[int, int]] = set()
-    versions: set[tuple[bytes, bytes, int]] = set()
-    for segment, index, digest, key, stored, raw, check, seq, flags in snap.records:
-        if not 0 <= segment < len(snap.segments):
-            return f"a record names segment {segment} of {len(snap.segments)}"
-        _, slot_bytes, count = snap.segments[segment]
-        if not 0 <= index < count:
-            return f"a record names slot {index} of the {count} of segment {segment}"
-        if (segment, index) in places:
-            return f"slot {index} of segment {segment} is listed twice"
-        if (digest, key, seq) in versions:
-            return "a key is listed twice with one sequence number"
-        if len(digest) != 16 or not 0 < len(key) <= MAX_KEY_BYTES or flags & ~_KNOWN_FLAGS:
-            return f"the record in slot {index} of segment {segment} is impossible"
-        if not 0 < stored <= raw or slot_bytes_for(stored) > slot_bytes:
-            return f"the record in slot {index} of segment {segment} does not fit its slot"
-        if not (0 <= check < _U64 and 0 <= seq < _U64 and raw < _U32):
-            return f"the record in slot {index} of segment {segment} is impossible"
-        places.add((segment, index))
-        versions.add((digest, key, seq))
-    return None
 
 
 async def _check_segment_headers(
@@ -296,55 +267,25 @@ async def _check_segment_headers(
     return None
 
 
-def _adopt_snapshot(snap: _Snapshot, segmap: SegmentMap) -> RecoveredIndex:
-    """Carry out a snapshot that :func:`_snapshot_problem` found nothing wrong with."""
-    found = RecoveredIndex(source="snapshot")
-    for header in _segments_of(snap):
-        segmap.add_segment(header, all_free=False)
-    used: dict[int, set[int]] = {}
-    best: dict[tuple[bytes, bytes], DiskSlot] = {}
-    for segment, index, digest, key, stored, raw_bytes, checksum, seq, flags in snap.records:
-        slot = segmap.mark_used(segment, index)
-        used.setdefault(segment, set()).add(index)
-        record = RecordHeader(digest, key, stored, raw_bytes, checksum, seq, flags)
-        found.adopt(slot, record, best)
-    for number, header in enumerate(segmap.segments):
-        taken = used.get(number, set())
-        segmap.adopt_free(number, [i for i in range(header.slot_count) if i not in taken])
-    return found
-
-
 def save_snapshot(
     path: Path,
     segmap: SegmentMap,
-    records: dict[DiskSlot, RecordHeader],
+    cold: ColdIndex,
     *,
     data_mtime_ns: int | None = None,
 ) -> None:
-    """Write the snapshot atomically and durably, with the data file's mtime once its last
-    write is done (``None`` for a block device); raises ``OSError`` (leaving no file) when it
-    cannot."""
-    snap = _Snapshot(
+    """Write the snapshot of ``cold`` (format 2) atomically and durably, with the data file's
+    mtime once its last write is done (``None`` for a block device); raises ``OSError``
+    (leaving no file) when it cannot."""
+    snap = snapshots.Snapshot(
         segmap.file_id,
         segmap.file_bytes,
         [(s.start, s.slot_bytes, s.slot_count) for s in segmap.segments],
-        [
-            (
-                slot.segment,
-                slot.index,
-                h.ns_digest,
-                h.key,
-                h.stored_bytes,
-                h.raw_bytes,
-                h.payload_checksum,
-                h.seq,
-                h.flags,
-            )
-            for slot, h in records.items()
-        ],
+        cold.digests,
+        cold.columns(),
         data_mtime_ns,
     )
-    replace_durably(path, msgspec.msgpack.encode(snap))
+    replace_durably(path, snapshots.encode(snap))
 
 
 def _remove_durably(path: Path) -> None:
@@ -364,27 +305,25 @@ async def scan(
     progress: Callable[[int], None] | None = None,
 ) -> RecoveredIndex:
     """Read every segment and slot header of the file and adopt the intact records;
-    ``progress`` is told the number adopted so far before each run of headers."""
-    found = RecoveredIndex(source="scan")
+    ``progress`` is told the number found so far before each run of headers. Each run's
+    headers are parsed together (:func:`~kvtierd.store.records.record_headers`), and the
+    newest record of each key is chosen once, for the whole file, with numpy."""
     async with pages.page() as page:
         while (header := await _next_segment(fd, segmap, backend, page)) is not None:
             segmap.add_segment(header, all_free=False)
-    best: dict[tuple[bytes, bytes], DiskSlot] = {}
-    free: dict[int, list[int]] = {n: [] for n in range(len(segmap.segments))}
     runs = _header_runs(segmap)
+    #: Per run with records: its segment, the slots holding them, and their fields.
+    found: list[tuple[int, npt.NDArray[np.intp], dict[str, npt.NDArray[Any]]]] = []
+    counted = 0
 
-    def adopt(number: int, index: int, header_page: memoryview | None) -> None:
-        try:
-            if header_page is None:
-                raise CorruptRecord("unreadable")
-            record = RecordHeader.unpack(header_page)
-        except CorruptRecord:
-            free[number].append(index)
-            return
-        if slot_bytes_for(record.stored_bytes) > segmap.segments[number].slot_bytes:
-            free[number].append(index)  # intact, but not a record of this slot: never loaded
-            return
-        found.adopt(segmap.mark_used(number, index), record, best)
+    def adopt(number: int, first: int, span: memoryview, count: int) -> None:
+        nonlocal counted
+        slot_bytes = segmap.segments[number].slot_bytes
+        at, fields = record_headers(span, slot_bytes, count, slot_bytes)
+        known = (fields["flags"] | _KNOWN_FLAGS) == _KNOWN_FLAGS  # else a later version's
+        if len(at):
+            found.append((number, at[known] + first, {k: v[known] for k, v in fields.items()}))
+            counted += int(known.sum())
 
     async def worker() -> None:
         bounce = mmap.mmap(-1, _RUN_BYTES)
@@ -392,23 +331,18 @@ async def scan(
         try:
             for number, first, count in runs:
                 if progress is not None:
-                    progress(len(found.records))
+                    progress(counted)
                 segment = segmap.segments[number]
                 if count == 1:  # large slots: read the header page alone
                     async with pages.page() as page:
-                        readable = await _read_quietly(
-                            fd, segment.slot_offset(first), page, backend
-                        )
-                        adopt(number, first, page if readable else None)
+                        if await _read_quietly(fd, segment.slot_offset(first), page, backend):
+                            adopt(number, first, page, 1)
                     continue
                 with view[: count * segment.slot_bytes] as span:
                     offset = segment.slot_offset(first)
                     if not await _read_quietly(fd, offset, span, backend):
                         await _read_pages(fd, offset, span, segment.slot_bytes, backend)
-                    for i in range(count):
-                        at = i * segment.slot_bytes
-                        with span[at : at + PAGE_BYTES] as header_page:
-                            adopt(number, first + i, header_page)
+                    adopt(number, first, span, count)
         finally:
             view.release()
             with contextlib.suppress(BufferError):
@@ -417,9 +351,28 @@ async def scan(
     async with anyio.create_task_group() as tg:
         for _ in range(min(pages.count, _SCAN_WORKERS)):
             tg.start_soon(worker)
-    for number, indices in free.items():
-        segmap.adopt_free(number, sorted(indices))
-    return found
+    return _recovered(segmap, *_columns_of(found), "scan")
+
+
+def _columns_of(
+    found: list[tuple[int, npt.NDArray[np.intp], dict[str, npt.NDArray[Any]]]],
+) -> tuple[dict[str, npt.NDArray[Any]], list[bytes]]:
+    """The scan's runs of records as one set of cold index columns, and the namespace digests
+    their ``ns`` numbers."""
+
+    def joined(name: str) -> npt.NDArray[Any]:
+        return np.concatenate([fields[name] for _, _, fields in found])
+
+    if not found:
+        return ColdIndex().columns(), []
+    digests, numbers = np.unique(joined("digest"), return_inverse=True)
+    columns = {
+        name: joined(name) for name in ("key", "klen", "flags", "stored", "raw", "checksum", "seq")
+    }
+    columns["ns"] = numbers.reshape(-1)
+    columns["segment"] = np.concatenate([np.full(len(at), n) for n, at, _ in found])
+    columns["index"] = np.concatenate([at for _, at, _ in found])
+    return columns, [bytes(d) for d in digests]
 
 
 def _header_runs(segmap: SegmentMap) -> Iterator[tuple[int, int, int]]:

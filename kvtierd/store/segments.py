@@ -21,6 +21,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
+from kvtierd.store.freestack import FreeStack
 from kvtierd.store.records import PAGE_BYTES, SegmentHeader
 
 __all__ = ["DiskSlot", "SegmentMap", "slot_bytes_for"]
@@ -50,10 +54,12 @@ class SegmentMap:
         self.target_segment_bytes = target_segment_bytes
         self.segments: list[SegmentHeader] = []
         self._tail = PAGE_BYTES  # after the superblock
-        self._free: dict[int, list[tuple[int, int]]] = {}
+        #: Free slots by slot size, each ``segment << 32 | index`` (8 bytes a free slot; a
+        #: list of tuples cost about 100).
+        self._free: dict[int, FreeStack] = {}
         #: One byte a slot, per segment: 1 while the slot holds a record. A set of
         #: ``(segment, index)`` tuples cost about 110 bytes a stored block; this costs one.
-        self._used: list[bytearray] = []
+        self._used: list[npt.NDArray[np.uint8]] = []
         self._used_bytes = 0
 
     @property
@@ -122,17 +128,25 @@ class SegmentMap:
             raise ValueError(f"segment at {header.start} does not follow the tail {self._tail}")
         number = len(self.segments)
         self.segments.append(header)
-        self._used.append(bytearray(header.slot_count))
+        self._used.append(np.zeros(header.slot_count, np.uint8))
         self._tail = header.end
         if all_free:
-            bucket = self._free.setdefault(header.slot_bytes, [])
-            bucket.extend((number, i) for i in reversed(range(header.slot_count)))
+            self.adopt_free(number, np.arange(header.slot_count))
         return number
 
-    def adopt_free(self, segment: int, indices: list[int]) -> None:
-        """At recovery: the listed slots of ``segment`` hold nothing."""
-        bucket = self._free.setdefault(self.segments[segment].slot_bytes, [])
-        bucket.extend((segment, i) for i in reversed(indices))
+    def adopt_free(self, segment: int, indices: Sequence[int] | npt.NDArray[np.integer]) -> None:
+        """At recovery: the listed slots of ``segment`` hold nothing (the first is used first)."""
+        bucket = self._free.setdefault(self.segments[segment].slot_bytes, FreeStack())
+        places = np.asarray(indices, dtype=np.uint64)[::-1] | np.uint64(segment << 32)
+        bucket.extend(places)
+
+    def adopt_used(self, segment: int, used: npt.NDArray[np.bool_]) -> None:
+        """At recovery: the slots of ``segment`` where ``used`` is true hold records, the rest
+        nothing."""
+        mask = np.asarray(used, dtype=bool)
+        self._used[segment][:] = mask
+        self._used_bytes += int(mask.sum()) * self.segments[segment].slot_bytes
+        self.adopt_free(segment, np.flatnonzero(~mask))
 
     def mark_used(self, segment: int, index: int) -> DiskSlot:
         """At recovery: slot ``index`` of ``segment`` holds a record."""
@@ -143,8 +157,8 @@ class SegmentMap:
         bucket = self._free.get(slot_bytes)
         if not bucket:
             return None
-        segment, index = bucket.pop()
-        return self._take(segment, index)
+        place = bucket.pop()
+        return self._take(place >> 32, place & 0xFFFFFFFF)
 
     def free(self, slot: DiskSlot) -> None:
         """Return a slot; raises ``ValueError`` if it is not in use."""
@@ -153,7 +167,7 @@ class SegmentMap:
             raise ValueError(f"disk slot {place} is not in use")
         self._used[slot.segment][slot.index] = 0
         self._used_bytes -= slot.size
-        self._free.setdefault(slot.size, []).append(place)
+        self._free.setdefault(slot.size, FreeStack()).push(slot.segment << 32 | slot.index)
 
     def _in_use(self, segment: int, index: int) -> bool:
         return (
@@ -163,12 +177,13 @@ class SegmentMap:
         )
 
     def _take(self, segment: int, index: int) -> DiskSlot:
-        slot = self._slot(segment, index)
+        slot = self.slot(segment, index)
         if not self._used[segment][index]:
             self._used[segment][index] = 1
             self._used_bytes += slot.size
         return slot
 
-    def _slot(self, segment: int, index: int) -> DiskSlot:
+    def slot(self, segment: int, index: int) -> DiskSlot:
+        """Slot ``index`` of ``segment``, used or not."""
         header = self.segments[segment]
         return DiskSlot(segment, index, header.slot_offset(index), header.slot_bytes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -153,7 +153,7 @@ class LowerTier(abc.ABC):
         """Return once every completed :meth:`store` is durable."""
 
     @abc.abstractmethod
-    def recovered(self) -> Sequence[Recovered]:
+    def recovered(self) -> Iterable[Recovered]:
         """The blocks found when the tier opened (newest copy of each key only)."""
 
     @abc.abstractmethod

@@ -20,12 +20,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import pytest
 
 from kvtierd.client import NoSpaceError, connect, connect_async
-from kvtierd.store.recovery import SNAPSHOT_NAME, _Snapshot
+from kvtierd.store import snapshot as snapshots
+from kvtierd.store.recovery import SNAPSHOT_NAME
 from kvtierd.testing import DaemonProcess
 from tests.support.filesystems import fill, small_file_system
 
@@ -135,16 +135,16 @@ def test_a_flipped_bit_in_the_namespace_catalog_loses_no_block(tmp_path: Path, c
 
 
 def edit_snapshot(path: Path, change: str) -> None:
-    snap = msgspec.msgpack.decode(path.read_bytes(), type=_Snapshot)
+    snap = snapshots.decode(path.read_bytes())
+    snap.columns = {name: column.copy() for name, column in snap.columns.items()}
     if change == "a segment past the end of the file":
         start, slot_bytes, count = snap.segments[-1]
         snap.segments[-1] = (start, slot_bytes, count + 100_000)
     elif change == "a record past its segment":
-        segment, index, *rest = snap.records[0]
-        snap.records[0] = (segment, index + 10_000, *rest)  # type: ignore[assignment]
+        snap.columns["index"][0] += 10_000
     else:
-        snap.records.append(snap.records[0])
-    path.write_bytes(msgspec.msgpack.encode(snap))
+        snap.columns = {name: np.concatenate([c, c[:1]]) for name, c in snap.columns.items()}
+    path.write_bytes(snapshots.encode(snap))
 
 
 @pytest.mark.parametrize(

@@ -22,15 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 from kvtierd.errors import BlockNotFoundError, StorageIOError
 from kvtierd.io import IoBackend, open_io_backend
+from kvtierd.store import snapshot as snapshots
 from kvtierd.store.index import Owner
 from kvtierd.store.nvme import NvmeTier, open_nvme_tier
 from kvtierd.store.records import PAGE_BYTES, RecordHeader, SegmentHeader, checksum
-from kvtierd.store.recovery import SNAPSHOT_NAME, _Snapshot
+from kvtierd.store.recovery import SNAPSHOT_NAME
 from kvtierd.store.segments import DiskSlot
+from kvtierd.store.snapshot import Snapshot
 from kvtierd.store.staging import StagingPages
 from kvtierd.store.tier import BlockRef
 from tests.store.test_store_pressure import key_of, put, small_store
@@ -332,59 +335,65 @@ async def test_what_is_not_a_damaged_header_still_ends_the_scan(
 # -- snapshots that disagree with the file -----------------------------------------------------
 
 
-def edit_snapshot(directory: Path, change: Callable[[_Snapshot], None]) -> None:
+def edit_snapshot(directory: Path, change: Callable[[Snapshot], None]) -> None:
     path = directory / SNAPSHOT_NAME
-    snap = msgspec.msgpack.decode(path.read_bytes(), type=_Snapshot)
+    snap = snapshots.decode(path.read_bytes())
+    snap.columns = {name: column.copy() for name, column in snap.columns.items()}
     change(snap)
-    path.write_bytes(msgspec.msgpack.encode(snap))
+    path.write_bytes(snapshots.encode(snap))
 
 
-def past_the_end(snap: _Snapshot) -> None:
+def past_the_end(snap: Snapshot) -> None:
     start, slot_bytes, count = snap.segments[-1]
     snap.segments[-1] = (start, slot_bytes, count + 1000)
 
 
-def shifted_segment(snap: _Snapshot) -> None:
+def shifted_segment(snap: Snapshot) -> None:
     start, slot_bytes, count = snap.segments[1]
     snap.segments[1] = (start + PAGE_BYTES, slot_bytes, count)
 
 
-def other_geometry(snap: _Snapshot) -> None:
+def other_geometry(snap: Snapshot) -> None:
     """Inside the file, contiguous, every record in a slot of it, but not what the segment
     header on disk says."""
     start, slot_bytes, count = snap.segments[-1]
     snap.segments[-1] = (start, slot_bytes, count - 1)
 
 
-RECORD_FIELDS = ("segment", "index", "digest", "key", "stored", "raw", "checksum", "seq", "flags")
-
-
-def record(snap: _Snapshot, **changes: int) -> None:
-    """Change fields of the first record."""
-    fields = list(snap.records[0])
+def record(snap: Snapshot, **changes: int) -> None:
+    """Change fields (columns) of the first record."""
     for name, value in changes.items():
-        fields[RECORD_FIELDS.index(name)] = value
-    snap.records[0] = tuple(fields)  # type: ignore[assignment]
+        snap.columns[name][0] = value
 
 
-def duplicated_record(snap: _Snapshot) -> None:
-    snap.records.append(snap.records[0])
+def duplicated_record(snap: Snapshot) -> None:
+    snap.columns = {name: np.concatenate([c, c[:1]]) for name, c in snap.columns.items()}
 
 
-def one_key_twice(snap: _Snapshot) -> None:
+def one_key_twice(snap: Snapshot) -> None:
     """The same key and sequence number in two slots."""
-    first, second = snap.records[0], snap.records[1]
-    snap.records[1] = (*second[:2], *first[2:])
+    for name in ("key", "klen", "ns", "seq"):
+        snap.columns[name][1] = snap.columns[name][0]
 
 
-BAD_SNAPSHOTS: dict[str, Callable[[_Snapshot], None]] = {
+def key_past_its_length(snap: Snapshot) -> None:
+    key = snap.columns["key"].view(np.uint8).reshape(len(snap.columns["klen"]), -1)
+    key[0, -1] = 1
+    snap.columns["klen"][0] = 4
+
+
+BAD_SNAPSHOTS: dict[str, Callable[[Snapshot], None]] = {
     "a segment past the end of the file": past_the_end,
     "segments not contiguous": shifted_segment,
     "a segment the headers on disk disagree with": other_geometry,
     "a record in a segment that does not exist": lambda s: record(s, segment=99),
     "a record in a slot past its segment": lambda s: record(s, index=15 + 5),
-    "a negative slot": lambda s: record(s, index=-1),
+    "a slot index past every segment": lambda s: record(s, index=(1 << 32) - 1),
     "a record larger than its slot": lambda s: record(s, stored=SMALL * 4),
+    "an empty key": lambda s: record(s, klen=0),
+    "a key of a namespace not listed": lambda s: record(s, ns=7),
+    "a key with bytes past its length": key_past_its_length,
+    "unknown flags": lambda s: record(s, flags=0x80),
     "a record listed twice": duplicated_record,
     "a key twice with one sequence number": one_key_twice,
 }
@@ -405,6 +414,52 @@ async def test_a_snapshot_that_disagrees_with_the_file_is_discarded(
         "index snapshot disagrees with the data file" in m and "scanning instead" in m
         for m in warnings_of(caplog)
     )
+
+
+async def test_a_snapshot_of_the_first_format_is_still_read(tmp_path: Path) -> None:
+    expected, _ = await write_blocks(tmp_path, [SMALL] * 40)
+    path = tmp_path / SNAPSHOT_NAME
+    snap = snapshots.decode(path.read_bytes())
+    c = snap.columns
+    records = [
+        (
+            int(c["segment"][i]),
+            int(c["index"][i]),
+            snap.digests[c["ns"][i]],
+            c["key"][i].tobytes()[: c["klen"][i]],
+            int(c["stored"][i]),
+            int(c["raw"][i]),
+            int(c["checksum"][i]),
+            int(c["seq"][i]),
+            int(c["flags"][i]),
+        )
+        for i in range(len(c["klen"]))
+    ]
+    old = snapshots.SnapshotV1(
+        snap.file_id, snap.file_bytes, snap.segments, records, snap.data_mtime_ns
+    )
+    path.write_bytes(msgspec.msgpack.encode(old))
+    async with open_tier(tmp_path) as t:
+        assert t.tier.recovery_source == "snapshot"
+        await check_all_back(t, expected)
+        assert t.tier.statistics().blocks == len(expected)
+
+
+@pytest.mark.parametrize("at", [10, 40, -5])
+async def test_a_damaged_snapshot_file_is_scanned_past(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, at: int
+) -> None:
+    """A flipped bit anywhere (the frame, the head, a column) fails a checksum."""
+    expected, _ = await write_blocks(tmp_path, [SMALL] * 40)
+    path = tmp_path / SNAPSHOT_NAME
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, "kvtierd.recovery"):
+        async with open_tier(tmp_path) as t:
+            assert t.tier.recovery_source == "scan"
+            await check_all_back(t, expected)
+    assert any("unreadable index snapshot" in m for m in warnings_of(caplog))
 
 
 async def test_a_snapshot_repairs_a_damaged_segment_header(
@@ -433,10 +488,11 @@ async def test_a_record_outside_the_file_is_a_miss(tmp_path: Path) -> None:
         await t.put(key_for(0), SMALL)
         ref, _ = t.stored[key_for(0)]
         outside = DiskSlot(0, 99, FILE_BYTES + 8 * PAGE_BYTES, SMALL + PAGE_BYTES)
-        t.tier._records[outside] = RecordHeader(NS, ref.key, SMALL, SMALL, ref.checksum, ref.seq)
+        header = RecordHeader(NS, ref.key, SMALL, SMALL, ref.checksum, ref.seq)
+        row = t.tier._cold.add(NS, header, outside.segment, outside.index)
         with pytest.raises(BlockNotFoundError):
             await t.get(ref, outside)
-        del t.tier._records[outside]
+        t.tier._cold.remove(row)
     assert (tmp_path / DATA_FILE).stat().st_size == FILE_BYTES
 
 

@@ -1,0 +1,461 @@
+"""The NVMe tier's records as columns: a row per stored record, found by place or by key.
+
+Pure (no I/O). One Python object per stored block cost the daemon about 1.3 KB a block
+(docs/architecture.md, "The index at scale"); here a record is a row of numpy columns, 68 bytes,
+plus its share of the buckets and of the place map, and the collector sees a dozen arrays
+however many blocks the disk holds.
+
+*Rows.* Columns of one entry a row: the key (32 bytes, zero-padded, as four little-endian u64
+words) and its length, the namespace's number (u16; :meth:`ColdIndex.namespace` numbers the
+16-byte digests), the record's flags, stored and raw lengths, payload xxh3-64, seq, and its place
+(segment and slot index). A key length of 0 marks a free row; freed rows go on a free stack and
+are reused first, so rows stay dense.
+
+*Places.* Per segment, an array of ``row + 1`` per slot (0: no record there): the tier finds a
+record by the :class:`~kvtierd.store.segments.DiskSlot` the store holds.
+
+*Buckets.* Open addressing with linear probing, a power of two of them, at most 0.7 full
+(tombstones counted): a 64-bit hash of ``(namespace, key)`` and the row, 12 bytes. Hash values 0
+and 1 mean empty and tombstone; a hash that lands on them is moved to 2 or 3. A hit is
+confirmed on the row's full key, so two keys with one hash cost a probe, never a wrong answer.
+The hash is a keyed mix (a random seed per index, so keys cannot be chosen to collide) that
+numpy computes for millions of keys at once, which is what lets a restart build the buckets
+without a Python step per block. A key's bucket names its newest row (the highest seq; on a tie
+the one there first); an older row of the key keeps its place until it is removed, so a record
+being replaced stays readable by its place meanwhile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtierd.keys import MAX_KEY_BYTES
+from kvtierd.store.freestack import FreeStack
+from kvtierd.store.records import RecordHeader
+
+__all__ = ["COLUMNS", "ColdIndex", "Columns", "identity_hashes", "repeated"]
+
+#: Every column of a row: name, element type, elements a row.
+COLUMNS: tuple[tuple[str, type[np.generic], int], ...] = (
+    ("key", np.uint64, MAX_KEY_BYTES // 8),
+    ("klen", np.uint8, 1),
+    ("ns", np.uint16, 1),
+    ("flags", np.uint8, 1),
+    ("stored", np.uint32, 1),
+    ("raw", np.uint32, 1),
+    ("checksum", np.uint64, 1),
+    ("seq", np.uint64, 1),
+    ("segment", np.uint32, 1),
+    ("index", np.uint32, 1),
+)
+Columns = Mapping[str, npt.NDArray[Any]]
+
+_EMPTY, _TOMBSTONE = 0, 1
+_MAX_LOAD = 0.7
+_M64 = (1 << 64) - 1
+_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_WORDS = struct.Struct(f"<{MAX_KEY_BYTES // 8}Q")
+_MAX_NAMESPACES = 1 << 16
+_GROWTH = 1.25  # rows: a smaller factor than doubling keeps the slack per block low
+
+
+def _mix(z: int) -> int:
+    z ^= z >> 30
+    z = (z * _C1) & _M64
+    z ^= z >> 27
+    z = (z * _C2) & _M64
+    return z ^ (z >> 31)
+
+
+def _mix_all(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    z = z ^ (z >> np.uint64(30))
+    z = z * np.uint64(_C1)
+    z = z ^ (z >> np.uint64(27))
+    z = z * np.uint64(_C2)
+    return z ^ (z >> np.uint64(31))
+
+
+def _padded(key: bytes) -> bytes:
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"a key is 1 to {MAX_KEY_BYTES} bytes, not {len(key)}")
+    return key.ljust(MAX_KEY_BYTES, b"\0")
+
+
+class ColdIndex:
+    """Records by row, by place ``(segment, index)`` and by ``(namespace digest, key)``."""
+
+    def __init__(self, *, seed: int | None = None, rows: int = 1024) -> None:
+        self._seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed & _M64
+        self._cols: dict[str, npt.NDArray[Any]] = {}
+        #: The columns as memoryviews (the key's as bytes): reading one element of one is a
+        #: Python int at once, several times cheaper than a numpy scalar.
+        self._flat: dict[str, memoryview] = {}
+        self._alloc_rows(max(16, rows))
+        self._high = 0  # rows ever used: those at or past it are free and not on the stack
+        self._free = FreeStack()
+        self._live = 0
+        self._digests: list[bytes] = []
+        self._numbers: dict[bytes, int] = {}
+        self._place: list[npt.NDArray[np.uint32]] = []
+        self._places: list[memoryview] = []  # the same, as memoryviews
+        self._hash: npt.NDArray[np.uint64] = np.zeros(16, np.uint64)
+        self._brow: npt.NDArray[np.uint32] = np.zeros(16, np.uint32)
+        self._filled = 0  # buckets holding a key or a tombstone
+        self._keys = 0
+
+    def __len__(self) -> int:
+        """Rows in use (records), newest of their key or not."""
+        return self._live
+
+    @property
+    def keys(self) -> int:
+        """Keys with a row."""
+        return self._keys
+
+    @property
+    def digests(self) -> list[bytes]:
+        """The namespace digests by number."""
+        return list(self._digests)
+
+    def namespace(self, digest: bytes) -> int:
+        """The number of the namespace ``digest`` (numbered on first sight)."""
+        number = self._numbers.get(digest)
+        if number is None:
+            if len(digest) != 16:
+                raise ValueError("a namespace digest is 16 bytes")
+            if len(self._digests) == _MAX_NAMESPACES:
+                raise ValueError(f"more than {_MAX_NAMESPACES} namespaces")
+            number = self._numbers[digest] = len(self._digests)
+            self._digests.append(digest)
+        return number
+
+    # -- one record ----------------------------------------------------------------------------
+
+    def add(self, digest: bytes, header: RecordHeader, segment: int, index: int) -> int:
+        """Index ``header``, the record at slot ``index`` of ``segment``; its row. It becomes
+        its key's row unless that key has one with an equal or higher seq. Raises
+        ``ValueError`` when the place already holds a row or ``header`` is impossible."""
+        if self.at(segment, index) >= 0:
+            raise ValueError(f"slot {index} of segment {segment} already holds a record")
+        padded = _padded(header.key)
+        ns = self.namespace(digest)
+        row = self._new_row()
+        c = self._cols
+        c["key"][row] = _WORDS.unpack(padded)
+        c["klen"][row] = len(header.key)
+        c["ns"][row] = ns
+        c["flags"][row] = header.flags
+        c["stored"][row] = header.stored_bytes
+        c["raw"][row] = header.raw_bytes
+        c["checksum"][row] = header.payload_checksum
+        c["seq"][row] = header.seq
+        c["segment"][row] = segment
+        c["index"][row] = index
+        self._set_place(segment, index, row + 1)
+        self._live += 1
+        klen = len(header.key)
+        self._enter(row, self._hash_of(ns, klen, padded), ns, klen, padded)
+        return row
+
+    def remove(self, row: int) -> None:
+        """Forget the record in ``row`` (and its key, when ``row`` is the key's row)."""
+        c = self._cols
+        if not 0 <= row < self._high or not c["klen"][row]:
+            raise ValueError(f"row {row} holds no record")
+        ns, klen = int(c["ns"][row]), int(c["klen"][row])
+        h = self._hash_of(ns, klen, c["key"][row].tobytes())
+        mask = len(self._hash) - 1
+        i = h & mask
+        while int(self._hash[i]) != _EMPTY:
+            if int(self._hash[i]) == h and int(self._brow[i]) == row:
+                self._hash[i] = _TOMBSTONE
+                self._keys -= 1
+                break
+            i = (i + 1) & mask
+        self._set_place(int(c["segment"][row]), int(c["index"][row]), 0)
+        c["klen"][row] = 0
+        self._free.push(row)
+        self._live -= 1
+
+    def find(self, digest: bytes, key: bytes) -> int:
+        """The row of ``key``'s newest record in the namespace ``digest``, or -1."""
+        ns = self._numbers.get(digest)
+        if ns is None or not 0 < len(key) <= MAX_KEY_BYTES:
+            return -1
+        padded = _padded(key)
+        h = self._hash_of(ns, len(key), padded)
+        mask = len(self._hash) - 1
+        i = h & mask
+        while (found := int(self._hash[i])) != _EMPTY:
+            if found == h and self._is(int(self._brow[i]), ns, len(key), padded):
+                return int(self._brow[i])
+            i = (i + 1) & mask
+        return -1
+
+    def at(self, segment: int, index: int) -> int:
+        """The row of the record in slot ``index`` of ``segment``, or -1."""
+        if not 0 <= segment < len(self._places) or not 0 <= index < len(self._places[segment]):
+            return -1
+        return self._places[segment][index] - 1
+
+    def record(self, row: int) -> RecordHeader:
+        """The record in ``row`` as its header (on a READ's path: read through memoryviews,
+        about a microsecond, where numpy scalars cost five)."""
+        f = self._flat
+        klen = f["klen"][row] if 0 <= row < self._high else 0
+        if not klen:
+            raise ValueError(f"row {row} holds no record")
+        at = row * MAX_KEY_BYTES
+        return RecordHeader.known(
+            self._digests[f["ns"][row]],
+            f["key"][at : at + klen].tobytes(),
+            f["stored"][row],
+            f["raw"][row],
+            f["checksum"][row],
+            f["seq"][row],
+            f["flags"][row],
+        )
+
+    def place(self, row: int) -> tuple[int, int]:
+        """``(segment, index)`` of the record in ``row``."""
+        return self._flat["segment"][row], self._flat["index"][row]
+
+    # -- all records ---------------------------------------------------------------------------
+
+    def rows(self) -> npt.NDArray[np.intp]:
+        """Every row in use, in row order."""
+        return np.flatnonzero(self._cols["klen"][: self._high])
+
+    def shadowed(self) -> npt.NDArray[np.intp]:
+        """Rows in use that are not their key's row (an older record of a key)."""
+        named = np.zeros(self._high, bool)
+        named[self._brow[self._hash > _TOMBSTONE]] = True
+        return np.flatnonzero((self._cols["klen"][: self._high] > 0) & ~named)
+
+    def max_seq(self) -> int:
+        live = self.rows()
+        return int(self._cols["seq"][live].max()) if len(live) else 0
+
+    def columns(self) -> dict[str, npt.NDArray[Any]]:
+        """Every row in use, column by column (copies, in row order)."""
+        live = self.rows()
+        return {name: self._cols[name][live] for name, _, _ in COLUMNS}
+
+    def chunks(self, rows: int = 1 << 16) -> Iterator[dict[str, npt.NDArray[Any]]]:
+        """:meth:`columns` in pieces of up to ``rows`` rows (no copy of the whole index at
+        once); the rows in use when each piece is taken."""
+        for first in range(0, self._high, rows):
+            live = np.flatnonzero(self._cols["klen"][first : first + rows]) + first
+            if len(live):
+                yield {name: self._cols[name][live] for name, _, _ in COLUMNS}
+
+    @classmethod
+    def from_columns(
+        cls, columns: Columns, digests: list[bytes], *, seed: int | None = None
+    ) -> ColdIndex:
+        """An index of the rows of ``columns`` (as :meth:`columns` gives them; ``ns`` numbers
+        ``digests``), built with numpy alone. A key listed more than once is indexed by its
+        highest seq (on a tie, its first listing); the rest are :meth:`shadowed`. Raises
+        ``ValueError`` for columns of unequal length, an impossible key length or namespace
+        number, or a place listed twice."""
+        count = len(columns["klen"])
+        index = cls(seed=seed, rows=count + count // 8)
+        for digest in digests:
+            index.namespace(digest)
+        for name, dtype, width in COLUMNS:
+            column = np.asarray(columns[name], dtype=dtype)
+            if column.shape != ((count, width) if width > 1 else (count,)):
+                raise ValueError(f"column {name} has shape {column.shape}, not {count} rows")
+            index._cols[name][:count] = column
+        c = index._cols
+        klen, ns = c["klen"][:count], c["ns"][:count]
+        if count and (klen.min() < 1 or klen.max() > MAX_KEY_BYTES):
+            raise ValueError("a key length is outside 1 to 32")
+        if count and int(ns.max()) >= len(digests):
+            raise ValueError("a namespace number names no digest")
+        places = (c["segment"][:count].astype(np.uint64) << np.uint64(32)) | c["index"][:count]
+        if repeated(places).any():
+            raise ValueError("a place is listed twice")
+        index._high = index._live = count
+        by_segment = np.argsort(c["segment"][:count], kind="stable")
+        segments = c["segment"][by_segment].astype(np.int64)
+        starts = np.flatnonzero(np.diff(segments, prepend=-1, append=-1))
+        for first, end in itertools.pairwise(starts):
+            mine = by_segment[first:end]
+            index._set_places(int(segments[first]), c["index"][mine], mine + 1)
+        hashes = identity_hashes(c["key"][:count], klen, ns, index._seed)
+        # Only rows whose hash repeats can share a key: sort those exactly. Per (namespace,
+        # key): the highest seq, then the first listed, sorts last and wins.
+        suspects = np.flatnonzero(repeated(hashes))
+        losers = np.zeros(count, bool)
+        order = suspects[_by_identity(c, suspects, -suspects, c["seq"][suspects])]
+        losers[order[:-1][_same_identity(c, order)]] = True
+        winners = np.flatnonzero(~losers)
+        index._build(hashes[winners], winners.astype(np.uint32), _capacity_for(len(winners)))
+        return index
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _alloc_rows(self, rows: int) -> None:
+        old = self._cols
+        for name, dtype, width in COLUMNS:
+            shape = (rows, width) if width > 1 else (rows,)
+            column = np.zeros(shape, dtype)
+            if name in old:
+                keep = min(rows, len(old[name]))
+                column[:keep] = old[name][:keep]
+            self._cols[name] = column
+        self._flat = {name: _flat(column) for name, column in self._cols.items()}
+
+    def _new_row(self) -> int:
+        if len(self._free):
+            return self._free.pop()
+        if self._high == len(self._cols["klen"]):
+            self._alloc_rows(int(self._high * _GROWTH) + 16)
+        self._high += 1
+        return self._high - 1
+
+    def _set_place(self, segment: int, index: int, value: int) -> None:
+        self._set_places(segment, np.array([index]), np.array([value]))
+
+    def _set_places(
+        self, segment: int, indices: npt.NDArray[Any], values: npt.NDArray[Any]
+    ) -> None:
+        while len(self._place) <= segment:
+            self._place.append(np.zeros(0, np.uint32))
+            self._places.append(_flat(self._place[-1]))
+        slots = self._place[segment]
+        need = int(indices.max()) + 1
+        if need > len(slots):
+            grown = np.zeros(max(need, 2 * len(slots)), np.uint32)
+            grown[: len(slots)] = slots
+            self._place[segment] = slots = grown
+            self._places[segment] = _flat(grown)
+        slots[indices] = values
+
+    def _hash_of(self, ns: int, klen: int, padded: bytes) -> int:
+        """:func:`identity_hashes` of one key."""
+        h = self._seed ^ (ns << 8 | klen)
+        for word in _WORDS.unpack(padded):
+            h = _mix(h ^ word)
+        return h if h > _TOMBSTONE else h + 2
+
+    def _is(self, row: int, ns: int, klen: int, padded: bytes) -> bool:
+        f, at = self._flat, row * MAX_KEY_BYTES
+        return (
+            f["ns"][row] == ns
+            and f["klen"][row] == klen
+            and f["key"][at : at + MAX_KEY_BYTES] == padded
+        )
+
+    def _enter(self, row: int, h: int, ns: int, klen: int, padded: bytes) -> None:
+        """Make ``row`` its key's row unless the key's row has an equal or higher seq."""
+        mask = len(self._hash) - 1
+        i, tomb = h & mask, -1
+        while (found := int(self._hash[i])) != _EMPTY:
+            if found == _TOMBSTONE:
+                tomb = i if tomb < 0 else tomb
+            elif found == h:
+                other = int(self._brow[i])
+                if self._is(other, ns, klen, padded):
+                    if int(self._cols["seq"][row]) > int(self._cols["seq"][other]):
+                        self._brow[i] = row
+                    return
+            i = (i + 1) & mask
+        if tomb >= 0:
+            i = tomb
+        else:
+            self._filled += 1
+        self._hash[i] = h
+        self._brow[i] = row
+        self._keys += 1
+        if self._filled > _MAX_LOAD * len(self._hash):
+            live = self._hash > _TOMBSTONE
+            self._build(self._hash[live], self._brow[live], _capacity_for(self._keys))
+
+    def _build(
+        self, hashes: npt.NDArray[np.uint64], rows: npt.NDArray[np.uint32], capacity: int
+    ) -> None:
+        """Fill a table of ``capacity`` buckets with ``(hash, row)`` entries, all at once: in
+        order of their home bucket, each goes to its home or right after the one before it,
+        whichever is later (what inserting them one by one with linear probing gives); the few
+        pushed past the end wrap to the front one by one."""
+        table_h = np.zeros(capacity, np.uint64)
+        table_r = np.zeros(capacity, np.uint32)
+        count = len(hashes)
+        if count:
+            home = (hashes & np.uint64(capacity - 1)).astype(np.int64)
+            order = np.argsort(home, kind="stable")
+            steps = np.arange(count, dtype=np.int64)
+            spot = steps + np.maximum.accumulate(home[order] - steps)
+            inside = spot < capacity
+            table_h[spot[inside]] = hashes[order[inside]]
+            table_r[spot[inside]] = rows[order[inside]]
+            i = 0
+            for k in order[~inside]:
+                while table_h[i] != _EMPTY:
+                    i += 1
+                table_h[i], table_r[i] = hashes[k], rows[k]
+        self._hash, self._brow = table_h, table_r
+        self._filled = self._keys = count
+
+
+def _flat(column: npt.NDArray[Any]) -> memoryview:
+    """``column`` as a flat memoryview of native unsigned ints (a key column: of bytes)."""
+    raw = column.data.cast("B")
+    if column.ndim > 1 or column.itemsize == 1:
+        return raw
+    return raw.cast({2: "H", 4: "I", 8: "Q"}[column.itemsize])  # type: ignore[call-overload, no-any-return]
+
+
+def _capacity_for(keys: int) -> int:
+    """Buckets for ``keys``: the least power of two they fill at most 0.6 of (room for some
+    more before :data:`_MAX_LOAD` asks for a rebuild)."""
+    capacity = 16
+    while keys > 0.6 * capacity:
+        capacity *= 2
+    return capacity
+
+
+def identity_hashes(
+    key: npt.NDArray[np.uint64],
+    klen: npt.NDArray[np.integer],
+    ns: npt.NDArray[np.integer],
+    seed: int,
+) -> npt.NDArray[np.uint64]:
+    """The bucket hash of many ``(namespace, key)`` at once (keys as rows of four words):
+    what :meth:`ColdIndex._hash_of` gives for one."""
+    h = np.uint64(seed) ^ ((ns.astype(np.uint64) << np.uint64(8)) | klen.astype(np.uint64))
+    for w in range(MAX_KEY_BYTES // 8):
+        h = _mix_all(h ^ key[:, w])
+    return np.where(h > _TOMBSTONE, h, h + np.uint64(2))
+
+
+def repeated(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+    """Which of ``values`` occur more than once (one sort; a search only when some do)."""
+    ordered = np.sort(values)
+    twice = ordered[1:][ordered[1:] == ordered[:-1]]
+    if not len(twice):
+        return np.zeros(len(values), bool)
+    return np.isin(values, twice)
+
+
+def _by_identity(c: Columns, rows: npt.NDArray[np.intp], *last: npt.NDArray[Any]) -> Any:
+    """The order of ``rows`` by ``(namespace, key length, key)``, then by ``last`` (the last
+    of them most significant among those)."""
+    words = c["key"][rows]
+    return np.lexsort((*last, c["klen"][rows], *words.T[::-1], c["ns"][rows]))
+
+
+def _same_identity(c: Columns, order: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+    """For rows in ``order``: whether each but the last has the key of the one after it."""
+    ns, klen, words = c["ns"][order], c["klen"][order], c["key"][order]
+    same = (ns[1:] == ns[:-1]) & (klen[1:] == klen[:-1])
+    return same & (words[1:] == words[:-1]).all(axis=1)  # type: ignore[no-any-return]

@@ -1,0 +1,175 @@
+"""The cold index against a dict model: rows by place, keys by their newest row, rebuilt whole."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvtierd.store.coldindex import ColdIndex
+from kvtierd.store.freestack import FreeStack
+from kvtierd.store.records import RecordHeader
+
+DIGESTS = [bytes([n]) * 16 for n in range(3)]
+# Keys that differ only in trailing zero bytes or length must stay distinct.
+KEYS = [b"a", b"a\0", b"a\0\0", b"b", b"\0", b"k" * 32, b"k" * 31 + b"\0", b"xy"]
+
+
+def header(digest: bytes, key: bytes, seq: int, n: int) -> RecordHeader:
+    return RecordHeader(digest, key, 4096 + n, 8192 + n, n * 7919, seq, n & 1)
+
+
+def newest(rows: dict[int, tuple[RecordHeader, tuple[int, int]]]) -> dict[tuple[bytes, bytes], int]:
+    """What :meth:`ColdIndex.from_columns` makes each key's row: highest seq, then lowest row."""
+    best: dict[tuple[bytes, bytes], int] = {}
+    for row in sorted(rows):
+        h = rows[row][0]
+        identity = (h.ns_digest, h.key)
+        if identity not in best or h.seq > rows[best[identity]][0].seq:
+            best[identity] = row
+    return best
+
+
+class ColdIndexMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = ColdIndex(seed=7, rows=16)
+        self.rows: dict[int, tuple[RecordHeader, tuple[int, int]]] = {}
+        self.keys: dict[tuple[bytes, bytes], int] = {}
+        self.n = 0
+
+    @rule(
+        ns=st.integers(0, len(DIGESTS) - 1),
+        key=st.sampled_from(KEYS),
+        seq=st.integers(0, 5),
+        segment=st.integers(0, 3),
+        index=st.integers(0, 40),
+    )
+    def add(self, ns: int, key: bytes, seq: int, segment: int, index: int) -> None:
+        self.n += 1
+        h = header(DIGESTS[ns], key, seq, self.n)
+        place = (segment, index)
+        if any(p == place for _, p in self.rows.values()):
+            with pytest.raises(ValueError):
+                self.index.add(DIGESTS[ns], h, segment, index)
+            return
+        row = self.index.add(DIGESTS[ns], h, segment, index)
+        assert row not in self.rows
+        self.rows[row] = (h, place)
+        identity = (h.ns_digest, key)
+        if identity not in self.keys or seq > self.rows[self.keys[identity]][0].seq:
+            self.keys[identity] = row
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        row = data.draw(st.sampled_from(sorted(self.rows)))
+        h, _ = self.rows.pop(row)
+        if self.keys.get((h.ns_digest, h.key)) == row:
+            del self.keys[(h.ns_digest, h.key)]
+        self.index.remove(row)
+        with pytest.raises(ValueError):
+            self.index.remove(row)
+
+    @rule()
+    def rebuild(self) -> None:
+        """The whole index from its columns, as a snapshot reloads it: rows renumbered."""
+        columns = self.index.columns()
+        live = sorted(self.rows)
+        self.index = ColdIndex.from_columns(columns, self.index.digests, seed=11)
+        self.rows = {new: self.rows[old] for new, old in enumerate(live)}
+        self.keys = newest(self.rows)
+        named = set(self.keys.values())
+        assert set(self.index.shadowed().tolist()) == set(self.rows) - named
+
+    @invariant()
+    def agrees(self) -> None:
+        assert len(self.index) == len(self.rows)
+        assert self.index.keys == len(self.keys)
+        assert sorted(self.index.rows().tolist()) == sorted(self.rows)
+        for row, (h, place) in self.rows.items():
+            assert self.index.record(row) == h
+            assert self.index.place(row) == place
+            assert self.index.at(*place) == row
+        for digest in DIGESTS:
+            for key in KEYS:
+                assert self.index.find(digest, key) == self.keys.get((digest, key), -1)
+        columns = self.index.columns()
+        pieces = list(self.index.chunks(5))
+        for name, column in columns.items():
+            joined = np.concatenate([p[name] for p in pieces]) if pieces else column
+            assert np.array_equal(joined, column)
+        if self.rows:
+            assert self.index.max_seq() == max(h.seq for h, _ in self.rows.values())
+
+
+TestColdIndex = ColdIndexMachine.TestCase
+TestColdIndex.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+def test_many_keys_grow_the_buckets_and_rows_and_stay_found() -> None:
+    index = ColdIndex(rows=16)
+    digest = DIGESTS[1]
+    for i in range(5000):
+        index.add(digest, header(digest, i.to_bytes(4, "big"), i, i), i // 100, i % 100)
+    for i in range(0, 5000, 2):
+        index.remove(index.find(digest, i.to_bytes(4, "big")))
+    for i in range(5000):
+        row = index.find(digest, i.to_bytes(4, "big"))
+        assert (row >= 0) == bool(i % 2)
+        if row >= 0:
+            assert index.record(row).seq == i
+            assert index.at(i // 100, i % 100) == row
+    assert len(index) == index.keys == 2500
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(KEYS), st.integers(0, 3), st.integers(0, 1)),
+        max_size=60,
+    )
+)
+def test_from_columns_keeps_the_newest_of_each_key(listed: list[tuple[bytes, int, int]]) -> None:
+    index = ColdIndex(seed=3)
+    rows = {}
+    for n, (key, seq, ns) in enumerate(listed):
+        h = header(DIGESTS[ns], key, seq, n)
+        rows[index.add(DIGESTS[ns], h, 0, n)] = (h, (0, n))
+    rebuilt = ColdIndex.from_columns(index.columns(), index.digests, seed=5)
+    keys = newest(rows)
+    for (digest, key), row in keys.items():
+        assert rebuilt.record(rebuilt.find(digest, key)) == rows[row][0]
+    assert len(rebuilt.shadowed()) == len(rows) - len(keys)
+
+
+def test_from_columns_refuses_a_place_listed_twice() -> None:
+    index = ColdIndex()
+    index.add(DIGESTS[0], header(DIGESTS[0], b"a", 1, 1), 0, 0)
+    index.add(DIGESTS[0], header(DIGESTS[0], b"b", 1, 2), 0, 1)
+    columns = index.columns()
+    columns["index"][1] = 0
+    with pytest.raises(ValueError, match="twice"):
+        ColdIndex.from_columns(columns, index.digests)
+    columns = index.columns()
+    columns["klen"][0] = 33
+    with pytest.raises(ValueError, match="key length"):
+        ColdIndex.from_columns(columns, index.digests)
+
+
+def test_free_stack_is_last_in_first_out_through_growing_and_shrinking() -> None:
+    stack = FreeStack()
+    model: list[int] = []
+    for i in range(1000):
+        stack.push(i * 3)
+        model.append(i * 3)
+    stack.extend(np.arange(5, dtype=np.uint64))
+    model.extend(range(5))
+    assert stack.values().tolist() == model
+    while model:
+        assert stack.pop() == model.pop()
+    with pytest.raises(IndexError):
+        stack.pop()
+    assert len(stack) == 0

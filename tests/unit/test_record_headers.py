@@ -1,0 +1,63 @@
+"""records.record_headers (numpy, a run of slot headers at once) against RecordHeader.unpack."""
+
+from __future__ import annotations
+
+import mmap
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtierd.store.records import PAGE_BYTES, CorruptRecord, RecordHeader, record_headers
+
+SLOT = 2 * PAGE_BYTES
+
+pages = st.one_of(
+    st.builds(
+        lambda digest, key, stored, seq, flags: RecordHeader(
+            digest, key, stored, stored + 1, seq * 31 % (1 << 64), seq, flags
+        ).pack(),
+        st.binary(min_size=16, max_size=16),
+        st.binary(min_size=1, max_size=32),
+        st.integers(1, 3 * PAGE_BYTES),  # some too large for a two-page slot
+        st.integers(0, (1 << 64) - 1),
+        st.integers(0, 1),
+    ),
+    st.just(bytes(PAGE_BYTES)),
+    st.binary(min_size=PAGE_BYTES, max_size=PAGE_BYTES),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(pages, st.integers(0, 100), st.integers(0, 255)), max_size=24))
+def test_every_header_unpack_accepts_and_that_fits_is_found(
+    listed: list[tuple[bytes, int, int]],
+) -> None:
+    buffer = mmap.mmap(-1, max(1, len(listed)) * SLOT)
+    expected: dict[int, RecordHeader] = {}
+    for i, (page, flip_at, flip) in enumerate(listed):
+        page = bytearray(page)
+        if flip_at < 92:  # inside the fields or their checksum: usually a torn header
+            page[flip_at] ^= flip
+        buffer[i * SLOT : i * SLOT + PAGE_BYTES] = bytes(page)
+        try:
+            header = RecordHeader.unpack(page)
+        except CorruptRecord:
+            continue
+        if PAGE_BYTES + -(-header.stored_bytes // PAGE_BYTES) * PAGE_BYTES <= SLOT:
+            expected[i] = header
+    found, fields = record_headers(buffer, SLOT, len(listed), SLOT)
+    assert found.tolist() == sorted(expected)
+    for j, i in enumerate(found.tolist()):
+        klen = int(fields["klen"][j])
+        key = fields["key"][j].tobytes()
+        assert key == expected[i].key.ljust(32, b"\0")  # zero past the key
+        got = RecordHeader(
+            bytes(fields["digest"][j]),
+            key[:klen],
+            int(fields["stored"][j]),
+            int(fields["raw"][j]),
+            int(fields["checksum"][j]),
+            int(fields["seq"][j]),
+            int(fields["flags"][j]),
+        )
+        assert got == expected[i]
