@@ -51,6 +51,8 @@ from kvtierd.protocol.frames import (
     Opcode,
     ReplyHeader,
     RequestHeader,
+    pack_reply_header,
+    pack_request_header,
 )
 from kvtierd.protocol.messages import (
     REPLY_TYPES,
@@ -296,11 +298,14 @@ class ServerConnection:
         return ReplyHeader(0, HEADER_BYTES + len(body), 0, -errno_of(exc)).pack() + body
 
     def _frame(self, request: RequestHeader, error: int, body: bytes, flags: int = 0) -> bytes:
-        if request.unique not in self._in_flight:
-            raise LocalProtocolError(f"unique id {request.unique} is not awaiting a reply")
-        self._in_flight.discard(request.unique)
-        header = ReplyHeader(request.opcode, HEADER_BYTES + len(body), request.unique, error, flags)
-        return header.pack() + body
+        unique = request.unique
+        try:
+            self._in_flight.remove(unique)
+        except KeyError:
+            raise LocalProtocolError(f"unique id {unique} is not awaiting a reply") from None
+        # packed here, not through a ReplyHeader built per reply (the same bytes)
+        length = HEADER_BYTES + len(body)
+        return pack_reply_header(request.opcode, length, unique, error, flags) + body
 
 
 class ClientConnection:
@@ -334,7 +339,7 @@ class ClientConnection:
                 f"{self.max_request_bytes}-byte limit: send fewer keys per call"
             )
         self._pending[unique] = opcode
-        return unique, RequestHeader(opcode, HEADER_BYTES + len(body), unique, ns).pack() + body
+        return unique, pack_request_header(opcode, HEADER_BYTES + len(body), unique, ns) + body
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._frames.feed(data)
