@@ -341,10 +341,12 @@ class Session:
 
     def _may_answer_now(self) -> bool:
         """Nothing stands in the way of answering from the callback: the connection is READY
-        and open, and no reply is being written (or left half-written)."""
+        and open, its reading not stopped (a drain), and no reply is being written (or left
+        half-written)."""
         return (
             self.conn.state is ServerState.READY
             and not self.closing
+            and not self._reader_scope.cancel_called
             and not self._send_lock.locked()
             and not self._unsent
         )
