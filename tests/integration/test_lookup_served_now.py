@@ -6,8 +6,10 @@ are finished by the reader, before any other frame)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -153,3 +155,33 @@ def test_a_peer_that_reads_late_gets_every_lookup_reply_whole(tmp_path: Path, ru
         assert hits == [(first + i, 1 + i % STORED) for i in range(count)]
         assert isinstance(peer.call(StatfsRequest()), Message)
         peer.sock.close()
+
+
+@pytest.mark.parametrize("runtime", ["asyncio", "trio"])
+def test_a_peer_that_hangs_up_on_unread_lookup_replies_is_let_go(
+    tmp_path: Path, runtime: str
+) -> None:
+    """LOOKUPs answered from the callback to a peer that never reads them, then closes: the
+    session ends (its replies fail to go out, or the socket reports the hang-up) instead of
+    waiting on a socket nobody will write to again."""
+    with DaemonProcess(tmp_path / "d", nvme_size="0", runtime=runtime) as daemon:
+        keys = _store(daemon)
+        peer = _Peer(daemon.socket)
+        frames = b"".join(peer.frame(LookupRequest(keys[:8]))[1] for _ in range(5_000))
+        sender = threading.Thread(target=_send_until_refused, args=(peer.sock, frames))
+        sender.start()
+        sender.join(2.0)
+        peer.sock.shutdown(socket.SHUT_RDWR)  # also ends the sendall blocked on a full socket
+        sender.join()
+        peer.sock.close()
+        deadline = time.monotonic() + 30
+        while daemon.log().count("disconnected") < 2:  # _store's client, then this peer
+            assert time.monotonic() < deadline, daemon.log()[-2000:]
+            time.sleep(0.05)
+        with connect(daemon.socket) as client:  # and the daemon serves on
+            assert client.namespace("served-now", block_bytes=BLOCK).lookup(keys) == STORED
+
+
+def _send_until_refused(sock: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):  # closed under it: the point of the test
+        sock.sendall(data)
