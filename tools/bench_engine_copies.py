@@ -35,7 +35,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 
-from kvtierd.client.arena import checksum, copy_verified
+from kvtierd.client.arena import ByteRuns, checksum, copy_verified
 from kvtierd.engines.hf_cache import BlockRun, copy_run
 from kvtierd.engines.host_runs import HostRuns
 from kvtierd.store.copyhash import default_hasher
@@ -60,7 +60,7 @@ class Blocks:
         if checksum(self.block(i)) != self.sums[i]:
             raise AssertionError(f"block {i} failed its checksum")
 
-    def copy_verified(self, i: int, runs: list[memoryview]) -> None:
+    def copy_verified(self, i: int, runs: list[memoryview] | ByteRuns) -> None:
         if not copy_verified(self.block(i), runs, self.sums[i]):
             raise AssertionError(f"block {i} failed its checksum")
 
@@ -107,21 +107,32 @@ def hf_case(dtype: torch.dtype, blocks: int = 64, tokens: int = 64) -> tuple[Any
         view = src.raw.view(dtype).view(blocks, 2 * LAYERS, HEADS, tokens, DIM)
         copy_run(slab, BlockRun(0, blocks * tokens, view), tokens)
 
+    starts = [a for a, _ in spans]
+    length = spans[0][1] - spans[0][0]
+
     def one_pass() -> None:
         for b in range(blocks):
-            src.copy_verified(b, [storage[a + b * step : z + b * step] for a, z in spans])
+            src.copy_verified(b, ByteRuns(storage, [a + b * step for a in starts], length))
 
     return hash_then_copy, one_pass, blocks * src.size
 
 
-def sglang_case(pages: int = 192, tokens: int = 16, layers: int = 28) -> tuple[Any, Any, int]:
-    """``page_first`` host pool ``[2, slots, layers, 2 heads, 128]`` bf16: 448 KiB pages."""
-    pool = torch.zeros((2, pages * tokens, layers, 2, 128), dtype=torch.bfloat16)
+def sglang_case(
+    layout: str, pages: int = 192, tokens: int = 16, layers: int = 28
+) -> tuple[Any, Any, int]:
+    """SGLang's host pool, bf16, 448 KiB pages: ``page_first`` ``[2, slots, layers, 2 heads,
+    128]`` (2 runs a page) or ``layer_first`` ``[layers, 2, slots, 2 heads, 128]`` (56)."""
+    if layout == "page_first":
+        pool = torch.zeros((2, pages * tokens, layers, 2, 128), dtype=torch.bfloat16)
+    else:
+        pool = torch.zeros((layers, 2, pages * tokens, 2, 128), dtype=torch.bfloat16)
     src = Blocks(pages, 2 * tokens * layers * 2 * 128 * 2)
     runs = HostRuns()
 
     def page(p: int) -> torch.Tensor:
-        return pool[:, p * tokens : (p + 1) * tokens]
+        if layout == "page_first":
+            return pool[:, p * tokens : (p + 1) * tokens]
+        return pool[:, :, p * tokens : (p + 1) * tokens]
 
     def hash_then_copy() -> None:
         for p in range(pages):
@@ -130,9 +141,9 @@ def sglang_case(pages: int = 192, tokens: int = 16, layers: int = 28) -> tuple[A
             block = src.raw[p * src.size : (p + 1) * src.size].view(torch.bfloat16)
             target.copy_(block.view(target.shape))
 
-    def one_pass() -> None:
+    def one_pass() -> None:  # as KvtierdHiCacheStorage._load_pages: one native call a page
         for p in range(pages):
-            src.copy_verified(p, runs(page(p)))
+            src.copy_verified(p, runs.byte_runs(page(p)))
 
     return hash_then_copy, one_pass, pages * src.size
 
@@ -194,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         "vllm fp32": vllm_case(torch.float32),
         "hf bf16": hf_case(torch.bfloat16),
         "hf fp32": hf_case(torch.float32),
-        "sglang page_first": sglang_case(),
+        "sglang page_first": sglang_case("page_first"),
+        "sglang layer_first": sglang_case("layer_first"),
     }
     result: dict[str, Any] = {
         "cases": {name: pairs(*case, args.pairs) for name, case in cases.items()},

@@ -345,8 +345,24 @@ def _systems(
     return drivers
 
 
+def _only(drivers: list[Any], wanted: frozenset[str]) -> list[Any]:
+    """The drivers named in ``wanted`` (all when it is empty); the others closed."""
+    if not wanted:
+        return drivers
+    for drv in drivers:
+        if drv.name not in wanted:
+            drv.close()
+    return [drv for drv in drivers if drv.name in wanted]
+
+
 def bench_shape(
-    work: Path, shape: ChunkShape, count: int, rounds: int, batch: int, fio_qd: int
+    work: Path,
+    shape: ChunkShape,
+    count: int,
+    rounds: int,
+    batch: int,
+    fio_qd: int,
+    wanted: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     rng = np.random.default_rng(7)
     chunks = [
@@ -372,8 +388,10 @@ def bench_shape(
         drivers: list[Any] = []
         try:
             drivers = _systems(work, shape, count, batch, daemon, admin.evict, server.url)
+            drivers = _only(drivers, wanted)
+            names = {drv.name for drv in drivers}
             for drv in drivers:
-                if drv.name == KVTIERD_READ:  # kvtierd's own namespace: its chunks are stored
+                if drv.name == KVTIERD_READ and KVTIERD in names:  # the same namespace: stored
                     continue
                 t0 = time.perf_counter()
                 drv.write(chunks)
@@ -381,7 +399,7 @@ def bench_shape(
             admin.fsync()
             used = admin.stats()["tiers"][1]["used_bytes"]
             samples: dict[str, dict[str, list[float]]] = {}
-            order = [*drivers, FIO]
+            order = [*drivers, FIO] if not wanted or FIO in wanted else list(drivers)
             for r in range(rounds):
                 rotated = order[r % len(order) :] + order[: r % len(order)]
                 record: dict[str, Any] = {
@@ -442,12 +460,10 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     def ratios(name: str, mode: str, ref: str) -> list[float]:
         out = []
         for r in rounds:
-            if mode in r.get(name, {}):
-                if ref == "best LMCache disk":
-                    denominator = max(r[n][mode]["gbps"] for n in LMC_DISK if n in r)
-                else:
-                    denominator = r[ref][mode]["gbps"]
-                out.append(r[name][mode]["gbps"] / denominator)
+            refs_here = LMC_DISK if ref == "best LMCache disk" else (ref,)
+            here = [r[n][mode]["gbps"] for n in refs_here if mode in r.get(n, {})]
+            if mode in r.get(name, {}) and here:  # a run of some --systems may lack either
+                out.append(r[name][mode]["gbps"] / max(here))
         return out
 
     refs = {
@@ -480,7 +496,14 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8, help="chunks per request, batched modes")
     parser.add_argument("--fio-qd", type=int, default=16)
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument(
+        "--systems",
+        default="",
+        help="comma-separated systems to run (names as in the tables, fio and memcpy too; "
+        "default all): a trial, never recorded",
+    )
     args = parser.parse_args()
+    wanted = frozenset(name.strip() for name in args.systems.split(",") if name.strip())
     verdict = copyhash.default_hasher().verdict(wait=True)  # kvtierd's copies: once proven
     result: dict[str, Any] = {
         "machine": benchlib.machine(),
@@ -496,12 +519,18 @@ def main() -> int:
         ) as tmp:
             result["shapes"].append(
                 bench_shape(
-                    Path(tmp), SHAPES[name], args.chunks, args.rounds, args.batch, args.fio_qd
+                    Path(tmp),
+                    SHAPES[name],
+                    args.chunks,
+                    args.rounds,
+                    args.batch,
+                    args.fio_qd,
+                    wanted,
                 )
             )
     result["load_average"]["end"] = os.getloadavg()
     benchlib.emit(result, args.json)
-    if not args.no_record:
+    if not args.no_record and not wanted:
         from bench_peers_report import record_peers
 
         record_peers(result)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvtierd.client.arena import copy_verified, scatter_views
+from kvtierd.client.arena import copy_verified, scatter_views, target_bytes
 from kvtierd.errors import CorruptBlockError, InvalidRequestError, KvtierError
 from kvtierd.protocol.messages import Extent
 from kvtierd.store.records import checksum
@@ -51,12 +51,14 @@ class BlockLease:
         return self._views
 
     def copy_into(self, i: int, target: object) -> None:
-        """Copy block ``i`` into ``target`` (a buffer, or a list of buffers it fills in order)
-        and check the copy against the block's committed checksum, hashed as it is copied:
-        raises ``CorruptBlockError`` (a miss) when a client of the tenant changed the block
-        after COMMIT, ``InvalidRequestError`` when ``target`` is too small."""
-        if not copy_verified(self.views[i], scatter_views(target), self.extents[i].checksum):
-            if sum(len(t) for t in scatter_views(target)) < self.extents[i].length:
+        """Copy block ``i`` into ``target`` (a buffer, a list of buffers it fills in order, or
+        :class:`~kvtierd.client.arena.ByteRuns`) and check the copy against the block's
+        committed checksum, hashed as it is copied: raises ``CorruptBlockError`` (a miss) when
+        a client of the tenant changed the block after COMMIT, ``InvalidRequestError`` when
+        ``target`` is too small."""
+        targets = scatter_views(target)
+        if not copy_verified(self.views[i], targets, self.extents[i].checksum):
+            if target_bytes(targets) < self.extents[i].length:
                 raise InvalidRequestError(
                     f"block {i} is {self.extents[i].length} bytes: the target is too small"
                 )

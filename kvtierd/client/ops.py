@@ -19,7 +19,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvtierd.client.arena import ClientArena, as_bytes_view, copy_verified, scatter_views
+from kvtierd.client.arena import (
+    ClientArena,
+    as_bytes_view,
+    copy_verified,
+    scatter_views,
+    target_bytes,
+)
 from kvtierd.errors import CorruptBlockError, InvalidRequestError
 from kvtierd.protocol.frames import MAX_KEYS_PER_REQUEST
 from kvtierd.protocol.messages import (
@@ -427,7 +433,7 @@ def read_into(
     copied = 0
     try:
         for i, (extent, target) in enumerate(zip(extents, targets, strict=True)):
-            room = sum(len(part) for part in target)
+            room = target_bytes(target)
             if room < extent.length:
                 raise InvalidRequestError(f"a buffer of {room} bytes cannot hold {extent.length}")
             source = arena.view(extent.offset, extent.length)

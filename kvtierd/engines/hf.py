@@ -15,16 +15,19 @@ its model's (:class:`LayoutMismatchError`), so no block is ever read under anoth
 names the tokens ``[0, (i + 1) * block_tokens)``. Only full blocks get keys.
 
 *Restore: one copy, into memory prepared beforehand.* READ leases the blocks in the daemon's
-arena, which this process already maps. The adapter views the mapping once as a torch tensor,
-and each leased extent (runs of adjacent extents coalesced) as ``[blocks, 2L, kv_heads,
-block_tokens, head_dim]``, and copies every run, all layers at once, into the prompt's
-:class:`~kvtierd.engines.hf_cache.KvSlab`: a ``[2L, kv_heads, capacity, head_dim]`` tensor
-allocated and pre-faulted ahead (:meth:`HfKvAdapter.reserve`, :meth:`HfKvAdapter.recycle`),
-whose planes the cache's :class:`~kvtierd.engines.hf_cache.SlabLayer` layers view. The forward over
-the uncached suffix then writes its new states in place: no ``torch.cat``, no fresh memory (on
-the shared machines here copying 188 MB into fresh memory took 0.23-0.29 s under load, into
-pre-faulted memory 0.05 s). Each lease is released as soon as its blocks are copied,
-before the forward.
+arena, which this process already maps, and each block is copied into the prompt's
+:class:`~kvtierd.engines.hf_cache.KvSlab` (a ``[2L, kv_heads, capacity, head_dim]`` tensor)
+with its checksum taken in the same pass: one native call a block into its 2L x kv_heads
+runs of the slab (:func:`~kvtierd.engines.hf_cache.copy_verified_blocks`). A GPU slab, and a
+last block the slab cannot hold whole, are hashed in the lease first and then copied by torch:
+the adapter views the mapping once as a tensor, and each leased extent (runs of adjacent
+extents coalesced) as ``[blocks, 2L, kv_heads, block_tokens, head_dim]``, all layers at once.
+The slab is allocated and pre-faulted ahead (:meth:`HfKvAdapter.reserve`,
+:meth:`HfKvAdapter.recycle`), and the cache's :class:`~kvtierd.engines.hf_cache.SlabLayer`
+layers view its planes. The forward over the uncached suffix then writes its new states in
+place: no ``torch.cat``, no fresh memory (on the shared machines here copying 188 MB into
+fresh memory took 0.23-0.29 s under load, into pre-faulted memory 0.05 s). Each lease is
+released as soon as its blocks are copied, before the forward.
 
 *On a GPU* (a model moved to CUDA) the slab is allocated on the model's device and each run is
 delivered by :func:`kvtierd.client.cuda.deliver` from the arena mapping, registered once as
@@ -80,7 +83,14 @@ from kvtierd.client import BlockNotFoundError, Client, Layout, Namespace, chain_
 from kvtierd.client.arena import verified_prefix
 from kvtierd.client.cuda import PinnedRegion, deliver
 from kvtierd.engines.hf_attention import use_packed_decode_attention
-from kvtierd.engines.hf_cache import BlockRun, KvSlab, copy_run, gather_blocks, slab_cache
+from kvtierd.engines.hf_cache import (
+    BlockRun,
+    KvSlab,
+    copy_run,
+    copy_verified_blocks,
+    gather_blocks,
+    slab_cache,
+)
 from kvtierd.errors import KvtierError
 from kvtierd.layouts import layout_block_bytes
 from kvtierd.protocol.messages import Extent
@@ -388,16 +398,8 @@ class HfKvAdapter:
                     except BlockNotFoundError:
                         failed = True
                         break
-                    # Hashed, then copied by torch: on the host, verifying in the copy would
-                    # scatter each block into 2L x kv_heads runs (180 of 8 KiB for SmolLM2),
-                    # measured at 0.63-0.78x (bf16) and 0.92-0.93x (fp32) the speed of this
-                    # hash plus one strided torch copy per run of blocks (1 and 2 threads);
-                    # on a GPU the copy is DMA, which nothing can hash as it goes.
-                    arena = self.namespace.arena
-                    views = [arena.view(e.offset, e.length) for e in extents]
-                    good = verified_prefix(views, extents)
                     try:
-                        self._copy_in(planes, extents[:good], done, limit)
+                        good = self._copy_verified_in(planes, extents, done, limit)
                     finally:
                         client.run(ops.release(leases))
                     if good < len(extents):  # changed after COMMIT: a miss from there on
@@ -414,6 +416,33 @@ class HfKvAdapter:
         restored.tiers = restored.tiers[:done]
         restored.tokens = min(done * self.block_tokens, limit)
         return restored
+
+    def _copy_verified_in(
+        self, planes: torch.Tensor, extents: Sequence[Extent], first_block: int, limit: int
+    ) -> int:
+        """Copy the leased blocks ``first_block ..`` into ``planes`` (tokens below ``limit``)
+        and check every block against its checksum; returns how many leading blocks passed (a
+        block changed after COMMIT and those after it are a miss: the forward recomputes their
+        tokens over whatever the slab holds there). Host planes:
+        each whole block hashed in the pass that copies it into its 2L x kv_heads runs (2.1x
+        the speed of the hash plus torch's strided copy, ``tools/bench_engine_copies.py``);
+        a GPU's copy is DMA, which nothing can hash as it goes, so there, and for a last block
+        the slab cannot hold whole, the lease is hashed first."""
+        if any(e.length != self.namespace.block_bytes for e in extents):
+            raise LayoutMismatchError("the daemon served a block of another size")
+        arena = self.namespace.arena
+        views = [arena.view(e.offset, e.length) for e in extents]
+        copied = 0
+        if planes.device.type == "cpu":
+            sums = [e.checksum for e in extents]
+            copied, failed = copy_verified_blocks(
+                planes, views, sums, first_block, self.block_tokens, limit
+            )
+            if failed:
+                return copied
+        good = copied + verified_prefix(views[copied:], list(extents[copied:]))
+        self._copy_in(planes, extents[copied:good], first_block + copied, limit)
+        return good
 
     def _copy_in(
         self, planes: torch.Tensor, extents: Sequence[Extent], first_block: int, limit: int

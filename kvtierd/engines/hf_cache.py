@@ -18,17 +18,22 @@ Store direction: :func:`gather_blocks` copies token ranges of a cache into block
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from kvtierd.client.arena import ByteRuns, copy_verified
+from kvtierd.engines.host_runs import HostRuns
+
 __all__ = [
     "BlockRun",
     "KvSlab",
     "SlabLayer",
     "copy_run",
+    "copy_verified_blocks",
     "gather_blocks",
     "prefix_cache",
     "resident_cache",
@@ -102,6 +107,36 @@ def copy_run(planes: torch.Tensor, run: BlockRun, bt: int) -> None:
     if rest:
         begin = run.start + full * bt
         planes[:, :, begin : begin + rest, :].copy_(run.view[full, :, :, :rest, :])
+
+
+def copy_verified_blocks(
+    planes: torch.Tensor,
+    blocks: Sequence[memoryview],
+    checksums: Sequence[int],
+    first: int,
+    bt: int,
+    limit: int,
+) -> tuple[int, bool]:
+    """Copy whole leased blocks (``[2L, heads, bt, dim]`` bytes each) into host ``planes``
+    ``[2L, heads, T, dim]`` from token ``first * bt`` on, each hashed in the pass that copies it:
+    one native call a block into its 2L x heads runs (:class:`ByteRuns`, block 0's runs shifted
+    along the token axis), where hashing and then one strided torch copy ran at half the speed.
+    Stops before a block that starts at ``limit`` or ends past the slab (those are the caller's)
+    and at a block that fails its checksum; returns (blocks copied, whether one failed)."""
+    storage, spans = HostRuns(keep=1).spans(planes[:, :, :bt, :])  # not kept: slabs are big
+    starts = [a for a, _ in spans]
+    length = spans[0][1] - spans[0][0] if spans else 0
+    token_bytes = planes.stride(2) * planes.element_size()
+    for i, (block, expected) in enumerate(zip(blocks, checksums, strict=True)):
+        start = (first + i) * bt
+        if start >= limit or start + bt > planes.shape[2]:
+            return i, False
+        shift = start * token_bytes
+        if not copy_verified(
+            block, ByteRuns(storage, [a + shift for a in starts], length), expected
+        ):
+            return i, True
+    return len(blocks), False
 
 
 class SlabLayer(DynamicLayer):  # type: ignore[no-untyped-call]

@@ -17,6 +17,8 @@ import itertools
 
 import torch
 
+from kvtierd.client.arena import ByteRuns
+
 __all__ = ["HostRuns", "byte_runs"]
 
 
@@ -34,6 +36,13 @@ class HostRuns:
         run (one for a contiguous tensor). ``tensor`` must live in host memory."""
         storage, spans = self.spans(tensor)
         return [storage[start:stop] for start, stop in spans]
+
+    def byte_runs(self, tensor: torch.Tensor) -> ByteRuns:
+        """The runs of ``tensor`` (all of one length) as :class:`ByteRuns`, which
+        ``BlockLease.copy_into`` fills in one native call, not a Python step per run."""
+        storage, spans = self.spans(tensor)
+        length = spans[0][1] - spans[0][0] if spans else 0
+        return ByteRuns(storage, [start for start, _ in spans], length)
 
     def spans(self, tensor: torch.Tensor) -> tuple[memoryview, list[tuple[int, int]]]:
         """A writable byte view of ``tensor``'s whole storage and where its runs lie in it

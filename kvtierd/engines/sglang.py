@@ -55,7 +55,7 @@ from typing import Any, TypeVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from kvtierd.client import BlockLease, Client, Namespace, connect
+from kvtierd.client import Client, Namespace, connect
 from kvtierd.engines.host_runs import HostRuns
 from kvtierd.engines.sglang_keys import (
     StorageIdentity,
@@ -213,10 +213,7 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             warnings.filterwarnings("ignore", message=".*not writable.*")
             for i, page in enumerate(pages):
                 try:
-                    if page.is_contiguous():
-                        lease.copy_into(i, self._page_runs(page))
-                    else:
-                        _hash_then_copy(lease, i, page)
+                    lease.copy_into(i, self._page_runs.byte_runs(page))
                 except CorruptBlockError as exc:
                     log.warning("kvtierd batch_get_v1: %s", exc)
                     ns.client.corrupt_reads += 1
@@ -421,14 +418,3 @@ def _as_contiguous_cpu(tensor: Any) -> torch.Tensor:
 def _listed_keys(client: Client, ns: Namespace) -> list[bytes]:
     reply = client.list_keys(ns.handle.ns, limit=1024)
     return [bytes(entry["key"]) for entry in reply["keys"]]
-
-
-def _hash_then_copy(lease: BlockLease, i: int, page: torch.Tensor) -> None:
-    """Block ``i`` into a page scattered across the host pool (one run per layer, K and V):
-    hashed first, then copied by torch while it is still in the cache (a page is 448 KiB), since
-    torch's strided copy beats the one-pass copy's Python walk over some 56 runs of 8 KiB
-    (quiet run, 2026-12-06: ``batch_get_v1`` warm 2.5 GB/s scattered against 3.5-3.9 this way).
-    Raises ``CorruptBlockError`` for a block changed after COMMIT."""
-    lease.verify(i)
-    view = lease.views[i]
-    page.copy_(torch.frombuffer(view, dtype=torch.uint8).view(page.dtype).view(page.shape))

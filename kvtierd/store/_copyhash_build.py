@@ -35,6 +35,8 @@ import cffi
 CDEF = """
 uint64_t kvt_copy_xxh3(void *dst, const void *src, size_t len);
 uint64_t kvt_copy_xxh3_scatter(void *const *dsts, const size_t *lens, size_t n, const void *src);
+uint64_t kvt_copy_xxh3_runs(void *base, const uint64_t *offsets, size_t run_len, size_t n,
+                            const void *src, size_t len);
 const char *kvt_kernel(void);
 """
 
@@ -54,8 +56,11 @@ SOURCE = r"""
 #define KVT_BLOCK (KVT_STRIPES * XXH_STRIPE_LEN)
 #define KVT_SECRET_SIZE sizeof(XXH3_kSecret)
 /* Prefetch distance of the one-pass kernels, and their smallest block (below it the piecewise
-   kernel's cached stores help whoever reads the block next more than one pass saves). */
-#define KVT_PREFETCH 1024
+   kernel's cached stores help whoever reads the block next more than one pass saves). One
+   thread's loads wait about 100 ns on DRAM: 1 KiB ahead left the kernel at 0.67-0.89 of memcpy
+   into a destination still in cache (22.5 and 32 MiB blocks); 2-6 KiB ahead ran at 1.0-1.4,
+   3 KiB the steadiest. */
+#define KVT_PREFETCH 3072
 #define KVT_ONE_PASS_MIN (64u << 10)
 /* The piecewise kernel's piece: hashed while still in the L1/L2 cache after its copy. */
 #define KVT_PIECE (16u << 10)
@@ -101,36 +106,112 @@ kvt_acc_sse2(__m128i *xacc, const __m128i *data, const uint8_t *secret)
     }
 }
 
-/* The end of XXH3_hashLong_internal_loop and XXH3_hashLong_64b_internal, on the destination:
-   `body` bytes are copied and accumulated; copy the rest, accumulate its whole stripes, then the
-   last stripe with its own secret offset, and merge. */
+/* Where the one-pass kernels store: `n` runs of `run_len` bytes at base + offsets[i], filled in
+   order (one run of the block's length for a contiguous copy). Every 64-byte stripe of the body
+   lands inside one run: the caller sees that run_len is a multiple of 64 when n > 1. */
+static const uint64_t kvt_no_offset[1] = {0};
+
+typedef struct {
+    uint8_t *base;
+    const uint64_t *offsets;
+    size_t run_len;
+    uint8_t *at;    /* the next byte to store */
+    size_t left;    /* bytes left in the current run */
+    size_t run;     /* the current run */
+} kvt_cursor;
+
+static inline void kvt_cursor_init(kvt_cursor *c, uint8_t *base, const uint64_t *offsets,
+                                   size_t run_len)
+{
+    c->base = base;
+    c->offsets = offsets;
+    c->run_len = run_len;
+    c->at = base + offsets[0];
+    c->left = run_len;
+    c->run = 0;
+}
+
+/* Move the cursor `n` bytes on within its current run. */
+static inline void kvt_cursor_skip(kvt_cursor *c, size_t n)
+{
+    c->at += n;
+    c->left -= n;
+}
+
+/* The destination of the next stripe (64 bytes, all in the current run). */
+static inline uint8_t *kvt_cursor_stripe(kvt_cursor *c)
+{
+    uint8_t *out;
+    if (c->left == 0) {
+        c->run++;
+        c->at = c->base + c->offsets[c->run];
+        c->left = c->run_len;
+    }
+    out = c->at;
+    c->at += XXH_STRIPE_LEN;
+    c->left -= XXH_STRIPE_LEN;
+    return out;
+}
+
+/* Store `len` bytes from `from` at the cursor, across runs. */
+static void kvt_cursor_put(kvt_cursor *c, const uint8_t *from, size_t len)
+{
+    while (len) {
+        size_t piece;
+        if (c->left == 0) {
+            c->run++;
+            c->at = c->base + c->offsets[c->run];
+            c->left = c->run_len;
+        }
+        piece = len < c->left ? len : c->left;
+        memcpy(c->at, from, piece);
+        c->at += piece;
+        c->left -= piece;
+        from += piece;
+        len -= piece;
+    }
+}
+
+/* The end of XXH3_hashLong_internal_loop and XXH3_hashLong_64b_internal: `body` bytes are
+   stored and accumulated, `tail` holds the last body stripe as stored (64 bytes); read the rest
+   of the source once into `tail` after it, store it, accumulate its whole stripes, then the last
+   stripe with its own secret offset, and merge. Hashing the local copy is hashing what was
+   stored, wherever the runs lie. */
 #define KVT_FINISH(ACC512)                                                                    \
     do {                                                                                      \
         size_t const rem = len - body;                                                        \
         size_t const stripes = (rem - 1) / XXH_STRIPE_LEN;                                    \
         size_t s;                                                                             \
-        memcpy(dst + body, src + body, rem);                                                  \
+        memcpy(tail + XXH_STRIPE_LEN, src + body, rem);                                       \
+        kvt_cursor_put(&cur, tail + XXH_STRIPE_LEN, rem);                                     \
         for (s = 0; s < stripes; s++)                                                         \
-            ACC512(acc, dst + body + s * XXH_STRIPE_LEN, XXH3_kSecret + s * 8);               \
-        ACC512(acc, dst + len - XXH_STRIPE_LEN,                                               \
-               XXH3_kSecret + KVT_SECRET_SIZE - XXH_STRIPE_LEN - 7);                          \
+            ACC512(acc, tail + XXH_STRIPE_LEN + s * XXH_STRIPE_LEN, XXH3_kSecret + s * 8);    \
+        ACC512(acc, tail + rem, XXH3_kSecret + KVT_SECRET_SIZE - XXH_STRIPE_LEN - 7);          \
         return XXH3_mergeAccs(acc, XXH3_kSecret + 11, (xxh_u64) len * XXH_PRIME64_1);         \
     } while (0)
 
 /* One pass, AVX2: load a stripe, store it with non-temporal 16-byte stores (the destination
-   need only be 16-byte aligned), accumulate the registers. len > 240. */
-XXH_TARGET_AVX2 static uint64_t
-kvt_one_pass_avx2(uint8_t *XXH_RESTRICT dst, const uint8_t *XXH_RESTRICT src, size_t len)
+   need only be 16-byte aligned), accumulate the registers. len >= 1024 + 1. With `runs` 0 the
+   destination is base itself, contiguous, and the loop skips the cursor (it cost 5-10 % of the
+   contiguous copy's speed); the wrappers below make the two copies of the loop. */
+XXH_TARGET_AVX2 static inline __attribute__((always_inline)) uint64_t
+kvt_one_pass_avx2(uint8_t *base, const uint64_t *offsets, size_t run_len,
+                  const uint8_t *XXH_RESTRICT src, size_t len, int const runs)
 {
     XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
+    XXH_ALIGN(64) uint8_t tail[XXH_STRIPE_LEN + KVT_BLOCK];
     size_t const body = (len - 1) / KVT_BLOCK * KVT_BLOCK;
     size_t b, s;
+    __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+    kvt_cursor cur;
+    kvt_cursor_init(&cur, base, offsets, run_len);
     for (b = 0; b < body; b += KVT_BLOCK) {
         for (s = 0; s < KVT_STRIPES; s++) {
             const uint8_t *in = src + b + s * XXH_STRIPE_LEN;
-            __m128i *out = (__m128i *) (dst + b + s * XXH_STRIPE_LEN);
-            __m256i const d0 = _mm256_loadu_si256((const __m256i *) in);
-            __m256i const d1 = _mm256_loadu_si256((const __m256i *) in + 1);
+            __m128i *out =
+                (__m128i *) (runs ? kvt_cursor_stripe(&cur) : base + b + s * XXH_STRIPE_LEN);
+            d0 = _mm256_loadu_si256((const __m256i *) in);
+            d1 = _mm256_loadu_si256((const __m256i *) in + 1);
             _mm_prefetch((const char *) (in + KVT_PREFETCH), _MM_HINT_T0);
             _mm_stream_si128(out, _mm256_castsi256_si128(d0));
             _mm_stream_si128(out + 1, _mm256_extracti128_si256(d0, 1));
@@ -141,22 +222,33 @@ kvt_one_pass_avx2(uint8_t *XXH_RESTRICT dst, const uint8_t *XXH_RESTRICT src, si
         XXH3_scrambleAcc_avx2(acc, XXH3_kSecret + KVT_SECRET_SIZE - XXH_STRIPE_LEN);
     }
     _mm_sfence();
+    _mm256_store_si256((__m256i *) tail, d0);
+    _mm256_store_si256((__m256i *) tail + 1, d1);
+    if (!runs)
+        kvt_cursor_skip(&cur, body);
     KVT_FINISH(XXH3_accumulate_512_avx2);
 }
 
 /* One pass, SSE2 (every x86-64 CPU). */
-static uint64_t
-kvt_one_pass_sse2(uint8_t *XXH_RESTRICT dst, const uint8_t *XXH_RESTRICT src, size_t len)
+static inline __attribute__((always_inline)) uint64_t
+kvt_one_pass_sse2(uint8_t *base, const uint64_t *offsets, size_t run_len,
+                  const uint8_t *XXH_RESTRICT src, size_t len, int const runs)
 {
     XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
+    XXH_ALIGN(64) uint8_t tail[XXH_STRIPE_LEN + KVT_BLOCK];
     size_t const body = (len - 1) / KVT_BLOCK * KVT_BLOCK;
     size_t b, s;
     int i;
+    __m128i data[4];
+    kvt_cursor cur;
+    kvt_cursor_init(&cur, base, offsets, run_len);
+    for (i = 0; i < 4; i++)
+        data[i] = _mm_setzero_si128();
     for (b = 0; b < body; b += KVT_BLOCK) {
         for (s = 0; s < KVT_STRIPES; s++) {
             const uint8_t *in = src + b + s * XXH_STRIPE_LEN;
-            __m128i *out = (__m128i *) (dst + b + s * XXH_STRIPE_LEN);
-            __m128i data[4];
+            __m128i *out =
+                (__m128i *) (runs ? kvt_cursor_stripe(&cur) : base + b + s * XXH_STRIPE_LEN);
             for (i = 0; i < 4; i++)
                 data[i] = _mm_loadu_si128((const __m128i *) in + i);
             _mm_prefetch((const char *) (in + KVT_PREFETCH), _MM_HINT_T0);
@@ -167,7 +259,37 @@ kvt_one_pass_sse2(uint8_t *XXH_RESTRICT dst, const uint8_t *XXH_RESTRICT src, si
         XXH3_scrambleAcc_sse2(acc, XXH3_kSecret + KVT_SECRET_SIZE - XXH_STRIPE_LEN);
     }
     _mm_sfence();
+    for (i = 0; i < 4; i++)
+        _mm_store_si128((__m128i *) tail + i, data[i]);
+    if (!runs)
+        kvt_cursor_skip(&cur, body);
     KVT_FINISH(XXH3_accumulate_512_sse2);
+}
+
+XXH_TARGET_AVX2 static uint64_t
+kvt_one_pass_contiguous_avx2(uint8_t *dst, const uint8_t *XXH_RESTRICT src, size_t len)
+{
+    return kvt_one_pass_avx2(dst, kvt_no_offset, len, src, len, 0);
+}
+
+XXH_TARGET_AVX2 static uint64_t
+kvt_one_pass_runs_avx2(uint8_t *base, const uint64_t *offsets, size_t run_len,
+                       const uint8_t *XXH_RESTRICT src, size_t len)
+{
+    return kvt_one_pass_avx2(base, offsets, run_len, src, len, 1);
+}
+
+static uint64_t
+kvt_one_pass_contiguous_sse2(uint8_t *dst, const uint8_t *XXH_RESTRICT src, size_t len)
+{
+    return kvt_one_pass_sse2(dst, kvt_no_offset, len, src, len, 0);
+}
+
+static uint64_t
+kvt_one_pass_runs_sse2(uint8_t *base, const uint64_t *offsets, size_t run_len,
+                       const uint8_t *XXH_RESTRICT src, size_t len)
+{
+    return kvt_one_pass_sse2(base, offsets, run_len, src, len, 1);
 }
 
 /* Piecewise: memcpy a piece, then accumulate it from the destination while it is cached,
@@ -177,8 +299,11 @@ TARGET static uint64_t                                                          
 NAME(uint8_t *XXH_RESTRICT dst, const uint8_t *XXH_RESTRICT src, size_t len)                  \
 {                                                                                             \
     XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;                                    \
+    XXH_ALIGN(64) uint8_t tail[XXH_STRIPE_LEN + KVT_BLOCK];                                   \
     size_t const body = (len - 1) / KVT_BLOCK * KVT_BLOCK;                                    \
     size_t off, end, b, s;                                                                    \
+    kvt_cursor cur;                                                                           \
+    kvt_cursor_init(&cur, dst, kvt_no_offset, len);                                           \
     for (off = 0; off < body; off = end) {                                                    \
         end = body - off > KVT_PIECE ? off + KVT_PIECE : body;                                \
         memcpy(dst + off, src + off, end - off);                                              \
@@ -192,6 +317,9 @@ NAME(uint8_t *XXH_RESTRICT dst, const uint8_t *XXH_RESTRICT src, size_t len)    
             SCRAMBLE(acc, XXH3_kSecret + KVT_SECRET_SIZE - XXH_STRIPE_LEN);                   \
         }                                                                                     \
     }                                                                                         \
+    if (body)                                                                                 \
+        memcpy(tail, dst + body - XXH_STRIPE_LEN, XXH_STRIPE_LEN);                            \
+    kvt_cursor_skip(&cur, body);                                                              \
     KVT_FINISH(ACC512);                                                                       \
 }
 KVT_PIECEWISE(kvt_piecewise_avx2, XXH_TARGET_AVX2, XXH3_accumulate_512_avx2,
@@ -218,7 +346,8 @@ uint64_t kvt_copy_xxh3(void *dst, const void *src, size_t len)
         return XXH3_64bits(d, len);
     }
     if (len >= KVT_ONE_PASS_MIN && ((uintptr_t) d & 15) == 0)
-        return avx2 ? kvt_one_pass_avx2(d, s, len) : kvt_one_pass_sse2(d, s, len);
+        return avx2 ? kvt_one_pass_contiguous_avx2(d, s, len)
+                    : kvt_one_pass_contiguous_sse2(d, s, len);
     return avx2 ? kvt_piecewise_avx2(d, s, len) : kvt_piecewise_sse2(d, s, len);
 }
 
@@ -238,6 +367,41 @@ uint64_t kvt_copy_xxh3_scatter(void *const *dsts, const size_t *lens, size_t n, 
             XXH3_64bits_update(&state, d + off, piece);
             s += piece;
         }
+    }
+    return XXH3_64bits_digest(&state);
+}
+
+/* Copy len bytes of src into n runs of run_len bytes at base + offsets[i], in order (len at
+   most n * run_len; runs not overlapping each other or src); the xxh3-64 of the bytes stored.
+   Runs of whole stripes at 16-byte aligned addresses take the one-pass kernel (a strided cache
+   page: one run per layer and K/V); others the streaming state fed piece by piece. */
+uint64_t kvt_copy_xxh3_runs(void *base, const uint64_t *offsets, size_t run_len, size_t n,
+                            const void *src, size_t len)
+{
+    uint8_t *b = (uint8_t *) base;
+    const uint8_t *s = (const uint8_t *) src;
+    size_t const used = run_len ? (len + run_len - 1) / run_len : 0;
+    size_t i, off, piece;
+    int aligned = len >= KVT_ONE_PASS_MIN && run_len % XXH_STRIPE_LEN == 0 && used <= n;
+    XXH3_state_t state;
+    if (used == 1)
+        return kvt_copy_xxh3(b + offsets[0], s, len);
+    for (i = 0; aligned && i < used; i++)
+        aligned = ((uintptr_t) (b + offsets[i]) & 15) == 0;
+    if (aligned)
+        return kvt_isa_now() == KVT_AVX2 ? kvt_one_pass_runs_avx2(b, offsets, run_len, s, len)
+                                         : kvt_one_pass_runs_sse2(b, offsets, run_len, s, len);
+    XXH3_64bits_reset(&state);
+    for (i = 0; i < n && len; i++) {
+        uint8_t *d = b + offsets[i];
+        size_t const take = len < run_len ? len : run_len;
+        for (off = 0; off < take; off += piece) {
+            piece = take - off < KVT_PIECE ? take - off : KVT_PIECE;
+            memcpy(d + off, s, piece);
+            XXH3_64bits_update(&state, d + off, piece);
+            s += piece;
+        }
+        len -= take;
     }
     return XXH3_64bits_digest(&state);
 }

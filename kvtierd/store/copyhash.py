@@ -22,6 +22,7 @@ that crash); set to the empty string it turns the native path off.
 
 from __future__ import annotations
 
+import array
 import importlib
 import os
 import random
@@ -41,6 +42,7 @@ __all__ = [
     "CopyHashVerdict",
     "CopyHasher",
     "copy_checksum",
+    "copy_checksum_runs",
     "copy_checksum_scatter",
     "default_hasher",
     "probe",
@@ -140,6 +142,33 @@ def _disagreement(native: Any) -> str | None:
         got = lib.kvt_copy_xxh3_scatter(pointers, lengths, len(parts), ffi.from_buffer(source))
         if b"".join(parts) != source[:size] or got != xxhash.xxh3_64_intdigest(source[:size]):
             return f"scatter copy of {size} bytes into {lengths} differs from xxhash"
+        problem = _runs_disagreement(native, memoryview(source)[:size], rng)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _runs_disagreement(native: Any, source: memoryview, rng: random.Random) -> str | None:
+    """Where ``kvt_copy_xxh3_runs`` and xxhash differ, for runs of whole stripes (the one-pass
+    kernel) and of odd lengths (the streaming one), in shuffled order with gaps between."""
+    ffi, lib, size = native.ffi, native.lib, len(source)
+    for run in (64 * rng.randrange(1, 64), rng.randrange(1, 5000)):
+        count = -(-size // run) if size else 1
+        order = list(range(count))
+        rng.shuffle(order)
+        offsets = array.array("Q", (16 + i * (run + 48) for i in order))
+        dest = bytearray(16 + count * (run + 48))
+        got = lib.kvt_copy_xxh3_runs(
+            ffi.from_buffer(dest),
+            ffi.from_buffer("uint64_t[]", offsets),
+            run,
+            count,
+            ffi.from_buffer(source),
+            size,
+        )
+        stored = b"".join(dest[o : o + run] for o in offsets)[:size]
+        if stored != source or got != xxhash.xxh3_64_intdigest(source):
+            return f"runs copy of {size} bytes into runs of {run} differs from xxhash"
     return None
 
 
@@ -248,6 +277,37 @@ class CopyHasher:
                 done += len(piece)
         return copied, state.intdigest()
 
+    def runs(
+        self, storage: memoryview, offsets: Sequence[int], length: int, source: memoryview
+    ) -> tuple[int, int]:
+        """Copy ``source`` into the runs ``storage[o : o + length]`` for each ``o`` in
+        ``offsets`` (not overlapping), filling each before the next, until the source or the
+        runs run out; return (bytes copied, xxh3-64 of the bytes stored). One call into the
+        native module for any number of runs (a strided page of a host pool), in one pass
+        over memory when the runs are whole 64-byte stripes at 16-byte aligned addresses.
+        Raises ``ValueError`` for a run outside ``storage``."""
+        used = min(len(offsets), -(-len(source) // length)) if length > 0 else 0
+        try:
+            starts = array.array("Q", offsets[:used])
+        except OverflowError:
+            raise ValueError("a run at a negative offset") from None
+        if used and max(starts) + length > len(storage):
+            raise ValueError(f"a run of {length} bytes past the end of {len(storage)}")
+        copied = min(len(source), used * length)
+        lib = self._native_lib(copied)
+        if lib is None:
+            return self.scatter([storage[o : o + length] for o in starts], source)
+        ffi = self._ffi
+        digest = lib.kvt_copy_xxh3_runs(
+            ffi.from_buffer(storage, require_writable=True),
+            ffi.from_buffer("uint64_t[]", starts),
+            length,
+            used,
+            ffi.from_buffer(source),
+            copied,
+        )
+        return copied, int(digest)
+
 
 _default: CopyHasher | None = None
 _default_lock = threading.Lock()
@@ -283,3 +343,10 @@ def copy_checksum(dest: memoryview, source: memoryview) -> int:
 def copy_checksum_scatter(targets: Sequence[memoryview], source: memoryview) -> tuple[int, int]:
     """:meth:`CopyHasher.scatter` of the process's hasher."""
     return default_hasher().scatter(targets, source)
+
+
+def copy_checksum_runs(
+    storage: memoryview, offsets: Sequence[int], length: int, source: memoryview
+) -> tuple[int, int]:
+    """:meth:`CopyHasher.runs` of the process's hasher."""
+    return default_hasher().runs(storage, offsets, length, source)

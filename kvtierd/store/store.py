@@ -230,6 +230,8 @@ class BlockStore:
             contexts = await self.prefetcher.read_contexts_in_slices(ns, keys)
             missing = [(b, c) for b, c in zip(blocks, contexts, strict=True) if not b.resident]
             self.residency.count(ns, "dram_hits", len(blocks) - len(missing))
+            if len(missing) > 1:
+                missing = _each_once(missing)
             # Where the slowest block comes from, decided before loading moves it to DRAM.
             source = max((b.nearest for b, _ in missing), default=ServedBy.DRAM)
             if missing:  # DRAM hits need no task: the common case stays cheap
@@ -445,3 +447,17 @@ class BlockStore:
                     evicted += 1
         self.prefetcher.reuse_paused = True
         return evicted
+
+
+def _each_once(
+    items: list[tuple[Block, AccessContext]],
+) -> list[tuple[Block, AccessContext]]:
+    """``items`` with each block at its first place only. A READ may name a block more than
+    once (each name is pinned and leased); promoting it once per name would read it into a slot
+    per name, install each over the last (the earlier slots lost to the region for good), and
+    trip over its own loading flag: a client could take its tenant's DRAM away a READ at a
+    time."""
+    first: dict[int, tuple[Block, AccessContext]] = {}
+    for item in items:
+        first.setdefault(id(item[0]), item)
+    return list(first.values())

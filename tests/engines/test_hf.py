@@ -156,6 +156,27 @@ def test_missing_block_mid_prefix_is_a_shorter_hit(adapter: Any, prompt: list[in
     assert torch.equal(result.logits, logits)
 
 
+def test_block_scribbled_after_commit_is_a_shorter_hit(adapter: Any, prompt: list[int]) -> None:
+    """The restore verifies each block in the pass that copies it into the slab's runs: the
+    block a client of the tenant changed after COMMIT, and those after it, are recomputed."""
+    import torch
+
+    from tests.support.scribble import scribble
+
+    first = adapter.prefill(prompt)
+    keys = adapter.keys(prompt)
+    client = adapter.namespace.client
+    before = client.corrupt_reads
+    scribble(adapter.namespace, [keys[4]], at=5000, count=64)
+    result = adapter.prefill(prompt, store=False)
+    assert result.hit_blocks == 4
+    assert result.cached_tokens == 4 * BLOCK_TOKENS
+    assert client.corrupt_reads == before + 1
+    logits, cache = _resident(adapter, first.cache, prompt, 4 * BLOCK_TOKENS)
+    assert torch.equal(result.logits, logits)
+    _assert_same_cache(result.cache, cache)
+
+
 def test_block_vanishing_between_lookup_and_read_is_retried(
     adapter: Any, prompt: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,7 +11,7 @@ import anyio.lowlevel
 import numpy as np
 import pytest
 
-from kvtierd.client import TimedOutError, chain_keys, connect, connect_async
+from kvtierd.client import AsyncClient, TimedOutError, chain_keys, connect, connect_async
 from kvtierd.testing import DaemonProcess
 
 BLOCK = 64 << 10
@@ -61,12 +61,26 @@ async def test_cancelled_puts_leave_no_write_pending(daemon: DaemonProcess) -> N
                 await ns.put(keys, [np.full(BLOCK, round_, np.uint8)] * 8)
         # The aborts of cancelled ALLOCs go out in the background, behind whatever the daemon
         # is still doing for earlier requests (on a loaded disk that took over 1 s twice): give
-        # them 10 s; a leaked write never clears.
+        # them 10 s; a leaked write never clears. A STATS can be answered while an abandoned
+        # ALLOC still waits for room (0, then 1 once it is granted, then 0 after its abort):
+        # only a count taken with nothing of the client's in flight decides.
         for _ in range(1000):
-            if (await client.stats())["pending_writes"] == 0:
+            pending = (await client.stats())["pending_writes"]
+            if pending == 0 and _quiet(client):
                 break
             await anyio.sleep(0.01)
+        assert _quiet(client)
         assert (await client.stats())["pending_writes"] == 0
+
+
+def _quiet(client: AsyncClient) -> bool:
+    """Nothing of ``client`` is in flight: no request awaits its reply (abandoned ones
+    included), and its janitor has no abort or release queued or waiting to be sent."""
+    return (
+        not client._waiters
+        and client._janitor_receive.statistics().current_buffer_used == 0
+        and client._send_lock.statistics().tasks_waiting == 0
+    )
 
 
 def test_a_timed_out_sync_call_drops_the_connection_and_its_leases(daemon: DaemonProcess) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvtierd.client import connect
+from kvtierd.client.arena import ByteRuns
 from kvtierd.errors import CorruptBlockError, InvalidRequestError
 from kvtierd.keys import chain_keys
 from tests.support.daemon import DaemonProcess
@@ -49,3 +50,31 @@ def test_copies_verify_and_a_scribbled_block_is_a_miss(daemon: DaemonProcess) ->
         # A lease verified when taken refuses the changed block too.
         with pytest.raises(CorruptBlockError):
             ns.acquire(keys[:2])
+
+
+def test_copies_into_runs_verify_and_a_scribbled_block_is_a_miss(daemon: DaemonProcess) -> None:
+    """``copy_into`` with :class:`ByteRuns` (a strided page of a host pool: equal runs of one
+    buffer, here in reverse order with gaps): the block lands in the runs in order, checked in
+    the same pass; a changed block is a miss; runs too small or outside their buffer refused."""
+    run = BLOCK // 16
+    with connect(daemon.socket) as client:
+        ns = client.namespace("verify-into-runs", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 2), 16, ns.key_salt)
+        blocks = _blocks(2)
+        assert ns.put(keys, blocks) == 2
+        storage = np.zeros(2 * BLOCK, np.uint8)
+        offsets = [(2 * i + 1) * run for i in reversed(range(16))]
+        with ns.lease(keys, verify_on_copy=True) as lease:
+            lease.copy_into(0, ByteRuns(memoryview(storage), offsets, run))
+            got = np.concatenate([storage[o : o + run] for o in offsets])
+            assert np.array_equal(got, blocks[0])
+            assert not storage[:run].any()  # the gaps between the runs are untouched
+            with pytest.raises(InvalidRequestError):  # 15 runs hold less than the block
+                lease.copy_into(0, ByteRuns(memoryview(storage), offsets[:15], run))
+            with pytest.raises(InvalidRequestError):  # a run past the buffer's end
+                lease.copy_into(0, ByteRuns(memoryview(storage), [*offsets[:15], 2 * BLOCK], run))
+            extent = lease.extents[1]
+            with mmap.mmap(ns.arena.fd, ns.arena.size_bytes) as region:
+                region[extent.offset + 54321] ^= 0xFF
+            with pytest.raises(CorruptBlockError):
+                lease.copy_into(1, ByteRuns(memoryview(storage), offsets, run))

@@ -106,6 +106,54 @@ def test_scatter_copies_in_order_and_hashes_what_it_stored(
     assert set(joined[len(source) :]) <= {0xEE}
 
 
+@st.composite
+def runs(draw: st.DrawFn) -> tuple[bytes, int, list[int]]:
+    """A block, a run length (whole stripes or not), and runs in any order with gaps, at any
+    alignment: the page of a strided host pool."""
+    length = draw(st.one_of(st.sampled_from([64, 8192, 16384, 229376]), st.integers(1, 70000)))
+    count = draw(st.integers(1, 12))
+    size = draw(st.integers(max(0, (count - 1) * length), count * length))
+    order = draw(st.permutations(range(count)))
+    gap = draw(st.sampled_from([0, 16, 48, 4096, 5]))
+    misalign = draw(st.sampled_from([0, 8, 16]))
+    offsets = [misalign + i * (length + gap) for i in order]
+    return os.urandom(size), length, offsets
+
+
+@pytest.mark.parametrize("kind", [pytest.param("native", marks=needs_module), "python"])
+@settings(max_examples=60, deadline=None)
+@given(case=runs())
+def test_runs_copy_in_order_and_hash_what_they_stored(
+    kind: str, request: pytest.FixtureRequest, case: tuple[bytes, int, list[int]]
+) -> None:
+    hasher: CopyHasher = request.getfixturevalue(kind)
+    source, length, offsets = case
+    raw = np.full(max(offsets) + length + 64, 0xEE, np.uint8)
+    storage = memoryview(raw)
+    copied, digest = hasher.runs(storage, offsets, length, memoryview(source))
+    assert copied == len(source)
+    assert digest == xxhash.xxh3_64_intdigest(source)
+    joined = b"".join(bytes(storage[o : o + length]) for o in offsets)
+    assert joined[: len(source)] == source
+    assert set(joined[len(source) :]) <= {0xEE}
+    outside = np.ones(len(raw), bool)
+    for o in offsets:
+        outside[o : o + length] = False
+    assert set(raw[outside].tolist()) <= {0xEE}, "a run's copy wrote outside the runs"
+
+
+@pytest.mark.parametrize("kind", [pytest.param("native", marks=needs_module), "python"])
+def test_runs_outside_their_storage_are_refused(kind: str, request: pytest.FixtureRequest) -> None:
+    hasher: CopyHasher = request.getfixturevalue(kind)
+    storage = memoryview(bytearray(1 << 20))
+    source = memoryview(os.urandom(1 << 18))
+    with pytest.raises(ValueError, match="past the end"):
+        hasher.runs(storage, [0, (1 << 20) - 1000], 1 << 17, source)
+    with pytest.raises(ValueError, match="negative"):
+        hasher.runs(storage, [-64, 0], 1 << 17, source)
+    assert bytes(storage) == bytes(1 << 20)  # refused before anything was copied
+
+
 @settings(max_examples=40, deadline=None)
 @given(size=sizes)
 def test_python_path_agrees_with_xxhash(python: CopyHasher, size: int) -> None:
@@ -116,9 +164,9 @@ def test_python_path_agrees_with_xxhash(python: CopyHasher, size: int) -> None:
 
 
 @pytest.mark.parametrize("kind", [pytest.param("native", marks=needs_module), "python"])
-@pytest.mark.parametrize("misalign", [0, 8])  # the one-pass kernel, the piecewise one
+@pytest.mark.parametrize("misalign", [0, 8, "runs"])  # one-pass, piecewise, one-pass in runs
 def test_the_hash_describes_the_copy_while_the_source_is_scribbled(
-    kind: str, misalign: int, request: pytest.FixtureRequest
+    kind: str, misalign: int | str, request: pytest.FixtureRequest
 ) -> None:
     """Another client of the tenant writes the arena during the copy: whatever bytes the
     destination got, the checksum returned is theirs (never a second read of the source)."""
@@ -139,8 +187,15 @@ def test_the_hash_describes_the_copy_while_the_source_is_scribbled(
     torn = 0
     try:
         for _ in range(20):
-            dest = _aligned(size, misalign)
-            digest = hasher.copy(dest, memoryview(source))
+            if misalign == "runs":  # 64 runs of 128 KiB, every other one of the storage
+                storage = _aligned(2 * size, 0)
+                offsets = [(2 * i + 1) * (size >> 6) for i in reversed(range(64))]
+                copied, digest = hasher.runs(storage, offsets, size >> 6, memoryview(source))
+                assert copied == size
+                dest = memoryview(b"".join(storage[o : o + (size >> 6)] for o in offsets))
+            else:
+                dest = _aligned(size, misalign)
+                digest = hasher.copy(dest, memoryview(source))
             assert digest == xxhash.xxh3_64_intdigest(dest)
             torn += len(set(bytes(dest[:: 1 << 16]))) > 1
     finally:

@@ -92,6 +92,10 @@ def test_modes_are_enums_and_the_log_level_ignores_case(tmp_path: Path) -> None:
         ),
         ("[dram]\nhugepages = true\n", "dram.hugepages: true is not one of: auto, always, never"),
         ("[nvme]\nqueue_depth = 0\n", "nvme.queue_depth: 0 is out of range 1..4096"),
+        ("[nvme]\nread_batch_bytes = '1K'\n", "nvme.read_batch_bytes: 1K is outside 4K..256M"),
+        ("[nvme]\nread_batch_bytes = '1G'\n", "nvme.read_batch_bytes: 1G is outside 4K..256M"),
+        ("[nvme]\nread_batch_blocks = 0\n", "nvme.read_batch_blocks: 0 is out of range 1..64"),
+        ("[nvme]\nread_batch_blocks = 65\n", "nvme.read_batch_blocks: 65 is out of range 1..64"),
         (
             "[daemon]\nshutdown_grace_s = 0\n",
             "daemon.shutdown_grace_s: 0 is out of range (more than 0, at most 3600)",
