@@ -15,7 +15,8 @@
 * ``rtt``: LOOKUP round trip (1 and 64 keys), p50/p99, against a bare asyncio Unix-socket echo
   of a frame of the same size, sample by sample in turn: the blocking client against the
   daemon on asyncio (uvloop), the goal's row, and also against the daemon on trio, and the
-  async client on asyncio and on trio (``RTT_VARIANTS``).
+  async client on asyncio and on trio (``RTT_VARIANTS``). ``--rtt-cpus 0,1`` pins the client
+  to one vCPU and the daemon and the echo to the other (unpinned by default).
 * ``put``: put + FSYNC throughput against fio sequential O_DIRECT writes with a final fsync.
 * ``restart``: time until a restarted daemon answers with 100K blocks indexed, after a clean
   stop (index snapshot) and after ``kill -9`` (header scan).
@@ -49,11 +50,12 @@ import mmap
 import os
 import random
 import socket
+import struct
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import numpy as np
@@ -281,27 +283,50 @@ RTT_VARIANTS = (
 )
 
 
-def bench_rtt(workdir: Path, samples: int) -> dict[str, Any]:
+def bench_rtt(workdir: Path, samples: int, cpus: tuple[int, int] | None = None) -> dict[str, Any]:
     """LOOKUP round trips of 1 and 64 keys against a bare asyncio echo of a frame of the same
     size over a Unix socket, sample by sample in turn (A B A B), for each of
-    :data:`RTT_VARIANTS`; the rows without a suffix are the goal's."""
+    :data:`RTT_VARIANTS`; the rows without a suffix are the goal's.
+
+    With ``cpus`` (client, server) this process (the client) runs on the first CPU and the
+    daemon's event loop and the echo server on the second, so that both round trips cross the
+    same two vCPUs. Unpinned, where the scheduler happens to put the three processes moves
+    either figure by 10-40 % on a loaded 2-vCPU machine (a wake-up on the same vCPU or
+    across)."""
     result: dict[str, Any] = {}
-    with echo_server(workdir / "echo.sock") as echo_path:
-        for row, runtime, client in RTT_VARIANTS:
-            with DaemonProcess(workdir / f"rtt-{row}", nvme_size="0", runtime=runtime) as d:
-                echo = socket.socket(socket.AF_UNIX)
-                echo.connect(str(echo_path))
-                try:
-                    if client == "sync":
-                        pairs = _rtt_sync(d.socket, echo, samples)
-                    else:
-                        pairs = anyio.run(_rtt_async, d.socket, echo, samples, backend=client)
-                finally:
-                    echo.close()
-            suffix = "" if row == "sync" else f"_{row}"
-            for n, (lat_kv, lat_echo) in pairs.items():
-                result[f"keys_{n}{suffix}"] = _rtt_row(lat_kv, lat_echo, runtime, client)
+    before = os.sched_getaffinity(0)
+    if cpus is not None:
+        os.sched_setaffinity(0, {cpus[0]})
+    try:
+        with echo_server(workdir / "echo.sock") as echo_path:
+            for row, runtime, client in RTT_VARIANTS:
+                with DaemonProcess(workdir / f"rtt-{row}", nvme_size="0", runtime=runtime) as d:
+                    echo = socket.socket(socket.AF_UNIX)
+                    echo.connect(str(echo_path))
+                    try:
+                        if cpus is not None and d.process is not None:
+                            os.sched_setaffinity(d.process.pid, {cpus[1]})
+                            os.sched_setaffinity(_peer_pid(echo), {cpus[1]})
+                        if client == "sync":
+                            pairs = _rtt_sync(d.socket, echo, samples)
+                        else:
+                            pairs = anyio.run(_rtt_async, d.socket, echo, samples, backend=client)
+                    finally:
+                        echo.close()
+                suffix = "" if row == "sync" else f"_{row}"
+                for n, (lat_kv, lat_echo) in pairs.items():
+                    row_result = _rtt_row(lat_kv, lat_echo, runtime, client)
+                    row_result["cpus"] = list(cpus) if cpus is not None else None
+                    result[f"keys_{n}{suffix}"] = row_result
+    finally:
+        os.sched_setaffinity(0, before)
     return result
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    """The process at the other end of a connected Unix socket."""
+    pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return int(pid)
 
 
 def _rtt_sync(path: Path, echo: socket.socket, samples: int) -> dict[int, tuple[list, list]]:
@@ -1199,6 +1224,12 @@ def main() -> int:
     parser.add_argument("--staging-bytes", type=int, default=1024 * MiB)
     parser.add_argument("--staging-fsync-bytes", type=int, default=128 * MiB)
     parser.add_argument("--rtt-samples", type=int, default=2000)
+    parser.add_argument(
+        "--rtt-cpus",
+        default="",
+        help="CLIENT,SERVER: run the rtt client on CPU CLIENT and the daemon and the echo on "
+        "CPU SERVER (default: unpinned)",
+    )
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -1221,7 +1252,10 @@ def main() -> int:
                 bench_dram(work, bs, args.dram_bytes, args.rounds) for bs in (448 << 10, 8 * MiB)
             ]
         if "rtt" in only:
-            result["rtt"] = bench_rtt(work, args.rtt_samples)
+            cpus = tuple(int(c) for c in args.rtt_cpus.split(",")) if args.rtt_cpus else None
+            if cpus is not None and len(cpus) != 2:
+                parser.error("--rtt-cpus takes CLIENT,SERVER")
+            result["rtt"] = bench_rtt(work, args.rtt_samples, cast(tuple[int, int] | None, cpus))
         if "put" in only:
             result["put"] = bench_put(work, 2 * MiB, 1024 * MiB, args.qd, max(2, args.rounds // 2))
         if "restart" in only:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from operator import countOf
 from typing import Any, TypeVar
 
 import numpy as np
@@ -95,11 +96,11 @@ Op = Generator[Call, Any, T]
 def check_keys(keys: Sequence[bytes], what: str = "keys") -> None:
     """Refuse, before anything is sent, what is not a sequence of keys: a single key (a
     common slip: ``put(keys[0], block)``) or an element that is not bytes."""
-    if isinstance(keys, bytes | bytearray | memoryview | str):
+    if isinstance(keys, _SINGLE):
         raise InvalidRequestError(
             f"{what} must be a list of keys, not a single {type(keys).__name__}: pass [key]"
         )
-    if set(map(type, keys)) <= _BYTES:  # the usual case, without a Python loop per key
+    if countOf(map(type, keys), bytes) == len(keys):  # the usual case: no Python loop per key
         return
     for i, key in enumerate(keys):
         if not isinstance(key, bytes):
@@ -108,7 +109,9 @@ def check_keys(keys: Sequence[bytes], what: str = "keys") -> None:
             )
 
 
-_BYTES = frozenset({bytes})
+#: What is one key (or one string), not a list of keys: a tuple, not a ``bytes | str`` union
+#: built again on every call.
+_SINGLE = (bytes, bytearray, memoryview, str)
 
 
 def _chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:

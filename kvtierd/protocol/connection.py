@@ -51,6 +51,8 @@ from kvtierd.protocol.frames import (
     Opcode,
     ReplyHeader,
     RequestHeader,
+    pack_reply_header,
+    pack_request_header,
 )
 from kvtierd.protocol.messages import (
     REPLY_TYPES,
@@ -154,25 +156,63 @@ _REPLY_OPCODE: Final[dict[type[Message], int]] = {c: int(op) for op, c in REPLY_
 _PREFIX = struct.Struct("<4sHHI")
 
 
+#: Bodies up to this size are sliced off their frame as a copy, which costs less than a view.
+_COPIED_BODY_BYTES = 4096
+
+
+def _body(frame: bytes) -> bytes | memoryview:
+    """``frame``'s body: a small one copied, a large one (READ's extents) as a view."""
+    if len(frame) <= _COPIED_BODY_BYTES:
+        return frame[HEADER_BYTES:]
+    return memoryview(frame)[HEADER_BYTES:]
+
+
 class _FrameBuffer:
-    """Accumulates bytes and cuts complete frames off the front."""
+    """Accumulates bytes and cuts complete frames off the front.
+
+    The usual arrival, one ``bytes`` holding exactly one whole frame into an empty buffer, is
+    kept as it came (``_whole``) and handed back as that frame with no copy in and out of the
+    ``bytearray``; anything else (part of a frame, several, a tail) goes through the buffer."""
 
     def __init__(self, magic: bytes, max_frame_bytes: int) -> None:
         self._buffer = bytearray()
+        self._whole: bytes | None = None
         self._magic = magic
         self._eof = False
         self.max_frame_bytes = max_frame_bytes
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        if self._eof and data:
-            raise LocalProtocolError("data received after end of stream")
-        if data:
-            self._buffer += data
-        else:
+        if not data:
             self._eof = True
+            return
+        if self._eof:
+            raise LocalProtocolError("data received after end of stream")
+        if self._whole is None and not self._buffer and type(data) is bytes:
+            self._whole = data
+            return
+        self._buffer_whole()
+        self._buffer += data
+
+    def _buffer_whole(self) -> None:
+        if self._whole is not None:
+            self._buffer += self._whole
+            self._whole = None
 
     def next_frame(self) -> bytes | ConnectionClosed | None:
         """A whole frame, ``None`` when more bytes are needed, or ``ConnectionClosed``."""
+        whole = self._whole
+        if whole is not None:
+            if len(whole) >= HEADER_BYTES:
+                magic, version, _, length = _PREFIX.unpack_from(whole)
+                if (
+                    length == len(whole)
+                    and magic == self._magic
+                    and version == PROTOCOL_VERSION
+                    and length <= self.max_frame_bytes
+                ):
+                    self._whole = None
+                    return whole
+            self._buffer_whole()  # not exactly one sound frame: the general path judges it
         buffer = self._buffer
         buffered = len(buffer)
         if buffered >= HEADER_BYTES:
@@ -183,7 +223,7 @@ class _FrameBuffer:
                 raise RemoteProtocolError(
                     f"frame length {length} outside [{HEADER_BYTES}, {self.max_frame_bytes}]"
                 )
-            if buffered == length:  # the usual case: one whole frame, nothing after it
+            if buffered == length:  # one whole frame, nothing after it
                 frame = bytes(buffer)
                 buffer.clear()
                 return frame
@@ -247,9 +287,11 @@ class ServerConnection:
         if self.state is ServerState.CLOSED:
             raise RemoteProtocolError("request after DESTROY or a refused INIT")
         in_flight.add(unique)
-        return self._decode(header, memoryview(frame)[HEADER_BYTES:])
+        return self._decode(header, _body(frame))
 
-    def _decode(self, header: RequestHeader, body: memoryview) -> RequestReceived | InvalidRequest:
+    def _decode(
+        self, header: RequestHeader, body: bytes | memoryview
+    ) -> RequestReceived | InvalidRequest:
         opcode = header.opcode
         following = _FOLLOWING[self.state].get(opcode)
         if following is None:
@@ -296,11 +338,14 @@ class ServerConnection:
         return ReplyHeader(0, HEADER_BYTES + len(body), 0, -errno_of(exc)).pack() + body
 
     def _frame(self, request: RequestHeader, error: int, body: bytes, flags: int = 0) -> bytes:
-        if request.unique not in self._in_flight:
-            raise LocalProtocolError(f"unique id {request.unique} is not awaiting a reply")
-        self._in_flight.discard(request.unique)
-        header = ReplyHeader(request.opcode, HEADER_BYTES + len(body), request.unique, error, flags)
-        return header.pack() + body
+        unique = request.unique
+        try:
+            self._in_flight.remove(unique)
+        except KeyError:
+            raise LocalProtocolError(f"unique id {unique} is not awaiting a reply") from None
+        # packed here, not through a ReplyHeader built per reply (the same bytes)
+        length = HEADER_BYTES + len(body)
+        return pack_reply_header(request.opcode, length, unique, error, flags) + body
 
 
 class ClientConnection:
@@ -334,7 +379,7 @@ class ClientConnection:
                 f"{self.max_request_bytes}-byte limit: send fewer keys per call"
             )
         self._pending[unique] = opcode
-        return unique, RequestHeader(opcode, HEADER_BYTES + len(body), unique, ns).pack() + body
+        return unique, pack_request_header(opcode, HEADER_BYTES + len(body), unique, ns) + body
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._frames.feed(data)
@@ -346,7 +391,7 @@ class ClientConnection:
         if isinstance(frame, ConnectionClosed):
             return frame
         _, header = ReplyHeader.unpack(frame)
-        body = memoryview(frame)[HEADER_BYTES:]
+        body = _body(frame)
         if header.unique == 0:
             return ReplyReceived(header, None, self._error(header, body))
         opcode = self._pending.pop(header.unique, None)
@@ -364,7 +409,7 @@ class ClientConnection:
         return ReplyReceived(header, message, None)
 
     @staticmethod
-    def _error(header: ReplyHeader, body: memoryview) -> KvtierError:
+    def _error(header: ReplyHeader, body: bytes | memoryview) -> KvtierError:
         if header.error >= 0:
             return RemoteProtocolError("a reply with unique id 0 must carry an errno")
         try:

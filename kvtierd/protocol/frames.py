@@ -32,6 +32,8 @@ __all__ = [
     "Opcode",
     "ReplyHeader",
     "RequestHeader",
+    "pack_reply_header",
+    "pack_request_header",
 ]
 
 REQUEST_MAGIC = b"KVTQ"
@@ -149,3 +151,15 @@ class ReplyHeader(msgspec.Struct, frozen=True, gc=False):
     def unpack(cls, data: bytes | bytearray | memoryview) -> tuple[bytes, ReplyHeader]:
         magic, version, opcode, length, error, unique, flags, _ = _REPLY.unpack_from(data)
         return magic, cls(opcode, length, unique, error, flags, version)
+
+
+def pack_reply_header(opcode: int, length: int, unique: int, error: int, flags: int) -> bytes:
+    """``ReplyHeader(opcode, length, unique, error, flags).pack()`` without the struct: what
+    the daemon builds for every reply."""
+    return _REPLY.pack(REPLY_MAGIC, PROTOCOL_VERSION, opcode, length, error, unique, flags, 0)
+
+
+def pack_request_header(opcode: int, length: int, unique: int, ns: int) -> bytes:
+    """``RequestHeader(opcode, length, unique, ns).pack()`` without the struct: what a client
+    builds for every request."""
+    return _REQUEST.pack(REQUEST_MAGIC, PROTOCOL_VERSION, opcode, length, 0, unique, ns, 0)

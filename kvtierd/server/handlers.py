@@ -13,7 +13,7 @@ to that tenant (with every OPEN_NS reply), and extents are offsets inside that r
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -74,7 +74,7 @@ from kvtierd.store.namespaces import Compression, Namespace, NamespaceSpec
 
 __all__ = ["HANDLERS", "NOWAIT_HANDLERS", "Handler"]
 
-Handler = Callable[[RequestContext, RequestHeader, Any], Awaitable[Message]]
+Handler = Callable[[RequestContext, RequestHeader, Any], Coroutine[Any, Any, Message]]
 
 
 def _namespace(ctx: RequestContext, header: RequestHeader) -> Namespace:
@@ -169,6 +169,23 @@ async def lookup(ctx: RequestContext, header: RequestHeader, msg: LookupRequest)
         hits, tiers = await store.lookup_group(ns, msg.keys, promote=msg.promote)
     else:
         hits, tiers = await store.lookup_in_turn(ns, msg.keys, promote=msg.promote)
+    return _lookup_reply(ns, msg, hits, tiers)
+
+
+async def lookup_nowait(ctx: RequestContext, header: RequestHeader, msg: LookupRequest) -> Message:
+    """LOOKUP answered at once: a few keys (no more than the lane answers inline) on this
+    host's tiers, which the session answers from the socket's readiness callback; raises
+    :class:`anyio.WouldBlock`, having done nothing, for one that would wait (a TP group's on
+    the pool, or a long chain that takes its turn on the lane): :func:`lookup` serves those."""
+    store = ctx.store
+    ns = _namespace(ctx, header)
+    if len(msg.keys) > store.lane.inline_items or store.needs_group_lookup(ns):
+        raise anyio.WouldBlock
+    hits, tiers = store.lookup(ns, msg.keys, promote=msg.promote)
+    return _lookup_reply(ns, msg, hits, tiers)
+
+
+def _lookup_reply(ns: Namespace, msg: LookupRequest, hits: int, tiers: bytes) -> LookupReply:
     ns.counters.lookup_blocks += len(msg.keys)
     ns.counters.hit_blocks += hits
     return LookupReply(hits, tiers)
@@ -438,4 +455,4 @@ HANDLERS: dict[int, Handler] = {
 }
 
 #: Handlers that either answer at once or raise :class:`anyio.WouldBlock` having done nothing.
-NOWAIT_HANDLERS: dict[int, Handler] = {Opcode.READ: read_nowait}
+NOWAIT_HANDLERS: dict[int, Handler] = {Opcode.READ: read_nowait, Opcode.LOOKUP: lookup_nowait}

@@ -20,6 +20,15 @@ connection lives and waits on it directly:
   (uvloop and the selector loop only swap the callback) and survives libuv's rule that an
   error event (``POLLERR``: a peer that closed with replies unread) stops the poll for good.
 
+Serving from the callback. The session may hand :class:`ReadinessReceiver` a ``serve_now``
+function. Then a readiness callback that finds the reader waiting does the ``recv`` itself and
+passes the bytes to ``serve_now``, which answers at once what needs no waiting (a LOOKUP of
+a few keys) and says whether it answered everything: if so the reader sleeps on, so a request
+costs no wake-up of the reader's task and no extra turns of the loop (the daemon's CPU per
+LOOKUP fell about a fifth); if not, the bytes are already the session's and ``receive``
+returns ``None`` to say so. The end of the stream and socket errors go to the reader as they
+would from its own ``recv``.
+
 Every wait is a checkpoint, as anyio's receive is: cancelling the reader's scope interrupts it.
 On trio, :class:`WaitingReceiver` follows the same rules with the backend's own
 ``wait_readable`` (which registers for each wait, as trio's sockets do, but skips the turn of
@@ -33,7 +42,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, cast
 
 import anyio
 import anyio.lowlevel
@@ -46,8 +56,9 @@ __all__ = ["ReadinessReceiver", "Receiver", "StreamReceiver", "WaitingReceiver",
 class Receiver(Protocol):
     """What the session reads with."""
 
-    async def receive(self, max_bytes: int) -> bytes:
-        """Up to ``max_bytes`` bytes, at least one; ``b""`` at the end of the stream."""
+    async def receive(self, max_bytes: int) -> bytes | None:
+        """Up to ``max_bytes`` bytes, at least one; ``b""`` at the end of the stream; ``None``
+        when what arrived went to ``serve_now`` (:class:`ReadinessReceiver`) instead."""
         ...
 
     def close(self) -> None:
@@ -71,39 +82,60 @@ class StreamReceiver:
         pass
 
 
+#: What the reader's waiter is told when the callback handed the bytes to ``serve_now``.
+_SERVED = object()
+
+
 class ReadinessReceiver:
     """Receives from a non-blocking socket on an asyncio loop whose reader callback stays
-    registered between requests (see the module's theory of operation)."""
+    registered between requests, optionally serving from that callback (see the module's
+    theory of operation)."""
 
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        loop: asyncio.AbstractEventLoop,
+        serve_now: Callable[[bytes], bool] | None = None,
+    ) -> None:
         self._sock = sock
         self._fd = sock.fileno()
         self._loop = loop
-        self._waiter: asyncio.Future[None] | None = None
+        self._serve_now = serve_now
+        #: Told ``None`` (readable: receive), bytes (the callback's ``recv``: b"" at the end),
+        #: or ``_SERVED``.
+        self._waiter: asyncio.Future[object] | None = None
+        #: What the waiting ``receive`` asked for, for the callback's ``recv``.
+        self._max_bytes = 0
         #: The last ``recv`` emptied the socket: wait before the next one.
         self._drained = False
         self._closed = False
 
-    async def receive(self, max_bytes: int) -> bytes:
+    async def receive(self, max_bytes: int) -> bytes | None:
         recv = self._sock.recv
         if self._drained:
-            await self._readable()
+            got = await self._readable(max_bytes)
+            if got is not None:
+                return None if got is _SERVED else cast(bytes, got)
         else:
             await anyio.lowlevel.checkpoint()
         while True:
             try:
                 data = recv(max_bytes)
             except (BlockingIOError, InterruptedError):
-                await self._readable()  # the readiness was spurious: wait for the real one
+                # the readiness was spurious: wait for the real one
+                got = await self._readable(max_bytes)
+                if got is not None:
+                    return None if got is _SERVED else cast(bytes, got)
                 continue
             self._drained = len(data) < max_bytes
             return data
 
-    async def _readable(self) -> None:
+    async def _readable(self, max_bytes: int) -> object:
         if self._closed:
             raise anyio.ClosedResourceError
         waiter = self._loop.create_future()
         self._waiter = waiter
+        self._max_bytes = max_bytes
         try:
             # Registered already, this only swaps the callback's handle (no system call), and
             # it proves the registration alive: libuv stops a poll whose descriptor reports
@@ -113,16 +145,39 @@ class ReadinessReceiver:
             self._loop.remove_reader(self._fd)
             self._loop.add_reader(self._fd, self._on_readable)
         try:
-            await waiter
+            return await waiter
         finally:
             self._waiter = None
 
     def _on_readable(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-        else:  # nobody waits: stop watching until somebody does
+        if waiter is None or waiter.done():  # nobody waits: stop watching until somebody does
             self._loop.remove_reader(self._fd)
+            return
+        serve_now = self._serve_now
+        if serve_now is None:
+            waiter.set_result(None)
+            return
+        max_bytes = self._max_bytes
+        try:
+            data = self._sock.recv(max_bytes)
+        except (BlockingIOError, InterruptedError):
+            return  # spurious: the reader waits on
+        except OSError as exc:
+            waiter.set_exception(exc)  # raised by the reader's receive, as its own recv would
+            return
+        self._drained = len(data) < max_bytes
+        if not data:
+            waiter.set_result(data)
+            return
+        try:
+            served = serve_now(data)
+        except BaseException as exc:  # not lost in the loop's handler: the reader raises it
+            if not waiter.done():
+                waiter.set_exception(exc)
+            return
+        if not served and not waiter.done():  # the session's now, for the reader to go on
+            waiter.set_result(_SERVED)
 
     def close(self) -> None:
         self._closed = True
@@ -156,12 +211,14 @@ class WaitingReceiver:
         pass
 
 
-def open_receiver(stream: ByteStream, raw: socket.socket | None) -> Receiver:
+def open_receiver(
+    stream: ByteStream, raw: socket.socket | None, serve_now: Callable[[bytes], bool] | None = None
+) -> Receiver:
     """The receiver for ``stream``: when the session may use the raw socket ``raw`` directly,
-    :class:`ReadinessReceiver` on asyncio and :class:`WaitingReceiver` elsewhere (trio); else
-    :class:`StreamReceiver`."""
+    :class:`ReadinessReceiver` on asyncio (serving with ``serve_now``, when given) and
+    :class:`WaitingReceiver` elsewhere (trio); else :class:`StreamReceiver`."""
     if raw is None:
         return StreamReceiver(stream)
     if sniffio.current_async_library() == "asyncio":
-        return ReadinessReceiver(raw, asyncio.get_running_loop())
+        return ReadinessReceiver(raw, asyncio.get_running_loop(), serve_now)
     return WaitingReceiver(raw)

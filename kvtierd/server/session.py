@@ -1,7 +1,9 @@
 """One client connection: read frames, run handlers concurrently, write replies in any order.
 
 Theory of operation. The reader reads through :mod:`kvtierd.server.receiving` (on asyncio one
-``recv`` per wake-up with the socket's reader left registered), feeds the bytes to the sans-IO
+``recv`` per wake-up with the socket's reader left registered, and LOOKUPs that arrive while it
+waits answered by that readiness callback itself: :meth:`Session._serve_now`, which leaves
+whatever it cannot answer at once to the reader, in order), feeds the bytes to the sans-IO
 :class:`ServerConnection` and starts one handler task per request in the session's task group,
 after taking one of ``max_inflight`` permits: when all are taken the reader stops reading,
 which is the back-pressure a pipelining client feels. Requests that never wait on I/O (LOOKUP,
@@ -49,7 +51,9 @@ from kvtierd.protocol import (
     ConnectionClosed,
     FrameFlags,
     InvalidRequest,
+    NeedData,
     Opcode,
+    RequestHeader,
     RequestReceived,
     ServerConnection,
     ServerState,
@@ -75,6 +79,10 @@ SEND_TIMEOUT_S = 30.0
 #: How long the last frame of a connection closed from outside (over TLS) may take.
 LAST_FRAME_S = 1.0
 _PEERCRED = struct.Struct("3i")
+
+#: Requests the reader's readiness callback answers itself, through their
+#: :data:`NOWAIT_HANDLERS` entry, without waking the reader (asyncio; :meth:`Session._serve_now`).
+_SERVED_NOW = frozenset({Opcode.LOOKUP})
 
 #: Handlers that never wait on I/O run inline in the reader: no task, no hand-off, one less
 #: wake-up on the latency-critical LOOKUP path.
@@ -139,6 +147,13 @@ class Session:
         self._session_scope = anyio.CancelScope()
         self._handshake_scope = anyio.CancelScope()
         self._receiver: Receiver | None = None
+        #: What :meth:`_serve_now` took from the connection and left to the reader: the first
+        #: event it could not answer at once, or the protocol error that ended its look.
+        self._stashed: RequestReceived | InvalidRequest | ConnectionClosed | None = None
+        self._stashed_error: RemoteProtocolError | None = None
+        #: The tail of a reply :meth:`_serve_now` could not write whole: sent before any
+        #: other frame, under the send lock.
+        self._unsent = b""
         #: ``time.monotonic()`` when the last request frame arrived (or the connection did).
         self.last_request_s = time.monotonic()
 
@@ -176,7 +191,7 @@ class Session:
     @property
     def departing(self) -> bool:
         """It said DESTROY (or was closed) and is not stuck writing a reply: its slot is free."""
-        return self.closing and not self._send_lock.locked()
+        return self.closing and not self._send_lock.locked() and not self._unsent
 
     def stop_reading(self) -> None:
         """Take no more requests; those in flight finish and are answered."""
@@ -187,7 +202,7 @@ class Session:
         when the stream is between frames: written at once where the socket takes it without
         waiting, or, for a stream written through only (TLS), as the session ends, within
         :data:`LAST_FRAME_S`."""
-        if not self.closing and not self._send_lock.locked():
+        if not self.closing and not self._send_lock.locked() and not self._unsent:
             frame = self.conn.fatal(error)
             if self._raw is None:
                 self._last_frame = frame
@@ -241,11 +256,15 @@ class Session:
 
     async def _read(self, tg: TaskGroup) -> None:
         handshaking = True
-        receiver = self._receiver = open_receiver(self.stream, self._raw)
+        serve_now = None if self.peer.remote else self._serve_now
+        receiver = self._receiver = open_receiver(self.stream, self._raw, serve_now)
         receive = receiver.receive
         while not self.closing:
             data = await receive(_RECEIVE_BYTES)
-            self.conn.receive_data(data)
+            if data is not None:  # None: _serve_now took it and left the rest to us
+                self.conn.receive_data(data)
+            if self._unsent:
+                await self._send(b"")
             if not await self._dispatch_buffered(tg):
                 return
             if handshaking and self.conn.state is not ServerState.AWAIT_INIT:
@@ -255,8 +274,14 @@ class Session:
     async def _dispatch_buffered(self, tg: TaskGroup) -> bool:
         """Serve every complete frame; ``False`` once the connection is done."""
         while not self.closing:
+            event: RequestReceived | InvalidRequest | ConnectionClosed | NeedData | None
+            event, self._stashed = self._stashed, None
+            error, self._stashed_error = self._stashed_error, None
             try:
-                event = self.conn.next_event()
+                if error is not None:
+                    raise error
+                if event is None:
+                    event = self.conn.next_event()
             except RemoteProtocolError as exc:
                 log.warning("protocol violation from %s: %s", self.peer, exc)
                 await self._send(self.conn.fatal(exc))
@@ -288,6 +313,83 @@ class Session:
                 self.closing = True
         return False
 
+    def _serve_now(self, data: bytes) -> bool:
+        """The readiness callback's server (:mod:`kvtierd.server.receiving`): take ``data``
+        and answer at once the requests that need no waiting (:data:`_SERVED_NOW`, through
+        their :data:`NOWAIT_HANDLERS` entry), as the reader would inline; ``True`` when that
+        was all of them. Otherwise ``False``: the first event it could not answer (or the
+        protocol error) is left in ``_stashed`` and the rest in the connection, for the reader,
+        which goes on exactly as if it had read the bytes itself."""
+        conn = self.conn
+        conn.receive_data(data)
+        while self._may_answer_now():
+            try:
+                event = conn.next_event()
+            except RemoteProtocolError as exc:
+                self._stashed_error = exc
+                return False
+            if event is NEED_DATA:
+                return True
+            if type(event) is not RequestReceived or event.header.opcode not in _SERVED_NOW:
+                self._stashed = event
+                return False
+            self.last_request_s = time.monotonic()
+            if not self._answer_now(event):
+                self._stashed = event  # it would wait: the reader serves it in full
+                return False
+        return False
+
+    def _may_answer_now(self) -> bool:
+        """Nothing stands in the way of answering from the callback: the connection is READY
+        and open, its reading not stopped (a drain), and no reply is being written (or left
+        half-written)."""
+        return (
+            self.conn.state is ServerState.READY
+            and not self.closing
+            and not self._reader_scope.cancel_called
+            and not self._send_lock.locked()
+            and not self._unsent
+        )
+
+    def _answer_now(self, event: RequestReceived) -> bool:
+        """Run ``event``'s :data:`NOWAIT_HANDLERS` entry to its end (it never awaits) and
+        write its reply; ``False``, with nothing done, when it would have to wait."""
+        header = event.header
+        started = time.perf_counter() if self.daemon.timings is not None else 0.0
+        outcome: Message | Exception
+        run = NOWAIT_HANDLERS[header.opcode](self, header, event.message)
+        try:
+            run.send(None)
+        except StopIteration as done:
+            outcome = done.value
+        except anyio.WouldBlock:
+            return False
+        except Exception as exc:
+            outcome = exc
+        else:  # a handler that awaits has no place here: answered as the bug it is
+            run.close()
+            outcome = RuntimeError(f"{Opcode(header.opcode).name}'s nowait handler awaited")
+        frame, fds = self._reply_frame(header, outcome, started)
+        assert not fds, "a request answered now passes no descriptor"
+        self._send_now(frame)
+        return True
+
+    def _send_now(self, frame: bytes) -> None:
+        """Write ``frame`` from the readiness callback, by one non-blocking send; what the
+        socket does not take waits in ``_unsent`` for the reader, which sends it before any
+        other frame (:meth:`_send`)."""
+        assert self._raw is not None
+        try:
+            sent = self._raw.send(frame)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            log.debug("cannot write to %s: %s", self.peer, exc)
+            self.stop_reading()
+            return
+        if sent < len(frame):
+            self._unsent = frame[sent:]
+
     async def _handle(
         self, event: RequestReceived, permit: bool = False, *, nowait: bool = False
     ) -> bool:
@@ -295,45 +397,23 @@ class Session:
         :data:`NOWAIT_HANDLERS` entry, and ``False`` (nothing done, nothing sent) when that
         would have to wait."""
         header = event.header
-        fds: list[int] | None = None
-        timings = self.daemon.timings
-        started = time.perf_counter() if timings is not None else 0.0
-        reply: Message | None = None
+        started = time.perf_counter() if self.daemon.timings is not None else 0.0
         handlers = NOWAIT_HANDLERS if nowait else HANDLERS
-        would_block = False
+        outcome: Message | Exception
         try:
-            try:
-                reply = await handlers[header.opcode](self, header, event.message)
-            except anyio.WouldBlock:
-                if not nowait:
-                    raise
-                would_block = True
+            outcome = await handlers[header.opcode](self, header, event.message)
+        except anyio.WouldBlock as exc:
+            if nowait:
                 return False
-            finally:
-                if not would_block:
-                    self.daemon.requests += 1
-                    self.requests += 1
-            if self.reply_fds:
-                fds = self.reply_fds.pop(header.unique, None)
-            frame = self.conn.reply(
-                header, reply, FrameFlags.FD_ATTACHED if fds else FrameFlags.NONE
-            )  # encoding can fail too
-        except KvtierError as exc:
-            fds = None  # a failed reply carries no descriptor
-            self.reply_fds.pop(header.unique, None)
-            frame = self.conn.reply_error(header, exc)
-        except Exception as exc:  # a bug must cost one request, never the daemon
-            log.exception("handler for %s failed", Opcode(header.opcode).name)
-            fds = None
-            self.reply_fds.pop(header.unique, None)
-            frame = self.conn.reply_error(header, StorageIOError(f"internal error: {exc}"))
+            outcome = exc
+        except Exception as exc:
+            outcome = exc
         except BaseException:
+            self._count_request()
             if permit:
                 self._permits.release()
             raise
-        if timings is not None:  # dispatch to reply ready, failures included
-            elapsed = time.perf_counter() - started
-            timings.observe(header.opcode, self._tier_of(header.opcode, reply), elapsed)
+        frame, fds = self._reply_frame(header, outcome, started)
         try:
             await self._send(frame, fds)
         finally:
@@ -342,6 +422,37 @@ class Session:
             if permit:
                 self._permits.release()
         return True
+
+    def _count_request(self) -> None:
+        self.daemon.requests += 1
+        self.requests += 1
+
+    def _reply_frame(
+        self, header: RequestHeader, outcome: Message | Exception, started: float
+    ) -> tuple[bytes, list[int] | None]:
+        """The reply frame to ``header`` for what its handler returned or raised, and the
+        descriptors to pass with it; the request counted and timed."""
+        self._count_request()
+        fds = self.reply_fds.pop(header.unique, None) if self.reply_fds else None
+        reply = None if isinstance(outcome, Exception) else outcome
+        try:
+            if isinstance(outcome, Exception):
+                raise outcome
+            frame = self.conn.reply(
+                header, outcome, FrameFlags.FD_ATTACHED if fds else FrameFlags.NONE
+            )  # encoding can fail too
+        except KvtierError as exc:
+            fds = None  # a failed reply carries no descriptor
+            frame = self.conn.reply_error(header, exc)
+        except Exception as exc:  # a bug must cost one request, never the daemon
+            log.exception("handler for %s failed", Opcode(header.opcode).name)
+            fds = None
+            frame = self.conn.reply_error(header, StorageIOError(f"internal error: {exc}"))
+        timings = self.daemon.timings
+        if timings is not None:  # dispatch to reply ready, failures included
+            elapsed = time.perf_counter() - started
+            timings.observe(header.opcode, self._tier_of(header.opcode, reply), elapsed)
+        return frame, fds
 
     def _tier_of(self, opcode: int, reply: Message | None) -> str:
         """The request-duration histogram's ``tier``: for READ the deepest tier its lease was
@@ -360,7 +471,12 @@ class Session:
         replies then wait for, so frames never interleave.
         """
         try:
-            if not fds and not self._send_lock.locked() and self._raw is not None:
+            if (
+                not fds
+                and not self._send_lock.locked()
+                and not self._unsent
+                and self._raw is not None
+            ):
                 try:
                     sent = self._raw.send(frame)
                 except BlockingIOError:
@@ -370,10 +486,13 @@ class Session:
                 frame = frame[sent:]
             async with self._send_lock:
                 with anyio.fail_after(SEND_TIMEOUT_S):
+                    if self._unsent:  # the rest of a reply written from the callback: first
+                        unsent, self._unsent = self._unsent, b""
+                        await self.stream.send(unsent)
                     if fds:
                         assert isinstance(self.stream, UNIXSocketStream)
                         await self.stream.send_fds(frame, fds)
-                    else:
+                    elif frame:
                         await self.stream.send(frame)
         except TimeoutError:
             log.warning(

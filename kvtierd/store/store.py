@@ -106,14 +106,15 @@ class BlockStore:
         """Hits for ``ns``'s whole TP group, and the tier of each hit of ``ns``'s own share."""
         self.prefetcher.on_lookup(ns, keys)
         own = self._leading_usable(ns, keys)
-        hits = len(own)
         if ns.spec.world_size > 1:
+            hits = len(own)
             for member in self.registry.group(ns):
                 if member is None:
                     return 0, b""
                 if member is not ns:
                     hits = min(hits, len(self._leading_usable(member, keys[:hits])))
-        return self._answer(own[:hits], promote)
+            del own[hits:]
+        return self._answer(own, promote)
 
     async def lookup_in_turn(
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True
@@ -157,17 +158,14 @@ class BlockStore:
         return found
 
     def _answer(self, own: list[Block], promote: bool) -> tuple[int, bytes]:
-        # One pass that touches a resident block once: DRAM's code is 0, and only the others
-        # have a tier to look up and a promotion to queue.
-        tiers = bytearray(len(own))
-        elsewhere: list[Block] = []
-        for i, block in enumerate(own):
-            if block.dram is None:
-                tiers[i] = block.nearest
-                elsewhere.append(block)
+        # One comprehension finds the blocks not in DRAM; when there are none (the hot case)
+        # every tier code is DRAM's 0 and nothing is promoted, with no second pass.
+        elsewhere = [block for block in own if block.dram is None]
+        if not elsewhere:
+            return len(own), bytes(len(own))
         if promote:
             self.prefetch(elsewhere)
-        return len(own), bytes(tiers)
+        return len(own), bytes([block.nearest for block in own])
 
     def prefetch(self, blocks: list[Block]) -> int:
         """Queue the non-resident ``blocks`` for promotion into DRAM, first block first; how

@@ -84,6 +84,32 @@ def test_requests_decode_the_same_whole_byte_by_byte_and_in_random_splits(
 
 @FAST
 @given(
+    messages=_non_init_requests,
+    kinds=st.lists(st.sampled_from([bytes, bytearray, memoryview]), min_size=6, max_size=6),
+    tail=st.integers(0, 40),
+)
+def test_frames_that_arrive_one_whole_frame_per_chunk_decode_the_same(
+    messages: list[Message], kinds: list[type], tail: int
+) -> None:
+    """A chunk that is exactly one frame into an empty buffer is handed back without going
+    through the buffer (when it is ``bytes``): it decodes as the whole stream does, whatever
+    kind of buffer each chunk is, and a part of the next frame after it still waits for the
+    rest."""
+    client, _ = handshake()
+    frames = [client.request(m, ns=7)[1] for m in messages]
+    stream = b"".join(frames)
+    whole = _server_events(stream, [stream])
+    chunks = [kind(frame) for kind, frame in zip(kinds, frames, strict=False)]
+    assert _server_events(stream, chunks) == whole
+    # a whole frame, then the head of the next one: the head waits, then completes
+    if len(frames) > 1:
+        cut = min(tail, len(frames[1]) - 1) + 1
+        pieces = [frames[0] + frames[1][:cut], frames[1][cut:], *frames[2:]]
+        assert _server_events(stream, [p for p in pieces if p]) == whole
+
+
+@FAST
+@given(
     messages=_non_init_requests.filter(
         lambda ms: not any(isinstance(m, DestroyRequest) for m in ms)
     ),

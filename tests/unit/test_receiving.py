@@ -172,3 +172,45 @@ async def _receive_after(pair: _Pair, hang_up: Callable[[], None]) -> None:
         tg.start_soon(later)
         assert await pair.receiver.receive(1 << 16) == b"!"
     hang_up()
+
+
+async def test_a_serving_callback_answers_while_the_reader_sleeps(
+    pair: _Pair, anyio_backend: tuple[str, dict[str, Any]]
+) -> None:
+    """With ``serve_now`` the callback receives for the waiting reader: bytes it serves never
+    wake the reader; bytes it declines wake it with ``None`` (they are the session's already);
+    the end of the stream still reads as ``b""``."""
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("the readiness receiver is asyncio's")
+    import asyncio
+
+    served: list[bytes] = []
+    arrived = {b"served one": anyio.Event(), b"served two": anyio.Event()}
+
+    def serve_now(data: bytes) -> bool:
+        served.append(data)
+        if data in arrived:
+            arrived[data].set()
+        return not data.startswith(b"reader")
+
+    receiver = ReadinessReceiver(pair.raw, asyncio.get_running_loop(), serve_now)
+    got: list[bytes | None] = []
+
+    async def read() -> None:
+        got.append(await receiver.receive(1 << 16))
+
+    with anyio.fail_after(10):
+        pair.client.sendall(b"x")
+        assert await receiver.receive(1 << 16) == b"x"  # its own recv: nothing waited yet
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            for message, event in arrived.items():
+                pair.client.sendall(message)
+                await event.wait()
+            assert got == []  # still asleep
+            pair.client.sendall(b"reader, please")
+        assert got == [None]
+        assert served == [b"served one", b"served two", b"reader, please"]
+        pair.client.close()
+        assert await receiver.receive(1 << 16) == b""
+    receiver.close()
