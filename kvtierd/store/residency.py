@@ -209,27 +209,34 @@ class Residency:
                         await self.drop_lower(block)
                         self.counters["lost"] += 1
                 raise
-            self._install(block, slot, context, shared)
+            self._install(block, slot, context, time.monotonic())
+            self._count_loaded(block.ns, 1, shared)
         finally:
             block.loading.set()
             block.loading = None
             self.unpin(block)
 
-    def _install(self, block: Block, slot: Slot, context: AccessContext, shared: bool) -> None:
-        """``block``'s bytes, loaded from a lower tier, are in ``slot`` now."""
+    def _install(self, block: Block, slot: Slot, context: AccessContext, now: float) -> None:
+        """``block``'s bytes, loaded from a lower tier, are in ``slot`` now (counted by
+        :meth:`_count_loaded`, once per batch)."""
         block.dram = slot
         block.ns.dram_blocks += 1
-        self.dram_policy_of(block.ns).inserted(block, time.monotonic(), context)
-        self.count(block.ns, "pool_hits" if shared else "lower_hits")
-        self.count(block.ns, "promotions")
+        self.dram_policy_of(block.ns).inserted(block, now, context)
+
+    def _count_loaded(self, ns: Namespace, n: int, shared: bool) -> None:
+        self.count(ns, "pool_hits" if shared else "lower_hits", n)
+        self.count(ns, "promotions", n)
 
     async def make_all_resident(self, blocks: list[tuple[Block, AccessContext]]) -> None:
         """Promote concurrently, at most :data:`_READ_DEPTH` batches at a time, in order (the
         disk wants queue depth), local copies in batches (:func:`~kvtierd.store.runs.
         plan_runs`, :meth:`_promote_run`); raise the first failure."""
         runs = self._plan_runs(blocks)
-        if len(runs) == 1 and len(runs[0]) == 1:  # no task group for one block: a small READ
-            await self.make_resident(blocks[0][0], wait=True, context=blocks[0][1])
+        if len(runs) == 1:  # no task group for one batch: a small READ, or 4 MiB of blocks
+            if len(runs[0]) == 1:
+                await self.make_resident(blocks[0][0], wait=True, context=blocks[0][1])
+            else:
+                await self._promote_run(runs[0])
             return
         errors: list[KvtierError] = []
         pending = iter(runs)  # shared by the workers: each takes the next run
@@ -290,8 +297,9 @@ class Residency:
         if lower is None or not all(self._runnable(block) for block, _ in run):
             await self._promote_each(run)
             return
+        loading = anyio.Event()  # one for the batch: its blocks are ready together
         for block, _ in run:
-            block.loading = anyio.Event()
+            block.loading = loading
             block.pins += 1
         slots: list[Slot] = []
         try:
@@ -310,21 +318,25 @@ class Residency:
                     self.region(block.ns).allocator.free(slot)
                 raise
             first: BlockNotFoundError | None = None
+            now = time.monotonic()
+            installed: dict[Namespace, int] = {}  # one namespace in a READ's batches
             for (block, context), slot, outcome in zip(run, slots, outcomes, strict=True):
                 if outcome is None:
-                    self._install(block, slot, context, shared=False)
+                    self._install(block, slot, context, now)
+                    installed[block.ns] = installed.get(block.ns, 0) + 1
                     continue
                 self.region(block.ns).allocator.free(slot)
                 if block.lower is not None:  # else a FORGET during the read dropped it
                     await self.drop_lower(block)
                     self.counters["lost"] += 1
                 first = first or outcome
+            for ns, n in installed.items():
+                self._count_loaded(ns, n, shared=False)
             if first is not None:
                 raise first
         finally:
+            loading.set()
             for block, _ in run:
-                assert block.loading is not None
-                block.loading.set()
                 block.loading = None
                 self.unpin(block)
 
