@@ -267,7 +267,7 @@ class Residency:
         def together(a: tuple[Block, AccessContext], b: tuple[Block, AccessContext]) -> bool:
             # any two local copies share a batch: the tier reads those that follow one another
             # in one request, and the others beside it, all in flight at once
-            return self._runnable(a[0]) and self._runnable(b[0])
+            return self.runnable(a[0]) and self.runnable(b[0])
 
         return plan_runs(
             blocks,
@@ -277,7 +277,18 @@ class Residency:
             max_items=self.read_batch[1],
         )
 
-    def _runnable(self, block: Block) -> bool:
+    async def promote_batch(self, blocks: list[Block]) -> None:
+        """Background promotion (a prefetch) of ``blocks``, from :meth:`BlockStore.prefetch`'s
+        queue: :meth:`make_resident` of each, those with local copies read together as a
+        READ's batch is (:meth:`_promote_run`), and like :meth:`make_resident` for a prefetch,
+        with no waiting for write-back to free room. Raises the first failure, after every
+        block was dealt with."""
+        if len(blocks) == 1:
+            await self.make_resident(blocks[0])
+            return
+        await self._promote_run([(block, PROMOTION) for block in blocks], wait=False)
+
+    def runnable(self, block: Block) -> bool:
         """``block`` may join a run read from the local tier now (nothing else is promoting
         it, it is not in DRAM yet, and the local tier is the nearest copy)."""
         return (
@@ -288,14 +299,17 @@ class Residency:
             and block.lower is not None
         )
 
-    async def _promote_run(self, run: list[tuple[Block, AccessContext]]) -> None:
+    async def _promote_run(
+        self, run: list[tuple[Block, AccessContext]], *, wait: bool = True
+    ) -> None:
         """:meth:`make_resident` of a batch of blocks with local copies, read together
         (:meth:`~kvtierd.store.tier.LowerTier.load_run`). A batch changed since it was
         planned (a block promoted, evicted or forgotten meanwhile) is promoted block by
-        block. Raises the first failure, after every block was dealt with."""
+        block. ``wait``: as :meth:`make_resident`'s. Raises the first failure, after every
+        block was dealt with."""
         lower = self.lower
-        if lower is None or not all(self._runnable(block) for block, _ in run):
-            await self._promote_each(run)
+        if lower is None or not all(self.runnable(block) for block, _ in run):
+            await self._promote_each(run, wait=wait)
             return
         loading = anyio.Event()  # one for the batch: its blocks are ready together
         for block, _ in run:
@@ -306,7 +320,7 @@ class Residency:
             try:
                 for block, _ in run:
                     region = self.region(block.ns)
-                    slots.append(await self.allocate_dram(region, block.ref.raw_bytes, wait=True))
+                    slots.append(await self.allocate_dram(region, block.ref.raw_bytes, wait=wait))
                 outcomes = await lower.load_run(
                     [
                         (block.ref, block.copies[lower.kind], self.slot_view(slot))
@@ -340,7 +354,9 @@ class Residency:
                 block.loading = None
                 self.unpin(block)
 
-    async def _promote_each(self, run: list[tuple[Block, AccessContext]]) -> None:
+    async def _promote_each(
+        self, run: list[tuple[Block, AccessContext]], *, wait: bool = True
+    ) -> None:
         """:meth:`make_resident` of each block of ``run`` at once (a prefetch that began
         promoting one of them since the run was planned must not make the others wait in
         turn); raise the first failure."""
@@ -348,7 +364,7 @@ class Residency:
 
         async def one(block: Block, context: AccessContext) -> None:
             try:
-                await self.make_resident(block, wait=True, context=context)
+                await self.make_resident(block, wait=wait, context=context)
             except KvtierError as exc:
                 errors.append(exc)
 
