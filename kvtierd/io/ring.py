@@ -65,7 +65,7 @@ import anyio.lowlevel
 from kvtierd.errors import ClosedError, StorageIOError
 from kvtierd.io.binding import RawRing, UringBinding
 
-__all__ = ["CompletionRing", "open_completion_ring"]
+__all__ = ["CompletionRing", "Prep", "open_completion_ring"]
 
 logger = logging.getLogger("kvtierd.io")
 
