@@ -264,10 +264,13 @@ class Residency:
         if lower is None or len(blocks) == 1:
             return [[item] for item in blocks]
 
+        # any two local copies share a batch: the tier reads those that follow one another in
+        # one request, and the others beside it, all in flight at once (each block is asked
+        # once, not once per neighbour)
+        local = {id(block) for block, _ in blocks if self.runnable(block)}
+
         def together(a: tuple[Block, AccessContext], b: tuple[Block, AccessContext]) -> bool:
-            # any two local copies share a batch: the tier reads those that follow one another
-            # in one request, and the others beside it, all in flight at once
-            return self.runnable(a[0]) and self.runnable(b[0])
+            return id(a[0]) in local and id(b[0]) in local
 
         return plan_runs(
             blocks,
