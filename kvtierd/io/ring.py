@@ -98,7 +98,7 @@ class _Waiter:
         self.keepalive: object = None  # the iovec array the kernel may read until completion
         self.result = 0
         self.submitted = False
-        self.error: StorageIOError | None = None
+        self.error: Exception | None = None
         self.counted = True
 
 
@@ -198,6 +198,10 @@ class CompletionRing:
             waiter.keepalive = prep(token)
         except OSError as exc:  # EBUSY: impossible while the slots bound the SQ
             waiter.error = StorageIOError(f"io_uring: cannot queue a request: {exc}")
+            self._finish(waiter)
+            return
+        except Exception as exc:  # a bad argument: raised to its caller, never in the reaper
+            waiter.error = exc
             self._finish(waiter)
             return
         self._free -= 1
