@@ -5,8 +5,9 @@
   they were written and in random order, against ``fio --ioengine=io_uring --direct=1``
   reading the same data file the same way (``read`` / ``randread``) with the same block size
   and queue depth: the daemon's ``nvme.queue_depth`` is fio's ``iodepth`` (``--qd``), and
-  the client keeps READs of about 4 MiB in flight for twice that many blocks (an engine
-  pipelines its loads; the daemon then always has the next read to submit). Rounds alternate
+  the client keeps READs of about 4 MiB in flight for twice that many blocks and 16 MiB
+  more (an engine pipelines its loads; the daemon then always has the next read to submit,
+  while finished READs are verified, answered and copied out: :func:`cold_window`). Rounds alternate
   A B A B because the virtual disk here is bimodal (``../shared/PLATFORM.md``), and ratios are
   taken pair by pair. The daemon's CPU seconds per GB read are recorded beside them.
 * ``dram``: DRAM hits copied out by the client (``read_into``, verified: each copy hashed in
@@ -87,16 +88,23 @@ def _put_all(ns: Any, keys: list[bytes], block: np.ndarray) -> None:
 
 #: Blocks a cold-read client asks for per READ: about 4 MiB of them (one block of 8 MiB and up).
 _COLD_READ_BYTES = 4 * MiB
+#: READs a cold-read client keeps in flight beyond twice the queue depth's blocks: about this
+#: many bytes of them, the READs between their last disk read and the client's next READ.
+_COLD_TURNAROUND_BYTES = 16 * MiB
 
 
 def cold_window(block_bytes: int, qd: int) -> tuple[int, int]:
     """(READs kept in flight, blocks per READ) for a cold read at queue depth ``qd``: READs of
-    about 4 MiB, enough of them that twice ``qd`` blocks are asked for at any time. The daemon
-    runs at most ``qd`` disk requests (its ``nvme.queue_depth``), like fio's ``iodepth``; the
-    client asks for more so that the daemon always has the next read to submit while the
-    client copies a finished one out (an engine pipelines its loads the same way)."""
+    about 4 MiB, enough of them that twice ``qd`` blocks are asked for at any time, and about
+    16 MiB of READs more. The comparison with fio is at the disk's queue depth: the daemon
+    runs at most ``qd`` disk requests (its ``nvme.queue_depth``), like fio's ``iodepth``. The
+    client asks for more so that the daemon always has the next read to submit while READs
+    that finished are verified, answered and copied out (an engine pipelines its loads the
+    same way): a READ's reply waits for its slowest block, and at 448 KiB in random order,
+    with twice ``qd`` blocks asked, the daemon held only 11-13 of 16 reads in the disk."""
     batch = max(1, min(16, _COLD_READ_BYTES // block_bytes))
-    return max(2, -(-2 * qd // batch)), batch
+    turnaround = -(-_COLD_TURNAROUND_BYTES // (batch * block_bytes))
+    return max(2, -(-2 * qd // batch)) + turnaround, batch
 
 
 async def _cold_read(

@@ -3,9 +3,10 @@
 Theory of operation
 -------------------
 The io_uring backend hands the kernel *addresses*. Python buffers do not expose theirs, so
-:func:`buffer_address` reads it through numpy (which works for read-only views too) and lets go of
-the export at once: nothing here keeps a caller's buffer exported, so the caller can always
-``release()`` its memoryviews and close its mmap.
+:func:`buffer_address` reads it through ctypes (numpy for a read-only view, which ctypes refuses)
+and lets go of the export at once: nothing here keeps a caller's buffer exported, so the caller
+can always ``release()`` its memoryviews and close its mmap. ctypes takes about 1.4 us, numpy
+6.5: a cold READ asks for two addresses per block.
 
 Registered buffers: Linux refuses to register one buffer larger than 1 GiB (``EFAULT``), so
 :class:`FixedRegions` registers an arena as consecutive chunks of at most ``chunk_bytes``, buffer
@@ -17,6 +18,7 @@ address, with the same pages) for the backend's lifetime.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,7 +40,9 @@ MAX_FIXED_CHUNK_BYTES = 1 << 30
 
 def buffer_address(view: memoryview) -> int:
     """The address of the first byte of a contiguous, non-empty ``view``."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    if view.readonly:
+        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def advance_spans(spans: Sequence[Span], nbytes: int) -> list[Span]:

@@ -25,12 +25,16 @@ of liburing (:mod:`kvtierd.io.binding`), which prepares and tags an SQE in one c
 * Each request has a token (its ``user_data``) mapping to a :class:`_Waiter`. The submitting task
   waits for it inside a shielded cancel scope, so it cannot leave while the kernel owns its
   buffers; a cancellation is re-delivered once the CQE arrived.
-* At most ``entries`` requests are in the kernel (a semaphore), and the CQ has twice as many
-  slots, so the SQ is never full and the CQ never overflows.
+* At most ``entries`` requests are in the kernel, and the CQ has twice as many slots, so the
+  SQ is never full and the CQ never overflows. Requests past that wait in a FIFO backlog,
+  unprepared; the reaper prepares the next as each completion frees a slot and hands them
+  over in the same turn, one ``io_uring_enter`` for the whole reap: the queue is fed as each
+  read ends, with no task wake-up, no semaphore and no extra turn of the loop between a
+  completion and the next submission (at 448 KiB blocks those turns kept the disk idle).
 * One task may have many requests in flight (:meth:`CompletionRing.run_many`: the blocks of a
-  READ, each record group one request): a slot is taken per request without a turn of the
-  loop, and the reaper gives it back as that request completes, so the queue is fed as each
-  read ends, not when the task's slowest does; the task wakes once they have all completed.
+  READ, each record group one request): they share one wake-up, set by the completion of
+  the last of them, and each frees its own slot as it completes, so a slow one keeps only its
+  own.
 * A failed ``io_uring_enter`` consumes nothing. Transient failures (``EAGAIN``, ``EBUSY``,
   ``EINTR``) are retried; any other failure breaks the ring: the requests it did not consume are
   failed at once (the kernel will never see them, since nothing enters the ring again) and those
@@ -61,7 +65,7 @@ import anyio.lowlevel
 from kvtierd.errors import ClosedError, StorageIOError
 from kvtierd.io.binding import RawRing, UringBinding
 
-__all__ = ["CompletionRing", "open_completion_ring"]
+__all__ = ["CompletionRing", "Prep", "open_completion_ring"]
 
 logger = logging.getLogger("kvtierd.io")
 
@@ -74,17 +78,28 @@ _TRANSIENT = frozenset({errno.EAGAIN, errno.EBUSY, errno.EINTR})
 Prep = Callable[[int], object]
 
 
-class _Waiter:
-    __slots__ = ("done", "keepalive", "releases", "result", "submitted", "token")
+class _Batch:
+    """The requests of one :meth:`CompletionRing.run_many` call: one wake-up for them all."""
 
-    def __init__(self, token: int, keepalive: object, releases: bool) -> None:
-        self.token = token
-        self.keepalive = keepalive  # the iovec array the kernel may read until the completion
+    __slots__ = ("done", "remaining")
+
+    def __init__(self, count: int) -> None:
         self.done = anyio.Event()
+        self.remaining = count
+
+
+class _Waiter:
+    __slots__ = ("batch", "counted", "error", "keepalive", "prep", "result", "submitted", "token")
+
+    def __init__(self, prep: Prep, batch: _Batch) -> None:
+        self.prep: Prep | None = prep  # dropped once used: it holds the request's buffers
+        self.batch = batch
+        self.token = 0  # 0 while in the backlog: the kernel has not seen it
+        self.keepalive: object = None  # the iovec array the kernel may read until completion
         self.result = 0
         self.submitted = False
-        #: Its queue-depth slot is given back the moment it completes (:meth:`run_many`).
-        self.releases = releases
+        self.error: Exception | None = None
+        self.counted = True
 
 
 class CompletionRing:
@@ -98,22 +113,23 @@ class CompletionRing:
         self._efd = -1
         self._entries = entries
         self._drain_timeout_s = drain_timeout_s
-        # A free slot is taken without a turn of the loop: the request's own wait for its
-        # completion is the checkpoint, and at 448 KiB a yield per request cost as much loop
-        # time as its reading did.
-        self._slots = anyio.Semaphore(entries, fast_acquire=True)
+        #: Queue-depth slots not held by a request in the ring.
+        self._free = entries
+        #: Requests waiting for a slot, first come first served.
+        self._backlog: deque[_Waiter] = deque()
         self._tokens = itertools.count(1)
         self._waiters: dict[int, _Waiter] = {}
         self._unsubmitted: deque[_Waiter] = deque()
         self._broken: OSError | None = None
         self._closing = False
+        self._reaping = False
         self._drained = anyio.Event()
         self._reaper_scope: anyio.CancelScope | None = None
         self._submitter_scope: anyio.CancelScope | None = None
         self._queued = anyio.Event()
         #: ``io_uring_enter`` calls that handed requests to the kernel.
         self.enters = 0
-        #: Requests handed to the kernel by :meth:`run`, and those of them that completed.
+        #: Requests handed to the ring (given a slot), and those of them that completed.
         self.submitted = 0
         self.completed = 0
 
@@ -130,42 +146,81 @@ class CompletionRing:
         cancellation is re-delivered after it). Raises :class:`ClosedError` once closing began,
         :class:`StorageIOError` when the ring broke before the request reached the kernel.
         """
-        async with self._slots:
-            waiter = self._prepare(prep)
-            self.submitted += 1
-            with anyio.CancelScope(shield=True):
-                await waiter.done.wait()
-            self.completed += 1
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        return self._result(waiter)
+        return (await self.run_many((prep,)))[0]
 
     async def run_many(self, preps: Sequence[Prep]) -> list[int]:
         """:meth:`run` of every request of ``preps``, all in flight at once (as the queue
-        depth allows) from this one task; their results, in order. Each request's slot is
-        given back as its completion is reaped, so a slow one keeps only its own. Waiting
-        for a slot is cancellable; the requests already queued are waited for first."""
-        waiters: list[_Waiter] = []
+        depth allows, the rest in the backlog) from this one task; their results, in order.
+        Waiting in the backlog is cancellable: a cancelled call takes back the requests the
+        kernel has not got and waits for the others first."""
+        if self._closing:
+            raise ClosedError("the io_uring backend is closed")
+        if self._broken is not None:
+            raise StorageIOError(f"io_uring is broken: {self._broken}") from self._broken
+        if not preps:
+            return []
+        batch = _Batch(len(preps))
+        waiters = [_Waiter(prep, batch) for prep in preps]
+        backlog = self._backlog
+        for waiter in waiters:
+            if self._free and not backlog:
+                self._start(waiter)
+            else:
+                backlog.append(waiter)
         try:
-            for prep in preps:
-                try:
-                    self._slots.acquire_nowait()  # no checkpoint per request while slots are free
-                except anyio.WouldBlock:
-                    await self._slots.acquire()
-                try:
-                    waiters.append(self._prepare(prep, releases=True))
-                except BaseException:
-                    self._slots.release()
-                    raise
-                self.submitted += 1
-        finally:
+            await batch.done.wait()
+        except BaseException:
+            for waiter in waiters:
+                if not waiter.token and waiter.prep is not None:  # still in the backlog
+                    backlog.remove(waiter)
+                    waiter.prep = None
+                    batch.remaining -= 1
             with anyio.CancelScope(shield=True):  # the kernel may own their buffers
-                for waiter in waiters:
-                    if not waiter.done.is_set():  # waiting on a set Event still yields a turn
-                        await waiter.done.wait()
-        await anyio.lowlevel.checkpoint_if_cancelled()
+                if batch.remaining:
+                    await batch.done.wait()
+            raise
         return [self._result(waiter) for waiter in waiters]
 
+    def _start(self, waiter: _Waiter, *, counted: bool = True) -> None:
+        """Give ``waiter`` a slot and queue its request in the SQ (submitted by the next flush);
+        a request that cannot be queued completes at once with its error. ``counted``: in
+        :attr:`submitted` and :attr:`completed` (the opening probe's NOP is not)."""
+        prep = waiter.prep
+        assert prep is not None
+        waiter.prep = None
+        if self._closing or self._broken is not None:
+            reason = self._broken or "closed before the kernel took it"
+            waiter.error = StorageIOError(f"io_uring request not submitted: {reason}")
+            self._finish(waiter)
+            return
+        token = waiter.token = next(self._tokens)
+        try:
+            waiter.keepalive = prep(token)
+        except OSError as exc:  # EBUSY: impossible while the slots bound the SQ
+            waiter.error = StorageIOError(f"io_uring: cannot queue a request: {exc}")
+            self._finish(waiter)
+            return
+        except Exception as exc:  # a bad argument: raised to its caller, never in the reaper
+            waiter.error = exc
+            self._finish(waiter)
+            return
+        self._free -= 1
+        waiter.counted = counted
+        self.submitted += counted
+        self._waiters[token] = waiter
+        self._unsubmitted.append(waiter)
+        if not self._reaping:  # the reaper hands over what it queues itself
+            self._queued.set()  # the submitter hands this turn's requests over in one call
+
+    def _finish(self, waiter: _Waiter) -> None:
+        batch = waiter.batch
+        batch.remaining -= 1
+        if not batch.remaining:
+            batch.done.set()
+
     def _result(self, waiter: _Waiter) -> int:
+        if waiter.error is not None:
+            raise waiter.error
         if not waiter.submitted:
             reason = self._broken or "closed before the kernel took it"
             raise StorageIOError(f"io_uring request not submitted: {reason}") from self._broken
@@ -173,30 +228,17 @@ class CompletionRing:
 
     async def probe(self, timeout_s: float) -> None:
         """Prove that a request completes and wakes the loop; raises :class:`StorageIOError`."""
-        waiter = self._prepare(self.raw.prep_nop)
+        waiter = _Waiter(self.raw.prep_nop, _Batch(1))
+        self._start(waiter, counted=False)
         with anyio.move_on_after(timeout_s):
-            await waiter.done.wait()
-        if not waiter.done.is_set():
+            await waiter.batch.done.wait()
+        if waiter.error is not None:
+            raise waiter.error
+        if not waiter.batch.done.is_set():
             self._reap()  # collect the NOP anyway, so that closing does not wait for it
             raise StorageIOError(f"io_uring: no completion through the eventfd in {timeout_s} s")
         if waiter.result < 0:
             raise StorageIOError(f"io_uring: NOP failed: {os.strerror(-waiter.result)}")
-
-    def _prepare(self, prep: Prep, *, releases: bool = False) -> _Waiter:
-        if self._closing:
-            raise ClosedError("the io_uring backend is closed")
-        if self._broken is not None:
-            raise StorageIOError(f"io_uring is broken: {self._broken}") from self._broken
-        token = next(self._tokens)
-        try:
-            keepalive = prep(token)
-        except OSError as exc:  # EBUSY: impossible while the semaphore bounds the SQ
-            raise StorageIOError(f"io_uring: cannot queue a request: {exc}") from exc
-        waiter = _Waiter(token, keepalive, releases)
-        self._waiters[token] = waiter
-        self._unsubmitted.append(waiter)
-        self._queued.set()  # the submitter hands this turn's requests over in one call
-        return waiter
 
     def _flush(self) -> None:
         """Hand the published SQEs to the kernel; the first ``n`` unsubmitted were consumed."""
@@ -227,7 +269,7 @@ class CompletionRing:
     def _break(self, exc: OSError) -> None:
         logger.error("io_uring submission failed, the backend is unusable: %s", exc)
         self._broken = exc
-        while self._unsubmitted:
+        while self._unsubmitted:  # each completion fails a backlog request in its slot
             waiter = self._unsubmitted.popleft()
             del self._waiters[waiter.token]
             self._complete(waiter, -(exc.errno or errno.EIO))
@@ -243,19 +285,31 @@ class CompletionRing:
                 self._reap()
 
     def _reap(self) -> None:
-        for token, result in self.raw.reap():
-            waiter = self._waiters.pop(token, None)
-            if waiter is not None:
-                self._complete(waiter, result)
+        """Complete what the CQ holds, start the backlog's next requests in the slots that
+        freed, and hand those over at once (one ``io_uring_enter``)."""
+        self._reaping = True
+        try:
+            for token, result in self.raw.reap():
+                waiter = self._waiters.pop(token, None)
+                if waiter is not None:
+                    self._complete(waiter, result)
+        finally:
+            self._reaping = False
+        if self._unsubmitted:
+            self._flush()
+            if self._unsubmitted:  # EAGAIN and the like: the submitter retries
+                self._queued.set()
         self._check_drained()
 
     def _complete(self, waiter: _Waiter, result: int) -> None:
         waiter.result = result
         waiter.keepalive = None
-        if waiter.releases:
-            self.completed += 1
-            self._slots.release()
-        waiter.done.set()
+        self.completed += waiter.counted
+        self._free += 1
+        self._finish(waiter)
+        backlog = self._backlog
+        while self._free and backlog:
+            self._start(backlog.popleft())
 
     def _check_drained(self) -> None:
         if self._closing and not self._waiters:
@@ -289,9 +343,12 @@ class CompletionRing:
         """After teardown: wake the callers of requests the kernel never gave back."""
         if self._waiters:
             logger.error("io_uring closed with %d requests abandoned", len(self._waiters))
-        for waiter in self._waiters.values():
+        self._closing = True  # the backlog's requests fail as slots free, never reach a ring
+        for waiter in list(self._waiters.values()):
             self._complete(waiter, -errno.ECANCELED)
         self._waiters.clear()
+        while self._backlog:
+            self._start(self._backlog.popleft())
 
     def _teardown(self) -> None:
         if self._raw is not None:

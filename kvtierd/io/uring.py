@@ -41,9 +41,13 @@ from kvtierd.io.base import (
 )
 from kvtierd.io.binding import FSYNC_DATASYNC, RingOp, Span, UringBinding, load_binding
 from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES, FixedRegions, advance_spans, buffer_address
-from kvtierd.io.ring import DRAIN_TIMEOUT_S, CompletionRing, open_completion_ring
+from kvtierd.io.ring import DRAIN_TIMEOUT_S, CompletionRing, Prep, open_completion_ring
 
 __all__ = ["PROBE_TIMEOUT_S", "UringBackend", "open_uring_backend"]
+
+# The read opcodes, looked up once (a class attribute of an enum per request costs more).
+_READV = RingOp.READV
+_READV_FIXED = RingOp.READV_FIXED
 
 logger = logging.getLogger("kvtierd.io")
 
@@ -98,34 +102,35 @@ class UringBackend(IoBackend):
         no slot wait per request. A request the kernel completes partially (end of file)
         goes on alone, as :meth:`readv` would."""
         plans: list[tuple[int, list[Span], int, int | None]] = []
+        preps: list[Prep] = []
+        prep_rw = self._ring.raw.prep_rw
+        regions = self._regions
         for offset, buffers in requests:
             views = check_request(fd, offset, buffers)
             spans: list[Span] = [(buffer_address(view), view.nbytes) for view in views]
-            index = self._regions.index_for(spans) if self._regions is not None else None
+            index = regions.index_for(spans) if regions is not None else None
             plans.append((offset, spans, sum(length for _, length in spans), index))
-        raw = self._ring.raw
-        moved = await self._ring.run_many(
-            [
-                partial(
-                    raw.prep_rw,
-                    RingOp.READV if index is None else RingOp.READV_FIXED,
-                    fd,
-                    spans,
-                    offset,
-                    -1 if index is None else index,
-                )
-                for offset, spans, _, index in plans
-            ]
-        )
+            if index is None:
+                preps.append(partial(prep_rw, _READV, fd, spans, offset, -1))
+            else:
+                preps.append(partial(prep_rw, _READV_FIXED, fd, spans, offset, index))
+        moved = await self._ring.run_many(preps)
         results: list[int | StorageIOError] = []
+        read = 0
         for (offset, spans, total, index), first in zip(plans, moved, strict=True):
+            if first == total:  # the common case: all of it in one request, no coroutine
+                self._counters.fixed_ops += index is not None
+                read += total
+                results.append(total)
+                continue
             try:
                 done = await self._complete("readv", fd, offset, spans, total, index, first)
             except StorageIOError as exc:
                 results.append(exc)
             else:
-                self._counters.bytes_read += done
+                read += done
                 results.append(done)
+        self._counters.bytes_read += read
         return results
 
     async def writev(self, fd: int, offset: int, buffers: Sequence[memoryview]) -> int:

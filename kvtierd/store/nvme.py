@@ -208,13 +208,7 @@ class NvmeTier(LowerTier):
         return before.offset + before.size == after.offset and self._plain(before, after)
 
     def _plain(self, *slots: DiskSlot) -> bool:
-        for slot in slots:
-            header = self._record_at(slot)
-            if header is None or header.flags & RecordHeader.FLAG_ZSTD:
-                return False
-            if slot.size != slot_bytes_for(header.stored_bytes):
-                return False
-        return True
+        return all(_is_plain(slot, self._record_at(slot)) for slot in slots)
 
     async def load_run(
         self, items: Sequence[tuple[BlockRef, Hashable, memoryview]]
@@ -228,11 +222,16 @@ class NvmeTier(LowerTier):
         outcomes: list[BlockNotFoundError | None] = [None] * len(items)
         together: list[int] = []
         alone: list[int] = []
+        file_bytes = self._segmap.file_bytes
         for i, (ref, location, _) in enumerate(items):
             slot = self._slot(location)
             header = self._record_at(slot)
-            plain = header is not None and header.seq == ref.seq and self._plain(slot)
-            if plain and slot.offset + slot.size <= self._segmap.file_bytes:
+            if (
+                header is not None
+                and header.seq == ref.seq
+                and _is_plain(slot, header)
+                and slot.offset + slot.size <= file_bytes
+            ):
                 together.append(i)
             else:
                 alone.append(i)
@@ -570,6 +569,16 @@ class NvmeTier(LowerTier):
         save_snapshot(
             self.snapshot, self._segmap, self._cold, data_mtime_ns=_mtime_ns(os.fstat(self._fd))
         )
+
+
+def _is_plain(slot: DiskSlot, header: RecordHeader | None) -> bool:
+    """``slot`` holds the uncompressed record ``header`` and is just its size: the record is
+    ``[header page, payload]`` filling the slot, which a run read may cover."""
+    return (
+        header is not None
+        and not header.flags & RecordHeader.FLAG_ZSTD
+        and slot.size == slot_bytes_for(header.stored_bytes)
+    )
 
 
 def _describe_page(page: bytes | bytearray | memoryview) -> str:

@@ -209,27 +209,34 @@ class Residency:
                         await self.drop_lower(block)
                         self.counters["lost"] += 1
                 raise
-            self._install(block, slot, context, shared)
+            self._install(block, slot, context, time.monotonic())
+            self._count_loaded(block.ns, 1, shared)
         finally:
             block.loading.set()
             block.loading = None
             self.unpin(block)
 
-    def _install(self, block: Block, slot: Slot, context: AccessContext, shared: bool) -> None:
-        """``block``'s bytes, loaded from a lower tier, are in ``slot`` now."""
+    def _install(self, block: Block, slot: Slot, context: AccessContext, now: float) -> None:
+        """``block``'s bytes, loaded from a lower tier, are in ``slot`` now (counted by
+        :meth:`_count_loaded`, once per batch)."""
         block.dram = slot
         block.ns.dram_blocks += 1
-        self.dram_policy_of(block.ns).inserted(block, time.monotonic(), context)
-        self.count(block.ns, "pool_hits" if shared else "lower_hits")
-        self.count(block.ns, "promotions")
+        self.dram_policy_of(block.ns).inserted(block, now, context)
+
+    def _count_loaded(self, ns: Namespace, n: int, shared: bool) -> None:
+        self.count(ns, "pool_hits" if shared else "lower_hits", n)
+        self.count(ns, "promotions", n)
 
     async def make_all_resident(self, blocks: list[tuple[Block, AccessContext]]) -> None:
         """Promote concurrently, at most :data:`_READ_DEPTH` batches at a time, in order (the
         disk wants queue depth), local copies in batches (:func:`~kvtierd.store.runs.
         plan_runs`, :meth:`_promote_run`); raise the first failure."""
         runs = self._plan_runs(blocks)
-        if len(runs) == 1 and len(runs[0]) == 1:  # no task group for one block: a small READ
-            await self.make_resident(blocks[0][0], wait=True, context=blocks[0][1])
+        if len(runs) == 1:  # no task group for one batch: a small READ, or 4 MiB of blocks
+            if len(runs[0]) == 1:
+                await self.make_resident(blocks[0][0], wait=True, context=blocks[0][1])
+            else:
+                await self._promote_run(runs[0])
             return
         errors: list[KvtierError] = []
         pending = iter(runs)  # shared by the workers: each takes the next run
@@ -257,10 +264,13 @@ class Residency:
         if lower is None or len(blocks) == 1:
             return [[item] for item in blocks]
 
+        # any two local copies share a batch: the tier reads those that follow one another in
+        # one request, and the others beside it, all in flight at once (each block is asked
+        # once, not once per neighbour)
+        local = {id(block) for block, _ in blocks if self.runnable(block)}
+
         def together(a: tuple[Block, AccessContext], b: tuple[Block, AccessContext]) -> bool:
-            # any two local copies share a batch: the tier reads those that follow one another
-            # in one request, and the others beside it, all in flight at once
-            return self._runnable(a[0]) and self._runnable(b[0])
+            return id(a[0]) in local and id(b[0]) in local
 
         return plan_runs(
             blocks,
@@ -270,7 +280,18 @@ class Residency:
             max_items=self.read_batch[1],
         )
 
-    def _runnable(self, block: Block) -> bool:
+    async def promote_batch(self, blocks: list[Block]) -> None:
+        """Background promotion (a prefetch) of ``blocks``, from :meth:`BlockStore.prefetch`'s
+        queue: :meth:`make_resident` of each, those with local copies read together as a
+        READ's batch is (:meth:`_promote_run`), and like :meth:`make_resident` for a prefetch,
+        with no waiting for write-back to free room. Raises the first failure, after every
+        block was dealt with."""
+        if len(blocks) == 1:
+            await self.make_resident(blocks[0])
+            return
+        await self._promote_run([(block, PROMOTION) for block in blocks], wait=False)
+
+    def runnable(self, block: Block) -> bool:
         """``block`` may join a run read from the local tier now (nothing else is promoting
         it, it is not in DRAM yet, and the local tier is the nearest copy)."""
         return (
@@ -281,24 +302,28 @@ class Residency:
             and block.lower is not None
         )
 
-    async def _promote_run(self, run: list[tuple[Block, AccessContext]]) -> None:
+    async def _promote_run(
+        self, run: list[tuple[Block, AccessContext]], *, wait: bool = True
+    ) -> None:
         """:meth:`make_resident` of a batch of blocks with local copies, read together
         (:meth:`~kvtierd.store.tier.LowerTier.load_run`). A batch changed since it was
         planned (a block promoted, evicted or forgotten meanwhile) is promoted block by
-        block. Raises the first failure, after every block was dealt with."""
+        block. ``wait``: as :meth:`make_resident`'s. Raises the first failure, after every
+        block was dealt with."""
         lower = self.lower
-        if lower is None or not all(self._runnable(block) for block, _ in run):
-            await self._promote_each(run)
+        if lower is None or not all(self.runnable(block) for block, _ in run):
+            await self._promote_each(run, wait=wait)
             return
+        loading = anyio.Event()  # one for the batch: its blocks are ready together
         for block, _ in run:
-            block.loading = anyio.Event()
+            block.loading = loading
             block.pins += 1
         slots: list[Slot] = []
         try:
             try:
                 for block, _ in run:
                     region = self.region(block.ns)
-                    slots.append(await self.allocate_dram(region, block.ref.raw_bytes, wait=True))
+                    slots.append(await self.allocate_dram(region, block.ref.raw_bytes, wait=wait))
                 outcomes = await lower.load_run(
                     [
                         (block.ref, block.copies[lower.kind], self.slot_view(slot))
@@ -310,25 +335,31 @@ class Residency:
                     self.region(block.ns).allocator.free(slot)
                 raise
             first: BlockNotFoundError | None = None
+            now = time.monotonic()
+            installed: dict[Namespace, int] = {}  # one namespace in a READ's batches
             for (block, context), slot, outcome in zip(run, slots, outcomes, strict=True):
                 if outcome is None:
-                    self._install(block, slot, context, shared=False)
+                    self._install(block, slot, context, now)
+                    installed[block.ns] = installed.get(block.ns, 0) + 1
                     continue
                 self.region(block.ns).allocator.free(slot)
                 if block.lower is not None:  # else a FORGET during the read dropped it
                     await self.drop_lower(block)
                     self.counters["lost"] += 1
                 first = first or outcome
+            for ns, n in installed.items():
+                self._count_loaded(ns, n, shared=False)
             if first is not None:
                 raise first
         finally:
+            loading.set()
             for block, _ in run:
-                assert block.loading is not None
-                block.loading.set()
                 block.loading = None
                 self.unpin(block)
 
-    async def _promote_each(self, run: list[tuple[Block, AccessContext]]) -> None:
+    async def _promote_each(
+        self, run: list[tuple[Block, AccessContext]], *, wait: bool = True
+    ) -> None:
         """:meth:`make_resident` of each block of ``run`` at once (a prefetch that began
         promoting one of them since the run was planned must not make the others wait in
         turn); raise the first failure."""
@@ -336,7 +367,7 @@ class Residency:
 
         async def one(block: Block, context: AccessContext) -> None:
             try:
-                await self.make_resident(block, wait=True, context=context)
+                await self.make_resident(block, wait=wait, context=context)
             except KvtierError as exc:
                 errors.append(exc)
 

@@ -7,12 +7,15 @@ import logging
 import mmap
 import os
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import anyio
 import pytest
 
 from kvtierd.errors import StorageIOError
+from kvtierd.io.binding import RingOp
+from kvtierd.io.buffers import buffer_address
 from kvtierd.io.uring import open_uring_backend
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("uring_works")]
@@ -128,6 +131,34 @@ async def test_a_failed_preparation_leaves_the_ring_usable(data_fd: int, arena: 
         assert await backend.writev(data_fd, 0, [arena[:BLOCK]]) == BLOCK
         assert await backend.readv(data_fd, 0, [arena[BLOCK : 2 * BLOCK]]) == BLOCK
         assert backend.statistics().in_flight == 0
+
+
+async def test_a_bad_request_among_many_fails_alone(data_fd: int, arena: memoryview) -> None:
+    """Requests past the queue depth wait in the backlog and are started by the reaper; one
+    whose preparation fails there raises to its caller once the others of its call completed,
+    never in the reaper, and the ring stays usable."""
+    data = os.urandom(6 * BLOCK)
+    arena[: len(data)] = data
+    async with open_uring_backend(2) as backend:
+        await backend.writev(data_fd, 0, [arena[: len(data)]])
+        ring = backend._ring
+
+        def broken_prep(tag: int) -> object:
+            raise TypeError("bad argument")
+
+        targets = [arena[MIB + i * BLOCK : MIB + (i + 1) * BLOCK] for i in range(6)]
+        preps = [
+            partial(
+                ring.raw.prep_rw, RingOp.READV, data_fd, [(buffer_address(t), BLOCK)], i * BLOCK, -1
+            )
+            for i, t in enumerate(targets)
+        ]
+        preps.insert(4, broken_prep)  # two in the ring, the rest in the backlog
+        with pytest.raises(TypeError, match="bad argument"):
+            await ring.run_many(preps)
+        assert backend.statistics().in_flight == 0
+        assert all(bytes(t) == data[i * BLOCK : (i + 1) * BLOCK] for i, t in enumerate(targets))
+        assert await backend.readv(data_fd, 0, [targets[0]]) == BLOCK
 
 
 async def test_requests_of_one_turn_enter_the_kernel_together(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from kvtierd.config import load_config
@@ -23,7 +24,7 @@ from kvtierd.store.namespaces import Namespace, NamespaceSpec
 from kvtierd.store.records import PAGE_BYTES
 from kvtierd.store.segments import DiskSlot
 from kvtierd.store.store import BlockStore
-from tests.store.test_store_pressure import ROOT, content, key_of, put, read_back
+from tests.store.test_store_pressure import ROOT, content, key_of, put, read_back, small_store
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -223,3 +224,63 @@ async def test_a_read_waits_for_a_block_a_prefetch_is_promoting(
                 assert bytes(store.arena.view[block.dram.offset :][:BLOCK]) == content(key, BLOCK)
         finally:
             store.release(owner, [lease.id])
+
+
+async def test_a_lookup_promotes_blocks_on_disk_in_batches(tmp_path: Path) -> None:
+    """Background promotions (a LOOKUP's) read the queued blocks together as a READ's batch
+    is: records side by side in one request, each still verified alone."""
+    async with store_in_order(tmp_path, "io_uring") as (store, ns):
+        owner, keys = await stored_on_disk(store, ns, 12)
+        damage(tmp_path, location(store, ns, keys[5]), "payload")
+        assert store.io_backend is not None
+        before = store.io_backend.statistics().submitted
+        hits, _ = store.lookup(ns, keys)
+        assert hits == len(keys)
+        while store.counters["promotions"] + store.counters["lost"] < len(keys):  # noqa: ASYNC110
+            await anyio.sleep(0.01)  # promotions have no event to wait on
+        requests = store.io_backend.statistics().submitted - before
+        assert requests < len(keys)  # 12 x 260 KiB queued together: one or two requests
+        assert store.index.get(ns, keys[5]) is None  # its only copy failed its checksum
+        assert store.counters["lost"] == 1
+        for key in keys[:5] + keys[6:]:
+            block = store.index.get(ns, key)
+            assert block is not None
+            assert block.dram is not None  # promoted, not read yet
+            assert bytes(store.arena.view[block.dram.offset :][:BLOCK]) == content(key, BLOCK)
+        assert await read_back(store, owner, ns, keys[0]) == content(keys[0], BLOCK)
+
+
+async def test_background_batches_leave_a_small_region_room_for_the_next_read(
+    tmp_path: Path,
+) -> None:
+    """A LOOKUP of more blocks than a small region holds queues promotions in batches; what
+    they load at once stays within a quarter of the region beyond one block per promoter,
+    so the READ that follows at once finds room (its blocks, not ENOSPC)."""
+    async with small_store(tmp_path, BLOCK, segment_bytes="8M") as (store, ns):
+        owner = Owner("small")
+        keys = [key_of(i) for i in range(80)]  # 20 MiB on disk, 16 MiB of DRAM
+        for key in keys:
+            await put(store, owner, ns, key)
+        await store.fsync()
+        await store.evict_dram(ns)
+        region = ns.region
+        assert region is not None
+        bound = region.allocator.capacity // 4 + 8 * BLOCK
+        hits, _ = store.lookup(ns, keys[:64])
+        assert hits == 64
+        highest = 0
+
+        async def watch() -> None:
+            nonlocal highest
+            while True:
+                highest = max(highest, sum(store._loading_bytes.values()))
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            for key in keys[64:]:  # not named by the LOOKUP: read from disk now
+                assert await read_back(store, owner, ns, key) == content(key, BLOCK)
+            while store._promotions or any(store._loading_bytes.values()):  # noqa: ASYNC110
+                await anyio.sleep(0.01)  # promotions have no event to wait on
+            tg.cancel_scope.cancel()
+        assert 0 < highest <= bound
