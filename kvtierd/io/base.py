@@ -100,6 +100,14 @@ class IoBackend(abc.ABC):
         """
 
     @abc.abstractmethod
+    def release_fixed_buffers(self) -> None:
+        """Stop using the memory :meth:`register_buffer` declared as fixed buffers: later
+        transfers map the caller's pages per request. For when the registered pages may no
+        longer be the memory's pages (a client punched a hole in a shared region: the kernel
+        still holds the old pages, and a fixed read would land there). A no-op where nothing
+        is registered."""
+
+    @abc.abstractmethod
     async def readv(self, fd: int, offset: int, buffers: Sequence[memoryview]) -> int:
         """Fill every buffer, in order, from ``fd`` at ``offset``; return the bytes read.
 

@@ -102,6 +102,9 @@ class ThreadBackend(IoBackend):
     def register_buffer(self, buffer: memoryview) -> None:
         """Accepted and ignored: blocking calls pin pages per call, there is nothing to register."""
 
+    def release_fixed_buffers(self) -> None:
+        """Nothing was registered."""
+
     async def readv(self, fd: int, offset: int, buffers: Sequence[memoryview]) -> int:
         views = check_request(fd, offset, buffers)
         done = await self._run("readv", fd, offset, views, os.preadv)

@@ -90,6 +90,13 @@ class UringBackend(IoBackend):
         self._regions = regions
         logger.info("io_uring: registered %d bytes as %d fixed buffer(s)", view.nbytes, len(chunks))
 
+    def release_fixed_buffers(self) -> None:
+        # The kernel keeps the registered pages pinned until the ring closes (no unregister
+        # while requests may use them); what matters is that no later request names them.
+        if self._regions is not None:
+            self._regions = None
+            logger.warning("io_uring: fixed buffers no longer used (the arena's pages changed)")
+
     async def readv(self, fd: int, offset: int, buffers: Sequence[memoryview]) -> int:
         done = await self._transfer("readv", fd, offset, buffers)
         self._counters.bytes_read += done

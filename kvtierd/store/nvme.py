@@ -70,7 +70,13 @@ from kvtierd.io.base import MAX_BUFFERS_PER_OP
 from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
-from kvtierd.store.codec import checksum_off_loop, checksums_off_loop, compress, decompress_into
+from kvtierd.store.codec import (
+    checksum_off_loop,
+    checksums_off_loop,
+    compress,
+    copy_checksum_off_loop,
+    decompress_into,
+)
 from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.diskhealth import DataFileLostError, DiskFault
 from kvtierd.store.records import (
@@ -144,6 +150,9 @@ class NvmeTier(LowerTier):
         self._cold = ColdIndex()
         self._carving = anyio.Lock()
         self._counters = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0}
+        #: Blocks whose read into a tenant's region did not match while the record did
+        #: (:meth:`_read_privately`).
+        self._slot_disagreed = 0
         self.max_seq = 0
         self.recovery_source = "empty"
         self._identity = _identity_of(os.fstat(fd))
@@ -197,8 +206,11 @@ class NvmeTier(LowerTier):
         async with self._pages.page() as page:
             await self._read_record(slot, header, page, padded, dest)
             self._verify_header(page, ref)
-        self._verified(ref, slot, await checksum_off_loop(dest[: ref.raw_bytes]))
         self._counters["bytes_read"] += PAGE_BYTES + padded
+        value = await checksum_off_loop(dest[: ref.raw_bytes])
+        if value != ref.checksum:
+            value = await self._read_privately(ref, slot, dest)
+        self._verified(ref, slot, value)
 
     def follows(self, before: Hashable, after: Hashable) -> bool:
         """Both are plain (uncompressed) records, ``after``'s slot starting where ``before``'s
@@ -311,8 +323,11 @@ class NvmeTier(LowerTier):
             [items[chosen[k]][2][: items[chosen[k]][0].raw_bytes] for k in read]
         )
         for k, value in zip(read, sums, strict=True):
+            ref, _, dest = items[chosen[k]]
             try:
-                self._verified(items[chosen[k]][0], slots[k], value)
+                if value != ref.checksum:
+                    value = await self._read_privately(ref, slots[k], dest)
+                self._verified(ref, slots[k], value)
             except BlockNotFoundError as exc:
                 outcomes[chosen[k]] = exc
 
@@ -347,6 +362,40 @@ class NvmeTier(LowerTier):
             log.error("a block's place, offset %d, lies outside %s", slot.offset, self.path)
             raise BlockNotFoundError("the block's disk slot lies outside the data file")
         return header, padded
+
+    async def _read_privately(self, ref: BlockRef, slot: DiskSlot, dest: memoryview) -> int:
+        """``dest``, where ``ref``'s record was read, did not hash to its checksum. ``dest`` is
+        a slot of a tenant's region, memory every client of the tenant may write (or punch a
+        hole in, after which a fixed-buffer read lands in pages the region no longer has): a
+        mismatch there proves nothing about the disk. So the record is read once more into
+        daemon-private memory and judged there: intact, it is copied into ``dest`` (and fixed
+        buffers are given up, in case the region's pages changed) and its checksum returned;
+        else the checksum it has, and the caller drops it as torn. Raises
+        :class:`BlockNotFoundError` as :meth:`load` does when it cannot be read at all."""
+        header, padded = self._readable(ref, slot)
+        bounce = _bounce(max(padded, ref.raw_bytes))
+        try:
+            with memoryview(bounce) as private, private[: ref.raw_bytes] as payload:
+                async with self._pages.page() as page:
+                    await self._read_record(slot, header, page, padded, private)
+                    self._verify_header(page, ref)
+                value = await checksum_off_loop(payload)
+                if value == ref.checksum:
+                    await copy_checksum_off_loop(dest[: ref.raw_bytes], payload)
+                    self._slot_disagreed += 1
+                    if self._slot_disagreed & (self._slot_disagreed - 1) == 0:  # 1, 2, 4, ...
+                        log.warning(
+                            "a block read from offset %d of %s into its tenant's region did not "
+                            "match, the record re-read into private memory did (%d times so "
+                            "far): a client wrote to its region while the block was read",
+                            slot.offset,
+                            self.path,
+                            self._slot_disagreed,
+                        )
+                    self._backend.release_fixed_buffers()
+                return value
+        finally:
+            _close_bounce(bounce)
 
     def _verified(self, ref: BlockRef, slot: DiskSlot, value: int) -> None:
         """Count a hit when the payload read from ``slot`` hashed to ``value`` matches ``ref``;

@@ -1,23 +1,22 @@
 """A tenant's client writing to its own shared region while the daemon promotes blocks into it
 must never make the daemon discard a durable (FSYNC-acknowledged) record, on the real daemon,
-asyncio and trio. Both tests fail today (strict xfail); the fix belongs to ``store/nvme.py``
-and ``store/residency.py``.
+asyncio and trio.
 
 The daemon reads a record from the NVMe tier into a DRAM slot of the tenant's region and hashes
-the slot; on a mismatch it takes the record for torn and discards it (``drop_lower``). But the
-slot is memory every client of the tenant may write, so a mismatch there proves nothing about
-the disk:
+the slot. The slot is memory every client of the tenant may write, so a mismatch there proves
+nothing about the disk; the daemon used to take the record for torn and discard it
+(``drop_lower``). Now a mismatch is judged again on a private re-read
+(``NvmeTier._read_privately``). The two ways a client caused it:
 
 * **holes**: the region is registered with io_uring as fixed buffers, which hold references to
   its pages. After a client punches a hole (``madvise(MADV_REMOVE)`` on its mapping, or
   ``fallocate(PUNCH_HOLE)``: the seals stop shrinking and growing, not this) the file's pages
   are new ones, and a fixed read still lands in the old, orphaned pages: the slot reads as
-  zeroes, and every cold read into that region discards its record, until the daemon restarts.
-  One call by one client (of the default tenant: any local client) destroys the tenant's
-  durable blocks as they are read;
+  zeroes, and every cold read into that region would have discarded its record (one call by
+  one client of the default tenant: any local client). The re-read also gives up fixed
+  buffers, so later reads land in the region's pages;
 * **scribbles**: a client writing over the region while blocks are promoted changes a slot
-  between the read and the hash (on the thread backend too): the record, intact on disk, is
-  discarded.
+  between the read and the hash (on the thread backend too).
 """
 
 from __future__ import annotations
@@ -62,11 +61,6 @@ def _fixed_transfers(client: Client) -> int:
     return int(found.group(1)) if found else 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a fixed-buffer read into a region with a hole lands in orphaned pages; the daemon "
-    "then discards the durable record as torn (store/nvme.py, store/residency.py)",
-)
 def test_holes_punched_in_a_region_destroy_no_durable_block(daemon: DaemonProcess) -> None:
     blocks = [np.full(BLOCK, i + 1, np.uint8) for i in range(len(KEYS))]
     with connect(daemon.socket, timeout_s=DEADLINE_S) as client:
@@ -93,11 +87,6 @@ def test_holes_punched_in_a_region_destroy_no_durable_block(daemon: DaemonProces
     assert daemon.running
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a slot changed by a client between the read and the hash makes the daemon discard "
-    "the intact record as torn (store/nvme.py, store/residency.py)",
-)
 def test_scribbles_during_promotions_destroy_no_durable_block(tmp_path: Path) -> None:
     config = "[nvme]\nio_backend = 'threads'\n"  # no fixed buffers: not the holes' case
     blocks = [np.full(BLOCK, i + 1, np.uint8) for i in range(4 * len(KEYS))]

@@ -45,6 +45,23 @@ async def test_fixed_buffers_span_several_chunks(data_fd: int, arena: memoryview
     assert bytes(two_chunks[0]) + bytes(two_chunks[1]) == data
 
 
+async def test_released_fixed_buffers_are_no_longer_used(data_fd: int, arena: memoryview) -> None:
+    """After ``release_fixed_buffers`` (the arena's pages may have changed under the
+    registration), transfers into the arena take the plain form and land in its pages."""
+    data = os.urandom(BLOCK)
+    async with open_uring_backend(4) as backend:
+        backend.register_buffer(arena)
+        arena[:BLOCK] = data
+        await backend.writev(data_fd, 0, [arena[:BLOCK]])
+        assert backend.statistics().fixed_ops == 1
+        backend.release_fixed_buffers()
+        backend.release_fixed_buffers()  # idempotent
+        target = arena[MIB : MIB + BLOCK]
+        await backend.readv(data_fd, 0, [target])
+        assert backend.statistics().fixed_ops == 1
+    assert bytes(target) == data
+
+
 @pytest.fixture
 def file_backed(tmp_path: Path) -> Iterator[memoryview]:
     """A shared mapping of an ext4 file: the kernel refuses to register it."""
