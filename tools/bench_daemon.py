@@ -53,7 +53,6 @@ import random
 import socket
 import struct
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -1243,10 +1242,7 @@ def main() -> int:
     only = set(args.only.split(","))
     result: dict[str, Any] = {"machine": benchlib.machine()}
     load_start = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(
-        prefix="kvtierd-bench-", dir=os.environ.get("BENCH_DIR", "/var/tmp")
-    ) as tmp:
-        work = Path(tmp)
+    with benchlib.bench_workdir("bench") as work:
         if "cold" in only:
             result["cold"] = [
                 entry

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -514,12 +513,10 @@ def main() -> int:
     result["shapes"] = []
     result["load_average"] = {"start": os.getloadavg()}
     for name in args.shapes.split(","):
-        with tempfile.TemporaryDirectory(
-            prefix="kvtierd-peers-", dir=os.environ.get("BENCH_DIR", "/var/tmp")
-        ) as tmp:
+        with benchlib.bench_workdir("peers") as tmp:
             result["shapes"].append(
                 bench_shape(
-                    Path(tmp),
+                    tmp,
                     SHAPES[name],
                     args.chunks,
                     args.rounds,

@@ -48,7 +48,6 @@ import re
 import shutil
 import struct
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -605,10 +604,7 @@ def main() -> int:
     only = set(args.only.split(","))
     result: dict[str, Any] = {"machine": benchlib.machine()}
     load_start = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(
-        prefix="kvtierd-scale-", dir=os.environ.get("BENCH_DIR", "/var/tmp")
-    ) as tmp:
-        work = Path(tmp)
+    with benchlib.bench_workdir("scale") as work:
         if "index" in only:
             runs: list[dict[str, Any]] = []
             skipped = []

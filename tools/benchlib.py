@@ -9,14 +9,16 @@ can be re-run one at a time. Raw JSON goes to ``docs/benchmarks/<name>.json`` an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import re
 import statistics
 import subprocess
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,17 @@ def _git_commit() -> str:
     except OSError:
         return "unknown"
     return out.stdout.strip() or "unknown"
+
+
+@contextlib.contextmanager
+def bench_workdir(name: str) -> Iterator[Path]:
+    """A temporary directory for one benchmark's daemons and data files, removed afterwards:
+    under ``$BENCH_DIR`` (default ``/var/tmp``, a real disk: ``/tmp`` may be memory, which
+    would make every disk figure a memory figure)."""
+    with tempfile.TemporaryDirectory(
+        prefix=f"kvtierd-{name}-", dir=os.environ.get("BENCH_DIR", "/var/tmp")
+    ) as tmp:
+        yield Path(tmp)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -70,11 +68,9 @@ def _one_replay(
     *,
     prefetch: bool,
 ) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(
-        prefix="kvtierd-replay-", dir=os.environ.get("BENCH_DIR", "/var/tmp")
-    ) as tmp:
+    with benchlib.bench_workdir("replay") as tmp:
         replay = DaemonReplay(
-            Path(tmp),
+            tmp,
             capacity_blocks=blocks,
             block_bytes=block_bytes,
             speed=speed,
