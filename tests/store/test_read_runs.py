@@ -10,7 +10,6 @@ import itertools
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -25,6 +24,7 @@ from kvtierd.store.records import PAGE_BYTES
 from kvtierd.store.segments import DiskSlot
 from kvtierd.store.store import BlockStore
 from tests.store.test_store_pressure import ROOT, content, key_of, put, read_back, small_store
+from tests.support.gates import gate
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -154,14 +154,7 @@ async def test_forget_while_a_run_is_read(tmp_path: Path, monkeypatch: pytest.Mo
         owner, keys = await stored_on_disk(store, ns, 4)
         assert store.lower is not None
         real_load_run = store.lower.load_run
-        started, proceed = anyio.Event(), anyio.Event()
-
-        async def gated_load_run(*args: Any) -> Any:
-            started.set()
-            await proceed.wait()
-            return await real_load_run(*args)
-
-        monkeypatch.setattr(store.lower, "load_run", gated_load_run)
+        started, proceed = gate(monkeypatch, store.lower, "load_run")
         outcome: list[BaseException | None] = []
 
         async def reader() -> None:
@@ -196,15 +189,7 @@ async def test_a_read_waits_for_a_block_a_prefetch_is_promoting(
     async with store_in_order(tmp_path, "io_uring") as (store, ns):
         owner, keys = await stored_on_disk(store, ns, 6)
         assert store.lower is not None
-        real_load = store.lower.load
-        started, proceed = anyio.Event(), anyio.Event()
-
-        async def gated_load(*args: Any) -> None:
-            started.set()
-            await proceed.wait()
-            await real_load(*args)
-
-        monkeypatch.setattr(store.lower, "load", gated_load)
+        started, proceed = gate(monkeypatch, store.lower, "load")
         assert store.lookup(ns, [keys[2]]) == (1, b"\x01")  # promotes it in the background
         await started.wait()
         leases = []

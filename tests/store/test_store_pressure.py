@@ -19,6 +19,7 @@ from kvtierd.store.lifecycle import open_store
 from kvtierd.store.namespaces import Namespace, NamespaceSpec, PeerCredentials
 from kvtierd.store.records import checksum
 from kvtierd.store.store import BlockStore
+from tests.support.gates import gate
 
 ROOT = PeerCredentials(pid=1, uid=0, gid=0)
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -109,14 +110,7 @@ async def test_forget_while_a_promotion_reads_the_disk(
         owner = await _fsynced_and_evicted(store, ns, [key, other])
         assert store.lower is not None
         real_load = store.lower.load
-        started, proceed = anyio.Event(), anyio.Event()
-
-        async def gated_load(*args: Any) -> None:
-            started.set()
-            await proceed.wait()
-            await real_load(*args)
-
-        monkeypatch.setattr(store.lower, "load", gated_load)
+        started, proceed = gate(monkeypatch, store.lower, "load")
         block = store.index.get(ns, key)
         assert block is not None
         outcome: list[BaseException | None] = []
