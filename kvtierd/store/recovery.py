@@ -54,7 +54,7 @@ import numpy.typing as npt
 from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.io import IoBackend
 from kvtierd.store import snapshot as snapshots
-from kvtierd.store.coldindex import ColdIndex, Columns
+from kvtierd.store.coldindex import ColdIndex, Columns, impossible_lengths
 from kvtierd.store.durable import fsync_directory, replace_durably
 from kvtierd.store.records import (
     PAGE_BYTES,
@@ -330,6 +330,7 @@ async def scan(
         slot_bytes = segmap.segments[number].slot_bytes
         at, fields = record_headers(span, slot_bytes, count, slot_bytes)
         known = (fields["flags"] | _KNOWN_FLAGS) == _KNOWN_FLAGS  # else a later version's
+        known &= ~impossible_lengths(fields["stored"], fields["raw"], fields["flags"])
         if len(at):
             found.append((number, at[known] + first, {k: v[known] for k, v in fields.items()}))
             counted += int(known.sum())

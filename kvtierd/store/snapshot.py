@@ -27,7 +27,7 @@ import numpy.typing as npt
 import xxhash
 
 from kvtierd.keys import MAX_KEY_BYTES
-from kvtierd.store.coldindex import COLUMNS, identity_hashes, repeated
+from kvtierd.store.coldindex import COLUMNS, identity_hashes, impossible_lengths, repeated
 from kvtierd.store.records import PAGE_BYTES, RecordHeader
 
 __all__ = ["Snapshot", "SnapshotV1", "decode", "encode", "largest", "problem"]
@@ -186,7 +186,8 @@ def problem(snap: Snapshot, file_bytes: int) -> str | None:
     """What makes ``snap`` impossible for a data file of ``file_bytes``, or ``None``: segments
     not following each other inside the file, or of an impossible geometry; a record in a slot
     that does not exist or that it does not fit; a slot, or a key with one seq, listed twice; an
-    impossible key, namespace or flag."""
+    impossible key, namespace or flag; lengths no write made
+    (:func:`~kvtierd.store.coldindex.impossible_lengths`)."""
     tail = PAGE_BYTES
     for number, (start, slot_bytes, count) in enumerate(snap.segments):
         if start != tail:
@@ -225,8 +226,10 @@ def problem(snap: Snapshot, file_bytes: int) -> str | None:
         return "a record's key has bytes past its length"
     stored = c["stored"].astype(np.int64)
     pages = PAGE_BYTES + (stored + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
-    if ((stored < 1) | (stored > c["raw"]) | (pages > slot_bytes)).any():
+    if (pages > slot_bytes).any():
         return "a record does not fit its slot"
+    if impossible_lengths(c["stored"], c["raw"], c["flags"]).any():
+        return "a record has lengths no write made"
     # Only rows whose (key, seq) hash repeats can repeat: compare those exactly.
     hashes = identity_hashes(c["key"], c["klen"], c["ns"], 0) ^ c["seq"].astype(np.uint64)
     suspects = np.flatnonzero(repeated(hashes))

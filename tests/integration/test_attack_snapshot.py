@@ -13,6 +13,8 @@ slots) is caught by the record header each read checks: a miss, never the other 
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import struct
 from collections.abc import Callable
@@ -26,6 +28,7 @@ import xxhash
 from kvtierd.client import connect
 from kvtierd.errors import BlockNotFoundError
 from kvtierd.store import snapshot as snapshots
+from kvtierd.store.records import PAGE_BYTES, RecordHeader
 from kvtierd.store.recovery import SNAPSHOT_NAME
 from kvtierd.testing import DaemonProcess
 from tests.support.attacks import unharmed
@@ -187,3 +190,100 @@ def test_rows_that_swap_their_slots_serve_misses_never_the_other_block(tmp_path:
         found = served(daemon)
         assert len(found) >= BLOCKS - 2
         unharmed(daemon)
+
+
+# -- forged record headers against the vectorised scan ---------------------------------------
+
+SMALL = 4096  # 8 KiB slots: a 1 MiB segment is one run of the scan's vectorised parser
+SMALL_COUNT = 300
+
+
+def small_block(i: int) -> bytes:
+    return i.to_bytes(4, "little") * (SMALL // 4)
+
+
+def small_key(i: int) -> bytes:
+    return b"scan-%06d" % i
+
+
+def _record_offsets(data_file: Path) -> dict[int, int]:
+    """Block number -> file offset of its record header (found by its payload)."""
+    data = data_file.read_bytes()
+    found = {}
+    for offset in range(0, len(data) - 2 * PAGE_BYTES, PAGE_BYTES):
+        if data[offset : offset + 4] == RecordHeader.MAGIC:
+            payload = data[offset + PAGE_BYTES : offset + PAGE_BYTES + 8]
+            i = int.from_bytes(payload[:4], "little")
+            if payload == small_block(i)[:8] and i < SMALL_COUNT:
+                found[i] = offset
+    return found
+
+
+def _header_at(data_file: Path, offset: int) -> RecordHeader:
+    with open(data_file, "rb") as f:
+        f.seek(offset)
+        return RecordHeader.unpack(f.read(PAGE_BYTES))
+
+
+def _seal_at(data_file: Path, offset: int, header: RecordHeader) -> None:
+    fd = os.open(data_file, os.O_WRONLY)
+    try:
+        os.pwrite(fd, header.pack(), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_forged_record_headers_at_the_edges_of_a_scan_run(tmp_path: Path) -> None:
+    """After a kill -9 the headers are scanned, a segment's slots parsed together. Headers
+    sealed anew (their checksums right) at the first and last slots of segments: a payload
+    past the slot, another record's identity, a compressed payload claiming 4 GiB, a
+    namespace the catalog never had, flags of a later version. The daemon starts, serves
+    every other block, each its own bytes, the forged ones as misses; and again after a clean
+    stop (from the snapshot that scan made)."""
+    daemon = DaemonProcess(tmp_path / "kvtierd", nvme_size="64M", config_text=CONFIG)
+    with daemon:
+        with connect(daemon.socket) as client:
+            ns = client.namespace("scan", block_bytes=SMALL)
+            for start in range(0, SMALL_COUNT, 50):
+                batch = range(start, start + 50)
+                blocks = [small_block(i) for i in batch]
+                assert ns.put([small_key(i) for i in batch], blocks) == 50
+            client.fsync()
+        daemon.kill()
+    data_file = daemon.data_dir / "nvme.data"
+    offsets = _record_offsets(data_file)
+    assert sorted(offsets) == list(range(SMALL_COUNT))
+    by_offset = sorted(offsets, key=offsets.__getitem__)
+    # where one segment's slots end and the next one's begin (a segment header between)
+    edges = [i for i, j in itertools.pairwise(by_offset) if offsets[j] - offsets[i] > 2 * SMALL]
+    assert len(edges) >= 2, edges
+    last0, first1 = edges[0], by_offset[by_offset.index(edges[0]) + 1]
+    last1, first2 = edges[1], by_offset[by_offset.index(edges[1]) + 1]
+    middle = by_offset[by_offset.index(first2) + 5]
+    h = {i: _header_at(data_file, offsets[i]) for i in (last0, first1, last1, first2, middle)}
+    forged = {
+        last0: dataclasses.replace(h[last0], stored_bytes=2 * PAGE_BYTES + 1, raw_bytes=3 << 12),
+        first1: _header_at(data_file, offsets[first1 + 1]),  # its neighbour's identity
+        last1: dataclasses.replace(h[last1], raw_bytes=(1 << 32) - 1, flags=1),
+        first2: dataclasses.replace(h[first2], ns_digest=bytes(range(16))),
+        middle: dataclasses.replace(h[middle], flags=0x80),
+    }
+    for i, header in forged.items():
+        _seal_at(data_file, offsets[i], header)
+    lost = set(forged) | {first1 + 1}
+    for restart in ("scan", "snapshot"):
+        with daemon:
+            with connect(daemon.socket) as client:
+                ns = client.namespace("scan", block_bytes=SMALL, create=False)
+                served = set()
+                for i in range(SMALL_COUNT):
+                    try:
+                        with ns.get([small_key(i)]) as (view,):
+                            assert bytes(view) == small_block(i), (restart, i)
+                    except BlockNotFoundError:
+                        continue
+                    served.add(i)
+            assert served >= set(range(SMALL_COUNT)) - lost, restart
+            assert not served & (set(forged) - {first2}), restart
+            unharmed(daemon)
