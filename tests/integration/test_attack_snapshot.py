@@ -234,13 +234,9 @@ def _seal_at(data_file: Path, offset: int, header: RecordHeader) -> None:
         os.close(fd)
 
 
-def test_forged_record_headers_at_the_edges_of_a_scan_run(tmp_path: Path) -> None:
-    """After a kill -9 the headers are scanned, a segment's slots parsed together. Headers
-    sealed anew (their checksums right) at the first and last slots of segments: a payload
-    past the slot, another record's identity, a compressed payload claiming 4 GiB, a
-    namespace the catalog never had, flags of a later version. The daemon starts, serves
-    every other block, each its own bytes, the forged ones as misses; and again after a clean
-    stop (from the snapshot that scan made)."""
+def _small_blocks_killed(tmp_path: Path) -> tuple[DaemonProcess, Path, dict[int, int]]:
+    """A daemon that made :data:`SMALL_COUNT` small blocks durable and was killed; its data
+    file, and where each block's record header lies in it."""
     daemon = DaemonProcess(tmp_path / "kvtierd", nvme_size="64M", config_text=CONFIG)
     with daemon:
         with connect(daemon.socket) as client:
@@ -254,6 +250,32 @@ def test_forged_record_headers_at_the_edges_of_a_scan_run(tmp_path: Path) -> Non
     data_file = daemon.data_dir / "nvme.data"
     offsets = _record_offsets(data_file)
     assert sorted(offsets) == list(range(SMALL_COUNT))
+    return daemon, data_file, offsets
+
+
+def _served_small(daemon: DaemonProcess) -> set[int]:
+    """The small blocks the daemon serves, each checked against its own bytes."""
+    served = set()
+    with connect(daemon.socket) as client:
+        ns = client.namespace("scan", block_bytes=SMALL, create=False)
+        for i in range(SMALL_COUNT):
+            try:
+                with ns.get([small_key(i)]) as (view,):
+                    assert bytes(view) == small_block(i), i
+            except BlockNotFoundError:
+                continue
+            served.add(i)
+    return served
+
+
+def test_forged_record_headers_at_the_edges_of_a_scan_run(tmp_path: Path) -> None:
+    """After a kill -9 the headers are scanned, a segment's slots parsed together. Headers
+    sealed anew (their checksums right) at the first and last slots of segments: a payload
+    past the slot, another record's identity, a compressed payload claiming 4 GiB, a
+    namespace the catalog never had, flags of a later version. The daemon starts, serves
+    every other block, each its own bytes, the forged ones as misses; and again after a clean
+    stop (from the snapshot that scan made)."""
+    daemon, data_file, offsets = _small_blocks_killed(tmp_path)
     by_offset = sorted(offsets, key=offsets.__getitem__)
     # where one segment's slots end and the next one's begin (a segment header between)
     edges = [i for i, j in itertools.pairwise(by_offset) if offsets[j] - offsets[i] > 2 * SMALL]
@@ -274,16 +296,18 @@ def test_forged_record_headers_at_the_edges_of_a_scan_run(tmp_path: Path) -> Non
     lost = set(forged) | {first1 + 1}
     for restart in ("scan", "snapshot"):
         with daemon:
-            with connect(daemon.socket) as client:
-                ns = client.namespace("scan", block_bytes=SMALL, create=False)
-                served = set()
-                for i in range(SMALL_COUNT):
-                    try:
-                        with ns.get([small_key(i)]) as (view,):
-                            assert bytes(view) == small_block(i), (restart, i)
-                    except BlockNotFoundError:
-                        continue
-                    served.add(i)
+            served = _served_small(daemon)
             assert served >= set(range(SMALL_COUNT)) - lost, restart
             assert not served & (set(forged) - {first2}), restart
             unharmed(daemon)
+
+
+def test_a_record_of_another_block_size_is_a_miss(tmp_path: Path) -> None:
+    """A header sealed anew: a compressed payload of twice the namespace's block size (a
+    length a write can make, for another namespace). Scanned, it must be a miss."""
+    daemon, data_file, offsets = _small_blocks_killed(tmp_path)
+    header = _header_at(data_file, offsets[7])
+    _seal_at(data_file, offsets[7], dataclasses.replace(header, raw_bytes=2 * SMALL, flags=1))
+    with daemon:
+        assert _served_small(daemon) == set(range(SMALL_COUNT)) - {7}
+        unharmed(daemon)
