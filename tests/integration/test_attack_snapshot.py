@@ -57,15 +57,24 @@ def write_durably(daemon: DaemonProcess) -> None:
         client.fsync()
 
 
-def served(daemon: DaemonProcess) -> set[int]:
-    """The blocks the daemon serves; each one read must be its own bytes."""
+def served(
+    daemon: DaemonProcess,
+    name: str = "forged",
+    block_bytes: int = BLOCK_BYTES,
+    blocks: Callable[[int], bytes] | None = None,
+    keys: Callable[[int], bytes] | None = None,
+    count: int = BLOCKS,
+) -> set[int]:
+    """The blocks of namespace ``name`` the daemon serves; each one read must be its own
+    bytes."""
+    blocks, keys = blocks or block, keys or key
     found = set()
     with connect(daemon.socket) as client:
-        ns = client.namespace("forged", block_bytes=BLOCK_BYTES, create=False)
-        for i in range(BLOCKS):
+        ns = client.namespace(name, block_bytes=block_bytes, create=False)
+        for i in range(count):
             try:
-                with ns.get([key(i)]) as (view,):
-                    assert bytes(view) == block(i), f"block {i} served with other bytes"
+                with ns.get([keys(i)]) as (view,):
+                    assert bytes(view) == blocks(i), f"block {i} served with other bytes"
             except BlockNotFoundError:
                 continue
             found.add(i)
@@ -254,18 +263,7 @@ def _small_blocks_killed(tmp_path: Path) -> tuple[DaemonProcess, Path, dict[int,
 
 
 def _served_small(daemon: DaemonProcess) -> set[int]:
-    """The small blocks the daemon serves, each checked against its own bytes."""
-    served = set()
-    with connect(daemon.socket) as client:
-        ns = client.namespace("scan", block_bytes=SMALL, create=False)
-        for i in range(SMALL_COUNT):
-            try:
-                with ns.get([small_key(i)]) as (view,):
-                    assert bytes(view) == small_block(i), i
-            except BlockNotFoundError:
-                continue
-            served.add(i)
-    return served
+    return served(daemon, "scan", SMALL, small_block, small_key, SMALL_COUNT)
 
 
 def test_forged_record_headers_at_the_edges_of_a_scan_run(tmp_path: Path) -> None:
