@@ -27,7 +27,7 @@ import pytest
 from kvtierd.client import connect
 from kvtierd.errors import InvalidRequestError
 from kvtierd.protocol import ReplyReceived
-from kvtierd.protocol.frames import HEADER_BYTES
+from kvtierd.protocol.frames import HEADER_BYTES, MAX_KEYS_PER_REQUEST
 from kvtierd.protocol.messages import (
     DestroyRequest,
     ForgetRequest,
@@ -39,6 +39,7 @@ from kvtierd.protocol.messages import (
     StatfsReply,
     StatfsRequest,
 )
+from kvtierd.store.slicing import INLINE_ITEMS
 from kvtierd.testing import DaemonProcess
 from tests.support.attacks import unharmed
 from tests.support.rawpeer import DEADLINE_S, RawPeer
@@ -371,3 +372,37 @@ def test_sigterm_while_peers_pipeline_lookups_stops_cleanly(tmp_path: Path) -> N
     log = daemon.log()
     assert "stopped cleanly" in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_long_chains_among_short_lookups_each_get_their_answer(daemon: DaemonProcess) -> None:
+    """LOOKUPs of 8192 keys (past the 256 the callback answers: the lane serves them, in
+    their turn) pipelined among short ones, from two peers at once while a third client is
+    served: every request one reply, with its own hits; the short ones in their order."""
+    assert INLINE_ITEMS <= 256
+    chain = KEYS + [key(20_000 + i) for i in range(MAX_KEYS_PER_REQUEST - STORED)]
+    peers = [RawPeer(daemon.socket, NAME, BLOCK) for _ in range(2)]
+    sent = []
+    for peer in peers:
+        messages: list[Message] = []
+        for i in range(30):
+            messages += [LookupRequest(chain), *[LookupRequest(KEYS[: 1 + i % 5])] * 20]
+        uniques, stream = frames(peer, messages)
+        threading.Thread(target=peer.sock.sendall, args=(stream,), daemon=True).start()
+        sent.append((uniques, messages))
+    with connect(daemon.socket) as client:
+        ns = client.namespace(NAME, block_bytes=BLOCK, create=False)
+        for i in range(50):
+            assert ns.lookup(KEYS[: 1 + i]) == min(1 + i, STORED)
+    for peer, (uniques, messages) in zip(peers, sent, strict=True):
+        got = replies(peer, len(uniques))
+        assert sorted(r.header.unique for r in got) == sorted(uniques)
+        want = {
+            u: min(len(m.keys), STORED)
+            for u, m in zip(uniques, messages, strict=True)
+            if isinstance(m, LookupRequest)
+        }
+        for reply in got:
+            check_lookup(reply, want[reply.header.unique])
+        short = [u for u in uniques if want[u] < STORED]
+        assert [r.header.unique for r in got if r.header.unique in set(short)] == short
+        peer.sock.close()
