@@ -406,3 +406,24 @@ def test_long_chains_among_short_lookups_each_get_their_answer(daemon: DaemonPro
         short = [u for u in uniques if want[u] < STORED]
         assert [r.header.unique for r in got if r.header.unique in set(short)] == short
         peer.sock.close()
+
+
+def test_a_peer_that_half_closes_after_pipelining_gets_every_reply_then_the_end(
+    daemon: DaemonProcess,
+) -> None:
+    """LOOKUPs and STATFS pipelined, then ``shutdown(SHUT_WR)``: the end of the stream reaches
+    the callback after the requests; every one is answered, in order, then the daemon closes."""
+    peer = RawPeer(daemon.socket, NAME, BLOCK)
+    messages: list[Message] = [LookupRequest(KEYS[: 1 + i % STORED]) for i in range(500)]
+    messages.insert(250, StatfsRequest())
+    uniques, stream = frames(peer, messages)
+    peer.sock.sendall(stream)
+    peer.sock.shutdown(socket.SHUT_WR)
+    got = replies(peer, len(uniques))
+    assert [r.header.unique for r in got] == uniques
+    for reply, message in zip(got, messages, strict=True):
+        if isinstance(message, LookupRequest):
+            check_lookup(reply, len(message.keys))
+    with pytest.raises(ConnectionError):
+        peer.next_reply()
+    peer.sock.close()
