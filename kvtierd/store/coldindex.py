@@ -40,7 +40,15 @@ from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.store.freestack import FreeStack
 from kvtierd.store.records import RecordHeader
 
-__all__ = ["COLUMNS", "ColdIndex", "Columns", "identity_hashes", "repeated"]
+__all__ = [
+    "COLUMNS",
+    "MAX_RAW_BYTES",
+    "ColdIndex",
+    "Columns",
+    "identity_hashes",
+    "impossible_lengths",
+    "repeated",
+]
 
 #: Every column of a row: name, element type, elements a row.
 COLUMNS: tuple[tuple[str, type[np.generic], int], ...] = (
@@ -56,6 +64,9 @@ COLUMNS: tuple[tuple[str, type[np.generic], int], ...] = (
     ("index", np.uint32, 1),
 )
 Columns = Mapping[str, npt.NDArray[Any]]
+
+#: No block is larger: the ceiling of ``limits.max_block_bytes`` (:mod:`kvtierd.config`).
+MAX_RAW_BYTES = 1 << 30
 
 _EMPTY, _TOMBSTONE = 0, 1
 _MAX_LOAD = 0.7
@@ -436,6 +447,20 @@ def identity_hashes(
     for w in range(MAX_KEY_BYTES // 8):
         h = _mix_all(h ^ key[:, w])
     return np.where(h > _TOMBSTONE, h, h + np.uint64(2))
+
+
+def impossible_lengths(
+    stored: npt.NDArray[Any], raw: npt.NDArray[Any], flags: npt.NDArray[Any]
+) -> npt.NDArray[np.bool_]:
+    """Which records' lengths no write made: an empty payload, a block past
+    :data:`MAX_RAW_BYTES`, a compressed payload larger than its block, a plain one not the
+    block's size. Such a row (a forged or scribbled header, or snapshot) is never indexed: its
+    ``raw`` is what a read would allocate in DRAM."""
+    stored, raw = stored.astype(np.int64), raw.astype(np.int64)
+    plain: npt.NDArray[np.bool_] = (flags & RecordHeader.FLAG_ZSTD) == 0
+    wrong: npt.NDArray[np.bool_] = (stored < 1) | (raw > MAX_RAW_BYTES) | (stored > raw)
+    wrong |= plain & (stored != raw)
+    return wrong
 
 
 def repeated(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:

@@ -54,7 +54,7 @@ import numpy.typing as npt
 from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.io import IoBackend
 from kvtierd.store import snapshot as snapshots
-from kvtierd.store.coldindex import ColdIndex, Columns
+from kvtierd.store.coldindex import ColdIndex, Columns, impossible_lengths
 from kvtierd.store.durable import fsync_directory, replace_durably
 from kvtierd.store.records import (
     PAGE_BYTES,
@@ -157,9 +157,9 @@ async def load_snapshot(
     holds none: with both, one was left by a run of another version and is stale, so neither
     is trusted. One there of another file is left alone. Raises only ``OSError`` when a
     snapshot cannot be deleted, and what reading the file's segment headers raises."""
-    snap = _take_snapshot(path, segmap.file_id, keep_foreign=False)
+    snap = _take_snapshot(path, segmap, keep_foreign=False)
     if legacy is not None and legacy != path:
-        old = _take_snapshot(legacy, segmap.file_id, keep_foreign=True)
+        old = _take_snapshot(legacy, segmap, keep_foreign=True)
         if snap is not None and old is not None:
             log.warning(
                 "two index snapshots of this data file, %s and %s (an older version ran in "
@@ -193,20 +193,29 @@ async def load_snapshot(
     return _recovered(segmap, snap.columns, snap.digests, "snapshot")
 
 
-def _take_snapshot(path: Path, file_id: bytes, *, keep_foreign: bool) -> snapshots.Snapshot | None:
-    """Read and delete the snapshot at ``path`` when it names the data file ``file_id``; one
-    that does not, or cannot be decoded, is deleted with a WARNING, or with ``keep_foreign``
-    left in place (it may be another daemon's)."""
+def _take_snapshot(
+    path: Path, segmap: SegmentMap, *, keep_foreign: bool
+) -> snapshots.Snapshot | None:
+    """Read and delete the snapshot at ``path`` when it names the data file of ``segmap``; one
+    that does not, cannot be decoded, or is larger than any snapshot of that file can be (read
+    no further: never an allocation the file's size), is deleted with a WARNING, or with
+    ``keep_foreign`` left in place (it may be another daemon's)."""
+    limit = snapshots.largest(segmap.file_bytes)
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as file:  # read() allocates what it is asked for: ask no more
+            raw = file.read(min(os.fstat(file.fileno()).st_size, limit) + 1)
     except FileNotFoundError:
         return None
-    try:
-        snap: snapshots.Snapshot | None = snapshots.decode(raw)
-        problem = None
-    except snapshots.CorruptSnapshot as exc:
-        snap, problem = None, f"ignoring unreadable index snapshot {path}: {exc}"
-    if snap is not None and snap.file_id != file_id:
+    snap: snapshots.Snapshot | None
+    if len(raw) > limit:
+        snap, problem = None, f"ignoring index snapshot {path}: larger than any of this data file"
+    else:
+        try:
+            snap = snapshots.decode(raw)
+            problem = None
+        except snapshots.CorruptSnapshot as exc:
+            snap, problem = None, f"ignoring unreadable index snapshot {path}: {exc}"
+    if snap is not None and snap.file_id != segmap.file_id:
         snap, problem = None, f"index snapshot {path} names another data file; scanning instead"
     if problem is not None and keep_foreign:
         return None
@@ -321,6 +330,7 @@ async def scan(
         slot_bytes = segmap.segments[number].slot_bytes
         at, fields = record_headers(span, slot_bytes, count, slot_bytes)
         known = (fields["flags"] | _KNOWN_FLAGS) == _KNOWN_FLAGS  # else a later version's
+        known &= ~impossible_lengths(fields["stored"], fields["raw"], fields["flags"])
         if len(at):
             found.append((number, at[known] + first, {k: v[known] for k, v in fields.items()}))
             counted += int(known.sum())

@@ -27,10 +27,10 @@ import numpy.typing as npt
 import xxhash
 
 from kvtierd.keys import MAX_KEY_BYTES
-from kvtierd.store.coldindex import COLUMNS, identity_hashes, repeated
+from kvtierd.store.coldindex import COLUMNS, identity_hashes, impossible_lengths, repeated
 from kvtierd.store.records import PAGE_BYTES, RecordHeader
 
-__all__ = ["Snapshot", "SnapshotV1", "decode", "encode", "problem"]
+__all__ = ["Snapshot", "SnapshotV1", "decode", "encode", "largest", "problem"]
 
 _MAGIC = b"KVTI"
 _VERSION = 2
@@ -39,6 +39,11 @@ _CHECK = struct.Struct("<Q")
 _KNOWN_FLAGS = RecordHeader.FLAG_ZSTD
 _LIMITS = {"stored": 1 << 32, "raw": 1 << 32, "segment": 1 << 32, "index": 1 << 32}
 _U64 = 1 << 64
+#: More than any head can take beside its segments: the file id, 65,536 namespace digests
+#: (``ns`` is a u16) and the columns' checksums, msgpack-framed.
+_HEAD_BYTES = 2 << 20
+#: A segment in the head (three msgpack integers of up to 9 bytes, and the array's byte).
+_SEGMENT_BYTES = 32
 
 
 class SnapshotV1(msgspec.Struct, array_like=True):
@@ -95,6 +100,16 @@ def encode(snap: Snapshot) -> bytes:
     )
     framed = _FRAME.pack(_MAGIC, _VERSION, len(head)) + head
     return b"".join([framed, _CHECK.pack(xxhash.xxh3_64_intdigest(framed)), *parts])
+
+
+def largest(file_bytes: int) -> int:
+    """The most bytes a snapshot of a data file of ``file_bytes`` can take (any format): a row
+    per slot, and no slot takes less than two pages. Read no more: a snapshot file grown past
+    it (a sparse terabyte, say) must cost a scan, never an allocation the size of the file."""
+    slots = max(file_bytes, 0) // (2 * PAGE_BYTES)
+    row = sum(np.dtype(dtype).itemsize * width for _, dtype, width in COLUMNS)
+    # format 1 spends more a row than format 2's columns (msgpack, a digest per record): 3x
+    return _HEAD_BYTES + slots * (3 * row + _SEGMENT_BYTES)
 
 
 def decode(raw: bytes) -> Snapshot:
@@ -171,7 +186,8 @@ def problem(snap: Snapshot, file_bytes: int) -> str | None:
     """What makes ``snap`` impossible for a data file of ``file_bytes``, or ``None``: segments
     not following each other inside the file, or of an impossible geometry; a record in a slot
     that does not exist or that it does not fit; a slot, or a key with one seq, listed twice; an
-    impossible key, namespace or flag."""
+    impossible key, namespace or flag; lengths no write made
+    (:func:`~kvtierd.store.coldindex.impossible_lengths`)."""
     tail = PAGE_BYTES
     for number, (start, slot_bytes, count) in enumerate(snap.segments):
         if start != tail:
@@ -210,8 +226,10 @@ def problem(snap: Snapshot, file_bytes: int) -> str | None:
         return "a record's key has bytes past its length"
     stored = c["stored"].astype(np.int64)
     pages = PAGE_BYTES + (stored + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
-    if ((stored < 1) | (stored > c["raw"]) | (pages > slot_bytes)).any():
+    if (pages > slot_bytes).any():
         return "a record does not fit its slot"
+    if impossible_lengths(c["stored"], c["raw"], c["flags"]).any():
+        return "a record has lengths no write made"
     # Only rows whose (key, seq) hash repeats can repeat: compare those exactly.
     hashes = identity_hashes(c["key"], c["klen"], c["ns"], 0) ^ c["seq"].astype(np.uint64)
     suspects = np.flatnonzero(repeated(hashes))
