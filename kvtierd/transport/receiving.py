@@ -128,7 +128,45 @@ class StreamReceiver:
 _SERVED = object()
 
 
-class ReadinessReceiver:
+class _SocketReceiver:
+    """The rules both raw-socket receivers follow (the module's theory of operation): after a
+    short ``recv`` wait for readiness first, after a full one try again after a checkpoint.
+    Subclasses wait (``_wait``): ``None`` to ``recv`` now, else what to return instead."""
+
+    def __init__(
+        self, sock: socket.socket, fds: MutableSequence[int] | None = None, max_fds: int = MAX_FDS
+    ) -> None:
+        self._sock = sock
+        self._recv = _recv_of(sock, fds, max_fds)
+        #: The last ``recv`` emptied the socket: wait before the next one.
+        self._drained = False
+        self._closed = False
+
+    async def receive(self, max_bytes: int) -> bytes | None:
+        recv = self._recv
+        if self._drained:
+            got = await self._wait(max_bytes)
+            if got is not None:
+                return None if got is _SERVED else cast(bytes, got)
+        else:
+            await anyio.lowlevel.checkpoint()
+        while True:
+            try:
+                data = recv(max_bytes)
+            except (BlockingIOError, InterruptedError):
+                # the readiness was spurious: wait for the real one
+                got = await self._wait(max_bytes)
+                if got is not None:
+                    return None if got is _SERVED else cast(bytes, got)
+                continue
+            self._drained = len(data) < max_bytes
+            return data
+
+    async def _wait(self, max_bytes: int) -> object:
+        raise NotImplementedError
+
+
+class ReadinessReceiver(_SocketReceiver):
     """Receives from a non-blocking socket on an asyncio loop whose reader callback stays
     registered between requests, optionally serving from that callback (see the module's
     theory of operation)."""
@@ -141,8 +179,7 @@ class ReadinessReceiver:
         fds: MutableSequence[int] | None = None,
         max_fds: int = MAX_FDS,
     ) -> None:
-        self._sock = sock
-        self._recv = _recv_of(sock, fds, max_fds)
+        super().__init__(sock, fds, max_fds)
         self._fd = sock.fileno()
         self._loop = loop
         self._serve_now = serve_now
@@ -151,31 +188,8 @@ class ReadinessReceiver:
         self._waiter: asyncio.Future[object] | None = None
         #: What the waiting ``receive`` asked for, for the callback's ``recv``.
         self._max_bytes = 0
-        #: The last ``recv`` emptied the socket: wait before the next one.
-        self._drained = False
-        self._closed = False
 
-    async def receive(self, max_bytes: int) -> bytes | None:
-        recv = self._recv
-        if self._drained:
-            got = await self._readable(max_bytes)
-            if got is not None:
-                return None if got is _SERVED else cast(bytes, got)
-        else:
-            await anyio.lowlevel.checkpoint()
-        while True:
-            try:
-                data = recv(max_bytes)
-            except (BlockingIOError, InterruptedError):
-                # the readiness was spurious: wait for the real one
-                got = await self._readable(max_bytes)
-                if got is not None:
-                    return None if got is _SERVED else cast(bytes, got)
-                continue
-            self._drained = len(data) < max_bytes
-            return data
-
-    async def _readable(self, max_bytes: int) -> object:
+    async def _wait(self, max_bytes: int) -> object:
         if self._closed:
             raise anyio.ClosedResourceError
         waiter = self._loop.create_future()
@@ -236,34 +250,10 @@ class ReadinessReceiver:
             waiter.set_exception(anyio.ClosedResourceError())
 
 
-class WaitingReceiver:
+class WaitingReceiver(_SocketReceiver):
     """Receives from a non-blocking socket, waiting with anyio's ``wait_readable`` (trio)."""
 
-    def __init__(
-        self, sock: socket.socket, fds: MutableSequence[int] | None = None, max_fds: int = MAX_FDS
-    ) -> None:
-        self._sock = sock
-        self._recv = _recv_of(sock, fds, max_fds)
-        #: The last ``recv`` emptied the socket: wait before the next one.
-        self._drained = False
-        self._closed = False
-
-    async def receive(self, max_bytes: int) -> bytes:
-        recv = self._recv
-        if self._drained:
-            await self._wait()
-        else:
-            await anyio.lowlevel.checkpoint()
-        while True:
-            try:
-                data = recv(max_bytes)
-            except (BlockingIOError, InterruptedError):
-                await self._wait()
-                continue
-            self._drained = len(data) < max_bytes
-            return data
-
-    async def _wait(self) -> None:
+    async def _wait(self, max_bytes: int) -> object:
         if self._closed:
             raise anyio.ClosedResourceError
         try:
@@ -273,6 +263,7 @@ class WaitingReceiver:
             if self._closed:
                 raise anyio.ClosedResourceError from exc
             raise
+        return None
 
     def close(self) -> None:
         self._closed = True
