@@ -100,6 +100,7 @@ from kvtierd.protocol.messages import (
     StatfsReply,
     StatfsRequest,
 )
+from kvtierd.transport.receiving import Receiver, open_receiver
 
 __all__ = ["AsyncClient", "AsyncNamespace", "connect_async"]
 
@@ -133,6 +134,9 @@ class AsyncClient:
         reconnect: Reconnect | None = None,
     ) -> None:
         self._stream = stream
+        #: The stream's socket, for sends offered at once (anyio's ``extra`` builds a mapping
+        #: per call: a tenth of a LOOKUP's client CPU).
+        self._raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
         self._conn = conn
         self._path = path
         self._client_name = client_name
@@ -150,8 +154,8 @@ class AsyncClient:
         self._broken: KvtierError | None = None
         self._regions = Regions()
         self._closed = False
-        #: Descriptors received and not yet matched to their reply frame, in arrival order.
-        self._received_fds: collections.deque[int] = collections.deque()
+        #: What reads the current connection's replies (closed before its socket is).
+        self._receiver: Receiver | None = None
         self.max_keys = 1
         self.corrupt_reads = 0
         self.daemon_version = ""
@@ -233,7 +237,7 @@ class AsyncClient:
             unique, frame = self._conn.request(message, ns)
             self._waiters[unique] = waiter
             try:
-                sent = _send_nowait(self._stream, frame)
+                sent = _send_nowait(self._raw, frame)
                 if sent < len(frame):
                     await self._stream.send(frame[sent:])
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
@@ -359,6 +363,7 @@ class AsyncClient:
             raise
         old = self._stream
         self._stream, self._conn = stream, conn
+        self._raw = stream.extra(SocketAttribute.raw_socket)
         self._regions.close(replaced_region_error())
         self._regions = regions
         for ns, handle in handles:
@@ -372,8 +377,10 @@ class AsyncClient:
         self._waiters = {}
         self.reconnects += 1
         self._broken = None
-        assert self._tg is not None
-        self._tg.start_soon(self._read_replies, stream, conn, self.reconnects)
+        old_receiver = self._receiver
+        self._start_reader(stream, conn)
+        if old_receiver is not None:  # stop watching the old socket before it closes
+            old_receiver.close()
         with (
             anyio.CancelScope(shield=True),
             contextlib.suppress(OSError, anyio.BrokenResourceError),
@@ -438,32 +445,64 @@ class AsyncClient:
             with anyio.CancelScope(shield=True), contextlib.suppress(BrokenConnectionError):
                 await self.run(ops.release(leases))
 
+    def _start_reader(self, stream: UNIXSocketStream, conn: ClientConnection) -> None:
+        """Start reading the replies of ``stream`` (connection number ``reconnects``). On
+        asyncio the socket's readiness callback reads and hands each reply to its waiter
+        itself (:mod:`kvtierd.transport.receiving`), so a reply costs one wake-up, the
+        caller's; the reader task only waits for the end. Descriptors passed with a reply (a
+        region) are read with it: a plain read would let the kernel drop them."""
+        reconnects = self.reconnects
+        pending: collections.deque[int] = collections.deque()
+
+        def serve_now(data: bytes) -> bool:
+            return self._take(conn, reconnects, pending, data)
+
+        raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
+        receiver = open_receiver(stream, raw, serve_now, fds=pending)
+        self._receiver = receiver
+        assert self._tg is not None
+        self._tg.start_soon(self._read_replies, receiver, conn, reconnects, pending)
+
     async def _read_replies(
-        self, stream: UNIXSocketStream, conn: ClientConnection, reconnects: int
+        self,
+        receiver: Receiver,
+        conn: ClientConnection,
+        reconnects: int,
+        pending: collections.deque[int],
     ) -> None:
-        """Match the replies of connection number ``reconnects`` to their waiters."""
+        """Match the replies of connection number ``reconnects`` to their waiters, until it
+        ends; ``pending`` holds descriptors received and not yet matched to their reply."""
         try:
             while True:
-                # With descriptors: a region passed with a reply must not be dropped by a
-                # plain read (the kernel closes descriptors nobody asked for).
-                try:
-                    data, fds = await stream.receive_fds(_RECEIVE_BYTES, 4)
-                except anyio.EndOfStream:
-                    data, fds = b"", []
-                if reconnects != self.reconnects:  # replaced: nobody waits for these
-                    close_all(fds)
-                    return
-                self._received_fds.extend(fds)
-                conn.receive_data(data)
-                if not self._dispatch(conn, reconnects):
-                    return
+                data = await receiver.receive(_RECEIVE_BYTES)
+                if data is None or not self._take(conn, reconnects, pending, data):
+                    return  # None: the callback took the bytes, and with them the end
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, KvtierError) as exc:
             error = exc if isinstance(exc, KvtierError) else BrokenConnectionError(str(exc))
             self._fail(error, reconnects)
         finally:
+            receiver.close()
+            close_all(list(pending))
+            pending.clear()
             self._fail(BrokenConnectionError("kvtierd closed the connection"), reconnects)
 
-    def _dispatch(self, conn: ClientConnection, reconnects: int) -> bool:
+    def _take(
+        self,
+        conn: ClientConnection,
+        reconnects: int,
+        pending: collections.deque[int],
+        data: bytes,
+    ) -> bool:
+        """Hand the replies in ``data`` (``b""``: the end) to their waiters; False once the
+        connection ended or was replaced (nobody waits for its replies then)."""
+        if reconnects != self.reconnects:
+            return False
+        conn.receive_data(data)
+        return self._dispatch(conn, reconnects, pending)
+
+    def _dispatch(
+        self, conn: ClientConnection, reconnects: int, pending: collections.deque[int]
+    ) -> bool:
         while True:
             event = conn.next_event()
             if event is NEED_DATA:
@@ -476,8 +515,8 @@ class AsyncClient:
                 self._fail(error, reconnects)
                 return False
             fds = (
-                [self._received_fds.popleft()]
-                if event.header.flags & FrameFlags.FD_ATTACHED and self._received_fds
+                [pending.popleft()]
+                if event.header.flags & FrameFlags.FD_ATTACHED and pending
                 else []
             )
             waiter = self._waiters.pop(event.header.unique, None)
@@ -627,7 +666,7 @@ class AsyncClient:
 
     def _start(self, tg: TaskGroup) -> None:
         self._tg = tg
-        tg.start_soon(self._read_replies, self._stream, self._conn, self.reconnects)
+        self._start_reader(self._stream, self._conn)
         tg.start_soon(self._janitor)
 
     async def aclose(self) -> None:
@@ -640,11 +679,11 @@ class AsyncClient:
             with anyio.move_on_after(5):
                 await self._exchange(DestroyRequest(), 0, None)
         self._janitor_send.close()
+        if self._receiver is not None:  # stop watching the socket before it closes
+            self._receiver.close()
         await self._stream.aclose()
         self._held.lose_all(closed_error())
         self._regions.close()
-        close_all(list(self._received_fds))
-        self._received_fds.clear()
 
 
 class AsyncNamespace(NamespaceBase[AsyncClient]):
@@ -811,9 +850,9 @@ async def _connect(path: Path) -> UNIXSocketStream:
         raise connect_error(path, exc) from None
 
 
-def _send_nowait(stream: UNIXSocketStream, frame: bytes) -> int:
-    """How much of ``frame`` the stream's non-blocking socket took at once (0 when full)."""
-    raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
+def _send_nowait(raw: socket.socket, frame: bytes) -> int:
+    """How much of ``frame`` the stream's non-blocking socket ``raw`` took at once (0 when
+    full)."""
     try:
         return raw.send(frame)
     except BlockingIOError:

@@ -1,12 +1,14 @@
-"""The session's receivers on real Unix sockets, on asyncio, uvloop and trio (and anyio's
-stream, for TLS): bytes arrive in order and whole, the end of the stream reads as ``b""``,
-bytes that come while nobody waits are not lost (and do not make the loop spin), and a peer
-that hangs up on unread replies (an error event, after which libuv stops the poll) never
-leaves the reader waiting for ever."""
+"""The receivers (the daemon's sessions' and the async client's) on real Unix sockets, on
+asyncio, uvloop and trio (and anyio's stream, for TLS): bytes arrive in order and whole, the
+end of the stream reads as ``b""``, bytes that come while nobody waits are not lost (and do
+not make the loop spin), a peer that hangs up on unread replies (an error event, after which
+libuv stops the poll) never leaves the reader waiting for ever, descriptors passed with the
+bytes reach the sink (none leaked), and closing a receiver ends a receive waiting on it."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -17,7 +19,8 @@ import anyio.lowlevel
 import pytest
 from anyio.abc import SocketAttribute, SocketListener, SocketStream
 
-from kvtierd.server.receiving import ReadinessReceiver, Receiver, open_receiver
+from kvtierd.client.base import close_all
+from kvtierd.transport.receiving import ReadinessReceiver, Receiver, open_receiver
 
 pytestmark = pytest.mark.anyio
 
@@ -214,3 +217,53 @@ async def test_a_serving_callback_answers_while_the_reader_sleeps(
         pair.client.close()
         assert await receiver.receive(1 << 16) == b""
     receiver.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_descriptors_passed_with_the_bytes_go_to_the_sink_in_order(pair: _Pair) -> None:
+    """The async client's reads: descriptors (a region) reach the sink in arrival order, with
+    their bytes; more than ``max_fds`` in one message are closed by the kernel, none leaked."""
+    sink: list[int] = []
+    receiver = open_receiver(pair.stream, pair.raw, fds=sink)
+    memfds = [os.memfd_create(f"region-{i}") for i in range(6)]
+    try:
+        before = _open_fds()
+        with anyio.fail_after(10):
+            socket.send_fds(pair.client, [b"one"], memfds[:1])
+            assert await _receive_exactly(receiver, 3) == b"one"
+            assert len(sink) == 1
+            assert os.readlink(f"/proc/self/fd/{sink[0]}").startswith("/memfd:region-0")
+            socket.send_fds(pair.client, [b"many"], memfds[1:])  # 5: one past the cap
+            assert await _receive_exactly(receiver, 4) == b"many"
+        names = [os.readlink(f"/proc/self/fd/{fd}") for fd in sink]
+        assert [n.split(" ")[0] for n in names] == [f"/memfd:region-{i}" for i in range(5)]
+        assert _open_fds() == before + len(sink)  # the sixth was never installed here
+    finally:
+        close_all(sink)
+        close_all(memfds)
+        receiver.close()
+
+
+async def test_closing_the_receiver_ends_a_waiting_receive(pair: _Pair) -> None:
+    """The client closes its receiver, then the socket, under its waiting reader: the reader
+    ends with ``ClosedResourceError`` on every loop, never waits for ever."""
+    receiver = open_receiver(pair.stream, pair.raw, fds=[])
+    ended: list[BaseException] = []
+
+    async def reader() -> None:
+        try:
+            while True:
+                await receiver.receive(1 << 16)
+        except anyio.ClosedResourceError as exc:
+            ended.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            await anyio.wait_all_tasks_blocked()
+            receiver.close()
+            await pair.stream.aclose()
+    assert len(ended) == 1
