@@ -147,6 +147,43 @@ async def test_a_damaged_record_inside_a_run_is_a_miss_for_it_alone(
         assert store.regions.used_bytes == 0
 
 
+def rewrite_header_page(directory: Path, slot: DiskSlot, page: bytes) -> None:
+    fd = os.open(directory / "nvme.data", os.O_RDWR)
+    try:
+        os.pwrite(fd, page, slot.offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def header_page(directory: Path, slot: DiskSlot) -> bytes:
+    with open(directory / "nvme.data", "rb") as f:
+        f.seek(slot.offset)
+        return f.read(PAGE_BYTES)
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
+async def test_a_header_page_unlike_the_index_is_judged_on_what_it_says(
+    tmp_path: Path, backend: str
+) -> None:
+    """A run's header pages are accepted at a glance when they are byte for byte the header
+    the index holds; any other page is unpacked and judged as before: another block's intact
+    header is a miss, the right header with other bytes in its page's unused tail a hit."""
+    async with store_in_order(tmp_path, backend) as (store, ns):
+        owner, keys = await stored_on_disk(store, ns, 5)
+        slots = [location(store, ns, key) for key in keys]
+        stray = bytearray(header_page(tmp_path, slots[1]))
+        stray[-1] ^= 0xFF  # past the sealed header: not part of what it says
+        rewrite_header_page(tmp_path, slots[1], bytes(stray))
+        rewrite_header_page(tmp_path, slots[3], header_page(tmp_path, slots[4]))
+        with pytest.raises(BlockNotFoundError):
+            await store.read(owner, ns, keys)
+        assert store.index.get(ns, keys[3]) is None  # its slot names another block
+        assert store.counters["lost"] == 1
+        for key in keys[:3] + keys[4:]:  # the stray tail did not cost keys[1] its copy
+            assert await read_back(store, owner, ns, key) == content(key, BLOCK)
+
+
 async def test_forget_while_a_run_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """FORGET of a block of a run in flight: the READ is a miss, the others land, nothing
     leaks, and the forgotten block stays forgotten."""
