@@ -23,12 +23,18 @@ numpy computes for millions of keys at once, which is what lets a restart build 
 without a Python step per block. A key's bucket names its newest row (the highest seq; on a tie
 the one there first); an older row of the key keeps its place until it is removed, so a record
 being replaced stays readable by its place meanwhile.
+
+*Growth, on the event loop without holding it.* Every insert runs on the daemon's loop (a
+client's put written back), so neither growth may cost in proportion to the index: the columns
+grow by ``mremap`` (no copy), and a large bucket table moves to its successor a few buckets per
+insert, both tables probed meanwhile (:meth:`ColdIndex._grow`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import mmap
 import os
 import struct
 from collections.abc import Iterator, Mapping
@@ -100,6 +106,7 @@ class ColdIndex:
     ) -> None:
         self._seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed & _M64
         self._cols: dict[str, npt.NDArray[Any]] = {}
+        self._maps: dict[str, mmap.mmap] = {}  # the columns' memory (:meth:`_alloc_rows`)
         #: The columns as memoryviews (the key's as bytes): reading one element of one is a
         #: Python int at once, several times cheaper than a numpy scalar.
         self._flat: dict[str, memoryview] = {}
@@ -325,14 +332,28 @@ class ColdIndex:
     # -- internals -----------------------------------------------------------------------------
 
     def _alloc_rows(self, rows: int) -> None:
-        old = self._cols
+        """Room for ``rows`` rows (never fewer than now). Each column lives in its own private
+        anonymous mapping, grown with ``mremap`` (:meth:`mmap.mmap.resize`): the kernel moves
+        page tables and the new rows are zero pages until written, where a copy into a larger
+        array cost about 0.2 s for 400 MB, on the event loop, at 10M rows (68 bytes a row).
+        A mapping with a view still exported (none is kept outside this class) is copied."""
+        old_maps, self._cols, self._flat = self._maps, {}, {}
+        self._maps = {}
         for name, dtype, width in COLUMNS:
-            shape = (rows, width) if width > 1 else (rows,)
-            column = np.zeros(shape, dtype)
-            if name in old:
-                keep = min(rows, len(old[name]))
-                column[:keep] = old[name][:keep]
-            self._cols[name] = column
+            size = rows * width * np.dtype(dtype).itemsize
+            mapped = old_maps.get(name)
+            if mapped is None:
+                mapped = _anonymous(size)
+            else:
+                try:
+                    mapped.resize(size)
+                except BufferError:
+                    grown = _anonymous(size)
+                    grown[: len(mapped)] = mapped
+                    mapped = grown
+            self._maps[name] = mapped
+            column = np.frombuffer(mapped, dtype)
+            self._cols[name] = column.reshape(rows, width) if width > 1 else column
         self._flat = {name: _flat(column) for name, column in self._cols.items()}
 
     def _new_row(self) -> int:
@@ -493,6 +514,12 @@ class ColdIndex:
         self._filled = self._keys = count
         self._old_hash, self._old_brow = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
         self._cursor = 0
+
+
+def _anonymous(size: int) -> mmap.mmap:
+    """``size`` zero bytes of private anonymous memory (private: a shared anonymous mapping
+    grown by ``mremap`` faults past its first size)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def _flat(column: npt.NDArray[Any]) -> memoryview:
