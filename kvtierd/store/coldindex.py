@@ -45,6 +45,7 @@ import numpy.typing as npt
 
 from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.store.freestack import FreeStack
+from kvtierd.store.mapped import anonymous, resized
 from kvtierd.store.records import RecordHeader
 
 __all__ = ["COLUMNS", "ColdIndex", "Columns", "identity_hashes", "repeated"]
@@ -333,24 +334,15 @@ class ColdIndex:
 
     def _alloc_rows(self, rows: int) -> None:
         """Room for ``rows`` rows (never fewer than now). Each column lives in its own private
-        anonymous mapping, grown with ``mremap`` (:meth:`mmap.mmap.resize`): the kernel moves
-        page tables and the new rows are zero pages until written, where a copy into a larger
-        array cost about 0.2 s for 400 MB, on the event loop, at 10M rows (68 bytes a row).
-        A mapping with a view still exported (none is kept outside this class) is copied."""
+        anonymous mapping grown with ``mremap`` (:mod:`kvtierd.store.mapped`): a copy into a
+        larger array cost about 0.2 s for 400 MB, on the event loop, at 10M rows (68 bytes a
+        row). No view of a column is kept outside this class, so none blocks the resize."""
         old_maps, self._cols, self._flat = self._maps, {}, {}
         self._maps = {}
         for name, dtype, width in COLUMNS:
             size = rows * width * np.dtype(dtype).itemsize
             mapped = old_maps.get(name)
-            if mapped is None:
-                mapped = _anonymous(size)
-            else:
-                try:
-                    mapped.resize(size)
-                except BufferError:
-                    grown = _anonymous(size)
-                    grown[: len(mapped)] = mapped
-                    mapped = grown
+            mapped = anonymous(size) if mapped is None else resized(mapped, size)
             self._maps[name] = mapped
             column = np.frombuffer(mapped, dtype)
             self._cols[name] = column.reshape(rows, width) if width > 1 else column
@@ -514,12 +506,6 @@ class ColdIndex:
         self._filled = self._keys = count
         self._old_hash, self._old_brow = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
         self._cursor = 0
-
-
-def _anonymous(size: int) -> mmap.mmap:
-    """``size`` zero bytes of private anonymous memory (private: a shared anonymous mapping
-    grown by ``mremap`` faults past its first size)."""
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def _flat(column: npt.NDArray[Any]) -> memoryview:

@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.freestack import FreeStack
+from kvtierd.store.mapped import anonymous, resized
 from kvtierd.store.records import RecordHeader
 
 DIGESTS = [bytes([n]) * 16 for n in range(3)]
@@ -244,3 +245,21 @@ def test_free_stack_is_last_in_first_out_through_growing_and_shrinking() -> None
     with pytest.raises(IndexError):
         stack.pop()
     assert len(stack) == 0
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_mapping_grows_and_shrinks_keeping_its_bytes(held: bool) -> None:
+    """In place when no view is exported; copied, the held view untouched, when one is."""
+    mapped = anonymous(3 * 4096)
+    mapped[:6] = b"kvtier"
+    mapped[-2:] = b"ok"
+    view = memoryview(mapped) if held else None
+    grown = resized(mapped, 40 * 4096)
+    assert (grown is mapped) != held
+    assert grown[:6] == b"kvtier"
+    assert grown[3 * 4096 - 2 : 3 * 4096] == b"ok"
+    assert grown[3 * 4096 :] == bytes(37 * 4096)
+    if view is not None:
+        assert view[:6] == b"kvtier"
+        view.release()
+    assert resized(grown, 5)[:] == b"kvtie"
