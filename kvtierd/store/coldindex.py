@@ -45,7 +45,7 @@ import numpy.typing as npt
 
 from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.store.freestack import FreeStack
-from kvtierd.store.mapped import anonymous, resized
+from kvtierd.store.mapped import anonymous, resized, zeros
 from kvtierd.store.records import RecordHeader
 
 __all__ = ["COLUMNS", "ColdIndex", "Columns", "identity_hashes", "repeated"]
@@ -445,8 +445,8 @@ class ColdIndex:
         or of tombstones). A small table is rebuilt at once; a larger one stays and is moved
         over by :meth:`_move`, ``_step`` buckets an insert, a step chosen so that the move
         ends before the new table fills: rebuilding 10M keys at once held the event loop 1.3 s
-        (0.13 s a million). The new table is ``calloc``'d, so its pages cost nothing until
-        the move touches them."""
+        (0.13 s a million). The new table is a fresh mapping (:func:`~kvtierd.store.mapped.zeros`),
+        so its pages cost nothing until the move touches them."""
         if self.moving:  # never, with the step below; kept for safety
             self._move(self.moving)
         capacity = max(len(self._hash), _capacity_for(self._keys))
@@ -455,8 +455,8 @@ class ColdIndex:
             self._build(self._hash[live], self._brow[live], capacity)
             return
         self._old_hash, self._old_brow = self._hash, self._brow
-        self._hash = np.zeros(capacity, np.uint64)
-        self._brow = np.zeros(capacity, np.uint32)
+        self._hash = zeros(capacity, np.uint64)
+        self._brow = zeros(capacity, np.uint32)
         self._filled = self._cursor = 0
         # Inserts until the new table is full: every one moved over and one new bucket per
         # insert at most.

@@ -11,8 +11,12 @@ buffer still exported cannot be resized, and is then copied.
 from __future__ import annotations
 
 import mmap
+from typing import Any
 
-__all__ = ["anonymous", "resized"]
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["anonymous", "resized", "zeros"]
 
 
 def anonymous(size: int) -> mmap.mmap:
@@ -33,3 +37,9 @@ def resized(mapped: mmap.mmap, size: int) -> mmap.mmap:
         grown[:keep] = mapped[:keep]
         return grown
     return mapped
+
+
+def zeros(count: int, dtype: type[np.generic]) -> npt.NDArray[Any]:
+    """``count`` zeros of ``dtype`` in a fresh mapping: a constant cost however large, where
+    ``numpy.zeros`` clears memory the allocator reuses (5 ms for 24 MB seen, on the loop)."""
+    return np.frombuffer(anonymous(count * np.dtype(dtype).itemsize), dtype)[:count]
