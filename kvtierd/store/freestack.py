@@ -3,13 +3,17 @@
 Free lists of millions of entries (the NVMe tier's free slots, the cold index's free rows) kept
 as Python lists cost about 36 bytes an entry (a pointer and an int object) and one object for
 the collector to walk each; here an entry is 8 bytes and the collector sees one object. The
-array doubles when full and halves when a quarter full, so pushes and pops are amortised O(1).
+array doubles when full and halves when a quarter full, so pushes and pops are amortised O(1);
+it lives in a private anonymous mapping resized by ``mremap`` (:mod:`kvtierd.store.mapped`), so
+neither copies the entries (a push or pop is a client's request on the event loop).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+
+from kvtierd.store.mapped import anonymous, resized
 
 __all__ = ["FreeStack"]
 
@@ -19,10 +23,11 @@ _MIN_CAPACITY = 16
 class FreeStack:
     """Last in, first out, of numbers in ``[0, 2**64)``."""
 
-    __slots__ = ("_items", "_size")
+    __slots__ = ("_items", "_map", "_size")
 
     def __init__(self) -> None:
-        self._items: npt.NDArray[np.uint64] = np.empty(_MIN_CAPACITY, np.uint64)
+        self._map = anonymous(_MIN_CAPACITY * 8)
+        self._items: npt.NDArray[np.uint64] = np.frombuffer(self._map, np.uint64)
         self._size = 0
 
     def __len__(self) -> int:
@@ -58,6 +63,6 @@ class FreeStack:
         return self._items[: self._size].copy()
 
     def _resize(self, capacity: int) -> None:
-        items = np.empty(max(capacity, _MIN_CAPACITY), np.uint64)
-        items[: self._size] = self._items[: self._size]
-        self._items = items
+        del self._items  # the only view of the mapping: it may be resized in place
+        self._map = resized(self._map, max(capacity, _MIN_CAPACITY) * 8)
+        self._items = np.frombuffer(self._map, np.uint64)

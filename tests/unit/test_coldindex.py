@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.freestack import FreeStack
+from kvtierd.store.mapped import anonymous, resized
 from kvtierd.store.records import RecordHeader
 
 DIGESTS = [bytes([n]) * 16 for n in range(3)]
@@ -33,9 +34,12 @@ def newest(rows: dict[int, tuple[RecordHeader, tuple[int, int]]]) -> dict[tuple[
 
 
 class ColdIndexMachine(RuleBasedStateMachine):
+    """Inserts and removes against the model, with the buckets growing incrementally from the
+    smallest table on, so the steps interleave with moves between two tables."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.index = ColdIndex(seed=7, rows=16)
+        self.index = ColdIndex(seed=7, rows=16, incremental_from=16)
         self.rows: dict[int, tuple[RecordHeader, tuple[int, int]]] = {}
         self.keys: dict[tuple[bytes, bytes], int] = {}
         self.n = 0
@@ -79,6 +83,7 @@ class ColdIndexMachine(RuleBasedStateMachine):
         columns = self.index.columns()
         live = sorted(self.rows)
         self.index = ColdIndex.from_columns(columns, self.index.digests, seed=11)
+        assert not self.index.moving
         self.rows = {new: self.rows[old] for new, old in enumerate(live)}
         self.keys = newest(self.rows)
         named = set(self.keys.values())
@@ -123,6 +128,73 @@ def test_many_keys_grow_the_buckets_and_rows_and_stay_found() -> None:
             assert index.record(row).seq == i
             assert index.at(i // 100, i % 100) == row
     assert len(index) == index.keys == 2500
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.integers(0, 199), st.integers(0, 3)),
+        min_size=1,
+        max_size=400,
+    )
+)
+def test_growing_buckets_agree_with_a_dict_through_many_keys(
+    steps: list[tuple[bool, int, int]],
+) -> None:
+    """More keys than the small key set above reaches: inserts of new and repeated keys and
+    removes, several growths in flight among them, checked against a dict after every step."""
+    index = ColdIndex(seed=9, rows=16, incremental_from=16)
+    digest = DIGESTS[2]
+    rows: dict[int, RecordHeader] = {}
+    keys: dict[bytes, int] = {}
+    for n, (insert, k, seq) in enumerate(steps):
+        key = k.to_bytes(2, "big")
+        if insert or key not in keys:
+            h = header(digest, key, seq, n)
+            row = index.add(digest, h, 0, n)
+            rows[row] = h
+            if key not in keys or seq > rows[keys[key]].seq:
+                keys[key] = row
+        else:
+            row = keys.pop(key)
+            del rows[row]
+            index.remove(row)
+            # The key's older records stay; the newest of them names it again only after a
+            # rebuild, as in the daemon (it replaces or removes every older copy).
+            for old in [r for r, h in rows.items() if h.key == key]:
+                del rows[old]
+                index.remove(old)
+        assert len(index) == len(rows)
+        assert index.keys == len(keys)
+        for key, row in keys.items():
+            assert index.find(digest, key) == row
+    for k in range(200):
+        key = k.to_bytes(2, "big")
+        assert index.find(digest, key) == keys.get(key, -1)
+
+
+def test_buckets_grow_a_bounded_number_of_buckets_per_insert() -> None:
+    """A growth of a large table moves a few buckets per insert (counted, not timed) and
+    ends before the next one would start: never all at once on one insert."""
+    index = ColdIndex(seed=1, rows=16, incremental_from=1024)
+    digest = DIGESTS[0]
+    growths, largest = 0, 0
+    for i in range(60_000):
+        before = index.moving
+        index.add(digest, header(digest, i.to_bytes(4, "big"), i, i), i // 1000, i % 1000)
+        after = index.moving
+        if after > before:  # a growth began: the last one had ended
+            assert before == 0
+            growths += 1
+        else:
+            largest = max(largest, before - after)
+        if i % 3 == 0:  # tombstones too: every third key goes again
+            index.remove(index.find(digest, (i // 2).to_bytes(4, "big")))
+    assert growths >= 4
+    assert 0 < largest <= 16
+    for i in range(0, 60_000, 997):
+        row = index.find(digest, i.to_bytes(4, "big"))
+        assert row < 0 or index.record(row).seq == i
 
 
 @settings(max_examples=50, deadline=None)
@@ -173,3 +245,21 @@ def test_free_stack_is_last_in_first_out_through_growing_and_shrinking() -> None
     with pytest.raises(IndexError):
         stack.pop()
     assert len(stack) == 0
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_mapping_grows_and_shrinks_keeping_its_bytes(held: bool) -> None:
+    """In place when no view is exported; copied, the held view untouched, when one is."""
+    mapped = anonymous(3 * 4096)
+    mapped[:6] = b"kvtier"
+    mapped[-2:] = b"ok"
+    view = memoryview(mapped) if held else None
+    grown = resized(mapped, 40 * 4096)
+    assert (grown is mapped) != held
+    assert grown[:6] == b"kvtier"
+    assert grown[3 * 4096 - 2 : 3 * 4096] == b"ok"
+    assert grown[3 * 4096 :] == bytes(37 * 4096)
+    if view is not None:
+        assert view[:6] == b"kvtier"
+        view.release()
+    assert resized(grown, 5)[:] == b"kvtie"
