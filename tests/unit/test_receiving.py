@@ -267,3 +267,37 @@ async def test_closing_the_receiver_ends_a_waiting_receive(pair: _Pair) -> None:
             receiver.close()
             await pair.stream.aclose()
     assert len(ended) == 1
+
+
+async def test_a_refresh_recovers_a_registration_the_loop_lost(
+    pair: _Pair, anyio_backend: tuple[str, dict[str, Any]]
+) -> None:
+    """The loop stops calling a waiting reader back (removed here by hand, as uvloop was seen
+    to lose it under load): the bytes wait unread until ``refresh`` registers it again, which
+    the daemon does every second; then the waiting receive gets them."""
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("the readiness receiver is asyncio's")
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    receiver = ReadinessReceiver(pair.raw, loop)
+    got: list[bytes | None] = []
+
+    async def reader() -> None:
+        got.append(await receiver.receive(1 << 16))
+
+    receiver.refresh()  # nobody waits: nothing to renew
+    with anyio.fail_after(10):
+        pair.client.sendall(b"first")
+        assert await _receive_exactly(receiver, 5) == b"first"  # the next receive waits first
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            await anyio.wait_all_tasks_blocked()
+            loop.remove_reader(pair.raw.fileno())  # lost
+            pair.client.sendall(b"second")
+            for _ in range(100):
+                await anyio.lowlevel.checkpoint()
+            assert got == []  # nothing calls the reader back
+            receiver.refresh()
+    assert got == [b"second"]
+    receiver.close()
