@@ -10,6 +10,7 @@ import itertools
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -72,13 +73,18 @@ async def read_and_check(store: BlockStore, owner: Owner, ns: Namespace, keys: l
     before = store.io_backend.statistics().submitted
     lease = await store.read(owner, ns, keys)
     requests = store.io_backend.statistics().submitted - before
+    _check_then_release(store, owner, keys, lease)
+    return requests
+
+
+def _check_then_release(store: BlockStore, owner: Owner, keys: list[bytes], lease: Any) -> None:
+    """Every block of ``lease`` in DRAM with its own bytes; the lease given back either way."""
     try:
         for key, block in zip(keys, lease.blocks, strict=True):
             assert block.dram is not None
             assert bytes(store.arena.view[block.dram.offset :][:BLOCK]) == content(key, BLOCK)
     finally:
         store.release(owner, [lease.id])
-    return requests
 
 
 def location(store: BlockStore, ns: Namespace, key: bytes) -> DiskSlot:
@@ -240,12 +246,7 @@ async def test_a_read_waits_for_a_block_a_prefetch_is_promoting(
             assert not leases  # waiting for the block the prefetch holds
             proceed.set()
         (lease,) = leases
-        try:
-            for key, block in zip(keys, lease.blocks, strict=True):
-                assert block.dram is not None
-                assert bytes(store.arena.view[block.dram.offset :][:BLOCK]) == content(key, BLOCK)
-        finally:
-            store.release(owner, [lease.id])
+        _check_then_release(store, owner, keys, lease)
 
 
 async def test_a_lookup_promotes_blocks_on_disk_in_batches(tmp_path: Path) -> None:
