@@ -29,11 +29,11 @@ never lies beside the data file (``/dev`` has no room for it, and a directory ma
 daemons' files): it is in the data directory, named by
 :func:`~kvtierd.store.recovery.snapshot_path`.
 
-The module is past 600 lines since issue 31 for the data file's identity checks (device and
-inode against the path's, size, the superblock read back), which need the tier's open
-descriptor; the verdict they feed is pure (:mod:`kvtierd.store.diskhealth`). Moving the checks
-beside :mod:`kvtierd.store.diskwatch` is part of issue 33's reshaping. Issue 32 added the run
-reads (``load_run``: about 100 lines), which need the tier's records and staging pages.
+Opening and claiming the file, its superblock and the check that the path still names it are
+:mod:`kvtierd.store.datafile`'s (they know no record). What is left past 600 lines is the run
+reads (``load_run``, issue 32), which need the tier's records and staging pages; splitting
+record keeping from reads follows the index's reshape (docs/architecture.md, "The index at
+scale").
 
 Optional zstd (per namespace) compresses through a bounce buffer in a worker thread, with one
 compressor per thread (a shared ``ZstdCompressor`` crashes the process).
@@ -42,15 +42,10 @@ compressor per thread (a shared ``ZstdCompressor`` crashes the process).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import logging
 import mmap
 import os
-import stat
-import struct
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 
@@ -59,8 +54,6 @@ import zstandard
 
 from kvtierd.errors import (
     BlockNotFoundError,
-    ConfigError,
-    ConfigProblem,
     KvtierError,
     NoSpaceError,
     StorageIOError,
@@ -78,12 +71,17 @@ from kvtierd.store.codec import (
     decompress_into,
 )
 from kvtierd.store.coldindex import ColdIndex
-from kvtierd.store.diskhealth import DataFileLostError, DiskFault
+from kvtierd.store.datafile import (
+    check_data_file,
+    identity_of,
+    mtime_ns,
+    open_superblock,
+    prepare_file,
+)
 from kvtierd.store.records import (
     PAGE_BYTES,
     CorruptRecord,
     RecordHeader,
-    SegmentHeader,
     Superblock,
 )
 from kvtierd.store.recovery import (
@@ -107,7 +105,6 @@ from kvtierd.store.tier import (
 __all__ = ["NvmeTier", "open_nvme_tier"]
 
 log = logging.getLogger("kvtierd.nvme")
-_BLKSSZGET = 0x1268  # <linux/fs.h>: the device's logical block size, an int
 
 
 def _bounce(nbytes: int) -> mmap.mmap:
@@ -155,7 +152,7 @@ class NvmeTier(LowerTier):
         self._slot_disagreed = 0
         self.max_seq = 0
         self.recovery_source = "empty"
-        self._identity = _identity_of(os.fstat(fd))
+        self._identity = identity_of(os.fstat(fd))
         #: The first page as written (``None``: not checked, a tier built by a test).
         self._superblock = superblock.pack() if superblock is not None else None
 
@@ -460,66 +457,18 @@ class NvmeTier(LowerTier):
         await self.check_data_file()
 
     async def check_data_file(self) -> None:
-        """Raise :class:`DataFileLostError` when :attr:`path` no longer names the open file:
-        another file renamed over it (``replaced``) or none there (``removed``); or when the
-        file is no longer what the tier wrote: shorter than the tier (``truncated``: the
-        path's or the descriptor's ``st_size``, a regular file only) or its superblock no
-        longer reads back as written (``damaged``). A data file is the same file while its
-        device and inode are; a block device while its device number is (udev may recreate
-        its node). Two ``stat`` calls and an ``fstat`` on the event loop (the descriptor's
-        cannot block, the path's is a lookup on the local file system O_DIRECT needs), and one
-        O_DIRECT read of the first page through the I/O backend."""
-        try:
-            now = os.stat(self.path)
-        except (FileNotFoundError, NotADirectoryError):
-            raise DataFileLostError(
-                DiskFault.REMOVED,
-                f"{self.path} was removed while kvtierd had it open{self._still_at()}",
-            ) from None
-        except OSError as exc:
-            raise DataFileLostError(
-                DiskFault.EIO, f"cannot check that {self.path} is still the data file: {exc}"
-            ) from exc
-        if _identity_of(now) != self._identity:
-            raise DataFileLostError(
-                DiskFault.REPLACED,
-                f"{self.path} is no longer the data file kvtierd has open (another file was "
-                f"put in its place){self._still_at()}",
-            )
-        expected = self._segmap.file_bytes
-        if stat.S_ISREG(now.st_mode):
-            size = min(now.st_size, os.fstat(self._fd).st_size)
-            if size < expected:
-                raise DataFileLostError(
-                    DiskFault.TRUNCATED,
-                    f"{self.path} holds {size} bytes, but kvtierd's tier is {expected} bytes: "
-                    "it was truncated while kvtierd had it open",
-                )
-        if self._superblock is None:
-            return
-        try:
-            async with self._pages.page() as page:
-                await self._backend.readv(self._fd, 0, [page])
-                intact = bytes(page) == self._superblock
-                found = _describe_page(page)
-        except StorageIOError as exc:
-            raise DataFileLostError(
-                DiskFault.DAMAGED, f"cannot read back the superblock of {self.path}: {exc}"
-            ) from exc
-        if not intact:
-            raise DataFileLostError(
-                DiskFault.DAMAGED,
-                f"the superblock of {self.path} no longer reads back as kvtierd wrote it "
-                f"(found {found}): the file was overwritten in place",
-            )
-
-    def _still_at(self) -> str:
-        """Where a lost data file can still be read while this process runs (a device is still
-        there under its own name)."""
-        if self._identity[0]:
-            return ""
-        old = f"/proc/{os.getpid()}/fd/{self._fd}"
-        return f"; the old file is readable at {old} until kvtierd exits"
+        """Raise :class:`~kvtierd.store.diskhealth.DataFileLostError` when :attr:`path` no
+        longer names the open file or the file is no longer what the tier wrote
+        (:func:`~kvtierd.store.datafile.check_data_file`)."""
+        await check_data_file(
+            self.path,
+            self._fd,
+            self._identity,
+            self._segmap.file_bytes,
+            self._superblock,
+            self._backend,
+            self._pages,
+        )
 
     def recovered(self) -> Iterator[Recovered]:
         """Made from the index as it is asked for, a piece of its columns at a time: nothing
@@ -623,7 +572,7 @@ class NvmeTier(LowerTier):
 
     def save_snapshot(self) -> None:
         save_snapshot(
-            self.snapshot, self._segmap, self._cold, data_mtime_ns=_mtime_ns(os.fstat(self._fd))
+            self.snapshot, self._segmap, self._cold, data_mtime_ns=mtime_ns(os.fstat(self._fd))
         )
 
 
@@ -649,206 +598,6 @@ def _as_indexed(page: memoryview, header: RecordHeader, ref: BlockRef) -> bool:
     return page[: len(packed)].tobytes() == packed
 
 
-def _describe_page(page: bytes | bytearray | memoryview) -> str:
-    """What a page that should be a superblock holds, in a few words (for a log line)."""
-    data = bytes(page)
-    if not any(data):
-        return "zeroes"
-    try:
-        superblock = Superblock.unpack(data)
-    except CorruptRecord as exc:
-        return f"no superblock: {exc}"
-    return f"the superblock of another file, id {superblock.file_id.hex()}"
-
-
-def _identity_of(status: os.stat_result) -> tuple[int, int, int]:
-    """What names the medium: a block device's number, or a regular file's device and inode."""
-    if stat.S_ISBLK(status.st_mode):
-        return (1, status.st_rdev, 0)
-    return (0, status.st_dev, status.st_ino)
-
-
-def _mtime_ns(status: os.stat_result) -> int | None:
-    """What tells a later start whether a regular data file was written since; ``None`` for a
-    block device, whose node's times do not follow its writes."""
-    return status.st_mtime_ns if stat.S_ISREG(status.st_mode) else None
-
-
-def _prepare_file(
-    path: Path, size_bytes: int, preallocate: bool
-) -> tuple[int, int, int | None, int | None]:
-    """Open the data file (creating and sizing it) or block device, claimed for this process
-    alone (``flock``, ``O_EXCL``); its fd, the bytes used, its mtime before this start
-    (:func:`_mtime_ns`) and its size before this start (``None``: created now, or a block
-    device). Runs in a worker thread."""
-    try:
-        mode: int | None = path.stat().st_mode
-    except FileNotFoundError:
-        mode = None
-    if mode is not None and stat.S_ISBLK(mode):
-        return (*_open_device(path, size_bytes), None, None)
-    if mode is not None and not stat.S_ISREG(mode):
-        raise StorageIOError(f"{path} is neither a regular file nor a block device")
-    if mode is None and path.is_relative_to("/dev"):
-        raise StorageIOError(f"{path}: no such device")  # never a regular file in /dev
-    created = mode is None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = _open_direct(path, os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StorageIOError(f"{path} is in use by another kvtierd") from None
-    size_bytes -= size_bytes % PAGE_BYTES
-    try:
-        before = os.fstat(fd)
-        if before.st_size != size_bytes:
-            os.ftruncate(fd, size_bytes)
-        if preallocate:
-            os.posix_fallocate(fd, 0, size_bytes)
-    except OSError as exc:
-        os.close(fd)
-        if created:
-            path.unlink(missing_ok=True)  # a half-allocated file would keep holding the space
-        if exc.errno == 28:
-            raise NoSpaceError(
-                f"cannot preallocate {size_bytes >> 20} MiB for {path}: the file system is full "
-                "(lower nvme.size or free space)"
-            ) from exc
-        raise StorageIOError(f"cannot size {path}: {exc.strerror}") from exc
-    if created:
-        return fd, size_bytes, None, None
-    return fd, size_bytes, _mtime_ns(before), before.st_size
-
-
-def _open_device(path: Path, size_bytes: int) -> tuple[int, int]:
-    """Open a block device for its first ``size_bytes`` (rounded down to a page); raises
-    :class:`ConfigError` when they do not fit in it, :class:`StorageIOError` when its logical
-    block does not divide a page (O_DIRECT could not address a page)."""
-    try:
-        fd = _open_direct(path, os.O_EXCL)  # the kernel's claim: EBUSY while mounted or claimed
-    except StorageIOError as exc:
-        if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.EBUSY:
-            raise StorageIOError(f"{path} is in use (mounted, or by another kvtierd)") from None
-        raise
-    try:
-        device_bytes = os.lseek(fd, 0, os.SEEK_END)
-        logical = struct.unpack("i", fcntl.ioctl(fd, _BLKSSZGET, bytes(4)))[0]
-    except OSError as exc:
-        os.close(fd)
-        raise StorageIOError(f"cannot find the size of {path}: {exc.strerror}") from exc
-    if size_bytes > device_bytes:
-        os.close(fd)
-        raise ConfigError(
-            f"the NVMe device {path} is too small",
-            [
-                ConfigProblem(
-                    "nvme.size",
-                    f"{size_bytes} bytes do not fit in {path}, which has {device_bytes} "
-                    f"(set nvme.size to at most {device_bytes - device_bytes % PAGE_BYTES})",
-                )
-            ],
-        )
-    if logical <= 0 or PAGE_BYTES % logical:
-        os.close(fd)
-        raise StorageIOError(
-            f"{path} has {logical}-byte logical blocks, which 4096 is no multiple of"
-        )
-    return fd, size_bytes - size_bytes % PAGE_BYTES
-
-
-def _open_direct(path: Path, flags: int) -> int:
-    try:
-        return os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | flags, 0o600)
-    except OSError as exc:
-        raise StorageIOError(f"cannot open {path} with O_DIRECT: {exc.strerror}") from exc
-
-
-async def _open_superblock(
-    fd: int,
-    path: Path,
-    file_bytes: int,
-    backend: IoBackend,
-    pages: StagingPages,
-    *,
-    held_bytes: int | None = None,
-    reinitialize: bool = False,
-) -> Superblock:
-    """The data file's superblock, written first for a new file. A damaged one is rebuilt from
-    the first segment header, which names the file id too: one flipped bit in it must not make
-    every record of the file foreign.
-
-    A file that existed with bytes in it (``held_bytes``, its size before this start), whose
-    superblock cannot be read and cannot be rebuilt, was truncated or overwritten: it may hold
-    acknowledged blocks, so it is never initialised silently. Unless ``reinitialize``
-    (``nvme.reinitialize_unreadable``) this raises :class:`StorageIOError` naming the file and
-    what was found (the daemon exits 1); with it, the file is initialised afresh after an
-    ERROR line. A file created now, an existing empty one, and a block device whose first two
-    pages are zeroes (a new device) are initialised."""
-    async with pages.page() as page:
-        await backend.readv(fd, 0, [page])
-        try:
-            return Superblock.unpack(page)
-        except CorruptRecord:
-            found = _describe_page(page)
-            zeroes = not any(bytes(page))
-        file_id = None
-        await backend.readv(fd, PAGE_BYTES, [page])
-        first_zeroes = not any(bytes(page))
-        with contextlib.suppress(CorruptRecord):
-            first = SegmentHeader.unpack(page)
-            file_id = first.file_id if first.start == PAGE_BYTES else None
-        # a new device (or one zeroed on purpose); a file created by this start, or empty
-        fresh = zeroes and first_zeroes if _is_device(fd) else not held_bytes
-        if file_id is None and not fresh:
-            what = (
-                f"{path} exists ({held_bytes} bytes)"
-                if held_bytes is not None
-                else f"the device {path}"
-            )
-            problem = (
-                f"{what} but its superblock cannot be read (found {found}) and its first "
-                "segment header does not name the file either: it was truncated or "
-                "overwritten, and the blocks it held cannot be found"
-            )
-            if not reinitialize:
-                log.error(
-                    "%s; refusing to start rather than initialise it empty. Remedy: keep it "
-                    "for inspection by moving it aside (mv %s %s.damaged), then start "
-                    "kvtierd, which creates a new data file; or set "
-                    "nvme.reinitialize_unreadable = true for one start to initialise it in place",
-                    problem,
-                    path,
-                    path,
-                )
-                raise StorageIOError(
-                    f"{problem}; refusing to initialise it (move it aside, or set "
-                    "nvme.reinitialize_unreadable = true for one start)"
-                )
-            log.error(
-                "%s; initialising it empty as nvme.reinitialize_unreadable = true asks "
-                "(remove that setting now)",
-                problem,
-            )
-        superblock = Superblock(file_id or uuid.uuid4().bytes, file_bytes, time.time_ns())
-        page[:] = superblock.pack()
-        await backend.writev(fd, 0, [page])
-        await backend.fdatasync(fd)
-    if file_id is not None:
-        log.warning(
-            "the superblock of %s was damaged (found %s); rebuilt from its first segment",
-            path,
-            found,
-        )
-    else:
-        log.info("initialised NVMe data file %s (%d MiB)", path, file_bytes >> 20)
-    return superblock
-
-
-def _is_device(fd: int) -> bool:
-    return stat.S_ISBLK(os.fstat(fd).st_mode)
-
-
 @contextlib.asynccontextmanager
 async def open_nvme_tier(
     path: Path,
@@ -866,21 +615,21 @@ async def open_nvme_tier(
     clean exit the index snapshot is written into ``snapshot_dir`` (the daemon's data directory;
     default: the data file's), so the next start skips the scan. ``progress`` is told, during a
     scan, how many records it has recovered so far. ``reinitialize``: initialise an existing
-    file whose superblock cannot be read instead of refusing (:func:`_open_superblock`)."""
+    file whose superblock cannot be read instead of refusing (:func:`open_superblock`)."""
     snapshot = snapshot_path(snapshot_dir if snapshot_dir is not None else path.parent, path)
-    fd, file_bytes, mtime_ns, held_bytes = await anyio.to_thread.run_sync(
-        _prepare_file, path, size_bytes, preallocate
+    fd, file_bytes, modified_ns, held_bytes = await anyio.to_thread.run_sync(
+        prepare_file, path, size_bytes, preallocate
     )
     try:
         started = time.monotonic()
-        superblock = await _open_superblock(
+        superblock = await open_superblock(
             fd, path, file_bytes, backend, pages, held_bytes=held_bytes, reinitialize=reinitialize
         )
         segmap = SegmentMap(superblock.file_id, file_bytes, segment_bytes)
         tier = NvmeTier(fd, path, snapshot, segmap, backend, pages, superblock)
         legacy = path.parent / SNAPSHOT_NAME  # where earlier versions wrote it
         found = await load_snapshot(
-            snapshot, fd, segmap, backend, pages, legacy=legacy, data_mtime_ns=mtime_ns
+            snapshot, fd, segmap, backend, pages, legacy=legacy, data_mtime_ns=modified_ns
         ) or await scan(fd, segmap, backend, pages, progress=progress)
         await tier._adopt(found)
         log.info(
