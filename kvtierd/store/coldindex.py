@@ -274,10 +274,21 @@ class ColdIndex:
 
     def shadowed(self) -> npt.NDArray[np.intp]:
         """Rows in use that are not their key's row (an older record of a key)."""
+        return np.flatnonzero((self._cols["klen"][: self._high] > 0) & ~self._named())
+
+    def key_rows(self) -> npt.NDArray[np.intp]:
+        """Each key's row (its newest record), in row order."""
+        return np.flatnonzero(self._named())
+
+    def _named(self) -> npt.NDArray[np.bool_]:
         named = np.zeros(self._high, bool)
         for table_h, table_r in self._tables():
             named[table_r[table_h > _TOMBSTONE]] = True
-        return np.flatnonzero((self._cols["klen"][: self._high] > 0) & ~named)
+        return named
+
+    def column(self, name: str) -> npt.NDArray[Any]:
+        """Column ``name`` (a view, valid until the next insert: read it at once)."""
+        return self._cols[name]
 
     def max_seq(self) -> int:
         live = self.rows()

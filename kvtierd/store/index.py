@@ -7,6 +7,19 @@ leases and in-flight I/O on the DRAM copy: a pinned slot is never evicted or reu
 marks a committed block whose lower-tier copy is not written yet; it cannot leave DRAM until it
 is.
 
+Two levels (docs/architecture.md, "The index at scale"): a :class:`Block` exists only for a
+block something is doing something with (in DRAM, pinned or leased, loading, dirty or staged,
+queued, with a pool copy); every other block, idle and on NVMe only, is a row of the NVMe
+tier's records (:class:`~kvtierd.store.coldrefs.ColdRows`). :class:`BlockIndex` looks in its
+dict of live blocks first, then in the rows: :meth:`BlockIndex.get` and
+:meth:`BlockIndex.by_id` *materialise* a ``Block`` from a row (and it is live, "hot", until the
+store :meth:`cools <BlockIndex.cool>` it again when idle), :meth:`BlockIndex.leading` and
+:meth:`BlockIndex.contains` only look, :meth:`BlockIndex.peek` makes a ``Block`` nobody may
+keep. The live dict is the hot set: a key with a live ``Block`` is never looked up in the rows,
+so it is never two things. Only an idle block is cooled, so nothing holds its ``Block`` then:
+holders compare blocks by identity and check ``forgotten``, and one that holds an unpinned
+block across an ``await`` checks :meth:`BlockIndex.holds` too.
+
 An :class:`Owner` is one client connection: its leases and its uncommitted writes die with it.
 
 Listing (LIST_KEYS) pages through a namespace in key byte order: the index keeps each
@@ -19,7 +32,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import anyio
 from sortedcontainers import SortedList  # type: ignore[import-untyped]
@@ -28,9 +41,9 @@ from kvtierd.policy import ServedBy
 from kvtierd.store.namespaces import Namespace
 from kvtierd.store.regions import TenantRegion
 from kvtierd.store.slots import Slot
-from kvtierd.store.tier import BlockRef
+from kvtierd.store.tier import BlockRef, Recovered
 
-__all__ = ["Block", "BlockIndex", "Lease", "Owner", "PendingWrite"]
+__all__ = ["Block", "BlockIndex", "ColdSource", "Lease", "Owner", "PendingWrite"]
 
 
 @dataclass(eq=False, slots=True)
@@ -129,34 +142,152 @@ class Owner:
             self.pinned[region.id] = self.pinned.get(region.id, 0) + nbytes
 
 
-class BlockIndex:
-    """``(namespace digest, key) -> Block``, with per-namespace counts.
+class ColdSource(Protocol):
+    """Where a block with no live ``Block`` is found (:class:`~kvtierd.store.coldrefs.
+    ColdRows`)."""
 
-    Held as one dict per namespace keyed by the key alone (the key is the block's own bytes
-    object): a LOOKUP probes it once per key with no ``(digest, key)`` tuple built and hashed,
-    which cost about as much again as the probe itself."""
+    def contains(self, digest: bytes, key: bytes) -> bool: ...
+
+    def find(self, digest: bytes, key: bytes) -> Recovered | None: ...
+
+
+class BlockIndex:
+    """``(namespace digest, key) -> Block``, with per-namespace counts: the live blocks, then
+    the rows of the cold source (:meth:`attach_cold`).
+
+    The live blocks are one dict per namespace keyed by the key alone (the key is the block's
+    own bytes object): a LOOKUP probes it once per key with no ``(digest, key)`` tuple built
+    and hashed, which cost about as much again as the probe itself."""
 
     def __init__(self, on_remove: Callable[[Block], object] = lambda block: None) -> None:
         """``on_remove`` is told of every block that leaves the index (its last copy went)."""
-        #: namespace digest -> key -> block.
+        #: namespace digest -> key -> live block.
         self._by_ns: dict[bytes, dict[bytes, Block]] = {}
+        #: Blocks indexed, live or cold.
         self._count = 0
         #: Each namespace's keys (by digest), sorted, for :meth:`page`.
         self._sorted: dict[bytes, Any] = {}
         self._on_remove = on_remove
+        self._cold: ColdSource | None = None
+        self._cold_kind: Hashable = None
+        self._namespace_of: Callable[[bytes], Namespace | None] = lambda digest: None
+        #: Digests of namespaces whose rows were not adopted (no catalog entry at start-up):
+        #: never looked up in the rows, and their blocks never cooled.
+        self._unadopted: frozenset[bytes] = frozenset()
 
     def __len__(self) -> int:
         return self._count
 
+    def attach_cold(
+        self,
+        cold: ColdSource,
+        kind: Hashable,
+        namespace_of: Callable[[bytes], Namespace | None],
+        *,
+        adopted: int = 0,
+        unadopted: frozenset[bytes] = frozenset(),
+    ) -> None:
+        """Look up blocks without a live ``Block`` in ``cold`` from now on, as copies of tier
+        ``kind``; ``adopted`` of its blocks (counted in their namespaces by the caller) are
+        indexed now; those of the namespace digests ``unadopted`` are never looked up."""
+        self._cold = cold
+        self._cold_kind = kind
+        self._namespace_of = namespace_of
+        self._count += adopted
+        self._unadopted = unadopted
+
+    def adopt_keys(self, digest: bytes, keys: list[bytes]) -> None:
+        """Cold ``keys`` of namespace ``digest`` found at start-up (adopted by
+        :meth:`attach_cold`): the listing order needs them."""
+        # LIST_KEYS: the one place adoption feeds the sorted keys, in bulk (step 6 replaces
+        # the SortedList by a sorted array of rows plus an overlay).
+        self._sorted.setdefault(digest, SortedList()).update(keys)
+
+    def _cold_block(self, ns: Namespace, key: bytes) -> Block | None:
+        """A ``Block`` of ``key``'s row, or ``None``; not made live."""
+        if self._cold is None or ns.digest in self._unadopted:
+            return None
+        found = self._cold.find(ns.digest, key)
+        if found is None:
+            return None
+        return Block(ns, found.ref, copies={cast(ServedBy, self._cold_kind): found.location})
+
     def get(self, ns: Namespace, key: bytes) -> Block | None:
+        """``key``'s block, materialised from its row (and live from now on) when it had no
+        live ``Block``: for a caller that acts on it (pins, queues, reads, drops it)."""
+        blocks = self._by_ns.get(ns.digest)
+        block = blocks.get(key) if blocks is not None else None
+        if block is None and self._cold is not None:
+            block = self._cold_block(ns, key)
+            if block is not None:
+                self._by_ns.setdefault(ns.digest, {})[key] = block
+        return block
+
+    def live(self, ns: Namespace, key: bytes) -> Block | None:
+        """``key``'s live ``Block``, or ``None`` (absent, or idle on NVMe only)."""
         blocks = self._by_ns.get(ns.digest)
         return blocks.get(key) if blocks is not None else None
 
+    def peek(self, ns: Namespace, key: bytes) -> Block | None:
+        """:meth:`get` for a caller that only looks: a cold block's ``Block`` is made and not
+        kept (nothing may pin, queue or hold it)."""
+        return self.live(ns, key) or self._cold_block(ns, key)
+
+    def contains(self, ns: Namespace, key: bytes) -> bool:
+        """Whether ``key`` is stored in ``ns`` (nothing made)."""
+        blocks = self._by_ns.get(ns.digest)
+        if blocks is not None and key in blocks:
+            return True
+        cold = self._cold
+        return (
+            cold is not None and ns.digest not in self._unadopted and cold.contains(ns.digest, key)
+        )
+
     def by_id(self, block_id: Hashable) -> Block | None:
-        """The block a policy knows by ``block_id`` (see ``Block.id``), if it is stored."""
+        """The block a policy knows by ``block_id`` (see ``Block.id``), if it is stored, as
+        :meth:`get` gives it."""
         digest, key = cast(tuple[bytes, bytes], block_id)
         blocks = self._by_ns.get(digest)
-        return blocks.get(key) if blocks is not None else None
+        block = blocks.get(key) if blocks is not None else None
+        if block is not None or self._cold is None:
+            return block
+        ns = self._namespace_of(digest)
+        return None if ns is None else self.get(ns, key)
+
+    def peek_id(self, block_id: Hashable) -> Block | None:
+        """:meth:`by_id` for a caller that only looks (as :meth:`peek`)."""
+        digest, key = cast(tuple[bytes, bytes], block_id)
+        blocks = self._by_ns.get(digest)
+        block = blocks.get(key) if blocks is not None else None
+        if block is not None or self._cold is None:
+            return block
+        ns = self._namespace_of(digest)
+        return None if ns is None else self._cold_block(ns, key)
+
+    def holds(self, block: Block) -> bool:
+        """Whether ``block`` is its key's live ``Block`` (not forgotten, not cooled)."""
+        blocks = self._by_ns.get(block.ns.digest)
+        return blocks is not None and blocks.get(block.ref.key) is block
+
+    def cool(self, block: Block) -> bool:
+        """Let go of ``block``, idle and on the cold tier only (the caller checked): its row
+        stands for it again, counts unchanged. Whether it went (not for a block of an
+        unadopted namespace, or one not live)."""
+        digest, key = block.id
+        blocks = self._by_ns.get(digest)
+        if blocks is None or blocks.get(key) is not block or digest in self._unadopted:
+            return False
+        found = self._cold.find(digest, key) if self._cold is not None else None
+        if (
+            found is None
+            or found.ref.seq != block.ref.seq
+            or found.location != block.copies.get(cast(ServedBy, self._cold_kind))
+        ):
+            return False  # its row is not (or no longer) what stands for it
+        del blocks[key]
+        if not blocks:
+            del self._by_ns[digest]
+        return True
 
     def add(self, block: Block) -> None:
         digest, key = block.id
@@ -186,19 +317,38 @@ class BlockIndex:
             self._on_remove(block)
 
     def leading_present(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
-        """The blocks of the longest prefix of ``keys`` present in some tier."""
+        """The blocks of the longest prefix of ``keys`` present in some tier (materialised
+        as :meth:`get` does)."""
         found: list[Block] = []
-        blocks = self._by_ns.get(ns.digest)
-        if blocks is None:
-            return found
         for key in keys:
-            block = blocks.get(key)
+            block = self.get(ns, key)
             if block is None:
                 break
             found.append(block)
         return found
 
+    def leading(self, ns: Namespace, keys: list[bytes]) -> list[Block | None]:
+        """The longest prefix of ``keys`` present in some tier, nothing made: each key's live
+        ``Block``, or ``None`` for one idle on the cold tier only. Keys all live cost what a
+        dict probe each costs; the rows are looked in only from the first key not live."""
+        found: list[Block | None] = []
+        blocks = self._by_ns.get(ns.digest)
+        if blocks is None:
+            blocks = {}
+        cold = self._cold
+        if cold is not None and ns.digest in self._unadopted:
+            cold = None
+        digest = ns.digest
+        for key in keys:
+            block = blocks.get(key)
+            if block is None and (cold is None or not cold.contains(digest, key)):
+                break
+            found.append(block)
+        return found
+
     def blocks(self) -> list[Block]:
+        """The live blocks: every block something is doing something with (in DRAM, with a
+        pool copy, pinned, loading, dirty, queued); never one idle on the cold tier only."""
         return [block for blocks in self._by_ns.values() for block in blocks.values()]
 
     def page(self, ns: Namespace, after: bytes, limit: int) -> tuple[list[Block], bool]:
@@ -213,5 +363,5 @@ class BlockIndex:
         if keys is None:
             return [], False
         found = list(itertools.islice(keys.irange(after, inclusive=(False, False)), limit + 1))
-        stored = self._by_ns[ns.digest]
-        return [stored[key] for key in found[:limit]], len(found) > limit
+        stored = [self.peek(ns, key) for key in found[:limit]]  # cold keys: made, not kept
+        return [block for block in stored if block is not None], len(found) > limit

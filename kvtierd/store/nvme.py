@@ -71,6 +71,7 @@ from kvtierd.store.codec import (
     decompress_into,
 )
 from kvtierd.store.coldindex import ColdIndex
+from kvtierd.store.coldrefs import ColdRows
 from kvtierd.store.datafile import (
     check_data_file,
     identity_of,
@@ -488,6 +489,11 @@ class NvmeTier(LowerTier):
                 key = keys[i * width : i * width + klen]
                 ref = BlockRef(digests[ns], key, raw, check, seq, zstd)
                 yield Recovered(ref, self._segmap.slot(segment, index))
+
+    def cold_rows(self) -> ColdRows:
+        """The records as the store's index finds blocks in them (the index recovered at
+        open, which is never replaced after)."""
+        return ColdRows(self._cold, self._segmap)
 
     def statistics(self) -> TierStatistics:
         c = self._counters

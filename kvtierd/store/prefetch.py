@@ -167,7 +167,7 @@ class Prefetcher:
                     await walk.pause()
                     if request_id >= 0:
                         self._name(ns, key, request_id, position)
-                    block = index.get(ns, key)
+                    block = index.peek(ns, key)
                     if block is not None and not block.resident and block.lower is not None:
                         candidates.append(block.id)
                 self._forget_oldest()
@@ -184,11 +184,11 @@ class Prefetcher:
         return [b for b in blocks if b is not None]
 
     def _in_dram(self, block_id: Hashable) -> bool:
-        block = self._store.index.by_id(block_id)
+        block = self._store.index.peek_id(block_id)
         return block is not None and block.resident
 
     def _in_lower(self, block_id: Hashable) -> bool:
-        block = self._store.index.by_id(block_id)
+        block = self._store.index.peek_id(block_id)
         return block is not None and block.lower is not None
 
     async def tick_forever(self, promote: Callable[[list[Block]], object]) -> None:
@@ -211,7 +211,7 @@ class Prefetcher:
         # (demand and prefix promotions evict by the policy as usual).
         store = self._store
         budget = self.prefetch_bytes_per_s * _TICK_S
-        chosen: list[Block] = []
+        chosen: list[Hashable] = []
         for region in store.regions:  # each region's guesses fill that region's free room only
             policy = store.dram_policies[region.id]
             # candidates() applies the journal first: a long one in slices, not all at once
@@ -219,15 +219,15 @@ class Prefetcher:
             await policy.settle(store.lane)
             room = region.allocator.free_bytes
             for block_id in policy.candidates(64):
-                block = store.index.by_id(block_id)
+                block = store.index.peek_id(block_id)  # a cold one is made live once chosen
                 if block is None or block.resident or block.lower is None:
                     continue
                 if budget < block.ref.raw_bytes or room < block.ref.raw_bytes:
                     break
                 budget -= block.ref.raw_bytes
                 room -= block.ref.raw_bytes
-                chosen.append(block)
-        return chosen
+                chosen.append(block_id)
+        return [b for b in map(store.index.by_id, chosen) if b is not None]
 
 
 @contextlib.asynccontextmanager

@@ -28,6 +28,7 @@ import anyio
 from kvtierd.config import LimitsConfig
 from kvtierd.errors import BlockNotFoundError, KvtierError, NoSpaceError
 from kvtierd.policy import PROMOTION, AccessContext, CachePolicy
+from kvtierd.store.adoption import adopt_recovered
 from kvtierd.store.arena import Arena
 from kvtierd.store.codec import checksum_off_loop
 from kvtierd.store.counts import StoreCounts, zeroed
@@ -134,28 +135,30 @@ class Residency:
         return self.arena.view[slot.offset : slot.offset + slot.size]
 
     def adopt_recovered(self) -> int:
-        """Index the blocks the local lower tier found when it opened; how many."""
-        if self.lower is None or not self.lower.capabilities.recovers_on_open:
-            return 0
-        adopted = unknown = 0
-        for found in self.lower.recovered():
-            ns = self.registry.by_digest(found.ref.ns_digest)
-            if ns is None:
-                unknown += 1
-                continue
-            block = Block(ns, found.ref, copies={self.lower.kind: found.location})
-            self.index.add(block)
-            ns.nvme_blocks += 1
-            self.lower_policy.inserted(block, 0.0)
-            self.saw_seq(found.ref.seq)
-            adopted += 1
-        if unknown:
-            log.warning(
-                "dropped %d recovered blocks of namespaces the namespace catalog does not name "
-                "(it is missing or damaged, or they were forgotten)",
-                unknown,
-            )
-        return adopted
+        """Index the blocks the local lower tier found when it opened; how many
+        (:func:`~kvtierd.store.adoption.adopt_recovered`)."""
+        return adopt_recovered(self)
+
+    def cool(self, block: Block) -> None:
+        """Let go of ``block``'s ``Block`` when it is on the local tier only and idle: no
+        DRAM copy, no pins, not loading, dirty, staged or queued, no pool copy (and no shared
+        tier, whose link holds blocks it has yet to copy). Its row stands for it again
+        (:meth:`BlockIndex.cool`); nothing holds it, since everything that does is one of
+        those."""
+        if (
+            block.dram is None
+            and block.pins == 0
+            and block.loading is None
+            and not block.dirty
+            and block.staged is None
+            and not block.queued
+            and not block.forgotten
+            and self.shared is None
+            and self.lower is not None
+            and len(block.copies) == 1
+            and self.lower.kind in block.copies
+        ):
+            self.index.cool(block)
 
     # -- promotion ---------------------------------------------------------------------------
 
@@ -379,10 +382,13 @@ class Residency:
 
     def unpin(self, block: Block) -> None:
         block.pins -= 1
-        if block.forgotten and block.pins == 0:
-            self.drop_staged(block)
-            if block.dram is not None:
-                self.drop_dram(block)
+        if block.pins == 0:
+            if block.forgotten:
+                self.drop_staged(block)
+                if block.dram is not None:
+                    self.drop_dram(block)
+            elif block.dram is None:  # a failed promotion, or a READ that missed
+                self.cool(block)
 
     def note_read(self, block: Block, now: float, context: AccessContext) -> None:
         if block.prefetched:
@@ -450,6 +456,8 @@ class Residency:
             self.counters["prefetch_wasted_bytes"] += block.ref.raw_bytes
         if not block.has_copy:
             self.index.remove(block)
+        else:
+            self.cool(block)
 
     async def drop_lower(self, block: Block) -> None:
         assert self.lower is not None
@@ -489,7 +497,10 @@ class Residency:
         await self.lower_policy.settle(self.lane)
         victims = self.lower_policy.victims(_EVICT_BATCH, same_class)
         for victim in victims:
-            if not same_class(victim):  # dropped or being promoted since it was chosen
+            # dropped, forgotten or being promoted since it was chosen (an unpinned victim
+            # may have been cooled while an earlier one's discard was written)
+            if not same_class(victim) or not self.index.holds(victim):
+                self.cool(victim)
                 continue
             await self.drop_lower(victim)
             self.counters["lower_evictions"] += 1

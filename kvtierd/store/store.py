@@ -121,7 +121,7 @@ class BlockStore:
                 if member is not ns:
                     hits = min(hits, len(self._leading_usable(member, keys[:hits])))
             del own[hits:]
-        return self._answer(own, promote)
+        return self._answer(ns, keys, own, promote)
 
     async def lookup_in_turn(
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True
@@ -150,29 +150,34 @@ class BlockStore:
             return self.lookup(ns, keys, promote=promote)
         self.prefetcher.on_lookup(ns, keys)
         own = self._leading_usable(ns, keys[:group_hits])
-        return self._answer(own, promote)
+        return self._answer(ns, keys, own, promote)
 
     def needs_group_lookup(self, ns: Namespace) -> bool:
         return self.pool is not None and self.pool.group_lookup(ns)
 
-    def _leading_usable(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
-        found = self.index.leading_present(ns, keys)
+    def _leading_usable(self, ns: Namespace, keys: list[bytes]) -> list[Block | None]:
+        """The live blocks of the leading stored ``keys``, ``None`` for one idle on NVMe
+        only (:meth:`BlockIndex.leading`: counted, not made)."""
+        found = self.index.leading(ns, keys)
         if self.pool is None or self.pool.attached:
             return found
         for i, block in enumerate(found):  # a pool-only copy is out of reach while detached
-            if block.dram is None and block.lower is None:
+            if block is not None and block.dram is None and block.lower is None:
                 return found[:i]
         return found
 
-    def _answer(self, own: list[Block], promote: bool) -> tuple[int, bytes]:
+    def _answer(
+        self, ns: Namespace, keys: list[bytes], own: list[Block | None], promote: bool
+    ) -> tuple[int, bytes]:
         # One comprehension finds the blocks not in DRAM; when there are none (the hot case)
         # every tier code is DRAM's 0 and nothing is promoted, with no second pass.
-        elsewhere = [block for block in own if block.dram is None]
+        elsewhere = [i for i, block in enumerate(own) if block is None or block.dram is None]
         if not elsewhere:
             return len(own), bytes(len(own))
-        if promote:
-            self.prefetch(elsewhere)
-        return len(own), bytes([block.nearest for block in own])
+        codes = bytes([ServedBy.NVME if block is None else block.nearest for block in own])
+        if promote:  # the cold blocks it promotes are made now, and queued
+            self.prefetch([b for i in elsewhere if (b := own[i] or self.index.get(ns, keys[i]))])
+        return len(own), codes
 
     def prefetch(self, blocks: list[Block]) -> int:
         """Queue the non-resident ``blocks`` for promotion into DRAM, first block first; how
@@ -222,6 +227,7 @@ class BlockStore:
                     loading[region_id] -= nbytes
                     for block in batch:
                         block.queued = False
+                        self.residency.cool(block)  # a failed promotion leaves it idle
         finally:
             self._promoters -= 1
 
@@ -298,7 +304,7 @@ class BlockStore:
         """The blocks of the leading ``keys`` that are in DRAM and not loading."""
         blocks: list[Block] = []
         for key in keys:
-            block = self.index.get(ns, key)
+            block = self.index.live(ns, key)
             if block is None or block.dram is None or block.loading is not None:
                 break
             blocks.append(block)
@@ -331,7 +337,7 @@ class BlockStore:
             async with self.lane.walk(len(keys)) as walk:
                 for key in keys:
                     await walk.pause()
-                    block = self.index.get(ns, key)
+                    block = self.index.live(ns, key)
                     if block is None or block.dram is None or block.loading is not None:
                         break
                     block.pins += 1  # found in one slice, kept through the next
@@ -485,8 +491,9 @@ class BlockStore:
         the whole index, in slices (each block checked when its turn comes)."""
         r = self.residency
         evicted = 0
-        async with self.lane.walk(len(self.index)) as walk:
-            for block in self.index.blocks():
+        blocks = self.index.blocks()  # those in DRAM are live
+        async with self.lane.walk(len(blocks)) as walk:
+            for block in blocks:
                 await walk.pause()
                 if (ns is None or block.ns is ns) and r.dram_evictable(block):
                     r.drop_dram(block)

@@ -13,11 +13,14 @@ import abc
 import logging
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kvtierd.errors import BlockNotFoundError, KvtierError, NoSpaceError, StorageIOError
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
+
+if TYPE_CHECKING:
+    from kvtierd.store.coldrefs import ColdRows
 
 log = logging.getLogger("kvtierd.store")
 
@@ -155,6 +158,12 @@ class LowerTier(abc.ABC):
     @abc.abstractmethod
     def recovered(self) -> Iterable[Recovered]:
         """The blocks found when the tier opened (newest copy of each key only)."""
+
+    def cold_rows(self) -> ColdRows | None:
+        """Its records as rows the store's index looks blocks up in, rather than a ``Block``
+        per block (:mod:`kvtierd.store.coldrefs`); ``None`` (the default): the store indexes
+        what :meth:`recovered` lists, a ``Block`` each."""
+        return None
 
     @abc.abstractmethod
     def statistics(self) -> TierStatistics:

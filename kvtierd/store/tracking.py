@@ -161,7 +161,7 @@ class TierPolicy:
         self.flush()
 
         def by_id(block_id: Hashable) -> bool:
-            block = self._index.by_id(block_id)
+            block = self._index.peek_id(block_id)  # a cold block: only looked at, not kept
             return block is not None and evictable(block)
 
         found = (self._index.by_id(i) for i in self.policy.victims(count, by_id))

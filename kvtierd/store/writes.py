@@ -41,7 +41,7 @@ class Writes:
                 f"this connection has {len(owner.writes)} writes pending "
                 "(limits.max_pending_writes_per_connection): commit or abort some first"
             )
-        new = [key for key in keys if r.index.get(ns, key) is None]
+        new = [key for key in keys if not r.index.contains(ns, key)]
         if len(new) * region.allocator.size_class(ns.spec.block_bytes) > region.allocator.capacity:
             raise NoSpaceError(  # can never fit: refused before anything is evicted
                 f"{len(new)} blocks of {ns.spec.block_bytes} bytes exceed the tenant's "
@@ -54,7 +54,7 @@ class Writes:
             async with r.lane.walk(len(keys)) as walk:
                 for key in keys:
                     await walk.pause()
-                    if r.index.get(ns, key) is not None:
+                    if r.index.contains(ns, key):
                         slots.append(None)
                         continue
                     if policy.backlog > r.lane.inline_items:  # else evicting applies it all
@@ -167,7 +167,7 @@ class Writes:
                     committed += 1
                     if slot is None:
                         continue
-                    if r.index.get(write.ns, key) is not None:  # a racing writer won
+                    if r.index.contains(write.ns, key):  # a racing writer won
                         r.region(write.ns).allocator.free(slot)
                         self._unstage([copy])
                         continue

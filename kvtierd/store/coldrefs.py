@@ -1,0 +1,94 @@
+"""The NVMe tier's rows as the store sees its blocks: what a Python ``Block`` is made from.
+
+An idle block that only the NVMe tier holds has no ``Block`` (docs/architecture.md, "The index
+at scale", step 4): it is a row of the tier's :class:`~kvtierd.store.coldindex.ColdIndex`. The
+store's :class:`~kvtierd.store.index.BlockIndex` looks in its dict of live blocks first and asks
+this view second, to count a LOOKUP's hits without making anything, or to make a ``Block``
+(its :class:`~kvtierd.store.tier.BlockRef` and :class:`~kvtierd.store.segments.DiskSlot`
+rebuilt from the row's columns) when a READ, promotion, pool copy or FORGET needs one. A
+restart adopts the rows in bulk: per-namespace counts from one ``bincount``, the keys a piece
+of the columns at a time. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from kvtierd.keys import MAX_KEY_BYTES
+from kvtierd.store.coldindex import ColdIndex
+from kvtierd.store.records import RecordHeader
+from kvtierd.store.segments import SegmentMap
+from kvtierd.store.tier import BlockRef, Recovered
+
+__all__ = ["ColdRows"]
+
+#: Keys made per piece of :meth:`ColdRows.keys_by_namespace`.
+_PIECE = 1 << 16
+
+
+class ColdRows:
+    """The newest record of each key in ``cold``, by ``(namespace digest, key)``; ``segmap``
+    gives the slots. Holds the index the tier has once it has recovered (it is never replaced
+    after that)."""
+
+    def __init__(self, cold: ColdIndex, segmap: SegmentMap) -> None:
+        self._cold = cold
+        self._segmap = segmap
+
+    def contains(self, digest: bytes, key: bytes) -> bool:
+        """Whether the tier holds a record of ``key`` in namespace ``digest``."""
+        return self._cold.find(digest, key) >= 0
+
+    def find(self, digest: bytes, key: bytes) -> Recovered | None:
+        """``key``'s newest record as the ref and slot a ``Block`` holds, or ``None``."""
+        row = self._cold.find(digest, key)
+        return None if row < 0 else self.made(row)
+
+    def made(self, row: int) -> Recovered:
+        """The ref and slot of the record in ``row`` (about 2 us: a header read through the
+        columns' memoryviews, a ref, a slot)."""
+        header = self._cold.record(row)
+        segment, index = self._cold.place(row)
+        ref = BlockRef(
+            header.ns_digest,
+            header.key,
+            header.raw_bytes,
+            header.payload_checksum,
+            header.seq,
+            bool(header.flags & RecordHeader.FLAG_ZSTD),
+        )
+        return Recovered(ref, self._segmap.slot(segment, index))
+
+    def counts(self) -> dict[bytes, int]:
+        """Keys with a record, by namespace digest (one ``bincount`` over the keys' rows)."""
+        rows = self._cold.key_rows()
+        numbers = self._cold.column("ns")[rows]
+        digests = self._cold.digests
+        counts = np.bincount(numbers, minlength=len(digests)).tolist() if len(rows) else []
+        return {digests[n]: count for n, count in enumerate(counts) if count}
+
+    def max_seq(self) -> int:
+        return self._cold.max_seq()
+
+    def keys_by_namespace(self) -> Iterator[tuple[bytes, list[bytes]]]:
+        """Every key with a record, as ``(digest, keys)`` pieces of one namespace each (every
+        piece of a namespace shares one digest object), made a piece of the columns at a time:
+        what a restart hands the policies and the listing order."""
+        digests = self._cold.digests
+        rows = self._cold.key_rows()
+        key, klen, ns = (self._cold.column(name) for name in ("key", "klen", "ns"))
+        for first in range(0, len(rows), _PIECE):
+            piece = rows[first : first + _PIECE]
+            piece = piece[np.argsort(ns[piece], kind="stable")]
+            words = key[piece].tobytes()
+            lengths = klen[piece].tolist()
+            numbers = ns[piece].astype(np.int64)
+            bounds = np.flatnonzero(np.diff(numbers, prepend=-1, append=-1))
+            for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+                keys = [
+                    words[i * MAX_KEY_BYTES : i * MAX_KEY_BYTES + lengths[i]]
+                    for i in range(start, end)
+                ]
+                yield digests[int(numbers[start])], keys

@@ -1,0 +1,166 @@
+"""Blocks idle on NVMe only have no Python ``Block`` (docs/architecture.md, "The index at
+scale", step 4): a restart adopts the tier's rows without making one, a READ, promotion or
+FORGET materialises one from its row, and it is let go again once idle. What is checked here,
+on the real store, data file and io_uring/thread backend: counts stay true through all of it,
+LOOKUP counts cold blocks without making them, a let-go ``Block`` is never one something
+holds (a lease, a queued promotion), and READ, FORGET and eviction of a cold block after a
+restart do what they did for a live one."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from kvtierd.policy import ServedBy
+from kvtierd.store.index import Owner
+from kvtierd.store.namespaces import Namespace
+from kvtierd.store.segments import slot_bytes_for
+from kvtierd.store.store import BlockStore
+from tests.store.test_store_pressure import content, key_of, put, read_back, small_store
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+BLOCK = 64 << 10
+COUNT = 24
+
+
+def _live(store: BlockStore) -> int:
+    return len(store.index.blocks())
+
+
+async def _written_and_evicted(store: BlockStore, ns: Namespace, count: int) -> list[bytes]:
+    owner = Owner("setup")
+    keys = [key_of(i) for i in range(count)]
+    for key in keys:
+        await put(store, owner, ns, key)
+    await store.fsync()
+    store.registry.save()  # (the daemon saves it at OPEN_NS) a restart names the namespace
+    assert await store.evict_dram(ns) == count
+    return keys
+
+
+@contextlib.asynccontextmanager
+async def _restarted(directory: Path, how: str) -> AsyncIterator[tuple[BlockStore, Namespace]]:
+    """The store reopened on ``directory``: from its index snapshot, or (``how == "scan"``)
+    by the header scan, the snapshot removed."""
+    if how == "scan":
+        async for snapshot in anyio.Path(directory).glob("*.snapshot"):
+            await snapshot.unlink()
+    async with small_store(directory, BLOCK) as (store, ns):
+        assert store.lower is not None
+        assert getattr(store.lower, "recovery_source", how) == how
+        yield store, ns
+
+
+def _counts(store: BlockStore, ns: Namespace) -> tuple[int, int, int, int]:
+    return len(store.index), ns.blocks, ns.nvme_blocks, ns.dram_blocks
+
+
+async def test_an_evicted_block_is_let_go_and_read_back(tmp_path: Path) -> None:
+    """Written back and evicted from DRAM, a block has no ``Block``; LOOKUP counts it (NVMe)
+    without making one; READ makes it, serves its bytes, and once released and evicted it is
+    let go again, its counts unchanged throughout."""
+    async with small_store(tmp_path, BLOCK) as (store, ns):
+        keys = await _written_and_evicted(store, ns, COUNT)
+        assert _live(store) == 0
+        assert _counts(store, ns) == (COUNT, COUNT, COUNT, 0)
+        hits, tiers = store.lookup(ns, [*keys, b"absent-key"], promote=False)
+        assert (hits, tiers) == (COUNT, bytes([ServedBy.NVME]) * COUNT)
+        assert _live(store) == 0  # counted, nothing made
+        owner = Owner("reader")
+        assert await read_back(store, owner, ns, keys[3]) == content(keys[3], BLOCK)
+        block = store.index.live(ns, keys[3])
+        assert block is not None
+        assert block.dram is not None
+        assert block.lower is not None
+        assert _counts(store, ns) == (COUNT, COUNT, COUNT, 1)
+        assert await store.evict_dram(ns) == 1
+        assert store.index.live(ns, keys[3]) is None
+        assert not store.index.holds(block)
+        again = store.index.get(ns, keys[3])  # made anew from the same row
+        assert again is not None
+        assert again is not block
+        assert (again.ref, again.lower) == (block.ref, block.lower)
+        assert _counts(store, ns) == (COUNT, COUNT, COUNT, 0)
+
+
+async def test_a_leased_or_queued_block_is_never_let_go(tmp_path: Path) -> None:
+    """What holds a ``Block`` keeps it: a lease (its pin) through an eviction of everything
+    else, and a LOOKUP's queued promotion, which makes the block and installs it in DRAM (the
+    same object the queue held, not a second one of the key)."""
+    async with small_store(tmp_path, BLOCK) as (store, ns):
+        keys = await _written_and_evicted(store, ns, COUNT)
+        owner = Owner("reader")
+        lease = await store.read(owner, ns, keys[:2])
+        held = list(lease.blocks)
+        await store.evict_dram(ns)  # leased: pinned, not evicted, not let go
+        assert [store.index.live(ns, key) for key in keys[:2]] == held
+        store.release(owner, [lease.id])
+        assert await store.evict_dram(ns) == 2
+        assert _live(store) == 0
+        # LOOKUP with promotion: made, queued, installed in DRAM
+        hits, _ = store.lookup(ns, keys[5:8])
+        assert hits == 3
+        queued = [store.index.live(ns, key) for key in keys[5:8]]
+        assert all(block is not None for block in queued)
+        for _ in range(200):
+            if all(b is not None and b.dram is not None for b in queued):
+                break
+            await anyio.sleep(0.01)
+        assert [store.index.live(ns, key) for key in keys[5:8]] == queued
+        assert all(b is not None and b.dram is not None for b in queued)
+        assert _counts(store, ns) == (COUNT, COUNT, COUNT, 3)
+
+
+@pytest.mark.parametrize("how", ["snapshot", "scan"])
+async def test_a_restart_makes_no_block_and_counts_every_one(tmp_path: Path, how: str) -> None:
+    """After a restart by snapshot or by scan: no ``Block`` at all, the counts and listing of
+    every block, a READ of a cold block, a FORGET of another (gone after the next restart
+    too), and an ALLOC of a stored key that reserves nothing."""
+    async with small_store(tmp_path, BLOCK) as (store, ns):
+        keys = await _written_and_evicted(store, ns, COUNT)
+    async with _restarted(tmp_path, how) as (store, ns):
+        assert _live(store) == 0
+        assert _counts(store, ns) == (COUNT, COUNT, COUNT, 0)
+        listed, more = store.page(ns, b"", 1000)
+        assert not more
+        assert sorted(b.key for b in listed) == sorted(keys)
+        assert _live(store) == 0  # listed, nothing kept
+        owner = Owner("after")
+        assert await read_back(store, owner, ns, keys[0]) == content(keys[0], BLOCK)
+        write = await store.alloc(owner, ns, [keys[1]])
+        assert write.slots == [None]  # stored already: a cold key is a key
+        await store.commit(owner, write.id, [0], True)
+        assert await store.forget(ns, [keys[2]]) == 1
+        assert _counts(store, ns) == (COUNT - 1, COUNT - 1, COUNT - 1, 1)
+        assert store.lookup(ns, keys[2:3], promote=False) == (0, b"")
+        assert store.index.get(ns, keys[2]) is None
+    async with _restarted(tmp_path, "snapshot") as (store, ns):
+        assert _counts(store, ns) == (COUNT - 1, COUNT - 1, COUNT - 1, 0)
+        assert store.lookup(ns, keys[2:3], promote=False) == (0, b"")
+        hits, _ = store.lookup(ns, keys[3:], promote=False)
+        assert hits == COUNT - 3
+
+
+async def test_eviction_of_cold_blocks_after_a_restart(tmp_path: Path) -> None:
+    """The NVMe policy, told every adopted block's id at start-up, evicts cold blocks: each
+    made from its row, dropped, its counts and row gone, and none left live."""
+    async with small_store(tmp_path, BLOCK) as (store, ns):
+        keys = await _written_and_evicted(store, ns, COUNT)
+    async with _restarted(tmp_path, "snapshot") as (store, ns):
+        r = store.residency
+        assert await r.evict_lower(slot_bytes_for(BLOCK))
+        evicted = r.counters["lower_evictions"]
+        assert evicted > 0
+        assert _counts(store, ns) == (COUNT - evicted, COUNT - evicted, COUNT - evicted, 0)
+        assert _live(store) == 0
+        gone = [key for key in keys if not store.index.contains(ns, key)]
+        assert len(gone) == evicted
+        assert store.lookup(ns, gone[:1], promote=False) == (0, b"")
+        left = [key for key in keys if key not in gone]
+        owner = Owner("after")
+        assert await read_back(store, owner, ns, left[-1]) == content(left[-1], BLOCK)
