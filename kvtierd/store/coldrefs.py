@@ -12,14 +12,14 @@ of the columns at a time. Pure: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 import numpy as np
 
 from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.records import RecordHeader
-from kvtierd.store.segments import SegmentMap
+from kvtierd.store.segments import DiskSlot, SegmentMap
 from kvtierd.store.tier import BlockRef, Recovered
 
 __all__ = ["ColdRows"]
@@ -45,6 +45,17 @@ class ColdRows:
         """``key``'s newest record as the ref and slot a ``Block`` holds, or ``None``."""
         row = self._cold.find(digest, key)
         return None if row < 0 else self.made(row)
+
+    def stands_for(self, digest: bytes, key: bytes, seq: int, location: Hashable) -> bool:
+        """Whether ``key``'s newest record is the one of ``seq`` at ``location``: then its
+        row may stand for the block (nothing made, for a block let go on every eviction)."""
+        row = self._cold.find(digest, key)
+        return (
+            row >= 0
+            and isinstance(location, DiskSlot)
+            and int(self._cold.column("seq")[row]) == seq
+            and self._cold.place(row) == (location.segment, location.index)
+        )
 
     def made(self, row: int) -> Recovered:
         """The ref and slot of the record in ``row`` (about 2 us: a header read through the

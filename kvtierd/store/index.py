@@ -150,6 +150,8 @@ class ColdSource(Protocol):
 
     def find(self, digest: bytes, key: bytes) -> Recovered | None: ...
 
+    def stands_for(self, digest: bytes, key: bytes, seq: int, location: Hashable) -> bool: ...
+
 
 class BlockIndex:
     """``(namespace digest, key) -> Block``, with per-namespace counts: the live blocks, then
@@ -277,12 +279,8 @@ class BlockIndex:
         blocks = self._by_ns.get(digest)
         if blocks is None or blocks.get(key) is not block or digest in self._unadopted:
             return False
-        found = self._cold.find(digest, key) if self._cold is not None else None
-        if (
-            found is None
-            or found.ref.seq != block.ref.seq
-            or found.location != block.copies.get(cast(ServedBy, self._cold_kind))
-        ):
+        location = block.copies.get(cast(ServedBy, self._cold_kind))
+        if self._cold is None or not self._cold.stands_for(digest, key, block.ref.seq, location):
             return False  # its row is not (or no longer) what stands for it
         del blocks[key]
         if not blocks:
