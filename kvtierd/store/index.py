@@ -331,15 +331,21 @@ class BlockIndex:
         dict probe each costs; the rows are looked in only from the first key not live."""
         found: list[Block | None] = []
         blocks = self._by_ns.get(ns.digest)
-        if blocks is None:
-            blocks = {}
+        if blocks is not None:
+            for key in keys:
+                block = blocks.get(key)
+                if block is None:
+                    break
+                found.append(block)
+            else:
+                return found
         cold = self._cold
-        if cold is not None and ns.digest in self._unadopted:
-            cold = None
         digest = ns.digest
-        for key in keys:
-            block = blocks.get(key)
-            if block is None and (cold is None or not cold.contains(digest, key)):
+        if cold is None or digest in self._unadopted:
+            return found
+        for key in keys[len(found) :]:
+            block = blocks.get(key) if blocks is not None else None
+            if block is None and not cold.contains(digest, key):
                 break
             found.append(block)
         return found

@@ -171,12 +171,14 @@ class BlockStore:
     ) -> tuple[int, bytes]:
         # One comprehension finds the blocks not in DRAM; when there are none (the hot case)
         # every tier code is DRAM's 0 and nothing is promoted, with no second pass.
-        elsewhere = [i for i, block in enumerate(own) if block is None or block.dram is None]
+        elsewhere = [block for block in own if block is None or block.dram is None]
         if not elsewhere:
             return len(own), bytes(len(own))
         codes = bytes([ServedBy.NVME if block is None else block.nearest for block in own])
         if promote:  # the cold blocks it promotes are made now, and queued
-            self.prefetch([b for i in elsewhere if (b := own[i] or self.index.get(ns, keys[i]))])
+            get = self.index.get
+            made = (b if b is not None else get(ns, keys[i]) for i, b in enumerate(own))
+            self.prefetch([b for b in made if b is not None and b.dram is None])
         return len(own), codes
 
     def prefetch(self, blocks: list[Block]) -> int:
