@@ -248,23 +248,23 @@ class BlockIndex:
     def by_id(self, block_id: Hashable) -> Block | None:
         """The block a policy knows by ``block_id`` (see ``Block.id``), if it is stored, as
         :meth:`get` gives it."""
-        digest, key = cast(tuple[bytes, bytes], block_id)
-        blocks = self._by_ns.get(digest)
-        block = blocks.get(key) if blocks is not None else None
-        if block is not None or self._cold is None:
-            return block
-        ns = self._namespace_of(digest)
-        return None if ns is None else self.get(ns, key)
+        return self._by_id(block_id, self.get)
 
     def peek_id(self, block_id: Hashable) -> Block | None:
         """:meth:`by_id` for a caller that only looks (as :meth:`peek`)."""
+        return self._by_id(block_id, self._cold_block)
+
+    def _by_id(
+        self, block_id: Hashable, cold: Callable[[Namespace, bytes], Block | None]
+    ) -> Block | None:
+        """The live block of ``block_id``, else what ``cold`` gives for its namespace and key."""
         digest, key = cast(tuple[bytes, bytes], block_id)
         blocks = self._by_ns.get(digest)
         block = blocks.get(key) if blocks is not None else None
         if block is not None or self._cold is None:
             return block
         ns = self._namespace_of(digest)
-        return None if ns is None else self._cold_block(ns, key)
+        return None if ns is None else cold(ns, key)
 
     def holds(self, block: Block) -> bool:
         """Whether ``block`` is its key's live ``Block`` (not forgotten, not cooled)."""
