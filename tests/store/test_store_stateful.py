@@ -222,7 +222,7 @@ class StoreMachine(RuleBasedStateMachine):
     def restart(self, crash: bool) -> None:
         self._close(crash=crash)
         self._open()
-        found = {key for key in KEYS if self.store.index.get(self.ns, key) is not None}
+        found = {key for key in KEYS if self.store.index.contains(self.ns, key)}
         if crash:
             assert self.durable <= found, "a block whose FSYNC returned was lost"
             assert found <= self.durable | self.changed, "a block came back from nowhere"
@@ -244,10 +244,28 @@ class StoreMachine(RuleBasedStateMachine):
     def index_matches_the_model(self) -> None:
         if self.store_cm is None:
             return
-        found = {key for key in KEYS if self.store.index.get(self.ns, key) is not None}
+        index = self.store.index
+        found = {key for key in KEYS if index.contains(self.ns, key)}  # makes no Block
         assert found == self.present
         assert len(self.owner.leases) == len(self.held)
         assert not self.owner.writes
+        assert len(index) == self.ns.blocks == len(self.present)
+
+    @invariant()
+    def nothing_holds_a_block_let_go(self) -> None:
+        """Every leased block is its key's live ``Block`` (blocks idle on NVMe only are let
+        go, step 4 of "The index at scale": never one a lease holds), and every live block
+        is one something is doing something with, or one the index could not let go."""
+        if self.store_cm is None:
+            return
+        for lease, _ in self.held:
+            assert lease.blocks[0].forgotten or self.store.index.holds(lease.blocks[0])
+        for block in self.store.index.blocks():
+            assert not block.forgotten
+            assert self.store.index.holds(block)
+            idle = block.pins == 0 and block.loading is None and not block.queued
+            kept = block.dram is not None or block.dirty or block.staged is not None
+            assert not idle or kept, "a block idle on NVMe only kept its Block"
 
     @invariant()
     def arena_accounting_holds(self) -> None:
