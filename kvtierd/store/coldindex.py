@@ -161,6 +161,15 @@ class ColdIndex:
         """The namespace digests by number."""
         return list(self._digests)
 
+    @property
+    def seed(self) -> int:
+        """The key of the bucket hash (:func:`identity_hashes`)."""
+        return self._seed
+
+    def number(self, digest: bytes) -> int | None:
+        """The number of the namespace ``digest``, if it has one (nothing numbered)."""
+        return self._numbers.get(digest)
+
     def namespace(self, digest: bytes) -> int:
         """The number of the namespace ``digest`` (numbered on first sight)."""
         number = self._numbers.get(digest)
@@ -208,7 +217,7 @@ class ColdIndex:
             raise ValueError(f"row {row} holds no record")
         ns, klen = int(c["ns"][row]), int(c["klen"][row])
         h = self._hash_of(ns, klen, c["key"][row].tobytes())
-        for table_h, table_r in self._tables():
+        for table_h, table_r in self.tables():
             mask = len(table_h) - 1
             i = h & mask
             while (found := int(table_h[i])) != _EMPTY:
@@ -232,7 +241,7 @@ class ColdIndex:
             return -1
         padded = _padded(key)
         h = self._hash_of(ns, len(key), padded)
-        for table_h, table_r in self._tables():
+        for table_h, table_r in self.tables():
             i = self._bucket(table_h, table_r, h, ns, len(key), padded)
             if i >= 0:
                 return int(table_r[i])
@@ -282,7 +291,7 @@ class ColdIndex:
 
     def _named(self) -> npt.NDArray[np.bool_]:
         named = np.zeros(self._high, bool)
-        for table_h, table_r in self._tables():
+        for table_h, table_r in self.tables():
             named[table_r[table_h > _TOMBSTONE]] = True
         return named
 
@@ -411,7 +420,7 @@ class ColdIndex:
             and f["key"][at : at + MAX_KEY_BYTES] == padded
         )
 
-    def _tables(self) -> Iterator[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint32]]]:
+    def tables(self) -> Iterator[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint32]]]:
         """The bucket tables to look in: the current one, then the one it is leaving."""
         yield self._hash, self._brow
         if self.moving:
@@ -440,7 +449,7 @@ class ColdIndex:
         if self.moving:
             self._move(self._step)
         seq = self._cols["seq"]
-        for table_h, table_r in self._tables():
+        for table_h, table_r in self.tables():
             i = self._bucket(table_h, table_r, h, ns, klen, padded)
             if i >= 0:
                 if int(seq[row]) > int(seq[int(table_r[i])]):

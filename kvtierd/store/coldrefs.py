@@ -18,6 +18,7 @@ import numpy as np
 
 from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.store.coldindex import ColdIndex
+from kvtierd.store.coldprobe import find_many
 from kvtierd.store.records import RecordHeader
 from kvtierd.store.segments import DiskSlot, SegmentMap
 from kvtierd.store.tier import BlockRef, Recovered
@@ -26,6 +27,8 @@ __all__ = ["ColdRows"]
 
 #: Keys made per piece of :meth:`ColdRows.keys_by_namespace`.
 _PIECE = 1 << 16
+#: Fewer keys than this are looked up one by one (numpy's fixed cost is some tens of us).
+_ONE_BY_ONE = 8
 
 
 class ColdRows:
@@ -40,6 +43,13 @@ class ColdRows:
     def contains(self, digest: bytes, key: bytes) -> bool:
         """Whether the tier holds a record of ``key`` in namespace ``digest``."""
         return self._cold.find(digest, key) >= 0
+
+    def contains_many(self, digest: bytes, keys: list[bytes]) -> list[bool]:
+        """:meth:`contains` of each of ``keys``: a few one by one, more hashed and probed
+        together (:func:`~kvtierd.store.coldprobe.find_many`, numpy's fixed cost paid once)."""
+        if len(keys) < _ONE_BY_ONE:
+            return [self._cold.find(digest, key) >= 0 for key in keys]
+        return (find_many(self._cold, digest, keys) >= 0).tolist()  # type: ignore[no-any-return]
 
     def find(self, digest: bytes, key: bytes) -> Recovered | None:
         """``key``'s newest record as the ref and slot a ``Block`` holds, or ``None``."""

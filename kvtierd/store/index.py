@@ -148,6 +148,8 @@ class ColdSource(Protocol):
 
     def contains(self, digest: bytes, key: bytes) -> bool: ...
 
+    def contains_many(self, digest: bytes, keys: list[bytes]) -> list[bool]: ...
+
     def find(self, digest: bytes, key: bytes) -> Recovered | None: ...
 
     def stands_for(self, digest: bytes, key: bytes, seq: int, location: Hashable) -> bool: ...
@@ -244,6 +246,21 @@ class BlockIndex:
         return (
             cold is not None and ns.digest not in self._unadopted and cold.contains(ns.digest, key)
         )
+
+    def contains_many(self, ns: Namespace, keys: list[bytes]) -> list[bool]:
+        """:meth:`contains` of each of ``keys``, the keys not live looked up in the rows
+        together (an ALLOC or COMMIT of thousands of new keys)."""
+        blocks = self._by_ns.get(ns.digest)
+        stored = [key in blocks for key in keys] if blocks is not None else [False] * len(keys)
+        cold = self._cold
+        if cold is None or ns.digest in self._unadopted:
+            return stored
+        rest = [i for i, live in enumerate(stored) if not live]
+        if rest:
+            found = cold.contains_many(ns.digest, [keys[i] for i in rest])
+            for i, present in zip(rest, found, strict=True):
+                stored[i] = present
+        return stored
 
     def by_id(self, block_id: Hashable) -> Block | None:
         """The block a policy knows by ``block_id`` (see ``Block.id``), if it is stored, as
@@ -343,9 +360,10 @@ class BlockIndex:
         digest = ns.digest
         if cold is None or digest in self._unadopted:
             return found
-        for key in keys[len(found) :]:
+        rest = keys[len(found) :]
+        for key, stored in zip(rest, cold.contains_many(digest, rest), strict=True):
             block = blocks.get(key) if blocks is not None else None
-            if block is None and not cold.contains(digest, key):
+            if block is None and not stored:
                 break
             found.append(block)
         return found

@@ -41,7 +41,9 @@ class Writes:
                 f"this connection has {len(owner.writes)} writes pending "
                 "(limits.max_pending_writes_per_connection): commit or abort some first"
             )
-        new = [key for key in keys if not r.index.contains(ns, key)]
+        # stored now (the rows probed together); a key stored later is live (a commit)
+        stored = r.index.contains_many(ns, keys)
+        new = [key for key, there in zip(keys, stored, strict=True) if not there]
         if len(new) * region.allocator.size_class(ns.spec.block_bytes) > region.allocator.capacity:
             raise NoSpaceError(  # can never fit: refused before anything is evicted
                 f"{len(new)} blocks of {ns.spec.block_bytes} bytes exceed the tenant's "
@@ -52,9 +54,9 @@ class Writes:
         policy = r.dram_policies[region.id]
         try:
             async with r.lane.walk(len(keys)) as walk:
-                for key in keys:
+                for key, there in zip(keys, stored, strict=True):
                     await walk.pause()
-                    if r.index.contains(ns, key):
+                    if there or r.index.live(ns, key) is not None:
                         slots.append(None)
                         continue
                     if policy.backlog > r.lane.inline_items:  # else evicting applies it all
@@ -158,6 +160,7 @@ class Writes:
         committed = 0
         new: list[Block] = []
         rows = list(zip(write.keys, write.slots, sums, staged, strict=True))
+        stored = r.index.contains_many(write.ns, write.keys)  # later: live (a racing commit)
         done = 0
         try:
             async with r.lane.walk(len(rows)) as walk:
@@ -167,7 +170,8 @@ class Writes:
                     committed += 1
                     if slot is None:
                         continue
-                    if r.index.contains(write.ns, key):  # a racing writer won
+                    # a racing writer won: stored when this commit began, or live since
+                    if stored[done - 1] or r.index.live(write.ns, key) is not None:
                         r.region(write.ns).allocator.free(slot)
                         self._unstage([copy])
                         continue
