@@ -178,6 +178,10 @@ class BlockIndex:
         #: Digests of namespaces whose rows were not adopted (no catalog entry at start-up):
         #: never looked up in the rows, and their blocks never cooled.
         self._unadopted: frozenset[bytes] = frozenset()
+        #: Blocks let go so far (:meth:`cool`): only that makes a key cold that was not, so a
+        #: caller that probed the rows before an ``await`` needs to probe again only when it
+        #: changed.
+        self.cooled = 0
 
     def __len__(self) -> int:
         return self._count
@@ -302,6 +306,7 @@ class BlockIndex:
         del blocks[key]
         if not blocks:
             del self._by_ns[digest]
+        self.cooled += 1
         return True
 
     def add(self, block: Block) -> None:

@@ -14,7 +14,7 @@ import time
 
 from kvtierd.errors import InvalidRequestError, NoSpaceError, QuotaError
 from kvtierd.store.codec import THREAD_CHECKSUM_BYTES, checksum_off_loop
-from kvtierd.store.index import Block, Owner, PendingWrite
+from kvtierd.store.index import Block, BlockIndex, Owner, PendingWrite
 from kvtierd.store.namespaces import Namespace
 from kvtierd.store.ports import ReplicaLink
 from kvtierd.store.quota import hold_pinned
@@ -41,8 +41,9 @@ class Writes:
                 f"this connection has {len(owner.writes)} writes pending "
                 "(limits.max_pending_writes_per_connection): commit or abort some first"
             )
-        # stored now (the rows probed together); a key stored later is live (a commit)
-        stored = r.index.contains_many(ns, keys)
+        # stored now (the rows probed together); a key stored later is live (a commit), or
+        # cold once let go since (then probed again)
+        stored, cooled = r.index.contains_many(ns, keys), r.index.cooled
         new = [key for key, there in zip(keys, stored, strict=True) if not there]
         if len(new) * region.allocator.size_class(ns.spec.block_bytes) > region.allocator.capacity:
             raise NoSpaceError(  # can never fit: refused before anything is evicted
@@ -56,7 +57,7 @@ class Writes:
             async with r.lane.walk(len(keys)) as walk:
                 for key, there in zip(keys, stored, strict=True):
                     await walk.pause()
-                    if there or r.index.live(ns, key) is not None:
+                    if there or _stored_since(r.index, ns, key, cooled):
                         slots.append(None)
                         continue
                     if policy.backlog > r.lane.inline_items:  # else evicting applies it all
@@ -160,7 +161,7 @@ class Writes:
         committed = 0
         new: list[Block] = []
         rows = list(zip(write.keys, write.slots, sums, staged, strict=True))
-        stored = r.index.contains_many(write.ns, write.keys)  # later: live (a racing commit)
+        stored, cooled = r.index.contains_many(write.ns, write.keys), r.index.cooled
         done = 0
         try:
             async with r.lane.walk(len(rows)) as walk:
@@ -171,7 +172,7 @@ class Writes:
                     if slot is None:
                         continue
                     # a racing writer won: stored when this commit began, or live since
-                    if stored[done - 1] or r.index.live(write.ns, key) is not None:
+                    if stored[done - 1] or _stored_since(r.index, write.ns, key, cooled):
                         r.region(write.ns).allocator.free(slot)
                         self._unstage([copy])
                         continue
@@ -208,3 +209,12 @@ class Writes:
 
 def _write_bytes(write: PendingWrite) -> int:
     return sum(write.ns.spec.block_bytes for slot in write.slots if slot is not None)
+
+
+def _stored_since(index: BlockIndex, ns: Namespace, key: bytes, cooled: int) -> bool:
+    """Whether ``key``, not stored when the rows were probed (``cooled``: the index's count of
+    blocks let go then), is stored now: live (a commit since), or cold when a block was let go
+    since."""
+    if index.live(ns, key) is not None:
+        return True
+    return index.cooled != cooled and index.contains(ns, key)
