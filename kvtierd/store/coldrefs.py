@@ -57,15 +57,14 @@ class ColdRows:
         return None if row < 0 else self.made(row)
 
     def stands_for(self, digest: bytes, key: bytes, seq: int, location: Hashable) -> bool:
-        """Whether ``key``'s newest record is the one of ``seq`` at ``location``: then its
-        row may stand for the block (nothing made, for a block let go on every eviction)."""
-        row = self._cold.find(digest, key)
-        return (
-            row >= 0
-            and isinstance(location, DiskSlot)
-            and int(self._cold.column("seq")[row]) == seq
-            and self._cold.place(row) == (location.segment, location.index)
-        )
+        """Whether the record of ``seq`` is at ``location`` and is ``key``'s newest: then its
+        row may stand for the block (checked on every DRAM eviction of a block written back,
+        so by place, no hash: a seq names one commit, and a newer record of a key is written
+        only after the key was forgotten, which ends its ``Block``)."""
+        if not isinstance(location, DiskSlot):
+            return False
+        row = self._cold.at(location.segment, location.index)
+        return row >= 0 and int(self._cold.column("seq")[row]) == seq
 
     def made(self, row: int) -> Recovered:
         """The ref and slot of the record in ``row`` (about 2 us: a header read through the
