@@ -163,12 +163,16 @@ class Prefetcher:
                 self.reuse_paused = False
                 request_id = self._observe(ns, keys)  # each queued request once, as LOOKUP
                 candidates: list[Hashable] = []
+                stored = index.contains_many(ns, list(keys))  # the rows probed together
                 for position, key in enumerate(keys):
                     await walk.pause()
                     if request_id >= 0:
                         self._name(ns, key, request_id, position)
-                    block = index.peek(ns, key)
-                    if block is not None and not block.resident and block.lower is not None:
+                    block = index.live(ns, key)
+                    if block is None:  # idle on NVMe only, or absent
+                        if stored[position]:
+                            candidates.append((ns.digest, key))
+                    elif not block.resident and block.lower is not None:
                         candidates.append(block.id)
                 self._forget_oldest()
                 queued.append(QueuedRequest(i, candidates, now + i * _QUEUE_SPACING_S))

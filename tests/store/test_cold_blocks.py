@@ -187,3 +187,20 @@ async def test_rows_of_a_namespace_the_catalog_lost_stay_unindexed(tmp_path: Pat
         assert store.index.live(ns, keys[0]) is not None
         assert _counts(store, ns) == (1, 1, 1, 0)
         assert await read_back(store, owner, ns, keys[0]) == content(keys[0], BLOCK)
+
+
+async def test_a_hint_promotes_cold_blocks(tmp_path: Path) -> None:
+    """HINT plans promotions of cold blocks (counted by their rows, made when queued) and they
+    land in DRAM as the same ``Block`` the queue held."""
+    async with small_store(tmp_path, BLOCK) as (store, ns):
+        keys = await _written_and_evicted(store, ns, COUNT)
+        assert await store.hint(ns, [keys[:4]]) > 0
+        queued = [store.index.live(ns, key) for key in keys[:4]]
+        made = [block for block in queued if block is not None]
+        assert made
+        for _ in range(200):
+            if all(block.dram is not None for block in made):
+                break
+            await anyio.sleep(0.01)
+        assert all(block.dram is not None and store.index.holds(block) for block in made)
+        assert _counts(store, ns) == (COUNT, COUNT, COUNT, len(made))
