@@ -347,10 +347,11 @@ class BlockIndex:
             found.append(block)
         return found
 
-    def leading(self, ns: Namespace, keys: list[bytes]) -> list[Block | None]:
+    def leading(self, ns: Namespace, keys: list[bytes]) -> tuple[list[Block | None], bool]:
         """The longest prefix of ``keys`` present in some tier, nothing made: each key's live
-        ``Block``, or ``None`` for one idle on the cold tier only. Keys all live cost what a
-        dict probe each costs; the rows are looked in only from the first key not live."""
+        ``Block``, or ``None`` for one idle on the cold tier only; and whether any is such a
+        ``None`` (when none is, a caller need not look). Keys all live cost what a dict probe
+        each costs; the rows are looked in only from the first key not live, together."""
         found: list[Block | None] = []
         blocks = self._by_ns.get(ns.digest)
         if blocks is not None:
@@ -360,18 +361,19 @@ class BlockIndex:
                     break
                 found.append(block)
             else:
-                return found
+                return found, False
         cold = self._cold
         digest = ns.digest
         if cold is None or digest in self._unadopted:
-            return found
-        rest = keys[len(found) :]
+            return found, False
+        live = len(found)
+        rest = keys[live:]
         for key, stored in zip(rest, cold.contains_many(digest, rest), strict=True):
             block = blocks.get(key) if blocks is not None else None
             if block is None and not stored:
                 break
             found.append(block)
-        return found
+        return found, len(found) > live
 
     def blocks(self) -> list[Block]:
         """The live blocks: every block something is doing something with (in DRAM, with a

@@ -112,16 +112,16 @@ class BlockStore:
     ) -> tuple[int, bytes]:
         """Hits for ``ns``'s whole TP group, and the tier of each hit of ``ns``'s own share."""
         self.prefetcher.on_lookup(ns, keys)
-        own = self._leading_usable(ns, keys)
+        own, cold = self._leading_usable(ns, keys)
         if ns.spec.world_size > 1:
             hits = len(own)
             for member in self.registry.group(ns):
                 if member is None:
                     return 0, b""
                 if member is not ns:
-                    hits = min(hits, len(self._leading_usable(member, keys[:hits])))
+                    hits = min(hits, len(self._leading_usable(member, keys[:hits])[0]))
             del own[hits:]
-        return self._answer(ns, keys, own, promote)
+        return self._answer(ns, keys, own, cold, promote)
 
     async def lookup_in_turn(
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True
@@ -149,33 +149,48 @@ class BlockStore:
             log.debug("group lookup fell back to the local tiers: %s", exc)
             return self.lookup(ns, keys, promote=promote)
         self.prefetcher.on_lookup(ns, keys)
-        own = self._leading_usable(ns, keys[:group_hits])
-        return self._answer(ns, keys, own, promote)
+        own, cold = self._leading_usable(ns, keys[:group_hits])
+        return self._answer(ns, keys, own, cold, promote)
 
     def needs_group_lookup(self, ns: Namespace) -> bool:
         return self.pool is not None and self.pool.group_lookup(ns)
 
-    def _leading_usable(self, ns: Namespace, keys: list[bytes]) -> list[Block | None]:
+    def _leading_usable(self, ns: Namespace, keys: list[bytes]) -> tuple[list[Block | None], bool]:
         """The live blocks of the leading stored ``keys``, ``None`` for one idle on NVMe
-        only (:meth:`BlockIndex.leading`: counted, not made)."""
-        found = self.index.leading(ns, keys)
+        only, and whether there is such a ``None`` (:meth:`BlockIndex.leading`: counted, not
+        made)."""
+        found, cold = self.index.leading(ns, keys)
         if self.pool is None or self.pool.attached:
-            return found
+            return found, cold
         for i, block in enumerate(found):  # a pool-only copy is out of reach while detached
             if block is not None and block.dram is None and block.lower is None:
-                return found[:i]
-        return found
+                return found[:i], cold
+        return found, cold
 
     def _answer(
-        self, ns: Namespace, keys: list[bytes], own: list[Block | None], promote: bool
+        self, ns: Namespace, keys: list[bytes], own: list[Block | None], cold: bool, promote: bool
     ) -> tuple[int, bytes]:
+        """LOOKUP's answer for the leading stored blocks ``own`` (``cold``: some are ``None``,
+        idle on NVMe only), promoting those not in DRAM when ``promote``."""
+        if cold:
+            return self._answer_cold(ns, keys, own, promote)
+        live: list[Block] = own  # type: ignore[assignment]  # (no cast call on the hot path)
         # One comprehension finds the blocks not in DRAM; when there are none (the hot case)
         # every tier code is DRAM's 0 and nothing is promoted, with no second pass.
-        elsewhere = [block for block in own if block is None or block.dram is None]
+        elsewhere = [block for block in live if block.dram is None]
         if not elsewhere:
-            return len(own), bytes(len(own))
+            return len(live), bytes(len(live))
+        if promote:
+            self.prefetch(elsewhere)
+        return len(live), bytes([block.nearest for block in live])
+
+    def _answer_cold(
+        self, ns: Namespace, keys: list[bytes], own: list[Block | None], promote: bool
+    ) -> tuple[int, bytes]:
+        """:meth:`_answer` when some blocks are cold: the ones it promotes are made now (and
+        queued), the others stay rows."""
         codes = bytes([ServedBy.NVME if block is None else block.nearest for block in own])
-        if promote:  # the cold blocks it promotes are made now, and queued
+        if promote:
             get = self.index.get
             made = (b if b is not None else get(ns, keys[i]) for i, b in enumerate(own))
             self.prefetch([b for b in made if b is not None and b.dram is None])
