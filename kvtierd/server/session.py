@@ -191,7 +191,7 @@ class Session:
     @property
     def departing(self) -> bool:
         """It said DESTROY (or was closed) and is not stuck writing a reply: its slot is free."""
-        return self.closing and not self._send_lock.locked() and not self._unsent
+        return self.closing and self._writer_idle
 
     def refresh_receiver(self) -> None:
         """See :meth:`kvtierd.transport.receiving.Receiver.refresh`."""
@@ -207,7 +207,7 @@ class Session:
         when the stream is between frames: written at once where the socket takes it without
         waiting, or, for a stream written through only (TLS), as the session ends, within
         :data:`LAST_FRAME_S`."""
-        if not self.closing and not self._send_lock.locked() and not self._unsent:
+        if not self.closing and self._writer_idle:
             frame = self.conn.fatal(error)
             if self._raw is None:
                 self._last_frame = frame
@@ -352,8 +352,7 @@ class Session:
             self.conn.state is ServerState.READY
             and not self.closing
             and not self._reader_scope.cancel_called
-            and not self._send_lock.locked()
-            and not self._unsent
+            and self._writer_idle
         )
 
     def _answer_now(self, event: RequestReceived) -> bool:
@@ -376,13 +375,21 @@ class Session:
             outcome = RuntimeError(f"{Opcode(header.opcode).name}'s nowait handler awaited")
         frame, fds = self._reply_frame(header, outcome, started)
         assert not fds, "a request answered now passes no descriptor"
-        self._send_now(frame)
+        self._write_now(frame)
         return True
 
-    def _send_now(self, frame: bytes) -> None:
-        """Write ``frame`` from the readiness callback, by one non-blocking send; what the
-        socket does not take waits in ``_unsent`` for the reader, which sends it before any
-        other frame (:meth:`_send`)."""
+    @property
+    def _writer_idle(self) -> bool:
+        """No reply is being written or left half-written: a frame may go to the socket now."""
+        return not self._send_lock.locked() and not self._unsent
+
+    def _write_now(self, frame: bytes) -> None:
+        """The one direct writer, shared by the readiness callback's replies and :meth:`_send`'s
+        fast path: offer ``frame`` to the non-blocking socket by one ``send``, when the writer is
+        idle (the caller checked :attr:`_writer_idle`). What the socket does not take waits in
+        ``_unsent``, which :meth:`_send` writes under the lock before any other frame, so frames
+        never interleave and go out in the order they were offered. A broken socket stops the
+        reading (the session then ends)."""
         assert self._raw is not None
         try:
             sent = self._raw.send(frame)
@@ -470,28 +477,21 @@ class Session:
     async def _send(self, frame: bytes, fds: list[int] | None = None) -> None:
         """Write one reply; replies of concurrent handlers go out whole, in completion order.
 
-        Fast path: when no write is in progress, the frame is offered to the non-blocking
-        socket directly (the usual case for small replies, and one event-loop turn cheaper);
-        whatever the kernel does not take is sent by the stream under the lock, which later
-        replies then wait for, so frames never interleave.
+        Fast path: when the writer is idle, the frame goes through :meth:`_write_now` (the
+        usual case for small replies, and one event-loop turn cheaper than the stream); whatever
+        the kernel does not take (and the tail of a reply the readiness callback left) is sent
+        by the stream under the lock, which later replies then wait for, so frames never
+        interleave. A frame with descriptors always goes through the stream.
         """
+        if not fds and self._raw is not None and self._writer_idle:
+            self._write_now(frame)
+            if not self._unsent:
+                return
+            frame = b""  # its tail is in _unsent now
         try:
-            if (
-                not fds
-                and not self._send_lock.locked()
-                and not self._unsent
-                and self._raw is not None
-            ):
-                try:
-                    sent = self._raw.send(frame)
-                except BlockingIOError:
-                    sent = 0
-                if sent == len(frame):
-                    return
-                frame = frame[sent:]
             async with self._send_lock:
                 with anyio.fail_after(SEND_TIMEOUT_S):
-                    if self._unsent:  # the rest of a reply written from the callback: first
+                    if self._unsent:  # the rest of a reply written directly: first
                         unsent, self._unsent = self._unsent, b""
                         await self.stream.send(unsent)
                     if fds:
