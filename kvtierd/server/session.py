@@ -59,7 +59,7 @@ from kvtierd.protocol import (
     ServerState,
 )
 from kvtierd.protocol.messages import Message, ReadReply
-from kvtierd.server.handlers import HANDLERS, NOWAIT_HANDLERS
+from kvtierd.server.handlers import HANDLERS, NOW_HANDLERS, NOWAIT_HANDLERS
 from kvtierd.server.receiving import Receiver, open_receiver
 from kvtierd.server.remote import REMOTE_OPCODES
 from kvtierd.store.index import Owner
@@ -81,8 +81,8 @@ LAST_FRAME_S = 1.0
 _PEERCRED = struct.Struct("3i")
 
 #: Requests the reader's readiness callback answers itself, through their
-#: :data:`NOWAIT_HANDLERS` entry, without waking the reader (asyncio; :meth:`Session._serve_now`).
-_SERVED_NOW = frozenset({Opcode.LOOKUP})
+#: :data:`NOW_HANDLERS` entry, without waking the reader (asyncio; :meth:`Session._serve_now`).
+_SERVED_NOW = NOW_HANDLERS
 
 #: Handlers that never wait on I/O run inline in the reader: no task, no hand-off, one less
 #: wake-up on the latency-critical LOOKUP path.
@@ -321,7 +321,7 @@ class Session:
     def _serve_now(self, data: bytes) -> bool:
         """The readiness callback's server (:mod:`kvtierd.server.receiving`): take ``data``
         and answer at once the requests that need no waiting (:data:`_SERVED_NOW`, through
-        their :data:`NOWAIT_HANDLERS` entry), as the reader would inline; ``True`` when that
+        their :data:`NOW_HANDLERS` entry), as the reader would inline; ``True`` when that
         was all of them. Otherwise ``False``: the first event it could not answer (or the
         protocol error) is left in ``_stashed`` and the rest in the connection, for the reader,
         which goes on exactly as if it had read the bytes itself."""
@@ -356,23 +356,17 @@ class Session:
         )
 
     def _answer_now(self, event: RequestReceived) -> bool:
-        """Run ``event``'s :data:`NOWAIT_HANDLERS` entry to its end (it never awaits) and
-        write its reply; ``False``, with nothing done, when it would have to wait."""
+        """Run ``event``'s :data:`NOW_HANDLERS` entry and write its reply; ``False``, with
+        nothing done, when it would have to wait."""
         header = event.header
         started = time.perf_counter() if self.daemon.timings is not None else 0.0
         outcome: Message | Exception
-        run = NOWAIT_HANDLERS[header.opcode](self, header, event.message)
         try:
-            run.send(None)
-        except StopIteration as done:
-            outcome = done.value
+            outcome = _SERVED_NOW[header.opcode](self, header, event.message)
         except anyio.WouldBlock:
             return False
         except Exception as exc:
             outcome = exc
-        else:  # a handler that awaits has no place here: answered as the bug it is
-            run.close()
-            outcome = RuntimeError(f"{Opcode(header.opcode).name}'s nowait handler awaited")
         frame, fds = self._reply_frame(header, outcome, started)
         assert not fds, "a request answered now passes no descriptor"
         self._write_now(frame)
