@@ -289,13 +289,14 @@ class CompletionRing:
                 loop.add_reader(self._efd, self._on_eventfd)
                 try:
                     task_status.started()
-                    await anyio.sleep_forever()
+                    await anyio.sleep_forever()  # until the ring closes
                 finally:
                     loop.remove_reader(self._efd)
-            task_status.started()
-            while True:
-                await anyio.wait_readable(self._efd)
-                self._on_eventfd()
+            else:
+                task_status.started()
+                while True:
+                    await anyio.wait_readable(self._efd)
+                    self._on_eventfd()
 
     def _on_eventfd(self) -> None:
         with contextlib.suppress(BlockingIOError):
