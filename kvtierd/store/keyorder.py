@@ -12,27 +12,32 @@ which it is a prefix, and sorts first, as a prefix does; and two keys equal once
 the other plus zero bytes) are ordered by the length byte, the shorter first. The length byte
 is never zero, so numpy, which drops a string's trailing zero bytes, never shortens a code.
 
-*Chunks and the overlay.* The keys stored at the last merge are sorted codes in chunks (numpy
-arrays of at most about :data:`CHUNK`), each with a lower bound: chunk ``i`` holds keys of
-``[bounds[i], bounds[i + 1])``. Keys added since sit in a small sorted overlay (``_added``, a
-``SortedList`` of codes), and chunk keys forgotten since in another (``_removed``): a key is
-in one of the three places at most, so a page is a merge of two sorted streams, one filtered.
+*Layers.* The keys stored at the last merge are sorted codes in chunks (numpy arrays of at
+most about :data:`CHUNK`), each with a lower bound: chunk ``i`` holds codes of ``[bounds[i],
+bounds[i + 1])``. Above them lie two overlays, each a pair of sorted sets: codes added, and
+codes of the layers below forgotten. The *top* overlay (``SortedList``s) takes every change;
+the *frozen* one (plain sorted lists) is the top overlay as it was when the sweep under way
+began, being folded into the chunks. The keys are ``((chunks - frozen removed) | frozen
+added) - removed | added``: an add of a key forgotten in the same layer takes it out of the
+removed set, else goes in the added set, and a remove likewise, so each layer's added codes
+are absent below it and its removed codes present. A page merges the layers in that order,
+from each only the codes up to where the first full source ends.
 
 *Merging, on the event loop without holding it.* ``add`` and ``remove`` run on the daemon's
 loop, so the overlay is never folded in all at once (a copy of the whole array: about 0.1 s
-at 10M keys). Once the overlay holds :data:`MERGE_AT` codes a *sweep* starts, and each later
-``add`` or ``remove`` rebuilds one chunk with the overlay's codes in its range (at most
-:data:`CHUNK` of each kind a step, the rest left for the next sweep): a chunk copied two or
-three times, a fraction of a millisecond, whatever the namespace's size. A sweep ends after
-one step a chunk, long before the overlay doubles.
+at 10M keys). Once the top overlay holds :data:`MERGE_AT` codes it is frozen (a fresh one
+takes the changes) and a *sweep* starts: each later ``add`` or ``remove`` rebuilds one chunk
+with the frozen codes in its range (at most :data:`STEP` of each kind a step; the chunk is cut
+there and its rest merged next), a chunk copied two or three times, a fraction of a
+millisecond whatever the namespace's size. The sweep consumes the frozen lists from the front
+(codes below the chunk it is at are folded already), so nothing is deleted from them one by
+one; it ends after about one step a chunk, long before the top overlay fills again.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
-from bisect import bisect_right
-from collections.abc import Iterator
+from bisect import bisect_left, bisect_right
 from typing import Any
 
 import numpy as np
@@ -41,7 +46,7 @@ from sortedcontainers import SortedList  # type: ignore[import-untyped]
 
 from kvtierd.keys import MAX_KEY_BYTES
 
-__all__ = ["CHUNK", "CODE_BYTES", "MERGE_AT", "KeyOrder", "decode", "encode"]
+__all__ = ["CHUNK", "CODE_BYTES", "MERGE_AT", "STEP", "KeyOrder", "decode", "encode"]
 
 #: Bytes of a key's code: the padded key and its length.
 CODE_BYTES = MAX_KEY_BYTES + 1
@@ -50,10 +55,13 @@ _CODE = np.dtype(f"S{CODE_BYTES}")
 CHUNK = 1 << 15
 #: Overlay codes (added and removed) that start a sweep.
 MERGE_AT = 1 << 16
+#: Overlay codes of each kind a merge step folds in at most.
+STEP = 1 << 12
 _LENGTHS = [bytes((n,)) for n in range(MAX_KEY_BYTES + 1)]
 _PAD = b"\0" * MAX_KEY_BYTES
 _BEFORE_ALL = b""  # sorts before every code
 _SLICE = 1 << 18  # rows converted at a time by from_columns
+_NONE = np.empty(0, _CODE)
 
 
 def encode(key: bytes) -> bytes:
@@ -69,6 +77,21 @@ def decode(code: bytes) -> bytes:
     return code[: code[MAX_KEY_BYTES]]
 
 
+def _decode_all(codes: npt.NDArray[Any]) -> list[bytes]:
+    """The keys of ``codes``, with no Python step per key but for keys ending in a zero byte:
+    numpy's ``S`` strings drop trailing zero bytes, the padding's and a key's own alike."""
+    if not len(codes):
+        return []
+    rows = codes.view(np.uint8).reshape(len(codes), CODE_BYTES)
+    klen = rows[:, MAX_KEY_BYTES]
+    longest = int(klen.max())
+    padded = np.ascontiguousarray(rows[:, :longest]).view(f"S{longest}")
+    keys: list[bytes] = padded.reshape(len(codes)).tolist()
+    for i in np.flatnonzero(rows[np.arange(len(rows)), klen.astype(np.intp) - 1] == 0).tolist():
+        keys[i] = rows[i, : klen[i]].tobytes()
+    return keys
+
+
 def _after(key: bytes) -> bytes:
     """A code that every code of a key sorting after ``key`` (``b""``: every key) sorts after,
     and no other. A key past 32 bytes is cut there: a key of at most 32 bytes sorts after it
@@ -79,20 +102,25 @@ def _after(key: bytes) -> bytes:
 class KeyOrder:
     """A set of keys listed in byte order from any cursor, at 33 bytes a key."""
 
-    def __init__(self, *, chunk: int = CHUNK, merge_at: int = MERGE_AT) -> None:
-        """An empty order. ``chunk`` and ``merge_at`` are for tests (small values exercise the
-        sweeps)."""
-        if chunk < 1 or merge_at < 1:
-            raise ValueError("chunk and merge_at must be positive")
-        self._chunk, self._merge_at = chunk, merge_at
+    def __init__(self, *, chunk: int = CHUNK, merge_at: int = MERGE_AT, step: int = STEP) -> None:
+        """An empty order. ``chunk``, ``merge_at`` and ``step`` are for tests and benchmarks
+        (small values exercise the sweeps)."""
+        if chunk < 1 or merge_at < 1 or step < 1:
+            raise ValueError("chunk, merge_at and step must be positive")
+        self._chunk, self._merge_at, self._step_codes = chunk, merge_at, step
         #: Sorted codes, never empty but for a lone chunk; ``_bounds[i]`` is chunk ``i``'s
         #: lower bound (``b""`` for the first), at most its first code.
         self._chunks: list[npt.NDArray[Any]] = [np.empty(0, _CODE)]
         self._bounds: list[bytes] = [_BEFORE_ALL]
         self._in_chunks = 0
+        #: The top overlay.
         self._added = SortedList()
         self._removed = SortedList()
-        #: The next chunk a sweep under way merges (``None``: no sweep).
+        #: The frozen overlay, folded in up to ``_frozen_at`` (added, removed).
+        self._frozen_added: list[bytes] = []
+        self._frozen_removed: list[bytes] = []
+        self._frozen_at = (0, 0)
+        #: The next chunk the sweep under way merges (``None``: no sweep).
         self._sweep: int | None = None
 
     @classmethod
@@ -103,6 +131,7 @@ class KeyOrder:
         *,
         chunk: int = CHUNK,
         merge_at: int = MERGE_AT,
+        step: int = STEP,
     ) -> KeyOrder:
         """The order of the keys given as columns, as :class:`~kvtierd.store.coldindex.
         ColdIndex` holds them: rows of four little-endian u64 words (the key zero-padded) and
@@ -125,17 +154,22 @@ class KeyOrder:
                 raise ValueError("a key has nonzero bytes past its length")
             codes[first : first + _SLICE, :MAX_KEY_BYTES] = key
             codes[first : first + _SLICE, MAX_KEY_BYTES] = length
-        return cls._of_codes(codes.view(_CODE).reshape(count), chunk=chunk, merge_at=merge_at)
+        as_codes = codes.view(_CODE).reshape(count)
+        return cls._of_codes(as_codes, chunk=chunk, merge_at=merge_at, step=step)
 
     @classmethod
-    def of(cls, keys: list[bytes], *, chunk: int = CHUNK, merge_at: int = MERGE_AT) -> KeyOrder:
+    def of(
+        cls, keys: list[bytes], *, chunk: int = CHUNK, merge_at: int = MERGE_AT, step: int = STEP
+    ) -> KeyOrder:
         """The order of ``keys`` (any order, repeats held once)."""
         codes = np.array([encode(key) for key in keys], _CODE).reshape(len(keys))
-        return cls._of_codes(codes, chunk=chunk, merge_at=merge_at)
+        return cls._of_codes(codes, chunk=chunk, merge_at=merge_at, step=step)
 
     @classmethod
-    def _of_codes(cls, codes: npt.NDArray[Any], *, chunk: int, merge_at: int) -> KeyOrder:
-        order = cls(chunk=chunk, merge_at=merge_at)
+    def _of_codes(
+        cls, codes: npt.NDArray[Any], *, chunk: int, merge_at: int, step: int
+    ) -> KeyOrder:
+        order = cls(chunk=chunk, merge_at=merge_at, step=step)
         codes.sort()
         if len(codes) > 1:
             codes = codes[np.concatenate(([True], codes[1:] != codes[:-1]))]
@@ -147,7 +181,9 @@ class KeyOrder:
         return order
 
     def __len__(self) -> int:
-        return self._in_chunks - len(self._removed) + len(self._added)
+        added, removed = self._frozen_at
+        frozen = len(self._frozen_added) - added - (len(self._frozen_removed) - removed)
+        return self._in_chunks + frozen + len(self._added) - len(self._removed)
 
     def __contains__(self, key: bytes) -> bool:
         code = encode(key)
@@ -155,13 +191,18 @@ class KeyOrder:
             return True
         if code in self._removed:
             return False
+        added, removed = self._frozen_at
+        if _holds(self._frozen_added, code, added):
+            return True
+        if _holds(self._frozen_removed, code, removed):
+            return False
         chunk = self._chunks[bisect_right(self._bounds, code) - 1]
         at = int(np.searchsorted(chunk, code))
         return at < len(chunk) and bool(chunk[at] == code)
 
     @property
     def overlay(self) -> int:
-        """Codes waiting to be merged (added and removed): what a sweep bounds."""
+        """Codes of the top overlay (added and removed): what starts a sweep."""
         return len(self._added) + len(self._removed)
 
     @property
@@ -190,88 +231,117 @@ class KeyOrder:
     def page(self, after: bytes, limit: int) -> tuple[list[bytes], bool]:
         """Up to ``limit`` keys sorting after ``after`` (``b""``: from the first), in byte
         order, and whether more follow; O(log n + limit) (plus the forgotten keys skipped,
-        at most the overlay). Paging with each page's last key as the next ``after`` lists
+        at most the overlays). Paging with each page's last key as the next ``after`` lists
         every key stored throughout exactly once, in order, however the keys change between
         pages; a key stored or forgotten meanwhile is listed or not by where it sorts."""
         start = _after(after)
-        added = self._added.irange(minimum=start, inclusive=(False, False))
-        found = list(itertools.islice(heapq.merge(self._chunked(start, limit), added), limit + 1))
-        return [decode(code) for code in found[:limit]], len(found) > limit
+        want = limit + 1
+        found: list[npt.NDArray[Any]] = []
+        got = 0
+        while True:
+            codes, last = self._window(start, want)
+            found.append(codes)
+            got += len(codes)
+            if got >= want or last is None:
+                break
+            start = last
+        codes = np.concatenate(found)[:want] if len(found) > 1 else found[0][:want]
+        return _decode_all(codes[:limit]), len(codes) > limit
 
-    def _chunked(self, start: bytes, limit: int) -> Iterator[bytes]:
-        """The chunks' codes after ``start``, less the removed ones, read ``limit + 1`` at a
-        time."""
-        removed = self._removed
+    def _window(self, start: bytes, want: int) -> tuple[npt.NDArray[Any], bytes | None]:
+        """The codes stored in ``(start, last]``, where ``last`` (``None``: the end) is where
+        the first source holding ``want`` codes after ``start`` ends, so that every source is
+        read whole up to it: each layer's added codes merged in, its removed ones taken out."""
+        stored = self._from_chunks(start, want)
+        last = stored[-1].tobytes() if len(stored) == want else None
+        added, removed = self._frozen_at
+        frozen = (
+            _slice(self._frozen_added, start, last, want, added),
+            _slice(self._frozen_removed, start, last, None, removed),
+        )
+        top = (
+            _irange(self._added, start, last, want),
+            _irange(self._removed, start, last, None),
+        )
+        for more, _ in (frozen, top):
+            if len(more) == want and (last is None or more[-1] < last):
+                last = more[-1]
+        codes = stored
+        for more, gone in (frozen, top):
+            codes = _merged(_without(codes, gone, last), more, last)
+        return codes, last
+
+    def _from_chunks(self, start: bytes, want: int) -> npt.NDArray[Any]:
+        """Up to ``want`` of the chunks' codes after ``start``."""
         i = bisect_right(self._bounds, start) - 1
         at = int(np.searchsorted(self._chunks[i], start, side="right"))
-        take = limit + 1
-        while i < len(self._chunks):
-            chunk = self._chunks[i]
-            while at < len(chunk):
-                for code in chunk[at : at + take].tolist():
-                    if not removed or code not in removed:
-                        yield code
-                at += take
+        parts: list[npt.NDArray[Any]] = []
+        got = 0
+        while got < want and i < len(self._chunks):
+            piece = self._chunks[i][at : at + want - got]
+            parts.append(piece)
+            got += len(piece)
             i, at = i + 1, 0
+        return np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else _NONE
 
     # -- merging ---------------------------------------------------------------------------
 
     def _step(self) -> None:
-        """Start a sweep once the overlay is full; while one is under way, merge one chunk
-        (passing over chunks whose range the overlay has no code of)."""
+        """Start a sweep once the top overlay is full (freezing it); while one is under way,
+        merge one chunk (passing over chunks whose range the frozen overlay has nothing of)."""
         if self._sweep is None:
             if self.overlay < self._merge_at:
                 return
+            self._frozen_added, self._frozen_removed = list(self._added), list(self._removed)
+            self._frozen_at = (0, 0)
+            self._added, self._removed = SortedList(), SortedList()
             self._sweep = 0
         while self._sweep is not None and self._sweep < len(self._chunks):
             if self._merge(self._sweep):
                 break
         if self._sweep is not None and self._sweep >= len(self._chunks):
             self._sweep = None
+            self._frozen_added, self._frozen_removed = [], []
+            self._frozen_at = (0, 0)
 
     def _merge(self, i: int) -> bool:
-        """Fold the overlay's codes in chunk ``i``'s range into it (at most ``chunk`` codes of
-        each overlay, the chunk split after the last); set the next chunk to sweep, and say
-        whether there was anything to fold."""
-        low = self._bounds[i]
+        """Fold the frozen codes in chunk ``i``'s range into it (at most ``step`` of each kind,
+        the chunk cut after the last), set the chunk the sweep goes on with, and say whether
+        there was anything to fold. Every frozen code below the range is folded already."""
         high = self._bounds[i + 1] if i + 1 < len(self._bounds) else None
-        added, removed = self._range(self._added, low, high), self._range(self._removed, low, high)
-        if added[0] == added[1] and removed[0] == removed[1]:
+        first_added, first_removed = self._frozen_at
+        lists = (self._frozen_added, self._frozen_removed)
+        ends = [
+            _below(codes, high, first) for codes, first in zip(lists, self._frozen_at, strict=True)
+        ]
+        if ends == [first_added, first_removed]:
             self._sweep = i + 1
             return False
-        # Cut the range short where either overlay has more than a chunk's worth in it.
-        for (first, end), overlay in ((added, self._added), (removed, self._removed)):
-            if end - first > self._chunk:
-                high = overlay[first + self._chunk]
-        if high is not None:
-            added, removed = (
-                self._range(self._added, low, high),
-                self._range(self._removed, low, high),
-            )
+        for codes, first, end in zip(lists, self._frozen_at, ends, strict=True):
+            if end - first > self._step_codes:  # cut the range short
+                high = codes[first + self._step_codes]
+        end_added, end_removed = (
+            _below(c, high, f) for c, f in zip(lists, self._frozen_at, strict=True)
+        )
         chunk = self._chunks[i]
         cut = len(chunk) if high is None else int(np.searchsorted(chunk, high))
         part = chunk[:cut]
-        gone = np.array(self._removed[removed[0] : removed[1]], _CODE)
+        gone = np.array(self._frozen_removed[first_removed:end_removed], _CODE)
         if len(gone) and len(part):
             at = np.searchsorted(part, gone)
             at = at[(at < len(part)) & (part[np.minimum(at, len(part) - 1)] == gone)]
             part = np.delete(part, at)
             self._in_chunks -= len(at)
-        new = np.array(self._added[added[0] : added[1]], _CODE)
+        new = np.array(self._frozen_added[first_added:end_added], _CODE)
         if len(new):
             part = np.insert(part, np.searchsorted(part, new), new)
             self._in_chunks += len(new)
-        del self._added[added[0] : added[1]]
-        del self._removed[removed[0] : removed[1]]
+        self._frozen_at = (end_added, end_removed)
         # The rest copied, so the old chunk's memory goes now, not when the rest is rebuilt.
         self._replace(i, part, chunk[cut:].copy() if cut else chunk, high)
+        # Go on with the chunk whose range holds what is left (the end when nothing is).
+        self._sweep = len(self._chunks) if high is None else bisect_right(self._bounds, high) - 1
         return True
-
-    @staticmethod
-    def _range(overlay: Any, low: bytes, high: bytes | None) -> tuple[int, int]:
-        """The positions in ``overlay`` of its codes in ``[low, high)``."""
-        first = overlay.bisect_left(low)
-        return first, len(overlay) if high is None else overlay.bisect_left(high)
 
     def _replace(
         self, i: int, merged: npt.NDArray[Any], rest: npt.NDArray[Any], high: bytes | None
@@ -292,10 +362,63 @@ class KeyOrder:
             chunks.append(rest)
             bounds.append(high if high is not None else rest[0].tobytes())
         keep = [j for j, c in enumerate(chunks) if len(c)]
-        chunks, bounds = [chunks[j] for j in keep], [bounds[j] for j in keep]
-        self._chunks[i : i + 1] = chunks
-        self._bounds[i : i + 1] = bounds
-        self._sweep = i + len(chunks) - (1 if len(rest) else 0)
+        self._chunks[i : i + 1] = [chunks[j] for j in keep]
+        self._bounds[i : i + 1] = [bounds[j] for j in keep]
         if not self._chunks:
             self._chunks, self._bounds = [np.empty(0, _CODE)], [_BEFORE_ALL]
         self._bounds[0] = _BEFORE_ALL
+
+
+def _holds(codes: list[bytes], code: bytes, first: int) -> bool:
+    at = bisect_left(codes, code, first)
+    return at < len(codes) and codes[at] == code
+
+
+def _below(codes: list[bytes], high: bytes | None, first: int) -> int:
+    """The end of the codes from ``first`` on that sort before ``high`` (``None``: all)."""
+    return len(codes) if high is None else bisect_left(codes, high, first)
+
+
+def _slice(
+    codes: list[bytes], start: bytes, last: bytes | None, most: int | None, first: int
+) -> npt.NDArray[Any]:
+    """Up to ``most`` (``None``: all) of ``codes[first:]`` in ``(start, last]``."""
+    begin = bisect_right(codes, start, max(first, 0))
+    end = len(codes) if last is None else bisect_right(codes, last, begin)
+    if most is not None:
+        end = min(end, begin + most)
+    return np.array(codes[begin:end], _CODE) if end > begin else _NONE
+
+
+def _irange(codes: Any, start: bytes, last: bytes | None, most: int | None) -> npt.NDArray[Any]:
+    """:func:`_slice` of a ``SortedList``."""
+    if not codes:
+        return _NONE
+    found = codes.irange(start, last, inclusive=(False, True))
+    return np.array(list(itertools.islice(found, most)), _CODE).reshape(-1)
+
+
+def _without(
+    codes: npt.NDArray[Any], gone: npt.NDArray[Any], last: bytes | None
+) -> npt.NDArray[Any]:
+    """``codes`` (those up to ``last``) less those in ``gone``."""
+    if last is not None:
+        codes = codes[: int(np.searchsorted(codes, last, side="right"))]
+    if not len(gone) or not len(codes):
+        return codes
+    at = np.minimum(np.searchsorted(codes, gone), len(codes) - 1)
+    keep = np.ones(len(codes), bool)
+    keep[at[codes[at] == gone]] = False
+    kept: npt.NDArray[Any] = codes[keep]
+    return kept
+
+
+def _merged(
+    codes: npt.NDArray[Any], more: npt.NDArray[Any], last: bytes | None
+) -> npt.NDArray[Any]:
+    """Two sorted sets of codes as one (``more``'s up to ``last``)."""
+    if last is not None and len(more):
+        more = more[: int(np.searchsorted(more, last, side="right"))]
+    if not len(more):
+        return codes
+    return np.insert(codes, np.searchsorted(codes, more), more)

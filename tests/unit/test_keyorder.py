@@ -53,13 +53,19 @@ class KeyOrderMachine(RuleBasedStateMachine):
         keys=st.lists(KEYS, max_size=30),
         chunk=st.integers(1, 6),
         merge_at=st.integers(1, 8),
+        step=st.integers(1, 6),
         from_columns=st.booleans(),
     )
-    def start(self, keys: list[bytes], chunk: int, merge_at: int, from_columns: bool) -> None:
+    def start(
+        self, keys: list[bytes], chunk: int, merge_at: int, step: int, from_columns: bool
+    ) -> None:
         if from_columns:
-            self.order = KeyOrder.from_columns(*columns(keys), chunk=chunk, merge_at=merge_at)
+            words, klen = columns(keys)
+            self.order = KeyOrder.from_columns(
+                words, klen, chunk=chunk, merge_at=merge_at, step=step
+            )
         else:
-            self.order = KeyOrder.of(keys, chunk=chunk, merge_at=merge_at)
+            self.order = KeyOrder.of(keys, chunk=chunk, merge_at=merge_at, step=step)
         self.model = set(keys)
         #: A pager under way: its cursor, the keys listed, those stored throughout, and those
         #: stored at some time since its first page.
@@ -135,7 +141,7 @@ TestKeyOrder.settings = settings(max_examples=200, stateful_step_count=80, deadl
 
 
 def test_a_sweep_moves_the_overlay_into_chunks_a_step_at_a_time() -> None:
-    order = KeyOrder.of([bytes([n]) for n in range(1, 200, 2)], chunk=8, merge_at=16)
+    order = KeyOrder.of([bytes([n]) for n in range(1, 200, 2)], chunk=8, merge_at=16, step=4)
     for n in range(0, 200, 2):
         order.add(bytes([n]) if n else b"\0\0")
     assert order.overlay < 16 + len(order._chunks)  # the sweep kept up: each add a step
@@ -196,3 +202,16 @@ def test_the_index_adopts_keys_in_bulk_once_each() -> None:
     assert index._sorted[ns.digest].page(b"", 9) == ([b"\0", b"b", b"d"], False)
     index.adopt_keys(ns, *columns([b"b", b"a"]))  # again: a key already listed stays once
     assert index._sorted[ns.digest].page(b"", 9) == ([b"\0", b"a", b"b", b"d"], False)
+
+
+def test_a_page_reads_past_keys_forgotten_in_a_layer_above() -> None:
+    """Keys of the frozen overlay forgotten in the top one: the page reads on beyond them."""
+    keys = [bytes([n]) for n in range(1, 21)]
+    order = KeyOrder(chunk=100, merge_at=20, step=1)
+    for key in keys:
+        order.add(key)  # the 20th freezes the overlay; each step folds one key in
+    for key in keys[4:7]:
+        order.remove(key)
+    assert order.sweeping
+    assert order.page(keys[3], 2) == ([keys[7], keys[8]], True)
+    assert order.page(b"", 5) == ([*keys[:4], keys[7]], True)
