@@ -16,7 +16,7 @@ is never zero, so numpy, which drops a string's trailing zero bytes, never short
 most about :data:`CHUNK`), each with a lower bound: chunk ``i`` holds codes of ``[bounds[i],
 bounds[i + 1])``. Above them lie two overlays, each a pair of sorted sets: codes added, and
 codes of the layers below forgotten. The *top* overlay (``SortedList``s) takes every change;
-the *frozen* one (plain sorted lists) is the top overlay as it was when the sweep under way
+the *frozen* one is the top overlay as it was when the sweep under way
 began, being folded into the chunks. The keys are ``((chunks - frozen removed) | frozen
 added) - removed | added``: an add of a key forgotten in the same layer takes it out of the
 removed set, else goes in the added set, and a remove likewise, so each layer's added codes
@@ -29,15 +29,16 @@ at 10M keys). Once the top overlay holds :data:`MERGE_AT` codes it is frozen (a 
 takes the changes) and a *sweep* starts: each later ``add`` or ``remove`` rebuilds one chunk
 with the frozen codes in its range (at most :data:`STEP` of each kind a step; the chunk is cut
 there and its rest merged next), a chunk copied two or three times, a fraction of a
-millisecond whatever the namespace's size. The sweep consumes the frozen lists from the front
+millisecond whatever the namespace's size. The sweep consumes the frozen sets from the front
 (codes below the chunk it is at are folded already), so nothing is deleted from them one by
-one; it ends after about one step a chunk, long before the top overlay fills again.
+one (a ``SortedList`` deletes a slice a code at a time, about 5 us each); it ends after
+about one step a chunk, long before the top overlay fills again.
 """
 
 from __future__ import annotations
 
 import itertools
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from typing import Any
 
 import numpy as np
@@ -51,12 +52,12 @@ __all__ = ["CHUNK", "CODE_BYTES", "MERGE_AT", "STEP", "KeyOrder", "decode", "enc
 #: Bytes of a key's code: the padded key and its length.
 CODE_BYTES = MAX_KEY_BYTES + 1
 _CODE = np.dtype(f"S{CODE_BYTES}")
-#: Keys a chunk holds at most after a merge step (about 1 MiB of codes).
-CHUNK = 1 << 15
+#: Keys a chunk holds at most after a merge step (about 0.5 MiB of codes).
+CHUNK = 1 << 14
 #: Overlay codes (added and removed) that start a sweep.
 MERGE_AT = 1 << 16
 #: Overlay codes of each kind a merge step folds in at most.
-STEP = 1 << 12
+STEP = 1 << 11
 _LENGTHS = [bytes((n,)) for n in range(MAX_KEY_BYTES + 1)]
 _PAD = b"\0" * MAX_KEY_BYTES
 _BEFORE_ALL = b""  # sorts before every code
@@ -116,9 +117,10 @@ class KeyOrder:
         #: The top overlay.
         self._added = SortedList()
         self._removed = SortedList()
-        #: The frozen overlay, folded in up to ``_frozen_at`` (added, removed).
-        self._frozen_added: list[bytes] = []
-        self._frozen_removed: list[bytes] = []
+        #: The frozen overlay (the top one's ``SortedList``s as they were), folded in up to
+        #: ``_frozen_at`` (added, removed).
+        self._frozen_added = SortedList()
+        self._frozen_removed = SortedList()
         self._frozen_at = (0, 0)
         #: The next chunk the sweep under way merges (``None``: no sweep).
         self._sweep: int | None = None
@@ -292,7 +294,7 @@ class KeyOrder:
         if self._sweep is None:
             if self.overlay < self._merge_at:
                 return
-            self._frozen_added, self._frozen_removed = list(self._added), list(self._removed)
+            self._frozen_added, self._frozen_removed = self._added, self._removed
             self._frozen_at = (0, 0)
             self._added, self._removed = SortedList(), SortedList()
             self._sweep = 0
@@ -301,7 +303,7 @@ class KeyOrder:
                 break
         if self._sweep is not None and self._sweep >= len(self._chunks):
             self._sweep = None
-            self._frozen_added, self._frozen_removed = [], []
+            self._frozen_added, self._frozen_removed = SortedList(), SortedList()
             self._frozen_at = (0, 0)
 
     def _merge(self, i: int) -> bool:
@@ -369,22 +371,26 @@ class KeyOrder:
         self._bounds[0] = _BEFORE_ALL
 
 
-def _holds(codes: list[bytes], code: bytes, first: int) -> bool:
-    at = bisect_left(codes, code, first)
-    return at < len(codes) and codes[at] == code
+# The frozen overlay's helpers: ``codes`` is a ``SortedList`` of which ``codes[:first]`` are
+# folded into the chunks already.
 
 
-def _below(codes: list[bytes], high: bytes | None, first: int) -> int:
+def _holds(codes: Any, code: bytes, first: int) -> bool:
+    at = codes.bisect_left(code)
+    return first <= at < len(codes) and bool(codes[at] == code)
+
+
+def _below(codes: Any, high: bytes | None, first: int) -> int:
     """The end of the codes from ``first`` on that sort before ``high`` (``None``: all)."""
-    return len(codes) if high is None else bisect_left(codes, high, first)
+    return len(codes) if high is None else max(first, codes.bisect_left(high))
 
 
 def _slice(
-    codes: list[bytes], start: bytes, last: bytes | None, most: int | None, first: int
+    codes: Any, start: bytes, last: bytes | None, most: int | None, first: int
 ) -> npt.NDArray[Any]:
     """Up to ``most`` (``None``: all) of ``codes[first:]`` in ``(start, last]``."""
-    begin = bisect_right(codes, start, max(first, 0))
-    end = len(codes) if last is None else bisect_right(codes, last, begin)
+    begin = max(first, codes.bisect_right(start))
+    end = len(codes) if last is None else max(begin, codes.bisect_right(last))
     if most is not None:
         end = min(end, begin + most)
     return np.array(codes[begin:end], _CODE) if end > begin else _NONE
