@@ -214,20 +214,19 @@ class KeyOrder:
     def add(self, key: bytes) -> None:
         """Store ``key``, which must not be stored (the caller's index knows; not checked:
         that would cost a search)."""
-        code = encode(key)
-        if code in self._removed:
-            self._removed.remove(code)
-        else:
-            self._added.add(code)
-        self._step()
+        self._change(encode(key), self._added, self._removed)
 
     def remove(self, key: bytes) -> None:
         """Forget ``key``, which must be stored (not checked, as for :meth:`add`)."""
-        code = encode(key)
-        if code in self._added:
-            self._added.remove(code)
+        self._change(encode(key), self._removed, self._added)
+
+    def _change(self, code: bytes, into: Any, undone: Any) -> None:
+        """Put ``code`` in one set of the top overlay, or take it out of the other, which
+        held it when the change undoes one made since the overlay began."""
+        if code in undone:
+            undone.remove(code)
         else:
-            self._removed.add(code)
+            into.add(code)
         self._step()
 
     def page(self, after: bytes, limit: int) -> tuple[list[bytes], bool]:
