@@ -215,3 +215,29 @@ def test_a_page_reads_past_keys_forgotten_in_a_layer_above() -> None:
     assert order.sweeping
     assert order.page(keys[3], 2) == ([keys[7], keys[8]], True)
     assert order.page(b"", 5) == ([*keys[:4], keys[7]], True)
+
+
+def test_many_sweeps_over_many_chunks_keep_every_key() -> None:
+    """Thousands of keys, random changes through several sweeps, pages checked on the way."""
+    rng = np.random.default_rng(7)
+    pool = sorted({rng.bytes(int(rng.integers(1, 5))) for _ in range(6000)})
+    stored = set(pool[::2])
+    order = KeyOrder.of(sorted(stored), chunk=200, merge_at=300, step=40)
+    sweeps = 0
+    for i in range(6000):
+        key = pool[int(rng.integers(len(pool)))]
+        was = order.sweeping
+        if key in stored:
+            order.remove(key)
+            stored.discard(key)
+        else:
+            order.add(key)
+            stored.add(key)
+        sweeps += was and not order.sweeping
+        if i % 500 == 0:
+            after = pool[int(rng.integers(len(pool)))]
+            later = sorted(k for k in stored if k > after)
+            assert order.page(after, 100) == (later[:100], len(later) > 100)
+    assert sweeps >= 5
+    assert order.page(b"", 10000) == (sorted(stored), False)
+    assert len(order) == len(stored)
