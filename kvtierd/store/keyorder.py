@@ -320,7 +320,8 @@ class KeyOrder:
             return False
         for codes, first, end in zip(lists, self._frozen_at, ends, strict=True):
             if end - first > self._step_codes:  # cut the range short
-                high = codes[first + self._step_codes]
+                cut_at = codes[first + self._step_codes]
+                high = cut_at if high is None else min(high, cut_at)
         end_added, end_removed = (
             _below(c, high, f) for c, f in zip(lists, self._frozen_at, strict=True)
         )

@@ -218,7 +218,8 @@ def test_a_page_reads_past_keys_forgotten_in_a_layer_above() -> None:
 
 
 def test_many_sweeps_over_many_chunks_keep_every_key() -> None:
-    """Thousands of keys, random changes through several sweeps, pages checked on the way."""
+    """Thousands of keys, random changes through several sweeps (each step bounded), pages
+    checked on the way."""
     rng = np.random.default_rng(7)
     pool = sorted({rng.bytes(int(rng.integers(1, 5))) for _ in range(6000)})
     stored = set(pool[::2])
@@ -227,6 +228,7 @@ def test_many_sweeps_over_many_chunks_keep_every_key() -> None:
     for i in range(6000):
         key = pool[int(rng.integers(len(pool)))]
         was = order.sweeping
+        folded = order._frozen_at if was else (0, 0)
         if key in stored:
             order.remove(key)
             stored.discard(key)
@@ -234,6 +236,8 @@ def test_many_sweeps_over_many_chunks_keep_every_key() -> None:
             order.add(key)
             stored.add(key)
         sweeps += was and not order.sweeping
+        if order.sweeping:  # one step folded at most ``step`` codes of each kind
+            assert all(0 <= b - a <= 40 for a, b in zip(folded, order._frozen_at, strict=True))
         if i % 500 == 0:
             after = pool[int(rng.integers(len(pool)))]
             later = sorted(k for k in stored if k > after)
