@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtierd.store.clock import MAX_CHECKS, ClockPolicy
+from kvtierd.store.clock import MAX_CHECKS, WINDOW, ClockPolicy
 from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.records import RecordHeader
 
@@ -20,9 +20,10 @@ NS = b"n" * 16
 class Disk:
     """A cold index written the way the NVMe tier writes it: a row per record, a place each."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int = 5) -> None:
         self.cold = ColdIndex(seed=5, rows=16)
-        self.policy = ClockPolicy(lambda: self.cold)
+        # A small window: the hand crosses windows' edges in every test.
+        self.policy = ClockPolicy(lambda: self.cold, window=window)
         self.seq = 0
         self.place = 0
 
@@ -131,7 +132,7 @@ def test_the_table_growing_and_being_replaced_under_the_hand() -> None:
 
 
 def test_a_sweep_is_bounded_however_many_rows_refuse() -> None:
-    disk = Disk()
+    disk = Disk(window=WINDOW)
     for k in range(3 * MAX_CHECKS):
         disk.put(k.to_bytes(4, "big"))
     asked: list[Hashable] = []
