@@ -137,8 +137,11 @@ def make_policy(kind: PolicyKind | NvmePolicyKind, tier: NvmeTier | None = None)
     """The one place a policy is chosen by name. CLOCK sweeps the rows of ``tier`` (without
     a disk tier, an empty table: the lower tier's policy is then never asked)."""
     if kind == NvmePolicyKind.CLOCK:
-        empty = ColdIndex(rows=16)
-        return ClockPolicy(lambda: tier.cold if tier is not None else empty)
+        if tier is None:
+            empty = ColdIndex(rows=16)
+            return ClockPolicy(lambda: empty)
+        disk = tier
+        return ClockPolicy(lambda: disk.cold)  # read at each call: recovery may replace it
     policies: dict[str, type[CachePolicy]] = {
         PolicyKind.LRU: LruPolicy,
         PolicyKind.SLSAP: SlsapPolicy,
