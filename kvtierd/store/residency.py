@@ -222,8 +222,13 @@ class Residency:
         block.dram = slot
         block.ns.dram_blocks += 1
         self.dram_policy_of(block.ns).inserted(block, now, context)
+        self._promoted(block, context, now)
+
+    def _promoted(self, block: Block, context: AccessContext, now: float) -> None:
+        """A promotion that is no read (a prefetch, a reuse guess) is an access of the block's
+        disk copy all the same; a read tells the disk's policy in :meth:`note_read`."""
         if context.request_id == PROMOTED_REQUEST and block.lower is not None:
-            self.lower_policy.accessed(block, now, context)  # a read tells it in note_read
+            self.lower_policy.accessed(block, now, context)
 
     def _installed(
         self, installed: dict[Namespace, list[tuple[Block, AccessContext]]], now: float
@@ -239,6 +244,7 @@ class Residency:
             for block, context in done:
                 blocks.append(block)
                 contexts.append(context)
+                self._promoted(block, context, now)
         for policy, blocks, contexts in told.values():
             policy.inserted_many(blocks, now, contexts)
 
