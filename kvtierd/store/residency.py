@@ -27,7 +27,7 @@ import anyio
 
 from kvtierd.config import LimitsConfig
 from kvtierd.errors import BlockNotFoundError, KvtierError, NoSpaceError
-from kvtierd.policy import PROMOTION, AccessContext, CachePolicy
+from kvtierd.policy import PROMOTED_REQUEST, PROMOTION, AccessContext, CachePolicy
 from kvtierd.store.arena import Arena
 from kvtierd.store.codec import checksum_off_loop
 from kvtierd.store.counts import StoreCounts, zeroed
@@ -222,6 +222,13 @@ class Residency:
         block.dram = slot
         block.ns.dram_blocks += 1
         self.dram_policy_of(block.ns).inserted(block, now, context)
+        self._promoted(block, context, now)
+
+    def _promoted(self, block: Block, context: AccessContext, now: float) -> None:
+        """A promotion that is no read (a prefetch, a reuse guess) is an access of the block's
+        disk copy all the same; a read tells the disk's policy in :meth:`note_read`."""
+        if context.request_id == PROMOTED_REQUEST and block.lower is not None:
+            self.lower_policy.accessed(block, now, context)
 
     def _installed(
         self, installed: dict[Namespace, list[tuple[Block, AccessContext]]], now: float
@@ -237,6 +244,7 @@ class Residency:
             for block, context in done:
                 blocks.append(block)
                 contexts.append(context)
+                self._promoted(block, context, now)
         for policy, blocks, contexts in told.values():
             policy.inserted_many(blocks, now, contexts)
 
@@ -406,6 +414,8 @@ class Residency:
             self.counters["prefetch_used"] += 1
         self.count(block.ns, "bytes_read", block.ref.raw_bytes)
         self.dram_policy_of(block.ns).accessed(block, now, context)
+        if block.lower is not None:  # read: its disk copy is worth keeping too
+            self.lower_policy.accessed(block, now, context)
 
     # -- DRAM slots --------------------------------------------------------------------------
 
