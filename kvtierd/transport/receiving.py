@@ -24,7 +24,11 @@ connection lives and waits on it directly:
   registers it again;
 * each wait registers the reader again, which for a registered one costs no system call
   (uvloop and the selector loop only swap the callback) and survives libuv's rule that an
-  error event (``POLLERR``: a peer that closed with replies unread) stops the poll for good.
+  error event (``POLLERR``: a peer that closed with replies unread) stops the poll for good;
+* a callback that leaves the reader waiting (below) registers it again once the loop is done
+  with the event, on uvloop: that event may have been the error, after which libuv would
+  never call back, and the bytes it read the peer's last (half a frame), so that the end of
+  the stream would wait unread under a reader waiting for ever.
 
 Serving from the callback. The session may hand :class:`ReadinessReceiver` a ``serve_now``
 function. Then a readiness callback that finds the reader waiting does the ``recv`` itself and
@@ -49,6 +53,7 @@ from __future__ import annotations
 import array
 import asyncio
 import socket
+from asyncio.selector_events import BaseSelectorEventLoop
 from collections.abc import Callable, MutableSequence
 from typing import Protocol, cast
 
@@ -195,6 +200,8 @@ class ReadinessReceiver(_SocketReceiver):
         self._waiter: asyncio.Future[object] | None = None
         #: What the waiting ``receive`` asked for, for the callback's ``recv``.
         self._max_bytes = 0
+        #: The loop may stop calling the callback back without a word (:meth:`_wait_on`).
+        self._rearms = not isinstance(loop, BaseSelectorEventLoop)
 
     async def _wait(self, max_bytes: int) -> object:
         if self._closed:
@@ -202,18 +209,30 @@ class ReadinessReceiver(_SocketReceiver):
         waiter = self._loop.create_future()
         self._waiter = waiter
         self._max_bytes = max_bytes
-        try:
-            # Registered already, this only swaps the callback's handle (no system call), and
-            # it proves the registration alive: libuv stops a poll whose descriptor reports
-            # an error (a peer that hung up on unread replies), and uvloop then refuses it.
-            self._loop.add_reader(self._fd, self._on_readable)
-        except RuntimeError:
-            self._loop.remove_reader(self._fd)
-            self._loop.add_reader(self._fd, self._on_readable)
+        self._register()
         try:
             return await waiter
         finally:
             self._waiter = None
+
+    def _register(self) -> None:
+        """Register the readiness callback. Registered already, this only swaps the callback's
+        handle (no system call), and it proves the registration alive: libuv stops a poll
+        whose descriptor reports an error (``POLLERR``: a peer that hung up on unread
+        replies) after one last call of the callback, and uvloop then refuses the poll
+        (``RuntimeError``) until it is removed and made anew."""
+        try:
+            self._loop.add_reader(self._fd, self._on_readable)
+        except RuntimeError:
+            self._loop.remove_reader(self._fd)
+            self._loop.add_reader(self._fd, self._on_readable)
+
+    def _rearm(self) -> None:
+        """After a callback that left the reader waiting: register again if it still waits
+        (:meth:`_wait_on` says why)."""
+        waiter = self._waiter
+        if not self._closed and waiter is not None and not waiter.done():
+            self._register()
 
     def _on_readable(self) -> None:
         waiter = self._waiter
@@ -228,7 +247,8 @@ class ReadinessReceiver(_SocketReceiver):
         try:
             data = self._recv(max_bytes)
         except (BlockingIOError, InterruptedError):
-            return  # spurious: the reader waits on
+            self._wait_on()  # spurious
+            return
         except OSError as exc:
             waiter.set_exception(exc)  # raised by the reader's receive, as its own recv would
             return
@@ -242,8 +262,25 @@ class ReadinessReceiver(_SocketReceiver):
             if not waiter.done():
                 waiter.set_exception(exc)
             return
-        if not served and not waiter.done():  # the session's now, for the reader to go on
+        if waiter.done():
+            return
+        if served:
+            self._wait_on()
+        else:  # the session's now, for the reader to go on
             waiter.set_result(_SERVED)
+
+    def _wait_on(self) -> None:
+        """The callback leaves the reader waiting. This call may have been libuv's last: on a
+        socket error event (``POLLERR``, which a Unix socket reports once its peer closed with
+        bytes unread) libuv stops the poll for good and uvloop calls the callback once more
+        before it closes the poll, whatever the callback does. If the ``recv`` here took the
+        peer's last bytes (half a frame, or replies the caller is not done with), nothing
+        would ever call back again: the end of the stream and the error would wait unread,
+        and the reader with them, for ever. So on loops other than the selector loop (which
+        is level-triggered through and through) the registration is proven alive once the
+        loop is done with this event; a live one costs a swap of the callback's handle."""
+        if self._rearms:
+            self._loop.call_soon(self._rearm)
 
     def refresh(self) -> None:
         """Register the readiness callback afresh while a ``receive`` waits. A safety net: under
