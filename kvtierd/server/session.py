@@ -193,11 +193,6 @@ class Session:
         """It said DESTROY (or was closed) and is not stuck writing a reply: its slot is free."""
         return self.closing and not self._send_lock.locked() and not self._unsent
 
-    def refresh_receiver(self) -> None:
-        """See :meth:`kvtierd.transport.receiving.Receiver.refresh`."""
-        if self._receiver is not None:
-            self._receiver.refresh()
-
     def stop_reading(self) -> None:
         """Take no more requests; those in flight finish and are answered."""
         self._reader_scope.cancel()
