@@ -112,10 +112,6 @@ class Receiver(Protocol):
         """Stop watching the socket (before it is closed)."""
         ...
 
-    def refresh(self) -> None:
-        """Renew the wait for readiness of a ``receive`` now waiting, if it has one to renew."""
-        ...
-
 
 class StreamReceiver:
     """anyio's ``receive``, with the end of the stream as ``b""``."""
@@ -131,9 +127,6 @@ class StreamReceiver:
 
     def close(self) -> None:
         pass
-
-    def refresh(self) -> None:
-        pass  # anyio's receive registers for each wait
 
 
 #: What the reader's waiter is told when the callback handed the bytes to ``serve_now``.
@@ -282,19 +275,6 @@ class ReadinessReceiver(_SocketReceiver):
         if self._rearms:
             self._loop.call_soon(self._rearm)
 
-    def refresh(self) -> None:
-        """Register the readiness callback afresh while a ``receive`` waits. A safety net: under
-        load, uvloop was seen to stop calling a registered reader back (a session waited on a
-        socket that held bytes, for good), which no other part of the session would notice.
-        Readiness is level-triggered, so bytes, the end of the stream or an error that came
-        meanwhile call the new registration back at once; otherwise it just waits on. Two
-        ``epoll_ctl`` calls; the daemon does it once a second per waiting connection."""
-        waiter = self._waiter
-        if self._closed or waiter is None or waiter.done():
-            return
-        self._loop.remove_reader(self._fd)
-        self._loop.add_reader(self._fd, self._on_readable)
-
     def close(self) -> None:
         """Stop watching the socket (idempotent); a ``receive`` waiting meanwhile raises
         ``ClosedResourceError`` (the client closes a connection under its reader)."""
@@ -324,9 +304,6 @@ class WaitingReceiver(_SocketReceiver):
 
     def close(self) -> None:
         self._closed = True
-
-    def refresh(self) -> None:
-        pass  # trio registers for each wait
 
 
 def open_receiver(
