@@ -4,8 +4,16 @@ from kvtierd.transport.receiving import (
     ReadinessReceiver,
     Receiver,
     StreamReceiver,
+    Taken,
     WaitingReceiver,
     open_receiver,
 )
 
-__all__ = ["ReadinessReceiver", "Receiver", "StreamReceiver", "WaitingReceiver", "open_receiver"]
+__all__ = [
+    "ReadinessReceiver",
+    "Receiver",
+    "StreamReceiver",
+    "Taken",
+    "WaitingReceiver",
+    "open_receiver",
+]

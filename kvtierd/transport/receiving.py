@@ -25,19 +25,20 @@ connection lives and waits on it directly:
 * each wait registers the reader again, which for a registered one costs no system call
   (uvloop and the selector loop only swap the callback) and survives libuv's rule that an
   error event (``POLLERR``: a peer that closed with replies unread) stops the poll for good;
-* a callback that leaves the reader waiting (below) registers it again once the loop is done
-  with the event, on uvloop: that event may have been the error, after which libuv would
-  never call back, and the bytes it read the peer's last (half a frame), so that the end of
-  the stream would wait unread under a reader waiting for ever.
+* a callback that leaves the reader waiting (below) without having written to the peer
+  registers it again once the loop is done with the event, on uvloop: that event may have
+  been the error, after which libuv never calls back, and the bytes it read the peer's last
+  (half a frame), so that the end of the stream would wait unread under a reader waiting for
+  ever (:meth:`ReadinessReceiver._wait_on`).
 
 Serving from the callback. The session may hand :class:`ReadinessReceiver` a ``serve_now``
 function. Then a readiness callback that finds the reader waiting does the ``recv`` itself and
 passes the bytes to ``serve_now``, which answers at once what needs no waiting (a LOOKUP of
-a few keys) and says whether it answered everything: if so the reader sleeps on, so a request
-costs no wake-up of the reader's task and no extra turns of the loop (the daemon's CPU per
-LOOKUP fell about a fifth); if not, the bytes are already the session's and ``receive``
-returns ``None`` to say so. The end of the stream and socket errors go to the reader as they
-would from its own ``recv``.
+a few keys) and says (:class:`Taken`) whether it answered everything: if so the reader sleeps
+on, so a request costs no wake-up of the reader's task and no extra turns of the loop (the
+daemon's CPU per LOOKUP fell about a fifth); if not, the bytes are already the session's and
+``receive`` returns ``None`` to say so. The end of the stream and socket errors go to the
+reader as they would from its own ``recv``.
 
 Every wait is a checkpoint, as anyio's receive is: cancelling the reader's scope interrupts it.
 On trio, :class:`WaitingReceiver` follows the same rules with the backend's own
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import enum
 import socket
 from asyncio.selector_events import BaseSelectorEventLoop
 from collections.abc import Callable, MutableSequence
@@ -66,6 +68,7 @@ __all__ = [
     "ReadinessReceiver",
     "Receiver",
     "StreamReceiver",
+    "Taken",
     "WaitingReceiver",
     "open_receiver",
     "recv_with_fds",
@@ -133,6 +136,25 @@ class StreamReceiver:
 _SERVED = object()
 
 
+class Taken(enum.Enum):
+    """What ``serve_now`` made of the bytes the readiness callback read for it."""
+
+    #: Not all served: the bytes are the caller's now, and the reader goes on (its
+    #: ``receive`` returns ``None``).
+    LEFT = enum.auto()
+    #: All served, and the registration need not be proven alive (:meth:`ReadinessReceiver.
+    #: _wait_on`): the callback wrote to the peer after the event, so the peer had not closed
+    #: and the event was no error (a Unix socket reports ``POLLERR`` only once its peer
+    #: closed, and a write to a closed peer fails with ``EPIPE``); or nothing is awaited from
+    #: the peer before the caller writes to it again, which finds a closed peer out. The
+    #: reader sleeps on.
+    SERVED = enum.auto()
+    #: All served, and more is awaited from the peer (the rest of half a frame, replies still
+    #: owed): the reader sleeps on, its registration proven alive once the loop is done with
+    #: the event.
+    AWAITING = enum.auto()
+
+
 class _SocketReceiver:
     """The rules both raw-socket receivers follow (the module's theory of operation): after a
     short ``recv`` wait for readiness first, after a full one try again after a checkpoint.
@@ -180,7 +202,7 @@ class ReadinessReceiver(_SocketReceiver):
         self,
         sock: socket.socket,
         loop: asyncio.AbstractEventLoop,
-        serve_now: Callable[[bytes], bool] | None = None,
+        serve_now: Callable[[bytes], Taken] | None = None,
         fds: MutableSequence[int] | None = None,
         max_fds: int = MAX_FDS,
     ) -> None:
@@ -250,28 +272,30 @@ class ReadinessReceiver(_SocketReceiver):
             waiter.set_result(data)
             return
         try:
-            served = serve_now(data)
+            taken = serve_now(data)
         except BaseException as exc:  # not lost in the loop's handler: the reader raises it
             if not waiter.done():
                 waiter.set_exception(exc)
             return
-        if waiter.done():
+        if waiter.done() or taken is Taken.SERVED:
             return
-        if served:
+        if taken is Taken.AWAITING:
             self._wait_on()
         else:  # the session's now, for the reader to go on
             waiter.set_result(_SERVED)
 
     def _wait_on(self) -> None:
-        """The callback leaves the reader waiting. This call may have been libuv's last: on a
-        socket error event (``POLLERR``, which a Unix socket reports once its peer closed with
-        bytes unread) libuv stops the poll for good and uvloop calls the callback once more
-        before it closes the poll, whatever the callback does. If the ``recv`` here took the
-        peer's last bytes (half a frame, or replies the caller is not done with), nothing
-        would ever call back again: the end of the stream and the error would wait unread,
-        and the reader with them, for ever. So on loops other than the selector loop (which
-        is level-triggered through and through) the registration is proven alive once the
-        loop is done with this event; a live one costs a swap of the callback's handle."""
+        """The callback leaves the reader waiting, and nothing proved the peer still there.
+        This call may have been libuv's last: on a socket error event (``POLLERR``, which a
+        Unix socket reports once its peer closed with bytes unread) libuv stops the poll for
+        good and uvloop calls the callback once more before it closes the poll, whatever the
+        callback does. If the ``recv`` here took the peer's last bytes (half a frame, or
+        replies the caller is not done with), nothing would ever call back again: the end of
+        the stream and the error would wait unread, and the reader with them, for ever. So on
+        loops other than the selector loop (which is level-triggered through and through) the
+        registration is proven alive once the loop is done with this event: a live one costs
+        a swap of the callback's handle (about a microsecond), which is why ``serve_now``
+        says when it can do without (:attr:`Taken.SERVED`)."""
         if self._rearms:
             self._loop.call_soon(self._rearm)
 
@@ -309,7 +333,7 @@ class WaitingReceiver(_SocketReceiver):
 def open_receiver(
     stream: ByteStream,
     raw: socket.socket | None,
-    serve_now: Callable[[bytes], bool] | None = None,
+    serve_now: Callable[[bytes], Taken] | None = None,
     fds: MutableSequence[int] | None = None,
 ) -> Receiver:
     """The receiver for ``stream``: when the session may use the raw socket ``raw`` directly,

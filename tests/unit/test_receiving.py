@@ -20,7 +20,7 @@ import pytest
 from anyio.abc import SocketAttribute, SocketListener, SocketStream
 
 from kvtierd.client.base import close_all
-from kvtierd.transport.receiving import ReadinessReceiver, Receiver, open_receiver
+from kvtierd.transport.receiving import ReadinessReceiver, Receiver, Taken, open_receiver
 
 pytestmark = pytest.mark.anyio
 
@@ -190,11 +190,11 @@ async def test_a_serving_callback_answers_while_the_reader_sleeps(
     served: list[bytes] = []
     arrived = {b"served one": anyio.Event(), b"served two": anyio.Event()}
 
-    def serve_now(data: bytes) -> bool:
+    def serve_now(data: bytes) -> Taken:
         served.append(data)
         if data in arrived:
             arrived[data].set()
-        return not data.startswith(b"reader")
+        return Taken.LEFT if data.startswith(b"reader") else Taken.AWAITING
 
     receiver = ReadinessReceiver(pair.raw, asyncio.get_running_loop(), serve_now)
     got: list[bytes | None] = []
@@ -284,9 +284,9 @@ async def test_a_serving_callback_that_takes_a_hung_up_peers_last_bytes_ends_the
 
     served: list[bytes] = []
 
-    def serve_now(data: bytes) -> bool:
+    def serve_now(data: bytes) -> Taken:
         served.append(data)
-        return True  # half a frame: all answered that can be, the reader waits on
+        return Taken.AWAITING  # half a frame: the rest awaited, the reader waits on
 
     receiver = ReadinessReceiver(pair.raw, asyncio.get_running_loop(), serve_now)
     ended: list[bytes | BaseException | None] = []
