@@ -155,6 +155,12 @@ class Taken(enum.Enum):
     AWAITING = enum.auto()
 
 
+#: Looked up once: an enum member's lookup costs about 0.1 us (Python 3.11), on the path of
+#: every request answered from the callback.
+_TAKEN_SERVED = Taken.SERVED
+_TAKEN_AWAITING = Taken.AWAITING
+
+
 class _SocketReceiver:
     """The rules both raw-socket receivers follow (the module's theory of operation): after a
     short ``recv`` wait for readiness first, after a full one try again after a checkpoint.
@@ -277,9 +283,9 @@ class ReadinessReceiver(_SocketReceiver):
             if not waiter.done():
                 waiter.set_exception(exc)
             return
-        if waiter.done() or taken is Taken.SERVED:
+        if taken is _TAKEN_SERVED or waiter.done():
             return
-        if taken is Taken.AWAITING:
+        if taken is _TAKEN_AWAITING:
             self._wait_on()
         else:  # the session's now, for the reader to go on
             waiter.set_result(_SERVED)
