@@ -324,7 +324,7 @@ class Session:
         if it had read the bytes itself."""
         conn = self.conn
         conn.receive_data(data)
-        taken = Taken.AWAITING
+        answered = False
         while self._may_answer_now():
             try:
                 event = conn.next_event()
@@ -332,7 +332,7 @@ class Session:
                 self._stashed_error = exc
                 return Taken.LEFT
             if event is NEED_DATA:
-                return taken
+                return Taken.SERVED if answered else Taken.AWAITING
             if type(event) is not RequestReceived or event.header.opcode not in _SERVED_NOW:
                 self._stashed = event
                 return Taken.LEFT
@@ -340,7 +340,7 @@ class Session:
             if not self._answer_now(event):
                 self._stashed = event  # it would wait: the reader serves it in full
                 return Taken.LEFT
-            taken = Taken.SERVED
+            answered = True
         return Taken.LEFT
 
     def _may_answer_now(self) -> bool:
