@@ -60,7 +60,7 @@ from kvtierd.protocol import (
 )
 from kvtierd.protocol.messages import Message, ReadReply
 from kvtierd.server.handlers import HANDLERS, NOW_HANDLERS, NOWAIT_HANDLERS
-from kvtierd.server.receiving import Receiver, open_receiver
+from kvtierd.server.receiving import Receiver, Taken, open_receiver
 from kvtierd.server.remote import REMOTE_OPCODES
 from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import PeerCredentials
@@ -193,11 +193,6 @@ class Session:
         """It said DESTROY (or was closed) and is not stuck writing a reply: its slot is free."""
         return self.closing and self._writer_idle
 
-    def refresh_receiver(self) -> None:
-        """See :meth:`kvtierd.transport.receiving.Receiver.refresh`."""
-        if self._receiver is not None:
-            self._receiver.refresh()
-
     def stop_reading(self) -> None:
         """Take no more requests; those in flight finish and are answered."""
         self._reader_scope.cancel()
@@ -318,31 +313,35 @@ class Session:
                 self.closing = True
         return False
 
-    def _serve_now(self, data: bytes) -> bool:
+    def _serve_now(self, data: bytes) -> Taken:
         """The readiness callback's server (:mod:`kvtierd.server.receiving`): take ``data``
         and answer at once the requests that need no waiting (:data:`_SERVED_NOW`, through
-        their :data:`NOW_HANDLERS` entry), as the reader would inline; ``True`` when that
-        was all of them. Otherwise ``False``: the first event it could not answer (or the
-        protocol error) is left in ``_stashed`` and the rest in the connection, for the reader,
-        which goes on exactly as if it had read the bytes itself."""
+        their :data:`NOW_HANDLERS` entry), as the reader would inline. ``SERVED`` when that was
+        all of them and at least one (each reply written whole, else ``_unsent`` stops it: the
+        peer was there), ``AWAITING`` when there was none (half a frame). Otherwise ``LEFT``:
+        the first event it could not answer (or the protocol error) is left in ``_stashed``
+        and the rest in the connection, for the reader, which goes on exactly as if it had
+        read the bytes itself."""
         conn = self.conn
         conn.receive_data(data)
+        answered = False
         while self._may_answer_now():
             try:
                 event = conn.next_event()
             except RemoteProtocolError as exc:
                 self._stashed_error = exc
-                return False
+                return Taken.LEFT
             if event is NEED_DATA:
-                return True
+                return Taken.SERVED if answered else Taken.AWAITING
             if type(event) is not RequestReceived or event.header.opcode not in _SERVED_NOW:
                 self._stashed = event
-                return False
+                return Taken.LEFT
             self.last_request_s = time.monotonic()
             if not self._answer_now(event):
                 self._stashed = event  # it would wait: the reader serves it in full
-                return False
-        return False
+                return Taken.LEFT
+            answered = True
+        return Taken.LEFT
 
     def _may_answer_now(self) -> bool:
         """Nothing stands in the way of answering from the callback: the connection is READY
