@@ -16,6 +16,15 @@ block's checksum in the pass that copies it), in two request sizes: one chunk pe
   interleaved request by request (order rotating), so that all of them share the machine's
   moments; on 2 shared vCPUs memory bandwidth swings 2-3x within seconds.
 
+Destinations: every copy lands in a buffer this process has not written for at least
+:data:`RING_BYTES` of copies (a ring of destination buffers that every system's requests walk in
+turn), and each buffer is scribbled over right after its check, never right before its copy. An
+engine loads a chunk into pages of its KV cache or host pool that it last wrote long ago; a
+destination zeroed just before the timed copy sits dirty in the CPU cache (this machine's L3 holds
+300 MiB), which favours cached stores (``memcpy``, LMCache's torch copy) over stores that bypass
+the cache (kvtierd's copy kernel, see ``kvtierd/store/copyhash.py``) by 10-30 %, a case no engine
+is in. Every system gets the same destinations, so the comparison stays like for like.
+
 After every request or pass, outside the timed window, every byte is compared with what was
 written. Systems: kvtierd through its client (LOOKUP and READ_RESIDENT, then copies and
 leased READs; and with one leased READ per request); LMCache's CPU backend,
@@ -57,6 +66,9 @@ from kvtierd.store import copyhash
 from kvtierd.testing import DaemonProcess
 
 MiB = 1 << 20
+#: How many bytes of copies at least pass before a destination buffer is written again: more than
+#: the share of the L3 cache a copy keeps here, so each copy finds its destination out of cache.
+RING_BYTES = 512 * MiB
 SHAPES = {
     "llama8b": ChunkShape("llama8b", 32, 8, 128, 256, "float16"),  # 32 MiB per chunk
     "smollm2": ChunkShape("smollm2", 30, 3, 64, 512, "float32"),  # 22.5 MiB per block
@@ -191,8 +203,6 @@ def timed_pass(
 ) -> tuple[dict[str, float], list[float]]:
     """Lookup, then every chunk copied into ``dsts``: one chunk per request (``batch`` 1, the
     latencies are per chunk) or ``batch`` chunks per request (latencies per request)."""
-    for dst in dsts:
-        dst.fill(0)
     started = time.perf_counter()
     hits = drv.lookup()
     lat = []
@@ -207,35 +217,52 @@ def timed_pass(
     if hits != len(chunks):
         raise RuntimeError(f"{drv.name}: lookup found {hits} of {len(chunks)} chunks")
     for i, (dst, chunk) in enumerate(zip(dsts, chunks, strict=True)):
-        if not np.array_equal(dst, chunk):
-            raise RuntimeError(f"{drv.name}: chunk {i} read back differs from what was written")
+        _check_and_scribble(drv, i, dst, chunk)
     return _summary(lat, sum(c.nbytes for c in chunks), wall), lat
 
 
+def _check_and_scribble(drv: Driver, i: int, dst: np.ndarray, chunk: np.ndarray) -> None:
+    """Compare a destination with what was written, then zero it, so that a read that copied
+    nothing fails the next check, and so that no timed copy writes into a buffer zeroed just
+    before it (see the module's note on destinations)."""
+    if not np.array_equal(dst, chunk):
+        raise RuntimeError(f"{drv.name}: chunk {i} read back differs from what was written")
+    dst.fill(0)
+
+
+def ring_size(chunk_bytes: int, count: int, batch: int) -> int:
+    """Destination buffers enough for :data:`RING_BYTES` of copies between two writes of one
+    buffer, one request of ``batch`` chunks besides, and at least one per chunk."""
+    return max(count, batch + -(-RING_BYTES // chunk_bytes))
+
+
 def interleaved_pass(
-    drivers: list[Driver], chunks: list[np.ndarray], scratch: list[np.ndarray], per_request: int
+    drivers: list[Driver], chunks: list[np.ndarray], ring: list[np.ndarray], per_request: int
 ) -> dict[str, tuple[dict[str, float], list[float]]]:
     """Warm reads of every system interleaved request by request (the order rotating each
     request), so that they share the machine's moments: on 2 shared vCPUs memory bandwidth
-    swings 2-3x within seconds. Each system's figure is its lookup plus its own requests."""
+    swings 2-3x within seconds. Each system's figure is its lookup plus its own requests.
+    Every request copies into the next buffers of ``ring``, whoever made the request before."""
     spent = {d.name: 0.0 for d in drivers}
     lat: dict[str, list[float]] = {d.name: [] for d in drivers}
     for drv in drivers:  # untimed: warm means read once since the last cold pass of anyone
         drv.lookup()  # (kvtierd's EVICT empties every namespace of the daemon)
         for i in range(len(chunks)):
-            drv.read(i, scratch[0])
+            drv.read(i, ring[i % len(ring)])
     for drv in drivers:
         t0 = time.perf_counter()
         hits = drv.lookup()
         spent[drv.name] += time.perf_counter() - t0
         if hits != len(chunks):
             raise RuntimeError(f"{drv.name}: lookup found {hits} of {len(chunks)} chunks")
+    for dst in ring:
+        dst.fill(0)
+    cursor = 0
     for k, first in enumerate(range(0, len(chunks), per_request)):
         group = chunks[first : first + per_request]
         for drv in drivers[k % len(drivers) :] + drivers[: k % len(drivers)]:
-            dsts = scratch[: len(group)]
-            for dst in dsts:
-                dst.fill(0)
+            dsts = [ring[(cursor + j) % len(ring)] for j in range(len(group))]
+            cursor += len(group)
             t0 = time.perf_counter()
             if per_request == 1:
                 drv.read(first, dsts[0])
@@ -245,8 +272,7 @@ def interleaved_pass(
             spent[drv.name] += elapsed
             lat[drv.name].append(elapsed)
             for i, (dst, chunk) in enumerate(zip(dsts, group, strict=True), first):
-                if not np.array_equal(dst, chunk):
-                    raise RuntimeError(f"{drv.name}: chunk {i} read back differs")
+                _check_and_scribble(drv, i, dst, chunk)
     total = sum(c.nbytes for c in chunks)
     return {name: (_summary(lat[name], total, spent[name]), lat[name]) for name in spent}
 
@@ -368,7 +394,7 @@ def bench_shape(
         rng.integers(0, 1 << 63, shape.nbytes // 8, dtype=np.uint64).view(np.uint8)
         for _ in range(count)
     ]
-    dsts = [np.ones(shape.nbytes, np.uint8) for _ in range(count)]
+    dsts = [np.ones(shape.nbytes, np.uint8) for _ in range(ring_size(shape.nbytes, count, batch))]
     total = count * shape.nbytes
     dram = 2 * total + 256 * MiB
     nvme = 2 * count * (shape.nbytes + MiB) + 512 * MiB
@@ -413,12 +439,12 @@ def bench_shape(
                     elif drv.cold:
                         for mode, per_request in (("cold", 1), ("cold_batch", batch)):
                             drv.drop()
-                            figures, lat = timed_pass(drv, chunks, dsts, per_request)
+                            figures, lat = timed_pass(drv, chunks, dsts[:count], per_request)
                             record.setdefault(drv.name, {})[mode] = figures
                             samples.setdefault(drv.name, {}).setdefault(mode, []).extend(lat)
                 warm = [d for d in rotated if d != FIO]
                 for mode, per_request in (("warm", 1), ("warm_batch", batch)):
-                    passes = interleaved_pass(warm, chunks, dsts[:per_request], per_request)
+                    passes = interleaved_pass(warm, chunks, dsts, per_request)
                     for name, (figures, lat) in passes.items():
                         record.setdefault(name, {})[mode] = figures
                         samples.setdefault(name, {}).setdefault(mode, []).extend(lat)

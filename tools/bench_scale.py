@@ -275,14 +275,14 @@ _READS_IN_FLIGHT = 4
 
 async def _read_ops(
     d: DaemonProcess, keys: list[bytes], block_bytes: int, qd: int
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """Read every key from NVMe (DRAM emptied first) into client buffers in random order,
     READs of ``qd`` blocks, :data:`_READS_IN_FLIGHT` of them at once: (ops/s, CPU seconds of
-    daemon and client). The daemon runs at most ``qd`` disk reads (its ``nvme.queue_depth``,
-    fio's ``iodepth``); the client asks for more, as an engine asks for a request's blocks at
-    once, so that the disk's queue is refilled while finished READs are verified, answered
-    and copied out (with ``qd`` blocks asked in all the disk's queue emptied at every READ's
-    end: 0.23 of fio's IOPS at 64 KiB)."""
+    daemon and client, CPU seconds of the daemon alone). The daemon runs at most ``qd`` disk
+    reads (its ``nvme.queue_depth``, fio's ``iodepth``); the client asks for more, as an
+    engine asks for a request's blocks at once, so that the disk's queue is refilled while
+    finished READs are verified, answered and copied out (with ``qd`` blocks asked in all the
+    disk's queue emptied at every READ's end: 0.23 of fio's IOPS at 64 KiB)."""
     workers = _READS_IN_FLIGHT
     batch = qd
     order = keys[:]
@@ -292,7 +292,8 @@ async def _read_ops(
         ns = await client.namespace("ops", block_bytes=block_bytes)
         buffers = [[np.empty(block_bytes, np.uint8) for _ in range(batch)] for _ in range(workers)]
         chunks = [order[i : i + batch] for i in range(0, len(order), batch)]
-        cpu0 = _cpu_s(_pid(d)) + _own_cpu_s()
+        daemon0 = _cpu_s(_pid(d))
+        cpu0 = daemon0 + _own_cpu_s()
         started = time.perf_counter()
 
         async def worker(n: int) -> None:
@@ -303,8 +304,9 @@ async def _read_ops(
             for n in range(workers):
                 tg.start_soon(worker, n)
         elapsed = time.perf_counter() - started
-        cpu = _cpu_s(_pid(d)) + _own_cpu_s() - cpu0
-    return len(keys) / elapsed, cpu
+        daemon = _cpu_s(_pid(d))
+        cpu = daemon + _own_cpu_s() - cpu0
+    return len(keys) / elapsed, cpu, daemon - daemon0
 
 
 def _fio(args: list[str]) -> tuple[float, float]:
@@ -334,6 +336,7 @@ def bench_ops(workdir: Path, block_bytes: int, count: int, qd: int, rounds: int)
             "fio_write_cpu_s",
             "read_ops",
             "read_cpu_s",
+            "read_daemon_cpu_s",
             "fio_read_iops",
             "fio_read_cpu_s",
         )
@@ -362,9 +365,10 @@ def bench_ops(workdir: Path, block_bytes: int, count: int, qd: int, rounds: int)
                 target.unlink()
                 rows["fio_write_iops"].append(iops)
                 rows["fio_write_cpu_s"].append(cpu)
-                ops, cpu = anyio.run(_read_ops, d, keys, block_bytes, qd)
+                ops, cpu, daemon_cpu = anyio.run(_read_ops, d, keys, block_bytes, qd)
                 rows["read_ops"].append(ops)
                 rows["read_cpu_s"].append(cpu)
+                rows["read_daemon_cpu_s"].append(daemon_cpu)
                 with connect(d.socket) as client:
                     used = client.stats()["tiers"][1]["used_bytes"]
                 iops, cpu = _fio(fio_read_args(data_file, used, block_bytes, count, qd))
@@ -393,6 +397,7 @@ def bench_ops(workdir: Path, block_bytes: int, count: int, qd: int, rounds: int)
         "put_cpu_s_per_gb": benchlib.median(rows["put_cpu_s"]) / gb,
         "fio_write_cpu_s_per_gb": benchlib.median(rows["fio_write_cpu_s"]) / gb,
         "read_cpu_s_per_gb": benchlib.median(rows["read_cpu_s"]) / gb,
+        "read_daemon_cpu_s_per_gb": benchlib.median(rows["read_daemon_cpu_s"]) / gb,
         "fio_read_cpu_s_per_gb": benchlib.median(rows["fio_read_cpu_s"]) / gb,
     }
 
@@ -543,11 +548,12 @@ def _markdown(result: dict[str, Any], plot: str | None) -> str:
             f"size and queue depth {ops[0]['queue_depth']}, the daemon's nvme.queue_depth), "
             "rounds alternating; reads from NVMe with DRAM emptied, READs of queue-depth "
             f"blocks, {_READS_IN_FLIGHT} in flight (goal: 64 KiB reads >= {_GOAL_READ_RATIO} of "
-            "fio's IOPS). CPU-s/GB: daemon + client against fio.",
+            "fio's IOPS). CPU-s/GB: daemon + client against fio; daemon: the daemon alone.",
             "",
             "| block | put+FSYNC ops/s (acked) | fio write IOPS | put ratio | read ops/s "
-            "| fio read IOPS | read ratio | CPU-s/GB read (fio) | CPU-s/GB put (fio) |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| fio read IOPS | read ratio | CPU-s/GB read (fio) | daemon CPU-s/GB read "
+            "| CPU-s/GB put (fio) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for run in ops:
             lines.append(
@@ -557,7 +563,9 @@ def _markdown(result: dict[str, Any], plot: str | None) -> str:
                 f"{run['median_put_ratio']:.2f} | {benchlib.median(run['read_ops']):,.0f} | "
                 f"{benchlib.median(run['fio_read_iops']):,.0f} | "
                 f"{run['median_read_ratio']:.2f} | {run['read_cpu_s_per_gb']:.1f} "
-                f"({run['fio_read_cpu_s_per_gb']:.2f}) | {run['put_cpu_s_per_gb']:.1f} "
+                f"({run['fio_read_cpu_s_per_gb']:.2f}) | "
+                f"{run['read_daemon_cpu_s_per_gb']:.1f} | "
+                f"{run['put_cpu_s_per_gb']:.1f} "
                 f"({run['fio_write_cpu_s_per_gb']:.2f}) |"
             )
     overflow = result.get("overflow", [])

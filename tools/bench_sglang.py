@@ -15,7 +15,12 @@ Per round: ``batch_set`` of every page (batches of ``--batch``), then every page
 then warm. Cold means nothing in memory: for kvtierd, FSYNC and ``evict()`` (the DRAM copies
 dropped; its NVMe tier reads with O_DIRECT, so no page cache is involved), for the file backend
 ``os.sync()`` and ``posix_fadvise(DONTNEED)`` on every page file (the kernel drops their cached
-pages). Warm is the same read again at once (kvtierd: in DRAM; file: in the page cache).
+pages). Warm is the same read again at once (kvtierd: in DRAM; file: in the page cache), into
+other host-pool pages than the cold read's: SGLang loads from its L3 storage into free host
+slots, which it last wrote long ago, never into the slots it has just filled with the same pages;
+slots written a moment before sit dirty in the CPU cache (84 MiB of them, in a 300 MiB L3 here),
+which favours cached stores (the file side's torch copy) over the non-temporal ones of kvtierd's
+copy kernel. Both sides read into the same slots.
 Figures: GB/s over all batches of all rounds and the p99 of one batch's time; ratios: the median
 over rounds of the two sides' ratio within one round (the disk is bimodal: see PLATFORM.md, so
 only sides measured side by side compare). Records section
@@ -43,6 +48,7 @@ import benchlib
 from references import fio_json
 
 from kvtierd.client import connect
+from kvtierd.store import copyhash
 from kvtierd.testing import DaemonProcess
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 28, 2, 128, 16
@@ -120,7 +126,7 @@ def measure(pages: int, batch: int, rounds: int, root: Path) -> dict[str, Any]:
     from kvtierd.engines.sglang import KvtierdHiCacheStorage
 
     g = torch.Generator().manual_seed(0)
-    pool = HostPool(2 * pages)
+    pool = HostPool(3 * pages)  # the pages, then the cold reads' slots, then the warm reads'
     pool.kv_buffer[:, : pages * PAGE].copy_(
         torch.randn((2, pages * PAGE, LAYERS, HEADS, HEAD_DIM), generator=g).to(DTYPE)
     )
@@ -142,8 +148,11 @@ def measure(pages: int, batch: int, rounds: int, root: Path) -> dict[str, Any]:
             flat = [pool.get_data_page(i * PAGE).clone() for i in range(pages)]
             targets = [torch.empty_like(flat[0]) for _ in range(batch)]
             src = [torch.arange(s[0] * PAGE, (s[-1] + 1) * PAGE) for s in spans]
-            dst = [t + pages * PAGE for t in src]
-            sides = _sides(kv, hf, pool, keys, flat, targets, src, dst)
+            slots = {  # each phase's own host slots, never the ones read into just before
+                phase: [t + k * pages * PAGE for t in src]
+                for k, phase in ((1, "cold"), (2, "warm"))
+            }
+            sides = _sides(kv, hf, pool, keys, flat, targets, src)
             stores = {"kvtierd_v1": kv, "kvtierd_tensor": kv, "hicache_file": hf}
             for name, (put, get) in sides.items():
                 store = stores.get(name, hf)
@@ -165,15 +174,12 @@ def measure(pages: int, batch: int, rounds: int, root: Path) -> dict[str, Any]:
                     if store.batch_exists(names) != pages:
                         raise RuntimeError(f"{name}: stored pages not found")
                     query_s = time.perf_counter() - start
-                    batch_s = timed([partial(get, s, j) for j, s in enumerate(spans)])
+                    batch_s = timed([partial(get, s, slots[phase][j]) for j, s in enumerate(spans)])
                     batch_s[0] += query_s
                     out[phase] += batch_s
                     seconds[phase].append(sum(batch_s))
                 if name in ("kvtierd_v1", "hicache_file_to_pool"):  # the pages it read back
-                    back = pool.kv_buffer[:, pages * PAGE :].view(torch.int16)
-                    if not torch.equal(back, pool.kv_buffer[:, : pages * PAGE].view(torch.int16)):
-                        raise RuntimeError(f"{name}: pages read back differ")
-                    back.zero_()
+                    _check_slots(pool, pages, name)
             disk_s = _fio_read_s(fio_file, pages * PAGE_BYTES)
             results.setdefault("disk_fio", {"cold": []})["cold"].append(disk_s)
             per_round.setdefault("disk_fio", {"cold": []})["cold"].append(disk_s)
@@ -211,7 +217,20 @@ def measure(pages: int, batch: int, rounds: int, root: Path) -> dict[str, Any]:
     return {"sides": table, "ratios": ratios}
 
 
-Side = tuple[Callable[[range, int], Any], Callable[[range, int], Any]]
+def _check_slots(pool: HostPool, pages: int, name: str) -> None:
+    """The pages read back into the cold and the warm slots equal the pages stored; then zero
+    the slots, so that the next side's reads must fill them again: the warm slots first, so
+    that the next side's cold reads pass over the cache before its warm reads."""
+    stored = pool.kv_buffer[:, : pages * PAGE].view(torch.int16)
+    for k in (2, 1):
+        back = pool.kv_buffer[:, k * pages * PAGE : (k + 1) * pages * PAGE].view(torch.int16)
+        if not torch.equal(back, stored):
+            raise RuntimeError(f"{name}: pages read back differ")
+        back.zero_()
+
+
+#: A side's (store batch ``j`` of pages ``s``, read pages ``s`` into the host slots ``host``).
+Side = tuple[Callable[[range, int], Any], Callable[[range, torch.Tensor], Any]]
 
 
 def _sides(
@@ -222,26 +241,25 @@ def _sides(
     flat: list[torch.Tensor],
     targets: list[torch.Tensor],
     src: list[torch.Tensor],
-    dst: list[torch.Tensor],
 ) -> dict[str, Side]:
     """Each side's (store batch ``j`` of pages ``s``, read it back) for one round's pages."""
     tensor_keys = [k + "t" for k in keys]  # the tensor calls' own copies of the pages
     return {
         "kvtierd_v1": (
             lambda s, j: kv.batch_set_v1([keys[i] for i in s], src[j]),
-            lambda s, j: _check_all(kv.batch_get_v1([keys[i] for i in s], dst[j])),
+            lambda s, host: _check_all(kv.batch_get_v1([keys[i] for i in s], host)),
         ),
         "kvtierd_tensor": (
             lambda s, j: kv.batch_set([tensor_keys[i] for i in s], [flat[i] for i in s]),
-            lambda s, j: _check_all(kv.batch_get([tensor_keys[i] for i in s], targets[: len(s)])),
+            lambda s, _: _check_all(kv.batch_get([tensor_keys[i] for i in s], targets[: len(s)])),
         ),
         "hicache_file": (
             lambda s, j: hf.batch_set([keys[i] for i in s], [flat[i] for i in s]),
-            lambda s, j: _check_all(hf.batch_get([keys[i] for i in s], targets[: len(s)])),
+            lambda s, _: _check_all(hf.batch_get([keys[i] for i in s], targets[: len(s)])),
         ),
         "hicache_file_to_pool": (
             lambda s, j: None,  # reads the pages hicache_file stored
-            lambda s, j: _file_to_pool(hf, pool, [keys[i] for i in s], dst[j], targets),
+            lambda s, host: _file_to_pool(hf, pool, [keys[i] for i in s], host, targets),
         ),
     }
 
@@ -325,10 +343,14 @@ def _section(result: dict[str, Any]) -> list[str]:
         "per batch (the query's time counted in the first batch). Cold: kvtierd FSYNC + "
         "`evict()` (DRAM copies dropped; NVMe reads are O_DIRECT, no page cache), the file "
         "backend `os.sync()` + `posix_fadvise(DONTNEED)` on every page file. Warm: the same "
-        "read again at once. GB/s over all batches of all rounds; p99 of one batch. Pages "
-        "read into the host pool are compared byte for byte with the pages stored. The disk "
-        "line is fio reading a file of one round's bytes once per round, in the same random "
-        "448 KiB O_DIRECT requests (its p99 is of whole rounds): the cold reads' ceiling.",
+        "read again at once, into other host slots than the cold read's (SGLang loads into "
+        "free slots it last wrote long ago; slots just written sit dirty in the CPU cache and "
+        "favour cached stores over the copy kernel's non-temporal ones; before 2026-12-06 "
+        "14:10 warm read into the cold read's slots). GB/s over all batches of all rounds; "
+        "p99 of one batch. Pages read into the host pool are compared byte for byte with the "
+        "pages stored. The disk line is fio reading a file of one round's bytes once per "
+        "round, in the same random 448 KiB O_DIRECT requests (its p99 is of whole rounds): "
+        "the cold reads' ceiling.",
         "",
         "| backend | set GB/s | set p99 ms | cold GB/s | cold p99 ms | warm GB/s | warm p99 ms |",
         "|---|---|---|---|---|---|---|",
@@ -375,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import sglang
 
+    # kvtierd's copies once proven native: under load the probe's child took seconds, and the
+    # first rounds' copies ran in Python meanwhile (247 of 576 pages in one profile)
+    verdict = copyhash.default_hasher().verdict(wait=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         result = measure(args.pages, args.batch, args.rounds, Path(tmp))
     result.update(
@@ -384,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         page_bytes=PAGE_BYTES,
         sglang=sglang.__version__,
         machine=benchlib.machine(),
+        copy_kernel=verdict.kernel if verdict is not None and verdict.ok else "python",
     )
     if args.record:
         record(result)

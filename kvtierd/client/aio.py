@@ -100,7 +100,7 @@ from kvtierd.protocol.messages import (
     StatfsReply,
     StatfsRequest,
 )
-from kvtierd.transport.receiving import Receiver, open_receiver
+from kvtierd.transport.receiving import Receiver, Taken, open_receiver
 
 __all__ = ["AsyncClient", "AsyncNamespace", "connect_async"]
 
@@ -454,8 +454,11 @@ class AsyncClient:
         reconnects = self.reconnects
         pending: collections.deque[int] = collections.deque()
 
-        def serve_now(data: bytes) -> bool:
-            return self._take(conn, reconnects, pending, data)
+        def serve_now(data: bytes) -> Taken:
+            if not self._take(conn, reconnects, pending, data):
+                return Taken.LEFT
+            # with no reply owed, a daemon gone is found by the next request's send
+            return Taken.AWAITING if self._waiters else Taken.SERVED
 
         raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
         receiver = open_receiver(stream, raw, serve_now, fds=pending)

@@ -23,7 +23,12 @@ from typing import Any
 from kvtierd.errors import ClosedError, InvalidRequestError, KvtierError, RemoteProtocolError
 from kvtierd.protocol.messages import Extent
 from kvtierd.store.arena import map_region
-from kvtierd.store.copyhash import copy_checksum, copy_checksum_runs, copy_checksum_scatter
+from kvtierd.store.copyhash import (
+    copy_checksum,
+    copy_checksum_runs,
+    copy_checksum_scatter,
+    default_hasher,
+)
 from kvtierd.store.records import checksum
 
 __all__ = [
@@ -64,6 +69,10 @@ class ClientArena:
         self._view = memoryview(self._mapping)
         #: Why the mapping is closed (the client closed, or its connection was replaced).
         self._closed: KvtierError | None = None
+        # Start the copy kernel's probe (a child, in the background) now that blocks will be
+        # copied: started by the first copy instead, it had not settled under load when an
+        # engine's first prefetch came, and those copies ran in Python at a third of the speed.
+        default_hasher().verdict()
 
     def _check(self, offset: int, length: int) -> None:
         self._check_open()

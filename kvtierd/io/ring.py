@@ -18,8 +18,9 @@ of liburing (:mod:`kvtierd.io.binding`), which prepares and tags an SQE in one c
   :data:`_RETRY_SUBMIT_S`, until it is taken or the ring breaks.
 * Completions wake the loop through an eventfd registered with the ring
   (``io_uring_register_eventfd``): the kernel bumps it for every CQE it posts, and a single reaper
-  task waits for it with ``anyio.wait_readable`` (epoll on both asyncio and trio). The reaper
-  drains the eventfd *before* reading the CQ, so a CQE posted meanwhile re-arms it: no lost wake-up.
+  waits for it: on asyncio a reader callback registered once for the ring's life, on trio a
+  task in ``anyio.wait_readable`` (epoll on both). The reaper drains the eventfd *before*
+  reading the CQ, so a CQE posted meanwhile re-arms it: no lost wake-up.
   The ring is created without ``COOP_TASKRUN``/``DEFER_TASKRUN``, so the kernel finishes
   completions (task work) by interrupting the thread even while it sleeps in epoll.
 * Each request has a token (its ``user_data``) mapping to a :class:`_Waiter`. The submitting task
@@ -50,6 +51,7 @@ of liburing (:mod:`kvtierd.io.binding`), which prepares and tags an SQE in one c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import itertools
@@ -61,6 +63,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import sniffio
 
 from kvtierd.errors import ClosedError, StorageIOError
 from kvtierd.io.binding import RawRing, UringBinding
@@ -277,12 +280,28 @@ class CompletionRing:
 
     async def _reap_forever(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         with anyio.CancelScope(shield=True) as self._reaper_scope:
-            task_status.started()
-            while True:
-                await anyio.wait_readable(self._efd)
-                with contextlib.suppress(BlockingIOError):
-                    os.eventfd_read(self._efd)
-                self._reap()
+            if sniffio.current_async_library() == "asyncio":
+                # The eventfd's reader stays registered and reaps from its callback: waiting
+                # with anyio.wait_readable registers and drops it again at every wake-up (two
+                # epoll_ctl calls, a future and a task step per wake-up, about one per block
+                # of a READ of small blocks).
+                loop = asyncio.get_running_loop()
+                loop.add_reader(self._efd, self._on_eventfd)
+                try:
+                    task_status.started()
+                    await anyio.sleep_forever()  # until the ring closes
+                finally:
+                    loop.remove_reader(self._efd)
+            else:
+                task_status.started()
+                while True:
+                    await anyio.wait_readable(self._efd)
+                    self._on_eventfd()
+
+    def _on_eventfd(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._efd)
+        self._reap()
 
     def _reap(self) -> None:
         """Complete what the CQ holds, start the backlog's next requests in the slots that

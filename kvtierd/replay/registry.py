@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from kvtierd.policy import CachePolicy
 from kvtierd.replay.baselines import ArcPolicy, LfuPolicy, S3FifoPolicy
 from kvtierd.replay.belady import BeladyPolicy
+from kvtierd.replay.clock import ReplayClock
 from kvtierd.replay.simulator import CacheSimulator, ReplayResult
 from kvtierd.replay.trace import ArrivalFeed, TraceRequest, distinct_blocks
 from kvtierd.slsap.policy import SlsapPolicy
@@ -23,6 +24,7 @@ __all__ = ["PolicyName", "capacity_in_blocks", "make_policy", "simulate"]
 
 class PolicyName(enum.StrEnum):
     LRU = "lru"
+    CLOCK = "clock"
     LFU = "lfu"
     ARC = "arc"
     S3FIFO = "s3fifo"
@@ -42,6 +44,8 @@ def make_policy(
     match name:
         case PolicyName.LRU:
             return LruPolicy()
+        case PolicyName.CLOCK:
+            return ReplayClock()
         case PolicyName.LFU:
             return LfuPolicy()
         case PolicyName.ARC:

@@ -103,11 +103,6 @@ def _dram_statistics(
     )
 
 
-#: How often a waiting session's readiness registration is renewed
-#: (:meth:`Daemon.refresh_receivers_forever`).
-RECEIVER_REFRESH_S = 1.0
-
-
 class Daemon:
     """What every session shares: the configuration, the store and the counters."""
 
@@ -291,15 +286,6 @@ class Daemon:
             await refuse(stream, exc)
             return
         await self.serve(session)
-
-    async def refresh_receivers_forever(self) -> None:
-        """Renew every waiting session's readiness registration each
-        :data:`RECEIVER_REFRESH_S` (:meth:`Session.refresh_receiver`): a wake-up the event loop
-        lost costs that connection a second, never its end."""
-        while True:
-            await anyio.sleep(RECEIVER_REFRESH_S)
-            for session in list(self.sessions):
-                session.refresh_receiver()
 
     def admit(self, stream: ByteStream, peer: PeerCredentials, *, direct: bool) -> Session:
         """A session for ``stream`` of ``peer``, counted by its listener's limits; raises
@@ -487,7 +473,6 @@ async def serve_daemon(
                     daemon = Daemon(config, store, startup, timings, nixl)
                     readiness.serve(daemon)
                     tg.start_soon(serve_collector)
-                    tg.start_soon(daemon.refresh_receivers_forever)
                     if metrics is not None:
                         metrics.refresh()
                     notifier.ready(f"serving on {config.socket_path}")

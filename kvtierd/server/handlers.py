@@ -72,9 +72,10 @@ from kvtierd.server.context import RequestContext
 from kvtierd.store.index import Block, Lease
 from kvtierd.store.namespaces import Compression, Namespace, NamespaceSpec
 
-__all__ = ["HANDLERS", "NOWAIT_HANDLERS", "Handler"]
+__all__ = ["HANDLERS", "NOWAIT_HANDLERS", "NOW_HANDLERS", "Handler", "NowHandler"]
 
 Handler = Callable[[RequestContext, RequestHeader, Any], Coroutine[Any, Any, Message]]
+NowHandler = Callable[[RequestContext, RequestHeader, Any], Message]
 
 
 def _namespace(ctx: RequestContext, header: RequestHeader) -> Namespace:
@@ -172,17 +173,23 @@ async def lookup(ctx: RequestContext, header: RequestHeader, msg: LookupRequest)
     return _lookup_reply(ns, msg, hits, tiers)
 
 
-async def lookup_nowait(ctx: RequestContext, header: RequestHeader, msg: LookupRequest) -> Message:
+def lookup_now(ctx: RequestContext, header: RequestHeader, msg: LookupRequest) -> Message:
     """LOOKUP answered at once: a few keys (no more than the lane answers inline) on this
     host's tiers, which the session answers from the socket's readiness callback; raises
     :class:`anyio.WouldBlock`, having done nothing, for one that would wait (a TP group's on
-    the pool, or a long chain that takes its turn on the lane): :func:`lookup` serves those."""
+    the pool, or a long chain that takes its turn on the lane): :func:`lookup` serves those.
+    A plain function, not a coroutine: the callback calls it for every LOOKUP it answers."""
     store = ctx.store
     ns = _namespace(ctx, header)
     if len(msg.keys) > store.lane.inline_items or store.needs_group_lookup(ns):
         raise anyio.WouldBlock
     hits, tiers = store.lookup(ns, msg.keys, promote=msg.promote)
     return _lookup_reply(ns, msg, hits, tiers)
+
+
+async def lookup_nowait(ctx: RequestContext, header: RequestHeader, msg: LookupRequest) -> Message:
+    """:func:`lookup_now` for the reader's inline path (:data:`NOWAIT_HANDLERS`)."""
+    return lookup_now(ctx, header, msg)
 
 
 def _lookup_reply(ns: Namespace, msg: LookupRequest, hits: int, tiers: bytes) -> LookupReply:
@@ -456,3 +463,7 @@ HANDLERS: dict[int, Handler] = {
 
 #: Handlers that either answer at once or raise :class:`anyio.WouldBlock` having done nothing.
 NOWAIT_HANDLERS: dict[int, Handler] = {Opcode.READ: read_nowait, Opcode.LOOKUP: lookup_nowait}
+
+#: What the session's readiness callback answers itself, as plain functions that return the
+#: reply or raise (:class:`anyio.WouldBlock`: it would have to wait, nothing done).
+NOW_HANDLERS: dict[int, NowHandler] = {Opcode.LOOKUP: lookup_now}

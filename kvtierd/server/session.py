@@ -59,8 +59,8 @@ from kvtierd.protocol import (
     ServerState,
 )
 from kvtierd.protocol.messages import Message, ReadReply
-from kvtierd.server.handlers import HANDLERS, NOWAIT_HANDLERS
-from kvtierd.server.receiving import Receiver, open_receiver
+from kvtierd.server.handlers import HANDLERS, NOW_HANDLERS, NOWAIT_HANDLERS
+from kvtierd.server.receiving import Receiver, Taken, open_receiver
 from kvtierd.server.remote import REMOTE_OPCODES
 from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import PeerCredentials
@@ -81,8 +81,8 @@ LAST_FRAME_S = 1.0
 _PEERCRED = struct.Struct("3i")
 
 #: Requests the reader's readiness callback answers itself, through their
-#: :data:`NOWAIT_HANDLERS` entry, without waking the reader (asyncio; :meth:`Session._serve_now`).
-_SERVED_NOW = frozenset({Opcode.LOOKUP})
+#: :data:`NOW_HANDLERS` entry, without waking the reader (asyncio; :meth:`Session._serve_now`).
+_SERVED_NOW = NOW_HANDLERS
 
 #: Handlers that never wait on I/O run inline in the reader: no task, no hand-off, one less
 #: wake-up on the latency-critical LOOKUP path.
@@ -191,12 +191,7 @@ class Session:
     @property
     def departing(self) -> bool:
         """It said DESTROY (or was closed) and is not stuck writing a reply: its slot is free."""
-        return self.closing and not self._send_lock.locked() and not self._unsent
-
-    def refresh_receiver(self) -> None:
-        """See :meth:`kvtierd.transport.receiving.Receiver.refresh`."""
-        if self._receiver is not None:
-            self._receiver.refresh()
+        return self.closing and self._writer_idle
 
     def stop_reading(self) -> None:
         """Take no more requests; those in flight finish and are answered."""
@@ -207,7 +202,7 @@ class Session:
         when the stream is between frames: written at once where the socket takes it without
         waiting, or, for a stream written through only (TLS), as the session ends, within
         :data:`LAST_FRAME_S`."""
-        if not self.closing and not self._send_lock.locked() and not self._unsent:
+        if not self.closing and self._writer_idle:
             frame = self.conn.fatal(error)
             if self._raw is None:
                 self._last_frame = frame
@@ -318,31 +313,35 @@ class Session:
                 self.closing = True
         return False
 
-    def _serve_now(self, data: bytes) -> bool:
+    def _serve_now(self, data: bytes) -> Taken:
         """The readiness callback's server (:mod:`kvtierd.server.receiving`): take ``data``
         and answer at once the requests that need no waiting (:data:`_SERVED_NOW`, through
-        their :data:`NOWAIT_HANDLERS` entry), as the reader would inline; ``True`` when that
-        was all of them. Otherwise ``False``: the first event it could not answer (or the
-        protocol error) is left in ``_stashed`` and the rest in the connection, for the reader,
-        which goes on exactly as if it had read the bytes itself."""
+        their :data:`NOW_HANDLERS` entry), as the reader would inline. ``SERVED`` when that was
+        all of them and at least one (each reply written whole, else ``_unsent`` stops it: the
+        peer was there), ``AWAITING`` when there was none (half a frame). Otherwise ``LEFT``:
+        the first event it could not answer (or the protocol error) is left in ``_stashed``
+        and the rest in the connection, for the reader, which goes on exactly as if it had
+        read the bytes itself."""
         conn = self.conn
         conn.receive_data(data)
+        answered = False
         while self._may_answer_now():
             try:
                 event = conn.next_event()
             except RemoteProtocolError as exc:
                 self._stashed_error = exc
-                return False
+                return Taken.LEFT
             if event is NEED_DATA:
-                return True
+                return Taken.SERVED if answered else Taken.AWAITING
             if type(event) is not RequestReceived or event.header.opcode not in _SERVED_NOW:
                 self._stashed = event
-                return False
+                return Taken.LEFT
             self.last_request_s = time.monotonic()
             if not self._answer_now(event):
                 self._stashed = event  # it would wait: the reader serves it in full
-                return False
-        return False
+                return Taken.LEFT
+            answered = True
+        return Taken.LEFT
 
     def _may_answer_now(self) -> bool:
         """Nothing stands in the way of answering from the callback: the connection is READY
@@ -352,37 +351,38 @@ class Session:
             self.conn.state is ServerState.READY
             and not self.closing
             and not self._reader_scope.cancel_called
-            and not self._send_lock.locked()
-            and not self._unsent
+            and self._writer_idle
         )
 
     def _answer_now(self, event: RequestReceived) -> bool:
-        """Run ``event``'s :data:`NOWAIT_HANDLERS` entry to its end (it never awaits) and
-        write its reply; ``False``, with nothing done, when it would have to wait."""
+        """Run ``event``'s :data:`NOW_HANDLERS` entry and write its reply; ``False``, with
+        nothing done, when it would have to wait."""
         header = event.header
         started = time.perf_counter() if self.daemon.timings is not None else 0.0
         outcome: Message | Exception
-        run = NOWAIT_HANDLERS[header.opcode](self, header, event.message)
         try:
-            run.send(None)
-        except StopIteration as done:
-            outcome = done.value
+            outcome = _SERVED_NOW[header.opcode](self, header, event.message)
         except anyio.WouldBlock:
             return False
         except Exception as exc:
             outcome = exc
-        else:  # a handler that awaits has no place here: answered as the bug it is
-            run.close()
-            outcome = RuntimeError(f"{Opcode(header.opcode).name}'s nowait handler awaited")
         frame, fds = self._reply_frame(header, outcome, started)
         assert not fds, "a request answered now passes no descriptor"
-        self._send_now(frame)
+        self._write_now(frame)
         return True
 
-    def _send_now(self, frame: bytes) -> None:
-        """Write ``frame`` from the readiness callback, by one non-blocking send; what the
-        socket does not take waits in ``_unsent`` for the reader, which sends it before any
-        other frame (:meth:`_send`)."""
+    @property
+    def _writer_idle(self) -> bool:
+        """No reply is being written or left half-written: a frame may go to the socket now."""
+        return not self._send_lock.locked() and not self._unsent
+
+    def _write_now(self, frame: bytes) -> None:
+        """The one direct writer, shared by the readiness callback's replies and :meth:`_send`'s
+        fast path: offer ``frame`` to the non-blocking socket by one ``send``, when the writer is
+        idle (the caller checked :attr:`_writer_idle`). What the socket does not take waits in
+        ``_unsent``, which :meth:`_send` writes under the lock before any other frame, so frames
+        never interleave and go out in the order they were offered. A broken socket stops the
+        reading (the session then ends)."""
         assert self._raw is not None
         try:
             sent = self._raw.send(frame)
@@ -470,28 +470,21 @@ class Session:
     async def _send(self, frame: bytes, fds: list[int] | None = None) -> None:
         """Write one reply; replies of concurrent handlers go out whole, in completion order.
 
-        Fast path: when no write is in progress, the frame is offered to the non-blocking
-        socket directly (the usual case for small replies, and one event-loop turn cheaper);
-        whatever the kernel does not take is sent by the stream under the lock, which later
-        replies then wait for, so frames never interleave.
+        Fast path: when the writer is idle, the frame goes through :meth:`_write_now` (the
+        usual case for small replies, and one event-loop turn cheaper than the stream); whatever
+        the kernel does not take (and the tail of a reply the readiness callback left) is sent
+        by the stream under the lock, which later replies then wait for, so frames never
+        interleave. A frame with descriptors always goes through the stream.
         """
+        if not fds and self._raw is not None and self._writer_idle:
+            self._write_now(frame)
+            if not self._unsent:
+                return
+            frame = b""  # its tail is in _unsent now
         try:
-            if (
-                not fds
-                and not self._send_lock.locked()
-                and not self._unsent
-                and self._raw is not None
-            ):
-                try:
-                    sent = self._raw.send(frame)
-                except BlockingIOError:
-                    sent = 0
-                if sent == len(frame):
-                    return
-                frame = frame[sent:]
             async with self._send_lock:
                 with anyio.fail_after(SEND_TIMEOUT_S):
-                    if self._unsent:  # the rest of a reply written from the callback: first
+                    if self._unsent:  # the rest of a reply written directly: first
                         unsent, self._unsent = self._unsent, b""
                         await self.stream.send(unsent)
                     if fds:

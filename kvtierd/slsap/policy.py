@@ -242,6 +242,75 @@ class SlsapPolicy(CachePolicy):
                 self._held.discard(slot)
             self._unranked.discard(slot)
 
+    def inserted_many(
+        self, blocks: Sequence[Hashable], contexts: Sequence[AccessContext | None]
+    ) -> None:
+        """:meth:`inserted` of each of ``blocks`` with its context, in order: the store's
+        promotions of one READ batch, told at once. When none of them is a reference (each
+        was named by its context's request already, or is a promotion) and none repeats, no
+        clock moves and nothing between two of them reads what the others change, so the
+        batch is one step over its slots (a plain loop over the cells: at a READ batch's
+        16 blocks numpy's per-call cost makes a vectorised step no faster); otherwise the
+        blocks go one by one. Either way the state
+        is the one the calls one at a time leave (tests/slsap replays both)."""
+        slots = self._unreferenced_slots(blocks, contexts)
+        if slots is None:
+            for block, context in zip(blocks, contexts, strict=True):
+                self.inserted(block, 0.0, context)
+            return
+        t = self._table
+        resident, version = t.resident_cells, t.version_cells  # bound after any allocation
+        for slot in slots:
+            if not resident[slot]:
+                resident[slot] = True
+                t.resident_count += 1
+            version[slot] = (version[slot] + 1) & VERSION_MASK
+        if self._held:
+            self._held.difference_update(slots)
+        self._unranked.update(slots)
+        self._insertions += len(slots)
+        if t.resident_count > self._peak_resident:  # it only grew along the batch
+            self._peak_resident = t.resident_count
+
+    def _unreferenced_slots(
+        self, blocks: Sequence[Hashable], contexts: Sequence[AccessContext | None]
+    ) -> list[int] | None:
+        """The slots of ``blocks`` (allocated in order where untracked) when observing them
+        (:meth:`_observe_one`) counts no reference for any and no block repeats; else None
+        (no reference, so no maintenance: slots a repeat allocated here are the ones the
+        calls one at a time allocate)."""
+        if len(blocks) != len(contexts):
+            raise ValueError("one context per block")
+        t = self._table
+        find, request = t.find, t.request_cells
+        slots: list[int] = []
+        for block, context in zip(blocks, contexts, strict=True):
+            slot = find(block)
+            rid = context.request_id if context is not None else -1
+            if rid != PROMOTED_REQUEST and (slot < 0 or rid < 0 or request[slot] != rid):
+                return None
+            slots.append(slot)
+        if -1 in slots:  # untracked promotions: allocated in order, as one at a time would
+            slots = [s if s >= 0 else t.slot_for(b) for s, b in zip(slots, blocks, strict=True)]
+        return slots if len(set(slots)) == len(slots) else None
+
+    def removed_many(self, blocks: Sequence[Hashable]) -> None:
+        """:meth:`removed` of each of ``blocks`` in one step over their slots (a batch of
+        evictions): the state the calls one at a time leave."""
+        t = self._table
+        resident, find = t.resident_cells, t.find
+        slots = [s for s in dict.fromkeys(map(find, blocks)) if s >= 0 and resident[s]]
+        if not slots:
+            return
+        version = t.version_cells
+        for slot in slots:
+            resident[slot] = False
+            version[slot] = (version[slot] + 1) & VERSION_MASK
+        t.resident_count -= len(slots)
+        if self._held:
+            self._held.difference_update(slots)
+        self._unranked.difference_update(slots)
+
     def hold(self, block: Hashable) -> None:
         """Keep resident ``block`` out of :meth:`victims` (and of the weakest density
         :meth:`admit` compares with) until :meth:`release` or a new insertion."""

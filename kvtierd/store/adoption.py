@@ -1,11 +1,13 @@
 """Start-up: the store indexes what the local lower tier recovered when it opened.
 
 A tier that keeps its records as rows (:meth:`~kvtierd.store.tier.LowerTier.cold_rows`, the
-NVMe tier) is adopted in bulk, with no ``Block`` made: each namespace's counts come from one
-``bincount`` over the rows, and the keys, a piece of the columns at a time, go to the NVMe
-policy (an entry per block until CLOCK over the rows replaces it) and to the listing order; a
-``Block`` is made only when one is asked for (:class:`~kvtierd.store.index.BlockIndex`). At 1M
-blocks a ``Block`` each cost the start 13.5 s (docs/architecture.md, "The index at scale").
+NVMe tier) is adopted in bulk, with no ``Block`` made and no Python step per block: each
+namespace's counts come from one ``bincount`` over the rows, its keys go to the listing order
+as the rows' key columns (:meth:`~kvtierd.store.index.BlockIndex.adopt_keys`, one sort), and
+the disk's policy, CLOCK by default, keeps its state in the rows themselves (only an LRU or
+SLSAP chosen for the disk is told of each key); a ``Block`` is made only when one is asked
+for (:class:`~kvtierd.store.index.BlockIndex`). At 1M blocks a ``Block`` each cost the start
+13.5 s (docs/architecture.md, "The index at scale").
 Any other tier lists its blocks (:meth:`~kvtierd.store.tier.LowerTier.recovered`) and gets a
 ``Block`` each.
 """
@@ -15,6 +17,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
+import numpy.typing as npt
+
+from kvtierd.keys import MAX_KEY_BYTES
+from kvtierd.store.clock import ClockPolicy
 from kvtierd.store.coldrefs import ColdRows
 from kvtierd.store.index import Block
 
@@ -71,15 +78,25 @@ def _adopt_rows(r: Residency, rows: ColdRows) -> int:
         unadopted=frozenset(unadopted),
     )
     policy = r.lower_policy.policy  # nothing is deferred yet: told at once
-    for digest, keys in rows.keys_by_namespace():
-        if digest in unadopted:
+    per_block = not isinstance(policy, ClockPolicy)  # CLOCK's state is the rows' own byte
+    for digest, words, klen in rows.key_columns():
+        ns = r.registry.by_digest(digest)
+        if ns is None:
             continue
-        r.index.adopt_keys(digest, keys)
-        for key in keys:
-            policy.inserted((digest, key), 0.0)
+        r.index.adopt_keys(ns, words, klen)
+        if per_block:
+            for key in _keys(words, klen):
+                policy.inserted((digest, key), 0.0)
     r.saw_seq(rows.max_seq())
     _warn_unknown(unknown)
     return adopted
+
+
+def _keys(words: npt.NDArray[np.uint64], klen: npt.NDArray[np.uint8]) -> list[bytes]:
+    """The keys of key columns, for a policy with an entry per block (LRU, SLSAP chosen for
+    the disk): a Python step each, which CLOCK, the default, does without."""
+    flat, lengths = words.tobytes(), klen.tolist()
+    return [flat[i * MAX_KEY_BYTES : i * MAX_KEY_BYTES + n] for i, n in enumerate(lengths)]
 
 
 def _warn_unknown(unknown: int) -> None:

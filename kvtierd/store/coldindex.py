@@ -9,7 +9,9 @@ however many blocks the disk holds.
 words) and its length, the namespace's number (u16; :meth:`ColdIndex.namespace` numbers the
 16-byte digests), the record's flags, stored and raw lengths, payload xxh3-64, seq, and its place
 (segment and slot index). A key length of 0 marks a free row; freed rows go on a free stack and
-are reused first, so rows stay dense.
+are reused first, so rows stay dense. Beside them, state that is no part of a record and is not
+saved: a reference byte a row for the NVMe tier's CLOCK (:mod:`kvtierd.store.clock`), set when
+the row is added and by :meth:`ColdIndex.touch`, cleared by the sweeping hand.
 
 *Places.* Per segment, an array of ``row + 1`` per slot (0: no record there): the tier finds a
 record by the :class:`~kvtierd.store.segments.DiskSlot` the store holds.
@@ -72,6 +74,9 @@ COLUMNS: tuple[tuple[str, type[np.generic], int], ...] = (
     ("index", np.uint32, 1),
 )
 Columns = Mapping[str, npt.NDArray[Any]]
+#: Columns of a row's state beside its record (grown with the others, never saved): ``ref``,
+#: CLOCK's reference byte (1 B a row; a bit would save 7/8 of a byte and cost a shift per use).
+_STATE: tuple[tuple[str, type[np.generic], int], ...] = (("ref", np.uint8, 1),)
 
 #: No block is larger: the ceiling of ``limits.max_block_bytes`` (:mod:`kvtierd.config`).
 MAX_RAW_BYTES = 1 << 30
@@ -204,6 +209,7 @@ class ColdIndex:
         c["seq"][row] = header.seq
         c["segment"][row] = segment
         c["index"][row] = index
+        c["ref"][row] = 1  # an insert is an access
         self._set_place(segment, index, row + 1)
         self._live += 1
         klen = len(header.key)
@@ -274,6 +280,39 @@ class ColdIndex:
     def place(self, row: int) -> tuple[int, int]:
         """``(segment, index)`` of the record in ``row``."""
         return self._flat["segment"][row], self._flat["index"][row]
+
+    def identity(self, row: int) -> tuple[bytes, bytes] | None:
+        """``(namespace digest, key)`` of the record in ``row`` (the store's block id), or
+        ``None`` for a free row."""
+        f = self._flat
+        klen = f["klen"][row] if 0 <= row < self._high else 0
+        if not klen:
+            return None
+        at = row * MAX_KEY_BYTES
+        return self._digests[f["ns"][row]], f["key"][at : at + klen].tobytes()
+
+    # -- reference bytes (the NVMe tier's CLOCK) -------------------------------------------------
+
+    @property
+    def extent(self) -> int:
+        """Rows ever used: every row in use is below it (the range a sweeping hand covers)."""
+        return self._high
+
+    def touch(self, row: int) -> None:
+        """Set ``row``'s reference byte (the record was read)."""
+        if 0 <= row < self._high:
+            self._flat["ref"][row] = 1
+
+    def unreferenced(self, first: int, end: int) -> npt.NDArray[np.intp]:
+        """The rows in use from ``first`` to ``end`` whose reference byte is clear, in order."""
+        end = min(end, self._high)
+        c = self._cols
+        clear = (c["klen"][first:end] > 0) & (c["ref"][first:end] == 0)
+        return np.flatnonzero(clear) + first
+
+    def clear_references(self, first: int, end: int) -> None:
+        """Clear the reference bytes of the rows from ``first`` to ``end`` (a hand passed)."""
+        self._cols["ref"][first : min(end, self._high)] = 0
 
     # -- all records ---------------------------------------------------------------------------
 
@@ -370,7 +409,7 @@ class ColdIndex:
         row). No view of a column is kept outside this class, so none blocks the resize."""
         old_maps, self._cols, self._flat = self._maps, {}, {}
         self._maps = {}
-        for name, dtype, width in COLUMNS:
+        for name, dtype, width in COLUMNS + _STATE:
             size = rows * width * np.dtype(dtype).itemsize
             mapped = old_maps.get(name)
             mapped = anonymous(size) if mapped is None else resized(mapped, size)

@@ -6,17 +6,18 @@ store's :class:`~kvtierd.store.index.BlockIndex` looks in its dict of live block
 this view second, to count a LOOKUP's hits without making anything, or to make a ``Block``
 (its :class:`~kvtierd.store.tier.BlockRef` and :class:`~kvtierd.store.segments.DiskSlot`
 rebuilt from the row's columns) when a READ, promotion, pool copy or FORGET needs one. A
-restart adopts the rows in bulk: per-namespace counts from one ``bincount``, the keys a piece
-of the columns at a time. Pure: no I/O.
+restart adopts the rows in bulk: per-namespace counts from one ``bincount``, the keys as the
+columns they are. Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Iterator
 
 import numpy as np
+import numpy.typing as npt
 
-from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.coldprobe import find_many
 from kvtierd.store.records import RecordHeader
@@ -25,8 +26,6 @@ from kvtierd.store.tier import BlockRef, Recovered
 
 __all__ = ["ColdRows"]
 
-#: Keys made per piece of :meth:`ColdRows.keys_by_namespace`.
-_PIECE = 1 << 16
 #: Fewer keys than this are looked up one by one (numpy's fixed cost is some tens of us).
 _ONE_BY_ONE = 8
 
@@ -92,23 +91,18 @@ class ColdRows:
     def max_seq(self) -> int:
         return self._cold.max_seq()
 
-    def keys_by_namespace(self) -> Iterator[tuple[bytes, list[bytes]]]:
-        """Every key with a record, as ``(digest, keys)`` pieces of one namespace each (every
-        piece of a namespace shares one digest object), made a piece of the columns at a time:
-        what a restart hands the policies and the listing order."""
+    def key_columns(self) -> Iterator[tuple[bytes, npt.NDArray[np.uint64], npt.NDArray[np.uint8]]]:
+        """Every key with a record, as ``(digest, words, lengths)``, one namespace each: the
+        rows' key columns (:meth:`KeyOrder.from_columns <kvtierd.store.keyorder.KeyOrder.
+        from_columns>` takes them as they are), gathered after one sort of the rows by
+        namespace, no Python step per key: what a restart hands the listing order."""
         digests = self._cold.digests
         rows = self._cold.key_rows()
-        key, klen, ns = (self._cold.column(name) for name in ("key", "klen", "ns"))
-        for first in range(0, len(rows), _PIECE):
-            piece = rows[first : first + _PIECE]
-            piece = piece[np.argsort(ns[piece], kind="stable")]
-            words = key[piece].tobytes()
-            lengths = klen[piece].tolist()
-            numbers = ns[piece].astype(np.int64)
-            bounds = np.flatnonzero(np.diff(numbers, prepend=-1, append=-1))
-            for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-                keys = [
-                    words[i * MAX_KEY_BYTES : i * MAX_KEY_BYTES + lengths[i]]
-                    for i in range(start, end)
-                ]
-                yield digests[int(numbers[start])], keys
+        numbers = self._cold.column("ns")[rows]
+        by_ns = np.argsort(numbers, kind="stable")
+        rows, numbers = rows[by_ns], numbers[by_ns].astype(np.int64)
+        key, klen = self._cold.column("key"), self._cold.column("klen")
+        bounds = np.flatnonzero(np.diff(numbers, prepend=-1, append=-1)).tolist()
+        for start, end in itertools.pairwise(bounds):
+            piece = rows[start:end]
+            yield digests[int(numbers[start])], key[piece], klen[piece]

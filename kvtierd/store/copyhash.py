@@ -12,9 +12,10 @@ to xxh3's accumulator: one read of the source, non-temporal writes of the destin
 ``xxhash.xxh3_64_intdigest`` gives. It is native code, so a process that cannot afford to die
 uses it only after :func:`probe` ran its self-test in a child that survived and agreed with
 xxhash on every size and alignment tried. The probe runs in a background thread on first use
-(about 0.1 s); until its verdict, and for good if it fails or the module is missing, copies are
-hashed in Python 256 KiB at a time (each piece hashed while it is still in the cache). Nothing
-ever waits for the probe except a caller that asks to (:meth:`CopyHasher.verdict`).
+(about 0.1 s; a client starts it when it maps a region, before its first copy); until its
+verdict, and for good if it fails or the module is missing, copies are hashed in Python 256 KiB
+at a time (each piece hashed while it is still in the cache). Nothing ever waits for the
+probe except a caller that asks to (:meth:`CopyHasher.verdict`).
 
 ``KVTIERD_COPYHASH_MODULE`` names another module to probe and use (tests point it at stand-ins
 that crash); set to the empty string it turns the native path off.

@@ -23,8 +23,9 @@ block across an ``await`` checks :meth:`BlockIndex.holds` too.
 An :class:`Owner` is one client connection: its leases and its uncommitted writes die with it.
 
 Listing (LIST_KEYS) pages through a namespace in key byte order: the index keeps each
-namespace's keys in a sorted list (``sortedcontainers``, O(log n) per add and remove), so a page
-costs O(log n + page) however large the namespace, and the cursor is simply the last key seen.
+namespace's keys in a :class:`~kvtierd.store.keyorder.KeyOrder` (33 bytes a key in numpy
+chunks, O(log n) per add and remove), so a page costs O(log n + page) however large the
+namespace, and the cursor is simply the last key seen.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import anyio
-from sortedcontainers import SortedList  # type: ignore[import-untyped]
+import numpy as np
+import numpy.typing as npt
 
 from kvtierd.policy import ServedBy
+from kvtierd.store.keyorder import KeyOrder
 from kvtierd.store.namespaces import Namespace
 from kvtierd.store.regions import TenantRegion
 from kvtierd.store.slots import Slot
@@ -170,7 +173,7 @@ class BlockIndex:
         #: Blocks indexed, live or cold.
         self._count = 0
         #: Each namespace's keys (by digest), sorted, for :meth:`page`.
-        self._sorted: dict[bytes, Any] = {}
+        self._sorted: dict[bytes, KeyOrder] = {}
         self._on_remove = on_remove
         self._cold: ColdSource | None = None
         self._cold_kind: Hashable = None
@@ -203,13 +206,6 @@ class BlockIndex:
         self._namespace_of = namespace_of
         self._count += adopted
         self._unadopted = unadopted
-
-    def adopt_keys(self, digest: bytes, keys: list[bytes]) -> None:
-        """Cold ``keys`` of namespace ``digest`` found at start-up (adopted by
-        :meth:`attach_cold`): the listing order needs them."""
-        # LIST_KEYS: the one place adoption feeds the sorted keys, in bulk (step 6 replaces
-        # the SortedList by a sorted array of rows plus an overlay).
-        self._sorted.setdefault(digest, SortedList()).update(keys)
 
     def _cold_block(self, ns: Namespace, key: bytes) -> Block | None:
         """A ``Block`` of ``key``'s row, or ``None``; not made live."""
@@ -315,7 +311,10 @@ class BlockIndex:
         if blocks is None:
             blocks = self._by_ns[digest] = {}
         if key not in blocks:
-            self._sorted.setdefault(digest, SortedList()).add(key)
+            order = self._sorted.get(digest)
+            if order is None:
+                order = self._sorted[digest] = KeyOrder()
+            order.add(key)
             self._count += 1
         blocks[key] = block
         block.ns.blocks += 1
@@ -388,9 +387,25 @@ class BlockIndex:
         change: every key stored from its first page to its last is listed exactly once, none
         twice, in order; a key stored or forgotten meanwhile is listed or not by where it sorts
         (after the cursor or before)."""
-        keys = self._sorted.get(ns.digest)
-        if keys is None:
+        order = self._sorted.get(ns.digest)
+        if order is None:
             return [], False
-        found = list(itertools.islice(keys.irange(after, inclusive=(False, False)), limit + 1))
-        stored = [self.peek(ns, key) for key in found[:limit]]  # cold keys: made, not kept
-        return [block for block in stored if block is not None], len(found) > limit
+        keys, more = order.page(after, limit)
+        stored = [self.peek(ns, key) for key in keys]  # cold keys: made, not kept
+        return [block for block in stored if block is not None], more
+
+    def adopt_keys(
+        self, ns: Namespace, words: npt.NDArray[np.uint64], klen: npt.NDArray[np.integer]
+    ) -> None:
+        """Put a namespace's keys into its listing order in bulk, from columns as the cold
+        index holds them (:meth:`KeyOrder.from_columns`: one sort, no Python step per key):
+        for a restart, in place of :meth:`add`'s one key at a time. Only the order: the
+        caller accounts for the blocks. Keys it already lists stay listed once."""
+        adopted = KeyOrder.from_columns(words, klen)
+        order = self._sorted.get(ns.digest)
+        if order is not None and len(order):
+            # Not at a restart (nothing is listed then): held again with the ones listed.
+            held, _ = order.page(b"", len(order))
+            adopted = KeyOrder.of(held + adopted.page(b"", len(adopted))[0])
+        if len(adopted):
+            self._sorted[ns.digest] = adopted

@@ -35,16 +35,18 @@ from pathlib import Path
 
 import anyio
 
-from kvtierd.config import Config, PolicyKind
+from kvtierd.config import Config, NvmePolicyKind, PolicyKind
 from kvtierd.errors import ConfigError, StorageIOError
 from kvtierd.io import BindingVerdict, open_io_backend
 from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES as FIXED_BUFFER_BYTES
 from kvtierd.policy import CachePolicy
 from kvtierd.slsap.policy import SlsapPolicy
 from kvtierd.store.arena import HUGE_PAGE_BYTES, Arena
+from kvtierd.store.clock import ClockPolicy
+from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.diskwatch import DiskWatch, open_disk_watch
 from kvtierd.store.namespaces import NamespaceRegistry
-from kvtierd.store.nvme import open_nvme_tier
+from kvtierd.store.nvme import NvmeTier, open_nvme_tier
 from kvtierd.store.policy import LruPolicy
 from kvtierd.store.ports import Replica
 from kvtierd.store.prefetch import open_prefetcher
@@ -131,9 +133,16 @@ def arena_bytes(config: Config) -> int:
     return headers + sum(size for _, size in config.dram_regions())
 
 
-def make_policy(kind: PolicyKind) -> CachePolicy:
-    """The one place a policy is chosen by name."""
-    policies: dict[PolicyKind, type[CachePolicy]] = {
+def make_policy(kind: PolicyKind | NvmePolicyKind, tier: NvmeTier | None = None) -> CachePolicy:
+    """The one place a policy is chosen by name. CLOCK sweeps the rows of ``tier`` (without
+    a disk tier, an empty table: the lower tier's policy is then never asked)."""
+    if kind == NvmePolicyKind.CLOCK:
+        if tier is None:
+            empty = ColdIndex(rows=16)
+            return ClockPolicy(lambda: empty)
+        disk = tier
+        return ClockPolicy(lambda: disk.cold)  # read at each call: recovery may replace it
+    policies: dict[str, type[CachePolicy]] = {
         PolicyKind.LRU: LruPolicy,
         PolicyKind.SLSAP: SlsapPolicy,
     }
@@ -248,7 +257,7 @@ async def open_store(
                 registry,
                 partial(make_policy, config.dram.policy),
                 tier,
-                make_policy(config.nvme.policy),
+                make_policy(config.nvme.policy, tier),
                 writeback=writeback,
                 staged=staged,
                 shared=replica.tier if replica is not None else None,

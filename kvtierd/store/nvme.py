@@ -159,6 +159,11 @@ class NvmeTier(LowerTier):
 
     # -- LowerTier ---------------------------------------------------------------------------
 
+    @property
+    def cold(self) -> ColdIndex:
+        """The tier's records by row (the disk's CLOCK policy sweeps them)."""
+        return self._cold
+
     def slot_class(self, ref: BlockRef) -> int:
         return slot_bytes_for(ref.raw_bytes)
 

@@ -27,7 +27,7 @@ import anyio
 
 from kvtierd.config import LimitsConfig
 from kvtierd.errors import BlockNotFoundError, KvtierError, NoSpaceError
-from kvtierd.policy import PROMOTION, AccessContext, CachePolicy
+from kvtierd.policy import PROMOTED_REQUEST, PROMOTION, AccessContext, CachePolicy
 from kvtierd.store.adoption import adopt_recovered
 from kvtierd.store.arena import Arena
 from kvtierd.store.codec import checksum_off_loop
@@ -225,6 +225,31 @@ class Residency:
         block.dram = slot
         block.ns.dram_blocks += 1
         self.dram_policy_of(block.ns).inserted(block, now, context)
+        self._promoted(block, context, now)
+
+    def _promoted(self, block: Block, context: AccessContext, now: float) -> None:
+        """A promotion that is no read (a prefetch, a reuse guess) is an access of the block's
+        disk copy all the same; a read tells the disk's policy in :meth:`note_read`."""
+        if context.request_id == PROMOTED_REQUEST and block.lower is not None:
+            self.lower_policy.accessed(block, now, context)
+
+    def _installed(
+        self, installed: dict[Namespace, list[tuple[Block, AccessContext]]], now: float
+    ) -> None:
+        """:meth:`_install` of a batch's blocks, their slots set already (grouped by namespace,
+        in order): each DRAM policy told once for the batch, each namespace counted once."""
+        told: dict[int, tuple[TierPolicy, list[Block], list[AccessContext]]] = {}
+        for ns, done in installed.items():
+            ns.dram_blocks += len(done)
+            self._count_loaded(ns, len(done), shared=False)
+            policy = self.dram_policy_of(ns)
+            _, blocks, contexts = told.setdefault(id(policy), (policy, [], []))
+            for block, context in done:
+                blocks.append(block)
+                contexts.append(context)
+                self._promoted(block, context, now)
+        for policy, blocks, contexts in told.values():
+            policy.inserted_many(blocks, now, contexts)
 
     def _count_loaded(self, ns: Namespace, n: int, shared: bool) -> None:
         self.count(ns, "pool_hits" if shared else "lower_hits", n)
@@ -337,23 +362,22 @@ class Residency:
                 for (block, _), slot in zip(run, slots, strict=False):
                     self.region(block.ns).allocator.free(slot)
                 raise
-            first: BlockNotFoundError | None = None
-            now = time.monotonic()
-            installed: dict[Namespace, int] = {}  # one namespace in a READ's batches
+            failed: list[tuple[Block, BlockNotFoundError]] = []
+            installed: dict[Namespace, list[tuple[Block, AccessContext]]] = {}  # one, usually
             for (block, context), slot, outcome in zip(run, slots, outcomes, strict=True):
                 if outcome is None:
-                    self._install(block, slot, context, now)
-                    installed[block.ns] = installed.get(block.ns, 0) + 1
-                    continue
-                self.region(block.ns).allocator.free(slot)
+                    block.dram = slot
+                    installed.setdefault(block.ns, []).append((block, context))
+                else:
+                    self.region(block.ns).allocator.free(slot)
+                    failed.append((block, outcome))
+            self._installed(installed, time.monotonic())
+            for block, _ in failed:
                 if block.lower is not None:  # else a FORGET during the read dropped it
                     await self.drop_lower(block)
                     self.counters["lost"] += 1
-                first = first or outcome
-            for ns, n in installed.items():
-                self._count_loaded(ns, n, shared=False)
-            if first is not None:
-                raise first
+            if failed:
+                raise failed[0][1]
         finally:
             loading.set()
             for block, _ in run:
@@ -396,6 +420,8 @@ class Residency:
             self.counters["prefetch_used"] += 1
         self.count(block.ns, "bytes_read", block.ref.raw_bytes)
         self.dram_policy_of(block.ns).accessed(block, now, context)
+        if block.lower is not None:  # read: its disk copy is worth keeping too
+            self.lower_policy.accessed(block, now, context)
 
     # -- DRAM slots --------------------------------------------------------------------------
 
@@ -431,8 +457,10 @@ class Residency:
             )
 
         plan = reserve(region.allocator, nbytes, victims, _dram_slot, batch=_EVICT_BATCH)
+        if plan.evictions:
+            policy.removed_many(plan.evictions)  # one event for the batch
         for victim in plan.evictions:  # their slots are free already
-            self._forget_dram(victim)
+            self._forget_dram(victim, policy_told=True)
             self.count(victim.ns, "dram_evictions")
         return plan.slot
 
@@ -446,11 +474,13 @@ class Residency:
         self.region(block.ns).allocator.free(block.dram)
         self._forget_dram(block)
 
-    def _forget_dram(self, block: Block) -> None:
-        """``block`` no longer has its DRAM slot (freed already)."""
+    def _forget_dram(self, block: Block, *, policy_told: bool = False) -> None:
+        """``block`` no longer has its DRAM slot (freed already); ``policy_told``: its DRAM
+        policy knows (a batch of evictions is told at once)."""
         block.dram = None
         block.ns.dram_blocks -= 1
-        self.dram_policy_of(block.ns).removed(block)
+        if not policy_told:
+            self.dram_policy_of(block.ns).removed(block)
         if block.prefetched:
             block.prefetched = False
             self.counters["prefetch_wasted_bytes"] += block.ref.raw_bytes

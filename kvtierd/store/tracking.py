@@ -19,7 +19,7 @@ from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.store.index import Block, BlockIndex
 from kvtierd.store.slicing import Lane
 
-__all__ = ["RequestObserver", "ReuseCandidates", "TierPolicy"]
+__all__ = ["BatchEvents", "RequestObserver", "ReuseCandidates", "TierPolicy"]
 
 
 @runtime_checkable
@@ -36,6 +36,18 @@ class ReuseCandidates(Protocol):
     """A policy that can name blocks worth promoting while the disk is idle."""
 
     def promotion_candidates(self, limit: int) -> list[Hashable]: ...
+
+
+@runtime_checkable
+class BatchEvents(Protocol):
+    """A policy that takes a batch of insertions or removals in one call, leaving the state
+    the calls one at a time would (:class:`~kvtierd.slsap.SlsapPolicy`)."""
+
+    def inserted_many(
+        self, blocks: Sequence[Hashable], contexts: Sequence[AccessContext | None]
+    ) -> None: ...
+
+    def removed_many(self, blocks: Sequence[Hashable]) -> None: ...
 
 
 _MAX_DEFERRED = 65536
@@ -60,6 +72,7 @@ class TierPolicy:
         self._journal: deque[Callable[[], object]] = deque()
         self._observer = policy if isinstance(policy, RequestObserver) else None
         self._reuse = policy if isinstance(policy, ReuseCandidates) else None
+        self._batch = policy if isinstance(policy, BatchEvents) else None
         self.observes_requests = self._observer is not None
         self._pending_requests = 0
         self.sampled_out = 0
@@ -146,6 +159,28 @@ class TierPolicy:
         self._defer(partial(self.policy.inserted, block.id, now, context))
         if block.dirty:
             self._defer(partial(self.policy.hold, block.id))
+
+    def inserted_many(
+        self, blocks: Sequence[Block], now: float, contexts: Sequence[AccessContext]
+    ) -> None:
+        """:meth:`inserted` of each of ``blocks`` (a READ batch's promotions): one journal
+        event for them all where the policy takes batches and none is dirty (a dirty block's
+        hold follows its own insertion)."""
+        if self._batch is None or any(block.dirty for block in blocks):
+            for block, context in zip(blocks, contexts, strict=True):
+                self.inserted(block, now, context)
+            return
+        ids = [block.id for block in blocks]
+        self._defer(partial(self._batch.inserted_many, ids, contexts))
+
+    def removed_many(self, blocks: Sequence[Block]) -> None:
+        """:meth:`removed` of each of ``blocks`` (a batch of evictions), one journal event
+        where the policy takes batches."""
+        if self._batch is None:
+            for block in blocks:
+                self.removed(block)
+            return
+        self._defer(partial(self._batch.removed_many, [block.id for block in blocks]))
 
     def release(self, block: Block) -> None:
         """``block`` was written back: the policy may offer it as a victim again."""

@@ -24,16 +24,21 @@ connection lives and waits on it directly:
   registers it again;
 * each wait registers the reader again, which for a registered one costs no system call
   (uvloop and the selector loop only swap the callback) and survives libuv's rule that an
-  error event (``POLLERR``: a peer that closed with replies unread) stops the poll for good.
+  error event (``POLLERR``: a peer that closed with replies unread) stops the poll for good;
+* a callback that leaves the reader waiting (below) without having written to the peer
+  registers it again once the loop is done with the event, on uvloop: that event may have
+  been the error, after which libuv never calls back, and the bytes it read the peer's last
+  (half a frame), so that the end of the stream would wait unread under a reader waiting for
+  ever (:meth:`ReadinessReceiver._wait_on`).
 
 Serving from the callback. The session may hand :class:`ReadinessReceiver` a ``serve_now``
 function. Then a readiness callback that finds the reader waiting does the ``recv`` itself and
 passes the bytes to ``serve_now``, which answers at once what needs no waiting (a LOOKUP of
-a few keys) and says whether it answered everything: if so the reader sleeps on, so a request
-costs no wake-up of the reader's task and no extra turns of the loop (the daemon's CPU per
-LOOKUP fell about a fifth); if not, the bytes are already the session's and ``receive``
-returns ``None`` to say so. The end of the stream and socket errors go to the reader as they
-would from its own ``recv``.
+a few keys) and says (:class:`Taken`) whether it answered everything: if so the reader sleeps
+on, so a request costs no wake-up of the reader's task and no extra turns of the loop (the
+daemon's CPU per LOOKUP fell about a fifth); if not, the bytes are already the session's and
+``receive`` returns ``None`` to say so. The end of the stream and socket errors go to the
+reader as they would from its own ``recv``.
 
 Every wait is a checkpoint, as anyio's receive is: cancelling the reader's scope interrupts it.
 On trio, :class:`WaitingReceiver` follows the same rules with the backend's own
@@ -48,7 +53,9 @@ from __future__ import annotations
 
 import array
 import asyncio
+import enum
 import socket
+from asyncio.selector_events import BaseSelectorEventLoop
 from collections.abc import Callable, MutableSequence
 from typing import Protocol, cast
 
@@ -61,6 +68,7 @@ __all__ = [
     "ReadinessReceiver",
     "Receiver",
     "StreamReceiver",
+    "Taken",
     "WaitingReceiver",
     "open_receiver",
     "recv_with_fds",
@@ -107,10 +115,6 @@ class Receiver(Protocol):
         """Stop watching the socket (before it is closed)."""
         ...
 
-    def refresh(self) -> None:
-        """Renew the wait for readiness of a ``receive`` now waiting, if it has one to renew."""
-        ...
-
 
 class StreamReceiver:
     """anyio's ``receive``, with the end of the stream as ``b""``."""
@@ -127,12 +131,34 @@ class StreamReceiver:
     def close(self) -> None:
         pass
 
-    def refresh(self) -> None:
-        pass  # anyio's receive registers for each wait
-
 
 #: What the reader's waiter is told when the callback handed the bytes to ``serve_now``.
 _SERVED = object()
+
+
+class Taken(enum.Enum):
+    """What ``serve_now`` made of the bytes the readiness callback read for it."""
+
+    #: Not all served: the bytes are the caller's now, and the reader goes on (its
+    #: ``receive`` returns ``None``).
+    LEFT = enum.auto()
+    #: All served, and the registration need not be proven alive (:meth:`ReadinessReceiver.
+    #: _wait_on`): the callback wrote to the peer after the event, so the peer had not closed
+    #: and the event was no error (a Unix socket reports ``POLLERR`` only once its peer
+    #: closed, and a write to a closed peer fails with ``EPIPE``); or nothing is awaited from
+    #: the peer before the caller writes to it again, which finds a closed peer out. The
+    #: reader sleeps on.
+    SERVED = enum.auto()
+    #: All served, and more is awaited from the peer (the rest of half a frame, replies still
+    #: owed): the reader sleeps on, its registration proven alive once the loop is done with
+    #: the event.
+    AWAITING = enum.auto()
+
+
+#: Looked up once: an enum member's lookup costs about 0.1 us (Python 3.11), on the path of
+#: every request answered from the callback.
+_TAKEN_SERVED = Taken.SERVED
+_TAKEN_AWAITING = Taken.AWAITING
 
 
 class _SocketReceiver:
@@ -182,7 +208,7 @@ class ReadinessReceiver(_SocketReceiver):
         self,
         sock: socket.socket,
         loop: asyncio.AbstractEventLoop,
-        serve_now: Callable[[bytes], bool] | None = None,
+        serve_now: Callable[[bytes], Taken] | None = None,
         fds: MutableSequence[int] | None = None,
         max_fds: int = MAX_FDS,
     ) -> None:
@@ -195,6 +221,8 @@ class ReadinessReceiver(_SocketReceiver):
         self._waiter: asyncio.Future[object] | None = None
         #: What the waiting ``receive`` asked for, for the callback's ``recv``.
         self._max_bytes = 0
+        #: The loop may stop calling the callback back without a word (:meth:`_wait_on`).
+        self._rearms = not isinstance(loop, BaseSelectorEventLoop)
 
     async def _wait(self, max_bytes: int) -> object:
         if self._closed:
@@ -202,18 +230,30 @@ class ReadinessReceiver(_SocketReceiver):
         waiter = self._loop.create_future()
         self._waiter = waiter
         self._max_bytes = max_bytes
-        try:
-            # Registered already, this only swaps the callback's handle (no system call), and
-            # it proves the registration alive: libuv stops a poll whose descriptor reports
-            # an error (a peer that hung up on unread replies), and uvloop then refuses it.
-            self._loop.add_reader(self._fd, self._on_readable)
-        except RuntimeError:
-            self._loop.remove_reader(self._fd)
-            self._loop.add_reader(self._fd, self._on_readable)
+        self._register()
         try:
             return await waiter
         finally:
             self._waiter = None
+
+    def _register(self) -> None:
+        """Register the readiness callback. Registered already, this only swaps the callback's
+        handle (no system call), and it proves the registration alive: libuv stops a poll
+        whose descriptor reports an error (``POLLERR``: a peer that hung up on unread
+        replies) after one last call of the callback, and uvloop then refuses the poll
+        (``RuntimeError``) until it is removed and made anew."""
+        try:
+            self._loop.add_reader(self._fd, self._on_readable)
+        except RuntimeError:
+            self._loop.remove_reader(self._fd)
+            self._loop.add_reader(self._fd, self._on_readable)
+
+    def _rearm(self) -> None:
+        """After a callback that left the reader waiting: register again if it still waits
+        (:meth:`_wait_on` says why)."""
+        waiter = self._waiter
+        if not self._closed and waiter is not None and not waiter.done():
+            self._register()
 
     def _on_readable(self) -> None:
         waiter = self._waiter
@@ -228,7 +268,8 @@ class ReadinessReceiver(_SocketReceiver):
         try:
             data = self._recv(max_bytes)
         except (BlockingIOError, InterruptedError):
-            return  # spurious: the reader waits on
+            self._wait_on()  # spurious
+            return
         except OSError as exc:
             waiter.set_exception(exc)  # raised by the reader's receive, as its own recv would
             return
@@ -237,26 +278,32 @@ class ReadinessReceiver(_SocketReceiver):
             waiter.set_result(data)
             return
         try:
-            served = serve_now(data)
+            taken = serve_now(data)
         except BaseException as exc:  # not lost in the loop's handler: the reader raises it
             if not waiter.done():
                 waiter.set_exception(exc)
             return
-        if not served and not waiter.done():  # the session's now, for the reader to go on
+        if taken is _TAKEN_SERVED or waiter.done():
+            return
+        if taken is _TAKEN_AWAITING:
+            self._wait_on()
+        else:  # the session's now, for the reader to go on
             waiter.set_result(_SERVED)
 
-    def refresh(self) -> None:
-        """Register the readiness callback afresh while a ``receive`` waits. A safety net: under
-        load, uvloop was seen to stop calling a registered reader back (a session waited on a
-        socket that held bytes, for good), which no other part of the session would notice.
-        Readiness is level-triggered, so bytes, the end of the stream or an error that came
-        meanwhile call the new registration back at once; otherwise it just waits on. Two
-        ``epoll_ctl`` calls; the daemon does it once a second per waiting connection."""
-        waiter = self._waiter
-        if self._closed or waiter is None or waiter.done():
-            return
-        self._loop.remove_reader(self._fd)
-        self._loop.add_reader(self._fd, self._on_readable)
+    def _wait_on(self) -> None:
+        """The callback leaves the reader waiting, and nothing proved the peer still there.
+        This call may have been libuv's last: on a socket error event (``POLLERR``, which a
+        Unix socket reports once its peer closed with bytes unread) libuv stops the poll for
+        good and uvloop calls the callback once more before it closes the poll, whatever the
+        callback does. If the ``recv`` here took the peer's last bytes (half a frame, or
+        replies the caller is not done with), nothing would ever call back again: the end of
+        the stream and the error would wait unread, and the reader with them, for ever. So on
+        loops other than the selector loop (which is level-triggered through and through) the
+        registration is proven alive once the loop is done with this event: a live one costs
+        a swap of the callback's handle (about a microsecond), which is why ``serve_now``
+        says when it can do without (:attr:`Taken.SERVED`)."""
+        if self._rearms:
+            self._loop.call_soon(self._rearm)
 
     def close(self) -> None:
         """Stop watching the socket (idempotent); a ``receive`` waiting meanwhile raises
@@ -288,14 +335,11 @@ class WaitingReceiver(_SocketReceiver):
     def close(self) -> None:
         self._closed = True
 
-    def refresh(self) -> None:
-        pass  # trio registers for each wait
-
 
 def open_receiver(
     stream: ByteStream,
     raw: socket.socket | None,
-    serve_now: Callable[[bytes], bool] | None = None,
+    serve_now: Callable[[bytes], Taken] | None = None,
     fds: MutableSequence[int] | None = None,
 ) -> Receiver:
     """The receiver for ``stream``: when the session may use the raw socket ``raw`` directly,

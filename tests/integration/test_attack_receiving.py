@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
+import signal
 import socket
 import threading
 import time
@@ -278,5 +280,29 @@ def test_every_attack_at_once_leaves_nothing_behind(attacked: DaemonProcess) -> 
     assert not any(thread.is_alive() for thread in threads), "an attacker hung"
     assert failures == []
     _serves_its_blocks(attacked)
+    assert _books(attacked) == before
+    unharmed(attacked)
+
+
+def test_half_a_frame_and_a_hang_up_in_one_event_end_the_session(attacked: DaemonProcess) -> None:
+    """Half a frame, then a hang-up on a reply left unread, reach the daemon as one event: it
+    is stopped (``SIGSTOP``) while the peer sends them, so that its loop sees the bytes, the
+    end of the stream and the error (``POLLERR``: the unread reply) at once. libuv stops the
+    poll on that error after one last callback, which takes the half frame and has nothing to
+    answer: the session must still see the end and close (on uvloop it waited for ever, a
+    connection left open, until a timer renewed every waiting registration)."""
+    assert attacked.process is not None
+    before = _books(attacked)
+    peer = RawPeer(attacked.socket, "attacked", BLOCK)
+    peer.sock.sendall(peer.frame(LookupRequest(KEYS[:4])))
+    readable, _, _ = select.select([peer.sock], [], [], DEADLINE_S)
+    assert readable, "no reply to the LOOKUP"  # there, and left unread
+    frame = peer.frame(LookupRequest(KEYS[:4]))
+    os.kill(attacked.process.pid, signal.SIGSTOP)
+    try:
+        peer.sock.sendall(frame[: len(frame) // 2])
+        peer.sock.close()
+    finally:
+        os.kill(attacked.process.pid, signal.SIGCONT)
     assert _books(attacked) == before
     unharmed(attacked)

@@ -158,6 +158,58 @@ def test_a_peer_that_reads_late_gets_every_lookup_reply_whole(tmp_path: Path, ru
 
 
 @pytest.mark.parametrize("runtime", ["asyncio", "trio"])
+def test_replies_left_half_written_by_either_path_keep_request_order(
+    tmp_path: Path, runtime: str
+) -> None:
+    """LOOKUPs (answered by the readiness callback) between STATFSs (answered by the reader)
+    and READs (the reader's too, with an error), all sent before a reply is read: the socket
+    fills, so replies of both paths are left half-written; the one writer they share finishes
+    each before the next, so every reply arrives whole, once, right, and those answered at
+    once (LOOKUP, STATFS) arrive in request order."""
+    with DaemonProcess(tmp_path / "d", nvme_size="0", runtime=runtime) as daemon:
+        keys = _store(daemon)
+        peer = _Peer(daemon.socket)
+        absent = chain_keys(range(1000, 1001), 1, peer.salt)
+        expected: dict[int, object] = {}
+        frames = []
+        for i in range(6_000):
+            message: Message
+            if i % 3 == 1:
+                message, want = StatfsRequest(), None
+            elif i % 30 == 2:
+                message, want = ReadRequest(absent), BlockNotFoundError
+            else:
+                hits = 1 + i % STORED
+                message, want = LookupRequest(keys[:hits] + absent), hits
+            unique, frame = peer.frame(message)
+            expected[unique] = want
+            frames.append(frame)
+        sender = threading.Thread(target=peer.sock.sendall, args=(b"".join(frames),))
+        sender.start()
+        sender.join(2.0)  # the daemon stops reading once its replies back up
+        replies = peer.replies(len(expected))
+        sender.join()
+        assert sorted(r.header.unique for r in replies) == sorted(expected)
+        at_once = [
+            r.header.unique for r in replies if not isinstance(expected[r.header.unique], type)
+        ]
+        assert at_once == sorted(at_once)
+        for reply in replies:
+            want = expected[reply.header.unique]
+            if isinstance(want, type):
+                assert isinstance(reply.error, want), reply
+            elif want is None:
+                assert reply.header.opcode == Opcode.STATFS, reply
+                assert reply.error is None, reply
+            else:
+                assert isinstance(reply.message, LookupReply), reply
+                assert reply.message.hits == want
+        assert isinstance(peer.call(StatfsRequest()), Message)
+        peer.sock.close()
+        assert "handler for" not in daemon.log()  # no internal error
+
+
+@pytest.mark.parametrize("runtime", ["asyncio", "trio"])
 def test_a_peer_that_hangs_up_on_unread_lookup_replies_is_let_go(
     tmp_path: Path, runtime: str
 ) -> None:

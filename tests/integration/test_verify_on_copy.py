@@ -78,3 +78,33 @@ def test_copies_into_runs_verify_and_a_scribbled_block_is_a_miss(daemon: DaemonP
                 region[extent.offset + 54321] ^= 0xFF
             with pytest.raises(CorruptBlockError):
                 lease.copy_into(1, ByteRuns(memoryview(storage), offsets, run))
+
+
+_PROBE_STARTED_BY_MAPPING = """
+import sys, time
+from kvtierd.client import connect
+from kvtierd.store.copyhash import default_hasher
+with connect(sys.argv[1]) as client:
+    client.namespace("probe-at-map", block_bytes=1 << 16)  # maps the region, copies nothing
+    deadline = time.monotonic() + 60
+    while not default_hasher().native and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(default_hasher().native)
+"""
+
+
+def test_mapping_a_region_starts_the_copy_probe(daemon: DaemonProcess) -> None:
+    """A client proves the copy kernel as soon as it maps a region, so that an engine's first
+    copies do not run in Python while the probe's child starts: in a fresh process that only
+    opens a namespace, the kernel is in use without any copy or any wait for the verdict."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _PROBE_STARTED_BY_MAPPING, str(daemon.socket)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert run.stdout.split() == ["True"]

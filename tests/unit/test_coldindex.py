@@ -271,3 +271,34 @@ def test_a_mapping_grows_and_shrinks_keeping_its_bytes(held: bool) -> None:
         assert view[:6] == b"kvtier"
         view.release()
     assert resized(grown, 5)[:] == b"kvtie"
+
+
+def test_reference_bytes_are_set_on_add_and_touch_and_survive_the_rows_growing() -> None:
+    index = ColdIndex(seed=3, rows=16)
+    first = index.add(DIGESTS[0], header(DIGESTS[0], b"a", 1, 1), 0, 0)
+    assert index.unreferenced(0, index.extent).tolist() == []  # an insert is an access
+    index.clear_references(0, index.extent)
+    assert index.unreferenced(0, index.extent).tolist() == [first]
+    index.touch(first)
+    for n in range(2, 200):  # past 16 rows: the columns grow by mremap
+        index.add(DIGESTS[1], header(DIGESTS[1], n.to_bytes(2, "big"), 1, n), 1, n)
+    assert index.extent == 199
+    assert first not in index.unreferenced(0, index.extent).tolist()
+    index.clear_references(0, 100)
+    assert index.unreferenced(0, index.extent).tolist() == list(range(100))
+    assert index.identity(first) == (DIGESTS[0], b"a")
+    # A freed row is never a candidate; reused, it starts referenced again.
+    index.remove(first)
+    assert index.identity(first) is None
+    assert first not in index.unreferenced(0, index.extent).tolist()
+    again = index.add(DIGESTS[2], header(DIGESTS[2], b"b", 1, 300), 2, 0)
+    assert again == first
+    assert first not in index.unreferenced(0, index.extent).tolist()
+
+
+def test_a_rebuilt_index_starts_with_every_reference_clear() -> None:
+    index = ColdIndex(seed=3)
+    for n in range(10):
+        index.add(DIGESTS[0], header(DIGESTS[0], bytes([n + 1]), 1, n), 0, n)
+    rebuilt = ColdIndex.from_columns(index.columns(), index.digests, seed=3)
+    assert rebuilt.unreferenced(0, rebuilt.extent).tolist() == list(range(10))

@@ -15,6 +15,7 @@ from kvtierd.config import (
     DaemonConfig,
     DramConfig,
     LogLevel,
+    NvmePolicyKind,
     PoolConfig,
     load_config,
     parse_size,
@@ -64,6 +65,15 @@ def test_modes_are_enums_and_the_log_level_ignores_case(tmp_path: Path) -> None:
     assert config.daemon.log_level is LogLevel.WARNING
     assert config.nvme.io_backend is IoBackendKind.THREADS
     assert load_config().daemon.log_level is LogLevel.INFO
+
+
+def test_the_disk_evicts_by_clock_by_default_and_only_the_disk_can(tmp_path: Path) -> None:
+    assert load_config().nvme.policy is NvmePolicyKind.CLOCK
+    path = tmp_path / "k.toml"
+    path.write_text("[nvme]\npolicy = 'lru'\n")
+    assert load_config(path).nvme.policy is NvmePolicyKind.LRU
+    (problem,) = _problems("[dram]\npolicy = 'clock'\n", tmp_path)
+    assert problem.where == "dram.policy"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,120 @@
+"""CLOCK over the NVMe tier's rows: the disk's default eviction policy, a byte a block.
+
+An LRU keeps an ordered-dict entry per block keyed by its id tuple, about 105 bytes a block on
+top of the tuple (docs/architecture.md, "The index at scale"); at tens of millions of blocks
+that alone is past the goal of 128 bytes a block. CLOCK approximates recency with one reference
+byte per row of the tier's :class:`~kvtierd.store.coldindex.ColdIndex`: set when a record is
+written and whenever its block is read or promoted, cleared by a hand that sweeps the rows. A
+row the hand finds referenced loses its byte and is passed over (a second chance); one it finds
+clear is a victim, if the store allows (``evictable``) and its block is not held.
+
+It is a :class:`~kvtierd.policy.CachePolicy` (ids in, ids out) that finds a block's row by
+probing the cold index with its id, rather than an eviction inside the tier: the store's
+:class:`~kvtierd.store.tracking.TierPolicy`, its journal of deferred telemetry and its
+``evictable`` checks (slot class, loading) stay the same for every policy, and LRU and SLSAP
+remain selectable. The policy keeps no state per block beyond the held ones (blocks the store
+cannot evict yet, bounded by the arena), and the hand.
+
+What the table may do under the hand: rows are freed (a free row is never a candidate) and
+reused (a reused row starts referenced: an insert is an access), the table grows (the hand
+covers the rows in use when it is asked) or is replaced at recovery (a hand past the end starts
+over). An id with no row (a block still dirty in DRAM) has nothing to mark; its row, once
+written, starts referenced.
+
+Bounded per call: the hand passes at most every row twice (all referenced: the first pass
+clears them, the second finds victims), clearing bytes a window at a time with numpy, and asks
+about at most :data:`MAX_CHECKS` clear rows one by one (``evictable``, held, the key's newest
+row). A call that runs out returns what it found; the next one goes on from the hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import cast
+
+from kvtierd.policy import AccessContext, CachePolicy
+from kvtierd.store.coldindex import ColdIndex
+
+__all__ = ["MAX_CHECKS", "WINDOW", "ClockPolicy"]
+
+#: Rows the hand takes at once (their bytes read and cleared by numpy: about 0.1 ms for
+#: 64K rows, so two passes over 10M rows hold the loop some tens of milliseconds).
+WINDOW = 1 << 16
+#: At most this many clear rows are looked at one by one in a call (about 5 us each; a hand
+#: that finds no victim among them returns empty-handed rather than hold the event loop).
+MAX_CHECKS = 4096
+
+
+class ClockPolicy(CachePolicy):
+    """Second-chance eviction over the rows of ``rows()`` (the NVMe tier's cold index, read
+    at each call: recovery may replace it). Block ids are ``(namespace digest, key)``."""
+
+    def __init__(self, rows: Callable[[], ColdIndex], *, window: int = WINDOW) -> None:
+        self._rows = rows
+        self._window = window
+        self._hand = 0
+        self._held: set[Hashable] = set()
+
+    @property
+    def hand(self) -> int:
+        """The next row the hand looks at."""
+        return self._hand
+
+    def admit(self, block: Hashable, now: float, context: AccessContext | None = None) -> bool:
+        return True
+
+    def inserted(self, block: Hashable, now: float, context: AccessContext | None = None) -> None:
+        # The row's byte was set when the tier added it; a new insertion ends a hold.
+        self._held.discard(block)
+
+    def accessed(self, block: Hashable, now: float, context: AccessContext | None = None) -> None:
+        cold = self._rows()
+        digest, key = cast(tuple[bytes, bytes], block)
+        cold.touch(cold.find(digest, key))  # no row (-1): nothing to mark
+
+    def removed(self, block: Hashable) -> None:
+        self._held.discard(block)  # the tier frees the row
+
+    def hold(self, block: Hashable) -> None:
+        self._held.add(block)
+
+    def release(self, block: Hashable) -> None:
+        self._held.discard(block)
+
+    def victims(self, count: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
+        chosen: list[Hashable] = []
+        cold = self._rows()
+        extent = cold.extent
+        if count <= 0 or not extent:
+            return chosen
+        hand = self._hand if self._hand < extent else 0
+        rows_left, checks = 2 * extent, MAX_CHECKS
+        while rows_left and checks and len(chosen) < count:
+            end = min(extent, hand + self._window, hand + rows_left)
+            stop = end
+            for row in cold.unreferenced(hand, end)[:checks].tolist():
+                checks -= 1
+                block = self._victim(cold, row, evictable)
+                if block is not None and block not in chosen:  # (a second pass meets it again)
+                    chosen.append(block)
+                if len(chosen) == count or not checks:
+                    stop = row + 1
+                    break
+            cold.clear_references(hand, stop)  # the referenced ones passed over: second chance
+            rows_left -= stop - hand
+            hand = stop if stop < extent else 0
+        self._hand = hand
+        return chosen
+
+    def _victim(
+        self, cold: ColdIndex, row: int, evictable: Callable[[Hashable], bool]
+    ) -> Hashable | None:
+        """The block of the clear ``row`` if it may go: not held, the row its key's newest (an
+        older record of a key being replaced is not its block's age), and ``evictable``."""
+        block = cold.identity(row)
+        if block is None or block in self._held or cold.find(*block) != row:
+            return None
+        return block if evictable(block) else None
+
+    def __len__(self) -> int:
+        return self._rows().keys
