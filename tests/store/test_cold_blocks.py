@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 BLOCK = 64 << 10
 COUNT = 24
+BIG = 256 << 10  # blocks enough to fill the disk in a test's time
 
 
 def _live(store: BlockStore) -> int:
@@ -147,8 +148,9 @@ async def test_a_restart_makes_no_block_and_counts_every_one(tmp_path: Path, how
 
 
 async def test_eviction_of_cold_blocks_after_a_restart(tmp_path: Path) -> None:
-    """The NVMe policy, told every adopted block's id at start-up, evicts cold blocks: each
-    made from its row, dropped, its counts and row gone, and none left live."""
+    """The NVMe policy (CLOCK over the rows, told nothing per block at start-up) evicts cold
+    blocks: each made from its row, dropped, its counts, row and listing gone, none left
+    live."""
     async with small_store(tmp_path, BLOCK) as (store, ns):
         keys = await _written_and_evicted(store, ns, COUNT)
     async with _restarted(tmp_path, "snapshot") as (store, ns):
@@ -162,8 +164,55 @@ async def test_eviction_of_cold_blocks_after_a_restart(tmp_path: Path) -> None:
         assert len(gone) == evicted
         assert store.lookup(ns, gone[:1], promote=False) == (0, b"")
         left = [key for key in keys if key not in gone]
+        assert [b.key for b in store.page(ns, b"", 1000)[0]] == sorted(left)
         owner = Owner("after")
         assert await read_back(store, owner, ns, left[-1]) == content(left[-1], BLOCK)
+
+
+async def _fill(store: BlockStore, ns: Namespace, keys: list[bytes], until: int) -> int:
+    """Write ``keys`` (written back, out of DRAM: rows) until ``until`` NVMe evictions in
+    all; how many were written."""
+    owner, r = Owner("filler"), store.residency
+    for done in range(0, len(keys), 8):
+        if r.counters["lower_evictions"] >= until:
+            return done
+        for key in keys[done : done + 8]:
+            await put(store, owner, ns, key)
+        await store.fsync()
+        await store.evict_dram(ns)
+    return len(keys)
+
+
+async def test_a_full_disk_of_rows_evicts_the_least_recently_read(tmp_path: Path) -> None:
+    """After a restart with every block a row (no ``Block``, nothing told to the policy per
+    block), new writes to the full disk evict rows by CLOCK: the blocks read since the restart
+    survive a round of evictions, the unread ones go, and no ``Block`` is kept for either."""
+    old = [key_of(i) for i in range(1000)]
+    async with small_store(tmp_path, BIG) as (store, ns):  # about 240 blocks fill the disk
+        await _fill(store, ns, old, 1)
+        stored = [key for key in old if store.index.contains(ns, key)]
+        store.registry.save()
+    async with small_store(tmp_path, BIG) as (store, ns):
+        assert _live(store) == 0
+        assert _counts(store, ns)[:3] == (len(stored),) * 3
+        hot = stored[:6]  # the oldest: the rows the hand meets first
+        owner = Owner("reader")
+        for key in hot:
+            assert await read_back(store, owner, ns, key) == content(key, BIG)
+        await store.evict_dram(ns)
+        assert _live(store) == 0
+        new = [b"new-%06d" % i for i in range(len(stored))]
+        written = await _fill(store, ns, new, len(stored) // 2)
+        assert store.residency.counters["lower_evictions"] >= len(stored) // 2
+        assert all(store.index.contains(ns, key) for key in hot)
+        unread = [key for key in stored[len(hot) :] if store.index.contains(ns, key)]
+        assert len(unread) < len(stored) - len(hot) - len(stored) // 4
+        assert _live(store) == 0
+        listed = [b.key for b in store.page(ns, b"", 10_000)[0]]
+        kept = [key for key in new[:written] if store.index.contains(ns, key)]
+        assert listed == sorted(hot + unread + kept)
+        for key in hot:
+            assert await read_back(store, owner, ns, key) == content(key, BIG)
 
 
 async def test_rows_of_a_namespace_the_catalog_lost_stay_unindexed(tmp_path: Path) -> None:
