@@ -306,6 +306,9 @@ class BlockIndex:
         return True
 
     def add(self, block: Block) -> None:
+        """Index a new block: its key enters the listing order. Only for a key not stored (the
+        callers check): a ``Block`` made from a row is live without this (its key is listed
+        since the restart adopted it), and one let go (:meth:`cool`) stays listed."""
         digest, key = block.id
         blocks = self._by_ns.get(digest)
         if blocks is None:
@@ -320,6 +323,8 @@ class BlockIndex:
         block.ns.blocks += 1
 
     def remove(self, block: Block) -> None:
+        """``block``'s last copy went (a FORGET, a discard, an eviction): it leaves the index
+        and the listing order."""
         digest, key = block.id
         blocks = self._by_ns.get(digest)
         if blocks is not None and blocks.get(key) is block:
