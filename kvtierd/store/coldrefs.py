@@ -55,6 +55,14 @@ class ColdRows:
         row = self._cold.find(digest, key)
         return None if row < 0 else self.made(row)
 
+    def find_many(self, digest: bytes, keys: list[bytes]) -> list[Recovered | None]:
+        """:meth:`find` of each of ``keys``, probed together as :meth:`contains_many` does (a
+        LIST_KEYS page of keys idle on NVMe)."""
+        if len(keys) < _ONE_BY_ONE:
+            return [self.find(digest, key) for key in keys]
+        rows = find_many(self._cold, digest, keys).tolist()
+        return [None if row < 0 else self.made(row) for row in rows]
+
     def stands_for(self, digest: bytes, key: bytes, seq: int, location: Hashable) -> bool:
         """Whether the record of ``seq`` is at ``location`` and is ``key``'s newest: then its
         row may stand for the block (checked on every DRAM eviction of a block written back,
