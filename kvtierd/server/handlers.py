@@ -69,7 +69,7 @@ from kvtierd.protocol.messages import (
     ReleaseRequest,
 )
 from kvtierd.server.context import RequestContext
-from kvtierd.store.index import Block, Lease
+from kvtierd.store.index import Block, ColdKey, Lease
 from kvtierd.store.namespaces import Compression, Namespace, NamespaceSpec
 
 __all__ = ["HANDLERS", "NOWAIT_HANDLERS", "NOW_HANDLERS", "Handler", "NowHandler"]
@@ -427,7 +427,9 @@ async def list_keys(ctx: RequestContext, header: RequestHeader, msg: ListKeysReq
     return ListKeysReply(records, more, ns.blocks)
 
 
-def _key_record(b: Block) -> KeyRecord:
+def _key_record(b: Block | ColdKey) -> KeyRecord:
+    if isinstance(b, ColdKey):  # idle on NVMe only
+        return KeyRecord(b.key, False, True, False, b.raw_bytes, False)
     return KeyRecord(
         b.key, b.dram is not None, b.lower is not None, b.pool is not None, b.ref.raw_bytes, b.dirty
     )

@@ -55,13 +55,18 @@ class ColdRows:
         row = self._cold.find(digest, key)
         return None if row < 0 else self.made(row)
 
-    def find_many(self, digest: bytes, keys: list[bytes]) -> list[Recovered | None]:
-        """:meth:`find` of each of ``keys``, probed together as :meth:`contains_many` does (a
-        LIST_KEYS page of keys idle on NVMe)."""
+    def raw_sizes(self, digest: bytes, keys: list[bytes]) -> list[int]:
+        """Each of ``keys``' size as committed (its newest record's raw length), -1 for a key
+        with no record: what a LIST_KEYS page reports of keys idle on NVMe, probed together as
+        :meth:`contains_many` does and gathered from the column, nothing made per key."""
         if len(keys) < _ONE_BY_ONE:
-            return [self.find(digest, key) for key in keys]
-        rows = find_many(self._cold, digest, keys).tolist()
-        return [None if row < 0 else self.made(row) for row in rows]
+            rows = np.array([self._cold.find(digest, key) for key in keys], np.intp)
+        else:
+            rows = find_many(self._cold, digest, keys)
+        sizes = np.full(len(keys), -1, np.int64)
+        found = rows >= 0
+        sizes[found] = self._cold.column("raw")[rows[found]]
+        return sizes.tolist()
 
     def stands_for(self, digest: bytes, key: bytes, seq: int, location: Hashable) -> bool:
         """Whether the record of ``seq`` is at ``location`` and is ``key``'s newest: then its

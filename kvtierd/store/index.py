@@ -25,7 +25,9 @@ An :class:`Owner` is one client connection: its leases and its uncommitted write
 Listing (LIST_KEYS) pages through a namespace in key byte order: the index keeps each
 namespace's keys in a :class:`~kvtierd.store.keyorder.KeyOrder` (33 bytes a key in numpy
 chunks, O(log n) per add and remove), so a page costs O(log n + page) however large the
-namespace, and the cursor is simply the last key seen.
+namespace, and the cursor is simply the last key seen. A restart adopts the keys in bulk
+(:meth:`BlockIndex.adopt_keys`); a key stays listed while its block is a row, and a page
+reports such a key as a :class:`ColdKey` read from its row, no ``Block`` made.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from kvtierd.store.regions import TenantRegion
 from kvtierd.store.slots import Slot
 from kvtierd.store.tier import BlockRef, Recovered
 
-__all__ = ["Block", "BlockIndex", "ColdSource", "Lease", "Owner", "PendingWrite"]
+__all__ = ["Block", "BlockIndex", "ColdKey", "ColdSource", "Lease", "Owner", "PendingWrite"]
 
 
 @dataclass(eq=False, slots=True)
@@ -103,6 +105,15 @@ class Block:
         return min(self.copies, default=ServedBy.POOL)
 
 
+@dataclass(frozen=True, slots=True)
+class ColdKey:
+    """A listed key idle on the cold tier only (no live ``Block``): what LIST_KEYS reports of
+    it, read from its row, with no ``Block`` made (:meth:`BlockIndex.page`)."""
+
+    key: bytes
+    raw_bytes: int
+
+
 @dataclass(eq=False, slots=True, weakref_slot=True)
 class Lease:
     id: int
@@ -155,7 +166,7 @@ class ColdSource(Protocol):
 
     def find(self, digest: bytes, key: bytes) -> Recovered | None: ...
 
-    def find_many(self, digest: bytes, keys: list[bytes]) -> list[Recovered | None]: ...
+    def raw_sizes(self, digest: bytes, keys: list[bytes]) -> list[int]: ...
 
     def stands_for(self, digest: bytes, key: bytes, seq: int, location: Hashable) -> bool: ...
 
@@ -214,10 +225,8 @@ class BlockIndex:
         if self._cold is None or ns.digest in self._unadopted:
             return None
         found = self._cold.find(ns.digest, key)
-        return None if found is None else self._made(ns, found)
-
-    def _made(self, ns: Namespace, found: Recovered) -> Block:
-        """A ``Block`` of a row's record, not made live."""
+        if found is None:
+            return None
         return Block(ns, found.ref, copies={cast(ServedBy, self._cold_kind): found.location})
 
     def get(self, ns: Namespace, key: bytes) -> Block | None:
@@ -388,9 +397,10 @@ class BlockIndex:
         pool copy, pinned, loading, dirty, queued); never one idle on the cold tier only."""
         return [block for blocks in self._by_ns.values() for block in blocks.values()]
 
-    def page(self, ns: Namespace, after: bytes, limit: int) -> tuple[list[Block], bool]:
+    def page(self, ns: Namespace, after: bytes, limit: int) -> tuple[list[Block | ColdKey], bool]:
         """Up to ``limit`` blocks of ``ns`` whose keys sort after ``after`` (byte order; ``b""``:
-        from the first), and whether more follow; O(log n + limit).
+        from the first), and whether more follow; O(log n + limit). A block with a live
+        ``Block`` is given as it, one idle on the cold tier only as a :class:`ColdKey`.
 
         What a pager that passes each page's last key as the next ``after`` gets while keys
         change: every key stored from its first page to its last is listed exactly once, none
@@ -401,14 +411,14 @@ class BlockIndex:
             return [], False
         keys, more = order.page(after, limit)
         blocks = self._by_ns.get(ns.digest, {})
-        stored = [blocks.get(key) for key in keys]
+        stored: list[Block | ColdKey | None] = [blocks.get(key) for key in keys]
         cold = [key for key, block in zip(keys, stored, strict=True) if block is None]
         if cold and self._cold is not None and ns.digest not in self._unadopted:
-            # Keys idle on NVMe: their rows probed together, a Block made of each, not kept.
-            made = iter(self._cold.find_many(ns.digest, cold))
+            # Keys idle on NVMe: their rows probed together, their sizes read from a column.
+            sizes = iter(self._cold.raw_sizes(ns.digest, cold))
             for i, block in enumerate(stored):
-                if block is None and (found := next(made)) is not None:
-                    stored[i] = self._made(ns, found)
+                if block is None and (size := next(sizes)) >= 0:
+                    stored[i] = ColdKey(keys[i], size)
         return [block for block in stored if block is not None], more
 
     def adopt_keys(

@@ -41,7 +41,7 @@ from kvtierd.errors import BlockNotFoundError, InvalidRequestError, KvtierError
 from kvtierd.io import IoBackend
 from kvtierd.policy import AccessContext, ServedBy
 from kvtierd.store.diskwatch import DiskWatch
-from kvtierd.store.index import Block, Lease, Owner, PendingWrite
+from kvtierd.store.index import Block, ColdKey, Lease, Owner, PendingWrite
 from kvtierd.store.namespaces import Namespace
 from kvtierd.store.ports import ReplicaLink
 from kvtierd.store.prefetch import Prefetcher
@@ -222,7 +222,7 @@ class BlockStore:
         """:meth:`prefetch` the stored blocks of ``keys`` (unknown keys are skipped)."""
         return self.prefetch([b for k in keys if (b := self.index.get(ns, k)) is not None])
 
-    def page(self, ns: Namespace, after: bytes, limit: int) -> tuple[list[Block], bool]:
+    def page(self, ns: Namespace, after: bytes, limit: int) -> tuple[list[Block | ColdKey], bool]:
         """A page of ``ns``'s blocks by key, after ``after``; whether more follow."""
         return self.index.page(ns, after, limit)
 

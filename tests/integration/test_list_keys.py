@@ -55,10 +55,16 @@ def test_paging_lists_every_key_once_in_byte_order(daemon: DaemonProcess) -> Non
 def test_tiers_and_write_back_state_are_those_of_each_block(daemon: DaemonProcess) -> None:
     with connect(daemon.socket) as client:
         ns, _ = _store(client, "durable", 3)
+        idle_ns, _ = _store(client, "idle", 20)  # enough that a page probes their rows together
         client.fsync()
-        client.evict()
+        client.evict()  # idle on NVMe only: listed from their rows
         [page] = _pages(client, ns, 10)
+        [idle] = _pages(client, idle_ns, 30)
     assert {(k["dram"], k["nvme"], k["dirty"]) for k in page["keys"]} == {(False, True, False)}
+    assert len(idle["keys"]) == 20
+    assert {
+        (k["dram"], k["nvme"], k["pool"], k["dirty"], k["raw_bytes"]) for k in idle["keys"]
+    } == {(False, True, False, False, BLOCK)}
 
 
 def test_keys_changing_between_pages(daemon: DaemonProcess) -> None:

@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from kvtierd.policy import ServedBy
-from kvtierd.store.index import Owner
+from kvtierd.store.index import ColdKey, Owner
 from kvtierd.store.namespaces import Namespace
 from kvtierd.store.segments import slot_bytes_for
 from kvtierd.store.store import BlockStore
@@ -130,6 +130,7 @@ async def test_a_restart_makes_no_block_and_counts_every_one(tmp_path: Path, how
         listed, more = store.page(ns, b"", 1000)
         assert not more
         assert sorted(b.key for b in listed) == sorted(keys)
+        assert all(isinstance(b, ColdKey) and b.raw_bytes == BLOCK for b in listed)
         assert _live(store) == 0  # listed, nothing kept
         owner = Owner("after")
         assert await read_back(store, owner, ns, keys[0]) == content(keys[0], BLOCK)
