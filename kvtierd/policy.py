@@ -21,6 +21,7 @@ import abc
 import enum
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import ClassVar
 
 __all__ = ["PROMOTED_REQUEST", "PROMOTION", "AccessContext", "CachePolicy", "ServedBy"]
 
@@ -56,6 +57,11 @@ PROMOTION = AccessContext(PROMOTED_REQUEST)
 
 class CachePolicy(abc.ABC):
     """The contract every admission/eviction policy meets. All methods are synchronous and pure."""
+
+    #: Whether it keeps state per block and so must be told of every block a tier recovers
+    #: (:func:`~kvtierd.store.adoption.adopt_recovered`); a policy over a tier's own rows (CLOCK)
+    #: reads them instead.
+    recovers_by_insertion: ClassVar[bool] = True
 
     @abc.abstractmethod
     def admit(self, block: Hashable, now: float, context: AccessContext | None = None) -> bool:

@@ -21,7 +21,6 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtierd.keys import MAX_KEY_BYTES
-from kvtierd.store.clock import ClockPolicy
 from kvtierd.store.coldrefs import ColdRows
 from kvtierd.store.index import Block
 
@@ -78,7 +77,7 @@ def _adopt_rows(r: Residency, rows: ColdRows) -> int:
         unadopted=frozenset(unadopted),
     )
     policy = r.lower_policy.policy  # nothing is deferred yet: told at once
-    per_block = not isinstance(policy, ClockPolicy)  # CLOCK's state is the rows' own byte
+    per_block = policy.recovers_by_insertion
     for digest, words, klen in rows.key_columns():
         ns = r.registry.by_digest(digest)
         if ns is None:

@@ -49,6 +49,8 @@ class ClockPolicy(CachePolicy):
     """Second-chance eviction over the rows of ``rows()`` (the NVMe tier's cold index, read
     at each call: recovery may replace it). Block ids are ``(namespace digest, key)``."""
 
+    recovers_by_insertion = False  # its state is the rows' own reference byte
+
     def __init__(self, rows: Callable[[], ColdIndex], *, window: int = WINDOW) -> None:
         self._rows = rows
         self._window = window
