@@ -25,12 +25,24 @@ Bounded per call: the hand passes at most every row twice (all referenced: the f
 clears them, the second finds victims), clearing bytes a window at a time with numpy, and asks
 about at most :data:`MAX_CHECKS` clear rows one by one (``evictable``, held, the key's newest
 row). A call that runs out returns what it found; the next one goes on from the hand.
+
+Slot classes. Space of one slot size is never given to another (store/segments.py), so a
+write-back that needs a slot of one size can only use a victim of that size
+(:meth:`ClockPolicy.victims_in_class`). The rows of other sizes are filtered out with numpy
+(each row's segment, each segment's slot size) before any is asked about one by one: asking
+about them would spend the checks, and on a disk full of small blocks a large one would find
+no victim among 4,096 small rows although large ones exist. Each class has its own hand, which
+clears only its own rows' bytes: sweeping for large victims takes no second chance from the
+small blocks read since their hand last passed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import cast
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
 
 from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.store.coldindex import ColdIndex
@@ -51,16 +63,30 @@ class ClockPolicy(CachePolicy):
 
     recovers_by_insertion = False  # its state is the rows' own reference byte
 
-    def __init__(self, rows: Callable[[], ColdIndex], *, window: int = WINDOW) -> None:
+    def __init__(
+        self,
+        rows: Callable[[], ColdIndex],
+        *,
+        window: int = WINDOW,
+        classes: Callable[[], npt.NDArray[np.int64]] | None = None,
+    ) -> None:
+        """``classes``: the slot class (slot size) of each segment of the rows' tier, read at
+        each call (a segment is added when a class needs room); without it every row is of
+        one class."""
         self._rows = rows
         self._window = window
-        self._hand = 0
+        self._classes = classes
+        self._hands: dict[int | None, int] = {None: 0}  # by slot class (None: every row)
         self._held: set[Hashable] = set()
 
     @property
     def hand(self) -> int:
-        """The next row the hand looks at."""
-        return self._hand
+        """The next row the hand over every row looks at."""
+        return self._hands[None]
+
+    def class_hand(self, slot_class: int) -> int:
+        """The next row the hand over ``slot_class``'s rows looks at."""
+        return self._hands.get(slot_class, 0)
 
     def admit(self, block: Hashable, now: float, context: AccessContext | None = None) -> bool:
         return True
@@ -84,17 +110,36 @@ class ClockPolicy(CachePolicy):
         self._held.discard(block)
 
     def victims(self, count: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
+        return self._sweep(count, evictable, None)
+
+    def victims_in_class(
+        self, count: int, slot_class: int, evictable: Callable[[Hashable], bool]
+    ) -> list[Hashable]:
+        """:meth:`victims` among the rows in segments of ``slot_class`` only, by that class's
+        own hand (every row when the policy was given no ``classes``)."""
+        return self._sweep(count, evictable, None if self._classes is None else slot_class)
+
+    def _sweep(
+        self, count: int, evictable: Callable[[Hashable], bool], slot_class: int | None
+    ) -> list[Hashable]:
         chosen: list[Hashable] = []
         cold = self._rows()
         extent = cold.extent
         if count <= 0 or not extent:
             return chosen
-        hand = self._hand if self._hand < extent else 0
+        segments = None
+        if slot_class is not None:
+            assert self._classes is not None
+            segments = self._classes() == slot_class  # whether each segment is of the class
+            if not segments.any():
+                return chosen
+        hand = self._hands.get(slot_class, 0)
+        hand = hand if hand < extent else 0
         rows_left, checks = 2 * extent, MAX_CHECKS
         while rows_left and checks and len(chosen) < count:
             end = min(extent, hand + self._window, hand + rows_left)
             stop = end
-            for row in cold.unreferenced(hand, end)[:checks].tolist():
+            for row in _clear_rows(cold, hand, end, segments)[:checks].tolist():
                 checks -= 1
                 block = self._victim(cold, row, evictable)
                 if block is not None and block not in chosen:  # (a second pass meets it again)
@@ -102,10 +147,10 @@ class ClockPolicy(CachePolicy):
                 if len(chosen) == count or not checks:
                     stop = row + 1
                     break
-            cold.clear_references(hand, stop)  # the referenced ones passed over: second chance
+            _clear_references(cold, hand, stop, segments)  # passed over: a second chance
             rows_left -= stop - hand
             hand = stop if stop < extent else 0
-        self._hand = hand
+        self._hands[slot_class] = hand
         return chosen
 
     def _victim(
@@ -120,3 +165,36 @@ class ClockPolicy(CachePolicy):
 
     def __len__(self) -> int:
         return self._rows().keys
+
+
+def _of_class(
+    cold: ColdIndex, first: int, end: int, segments: npt.NDArray[np.bool_]
+) -> npt.NDArray[np.bool_]:
+    """Whether each row from ``first`` to ``end`` is in a segment marked in ``segments`` (a
+    row in a segment added after they were read is of none)."""
+    of: npt.NDArray[Any] = cold.column("segment")[first:end]
+    inside: npt.NDArray[np.bool_] = of < len(segments)
+    known: npt.NDArray[np.bool_] = segments[np.where(inside, of, 0)]
+    return inside & known
+
+
+def _clear_rows(
+    cold: ColdIndex, first: int, end: int, segments: npt.NDArray[np.bool_] | None
+) -> npt.NDArray[np.intp]:
+    """The rows in use from ``first`` to ``end`` whose byte is clear, in order; only those in
+    ``segments`` when given."""
+    rows = cold.unreferenced(first, end)
+    if segments is None or not len(rows):
+        return rows
+    return rows[_of_class(cold, first, end, segments)[rows - first]]
+
+
+def _clear_references(
+    cold: ColdIndex, first: int, end: int, segments: npt.NDArray[np.bool_] | None
+) -> None:
+    """Clear the bytes of the rows from ``first`` to ``end`` (of ``segments`` when given)."""
+    end = min(end, cold.extent)
+    if segments is None:
+        cold.clear_references(first, end)
+    elif end > first:
+        cold.column("ref")[first:end][_of_class(cold, first, end, segments)] = 0

@@ -141,7 +141,8 @@ def make_policy(kind: PolicyKind | NvmePolicyKind, tier: NvmeTier | None = None)
             empty = ColdIndex(rows=16)
             return ClockPolicy(lambda: empty)
         disk = tier
-        return ClockPolicy(lambda: disk.cold)  # read at each call: recovery may replace it
+        # read at each call: recovery may replace the rows
+        return ClockPolicy(lambda: disk.cold, classes=disk.segment_classes)
     policies: dict[str, type[CachePolicy]] = {
         PolicyKind.LRU: LruPolicy,
         PolicyKind.SLSAP: SlsapPolicy,

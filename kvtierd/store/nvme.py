@@ -50,6 +50,8 @@ from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequenc
 from pathlib import Path
 
 import anyio
+import numpy as np
+import numpy.typing as npt
 import zstandard
 
 from kvtierd.errors import (
@@ -166,6 +168,11 @@ class NvmeTier(LowerTier):
 
     def slot_class(self, ref: BlockRef) -> int:
         return slot_bytes_for(ref.raw_bytes)
+
+    def segment_classes(self) -> npt.NDArray[np.int64]:
+        """The slot class (:meth:`slot_class`: slot size) of each segment, by number (what
+        the disk's CLOCK filters the rows of one class with)."""
+        return np.fromiter((s.slot_bytes for s in self._segmap.segments), np.int64)
 
     async def store(self, ref: BlockRef, payload: memoryview) -> Hashable:
         stored: memoryview = payload[: ref.raw_bytes]

@@ -19,7 +19,7 @@ from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.store.index import Block, BlockIndex
 from kvtierd.store.slicing import Lane
 
-__all__ = ["BatchEvents", "RequestObserver", "ReuseCandidates", "TierPolicy"]
+__all__ = ["BatchEvents", "ClassedVictims", "RequestObserver", "ReuseCandidates", "TierPolicy"]
 
 
 @runtime_checkable
@@ -50,6 +50,16 @@ class BatchEvents(Protocol):
     def removed_many(self, blocks: Sequence[Hashable]) -> None: ...
 
 
+@runtime_checkable
+class ClassedVictims(Protocol):
+    """A policy that can look for victims among the blocks of one lower-tier slot class
+    alone (:class:`~kvtierd.store.clock.ClockPolicy`), rather than ask about every block."""
+
+    def victims_in_class(
+        self, count: int, slot_class: int, evictable: Callable[[Hashable], bool]
+    ) -> list[Hashable]: ...
+
+
 _MAX_DEFERRED = 65536
 #: Request chains admitted per period (the prefetcher's 100 ms tick): about 320 LOOKUPs/s are
 #: modelled in full, far above an engine's request rate; beyond that, chains are sampled.
@@ -73,6 +83,7 @@ class TierPolicy:
         self._observer = policy if isinstance(policy, RequestObserver) else None
         self._reuse = policy if isinstance(policy, ReuseCandidates) else None
         self._batch = policy if isinstance(policy, BatchEvents) else None
+        self._classed = policy if isinstance(policy, ClassedVictims) else None
         self.observes_requests = self._observer is not None
         self._pending_requests = 0
         self.sampled_out = 0
@@ -192,14 +203,23 @@ class TierPolicy:
     def removed(self, block: Block) -> None:
         self._defer(partial(self.policy.removed, block.id))
 
-    def victims(self, count: int, evictable: Callable[[Block], bool]) -> list[Block]:
+    def victims(
+        self, count: int, evictable: Callable[[Block], bool], *, slot_class: int | None = None
+    ) -> list[Block]:
+        """``count`` victims at most; ``slot_class``: only blocks that free a lower-tier slot
+        of that class will do (a policy that knows the classes looks among those alone;
+        ``evictable`` must check it either way)."""
         self.flush()
 
         def by_id(block_id: Hashable) -> bool:
             block = self._index.peek_id(block_id)  # a cold block: only looked at, not kept
             return block is not None and evictable(block)
 
-        found = (self._index.by_id(i) for i in self.policy.victims(count, by_id))
+        if slot_class is not None and self._classed is not None:
+            ids = self._classed.victims_in_class(count, slot_class, by_id)
+        else:
+            ids = self.policy.victims(count, by_id)
+        found = (self._index.by_id(i) for i in ids)
         return [b for b in found if b is not None]
 
     def __len__(self) -> int:

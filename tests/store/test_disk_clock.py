@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtierd.store.clock import ClockPolicy
+from kvtierd.store.clock import MAX_CHECKS, ClockPolicy
 from kvtierd.store.index import Owner
+from kvtierd.store.namespaces import NamespaceSpec
 from kvtierd.store.nvme import NvmeTier
-from tests.store.test_store_pressure import key_of, put, read_back, small_store
+from kvtierd.store.segments import slot_bytes_for
+from tests.store.test_store_pressure import ROOT, content, key_of, put, read_back, small_store
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -42,3 +44,56 @@ async def test_reads_and_promotions_set_the_byte_of_the_disk_row(tmp_path: Path)
         assert block.dram is None
         await store.residency.make_resident(block)  # a prefetch: no read
         assert referenced() == [False, True, True]
+
+
+@pytest.mark.parametrize(
+    ("filler", "needed"),
+    [(4096, 8192), (8192, 4096)],
+    ids=["large-among-small", "small-among-large"],
+)
+async def test_a_write_back_finds_a_victim_of_its_class_among_thousands_of_another(
+    tmp_path: Path, filler: int, needed: int
+) -> None:
+    """A disk full of blocks of one slot class and one full segment of another: blocks of the
+    other class are written back by evicting their own kind (space of one class is never given
+    to another), although more rows of the first kind than the policy asks about one by one in
+    a call lie in the hand's way. FSYNC succeeds and every block still indexed reads back."""
+    owner = Owner("writer")
+    async with small_store(tmp_path, needed, segment_bytes="1M") as (store, few):
+        many, _ = store.registry.open(NamespaceSpec("q", "default", filler, None, 0, 1), ROOT)
+        tier = store.residency.lower
+        assert isinstance(tier, NvmeTier)
+        per_segment = (1 << 20) // slot_bytes_for(needed)
+        for i in range(per_segment):  # one segment of the needed class, full
+            await put(store, owner, few, key_of(i))
+        await store.fsync()
+        written = 0
+        while not store.counters["lower_evictions"]:  # the other class fills the rest
+            for i in range(written, written + 64):
+                await put(store, owner, many, key_of(i))
+            written += 64
+            await store.fsync()
+        for i in range(written, written + 32):  # its hand moves past the needed class's rows
+            await put(store, owner, many, key_of(i))
+        written += 32
+        await store.fsync()
+        store.lower_policy.flush()
+        cold = tier.cold
+        fillers = [i for i in range(written) if cold.find(many.digest, key_of(i)) >= 0]
+        assert len(fillers) > MAX_CHECKS
+        evictions = store.counters["lower_evictions"]
+        more = range(per_segment, per_segment + 3 * 16)  # more than the file's leftover room
+        for i in more:
+            await put(store, owner, few, key_of(i))
+        assert await store.fsync() > 0
+        assert store.counters["lower_evictions"] > evictions
+        assert [i for i in more if cold.find(few.digest, key_of(i)) >= 0] == list(more)
+        on_disk = [i for i in range(per_segment) if cold.find(few.digest, key_of(i)) >= 0]
+        assert len(on_disk) < per_segment  # their own kind made room
+        assert [i for i in fillers if cold.find(many.digest, key_of(i)) >= 0] == fillers
+        await store.evict_dram(None)
+        for i in [*on_disk[:4], *more[-4:]]:
+            assert await read_back(store, owner, few, key_of(i)) == content(key_of(i), needed)
+        assert await read_back(store, owner, many, key_of(fillers[0])) == content(
+            key_of(fillers[0]), filler
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -149,6 +150,40 @@ def test_a_sweep_is_bounded_however_many_rows_refuse() -> None:
     assert asked[0] != (NS, (0).to_bytes(4, "big"))
     assert disk.policy.victims(1, lambda x: True) != []
     assert len(disk.policy) == 3 * MAX_CHECKS
+
+
+def test_a_class_is_swept_by_its_own_hand_past_any_number_of_other_rows() -> None:
+    """Segment 0 holds small slots, segment 1 large: rows of the small class in front of the
+    hand are filtered out before any is asked about, the large rows' hand is its own, and
+    sweeping one class leaves the other's reference bytes as they were."""
+    cold = ColdIndex(seed=5, rows=16)
+    policy = ClockPolicy(lambda: cold, window=4096, classes=lambda: np.array([8192, 16384]))
+    seq = 0
+
+    def put(key: bytes, segment: int, place: int) -> tuple[bytes, bytes]:
+        nonlocal seq
+        seq += 1
+        cold.add(NS, RecordHeader(NS, key, 4096, 4096, 0, seq, 0), segment, place)
+        return NS, key
+
+    small = [put(b"s%d" % i, 0, i) for i in range(2 * MAX_CHECKS)]
+    large = [put(b"l%d" % i, 1, i) for i in range(3)]
+    asked: list[Hashable] = []
+
+    def evictable(block: Hashable) -> bool:
+        asked.append(block)
+        return True
+
+    assert policy.victims_in_class(2, 16384, evictable) == large[:2]
+    assert asked == large[:2]  # not one small row asked about
+    assert policy.class_hand(16384) == cold.find(*large[1]) + 1
+    assert policy.hand == 0
+    assert policy.class_hand(8192) == 0
+    assert not len(cold.unreferenced(0, len(small)))  # the small rows keep their bytes
+    cold.touch(cold.find(*large[2]))
+    assert policy.victims_in_class(1, 16384, evictable) == [large[0]]  # l2 read: spared
+    assert policy.victims_in_class(1, 8192, evictable) == [small[0]]
+    assert policy.victims_in_class(1, 4096, evictable) == []  # no segment of that class
 
 
 class ClockMachine(RuleBasedStateMachine):
