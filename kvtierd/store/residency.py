@@ -525,7 +525,7 @@ class Residency:
             )
 
         await self.lower_policy.settle(self.lane)
-        victims = self.lower_policy.victims(_EVICT_BATCH, same_class)
+        victims = self.lower_policy.victims(_EVICT_BATCH, same_class, slot_class=slot_class)
         for victim in victims:
             # dropped, forgotten or being promoted since it was chosen (an unpinned victim
             # may have been cooled while an earlier one's discard was written)
