@@ -104,6 +104,8 @@ class PoolLink(Generic[H]):
         self.pending_bytes = 0
         #: Blocks a writer took from ``pending`` and is writing now (FSYNC waits for them too).
         self._in_flight: set[H] = set()  # taken from ``pending``, being written
+        #: Blocks a COMMIT is writing through to the pool now.
+        self._through: set[H] = set()
         #: ids FORGET dropped while a restore runs (it must not index them again)
         self._restore_forgets: set[tuple[bytes, bytes]] | None = None
         self.unreached: list[tuple[bytes, bytes]] = []
@@ -127,6 +129,22 @@ class PoolLink(Generic[H]):
     @property
     def attached(self) -> bool:
         return self.tier.client is not None
+
+    def holds(self, block: H) -> bool:
+        """Whether ``block`` waits for the pool or is being written there: the store keeps
+        it live meanwhile (this handle must stay the block's), and is told when it stops."""
+        return (
+            self.pending.get(block.id) is block
+            or block in self._in_flight
+            or (block in self._through)
+        )
+
+    def _let_go(self, blocks: list[H]) -> None:
+        """``blocks`` may have stopped waiting for the pool: the store may let go of those it
+        no longer needs live."""
+        for block in blocks:
+            if not self.holds(block):
+                self.store.cool(block)
 
     def statistics(self) -> LinkCounts:
         return LinkCounts(**self.counters)
@@ -190,12 +208,18 @@ class PoolLink(Generic[H]):
             return
         through = self.config.write_policy is PoolWritePolicy.WRITE_THROUGH
         if through and self.attached:
+            self._through.update(blocks)
             try:
                 await self._write(blocks)
-                return
             except KvtierError as exc:  # the pool refused, or no DRAM slot for a block
                 log.warning("write-through to the pool failed, block(s) stay local: %s", exc)
                 self.counters["write_failures"] += 1
+            else:
+                self._through.difference_update(blocks)
+                self._let_go(blocks)
+                return
+            finally:
+                self._through.difference_update(blocks)
         for block in blocks:
             self._queue(block)
         self._kick()
@@ -244,6 +268,7 @@ class PoolLink(Generic[H]):
                 self._in_flight.difference_update(batch)
                 if any(self.pending.get(b.id) is not b for b in batch):  # some stopped waiting
                     self._progressed()
+                    self._let_go(batch)
                 self._kick()
 
     def _take_batch(self) -> list[H]:

@@ -282,6 +282,7 @@ async def open_store(
             link = None
             if replica is not None:
                 link = await stack.enter_async_context(replica.open_link(residency))
+                residency.link = link  # what it holds stays live (Residency.cool)
             background = await stack.enter_async_context(anyio.create_task_group())
             store = BlockStore(
                 residency,

@@ -83,6 +83,10 @@ class ReplicaLink(Protocol):
     def forgotten(self, block: Block) -> None:
         """FORGET dropped ``block``."""
 
+    def holds(self, block: Block) -> bool:
+        """Whether the link holds ``block`` (queued for the shared tier, or being written
+        there): the store keeps that ``Block`` live rather than let its row stand for it."""
+
     async def drain(self, timeout_s: float | None = None, *, up_to_seq: int | None = None) -> bool:
         """Wait until no block committed up to ``up_to_seq`` waits to be replicated."""
 
@@ -114,6 +118,9 @@ class StoreForReplica(Protocol[H]):
     async def pin_resident(self, block: H) -> None: ...
 
     def unpin(self, block: H) -> None: ...
+
+    def cool(self, block: H) -> None:
+        """The link no longer holds ``block``: the store may let go of it if it is idle."""
 
     async def committed_bytes(self, block: H) -> bytes | memoryview | None: ...
 

@@ -35,6 +35,7 @@ from kvtierd.store.counts import StoreCounts, zeroed
 from kvtierd.store.index import Block, BlockIndex
 from kvtierd.store.namespaces import Namespace, NamespaceRegistry, NamespaceSpec
 from kvtierd.store.planner import reserve
+from kvtierd.store.ports import ReplicaLink
 from kvtierd.store.regions import Regions, TenantRegion
 from kvtierd.store.runs import plan_runs
 from kvtierd.store.slicing import Lane
@@ -93,6 +94,8 @@ class Residency:
         self.lower = lower
         self.lower_policy = TierPolicy(lower_policy, self.index)
         self.shared = shared
+        #: The shared tier's link, once open (:func:`kvtierd.store.open_store`).
+        self.link: ReplicaLink | None = None
         #: The tiers below DRAM, nearest first: a block is promoted from the first that holds it.
         self.stack = [tier for tier in (lower, shared) if tier is not None]
         self.staged = staged
@@ -141,10 +144,10 @@ class Residency:
 
     def cool(self, block: Block) -> None:
         """Let go of ``block``'s ``Block`` when it is on the local tier only and idle: no
-        DRAM copy, no pins, not loading, dirty, staged or queued, no pool copy (and no shared
-        tier, whose link holds blocks it has yet to copy). Its row stands for it again
-        (:meth:`BlockIndex.cool`); nothing holds it, since everything that does is one of
-        those."""
+        DRAM copy, no pins, not loading, dirty, staged or queued, no pool copy, not held by the
+        replica link (queued for the pool or being written there; the link calls this when it
+        lets go). Its row stands for it again (:meth:`BlockIndex.cool`); nothing holds it,
+        since everything that does is one of those."""
         if (
             block.dram is None
             and block.pins == 0
@@ -153,10 +156,10 @@ class Residency:
             and block.staged is None
             and not block.queued
             and not block.forgotten
-            and self.shared is None
             and self.lower is not None
             and len(block.copies) == 1
             and self.lower.kind in block.copies
+            and (self.link is None or not self.link.holds(block))
         ):
             self.index.cool(block)
 

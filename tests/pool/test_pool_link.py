@@ -1,6 +1,7 @@
 """The store's link to the pool against a real redis-server, in process: FORGET racing the
 write-back, a key committed again after FORGET, and FSYNC against a pool that refuses every block
-(review findings, 2026-11-29)."""
+(review findings, 2026-11-29); idle blocks on the disk only let go with a pool configured, and
+those waiting for the pool kept (issue 32)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import Namespace, NamespaceSpec, PeerCredentials
 from kvtierd.store.records import checksum
 from kvtierd.store.store import BlockStore
+from tests.store.test_store_pressure import read_back
 from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
@@ -28,23 +30,23 @@ def anyio_backend() -> str:
     return "asyncio"  # redis-py's asyncio client
 
 
-def _config(directory: Path, url: str, **pool: object) -> Config:
-    return load_config(
-        None,
-        {
-            "daemon": {"data_dir": str(directory)},
-            "dram": {"size": "16M", "mlock": "never", "hugepages": "never"},
-            "nvme": {"size": "64M", "segment_bytes": "4M", "queue_depth": 16},
-            "pool": {
-                "url": url,
-                "allow_plaintext": True,
-                "write_policy": "write-back",
-                "vote_timeout_s": 1.0,
-                "heartbeat_s": 0.2,
-                **pool,
-            },
-        },
-    )
+def _config(directory: Path, url: str | None, **pool: object) -> Config:
+    """A store with a pool at ``url`` (none: the local tiers only)."""
+    sections: dict[str, object] = {
+        "daemon": {"data_dir": str(directory)},
+        "dram": {"size": "16M", "mlock": "never", "hugepages": "never"},
+        "nvme": {"size": "64M", "segment_bytes": "4M", "queue_depth": 16},
+    }
+    if url is not None:
+        sections["pool"] = {
+            "url": url,
+            "allow_plaintext": True,
+            "write_policy": "write-back",
+            "vote_timeout_s": 1.0,
+            "heartbeat_s": 0.2,
+            **pool,
+        }
+    return load_config(None, sections)
 
 
 async def _put(store: BlockStore, owner: Owner, ns: Namespace, key: bytes, data: bytes) -> None:
@@ -122,3 +124,72 @@ async def test_fsync_gives_up_on_a_pool_that_refuses_every_block(
         assert store.pool.attached
         assert store.pool.pending  # still waiting for the pool, retried in the background
         assert store.pool.counters["write_failures"] >= 1
+
+
+def _refuse_blocks(redis_server: RedisServer) -> None:
+    """The group's own keys may still be written, so the rank stays attached; every block's
+    SET is refused (NOPERM), a refusal that may pass, so the writer retries it."""
+    with redis_server.client() as admin:
+        admin.execute_command(
+            "ACL", "SETUSER", "default", "-set", "(+set %W~*:proposal %W~*:decision %W~*:probe:*)"
+        )
+
+
+async def test_blocks_read_from_the_disk_are_let_go_again_with_a_pool_configured(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Blocks on the disk only (written before the pool was configured), read after a restart
+    with one: once their DRAM copies go, their rows stand for them again, as without a pool."""
+    owner = Owner("t")
+    keys = [b"%015d" % i for i in range(12)]
+    async with open_store(_config(tmp_path / "a", None)) as store:
+        ns, _ = store.registry.open(SPEC, ROOT)
+        store.registry.save()  # (the daemon saves it at OPEN_NS) a restart names it
+        for i, key in enumerate(keys):
+            await _put(store, owner, ns, key, bytes([i]) * 4096)
+        await store.fsync()
+    async with open_store(_config(tmp_path / "a", redis_server.url)) as store:
+        assert store.pool is not None
+        with anyio.fail_after(20):
+            await store.pool.settled.wait()
+        ns, _ = store.registry.open(SPEC, ROOT)
+        assert store.index.blocks() == []  # rows only after the restart
+        for i, key in enumerate(keys):
+            assert await read_back(store, owner, ns, key) == bytes([i]) * 4096
+        assert len(store.index.blocks()) == len(keys)  # each has a DRAM copy now
+        assert await store.evict_dram(ns) == len(keys)
+        assert store.index.blocks() == []
+        assert [store.index.live(ns, key) for key in keys] == [None] * len(keys)
+        for i, key in enumerate(keys):  # and their rows serve them again
+            assert await read_back(store, owner, ns, key) == bytes([i]) * 4096
+
+
+async def test_blocks_waiting_for_the_pool_stay_live_until_it_has_them(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Blocks on the disk only that the link still has to write to the pool (it refuses them
+    for now) keep their ``Block``, the one the link holds; once the pool takes them they have
+    a pool copy to keep track of as well."""
+    _refuse_blocks(redis_server)
+    owner = Owner("t")
+    keys = [b"W%014d" % i for i in range(8)]
+    async with open_store(_config(tmp_path / "a", redis_server.url, timeout_s=1.0)) as store:
+        assert store.pool is not None
+        with anyio.fail_after(20):
+            await store.pool.settled.wait()
+        assert store.pool.attached
+        ns, _ = store.registry.open(SPEC, ROOT)
+        for i, key in enumerate(keys):
+            await _put(store, owner, ns, key, bytes([i]) * 4096)
+        with anyio.fail_after(30):  # the stall time is 2 * timeout_s + 2 s
+            await store.fsync()
+        await store.evict_dram(ns)  # (a retry writing some holds them in DRAM meanwhile)
+        live = [store.index.live(ns, key) for key in keys]
+        assert all(block is not None and store.pool.holds(block) for block in live)
+        with redis_server.client() as admin:
+            admin.execute_command("ACL", "SETUSER", "default", "+set")
+        assert await store.pool.drain(30)
+        assert [store.index.live(ns, key) for key in keys] == live
+        assert all(block is not None and block.pool is not None for block in live)
+        for i, key in enumerate(keys):
+            assert await read_back(store, owner, ns, key) == bytes([i]) * 4096
