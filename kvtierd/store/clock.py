@@ -130,7 +130,8 @@ class ClockPolicy(CachePolicy):
         segments = None
         if slot_class is not None:
             assert self._classes is not None
-            segments = self._classes() == slot_class  # whether each segment is of the class
+            # whether each segment is of the class, and (last) a segment added since: not
+            segments = np.append(self._classes() == slot_class, False)
             if not segments.any():
                 return chosen
         hand = self._hands.get(slot_class, 0)
@@ -139,7 +140,8 @@ class ClockPolicy(CachePolicy):
         while rows_left and checks and len(chosen) < count:
             end = min(extent, hand + self._window, hand + rows_left)
             stop = end
-            for row in _clear_rows(cold, hand, end, segments)[:checks].tolist():
+            of_class = None if segments is None else _of_class(cold, hand, end, segments)
+            for row in _clear_rows(cold, hand, end, of_class)[:checks].tolist():
                 checks -= 1
                 block = self._victim(cold, row, evictable)
                 if block is not None and block not in chosen:  # (a second pass meets it again)
@@ -147,7 +149,7 @@ class ClockPolicy(CachePolicy):
                 if len(chosen) == count or not checks:
                     stop = row + 1
                     break
-            _clear_references(cold, hand, stop, segments)  # passed over: a second chance
+            _clear_references(cold, hand, stop, of_class)  # passed over: a second chance
             rows_left -= stop - hand
             hand = stop if stop < extent else 0
         self._hands[slot_class] = hand
@@ -170,31 +172,30 @@ class ClockPolicy(CachePolicy):
 def _of_class(
     cold: ColdIndex, first: int, end: int, segments: npt.NDArray[np.bool_]
 ) -> npt.NDArray[np.bool_]:
-    """Whether each row from ``first`` to ``end`` is in a segment marked in ``segments`` (a
-    row in a segment added after they were read is of none)."""
-    of: npt.NDArray[Any] = cold.column("segment")[first:end]
-    inside: npt.NDArray[np.bool_] = of < len(segments)
-    known: npt.NDArray[np.bool_] = segments[np.where(inside, of, 0)]
-    return inside & known
+    """Whether each row from ``first`` to ``end`` is in a segment marked in ``segments`` (whose
+    last entry, false, stands for every segment past it)."""
+    of: npt.NDArray[Any] = cold.column("segment")[first : min(end, cold.extent)]
+    return segments.take(of, mode="clip")
 
 
 def _clear_rows(
-    cold: ColdIndex, first: int, end: int, segments: npt.NDArray[np.bool_] | None
+    cold: ColdIndex, first: int, end: int, of_class: npt.NDArray[np.bool_] | None
 ) -> npt.NDArray[np.intp]:
-    """The rows in use from ``first`` to ``end`` whose byte is clear, in order; only those in
-    ``segments`` when given."""
+    """The rows in use from ``first`` to ``end`` whose byte is clear, in order; only those
+    marked in ``of_class`` (:func:`_of_class` of the same rows) when given."""
     rows = cold.unreferenced(first, end)
-    if segments is None or not len(rows):
+    if of_class is None or not len(rows):
         return rows
-    return rows[_of_class(cold, first, end, segments)[rows - first]]
+    return rows[of_class[rows - first]]
 
 
 def _clear_references(
-    cold: ColdIndex, first: int, end: int, segments: npt.NDArray[np.bool_] | None
+    cold: ColdIndex, first: int, end: int, of_class: npt.NDArray[np.bool_] | None
 ) -> None:
-    """Clear the bytes of the rows from ``first`` to ``end`` (of ``segments`` when given)."""
+    """Clear the bytes of the rows from ``first`` to ``end``: only those marked in ``of_class``
+    (:func:`_of_class` of the rows from ``first``) when given."""
     end = min(end, cold.extent)
-    if segments is None:
+    if of_class is None:
         cold.clear_references(first, end)
     elif end > first:
-        cold.column("ref")[first:end][_of_class(cold, first, end, segments)] = 0
+        np.copyto(cold.column("ref")[first:end], 0, where=of_class[: end - first])
