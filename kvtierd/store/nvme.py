@@ -99,6 +99,7 @@ from kvtierd.store.segments import DiskSlot, SegmentMap, slot_bytes_for
 from kvtierd.store.staging import StagingPages
 from kvtierd.store.tier import (
     BlockRef,
+    ClassFullError,
     LowerTier,
     MediumFullError,
     Recovered,
@@ -168,6 +169,9 @@ class NvmeTier(LowerTier):
 
     def slot_class(self, ref: BlockRef) -> int:
         return slot_bytes_for(ref.raw_bytes)
+
+    def stored_class(self, ref: BlockRef, location: Hashable) -> int:
+        return location.size if isinstance(location, DiskSlot) else self.slot_class(ref)
 
     def segment_classes(self) -> npt.NDArray[np.int64]:
         """The slot class (:meth:`slot_class`: slot size) of each segment, by number (what
@@ -567,7 +571,7 @@ class NvmeTier(LowerTier):
                 return slot
             header = self._segmap.plan_segment(slot_bytes)
             if header is None:
-                raise NoSpaceError(f"NVMe tier has no free {slot_bytes}-byte slot")
+                raise ClassFullError(f"NVMe tier has no free {slot_bytes}-byte slot", slot_bytes)
             try:
                 async with self._pages.page() as page:
                     page[:] = header.pack()

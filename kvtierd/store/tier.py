@@ -26,6 +26,7 @@ log = logging.getLogger("kvtierd.store")
 
 __all__ = [
     "BlockRef",
+    "ClassFullError",
     "LowerTier",
     "MediumFullError",
     "Recovered",
@@ -38,6 +39,16 @@ class MediumFullError(NoSpaceError):
     """The medium itself ran out of space (a sparse data file on a full file system), as
     opposed to a full size class: evicting blocks of the class would not make room, it would only
     throw away durable blocks. On the wire it is ``ENOSPC`` like any :class:`NoSpaceError`."""
+
+
+class ClassFullError(NoSpaceError):
+    """The space class a record needs is full: evicting blocks stored in ``slot_class`` makes
+    room. A compressed record's class is that of its compressed size, smaller than
+    :meth:`LowerTier.slot_class` of its ref."""
+
+    def __init__(self, message: str, slot_class: int) -> None:
+        super().__init__(message)
+        self.slot_class = slot_class
 
 
 class TierUnavailableError(StorageIOError):
@@ -95,14 +106,20 @@ class LowerTier(abc.ABC):
     def slot_class(self, ref: BlockRef) -> int:
         """The space class ``ref`` would occupy: blocks evicted from the same class make room."""
 
+    def stored_class(self, ref: BlockRef, location: Hashable) -> int:
+        """The space class of ``ref``'s copy at ``location``: what evicting it makes room in
+        (its :meth:`slot_class` unless the tier stores some records smaller, compressed)."""
+        return self.slot_class(ref)
+
     @abc.abstractmethod
     async def store(self, ref: BlockRef, payload: memoryview) -> Hashable:
         """Write the block from ``payload``, its arena slot (at least ``ref.raw_bytes`` long, a
         multiple of 4 KiB). Returns its location.
 
         Raises :class:`~kvtierd.errors.NoSpaceError` when the class is full (evict, then
-        retry), :class:`MediumFullError` when the medium has no room left (do not evict), and
-        :class:`~kvtierd.errors.StorageIOError` when the medium fails.
+        retry; a :class:`ClassFullError` names the class), :class:`MediumFullError` when the
+        medium has no room left (do not evict), and :class:`~kvtierd.errors.StorageIOError`
+        when the medium fails.
         """
 
     @abc.abstractmethod

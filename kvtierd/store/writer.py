@@ -17,7 +17,7 @@ from kvtierd.errors import NoSpaceError
 from kvtierd.store.index import Block
 from kvtierd.store.residency import Residency
 from kvtierd.store.staging import ChangedAfterCommit
-from kvtierd.store.tier import MediumFullError
+from kvtierd.store.tier import ClassFullError, MediumFullError
 
 __all__ = ["LowerWriter"]
 
@@ -95,6 +95,7 @@ class LowerWriter:
                 return await lower.store(block.ref, view)
             except MediumFullError:
                 raise  # evicting would only throw durable blocks away; FSYNC reports it
-            except NoSpaceError:
-                if not await self._r.evict_lower(lower.slot_class(block.ref)):
+            except NoSpaceError as exc:  # (a compressed record's class is its smaller size's)
+                full = exc.slot_class if isinstance(exc, ClassFullError) else None
+                if not await self._r.evict_lower(full or lower.slot_class(block.ref)):
                     raise

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvtierd.store.clock import MAX_CHECKS, ClockPolicy
 from kvtierd.store.index import Owner
-from kvtierd.store.namespaces import NamespaceSpec
+from kvtierd.store.namespaces import Compression, NamespaceSpec
 from kvtierd.store.nvme import NvmeTier
+from kvtierd.store.records import checksum
 from kvtierd.store.segments import slot_bytes_for
 from tests.store.test_store_pressure import ROOT, content, key_of, put, read_back, small_store
 
@@ -97,3 +99,35 @@ async def test_a_write_back_finds_a_victim_of_its_class_among_thousands_of_anoth
         assert await read_back(store, owner, many, key_of(fillers[0])) == content(
             key_of(fillers[0]), filler
         )
+
+
+async def test_a_disk_full_of_compressed_blocks_evicts_by_their_stored_class(
+    tmp_path: Path,
+) -> None:
+    """A compressed namespace's records lie in slots of their compressed size, a class smaller
+    than their blocks' raw one: write-back asks for victims of the class that is full (the
+    tier names it), so a disk full of them keeps taking more, evicting the oldest."""
+    block = 256 << 10
+    owner = Owner("writer")
+
+    def data(i: int) -> bytes:  # half noise, half zeros: about half the size compressed
+        return np.random.default_rng(i).bytes(block // 2) + bytes(block // 2)
+
+    async with small_store(tmp_path, 4096) as (store, _):
+        spec = NamespaceSpec("z", "default", block, None, 0, 1, Compression.ZSTD)
+        ns, _ = store.registry.open(spec, ROOT)
+        total = 2 * (64 << 20) // (block // 2)  # about twice what the disk holds
+        for i in range(total):
+            write = await store.alloc(owner, ns, [key_of(i)])
+            slot = write.slots[0]
+            assert slot is not None
+            store.arena.view[slot.offset : slot.offset + block] = data(i)
+            await store.commit(owner, write.id, [checksum(data(i))], False)
+        assert await store.fsync() > 0
+        assert store.counters["lower_evictions"] > 0
+        present = [i for i in range(total) if store.index.contains(ns, key_of(i))]
+        assert total // 4 < len(present) < total
+        assert present[-1] == total - 1  # the newest survive
+        await store.evict_dram(None)
+        for i in [present[0], present[-1]]:
+            assert await read_back(store, owner, ns, key_of(i)) == data(i)
