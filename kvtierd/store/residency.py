@@ -524,7 +524,7 @@ class Residency:
             return (
                 candidate.lower is not None
                 and candidate.loading is None
-                and lower.slot_class(candidate.ref) == slot_class
+                and lower.stored_class(candidate.ref, candidate.lower) == slot_class
             )
 
         await self.lower_policy.settle(self.lane)
