@@ -136,7 +136,7 @@ class PoolLink(Generic[H]):
         return (
             self.pending.get(block.id) is block
             or block in self._in_flight
-            or (block in self._through)
+            or block in self._through
         )
 
     def _let_go(self, blocks: list[H]) -> None:
@@ -209,17 +209,18 @@ class PoolLink(Generic[H]):
         through = self.config.write_policy is PoolWritePolicy.WRITE_THROUGH
         if through and self.attached:
             self._through.update(blocks)
+            written = False
             try:
                 await self._write(blocks)
+                written = True
             except KvtierError as exc:  # the pool refused, or no DRAM slot for a block
                 log.warning("write-through to the pool failed, block(s) stay local: %s", exc)
                 self.counters["write_failures"] += 1
-            else:
-                self._through.difference_update(blocks)
-                self._let_go(blocks)
-                return
             finally:
                 self._through.difference_update(blocks)
+            if written:
+                self._let_go(blocks)
+                return
         for block in blocks:
             self._queue(block)
         self._kick()
