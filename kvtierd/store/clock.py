@@ -130,10 +130,11 @@ class ClockPolicy(CachePolicy):
         segments = None
         if slot_class is not None:
             assert self._classes is not None
-            # whether each segment is of the class, and (last) a segment added since: not
-            segments = np.append(self._classes() == slot_class, False)
-            if not segments.any():
+            wanted = self._classes() == slot_class  # whether each segment is of the class
+            if not wanted.any():
                 return chosen
+            if not wanted.all():  # (one class on the disk, the usual case: nothing to filter)
+                segments = np.append(wanted, False)  # (last: a segment added since, not)
         hand = self._hands.get(slot_class, 0)
         hand = hand if hand < extent else 0
         rows_left, checks = 2 * extent, MAX_CHECKS
