@@ -21,7 +21,8 @@ longest. In-process and CPU-bound; on a shared machine repeat it (``--repeat``).
 Beside them, the other step on the loop that grows with the index: the NVMe tier's CLOCK
 (:mod:`kvtierd.store.clock`) choosing a batch of 16 victims, once with every row referenced
 (its hand passes every row twice: the longest it can take) and then the median of 100 later
-batches, each evicted as the tier would.
+batches, each evicted as the tier would; and the same for write-back's sweep of one slot
+class (``victims_in_class``), which filters the rows by their segment's class first.
 
 ``python tools/bench_coldindex.py --keys 1000000 4000000 --json`` prints one JSON object and
 records the table in ``docs/benchmarks.md``. Figures are never asserted by tests.
@@ -110,20 +111,29 @@ def _run(keys: int, incremental: bool) -> dict[str, Any]:
     }
 
 
-def _clock(keys: int) -> dict[str, float]:
-    """CPU seconds of CLOCK's batches of 16 victims over ``keys`` rows, all referenced."""
+def _clock(keys: int, prefix: str = "clock", slot_class: int | None = None) -> dict[str, float]:
+    """CPU seconds of CLOCK's batches of 16 victims over ``keys`` rows, all referenced; with
+    ``slot_class``, write-back's sweep of one class (``victims_in_class``) over segments of two
+    classes in turn (half the rows of the one asked for)."""
     index = _prefilled(keys, True)
-    for row in range(keys):
-        index.touch(row)
-    policy = ClockPolicy(lambda: index)
+    index.column("ref")[:keys] = 1
+    segments = (keys + SLOTS - 1) // SLOTS
+    classes = np.where(np.arange(segments) % 2 == 0, 8192, 16384).astype(np.int64)
+    policy = ClockPolicy(lambda: index, classes=lambda: classes)
     times: list[float] = []
     for _ in range(101):
         cpu = time.thread_time()
-        chosen = policy.victims(16, lambda block: True)
+        if slot_class is None:
+            chosen = policy.victims(16, lambda block: True)
+        else:
+            chosen = policy.victims_in_class(16, slot_class, lambda block: True)
         times.append(time.thread_time() - cpu)
         for block in chosen:
             index.remove(index.find(*cast(tuple[bytes, bytes], block)))
-    return {"clock_all_referenced_s": times[0], "clock_median_s": statistics.median(times[1:])}
+    return {
+        f"{prefix}_all_referenced_s": times[0],
+        f"{prefix}_median_s": statistics.median(times[1:]),
+    }
 
 
 def _column_copy(keys: int) -> float:
@@ -146,12 +156,13 @@ def _markdown(result: dict[str, Any]) -> str:
         "Reference: the same index rebuilding its buckets at once (the behaviour before), same",
         "run; and the copy of the columns into arrays 1.25x longer (the columns' growth before).",
         "CLOCK: the NVMe tier's policy choosing 16 victims, every row referenced (two passes of",
-        "its hand), and the median later batch.",
+        "its hand), and the median later batch; one class: write-back's sweep of the rows of one",
+        "slot class (half of them, segments of two classes in turn), its ratio to the first.",
         "",
         "| keys | at once: longest (ms, what) | incremental: longest (ms, what) | ratio "
         "| column copy before (ms) | median add (us) | CLOCK all referenced (ms) "
-        "| CLOCK batch (us) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| CLOCK batch (us) | one class: all referenced (ms, ratio) | one class: batch (us) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         a, b = row["at_once"], row["incremental"]
@@ -160,7 +171,10 @@ def _markdown(result: dict[str, Any]) -> str:
             f"{b['longest_s'] * 1e3:.1f} ({b['longest_kind']}) | {row['ratio']:.3f} | "
             f"{row['column_copy_s'] * 1e3:.1f} | "
             f"{b['median_s'] * 1e6:.1f} | {row['clock_all_referenced_s'] * 1e3:.1f} | "
-            f"{row['clock_median_s'] * 1e6:.0f} |"
+            f"{row['clock_median_s'] * 1e6:.0f} | "
+            f"{row['clock_class_all_referenced_s'] * 1e3:.1f} "
+            f"({row['clock_class_all_referenced_s'] / row['clock_all_referenced_s']:.2f}) | "
+            f"{row['clock_class_median_s'] * 1e6:.0f} |"
         )
     lines += ["", benchlib.machine_line(result["machine"])]
     return "\n".join(lines)
@@ -191,6 +205,7 @@ def main() -> None:
                 "ratio": best["incremental"]["longest_s"] / best["at_once"]["longest_s"],
                 "column_copy_s": statistics.median(_column_copy(keys) for _ in range(3)),
                 **_clock(keys),
+                **_clock(keys, "clock_class", 8192),
                 "runs": runs,
             }
         )
