@@ -353,17 +353,6 @@ class BlockIndex:
             block.forgotten = True
             self._on_remove(block)
 
-    def leading_present(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
-        """The blocks of the longest prefix of ``keys`` present in some tier (materialised
-        as :meth:`get` does)."""
-        found: list[Block] = []
-        for key in keys:
-            block = self.get(ns, key)
-            if block is None:
-                break
-            found.append(block)
-        return found
-
     def leading(self, ns: Namespace, keys: list[bytes]) -> tuple[list[Block | None], bool]:
         """The longest prefix of ``keys`` present in some tier, nothing made: each key's live
         ``Block``, or ``None`` for one idle on the cold tier only; and whether any is such a
@@ -372,13 +361,13 @@ class BlockIndex:
         found: list[Block | None] = []
         blocks = self._by_ns.get(ns.digest)
         if blocks is not None:
-            for key in keys:
-                block = blocks.get(key)
-                if block is None:
-                    break
-                found.append(block)
-            else:
+            # Every key probed by one map() (no bytecode per key), then cut at the first miss:
+            # a chain is mostly all hits, and a miss costs only the probes past it. all() reads
+            # a Block as true (it has no __bool__ or __len__), a miss (None) as false.
+            found = [*map(blocks.get, keys)]
+            if all(found):
                 return found, False
+            del found[found.index(None) :]
         cold = self._cold
         digest = ns.digest
         if cold is None or digest in self._unadopted:
