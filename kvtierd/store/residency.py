@@ -225,13 +225,24 @@ class Residency:
         block.dram = slot
         block.ns.dram_blocks += 1
         self.dram_policy_of(block.ns).inserted(block, now, context)
-        self._promoted(block, context, now)
+        self._promoted([block], [context], now)
 
-    def _promoted(self, block: Block, context: AccessContext, now: float) -> None:
+    def _promoted(self, blocks: list[Block], contexts: list[AccessContext], now: float) -> None:
         """A promotion that is no read (a prefetch, a reuse guess) is an access of the block's
-        disk copy all the same; a read tells the disk's policy in :meth:`note_read`."""
-        if context.request_id == PROMOTED_REQUEST and block.lower is not None:
-            self.lower_policy.accessed(block, now, context)
+        disk copy all the same (told for the batch at once); a read tells the disk's policy
+        in :meth:`note_reads`."""
+        guessed = [
+            (block, context)
+            for block, context in zip(blocks, contexts, strict=True)
+            if context.request_id == PROMOTED_REQUEST and block.lower is not None
+        ]
+        if guessed:
+            self.lower_policy.accessed_many(
+                [block for block, _ in guessed],
+                now,
+                [context for _, context in guessed],
+                [block.lower for block, _ in guessed],
+            )
 
     def _installed(
         self, installed: dict[Namespace, list[tuple[Block, AccessContext]]], now: float
@@ -247,9 +258,9 @@ class Residency:
             for block, context in done:
                 blocks.append(block)
                 contexts.append(context)
-                self._promoted(block, context, now)
         for policy, blocks, contexts in told.values():
             policy.inserted_many(blocks, now, contexts)
+            self._promoted(blocks, contexts, now)
 
     def _count_loaded(self, ns: Namespace, n: int, shared: bool) -> None:
         self.count(ns, "pool_hits" if shared else "lower_hits", n)
@@ -414,14 +425,30 @@ class Residency:
             elif block.dram is None:  # a failed promotion, or a READ that missed
                 self.cool(block)
 
-    def note_read(self, block: Block, now: float, context: AccessContext) -> None:
-        if block.prefetched:
-            block.prefetched = False
-            self.counters["prefetch_used"] += 1
-        self.count(block.ns, "bytes_read", block.ref.raw_bytes)
-        self.dram_policy_of(block.ns).accessed(block, now, context)
-        if block.lower is not None:  # read: its disk copy is worth keeping too
-            self.lower_policy.accessed(block, now, context)
+    def note_reads(
+        self, ns: Namespace, blocks: list[Block], now: float, contexts: list[AccessContext]
+    ) -> None:
+        """``blocks`` of ``ns`` were read (leased): counted once, each policy told once for
+        them all, the disk's with the slots of those on it (their copies are worth keeping
+        too)."""
+        nbytes = 0
+        on_disk: list[Block] = []
+        disk_contexts: list[AccessContext] = []
+        locations: list[Hashable] = []
+        for block, context in zip(blocks, contexts, strict=True):
+            if block.prefetched:
+                block.prefetched = False
+                self.counters["prefetch_used"] += 1
+            nbytes += block.ref.raw_bytes
+            location = block.lower
+            if location is not None:
+                on_disk.append(block)
+                disk_contexts.append(context)
+                locations.append(location)
+        self.count(ns, "bytes_read", nbytes)
+        self.dram_policy_of(ns).accessed_many(blocks, now, contexts)
+        if on_disk:
+            self.lower_policy.accessed_many(on_disk, now, disk_contexts, locations)
 
     # -- DRAM slots --------------------------------------------------------------------------
 

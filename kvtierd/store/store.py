@@ -391,9 +391,8 @@ class BlockStore:
     ) -> Lease:
         """Note the (pinned) ``blocks`` read (``contexts``: as part of which requests) and
         lease them to ``owner`` (``source``: the deepest tier they were served from)."""
-        now = time.monotonic()
-        for block, context in zip(blocks, contexts, strict=True):
-            self.residency.note_read(block, now, context)
+        if blocks:
+            self.residency.note_reads(blocks[0].ns, blocks, time.monotonic(), contexts)
         return self._grant(owner, blocks, source)
 
     async def _lease_in_slices(
@@ -403,10 +402,15 @@ class BlockStore:
         contexts: list[AccessContext],
         source: ServedBy = ServedBy.DRAM,
     ) -> Lease:
-        """:meth:`_lease`, its walk over the blocks in slices."""
+        """:meth:`_lease`, its walk over the blocks in slices (a batch of the lane's
+        ``inline_items`` a step: one namespace's, as a READ's are)."""
         now = time.monotonic()
-        note_read = self.residency.note_read
-        await self.lane.map(range(len(blocks)), lambda i: note_read(blocks[i], now, contexts[i]))
+        step = self.lane.inline_items
+        async with self.lane.walk(len(blocks)) as walk:
+            for first in range(0, len(blocks), step):
+                await walk.pause()
+                end = first + step
+                self.residency.note_reads(blocks[0].ns, blocks[first:end], now, contexts[first:end])
         return self._grant(owner, blocks, source)
 
     @staticmethod
