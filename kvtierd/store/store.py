@@ -229,15 +229,16 @@ class BlockStore:
     async def _promote_queued(self) -> None:
         """One of the promoters: promote queued blocks, oldest first, until none is left; the
         next queued blocks with local copies together, in a batch as a READ's are
-        (:meth:`Residency.promote_batch`), as far as :meth:`_next_batch` allows: a LOOKUP of
-        blocks on disk then costs a request and a hash call per batch, not per block."""
+        (:meth:`Promotions.promote_batch <kvtierd.store.promotion.Promotions.promote_batch>`),
+        as far as :meth:`_next_batch` allows: a LOOKUP of blocks on disk then costs a request
+        and a hash call per batch, not per block."""
         try:
             while self._promotions:
                 batch, region_id, nbytes = self._next_batch()
                 loading = self._loading_bytes
                 loading[region_id] = loading.get(region_id, 0) + nbytes
                 try:
-                    await self.residency.promote_batch(batch)
+                    await self.residency.promotions.promote_batch(batch)
                 except KvtierError as exc:
                     log.debug("prefetch of a block failed: %s", exc)
                 finally:
@@ -261,7 +262,7 @@ class BlockStore:
         if region is None:
             return batch, -1, 0
         nbytes = first.ref.raw_bytes
-        if not r.runnable(first):
+        if not r.promotions.runnable(first):
             return batch, region.id, nbytes
         allocator = region.allocator
         room = min(
@@ -274,7 +275,7 @@ class BlockStore:
             if (
                 block.ns.region is not region
                 or nbytes + block.ref.raw_bytes > room
-                or not r.runnable(block)
+                or not r.promotions.runnable(block)
             ):
                 break
             batch.append(self._promotions.popleft())
@@ -307,7 +308,7 @@ class BlockStore:
             if missing:  # DRAM hits need no task: the common case stays cheap
                 self.residency.demand_promotions += 1
                 try:
-                    await self.residency.make_all_resident(missing)
+                    await self.residency.promotions.make_all_resident(missing)
                 finally:
                     self.residency.demand_promotions -= 1
             return await self._lease_in_slices(owner, blocks, contexts, source)
