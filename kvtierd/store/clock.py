@@ -38,7 +38,7 @@ small blocks read since their hand last passed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -46,6 +46,7 @@ import numpy.typing as npt
 
 from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.store.coldindex import ColdIndex
+from kvtierd.store.segments import DiskSlot
 
 __all__ = ["MAX_CHECKS", "WINDOW", "ClockPolicy"]
 
@@ -99,6 +100,20 @@ class ClockPolicy(CachePolicy):
         cold = self._rows()
         digest, key = cast(tuple[bytes, bytes], block)
         cold.touch(cold.find(digest, key))  # no row (-1): nothing to mark
+
+    def accessed_at(self, locations: Sequence[Hashable]) -> None:
+        """The blocks whose disk copies are at ``locations`` (the tier's
+        :class:`~kvtierd.store.segments.DiskSlot` each) were read: their rows found by place,
+        a list index each, where :meth:`accessed` hashes and probes each id (a READ's blocks
+        carry their slots, so a batch of reads costs no probe). Setting a byte commutes with
+        every other event, so the store tells this at once, not through its journal; a slot
+        whose row is gone (freed, or reused by a newer record, which starts referenced
+        anyway) marks nothing or a row already marked."""
+        cold = self._rows()
+        at, touch = cold.at, cold.touch
+        for location in locations:
+            slot = cast(DiskSlot, location)
+            touch(at(slot.segment, slot.index))  # no row (-1): nothing to mark
 
     def removed(self, block: Hashable) -> None:
         self._held.discard(block)  # the tier frees the row

@@ -577,6 +577,27 @@ class ColdIndex:
         self._old_hash, self._old_brow = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
         self._cursor = 0
 
+    def ref_fields(self, row: int) -> tuple[bytes, bytes, int, int, int, int, int, int]:
+        """``(digest, key, raw, checksum, seq, flags, segment, index)`` of the record in
+        ``row``, read through the columns' memoryviews: what a store's ``BlockRef`` and disk
+        slot are made of (on a cold READ's path, one per block), with no
+        :class:`RecordHeader` made between."""
+        f = self._flat
+        klen = f["klen"][row] if 0 <= row < self._high else 0
+        if not klen:
+            raise ValueError(f"row {row} holds no record")
+        at = row * MAX_KEY_BYTES
+        return (
+            self._digests[f["ns"][row]],
+            f["key"][at : at + klen].tobytes(),
+            f["raw"][row],
+            f["checksum"][row],
+            f["seq"][row],
+            f["flags"][row],
+            f["segment"][row],
+            f["index"][row],
+        )
+
 
 def _flat(column: npt.NDArray[Any]) -> memoryview:
     """``column`` as a flat memoryview of native unsigned ints (a key column: of bytes)."""

@@ -50,6 +50,12 @@ from kvtierd.store.tier import BlockRef, Recovered
 
 __all__ = ["Block", "BlockIndex", "ColdKey", "ColdSource", "Lease", "Owner", "PendingWrite"]
 
+#: From this many keys LOOKUP's probe of the live dict (:meth:`BlockIndex.leading`) is one
+#: ``map()`` over them; below, its set-up (a bound method, the map, ``all()``) costs more than
+#: the loop it saves (in-process, resident keys: 1 key 0.49 us mapped against 0.22 looped,
+#: 16 keys about even, 64 keys 3.3 against 3.7-4.2).
+_MAPPED_FROM = 16
+
 
 @dataclass(eq=False, slots=True)
 class Block:
@@ -353,17 +359,6 @@ class BlockIndex:
             block.forgotten = True
             self._on_remove(block)
 
-    def leading_present(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
-        """The blocks of the longest prefix of ``keys`` present in some tier (materialised
-        as :meth:`get` does)."""
-        found: list[Block] = []
-        for key in keys:
-            block = self.get(ns, key)
-            if block is None:
-                break
-            found.append(block)
-        return found
-
     def leading(self, ns: Namespace, keys: list[bytes]) -> tuple[list[Block | None], bool]:
         """The longest prefix of ``keys`` present in some tier, nothing made: each key's live
         ``Block``, or ``None`` for one idle on the cold tier only; and whether any is such a
@@ -371,7 +366,15 @@ class BlockIndex:
         each costs; the rows are looked in only from the first key not live, together."""
         found: list[Block | None] = []
         blocks = self._by_ns.get(ns.digest)
-        if blocks is not None:
+        if blocks is not None and len(keys) >= _MAPPED_FROM:
+            # Every key probed by one map() (no bytecode per key), then cut at the first miss:
+            # a chain is mostly all hits, and a miss costs only the probes past it. all() reads
+            # a Block as true (it has no __bool__ or __len__), a miss (None) as false.
+            found = [*map(blocks.get, keys)]
+            if all(found):
+                return found, False
+            del found[found.index(None) :]
+        elif blocks is not None:  # a short chain: map()'s set-up costs more than the loop
             for key in keys:
                 block = blocks.get(key)
                 if block is None:

@@ -62,7 +62,6 @@ from kvtierd.errors import (
 )
 from kvtierd.io import IoBackend
 from kvtierd.io.base import MAX_BUFFERS_PER_OP
-from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.codec import (
@@ -488,23 +487,16 @@ class NvmeTier(LowerTier):
         )
 
     def recovered(self) -> Iterator[Recovered]:
-        """Made from the index as it is asked for, a piece of its columns at a time: nothing
-        per block is kept for it. Every ref of a namespace shares one digest object."""
-        digests = self._cold.digests
-        width = MAX_KEY_BYTES
-        for c in self._cold.chunks():
-            keys = c["key"].tobytes()
-            fields = zip(
-                *(c[name].tolist() for name in ("klen", "ns", "raw", "checksum", "seq", "flags")),
-                c["segment"].tolist(),
-                c["index"].tolist(),
-                strict=True,
-            )
-            for i, (klen, ns, raw, check, seq, flags, segment, index) in enumerate(fields):
-                zstd = bool(flags & RecordHeader.FLAG_ZSTD)
-                key = keys[i * width : i * width + klen]
-                ref = BlockRef(digests[ns], key, raw, check, seq, zstd)
-                yield Recovered(ref, self._segmap.slot(segment, index))
+        """Made from the index's rows as it is asked for (:meth:`ColdRows.made
+        <kvtierd.store.coldrefs.ColdRows.made>`, the one way a row becomes a ref and slot):
+        nothing per block is kept for it; a row freed while the caller iterates is passed."""
+        rows = self.cold_rows()
+        for row in self._cold.rows().tolist():
+            try:
+                found = rows.made(row)
+            except ValueError:  # freed since the rows were listed
+                continue
+            yield found
 
     def cold_rows(self) -> ColdRows:
         """The records as the store's index finds blocks in them (the index recovered at

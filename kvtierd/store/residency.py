@@ -23,11 +23,9 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
 
-import anyio
-
 from kvtierd.config import LimitsConfig
-from kvtierd.errors import BlockNotFoundError, KvtierError, NoSpaceError
-from kvtierd.policy import PROMOTED_REQUEST, PROMOTION, AccessContext, CachePolicy
+from kvtierd.errors import BlockNotFoundError, NoSpaceError
+from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.store.adoption import adopt_recovered
 from kvtierd.store.arena import Arena
 from kvtierd.store.codec import checksum_off_loop
@@ -36,13 +34,13 @@ from kvtierd.store.index import Block, BlockIndex
 from kvtierd.store.namespaces import Namespace, NamespaceRegistry, NamespaceSpec
 from kvtierd.store.planner import reserve
 from kvtierd.store.ports import ReplicaLink
+from kvtierd.store.promotion import Promotions
 from kvtierd.store.regions import Regions, TenantRegion
-from kvtierd.store.runs import plan_runs
 from kvtierd.store.slicing import Lane
 from kvtierd.store.slots import Slot
 from kvtierd.store.sparse import SparseRetrieval
 from kvtierd.store.staging import StagedCopies
-from kvtierd.store.tier import BlockRef, LowerTier, TierUnavailableError
+from kvtierd.store.tier import BlockRef, LowerTier
 from kvtierd.store.tracking import TierPolicy
 from kvtierd.store.writeback import WriteBack
 
@@ -50,15 +48,6 @@ __all__ = ["Residency"]
 
 log = logging.getLogger("kvtierd.store")
 _EVICT_BATCH = 16
-#: Promotions a READ runs at once: the disk wants queue depth, but a task per block of an
-#: 8192-block READ cost the loop tens of ms to start.
-_READ_DEPTH = 32
-#: A READ's local copies are promoted in batches of at most ``nvme.read_batch_bytes`` and
-#: ``nvme.read_batch_blocks`` (:mod:`.runs`), each batch by one task with all its reads in
-#: flight at once, those that follow one another in one request, and its payloads hashed in
-#: one pass: at 448 KiB blocks a task, a request and a hash call per block cost more loop
-#: time than the disk took to read it. So a READ holds at most :data:`_READ_DEPTH` batches'
-#: bytes in flight, and the disk at most ``nvme.queue_depth`` requests.
 
 
 class Residency:
@@ -111,6 +100,8 @@ class Residency:
         self.counters = zeroed(StoreCounts)
         #: Large requests' work on the loop takes turns in slices (:mod:`.slicing`).
         self.lane = Lane()
+        #: Copies into DRAM from the tiers below (:mod:`.promotion`).
+        self.promotions = Promotions(self)
 
     def statistics(self) -> StoreCounts:
         """The host's counts so far."""
@@ -163,250 +154,6 @@ class Residency:
         ):
             self.index.cool(block)
 
-    # -- promotion ---------------------------------------------------------------------------
-
-    def _source(self, block: Block) -> tuple[LowerTier, Hashable] | None:
-        """The nearest tier below DRAM holding ``block``, and where."""
-        for tier in self.stack:
-            location = block.copies.get(tier.kind)
-            if location is not None:
-                return tier, location
-        return None
-
-    async def make_resident(
-        self, block: Block, *, wait: bool = False, context: AccessContext = PROMOTION
-    ) -> None:
-        """Promote ``block`` into DRAM. ``wait``: a demand read, which may wait (up to
-        ``alloc_wait_s``) for write-back to free a slot rather than fail with ENOSPC.
-        ``context``: the READ it is promoted for, told to the DRAM policy (by default it is
-        not an access: a prefetch, or a copy the pool needs)."""
-        while block.loading is not None:
-            await block.loading.wait()
-        if block.forgotten:
-            raise BlockNotFoundError("block was forgotten")
-        if block.resident:
-            self.count(block.ns, "dram_hits")
-            return
-        found = self._source(block)
-        if found is None:
-            raise BlockNotFoundError("block has no copy left")
-        source, location = found
-        shared = source.capabilities.shared_across_hosts
-        region = self.region(block.ns)
-        block.loading = anyio.Event()
-        block.pins += 1
-        try:
-            slot = await self.allocate_dram(region, block.ref.raw_bytes, wait=wait)
-            try:
-                await source.load(block.ref, location, self.slot_view(slot))
-            except TierUnavailableError as exc:  # the pool went away: a miss, not an error
-                region.allocator.free(slot)
-                raise BlockNotFoundError(
-                    f"block is only in the pool, now out of reach: {exc}"
-                ) from None
-            except BaseException as exc:
-                region.allocator.free(slot)
-                # A FORGET during the read has already dropped the copy (and tombstoned it).
-                if isinstance(exc, BlockNotFoundError):
-                    if shared and block.pool is not None:
-                        self.drop_copy(block)
-                        self.counters["lost"] += 1
-                    elif not shared and block.lower is not None:
-                        await self.drop_lower(block)
-                        self.counters["lost"] += 1
-                raise
-            self._install(block, slot, context, time.monotonic())
-            self._count_loaded(block.ns, 1, shared)
-        finally:
-            block.loading.set()
-            block.loading = None
-            self.unpin(block)
-
-    def _install(self, block: Block, slot: Slot, context: AccessContext, now: float) -> None:
-        """``block``'s bytes, loaded from a lower tier, are in ``slot`` now (counted by
-        :meth:`_count_loaded`, once per batch)."""
-        block.dram = slot
-        block.ns.dram_blocks += 1
-        self.dram_policy_of(block.ns).inserted(block, now, context)
-        self._promoted(block, context, now)
-
-    def _promoted(self, block: Block, context: AccessContext, now: float) -> None:
-        """A promotion that is no read (a prefetch, a reuse guess) is an access of the block's
-        disk copy all the same; a read tells the disk's policy in :meth:`note_read`."""
-        if context.request_id == PROMOTED_REQUEST and block.lower is not None:
-            self.lower_policy.accessed(block, now, context)
-
-    def _installed(
-        self, installed: dict[Namespace, list[tuple[Block, AccessContext]]], now: float
-    ) -> None:
-        """:meth:`_install` of a batch's blocks, their slots set already (grouped by namespace,
-        in order): each DRAM policy told once for the batch, each namespace counted once."""
-        told: dict[int, tuple[TierPolicy, list[Block], list[AccessContext]]] = {}
-        for ns, done in installed.items():
-            ns.dram_blocks += len(done)
-            self._count_loaded(ns, len(done), shared=False)
-            policy = self.dram_policy_of(ns)
-            _, blocks, contexts = told.setdefault(id(policy), (policy, [], []))
-            for block, context in done:
-                blocks.append(block)
-                contexts.append(context)
-                self._promoted(block, context, now)
-        for policy, blocks, contexts in told.values():
-            policy.inserted_many(blocks, now, contexts)
-
-    def _count_loaded(self, ns: Namespace, n: int, shared: bool) -> None:
-        self.count(ns, "pool_hits" if shared else "lower_hits", n)
-        self.count(ns, "promotions", n)
-
-    async def make_all_resident(self, blocks: list[tuple[Block, AccessContext]]) -> None:
-        """Promote concurrently, at most :data:`_READ_DEPTH` batches at a time, in order (the
-        disk wants queue depth), local copies in batches (:func:`~kvtierd.store.runs.
-        plan_runs`, :meth:`_promote_run`); raise the first failure."""
-        runs = self._plan_runs(blocks)
-        if len(runs) == 1:  # no task group for one batch: a small READ, or 4 MiB of blocks
-            if len(runs[0]) == 1:
-                await self.make_resident(blocks[0][0], wait=True, context=blocks[0][1])
-            else:
-                await self._promote_run(runs[0])
-            return
-        errors: list[KvtierError] = []
-        pending = iter(runs)  # shared by the workers: each takes the next run
-
-        async def worker() -> None:
-            for run in pending:
-                try:
-                    if len(run) == 1:
-                        await self.make_resident(run[0][0], wait=True, context=run[0][1])
-                    else:
-                        await self._promote_run(run)
-                except KvtierError as exc:
-                    errors.append(exc)
-
-        async with anyio.create_task_group() as tg:
-            for _ in range(min(_READ_DEPTH, len(runs))):
-                tg.start_soon(worker)
-        if errors:
-            raise errors[0]
-
-    def _plan_runs(
-        self, blocks: list[tuple[Block, AccessContext]]
-    ) -> list[list[tuple[Block, AccessContext]]]:
-        lower = self.lower
-        if lower is None or len(blocks) == 1:
-            return [[item] for item in blocks]
-
-        # any two local copies share a batch: the tier reads those that follow one another in
-        # one request, and the others beside it, all in flight at once (each block is asked
-        # once, not once per neighbour)
-        local = {id(block) for block, _ in blocks if self.runnable(block)}
-
-        def together(a: tuple[Block, AccessContext], b: tuple[Block, AccessContext]) -> bool:
-            return id(a[0]) in local and id(b[0]) in local
-
-        return plan_runs(
-            blocks,
-            together,
-            lambda item: item[0].ref.raw_bytes,
-            max_bytes=self.read_batch[0],
-            max_items=self.read_batch[1],
-        )
-
-    async def promote_batch(self, blocks: list[Block]) -> None:
-        """Background promotion (a prefetch) of ``blocks``, from :meth:`BlockStore.prefetch`'s
-        queue: :meth:`make_resident` of each, those with local copies read together as a
-        READ's batch is (:meth:`_promote_run`), and like :meth:`make_resident` for a prefetch,
-        with no waiting for write-back to free room. Raises the first failure, after every
-        block was dealt with."""
-        if len(blocks) == 1:
-            await self.make_resident(blocks[0])
-            return
-        await self._promote_run([(block, PROMOTION) for block in blocks], wait=False)
-
-    def runnable(self, block: Block) -> bool:
-        """``block`` may join a run read from the local tier now (nothing else is promoting
-        it, it is not in DRAM yet, and the local tier is the nearest copy)."""
-        return (
-            block.loading is None
-            and not block.resident
-            and not block.forgotten
-            and self.lower is not None
-            and block.lower is not None
-        )
-
-    async def _promote_run(
-        self, run: list[tuple[Block, AccessContext]], *, wait: bool = True
-    ) -> None:
-        """:meth:`make_resident` of a batch of blocks with local copies, read together
-        (:meth:`~kvtierd.store.tier.LowerTier.load_run`). A batch changed since it was
-        planned (a block promoted, evicted or forgotten meanwhile) is promoted block by
-        block. ``wait``: as :meth:`make_resident`'s. Raises the first failure, after every
-        block was dealt with."""
-        lower = self.lower
-        if lower is None or not all(self.runnable(block) for block, _ in run):
-            await self._promote_each(run, wait=wait)
-            return
-        loading = anyio.Event()  # one for the batch: its blocks are ready together
-        for block, _ in run:
-            block.loading = loading
-            block.pins += 1
-        slots: list[Slot] = []
-        try:
-            try:
-                for block, _ in run:
-                    region = self.region(block.ns)
-                    slots.append(await self.allocate_dram(region, block.ref.raw_bytes, wait=wait))
-                outcomes = await lower.load_run(
-                    [
-                        (block.ref, block.copies[lower.kind], self.slot_view(slot))
-                        for (block, _), slot in zip(run, slots, strict=False)
-                    ]
-                )
-            except BaseException:
-                for (block, _), slot in zip(run, slots, strict=False):
-                    self.region(block.ns).allocator.free(slot)
-                raise
-            failed: list[tuple[Block, BlockNotFoundError]] = []
-            installed: dict[Namespace, list[tuple[Block, AccessContext]]] = {}  # one, usually
-            for (block, context), slot, outcome in zip(run, slots, outcomes, strict=True):
-                if outcome is None:
-                    block.dram = slot
-                    installed.setdefault(block.ns, []).append((block, context))
-                else:
-                    self.region(block.ns).allocator.free(slot)
-                    failed.append((block, outcome))
-            self._installed(installed, time.monotonic())
-            for block, _ in failed:
-                if block.lower is not None:  # else a FORGET during the read dropped it
-                    await self.drop_lower(block)
-                    self.counters["lost"] += 1
-            if failed:
-                raise failed[0][1]
-        finally:
-            loading.set()
-            for block, _ in run:
-                block.loading = None
-                self.unpin(block)
-
-    async def _promote_each(
-        self, run: list[tuple[Block, AccessContext]], *, wait: bool = True
-    ) -> None:
-        """:meth:`make_resident` of each block of ``run`` at once (a prefetch that began
-        promoting one of them since the run was planned must not make the others wait in
-        turn); raise the first failure."""
-        errors: list[KvtierError] = []
-
-        async def one(block: Block, context: AccessContext) -> None:
-            try:
-                await self.make_resident(block, wait=wait, context=context)
-            except KvtierError as exc:
-                errors.append(exc)
-
-        async with anyio.create_task_group() as tg:
-            for block, context in run:
-                tg.start_soon(one, block, context)
-        if errors:
-            raise errors[0]
-
     def unpin(self, block: Block) -> None:
         block.pins -= 1
         if block.pins == 0:
@@ -417,14 +164,30 @@ class Residency:
             elif block.dram is None:  # a failed promotion, or a READ that missed
                 self.cool(block)
 
-    def note_read(self, block: Block, now: float, context: AccessContext) -> None:
-        if block.prefetched:
-            block.prefetched = False
-            self.counters["prefetch_used"] += 1
-        self.count(block.ns, "bytes_read", block.ref.raw_bytes)
-        self.dram_policy_of(block.ns).accessed(block, now, context)
-        if block.lower is not None:  # read: its disk copy is worth keeping too
-            self.lower_policy.accessed(block, now, context)
+    def note_reads(
+        self, ns: Namespace, blocks: list[Block], now: float, contexts: list[AccessContext]
+    ) -> None:
+        """``blocks`` of ``ns`` were read (leased): counted once, each policy told once for
+        them all, the disk's with the slots of those on it (their copies are worth keeping
+        too)."""
+        nbytes = 0
+        on_disk: list[Block] = []
+        disk_contexts: list[AccessContext] = []
+        locations: list[Hashable] = []
+        for block, context in zip(blocks, contexts, strict=True):
+            if block.prefetched:
+                block.prefetched = False
+                self.counters["prefetch_used"] += 1
+            nbytes += block.ref.raw_bytes
+            location = block.lower
+            if location is not None:
+                on_disk.append(block)
+                disk_contexts.append(context)
+                locations.append(location)
+        self.count(ns, "bytes_read", nbytes)
+        self.dram_policy_of(ns).accessed_many(blocks, now, contexts)
+        if on_disk:
+            self.lower_policy.accessed_many(on_disk, now, disk_contexts, locations)
 
     # -- DRAM slots --------------------------------------------------------------------------
 
@@ -594,7 +357,7 @@ class Residency:
             raise BlockNotFoundError("block was forgotten")
         block.pins += 1
         try:
-            await self.make_resident(block)
+            await self.promotions.make_resident(block)
         except BaseException:
             self.unpin(block)
             raise

@@ -229,15 +229,16 @@ class BlockStore:
     async def _promote_queued(self) -> None:
         """One of the promoters: promote queued blocks, oldest first, until none is left; the
         next queued blocks with local copies together, in a batch as a READ's are
-        (:meth:`Residency.promote_batch`), as far as :meth:`_next_batch` allows: a LOOKUP of
-        blocks on disk then costs a request and a hash call per batch, not per block."""
+        (:meth:`Promotions.promote_batch <kvtierd.store.promotion.Promotions.promote_batch>`),
+        as far as :meth:`_next_batch` allows: a LOOKUP of blocks on disk then costs a request
+        and a hash call per batch, not per block."""
         try:
             while self._promotions:
                 batch, region_id, nbytes = self._next_batch()
                 loading = self._loading_bytes
                 loading[region_id] = loading.get(region_id, 0) + nbytes
                 try:
-                    await self.residency.promote_batch(batch)
+                    await self.residency.promotions.promote_batch(batch)
                 except KvtierError as exc:
                     log.debug("prefetch of a block failed: %s", exc)
                 finally:
@@ -261,7 +262,7 @@ class BlockStore:
         if region is None:
             return batch, -1, 0
         nbytes = first.ref.raw_bytes
-        if not r.runnable(first):
+        if not r.promotions.runnable(first):
             return batch, region.id, nbytes
         allocator = region.allocator
         room = min(
@@ -274,7 +275,7 @@ class BlockStore:
             if (
                 block.ns.region is not region
                 or nbytes + block.ref.raw_bytes > room
-                or not r.runnable(block)
+                or not r.promotions.runnable(block)
             ):
                 break
             batch.append(self._promotions.popleft())
@@ -307,7 +308,7 @@ class BlockStore:
             if missing:  # DRAM hits need no task: the common case stays cheap
                 self.residency.demand_promotions += 1
                 try:
-                    await self.residency.make_all_resident(missing)
+                    await self.residency.promotions.make_all_resident(missing)
                 finally:
                     self.residency.demand_promotions -= 1
             return await self._lease_in_slices(owner, blocks, contexts, source)
@@ -391,9 +392,8 @@ class BlockStore:
     ) -> Lease:
         """Note the (pinned) ``blocks`` read (``contexts``: as part of which requests) and
         lease them to ``owner`` (``source``: the deepest tier they were served from)."""
-        now = time.monotonic()
-        for block, context in zip(blocks, contexts, strict=True):
-            self.residency.note_read(block, now, context)
+        if blocks:
+            self.residency.note_reads(blocks[0].ns, blocks, time.monotonic(), contexts)
         return self._grant(owner, blocks, source)
 
     async def _lease_in_slices(
@@ -403,10 +403,15 @@ class BlockStore:
         contexts: list[AccessContext],
         source: ServedBy = ServedBy.DRAM,
     ) -> Lease:
-        """:meth:`_lease`, its walk over the blocks in slices."""
+        """:meth:`_lease`, its walk over the blocks in slices (a batch of the lane's
+        ``inline_items`` a step: one namespace's, as a READ's are)."""
         now = time.monotonic()
-        note_read = self.residency.note_read
-        await self.lane.map(range(len(blocks)), lambda i: note_read(blocks[i], now, contexts[i]))
+        step = self.lane.inline_items
+        async with self.lane.walk(len(blocks)) as walk:
+            for first in range(0, len(blocks), step):
+                await walk.pause()
+                end = first + step
+                self.residency.note_reads(blocks[0].ns, blocks[first:end], now, contexts[first:end])
         return self._grant(owner, blocks, source)
 
     @staticmethod

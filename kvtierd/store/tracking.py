@@ -19,7 +19,14 @@ from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.store.index import Block, BlockIndex
 from kvtierd.store.slicing import Lane
 
-__all__ = ["BatchEvents", "ClassedVictims", "RequestObserver", "ReuseCandidates", "TierPolicy"]
+__all__ = [
+    "BatchEvents",
+    "ClassedVictims",
+    "PlacedAccesses",
+    "RequestObserver",
+    "ReuseCandidates",
+    "TierPolicy",
+]
 
 
 @runtime_checkable
@@ -60,6 +67,15 @@ class ClassedVictims(Protocol):
     ) -> list[Hashable]: ...
 
 
+@runtime_checkable
+class PlacedAccesses(Protocol):
+    """A policy over a tier's own records that is told of reads by where their copies are,
+    at once (:meth:`ClockPolicy.accessed_at <kvtierd.store.clock.ClockPolicy.accessed_at>`:
+    a byte set per row, which no other event's order changes)."""
+
+    def accessed_at(self, locations: Sequence[Hashable]) -> None: ...
+
+
 _MAX_DEFERRED = 65536
 #: Request chains admitted per period (the prefetcher's 100 ms tick): about 320 LOOKUPs/s are
 #: modelled in full, far above an engine's request rate; beyond that, chains are sampled.
@@ -84,6 +100,7 @@ class TierPolicy:
         self._reuse = policy if isinstance(policy, ReuseCandidates) else None
         self._batch = policy if isinstance(policy, BatchEvents) else None
         self._classed = policy if isinstance(policy, ClassedVictims) else None
+        self._placed = policy if isinstance(policy, PlacedAccesses) else None
         self.observes_requests = self._observer is not None
         self._pending_requests = 0
         self.sampled_out = 0
@@ -199,6 +216,29 @@ class TierPolicy:
 
     def accessed(self, block: Block, now: float, context: AccessContext | None = None) -> None:
         self._defer(partial(self.policy.accessed, block.id, now, context))
+
+    def accessed_many(
+        self,
+        blocks: Sequence[Block],
+        now: float,
+        contexts: Sequence[AccessContext],
+        locations: Sequence[Hashable] = (),
+    ) -> None:
+        """:meth:`accessed` of each of ``blocks`` (a READ's, in order), ``locations`` their
+        copies in this policy's tier: a policy that marks reads by place is told at once
+        (nothing deferred, no id looked up), any other in one journal event for the batch."""
+        if self._placed is not None:
+            self._placed.accessed_at(locations)
+        elif blocks:
+            ids = [block.id for block in blocks]
+            self._defer(partial(self._accessed_each, ids, now, contexts))
+
+    def _accessed_each(
+        self, ids: Sequence[Hashable], now: float, contexts: Sequence[AccessContext]
+    ) -> None:
+        accessed = self.policy.accessed
+        for block_id, context in zip(ids, contexts, strict=True):
+            accessed(block_id, now, context)
 
     def removed(self, block: Block) -> None:
         self._defer(partial(self.policy.removed, block.id))

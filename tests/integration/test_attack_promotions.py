@@ -1,5 +1,5 @@
 """Attacks on READ's batched promotions from the NVMe tier (issue 32: ``store/runs.py``,
-``Residency.make_all_resident`` and ``_promote_run``, ``nvme.read_batch_*``), on the real
+``Promotions.make_all_resident`` and ``_promote_run``, ``nvme.read_batch_*``), on the real
 daemon with a small DRAM region, on asyncio and trio.
 
 What a client controls is which keys a READ names, how many READs run at once over how many

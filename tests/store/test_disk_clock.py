@@ -44,7 +44,7 @@ async def test_reads_and_promotions_set_the_byte_of_the_disk_row(tmp_path: Path)
         block = store.index.get(ns, key_of(2))
         assert block is not None
         assert block.dram is None
-        await store.residency.make_resident(block)  # a prefetch: no read
+        await store.residency.promotions.make_resident(block)  # a prefetch: no read
         assert referenced() == [False, True, True]
 
 

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvtierd.store.clock import MAX_CHECKS, WINDOW, ClockPolicy
 from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.records import RecordHeader
+from kvtierd.store.segments import DiskSlot
 
 NS = b"n" * 16
 
@@ -64,6 +65,18 @@ def test_a_referenced_row_gets_a_second_chance_and_an_idle_one_goes() -> None:
     assert disk.policy.victims(1, lambda x: True) == [b]
     disk.drop(b)
     assert disk.policy.victims(2, lambda x: True) == [c, a]
+
+
+def test_reads_told_by_slot_mark_the_rows_at_those_places() -> None:
+    disk = Disk()
+    a, b, c = disk.put(b"a"), disk.put(b"b"), disk.put(b"c")  # in slots 1, 2, 3 of segment 0
+    slot = {a: DiskSlot(0, 1, 0, 4096), b: DiskSlot(0, 2, 0, 4096), c: DiskSlot(0, 3, 0, 4096)}
+    for idle in (a, c, b):
+        disk.sweep_all()
+        disk.policy.accessed_at([slot[x] for x in (a, b, c) if x != idle])
+        # places that hold no record mark nothing and raise nothing
+        disk.policy.accessed_at([DiskSlot(0, 9, 0, 4096), DiskSlot(7, 1, 0, 4096)])
+        assert disk.policy.victims(1, lambda x: True) == [idle]
 
 
 def test_only_evictable_blocks_not_held_are_offered() -> None:

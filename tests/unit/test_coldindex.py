@@ -98,6 +98,8 @@ class ColdIndexMachine(RuleBasedStateMachine):
         for row, (h, place) in self.rows.items():
             assert self.index.record(row) == h
             assert self.index.place(row) == place
+            fields = (h.ns_digest, h.key, h.raw_bytes, h.payload_checksum, h.seq, h.flags)
+            assert self.index.ref_fields(row) == (*fields, *place)
             assert self.index.at(*place) == row
         asked = [*KEYS, b"", b"z" * 33]  # and two no key can be
         for digest in DIGESTS:

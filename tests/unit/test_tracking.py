@@ -1,12 +1,16 @@
-"""TierPolicy's deferred telemetry: every event reaches the policy in order, and under a LOOKUP
-storm request chains are sampled per period, whatever pace the journal is drained at."""
+"""TierPolicy's deferred telemetry: every event reaches the policy in order, under a LOOKUP
+storm request chains are sampled per period, whatever pace the journal is drained at, and a
+READ's batch of accesses is one event (or, for a policy that marks reads by place, told at
+once)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 
 from kvtierd.policy import AccessContext, CachePolicy
-from kvtierd.store.index import BlockIndex
+from kvtierd.store.index import Block, BlockIndex
+from kvtierd.store.namespaces import Namespace, NamespaceSpec
+from kvtierd.store.tier import BlockRef
 from kvtierd.store.tracking import _MAX_PENDING_REQUESTS, TierPolicy
 
 
@@ -63,3 +67,42 @@ def test_chains_reach_the_policy_in_order_only_when_flushed() -> None:
     assert recorder.requests == []
     tracking.flush()
     assert recorder.requests == [["a", "b"], ["c"]]
+
+
+class _PlacedRecorder(_Recorder):
+    """A recorder that, like CLOCK, takes reads by the places of their copies."""
+
+    def accessed_at(self, locations: Sequence[Hashable]) -> None:
+        self.events.extend(("accessed at", location) for location in locations)
+
+
+def _blocks(*keys: bytes) -> list[Block]:
+    ns = Namespace(1, NamespaceSpec("ns", "tenant", 4096, None, 0, 1), b"d" * 16, b"d" * 16, b"")
+    return [Block(ns, BlockRef(ns.digest, key, 4096, 0, 1)) for key in keys]
+
+
+def test_a_batch_of_reads_is_one_event_in_its_place_in_the_journal() -> None:
+    recorder = _Recorder()
+    tracking = TierPolicy(recorder, BlockIndex())
+    a, b, c = _blocks(b"a", b"b", b"c")
+    tracking.inserted(c, 0.0)
+    tracking.accessed_many([a, b], 0.0, [AccessContext(), AccessContext()], ["pa", "pb"])
+    tracking.removed(c)
+    assert tracking.backlog == 3
+    assert recorder.events == []
+    tracking.flush()
+    assert recorder.events == [
+        ("inserted", c.id),
+        ("accessed", a.id),
+        ("accessed", b.id),
+        ("removed", c.id),
+    ]
+
+
+def test_a_policy_that_marks_reads_by_place_is_told_at_once() -> None:
+    recorder = _PlacedRecorder()
+    tracking = TierPolicy(recorder, BlockIndex())
+    a, b = _blocks(b"a", b"b")
+    tracking.accessed_many([a, b], 0.0, [AccessContext(), AccessContext()], ["pa", "pb"])
+    assert tracking.backlog == 0
+    assert recorder.events == [("accessed at", "pa"), ("accessed at", "pb")]
