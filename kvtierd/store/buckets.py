@@ -41,6 +41,7 @@ MAX_LOAD = 0.7
 #: A zero-padded key as little-endian u64 words.
 WORDS = struct.Struct(f"<{MAX_KEY_BYTES // 8}Q")
 _M64 = (1 << 64) - 1
+_M32 = (1 << 32) - 1
 _C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
@@ -65,6 +66,7 @@ def hash_of(seed: int, ns: int, klen: int, padded: bytes) -> int:
     h = seed ^ (ns << 8 | klen)
     for word in WORDS.unpack(padded):
         h = _mix(h ^ word)
+    h &= _M32
     return h if h > TOMBSTONE else h + 2
 
 
@@ -73,13 +75,16 @@ def identity_hashes(
     klen: npt.NDArray[np.integer],
     ns: npt.NDArray[np.integer],
     seed: int,
-) -> npt.NDArray[np.uint64]:
+) -> npt.NDArray[np.uint32]:
     """The bucket hash of many ``(namespace, key)`` at once (keys as rows of four words):
-    what :func:`hash_of` gives for one."""
+    what :func:`hash_of` gives for one. The low 32 bits of a 64-bit mix: a bucket is 8 bytes
+    (hash and row) instead of 12, and 32 bits still tell keys apart far beyond any table's
+    size (a hit is confirmed on the row's key anyway)."""
     h = np.uint64(seed) ^ ((ns.astype(np.uint64) << np.uint64(8)) | klen.astype(np.uint64))
     for w in range(MAX_KEY_BYTES // 8):
         h = _mix_all(h ^ key[:, w])
-    return np.where(h > TOMBSTONE, h, h + np.uint64(2))
+    low = h.astype(np.uint32)
+    return np.where(low > TOMBSTONE, low, low + np.uint32(2))
 
 
 def capacity_for(keys: int) -> int:
@@ -92,17 +97,17 @@ def capacity_for(keys: int) -> int:
 
 
 def build_table(
-    hashes: npt.NDArray[np.uint64], rows: npt.NDArray[np.uint32], capacity: int
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint32]]:
+    hashes: npt.NDArray[np.uint32], rows: npt.NDArray[np.uint32], capacity: int
+) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]:
     """A table of ``capacity`` buckets holding the ``(hash, row)`` entries, built at once: in
     order of their home bucket, each goes to its home or right after the one before it,
     whichever is later (what inserting them one by one with linear probing gives); the few
     pushed past the end wrap to the front one by one."""
-    table_h = np.zeros(capacity, np.uint64)
+    table_h = np.zeros(capacity, np.uint32)
     table_r = np.zeros(capacity, np.uint32)
     count = len(hashes)
     if count:
-        home = (hashes & np.uint64(capacity - 1)).astype(np.int64)
+        home = (hashes.astype(np.int64)) & (capacity - 1)
         order = np.argsort(home, kind="stable")
         steps = np.arange(count, dtype=np.int64)
         spot = steps + np.maximum.accumulate(home[order] - steps)
@@ -117,7 +122,7 @@ def build_table(
     return table_h, table_r
 
 
-def repeated(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+def repeated(values: npt.NDArray[np.unsignedinteger]) -> npt.NDArray[np.bool_]:
     """Which of ``values`` occur more than once (one sort; a search only when some do)."""
     ordered = np.sort(values)
     twice = ordered[1:][ordered[1:] == ordered[:-1]]

@@ -17,7 +17,7 @@ the row is added and by :meth:`ColdIndex.touch`, cleared by the sweeping hand.
 record by the :class:`~kvtierd.store.segments.DiskSlot` the store holds.
 
 *Buckets.* Open addressing with linear probing, a power of two of them, at most 0.7 full
-(tombstones counted): a 64-bit hash of ``(namespace, key)`` and the row, 12 bytes. Hash values 0
+(tombstones counted): a 32-bit hash of ``(namespace, key)`` and the row, 8 bytes. Hash values 0
 and 1 mean empty and tombstone; a hash that lands on them is moved to 2 or 3. A hit is
 confirmed on the row's full key, so two keys with one hash cost a probe, never a wrong answer.
 The hash is a keyed mix (a random seed per index, so keys cannot be chosen to collide) that
@@ -127,13 +127,13 @@ class ColdIndex:
         self._numbers: dict[bytes, int] = {}
         self._place: list[npt.NDArray[np.uint32]] = []
         self._places: list[memoryview] = []  # the same, as memoryviews
-        self._hash: npt.NDArray[np.uint64] = np.zeros(16, np.uint64)
+        self._hash: npt.NDArray[np.uint32] = np.zeros(16, np.uint32)
         self._brow: npt.NDArray[np.uint32] = np.zeros(16, np.uint32)
         self._filled = 0  # buckets holding a key or a tombstone
         self._keys = 0
         #: While the buckets grow: the table they leave, drained from ``_cursor`` on by
         #: ``_step`` buckets an insert; every key is in exactly one of the two tables.
-        self._old_hash: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)
+        self._old_hash: npt.NDArray[np.uint32] = np.zeros(0, np.uint32)
         self._old_brow: npt.NDArray[np.uint32] = np.zeros(0, np.uint32)
         self._cursor = self._step = 0
         self._incremental_from = incremental_from
@@ -448,7 +448,7 @@ class ColdIndex:
             and f["key"][at : at + MAX_KEY_BYTES] == padded
         )
 
-    def tables(self) -> Iterator[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint32]]]:
+    def tables(self) -> Iterator[tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]]:
         """The bucket tables to look in: the current one, then the one it is leaving."""
         yield self._hash, self._brow
         if self.moving:
@@ -456,7 +456,7 @@ class ColdIndex:
 
     def _bucket(
         self,
-        table_h: npt.NDArray[np.uint64],
+        table_h: npt.NDArray[np.uint32],
         table_r: npt.NDArray[np.uint32],
         h: int,
         ns: int,
@@ -514,7 +514,7 @@ class ColdIndex:
             self._build(self._hash[live], self._brow[live], capacity)
             return
         self._old_hash, self._old_brow = self._hash, self._brow
-        self._hash = zeros(capacity, np.uint64)
+        self._hash = zeros(capacity, np.uint32)
         self._brow = zeros(capacity, np.uint32)
         self._filled = self._cursor = 0
         # Inserts until the new table is full: every one moved over and one new bucket per
@@ -535,16 +535,16 @@ class ColdIndex:
         hashes[hashes > TOMBSTONE] = TOMBSTONE
         self._cursor = end
         if end == len(self._old_hash):
-            self._old_hash, self._old_brow = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
+            self._old_hash, self._old_brow = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
             self._cursor = 0
 
     def _build(
-        self, hashes: npt.NDArray[np.uint64], rows: npt.NDArray[np.uint32], capacity: int
+        self, hashes: npt.NDArray[np.uint32], rows: npt.NDArray[np.uint32], capacity: int
     ) -> None:
         """Make a table of ``capacity`` buckets of ``(hash, row)`` entries the current one."""
         self._hash, self._brow = build_table(hashes, rows, capacity)
         self._filled = self._keys = len(hashes)
-        self._old_hash, self._old_brow = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
+        self._old_hash, self._old_brow = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
         self._cursor = 0
 
 
