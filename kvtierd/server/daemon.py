@@ -50,6 +50,7 @@ from kvtierd.errors import BusyError
 from kvtierd.io import BindingVerdict
 from kvtierd.nixl.export import NIXL_OFF, NixlReads
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply, TierStatistics
+from kvtierd.server import heap
 from kvtierd.server.accepting import listen_unix, refuse, serve_connections
 from kvtierd.server.assembly import (
     open_daemon_store,
@@ -469,6 +470,7 @@ async def serve_daemon(
                     open_nixl_reads(config, store) as nixl,
                     open_peer_reads(config, store, nixl),
                 ):
+                    await anyio.to_thread.run_sync(heap.trim)  # what recovery freed (heap.py)
                     timings = metrics.timings if metrics is not None else None
                     daemon = Daemon(config, store, startup, timings, nixl)
                     readiness.serve(daemon)

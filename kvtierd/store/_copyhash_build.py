@@ -37,6 +37,8 @@ uint64_t kvt_copy_xxh3(void *dst, const void *src, size_t len);
 uint64_t kvt_copy_xxh3_scatter(void *const *dsts, const size_t *lens, size_t n, const void *src);
 uint64_t kvt_copy_xxh3_runs(void *base, const uint64_t *offsets, size_t run_len, size_t n,
                             const void *src, size_t len);
+void kvt_xxh3_each(const void *base, const uint64_t *offsets, size_t len, size_t n,
+                   uint64_t *out);
 const char *kvt_kernel(void);
 """
 
@@ -404,6 +406,17 @@ uint64_t kvt_copy_xxh3_runs(void *base, const uint64_t *offsets, size_t run_len,
         len -= take;
     }
     return XXH3_64bits_digest(&state);
+}
+
+/* The xxh3-64 of each of ``n`` pieces of ``len`` bytes at ``base + offsets[i]``, into ``out``:
+   the header checksums of a run of slots read at recovery, one call instead of one a slot. */
+void kvt_xxh3_each(const void *base, const uint64_t *offsets, size_t len, size_t n,
+                   uint64_t *out)
+{
+    const uint8_t *b = (const uint8_t *) base;
+    size_t i;
+    for (i = 0; i < n; i++)
+        out[i] = XXH3_64bits(b + offsets[i], len);
 }
 
 /* Which kernels this CPU runs: "avx2" or "sse2". */

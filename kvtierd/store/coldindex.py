@@ -17,7 +17,7 @@ the row is added and by :meth:`ColdIndex.touch`, cleared by the sweeping hand.
 record by the :class:`~kvtierd.store.segments.DiskSlot` the store holds.
 
 *Buckets.* Open addressing with linear probing, a power of two of them, at most 0.7 full
-(tombstones counted): a 64-bit hash of ``(namespace, key)`` and the row, 12 bytes. Hash values 0
+(tombstones counted): a 32-bit hash of ``(namespace, key)`` and the row, 8 bytes. Hash values 0
 and 1 mean empty and tombstone; a hash that lands on them is moved to 2 or 3. A hit is
 confirmed on the row's full key, so two keys with one hash cost a probe, never a wrong answer.
 The hash is a keyed mix (a random seed per index, so keys cannot be chosen to collide) that
@@ -38,7 +38,6 @@ import itertools
 import math
 import mmap
 import os
-import struct
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -46,6 +45,19 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtierd.keys import MAX_KEY_BYTES
+from kvtierd.store.buckets import (
+    EMPTY,
+    MAX_LOAD,
+    TOMBSTONE,
+    WORDS,
+    build_table,
+    by_identity,
+    capacity_for,
+    hash_of,
+    identity_hashes,
+    repeated,
+    same_identity,
+)
 from kvtierd.store.freestack import FreeStack
 from kvtierd.store.mapped import anonymous, resized, zeros
 from kvtierd.store.records import RecordHeader
@@ -81,32 +93,12 @@ _STATE: tuple[tuple[str, type[np.generic], int], ...] = (("ref", np.uint8, 1),)
 #: No block is larger: the ceiling of ``limits.max_block_bytes`` (:mod:`kvtierd.config`).
 MAX_RAW_BYTES = 1 << 30
 
-_EMPTY, _TOMBSTONE = 0, 1
-_MAX_LOAD = 0.7
 _M64 = (1 << 64) - 1
-_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_WORDS = struct.Struct(f"<{MAX_KEY_BYTES // 8}Q")
 _MAX_NAMESPACES = 1 << 16
 _GROWTH = 1.25  # rows: a smaller factor than doubling keeps the slack per block low
 #: Tables of fewer buckets than this are rebuilt at once (a millisecond or two); larger ones move
 #: to their successor a few buckets per insert (:meth:`ColdIndex._grow`).
 INCREMENTAL_FROM = 1 << 14
-
-
-def _mix(z: int) -> int:
-    z ^= z >> 30
-    z = (z * _C1) & _M64
-    z ^= z >> 27
-    z = (z * _C2) & _M64
-    return z ^ (z >> 31)
-
-
-def _mix_all(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    z = z ^ (z >> np.uint64(30))
-    z = z * np.uint64(_C1)
-    z = z ^ (z >> np.uint64(27))
-    z = z * np.uint64(_C2)
-    return z ^ (z >> np.uint64(31))
 
 
 def _padded(key: bytes) -> bytes:
@@ -135,13 +127,13 @@ class ColdIndex:
         self._numbers: dict[bytes, int] = {}
         self._place: list[npt.NDArray[np.uint32]] = []
         self._places: list[memoryview] = []  # the same, as memoryviews
-        self._hash: npt.NDArray[np.uint64] = np.zeros(16, np.uint64)
+        self._hash: npt.NDArray[np.uint32] = np.zeros(16, np.uint32)
         self._brow: npt.NDArray[np.uint32] = np.zeros(16, np.uint32)
         self._filled = 0  # buckets holding a key or a tombstone
         self._keys = 0
         #: While the buckets grow: the table they leave, drained from ``_cursor`` on by
         #: ``_step`` buckets an insert; every key is in exactly one of the two tables.
-        self._old_hash: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)
+        self._old_hash: npt.NDArray[np.uint32] = np.zeros(0, np.uint32)
         self._old_brow: npt.NDArray[np.uint32] = np.zeros(0, np.uint32)
         self._cursor = self._step = 0
         self._incremental_from = incremental_from
@@ -199,7 +191,7 @@ class ColdIndex:
         ns = self.namespace(digest)
         row = self._new_row()
         c = self._cols
-        c["key"][row] = _WORDS.unpack(padded)
+        c["key"][row] = WORDS.unpack(padded)
         c["klen"][row] = len(header.key)
         c["ns"][row] = ns
         c["flags"][row] = header.flags
@@ -226,9 +218,9 @@ class ColdIndex:
         for table_h, table_r in self.tables():
             mask = len(table_h) - 1
             i = h & mask
-            while (found := int(table_h[i])) != _EMPTY:
+            while (found := int(table_h[i])) != EMPTY:
                 if found == h and int(table_r[i]) == row:
-                    table_h[i] = _TOMBSTONE
+                    table_h[i] = TOMBSTONE
                     self._keys -= 1
                     break
                 i = (i + 1) & mask
@@ -331,7 +323,7 @@ class ColdIndex:
     def _named(self) -> npt.NDArray[np.bool_]:
         named = np.zeros(self._high, bool)
         for table_h, table_r in self.tables():
-            named[table_r[table_h > _TOMBSTONE]] = True
+            named[table_r[table_h > TOMBSTONE]] = True
         return named
 
     def column(self, name: str) -> npt.NDArray[Any]:
@@ -394,10 +386,10 @@ class ColdIndex:
         # key): the highest seq, then the first listed, sorts last and wins.
         suspects = np.flatnonzero(repeated(hashes))
         losers = np.zeros(count, bool)
-        order = suspects[_by_identity(c, suspects, -suspects, c["seq"][suspects])]
-        losers[order[:-1][_same_identity(c, order)]] = True
+        order = suspects[by_identity(c, suspects, -suspects, c["seq"][suspects])]
+        losers[order[:-1][same_identity(c, order)]] = True
         winners = np.flatnonzero(~losers)
-        index._build(hashes[winners], winners.astype(np.uint32), _capacity_for(len(winners)))
+        index._build(hashes[winners], winners.astype(np.uint32), capacity_for(len(winners)))
         return index
 
     # -- internals -----------------------------------------------------------------------------
@@ -445,11 +437,8 @@ class ColdIndex:
         slots[indices] = values
 
     def _hash_of(self, ns: int, klen: int, padded: bytes) -> int:
-        """:func:`identity_hashes` of one key."""
-        h = self._seed ^ (ns << 8 | klen)
-        for word in _WORDS.unpack(padded):
-            h = _mix(h ^ word)
-        return h if h > _TOMBSTONE else h + 2
+        """:func:`~kvtierd.store.buckets.identity_hashes` of one key."""
+        return hash_of(self._seed, ns, klen, padded)
 
     def _is(self, row: int, ns: int, klen: int, padded: bytes) -> bool:
         f, at = self._flat, row * MAX_KEY_BYTES
@@ -459,7 +448,7 @@ class ColdIndex:
             and f["key"][at : at + MAX_KEY_BYTES] == padded
         )
 
-    def tables(self) -> Iterator[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint32]]]:
+    def tables(self) -> Iterator[tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]]:
         """The bucket tables to look in: the current one, then the one it is leaving."""
         yield self._hash, self._brow
         if self.moving:
@@ -467,7 +456,7 @@ class ColdIndex:
 
     def _bucket(
         self,
-        table_h: npt.NDArray[np.uint64],
+        table_h: npt.NDArray[np.uint32],
         table_r: npt.NDArray[np.uint32],
         h: int,
         ns: int,
@@ -477,7 +466,7 @@ class ColdIndex:
         """The bucket of ``table_h`` naming the key, or -1."""
         mask = len(table_h) - 1
         i = h & mask
-        while (found := int(table_h[i])) != _EMPTY:
+        while (found := int(table_h[i])) != EMPTY:
             if found == h and self._is(int(table_r[i]), ns, klen, padded):
                 return i
             i = (i + 1) & mask
@@ -496,7 +485,7 @@ class ColdIndex:
                 return
         self._put(h, row)
         self._keys += 1
-        if self._filled > _MAX_LOAD * len(self._hash):
+        if self._filled > MAX_LOAD * len(self._hash):
             self._grow()
 
     def _put(self, h: int, row: int) -> None:
@@ -504,9 +493,9 @@ class ColdIndex:
         from its home (its key is in neither table)."""
         table_h, mask = self._hash, len(self._hash) - 1
         i = h & mask
-        while (found := int(table_h[i])) > _TOMBSTONE:
+        while (found := int(table_h[i])) > TOMBSTONE:
             i = (i + 1) & mask
-        self._filled += found == _EMPTY
+        self._filled += found == EMPTY
         table_h[i] = h
         self._brow[i] = row
 
@@ -519,18 +508,18 @@ class ColdIndex:
         so its pages cost nothing until the move touches them."""
         if self.moving:  # never, with the step below; kept for safety
             self._move(self.moving)
-        capacity = max(len(self._hash), _capacity_for(self._keys))
+        capacity = max(len(self._hash), capacity_for(self._keys))
         if len(self._hash) < self._incremental_from:
-            live = self._hash > _TOMBSTONE
+            live = self._hash > TOMBSTONE
             self._build(self._hash[live], self._brow[live], capacity)
             return
         self._old_hash, self._old_brow = self._hash, self._brow
-        self._hash = zeros(capacity, np.uint64)
+        self._hash = zeros(capacity, np.uint32)
         self._brow = zeros(capacity, np.uint32)
         self._filled = self._cursor = 0
         # Inserts until the new table is full: every one moved over and one new bucket per
         # insert at most.
-        room = _MAX_LOAD * capacity - self._keys - 1
+        room = MAX_LOAD * capacity - self._keys - 1
         self._step = max(1, math.ceil(len(self._old_hash) / max(1.0, room)))
 
     def _move(self, buckets: int) -> None:
@@ -541,40 +530,21 @@ class ColdIndex:
         hashes = self._old_hash[first:end]
         rows = self._old_brow[first:end].tolist()
         for k, h in enumerate(hashes.tolist()):
-            if h > _TOMBSTONE:
+            if h > TOMBSTONE:
                 self._put(h, rows[k])
-        hashes[hashes > _TOMBSTONE] = _TOMBSTONE
+        hashes[hashes > TOMBSTONE] = TOMBSTONE
         self._cursor = end
         if end == len(self._old_hash):
-            self._old_hash, self._old_brow = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
+            self._old_hash, self._old_brow = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
             self._cursor = 0
 
     def _build(
-        self, hashes: npt.NDArray[np.uint64], rows: npt.NDArray[np.uint32], capacity: int
+        self, hashes: npt.NDArray[np.uint32], rows: npt.NDArray[np.uint32], capacity: int
     ) -> None:
-        """Fill a table of ``capacity`` buckets with ``(hash, row)`` entries, all at once: in
-        order of their home bucket, each goes to its home or right after the one before it,
-        whichever is later (what inserting them one by one with linear probing gives); the few
-        pushed past the end wrap to the front one by one."""
-        table_h = np.zeros(capacity, np.uint64)
-        table_r = np.zeros(capacity, np.uint32)
-        count = len(hashes)
-        if count:
-            home = (hashes & np.uint64(capacity - 1)).astype(np.int64)
-            order = np.argsort(home, kind="stable")
-            steps = np.arange(count, dtype=np.int64)
-            spot = steps + np.maximum.accumulate(home[order] - steps)
-            inside = spot < capacity
-            table_h[spot[inside]] = hashes[order[inside]]
-            table_r[spot[inside]] = rows[order[inside]]
-            i = 0
-            for k in order[~inside]:
-                while table_h[i] != _EMPTY:
-                    i += 1
-                table_h[i], table_r[i] = hashes[k], rows[k]
-        self._hash, self._brow = table_h, table_r
-        self._filled = self._keys = count
-        self._old_hash, self._old_brow = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
+        """Make a table of ``capacity`` buckets of ``(hash, row)`` entries the current one."""
+        self._hash, self._brow = build_table(hashes, rows, capacity)
+        self._filled = self._keys = len(hashes)
+        self._old_hash, self._old_brow = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
         self._cursor = 0
 
     def ref_fields(self, row: int) -> tuple[bytes, bytes, int, int, int, int, int, int]:
@@ -607,29 +577,6 @@ def _flat(column: npt.NDArray[Any]) -> memoryview:
     return raw.cast({2: "H", 4: "I", 8: "Q"}[column.itemsize])  # type: ignore[call-overload, no-any-return]
 
 
-def _capacity_for(keys: int) -> int:
-    """Buckets for ``keys``: the least power of two they fill at most 0.6 of (room for some
-    more before :data:`_MAX_LOAD` asks for a rebuild)."""
-    capacity = 16
-    while keys > 0.6 * capacity:
-        capacity *= 2
-    return capacity
-
-
-def identity_hashes(
-    key: npt.NDArray[np.uint64],
-    klen: npt.NDArray[np.integer],
-    ns: npt.NDArray[np.integer],
-    seed: int,
-) -> npt.NDArray[np.uint64]:
-    """The bucket hash of many ``(namespace, key)`` at once (keys as rows of four words):
-    what :meth:`ColdIndex._hash_of` gives for one."""
-    h = np.uint64(seed) ^ ((ns.astype(np.uint64) << np.uint64(8)) | klen.astype(np.uint64))
-    for w in range(MAX_KEY_BYTES // 8):
-        h = _mix_all(h ^ key[:, w])
-    return np.where(h > _TOMBSTONE, h, h + np.uint64(2))
-
-
 def impossible_lengths(
     stored: npt.NDArray[Any], raw: npt.NDArray[Any], flags: npt.NDArray[Any]
 ) -> npt.NDArray[np.bool_]:
@@ -642,26 +589,3 @@ def impossible_lengths(
     wrong: npt.NDArray[np.bool_] = (stored < 1) | (raw > MAX_RAW_BYTES) | (stored > raw)
     wrong |= plain & (stored != raw)
     return wrong
-
-
-def repeated(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
-    """Which of ``values`` occur more than once (one sort; a search only when some do)."""
-    ordered = np.sort(values)
-    twice = ordered[1:][ordered[1:] == ordered[:-1]]
-    if not len(twice):
-        return np.zeros(len(values), bool)
-    return np.isin(values, twice)
-
-
-def _by_identity(c: Columns, rows: npt.NDArray[np.intp], *last: npt.NDArray[Any]) -> Any:
-    """The order of ``rows`` by ``(namespace, key length, key)``, then by ``last`` (the last
-    of them most significant among those)."""
-    words = c["key"][rows]
-    return np.lexsort((*last, c["klen"][rows], *words.T[::-1], c["ns"][rows]))
-
-
-def _same_identity(c: Columns, order: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
-    """For rows in ``order``: whether each but the last has the key of the one after it."""
-    ns, klen, words = c["ns"][order], c["klen"][order], c["key"][order]
-    same = (ns[1:] == ns[:-1]) & (klen[1:] == klen[:-1])
-    return same & (words[1:] == words[:-1]).all(axis=1)  # type: ignore[no-any-return]

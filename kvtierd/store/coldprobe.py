@@ -43,8 +43,8 @@ def find_many(index: ColdIndex, digest: bytes, keys: list[bytes]) -> npt.NDArray
     key, row_klen, row_ns = (index.column(name) for name in ("key", "klen", "ns"))
     todo = np.arange(len(keys))
     for table_h, table_r in index.tables():  # a key is in one of them: look in the next for misses
-        mask = np.uint64(len(table_h) - 1)
-        pending, at = todo, (hashes[todo] & mask).astype(np.intp)
+        mask = len(table_h) - 1
+        pending, at = todo, hashes[todo].astype(np.intp) & mask
         while len(pending):
             found = table_h[at]
             same = np.flatnonzero(found == hashes[pending])
@@ -58,6 +58,6 @@ def find_many(index: ColdIndex, digest: bytes, keys: list[bytes]) -> npt.NDArray
             rows[theirs[hit]] = candidates[hit]
             done = found == _EMPTY
             done[same[hit]] = True
-            pending, at = pending[~done], (at[~done] + 1) & int(mask)
+            pending, at = pending[~done], (at[~done] + 1) & mask
         todo = todo[rows[todo] < 0]
     return rows

@@ -35,6 +35,7 @@ import numpy.typing as npt
 import xxhash
 
 from kvtierd.keys import MAX_KEY_BYTES
+from kvtierd.store.copyhash import checksums_each
 
 __all__ = [
     "FORMAT_VERSION",
@@ -268,8 +269,8 @@ def record_headers(
     that fit a slot of ``slot_bytes``: their positions (0 to ``count - 1``) and their fields
     (columns: ``digest`` (16-byte voids), ``klen``, ``key`` as four u64 words, zero past the key,
     ``flags``, ``stored``, ``raw``, ``checksum``, ``seq``). What :meth:`RecordHeader.unpack`
-    accepts, parsed with numpy; only the header checksum is computed one page at a time, and
-    only for pages that start with the magic."""
+    accepts, parsed with numpy; the header checksums, of the pages that start with the magic,
+    in one call (:func:`~kvtierd.store.copyhash.checksums_each`: native once probed)."""
     names = list(_RECORD_FIELDS)
     layout = np.dtype(
         {
@@ -291,10 +292,10 @@ def record_headers(
         PAGE_BYTES
     )
     keep &= padded <= slot_bytes
-    for i in np.flatnonzero(keep):
-        at = int(i) * stride
-        if checksum(view[at : at + _RECORD.size]) != int(pages["check"][i]):
-            keep[i] = False
+    candidates = np.flatnonzero(keep)
+    if len(candidates):
+        sums = checksums_each(view, candidates * stride, _RECORD.size)
+        keep[candidates] = sums == pages["check"][candidates]
     found = np.flatnonzero(keep)
     fields = {
         name: np.ascontiguousarray(pages[name][found])

@@ -154,6 +154,37 @@ def test_runs_outside_their_storage_are_refused(kind: str, request: pytest.Fixtu
     assert bytes(storage) == bytes(1 << 20)  # refused before anything was copied
 
 
+@pytest.mark.parametrize("kind", [pytest.param("native", marks=needs_module), "python"])
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.binary(min_size=1, max_size=20000),
+    length=st.sampled_from([0, 1, 84, 128, 129, 240, 241, 1000]),
+    picks=st.lists(st.integers(0, 1 << 30), max_size=40),
+)
+def test_each_piece_is_hashed_as_xxhash_hashes_it(
+    kind: str, data: bytes, length: int, picks: list[int], request: pytest.FixtureRequest
+) -> None:
+    hasher: CopyHasher = request.getfixturevalue(kind)
+    storage = memoryview(data)
+    offsets = np.array([p % max(1, len(data) - length + 1) for p in picks], np.int64)
+    if length > len(data):
+        offsets = offsets[:0]
+    got = hasher.each(storage, offsets, length)
+    assert got.dtype == np.uint64
+    assert got.tolist() == [xxhash.xxh3_64_intdigest(data[o : o + length]) for o in offsets]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("native", marks=needs_module), "python"])
+def test_pieces_outside_their_storage_are_refused(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    hasher: CopyHasher = request.getfixturevalue(kind)
+    storage = memoryview(bytes(4096))
+    for offsets in ([4013], [-1], [0, 5000]):
+        with pytest.raises(ValueError):
+            hasher.each(storage, np.array(offsets), 84)
+
+
 @settings(max_examples=40, deadline=None)
 @given(size=sizes)
 def test_python_path_agrees_with_xxhash(python: CopyHasher, size: int) -> None:

@@ -1,13 +1,32 @@
-"""records.record_headers (numpy, a run of slot headers at once) against RecordHeader.unpack."""
+"""records.record_headers (numpy, a run of slot headers at once) against RecordHeader.unpack,
+with the header checksums taken by the native module and by Python alike."""
 
 from __future__ import annotations
 
+import importlib.util
 import mmap
+from unittest import mock
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtierd.store import records
+from kvtierd.store.copyhash import DEFAULT_MODULE, CopyHasher
 from kvtierd.store.records import PAGE_BYTES, CorruptRecord, RecordHeader, record_headers
+
+_NATIVE = CopyHasher(DEFAULT_MODULE)
+_PYTHON = CopyHasher("")
+HASHERS = [
+    pytest.param(_PYTHON, id="python"),
+    pytest.param(
+        _NATIVE,
+        id="native",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec(DEFAULT_MODULE) is None, reason="not built here"
+        ),
+    ),
+]
 
 SLOT = 2 * PAGE_BYTES
 
@@ -27,11 +46,15 @@ pages = st.one_of(
 )
 
 
+@pytest.mark.parametrize("hasher", HASHERS)
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(pages, st.integers(0, 100), st.integers(0, 255)), max_size=24))
 def test_every_header_unpack_accepts_and_that_fits_is_found(
-    listed: list[tuple[bytes, int, int]],
+    hasher: CopyHasher, listed: list[tuple[bytes, int, int]]
 ) -> None:
+    verdict = hasher.verdict(wait=True)
+    assert verdict is not None
+    assert hasher.native == verdict.ok == (hasher is _NATIVE)
     buffer = mmap.mmap(-1, max(1, len(listed)) * SLOT)
     expected: dict[int, RecordHeader] = {}
     for i, (page, flip_at, flip) in enumerate(listed):
@@ -45,7 +68,8 @@ def test_every_header_unpack_accepts_and_that_fits_is_found(
             continue
         if PAGE_BYTES + -(-header.stored_bytes // PAGE_BYTES) * PAGE_BYTES <= SLOT:
             expected[i] = header
-    found, fields = record_headers(buffer, SLOT, len(listed), SLOT)
+    with mock.patch.object(records, "checksums_each", hasher.each):  # this hasher, not the default
+        found, fields = record_headers(buffer, SLOT, len(listed), SLOT)
     assert found.tolist() == sorted(expected)
     for j, i in enumerate(found.tolist()):
         klen = int(fields["klen"][j])
