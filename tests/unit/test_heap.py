@@ -26,7 +26,10 @@ big = np.ones(16 << 20, np.uint8)
 del big  # a large free raises glibc's dynamic threshold past the arrays below
 before = rss()
 arrays = [np.ones(1 << 20, np.uint8) for _ in range(200)]
-above = [np.ones(100, np.uint8) for _ in range(200)]  # small ones above them hold the heap's top
+# One array above them holds the heap's top, so glibc cannot give their pages back by
+# trimming the top: larger than any free piece below (small ones may land in those, which
+# left the top free in some address layouts) and below the raised threshold.
+above = np.ones(2 << 20, np.uint8)
 del arrays
 if mode == "trim":
     assert heap.trim()
