@@ -64,6 +64,14 @@ from kvtierd.io import IoBackend
 from kvtierd.io.base import MAX_BUFFERS_PER_OP
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
+from kvtierd.store.checkpoint import (
+    Checkpoints,
+    checkpoint_paths,
+    forget,
+    fresh_table,
+    load_checkpoint,
+    open_table,
+)
 from kvtierd.store.codec import (
     checksum_off_loop,
     checksums_off_loop,
@@ -155,6 +163,10 @@ class NvmeTier(LowerTier):
         self._slot_disagreed = 0
         self.max_seq = 0
         self.recovery_source = "empty"
+        #: Segments whose headers recovery read (all after a full scan).
+        self.recovery_scanned = 0
+        #: Periodic checkpoints, when on (:mod:`kvtierd.store.checkpoint`).
+        self.checkpoints: Checkpoints | None = None
         self._identity = identity_of(os.fstat(fd))
         #: The first page as written (``None``: not checked, a tier built by a test).
         self._superblock = superblock.pack() if superblock is not None else None
@@ -195,6 +207,7 @@ class NvmeTier(LowerTier):
         try:
             slot = await self._allocate(slot_bytes_for(len(stored)))
             try:
+                generation = await self._mark(slot.segment)
                 async with self._pages.page() as page:
                     page[:] = header.pack()
                     await self._backend.writev(self._fd, slot.offset, [page, body])
@@ -211,7 +224,25 @@ class NvmeTier(LowerTier):
                 _close_bounce(bounce)
         self._cold.add(ref.ns_digest, header, slot.segment, slot.index)
         self._counters["bytes_written"] += PAGE_BYTES + padded
+        if self.checkpoints is not None:
+            if self.checkpoints.table.generation != generation:
+                # a checkpoint was taken while it was written, without it: mark it again
+                await self._mark(slot.segment)
+            self.checkpoints.wrote(PAGE_BYTES + padded, self._segmap, self._cold)
         return slot
+
+    async def _mark(self, segment: int) -> int:
+        """Mark ``segment`` written in the current generation, durably, before a write into
+        it (:mod:`kvtierd.store.changes`); the generation (0 with checkpoints off)."""
+        if self.checkpoints is None:
+            return 0
+        table = self.checkpoints.table
+        generation = table.generation
+        try:
+            await table.mark(segment)
+        except OSError as exc:
+            raise StorageIOError(f"cannot write the generation table: {exc}") from exc
+        return generation
 
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
         slot = self._slot(location)
@@ -462,6 +493,7 @@ class NvmeTier(LowerTier):
     async def _tombstone(self, slot: DiskSlot) -> None:
         if slot.offset + PAGE_BYTES > self._segmap.file_bytes:
             return  # never write past the end of the file (it would grow a regular file)
+        await self._mark(slot.segment)
         async with self._pages.page() as page:
             page[:] = bytes(PAGE_BYTES)
             await self._backend.writev(self._fd, slot.offset, [page])
@@ -583,6 +615,7 @@ class NvmeTier(LowerTier):
         self._cold = found.cold
         self.max_seq = found.max_seq
         self.recovery_source = found.source
+        self.recovery_scanned = found.scanned_segments
 
     def save_snapshot(self) -> None:
         save_snapshot(
@@ -624,12 +657,15 @@ async def open_nvme_tier(
     progress: Callable[[int], None] | None = None,
     snapshot_dir: Path | None = None,
     reinitialize: bool = False,
+    checkpoint_every_bytes: int = 0,
 ) -> AsyncIterator[NvmeTier]:
     """Open (creating if needed) the data file, recover its index, and yield the tier. On a
     clean exit the index snapshot is written into ``snapshot_dir`` (the daemon's data directory;
     default: the data file's), so the next start skips the scan. ``progress`` is told, during a
     scan, how many records it has recovered so far. ``reinitialize``: initialise an existing
-    file whose superblock cannot be read instead of refusing (:func:`open_superblock`)."""
+    file whose superblock cannot be read instead of refusing (:func:`open_superblock`).
+    ``checkpoint_every_bytes``: write a checkpoint every so many bytes written (0: none, and
+    any left by an earlier run is deleted), which a start after a crash begins from."""
     snapshot = snapshot_path(snapshot_dir if snapshot_dir is not None else path.parent, path)
     fd, file_bytes, modified_ns, held_bytes = await anyio.to_thread.run_sync(
         prepare_file, path, size_bytes, preallocate
@@ -642,9 +678,23 @@ async def open_nvme_tier(
         segmap = SegmentMap(superblock.file_id, file_bytes, segment_bytes)
         tier = NvmeTier(fd, path, snapshot, segmap, backend, pages, superblock)
         legacy = path.parent / SNAPSHOT_NAME  # where earlier versions wrote it
-        found = await load_snapshot(
-            snapshot, fd, segmap, backend, pages, legacy=legacy, data_mtime_ns=modified_ns
-        ) or await scan(fd, segmap, backend, pages, progress=progress)
+        checkpoint, generations = checkpoint_paths(snapshot)
+        table = open_table(generations, segmap.file_id) if checkpoint_every_bytes else None
+        found = (
+            await load_snapshot(
+                snapshot, fd, segmap, backend, pages, legacy=legacy, data_mtime_ns=modified_ns
+            )
+            or await load_checkpoint(checkpoint, table, fd, segmap, backend, pages)
+            or await scan(fd, segmap, backend, pages, progress=progress)
+        )
+        if not checkpoint_every_bytes:  # writes are not marked: no checkpoint may be trusted
+            await anyio.to_thread.run_sync(forget, checkpoint, generations)
+        else:
+            if table is None:
+                table = await anyio.to_thread.run_sync(
+                    fresh_table, generations, checkpoint, segmap.file_id
+                )
+            tier.checkpoints = Checkpoints(checkpoint, table, checkpoint_every_bytes)
         await tier._adopt(found)
         log.info(
             "NVMe tier %s: %d blocks recovered by %s in %.3f s",
@@ -654,6 +704,8 @@ async def open_nvme_tier(
             time.monotonic() - started,
         )
         yield tier
+        if tier.checkpoints is not None:
+            await anyio.to_thread.run_sync(tier.checkpoints.wait)
         try:
             await tier.sync()  # the snapshot may only name records that are durable
         except KvtierError as exc:  # the next start scans the headers instead
