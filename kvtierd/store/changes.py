@@ -55,7 +55,10 @@ class ChangeTable:
         self.since = since
         #: The generation writes are marked with now (a checkpoint taken moves it on).
         self.generation = generation
+        #: Each segment's generation as the next save writes it.
         self.segments: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)
+        #: Each segment's generation as a save that returned wrote it.
+        self._durable: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)
         self._lock = anyio.Lock()
         self._saving = threading.Lock()
 
@@ -82,6 +85,7 @@ class ChangeTable:
             raise CorruptTable("generation table checksum mismatch")
         table = cls(path, file_id, since, generation)
         table.segments = np.frombuffer(raw, "<u8", count, _HEAD.size).astype(np.uint64)
+        table._durable = table.segments.copy()
         if since > generation or (count and int(table.segments.max()) > generation):
             raise CorruptTable("a segment or the watch is newer than the table's generation")
         return table
@@ -120,22 +124,31 @@ class ChangeTable:
 
     async def mark(self, segment: int) -> None:
         """Make durable that ``segment`` is written in the current generation; returns at once
-        when it already is (the common case: once a segment a generation costs a write)."""
-        if segment < len(self.segments) and self.segments[segment] == self.generation:
+        when it already is (the common case: once a segment a generation costs a write).
+
+        :attr:`segments` (what every save writes) takes the mark before the save, so no save
+        from another thread can write a table without it; the fast path reads ``_durable``,
+        which takes it only once a save returned, so a second write into the segment waits for
+        the first one's mark instead of passing it."""
+        if self._is_durable(segment):
             return
         async with self._lock:
-            if segment < len(self.segments) and self.segments[segment] == self.generation:
+            if self._is_durable(segment):
                 return
             if segment >= len(self.segments):
-                grown = np.zeros(segment + 1, np.uint64)
-                grown[: len(self.segments)] = self.segments
-                self.segments = grown
-            self.segments[segment], before = self.generation, self.segments[segment]
+                self.segments = _grown(self.segments, segment + 1)
+                self._durable = _grown(self._durable, segment + 1)
+            generation = self.generation
+            self.segments[segment], before = generation, self.segments[segment]
             try:
                 await anyio.to_thread.run_sync(self.save)
             except BaseException:
-                self.segments[segment] = before  # not durable: the next write tries again
+                self.segments[segment] = max(before, self._durable[segment])
                 raise
+            self._durable[segment] = generation
+
+    def _is_durable(self, segment: int) -> bool:
+        return segment < len(self._durable) and self._durable[segment] == self.generation
 
     def advance(self) -> int:
         """Move on to the next generation and return the generation of the checkpoint being
@@ -145,3 +158,9 @@ class ChangeTable:
         taken = self.generation
         self.generation += 1
         return taken
+
+
+def _grown(array: npt.NDArray[np.uint64], length: int) -> npt.NDArray[np.uint64]:
+    grown = np.zeros(length, np.uint64)
+    grown[: len(array)] = array
+    return grown

@@ -174,7 +174,9 @@ async def load_checkpoint(
     for header in segments_of(snap):
         segmap.add_segment(header, all_free=False)
     await find_segments(fd, segmap, backend, pages)
-    changed = np.flatnonzero(table.changed_since(snap.generation, len(segmap.segments)))
+    changed_mask = table.changed_since(snap.generation, len(segmap.segments))
+    changed_mask[len(snap.segments) :] = True  # carved since: the checkpoint knows none
+    changed = np.flatnonzero(changed_mask)
     columns, digests, _ = await scan_segments(fd, segmap, changed.tolist(), backend, pages)
     merged, names = _merge(snap, changed, columns, digests)
     found = recovered(segmap, merged, names, "checkpoint")

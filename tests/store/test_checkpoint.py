@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtierd.io import open_io_backend
+from kvtierd.store.changes import ChangeTable, CorruptTable
 from kvtierd.store.checkpoint import checkpoint_paths
 from kvtierd.store.nvme import NvmeTier, open_nvme_tier
 from kvtierd.store.records import PAGE_BYTES, checksum
@@ -268,3 +270,44 @@ def test_kill_at_any_moment_during_periodic_checkpoints_loses_nothing_synced(
     assert tier.recovery_source in ("checkpoint", "scan")
     # a second start from what the first left (its checkpoint and table) agrees too
     anyio.run(restart, directory, last["durable"], backend=backend)
+
+
+# -- the generation table alone ----------------------------------------------------------------
+
+
+@given(
+    marks=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3)), max_size=30),
+    flip=st.integers(0, 10_000),
+)
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+def test_the_generation_table_reads_back_as_saved_and_any_flipped_bit_is_refused(
+    tmp_path_factory: pytest.TempPathFactory, marks: list[tuple[int, int]], flip: int
+) -> None:
+    path = tmp_path_factory.mktemp("table") / "table"
+    table = ChangeTable(path, bytes(range(16)), 5, 5)
+    table.save()
+
+    async def mark_all() -> None:
+        for segment, advances in marks:
+            for _ in range(advances):
+                table.advance()
+            await table.mark(segment)
+
+    anyio.run(mark_all)
+    loaded = ChangeTable.load(path, bytes(range(16)))
+    assert (loaded.since, loaded.generation) == (5, table.generation)
+    assert loaded.segments.tolist() == table.segments.tolist()
+    for generation in range(5, table.generation):
+        expected = [s for s, g in enumerate(table.segments.tolist()) if g > generation]
+        assert np.flatnonzero(loaded.changed_since(generation, len(loaded.segments))).tolist() == (
+            expected
+        )
+        assert loaded.covers(generation)
+    assert not loaded.covers(4)
+    assert not loaded.covers(table.generation)
+    raw = bytearray(path.read_bytes())
+    raw[flip % len(raw)] ^= 1 << (flip % 8)
+    with pytest.raises(CorruptTable):
+        ChangeTable.decode(path, bytes(raw))
+    with pytest.raises(CorruptTable):
+        ChangeTable.load(path, bytes(16))  # another data file's
