@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtierd.errors import StorageIOError
 from kvtierd.io import IoBackend
 from kvtierd.store import snapshot as snapshots
 from kvtierd.store.changes import ChangeTable, CorruptTable
@@ -55,6 +56,7 @@ __all__ = [
     "forget",
     "fresh_table",
     "load_checkpoint",
+    "mark",
     "open_table",
     "read_checkpoint",
 ]
@@ -78,9 +80,34 @@ class Checkpoints:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def wrote(self, nbytes: int, segmap: SegmentMap, cold: ColdIndex) -> None:
-        """Count ``nbytes`` written; take a checkpoint when a period's worth is, and none is
-        being written."""
+    @classmethod
+    def open(
+        cls,
+        path: Path,
+        generations: Path,
+        table: ChangeTable | None,
+        file_id: bytes,
+        every_bytes: int,
+    ) -> Checkpoints | None:
+        """Once the index is recovered: checkpoints of the data file ``file_id`` at ``path``,
+        with the generation ``table`` read at start (a fresh one when ``None``), or ``None``
+        with ``every_bytes`` 0, any checkpoint and table deleted (writes will not be marked,
+        so none may be trusted later). Blocking: call it in a worker thread."""
+        if not every_bytes:
+            forget(path, generations)
+            return None
+        if table is None:
+            table = fresh_table(generations, path, file_id)
+        return cls(path, table, every_bytes)
+
+    async def wrote(
+        self, segment: int, generation: int, nbytes: int, segmap: SegmentMap, cold: ColdIndex
+    ) -> None:
+        """Count a record of ``nbytes`` written into ``segment`` (marked in ``generation``) and
+        indexed; take a checkpoint when a period's worth is written and none is being."""
+        if self.table.generation != generation:
+            # a checkpoint was taken while it was written, without it: mark it again
+            await mark(self, segment)
         self._since += nbytes
         if self.every_bytes and self._since >= self.every_bytes and not self.busy:
             self.take(segmap, cold)
@@ -235,9 +262,27 @@ def forget(*paths: Path) -> None:
         fsync_directory(directory)
 
 
-def open_table(path: Path, file_id: bytes) -> ChangeTable | None:
-    """The generation table at ``path`` of data file ``file_id``; ``None`` when there is none
-    or it cannot be trusted (a WARNING): then no checkpoint is."""
+async def mark(checkpoints: Checkpoints | None, segment: int) -> int:
+    """Mark ``segment`` written in the current generation, durably, before a write into it
+    (:meth:`ChangeTable.mark`); the generation (0 with checkpoints off). A table that cannot
+    be written fails the write (``StorageIOError``): unmarked, it could be lost to a crash."""
+    if checkpoints is None:
+        return 0
+    table = checkpoints.table
+    generation = table.generation
+    try:
+        await table.mark(segment)
+    except OSError as exc:
+        raise StorageIOError(f"cannot write the generation table: {exc}") from exc
+    return generation
+
+
+def open_table(path: Path, file_id: bytes, every_bytes: int) -> ChangeTable | None:
+    """The generation table at ``path`` of data file ``file_id``; ``None`` when checkpoints
+    are off (``every_bytes`` 0), there is none, or it cannot be trusted (a WARNING): then no
+    checkpoint is."""
+    if not every_bytes:
+        return None
     try:
         return ChangeTable.load(path, file_id)
     except FileNotFoundError:

@@ -35,6 +35,10 @@ reads (``load_run``, issue 32), which need the tier's records and staging pages;
 record keeping from reads follows the index's reshape (docs/architecture.md, "The index at
 scale").
 
+With ``checkpoint_every_bytes``, every write into a segment (a record, a discard) is first
+marked in the durable generation table, and the index is checkpointed periodically, so a
+start after a crash scans only the segments written since (:mod:`kvtierd.store.checkpoint`).
+
 Optional zstd (per namespace) compresses through a bounce buffer in a worker thread, with one
 compressor per thread (a shared ``ZstdCompressor`` crashes the process).
 """
@@ -67,9 +71,8 @@ from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.checkpoint import (
     Checkpoints,
     checkpoint_paths,
-    forget,
-    fresh_table,
     load_checkpoint,
+    mark,
     open_table,
 )
 from kvtierd.store.codec import (
@@ -207,7 +210,7 @@ class NvmeTier(LowerTier):
         try:
             slot = await self._allocate(slot_bytes_for(len(stored)))
             try:
-                generation = await self._mark(slot.segment)
+                generation = await mark(self.checkpoints, slot.segment)
                 async with self._pages.page() as page:
                     page[:] = header.pack()
                     await self._backend.writev(self._fd, slot.offset, [page, body])
@@ -225,24 +228,10 @@ class NvmeTier(LowerTier):
         self._cold.add(ref.ns_digest, header, slot.segment, slot.index)
         self._counters["bytes_written"] += PAGE_BYTES + padded
         if self.checkpoints is not None:
-            if self.checkpoints.table.generation != generation:
-                # a checkpoint was taken while it was written, without it: mark it again
-                await self._mark(slot.segment)
-            self.checkpoints.wrote(PAGE_BYTES + padded, self._segmap, self._cold)
+            await self.checkpoints.wrote(
+                slot.segment, generation, PAGE_BYTES + padded, self._segmap, self._cold
+            )
         return slot
-
-    async def _mark(self, segment: int) -> int:
-        """Mark ``segment`` written in the current generation, durably, before a write into
-        it (:mod:`kvtierd.store.changes`); the generation (0 with checkpoints off)."""
-        if self.checkpoints is None:
-            return 0
-        table = self.checkpoints.table
-        generation = table.generation
-        try:
-            await table.mark(segment)
-        except OSError as exc:
-            raise StorageIOError(f"cannot write the generation table: {exc}") from exc
-        return generation
 
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
         slot = self._slot(location)
@@ -493,7 +482,7 @@ class NvmeTier(LowerTier):
     async def _tombstone(self, slot: DiskSlot) -> None:
         if slot.offset + PAGE_BYTES > self._segmap.file_bytes:
             return  # never write past the end of the file (it would grow a regular file)
-        await self._mark(slot.segment)
+        await mark(self.checkpoints, slot.segment)
         async with self._pages.page() as page:
             page[:] = bytes(PAGE_BYTES)
             await self._backend.writev(self._fd, slot.offset, [page])
@@ -679,7 +668,7 @@ async def open_nvme_tier(
         tier = NvmeTier(fd, path, snapshot, segmap, backend, pages, superblock)
         legacy = path.parent / SNAPSHOT_NAME  # where earlier versions wrote it
         checkpoint, generations = checkpoint_paths(snapshot)
-        table = open_table(generations, segmap.file_id) if checkpoint_every_bytes else None
+        table = open_table(generations, segmap.file_id, checkpoint_every_bytes)
         found = (
             await load_snapshot(
                 snapshot, fd, segmap, backend, pages, legacy=legacy, data_mtime_ns=modified_ns
@@ -687,14 +676,9 @@ async def open_nvme_tier(
             or await load_checkpoint(checkpoint, table, fd, segmap, backend, pages)
             or await scan(fd, segmap, backend, pages, progress=progress)
         )
-        if not checkpoint_every_bytes:  # writes are not marked: no checkpoint may be trusted
-            await anyio.to_thread.run_sync(forget, checkpoint, generations)
-        else:
-            if table is None:
-                table = await anyio.to_thread.run_sync(
-                    fresh_table, generations, checkpoint, segmap.file_id
-                )
-            tier.checkpoints = Checkpoints(checkpoint, table, checkpoint_every_bytes)
+        tier.checkpoints = await anyio.to_thread.run_sync(
+            Checkpoints.open, checkpoint, generations, table, segmap.file_id, checkpoint_every_bytes
+        )
         await tier._adopt(found)
         log.info(
             "NVMe tier %s: %d blocks recovered by %s in %.3f s",
