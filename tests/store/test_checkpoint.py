@@ -248,6 +248,24 @@ def test_a_checkpoint_the_table_does_not_cover_is_not_trusted(tmp_path: Path) ->
     assert not checkpoint.exists()  # deleted before a fresh table was started
 
 
+def test_a_kill_while_the_next_checkpoint_is_written_restarts_from_the_previous_one(
+    tmp_path: Path,
+) -> None:
+    """As the checkpoint thread leaves it when killed mid-write: the table saved with the next
+    generation, and half a checkpoint under the temporary name. The previous checkpoint is
+    still covered and adopted; the half one is never read."""
+    last = run_child(tmp_path, PLAN, "trio", None)
+    checkpoint, generations = checkpoint_paths(tmp_path / SNAPSHOT_NAME)
+    table = ChangeTable.decode(generations, generations.read_bytes())
+    table.advance()
+    table.save()
+    whole = checkpoint.read_bytes()
+    checkpoint.with_name(checkpoint.name + ".tmp").write_bytes(whole[: len(whole) // 2])
+    tier = anyio.run(restart, tmp_path, last["durable"], backend="trio")
+    assert tier.recovery_source == "checkpoint"
+    assert tier.recovery_scanned == len(last["touched"])
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 1 << 30), delay=st.floats(0.6, 3.0))
 def test_kill_at_any_moment_during_periodic_checkpoints_loses_nothing_synced(
