@@ -132,7 +132,7 @@ class Checkpoints:
     def _write(self, snap: snapshots.Snapshot) -> None:
         try:
             self.table.save()  # the table on disk covers the checkpoint before it exists
-            replace_durably(self.path, snapshots.encode(snap))
+            replace_durably(self.path, snapshots.encode_parts(snap))
         except OSError as exc:  # the previous checkpoint (or a full scan) still serves
             log.warning("cannot write the index checkpoint %s: %s", self.path, exc)
             return

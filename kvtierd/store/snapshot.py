@@ -33,7 +33,7 @@ from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.store.coldindex import COLUMNS, identity_hashes, impossible_lengths, repeated
 from kvtierd.store.records import PAGE_BYTES, RecordHeader
 
-__all__ = ["Snapshot", "SnapshotV1", "decode", "encode", "largest", "problem"]
+__all__ = ["Snapshot", "SnapshotV1", "decode", "encode", "encode_parts", "largest", "problem"]
 
 _MAGIC = b"KVTI"
 _VERSION = 3
@@ -94,7 +94,17 @@ class CorruptSnapshot(ValueError):
 
 
 def encode(snap: Snapshot) -> bytes:
-    parts = [np.ascontiguousarray(snap.columns[name], dtype=d).tobytes() for name, d, _ in COLUMNS]
+    return b"".join(encode_parts(snap))
+
+
+def encode_parts(snap: Snapshot) -> list[bytes | memoryview]:
+    """:func:`encode`'s bytes in pieces, the columns as views of their arrays: what a writer
+    of a large snapshot writes one after the other, without joining them into one more copy
+    of the index."""
+    parts = [
+        np.ascontiguousarray(snap.columns[name], dtype=d).reshape(-1).view(np.uint8).data
+        for name, d, _ in COLUMNS
+    ]
     head = msgspec.msgpack.encode(
         _Head(
             snap.file_id,
@@ -108,7 +118,7 @@ def encode(snap: Snapshot) -> bytes:
         )
     )
     framed = _FRAME.pack(_MAGIC, _VERSION, len(head)) + head
-    return b"".join([framed, _CHECK.pack(xxhash.xxh3_64_intdigest(framed)), *parts])
+    return [framed, _CHECK.pack(xxhash.xxh3_64_intdigest(framed)), *parts]
 
 
 def largest(file_bytes: int) -> int:
