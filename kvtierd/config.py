@@ -287,6 +287,9 @@ class NvmeConfig(_Section):
         "read_batch_bytes": lambda n: (
             None if 4 << 10 <= n <= 256 << 20 else f"{_show_size(n)} is outside 4K..256M"
         ),
+        "checkpoint_every_bytes": lambda n: (
+            None if n == 0 or n >= 1 << 20 else f"{_show_size(n)} is neither 0 (none) nor >= 1M"
+        ),
     }
 
 
