@@ -268,6 +268,10 @@ class NvmeConfig(_Section):
     #: CLOCK by default: a reference byte per row, where LRU's entry costs about 105 bytes a
     #: block and a second reuse model would double the per-LOOKUP telemetry cost.
     policy: NvmePolicyKind = NvmePolicyKind.CLOCK
+    #: A checkpoint (the index snapshot, written in a worker thread) every so many bytes
+    #: written: a start after a crash then reads it and scans only the segments written since,
+    #: so what it costs is bounded by this. 0: none (a crash restart scans every header).
+    checkpoint_every_bytes: ByteSize = ByteSize(8 << 30)
 
     field_rules: ClassVar[Mapping[str, FieldRule]] = {
         "size": lambda n: (
@@ -282,6 +286,9 @@ class NvmeConfig(_Section):
         ),
         "read_batch_bytes": lambda n: (
             None if 4 << 10 <= n <= 256 << 20 else f"{_show_size(n)} is outside 4K..256M"
+        ),
+        "checkpoint_every_bytes": lambda n: (
+            None if n == 0 or n >= 1 << 20 else f"{_show_size(n)} is neither 0 (none) nor >= 1M"
         ),
     }
 

@@ -58,11 +58,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 from references import fio_json, fio_read_args
+from scale_checkpoint import synthesise_checkpoint
 
 from kvtierd.client import connect, connect_async
 from kvtierd.config import parse_size
 from kvtierd.store.records import PAGE_BYTES, RecordHeader, Superblock, checksum
-from kvtierd.store.recovery import DATA_FILE_NAME
+from kvtierd.store.recovery import DATA_FILE_NAME, SNAPSHOT_NAME
 from kvtierd.store.segments import SegmentMap, slot_bytes_for
 from kvtierd.testing import DaemonProcess
 
@@ -194,7 +195,9 @@ def _check(d: DaemonProcess, prefix: int, blocks: int, block_bytes: int) -> dict
     return {"sampled": len(keys), "found": found, "read": read, "read_zeroes": zeroes}
 
 
-def bench_index(workdir: Path, blocks: int, block_bytes: int) -> dict[str, Any]:
+def bench_index(
+    workdir: Path, blocks: int, block_bytes: int, checkpoint_share: float = 0.0
+) -> dict[str, Any]:
     directory = workdir / f"index-{blocks}"
     slot_bytes = slot_bytes_for(block_bytes)
     nvme_mib = (blocks * slot_bytes + 2 * _SEGMENT_BYTES) // MiB + 1
@@ -223,7 +226,12 @@ def bench_index(workdir: Path, blocks: int, block_bytes: int) -> dict[str, Any]:
             "empty_start_s": empty_s,
             "empty": empty,
         }
-        for mode in ("scan", "snapshot"):
+        modes = ("scan", "snapshot", "checkpoint") if checkpoint_share else ("scan", "snapshot")
+        for mode in modes:
+            if mode == "checkpoint":  # a crash after a checkpoint and a share of writes since
+                result["checkpoint_segments"] = synthesise_checkpoint(
+                    d.data_dir / SNAPSHOT_NAME, d.data_dir / DATA_FILE_NAME, checkpoint_share
+                )
             seconds = _timed_start(d)
             memory = _memory(_pid(d))
             check = _check(d, prefix, blocks, block_bytes)
@@ -528,6 +536,26 @@ def _markdown(result: dict[str, Any], plot: str | None) -> str:
                 f"{max(run['scan']['peak_bytes'], run['snapshot']['peak_bytes']) / GiB:.2f} | "
                 f"{run['scan']['check']['found']}/{run['scan']['check']['sampled']} |"
             )
+        crashes = [run for run in runs if "checkpoint" in run]
+        if crashes:
+            lines += [
+                "",
+                "Crash restart from a checkpoint (issue 32): a checkpoint, then writes into a "
+                "share of the segments (their records rewritten), then a crash; the start adopts "
+                "the checkpoint and scans the segments written since, against the full scan "
+                "(the first column above) of the same file in the same run.",
+                "",
+                "| blocks | segments written since / all | start s: checkpoint (tier's / "
+                "store's) | of the full scan's start | keys found |",
+                "|---|---|---|---|---|",
+            ]
+            for run in crashes:
+                c = run["checkpoint"]
+                lines.append(
+                    f"| {run['blocks']:,} | {' / '.join(map(str, run['checkpoint_segments']))} | "
+                    f"{_start(c)} | {c['start_s'] / run['scan']['start_s']:.3f} | "
+                    f"{c['check']['found']}/{c['check']['sampled']} |"
+                )
         p = result.get("projection")
         if p:
             lines += [
@@ -607,6 +635,13 @@ def main() -> int:
         help="DRAM sizes (MiB) of the overflow runs, comma-separated: a put past a full DRAM "
         "should cost the same at each",
     )
+    parser.add_argument(
+        "--checkpoint-share",
+        type=float,
+        default=0.02,
+        help="index runs also start after a crash that followed a checkpoint and writes into "
+        "this share of the segments (0: not run)",
+    )
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -626,7 +661,7 @@ def main() -> int:
                     if per_block * blocks > args.max_daemon_gib * GiB:
                         skipped.append(blocks)
                         continue
-                runs.append(bench_index(work, blocks, 4 * KiB))
+                runs.append(bench_index(work, blocks, 4 * KiB, args.checkpoint_share))
                 print(f"index {blocks}: {runs[-1]['scan']['start_s']:.1f} s", file=sys.stderr)
             result["index"] = runs
             result["skipped"] = skipped

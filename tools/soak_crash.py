@@ -109,6 +109,9 @@ max_block_bytes = "64K"
 queue_depth = 192
 staging_bytes = "128K"
 """
+#: A checkpoint every 2 MiB written (about 120 blocks): kills land before, during and after
+#: checkpoints, and a restart adopts one and scans only the segments written since.
+CHECKPOINTS = 'checkpoint_every_bytes = "2M"\n'
 
 
 @functools.cache
@@ -223,11 +226,13 @@ class CrashLoop:
     # -- one iteration ---------------------------------------------------------------------
 
     def daemon(self, runtime: str = "asyncio", *, small_staging: bool = False) -> DaemonProcess:
-        config = None
+        config = ""
         if self.hostile:
             config = TENANTS.format(uid=os.getuid(), remote_uid=REMOTE_UID)
-            config += SMALL_STAGING if small_staging else ""
-            config += self.remote.config_text() if self.remote is not None else ""
+        # (TOML: one [nvme] table, so the checkpoints' line goes into the staging's)
+        config += (SMALL_STAGING if self.hostile and small_staging else "[nvme]\n") + CHECKPOINTS
+        if self.remote is not None:
+            config += self.remote.config_text()
         return DaemonProcess(
             self.directory,
             dram_size=self.dram_size,

@@ -9,18 +9,20 @@ temporary file behind.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["fsync_directory", "replace_durably"]
 
 
-def replace_durably(path: Path, data: bytes) -> None:
-    """Make ``data`` the contents of ``path``, durably; raises ``OSError`` (leaving ``path``
-    as it was and no temporary file) when it cannot."""
+def replace_durably(path: Path, data: bytes | Sequence[bytes | memoryview]) -> None:
+    """Make ``data`` (or its pieces, one after the other) the contents of ``path``, durably;
+    raises ``OSError`` (leaving ``path`` as it was and no temporary file) when it cannot."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as out:
-            out.write(data)
+            for piece in [data] if isinstance(data, bytes) else data:
+                out.write(piece)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)

@@ -234,6 +234,7 @@ async def open_store(
                         progress=partial(progress.advance, OpenPhase.RECOVERING),
                         snapshot_dir=data_dir,
                         reinitialize=config.nvme.reinitialize_unreadable,
+                        checkpoint_every_bytes=config.nvme.checkpoint_every_bytes,
                     )
                 )
             staged = None

@@ -35,6 +35,10 @@ reads (``load_run``, issue 32), which need the tier's records and staging pages;
 record keeping from reads follows the index's reshape (docs/architecture.md, "The index at
 scale").
 
+With ``checkpoint_every_bytes``, every write into a segment (a record, a discard) is first
+marked in the durable generation table, and the index is checkpointed periodically, so a
+start after a crash scans only the segments written since (:mod:`kvtierd.store.checkpoint`).
+
 Optional zstd (per namespace) compresses through a bounce buffer in a worker thread, with one
 compressor per thread (a shared ``ZstdCompressor`` crashes the process).
 """
@@ -64,6 +68,13 @@ from kvtierd.io import IoBackend
 from kvtierd.io.base import MAX_BUFFERS_PER_OP
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
+from kvtierd.store.checkpoint import (
+    Checkpoints,
+    checkpoint_paths,
+    load_checkpoint,
+    mark,
+    open_table,
+)
 from kvtierd.store.codec import (
     checksum_off_loop,
     checksums_off_loop,
@@ -155,6 +166,10 @@ class NvmeTier(LowerTier):
         self._slot_disagreed = 0
         self.max_seq = 0
         self.recovery_source = "empty"
+        #: Segments whose headers recovery read (all after a full scan).
+        self.recovery_scanned = 0
+        #: Periodic checkpoints, when on (:mod:`kvtierd.store.checkpoint`).
+        self.checkpoints: Checkpoints | None = None
         self._identity = identity_of(os.fstat(fd))
         #: The first page as written (``None``: not checked, a tier built by a test).
         self._superblock = superblock.pack() if superblock is not None else None
@@ -195,6 +210,7 @@ class NvmeTier(LowerTier):
         try:
             slot = await self._allocate(slot_bytes_for(len(stored)))
             try:
+                generation = await mark(self.checkpoints, slot.segment)
                 async with self._pages.page() as page:
                     page[:] = header.pack()
                     await self._backend.writev(self._fd, slot.offset, [page, body])
@@ -211,6 +227,10 @@ class NvmeTier(LowerTier):
                 _close_bounce(bounce)
         self._cold.add(ref.ns_digest, header, slot.segment, slot.index)
         self._counters["bytes_written"] += PAGE_BYTES + padded
+        if self.checkpoints is not None:
+            await self.checkpoints.wrote(
+                slot.segment, generation, PAGE_BYTES + padded, self._segmap, self._cold
+            )
         return slot
 
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
@@ -462,6 +482,7 @@ class NvmeTier(LowerTier):
     async def _tombstone(self, slot: DiskSlot) -> None:
         if slot.offset + PAGE_BYTES > self._segmap.file_bytes:
             return  # never write past the end of the file (it would grow a regular file)
+        await mark(self.checkpoints, slot.segment)
         async with self._pages.page() as page:
             page[:] = bytes(PAGE_BYTES)
             await self._backend.writev(self._fd, slot.offset, [page])
@@ -583,6 +604,7 @@ class NvmeTier(LowerTier):
         self._cold = found.cold
         self.max_seq = found.max_seq
         self.recovery_source = found.source
+        self.recovery_scanned = found.scanned_segments
 
     def save_snapshot(self) -> None:
         save_snapshot(
@@ -624,12 +646,15 @@ async def open_nvme_tier(
     progress: Callable[[int], None] | None = None,
     snapshot_dir: Path | None = None,
     reinitialize: bool = False,
+    checkpoint_every_bytes: int = 0,
 ) -> AsyncIterator[NvmeTier]:
     """Open (creating if needed) the data file, recover its index, and yield the tier. On a
     clean exit the index snapshot is written into ``snapshot_dir`` (the daemon's data directory;
     default: the data file's), so the next start skips the scan. ``progress`` is told, during a
     scan, how many records it has recovered so far. ``reinitialize``: initialise an existing
-    file whose superblock cannot be read instead of refusing (:func:`open_superblock`)."""
+    file whose superblock cannot be read instead of refusing (:func:`open_superblock`).
+    ``checkpoint_every_bytes``: write a checkpoint every so many bytes written (0: none, and
+    any left by an earlier run is deleted), which a start after a crash begins from."""
     snapshot = snapshot_path(snapshot_dir if snapshot_dir is not None else path.parent, path)
     fd, file_bytes, modified_ns, held_bytes = await anyio.to_thread.run_sync(
         prepare_file, path, size_bytes, preallocate
@@ -642,9 +667,18 @@ async def open_nvme_tier(
         segmap = SegmentMap(superblock.file_id, file_bytes, segment_bytes)
         tier = NvmeTier(fd, path, snapshot, segmap, backend, pages, superblock)
         legacy = path.parent / SNAPSHOT_NAME  # where earlier versions wrote it
-        found = await load_snapshot(
-            snapshot, fd, segmap, backend, pages, legacy=legacy, data_mtime_ns=modified_ns
-        ) or await scan(fd, segmap, backend, pages, progress=progress)
+        checkpoint, generations = checkpoint_paths(snapshot)
+        table = open_table(generations, segmap.file_id, checkpoint_every_bytes)
+        found = (
+            await load_snapshot(
+                snapshot, fd, segmap, backend, pages, legacy=legacy, data_mtime_ns=modified_ns
+            )
+            or await load_checkpoint(checkpoint, table, fd, segmap, backend, pages)
+            or await scan(fd, segmap, backend, pages, progress=progress)
+        )
+        tier.checkpoints = await anyio.to_thread.run_sync(
+            Checkpoints.open, checkpoint, generations, table, segmap.file_id, checkpoint_every_bytes
+        )
         await tier._adopt(found)
         log.info(
             "NVMe tier %s: %d blocks recovered by %s in %.3f s",
@@ -654,6 +688,8 @@ async def open_nvme_tier(
             time.monotonic() - started,
         )
         yield tier
+        if tier.checkpoints is not None:
+            await anyio.to_thread.run_sync(tier.checkpoints.wait)
         try:
             await tier.sync()  # the snapshot may only name records that are durable
         except KvtierError as exc:  # the next start scans the headers instead

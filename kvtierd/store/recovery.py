@@ -43,7 +43,7 @@ import logging
 import mmap
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,9 +73,14 @@ __all__ = [
     "DATA_FILE_NAME",
     "SNAPSHOT_NAME",
     "RecoveredIndex",
+    "check_segment_headers",
+    "find_segments",
     "load_snapshot",
+    "recovered",
     "save_snapshot",
     "scan",
+    "scan_segments",
+    "segments_of",
     "snapshot_path",
 ]
 
@@ -100,13 +105,15 @@ class RecoveredIndex:
     cold: ColdIndex = field(default_factory=ColdIndex)
     stale: list[DiskSlot] = field(default_factory=list)
     source: str = "empty"
+    #: Segments whose slot headers were read (all of them for a scan, none for a snapshot).
+    scanned_segments: int = 0
 
     @property
     def max_seq(self) -> int:
         return self.cold.max_seq()
 
 
-def _recovered(
+def recovered(
     segmap: SegmentMap,
     columns: Columns,
     digests: list[bytes],
@@ -188,13 +195,13 @@ async def load_snapshot(
         return None
     problem = snapshots.problem(snap, segmap.file_bytes)
     if problem is None:
-        problem = await _check_segment_headers(fd, _segments_of(snap), backend, pages)
+        problem = await check_segment_headers(fd, segments_of(snap), backend, pages)
     if problem is not None:
         log.warning("index snapshot disagrees with the data file (%s); scanning instead", problem)
         return None
-    for header in _segments_of(snap):
+    for header in segments_of(snap):
         segmap.add_segment(header, all_free=False)
-    return _recovered(segmap, snap.columns, snap.digests, "snapshot")
+    return recovered(segmap, snap.columns, snap.digests, "snapshot")
 
 
 def _take_snapshot(
@@ -229,11 +236,11 @@ def _take_snapshot(
     return snap
 
 
-def _segments_of(snap: snapshots.Snapshot) -> list[SegmentHeader]:
+def segments_of(snap: snapshots.Snapshot) -> list[SegmentHeader]:
     return [SegmentHeader(snap.file_id, *geometry) for geometry in snap.segments]
 
 
-async def _check_segment_headers(
+async def check_segment_headers(
     fd: int, expected: list[SegmentHeader], backend: IoBackend, pages: StagingPages
 ) -> str | None:
     """Compare the segment headers on disk with ``expected``: the first disagreement, or
@@ -321,14 +328,39 @@ async def scan(
     ``progress`` is told the number found so far before each run of headers. Each run's
     headers are parsed together (:func:`~kvtierd.store.records.record_headers`), and the
     newest record of each key is chosen once, for the whole file, with numpy."""
+    await find_segments(fd, segmap, backend, pages)
+    numbers = range(len(segmap.segments))
+    found = recovered(segmap, *await scan_segments(fd, segmap, numbers, backend, pages, progress))
+    found.scanned_segments = len(numbers)
+    return found
+
+
+async def find_segments(
+    fd: int, segmap: SegmentMap, backend: IoBackend, pages: StagingPages
+) -> None:
+    """Add to ``segmap`` the segments after its last one (from the file's start when it has
+    none), stepping from segment header to segment header."""
     async with pages.page() as page:
         while (header := await _next_segment(fd, segmap, backend, page)) is not None:
             segmap.add_segment(header, all_free=False)
-    if sum(s.slot_count for s in segmap.segments) >= _NATIVE_SCAN_FROM:
+
+
+async def scan_segments(
+    fd: int,
+    segmap: SegmentMap,
+    numbers: Iterable[int],
+    backend: IoBackend,
+    pages: StagingPages,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[dict[str, npt.NDArray[Any]], list[bytes], str]:
+    """The intact records in the slots of segments ``numbers`` of ``segmap``, as cold index
+    columns, the namespace digests their ``ns`` numbers, and the source ``"scan"``."""
+    numbers = list(numbers)
+    if sum(segmap.segments[n].slot_count for n in numbers) >= _NATIVE_SCAN_FROM:
         # Worth the probe's child (about 0.1-0.3 s): the native module checks each run's
         # header checksums in one call, a Python call a slot otherwise (about 1 us).
         await anyio.to_thread.run_sync(functools.partial(default_hasher().verdict, wait=True))
-    runs = _header_runs(segmap)
+    runs = _header_runs(segmap, numbers)
     #: Per run with records: its segment, the slots holding them, and their fields.
     found: list[tuple[int, npt.NDArray[np.intp], dict[str, npt.NDArray[Any]]]] = []
     counted = 0
@@ -369,7 +401,7 @@ async def scan(
     async with anyio.create_task_group() as tg:
         for _ in range(min(pages.count, _SCAN_WORKERS)):
             tg.start_soon(worker)
-    return _recovered(segmap, *_columns_of(found), "scan")
+    return (*_columns_of(found), "scan")
 
 
 def _columns_of(
@@ -393,11 +425,12 @@ def _columns_of(
     return columns, [bytes(d) for d in digests]
 
 
-def _header_runs(segmap: SegmentMap) -> Iterator[tuple[int, int, int]]:
-    """``(segment, first slot, count)`` units of work. Small slots are read in whole runs of up
-    to :data:`_RUN_BYTES` (one I/O for many headers: thousands of tiny reads would cost more
-    than the extra bytes); large slots by their header page only."""
-    for number, header in enumerate(segmap.segments):
+def _header_runs(segmap: SegmentMap, numbers: list[int]) -> Iterator[tuple[int, int, int]]:
+    """``(segment, first slot, count)`` units of work in segments ``numbers``. Small slots are
+    read in whole runs of up to :data:`_RUN_BYTES` (one I/O for many headers: thousands of
+    tiny reads would cost more than the extra bytes); large slots by their header page only."""
+    for number in numbers:
+        header = segmap.segments[number]
         per_run = _RUN_BYTES // header.slot_bytes if header.slot_bytes <= _SMALL_SLOT_BYTES else 1
         for first in range(0, header.slot_count, max(1, per_run)):
             yield number, first, min(max(1, per_run), header.slot_count - first)

@@ -5,11 +5,14 @@ blocks is one read and a few passes of numpy, never a Python object per block::
 
     magic "KVTI", version (u16), reserved (u16), length of the head (u64)
     head (msgpack): file id, file bytes, segments [(start, slot bytes, slot count)], namespace
-        digests, the data file's mtime, rows, and the xxh3-64 of each column's bytes
+        digests, the data file's mtime, rows, the xxh3-64 of each column's bytes, and the
+        checkpoint's generation (format 3; nil for a snapshot at a clean stop)
     xxh3-64 of every byte before it (u64)
     each column of :data:`~kvtierd.store.coldindex.COLUMNS` in order, little-endian
 
-Format 1 (a msgpack array with a tuple per record) is still read, and written no more.
+Format 3 adds to the head the generation of a checkpoint (the snapshot written while serving,
+:mod:`kvtierd.store.checkpoint`). Format 2 (without it) and format 1 (a msgpack array with a
+tuple per record) are still read, and written no more.
 
 A snapshot that decodes is not yet trusted: :func:`problem` says what makes it impossible for
 the data file (the checks docs/architecture.md's "Crash safety" lists), all vectorised.
@@ -30,10 +33,12 @@ from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.store.coldindex import COLUMNS, identity_hashes, impossible_lengths, repeated
 from kvtierd.store.records import PAGE_BYTES, RecordHeader
 
-__all__ = ["Snapshot", "SnapshotV1", "decode", "encode", "largest", "problem"]
+__all__ = ["Snapshot", "SnapshotV1", "decode", "encode", "encode_parts", "largest", "problem"]
 
 _MAGIC = b"KVTI"
-_VERSION = 2
+_VERSION = 3
+#: Format 2 is format 3 without the checkpoint's generation.
+_READ_VERSIONS = (2, 3)
 _FRAME = struct.Struct("<4sH2xQ")
 _CHECK = struct.Struct("<Q")
 _KNOWN_FLAGS = RecordHeader.FLAG_ZSTD
@@ -65,6 +70,7 @@ class _Head(msgspec.Struct, array_like=True):
     data_mtime_ns: int | None
     rows: int
     checksums: list[int]
+    generation: int | None = None  # format 3
 
 
 @dataclass
@@ -79,6 +85,8 @@ class Snapshot:
     columns: dict[str, npt.NDArray[Any]]
     #: The data file's mtime when it was written (``None``: a block device, or an old snapshot).
     data_mtime_ns: int | None = None
+    #: A checkpoint's generation (:mod:`kvtierd.store.changes`); ``None``: not a checkpoint.
+    generation: int | None = None
 
 
 class CorruptSnapshot(ValueError):
@@ -86,7 +94,17 @@ class CorruptSnapshot(ValueError):
 
 
 def encode(snap: Snapshot) -> bytes:
-    parts = [np.ascontiguousarray(snap.columns[name], dtype=d).tobytes() for name, d, _ in COLUMNS]
+    return b"".join(encode_parts(snap))
+
+
+def encode_parts(snap: Snapshot) -> list[bytes | memoryview]:
+    """:func:`encode`'s bytes in pieces, the columns as views of their arrays: what a writer
+    of a large snapshot writes one after the other, without joining them into one more copy
+    of the index."""
+    parts = [
+        np.ascontiguousarray(snap.columns[name], dtype=d).reshape(-1).view(np.uint8).data
+        for name, d, _ in COLUMNS
+    ]
     head = msgspec.msgpack.encode(
         _Head(
             snap.file_id,
@@ -96,10 +114,11 @@ def encode(snap: Snapshot) -> bytes:
             snap.data_mtime_ns,
             len(snap.columns["klen"]),
             [xxhash.xxh3_64_intdigest(part) for part in parts],
+            snap.generation,
         )
     )
     framed = _FRAME.pack(_MAGIC, _VERSION, len(head)) + head
-    return b"".join([framed, _CHECK.pack(xxhash.xxh3_64_intdigest(framed)), *parts])
+    return [framed, _CHECK.pack(xxhash.xxh3_64_intdigest(framed)), *parts]
 
 
 def largest(file_bytes: int) -> int:
@@ -123,7 +142,7 @@ def decode(raw: bytes) -> Snapshot:
         raise CorruptSnapshot("short snapshot")
     _, version, head_bytes = _FRAME.unpack_from(raw)
     end = _FRAME.size + head_bytes
-    if version != _VERSION or len(raw) < end + _CHECK.size:
+    if version not in _READ_VERSIONS or len(raw) < end + _CHECK.size:
         raise CorruptSnapshot(f"format version {version}, or short")
     (check,) = _CHECK.unpack_from(raw, end)
     if xxhash.xxh3_64_intdigest(raw[:end]) != check:
@@ -147,8 +166,16 @@ def decode(raw: bytes) -> Snapshot:
         at += length
     if at != len(raw):
         raise CorruptSnapshot("bytes after the last column")
+    if head.generation is not None and not 0 <= head.generation < _U64:
+        raise CorruptSnapshot("an impossible generation")
     return Snapshot(
-        head.file_id, head.file_bytes, head.segments, head.digests, columns, head.data_mtime_ns
+        head.file_id,
+        head.file_bytes,
+        head.segments,
+        head.digests,
+        columns,
+        head.data_mtime_ns,
+        head.generation,
     )
 
 

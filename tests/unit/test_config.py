@@ -89,6 +89,10 @@ def test_the_disk_evicts_by_clock_by_default_and_only_the_disk_can(tmp_path: Pat
             "nvme.segment_bytes: must be a multiple of 4K and at least 1M, not 1000",
         ),
         (
+            "[nvme]\ncheckpoint_every_bytes = '4K'\n",
+            "nvme.checkpoint_every_bytes: 4K is neither 0 (none) nor >= 1M",
+        ),
+        (
             "[daemon]\nmax_frame_bytes = '1K'\n",
             "daemon.max_frame_bytes: 1K is out of range 4K..64M",
         ),

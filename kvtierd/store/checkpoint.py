@@ -1,0 +1,303 @@
+"""Checkpoints: the index snapshot written while serving, and a crash restart from one.
+
+A crash restart that scans every slot's header page is bound by the disk (one page a slot:
+10M slots at 140K IOPS is 71 s). A checkpoint bounds it by what was written since instead:
+
+* every ``nvme.checkpoint_every_bytes`` written, the tier copies the cold index's columns and
+  the segment geometry on the event loop (one pass of numpy), moves the generation table
+  (:mod:`kvtierd.store.changes`) to the next generation in the same step, and writes the
+  snapshot (format 3, with the generation it holds) in a worker thread: the table saved first,
+  then the checkpoint by temporary file, fsync, rename, directory fsync. The loop keeps
+  inserting meanwhile; what it inserts is marked in the new generation.
+* after a crash (no clean-stop snapshot), the newest checkpoint is read, checked against the
+  file as a clean-stop snapshot is (:func:`~kvtierd.store.snapshot.problem`, the segment
+  headers on disk), and accepted only when the generation table covers it; its rows of
+  segments unchanged since are adopted, the changed segments (and those carved since) are
+  scanned, and the newest record of each key across both wins
+  (:meth:`~kvtierd.store.coldindex.ColdIndex.from_columns`' rule, as a full scan).
+
+Any doubt (no table, a damaged table or checkpoint, a checkpoint the table does not cover, a
+geometry that disagrees) costs the full scan, with a WARNING: a checkpoint is a shortcut, never
+an authority. Unlike the clean-stop snapshot it is not deleted at start: the table keeps it
+true, since every write into a segment is marked durably before it is made.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtierd.errors import StorageIOError
+from kvtierd.io import IoBackend
+from kvtierd.store import snapshot as snapshots
+from kvtierd.store.changes import ChangeTable, CorruptTable
+from kvtierd.store.coldindex import COLUMNS, ColdIndex
+from kvtierd.store.durable import fsync_directory, replace_durably
+from kvtierd.store.recovery import (
+    RecoveredIndex,
+    check_segment_headers,
+    find_segments,
+    recovered,
+    scan_segments,
+    segments_of,
+)
+from kvtierd.store.segments import SegmentMap
+from kvtierd.store.staging import StagingPages
+
+__all__ = [
+    "Checkpoints",
+    "checkpoint_paths",
+    "forget",
+    "fresh_table",
+    "load_checkpoint",
+    "mark",
+    "open_table",
+    "read_checkpoint",
+]
+
+log = logging.getLogger("kvtierd.checkpoint")
+
+
+class Checkpoints:
+    """Takes a checkpoint of the tier every ``every_bytes`` written (0: never)."""
+
+    def __init__(self, path: Path, table: ChangeTable, every_bytes: int) -> None:
+        self.path = path
+        self.table = table
+        self.every_bytes = every_bytes
+        #: Checkpoints written by this process (tests and the benchmark read it).
+        self.written = 0
+        self._since = 0
+        self._thread: threading.Thread | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @classmethod
+    def open(
+        cls,
+        path: Path,
+        generations: Path,
+        table: ChangeTable | None,
+        file_id: bytes,
+        every_bytes: int,
+    ) -> Checkpoints | None:
+        """Once the index is recovered: checkpoints of the data file ``file_id`` at ``path``,
+        with the generation ``table`` read at start (a fresh one when ``None``), or ``None``
+        with ``every_bytes`` 0, any checkpoint and table deleted (writes will not be marked,
+        so none may be trusted later). Blocking: call it in a worker thread."""
+        if not every_bytes:
+            forget(path, generations)
+            return None
+        if table is None:
+            table = fresh_table(generations, path, file_id)
+        return cls(path, table, every_bytes)
+
+    async def wrote(
+        self, segment: int, generation: int, nbytes: int, segmap: SegmentMap, cold: ColdIndex
+    ) -> None:
+        """Count a record of ``nbytes`` written into ``segment`` (marked in ``generation``) and
+        indexed; take a checkpoint when a period's worth is written and none is being."""
+        if self.table.generation != generation:
+            # a checkpoint was taken while it was written, without it: mark it again
+            await mark(self, segment)
+        self._since += nbytes
+        if self.every_bytes and self._since >= self.every_bytes and not self.busy:
+            self.take(segmap, cold)
+
+    def take(self, segmap: SegmentMap, cold: ColdIndex) -> None:
+        """Copy the index and move the table on (both now, on the caller's thread, in one
+        step), then write both in a worker thread."""
+        self._since = 0
+        snap = snapshots.Snapshot(
+            segmap.file_id,
+            segmap.file_bytes,
+            [(s.start, s.slot_bytes, s.slot_count) for s in segmap.segments],
+            list(cold.digests),
+            cold.columns(),
+        )
+        snap.generation = self.table.advance()
+        self._thread = threading.Thread(
+            target=self._write, args=(snap,), name="kvtierd-checkpoint", daemon=True
+        )
+        self._thread.start()
+
+    def _write(self, snap: snapshots.Snapshot) -> None:
+        try:
+            self.table.save()  # the table on disk covers the checkpoint before it exists
+            replace_durably(self.path, snapshots.encode_parts(snap))
+        except OSError as exc:  # the previous checkpoint (or a full scan) still serves
+            log.warning("cannot write the index checkpoint %s: %s", self.path, exc)
+            return
+        self.written += 1
+        log.info(
+            "index checkpoint %d written: %d blocks", snap.generation, len(snap.columns["klen"])
+        )
+
+    def wait(self) -> None:
+        """Block until the checkpoint being written, if any, is (call it in a worker
+        thread)."""
+        if self._thread is not None:
+            self._thread.join()
+
+
+def read_checkpoint(path: Path, segmap: SegmentMap) -> snapshots.Snapshot | None:
+    """The checkpoint at ``path`` of the data file of ``segmap``; ``None`` (a WARNING for one
+    that exists) when there is none, it cannot be decoded, is larger than any of this file can
+    be, or names another file."""
+    limit = snapshots.largest(segmap.file_bytes)
+    try:
+        with open(path, "rb") as file:
+            raw = file.read(limit + 1)
+    except FileNotFoundError:
+        return None
+    if len(raw) > limit:
+        log.warning("ignoring index checkpoint %s: larger than any of this data file", path)
+        return None
+    try:
+        snap = snapshots.decode(raw)
+    except snapshots.CorruptSnapshot as exc:
+        log.warning("ignoring unreadable index checkpoint %s: %s", path, exc)
+        return None
+    if snap.file_id != segmap.file_id or snap.generation is None:
+        log.warning("ignoring index checkpoint %s: another data file's, or no checkpoint", path)
+        return None
+    return snap
+
+
+async def load_checkpoint(
+    path: Path,
+    table: ChangeTable | None,
+    fd: int,
+    segmap: SegmentMap,
+    backend: IoBackend,
+    pages: StagingPages,
+) -> RecoveredIndex | None:
+    """The index from the checkpoint at ``path`` and a scan of the segments the generation
+    ``table`` says changed since; ``None`` (a WARNING when a checkpoint exists) when there is
+    none or any doubt: the caller scans the whole file. ``segmap`` is left untouched then."""
+    snap = read_checkpoint(path, segmap)
+    if snap is None:
+        return None
+    assert snap.generation is not None
+    if table is None or not table.covers(snap.generation):
+        problem: str | None = "the generation table does not cover it"
+    elif snap.file_bytes != segmap.file_bytes:
+        problem = "it does not match the data file's size"
+    else:
+        problem = snapshots.problem(snap, segmap.file_bytes)
+        if problem is None:
+            problem = await check_segment_headers(fd, segments_of(snap), backend, pages)
+    if problem is not None or table is None:
+        log.warning("index checkpoint %s not used (%s); scanning every header", path, problem)
+        return None
+    for header in segments_of(snap):
+        segmap.add_segment(header, all_free=False)
+    await find_segments(fd, segmap, backend, pages)
+    changed_mask = table.changed_since(snap.generation, len(segmap.segments))
+    changed_mask[len(snap.segments) :] = True  # carved since: the checkpoint knows none
+    changed = np.flatnonzero(changed_mask)
+    columns, digests, _ = await scan_segments(fd, segmap, changed.tolist(), backend, pages)
+    merged, names = _merge(snap, changed, columns, digests)
+    found = recovered(segmap, merged, names, "checkpoint")
+    found.scanned_segments = len(changed)
+    log.info(
+        "index checkpoint %d adopted; %d of %d segments written since were scanned",
+        snap.generation,
+        len(changed),
+        len(segmap.segments),
+    )
+    return found
+
+
+def _merge(
+    snap: snapshots.Snapshot,
+    changed: npt.NDArray[np.intp],
+    columns: dict[str, npt.NDArray[Any]],
+    digests: list[bytes],
+) -> tuple[dict[str, npt.NDArray[Any]], list[bytes]]:
+    """The checkpoint's rows outside the ``changed`` segments and the scan's rows of those, as
+    one set of columns numbering the namespaces of the returned digests."""
+    keep = ~np.isin(snap.columns["segment"], changed)
+    names = list(snap.digests)
+    number = {digest: i for i, digest in enumerate(names)}
+    for digest in digests:
+        if digest not in number:
+            number[digest] = len(names)
+            names.append(digest)
+    renumber = np.array([number[d] for d in digests], dtype=np.int64)
+    scanned = dict(columns)
+    if len(scanned["klen"]):
+        scanned["ns"] = renumber[np.asarray(scanned["ns"], dtype=np.int64)]
+    merged = {
+        name: np.concatenate(
+            [snap.columns[name][keep].astype(dtype), np.asarray(scanned[name]).astype(dtype)]
+        )
+        for name, dtype, _ in COLUMNS
+    }
+    return merged, names
+
+
+def checkpoint_paths(snapshot: Path) -> tuple[Path, Path]:
+    """The checkpoint and the generation table of the data file whose clean-stop snapshot is
+    ``snapshot``: beside it, named after it."""
+    return snapshot.with_name(snapshot.name + ".checkpoint"), snapshot.with_name(
+        snapshot.name + ".generations"
+    )
+
+
+def forget(*paths: Path) -> None:
+    """Delete the files at ``paths`` durably (a checkpoint before a fresh generation table is
+    started, which would not cover it)."""
+    for path in paths:
+        path.unlink(missing_ok=True)
+    for directory in {path.parent for path in paths}:
+        fsync_directory(directory)
+
+
+async def mark(checkpoints: Checkpoints | None, segment: int) -> int:
+    """Mark ``segment`` written in the current generation, durably, before a write into it
+    (:meth:`ChangeTable.mark`); the generation (0 with checkpoints off). A table that cannot
+    be written fails the write (``StorageIOError``): unmarked, it could be lost to a crash."""
+    if checkpoints is None:
+        return 0
+    table = checkpoints.table
+    generation = table.generation
+    try:
+        await table.mark(segment)
+    except OSError as exc:
+        raise StorageIOError(f"cannot write the generation table: {exc}") from exc
+    return generation
+
+
+def open_table(path: Path, file_id: bytes, every_bytes: int) -> ChangeTable | None:
+    """The generation table at ``path`` of data file ``file_id``; ``None`` when checkpoints
+    are off (``every_bytes`` 0), there is none, or it cannot be trusted (a WARNING): then no
+    checkpoint is."""
+    if not every_bytes:
+        return None
+    try:
+        return ChangeTable.load(path, file_id)
+    except FileNotFoundError:
+        return None
+    except (CorruptTable, OSError) as exc:
+        log.warning("ignoring the generation table %s: %s", path, exc)
+        return None
+
+
+def fresh_table(path: Path, checkpoint: Path, file_id: bytes) -> ChangeTable:
+    """A new generation table, written durably, once the checkpoint it does not cover is
+    deleted; its generations start at the clock's nanoseconds, above any an earlier table of
+    this file gave (blocking: call it in a worker thread)."""
+    forget(checkpoint)
+    now = time.time_ns()
+    table = ChangeTable(path, file_id, now, now)
+    table.save()
+    return table

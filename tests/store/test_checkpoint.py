@@ -1,0 +1,331 @@
+"""Checkpoints and the crash restart from one (kvtierd/store/checkpoint.py, changes.py).
+
+A real NVMe tier on a real file runs in a child process that is killed with SIGKILL; the
+parent then opens the tier as a restarting daemon does and checks: every block whose sync
+returned is there with its bytes, every one forgotten (and synced) is gone, a rewritten key
+comes back as its newest version, and only the segments written since the checkpoint (or
+carved since) were scanned. A damaged checkpoint or generation table, and a kill while a
+checkpoint is being written, cost a full scan or the previous checkpoint: the same result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtierd.io import open_io_backend
+from kvtierd.store.changes import ChangeTable, CorruptTable
+from kvtierd.store.checkpoint import checkpoint_paths
+from kvtierd.store.nvme import NvmeTier, open_nvme_tier
+from kvtierd.store.records import PAGE_BYTES, checksum
+from kvtierd.store.recovery import SNAPSHOT_NAME
+from kvtierd.store.segments import DiskSlot
+from kvtierd.store.staging import StagingPages
+from kvtierd.store.tier import BlockRef
+
+pytestmark = [pytest.mark.timeout(300)]
+
+NS = bytes(range(16))
+FILE_BYTES = 32 << 20
+SEGMENT_BYTES = 1 << 20
+BLOCK = 60 << 10  # 64 KiB slots: 16 to a 1 MiB segment
+PAGES = 16
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def content(key: bytes, seq: int) -> bytes:
+    stamp = key + seq.to_bytes(8, "little")
+    return (stamp * (BLOCK // len(stamp) + 1))[:BLOCK]
+
+
+def key_for(i: int) -> bytes:
+    return b"ckpt-%06d" % i
+
+
+@contextlib.asynccontextmanager
+async def open_tier(directory: Path, every: int) -> AsyncIterator[tuple[NvmeTier, memoryview]]:
+    memory = mmap.mmap(-1, PAGES * PAGE_BYTES + BLOCK + PAGE_BYTES)
+    view = memoryview(memory)
+    async with open_io_backend("threads", queue_depth=16) as backend:
+        pages = StagingPages(view[: PAGES * PAGE_BYTES], PAGES)
+        async with open_nvme_tier(
+            directory / "nvme.data",
+            FILE_BYTES,
+            backend=backend,
+            pages=pages,
+            segment_bytes=SEGMENT_BYTES,
+            snapshot_dir=directory,
+            checkpoint_every_bytes=every,
+        ) as tier:
+            yield tier, view[PAGES * PAGE_BYTES :]
+
+
+# -- the child: writes, checkpoints, syncs, and is killed --------------------------------------
+
+
+def child(directory: str, plan: str, backend: str) -> None:
+    """Run ``plan`` (JSON) against the tier in ``directory``, printing after every sync the
+    keys durable by then (``{"key": seq}``, 0: forgotten) and the segments written since the
+    last checkpoint finished; then wait to be killed."""
+    anyio.run(_child, Path(directory), json.loads(plan), backend=backend)
+
+
+async def _child(directory: Path, plan: dict[str, Any]) -> None:
+    async with open_tier(directory, plan["every"]) as (tier, buffer):
+        seq = tier.max_seq
+        where: dict[bytes, tuple[BlockRef, DiskSlot]] = {
+            r.ref.key: (r.ref, r.location)  # type: ignore[misc]
+            for r in tier.recovered()
+        }
+        durable: dict[str, int] = {}  # synced: seq, or 0 when forgotten
+        touched: set[int] = set()
+
+        def report() -> None:
+            print(json.dumps({"durable": durable, "touched": sorted(touched)}), flush=True)
+
+        for step in plan["steps"]:
+            if step[0] == "put":
+                for i in range(step[1], step[2]):
+                    key = key_for(i)
+                    if durable.get(key.decode()) == 0:  # may come back from now on
+                        del durable[key.decode()]
+                        report()
+                    seq += 1
+                    data = content(key, seq)
+                    buffer[:BLOCK] = data
+                    ref = BlockRef(NS, key, BLOCK, checksum(data), seq)
+                    slot = await tier.store(ref, buffer[: BLOCK + PAGE_BYTES - BLOCK % PAGE_BYTES])
+                    assert isinstance(slot, DiskSlot)
+                    touched.add(slot.segment)
+                    if key in where:  # the older record goes once the new one is durable
+                        await tier.sync()
+                        durable[key.decode()] = seq
+                        report()
+                        touched.add(where[key][1].segment)
+                        await tier.discard(where[key][1])
+                    where[key] = (ref, slot)
+            elif step[0] == "forget":
+                for i in range(step[1], step[2]):
+                    key = key_for(i)
+                    if key in where:
+                        durable.pop(key.decode(), None)  # gone or not until the next sync
+                        report()
+                        touched.add(where[key][1].segment)
+                        await tier.discard(where.pop(key)[1])
+                        durable[key.decode()] = 0
+            elif step[0] == "checkpoint":
+                assert tier.checkpoints is not None
+                tier.checkpoints.take(tier._segmap, tier.cold)
+                await anyio.to_thread.run_sync(tier.checkpoints.wait)
+                touched = set()
+            elif step[0] == "sync":
+                await tier.sync()
+                durable.update({key.decode(): ref.seq for key, (ref, _) in where.items()})
+                report()
+        print(json.dumps({"done": True}), flush=True)
+        await anyio.sleep(3600)
+
+
+def run_child(directory: Path, plan: dict[str, Any], backend: str, kill_after: float | None) -> Any:
+    """Run the child; kill it with SIGKILL when it is done (or ``kill_after`` seconds after
+    it starts); the last line it printed about durable keys."""
+    code = "import sys; from tests.store.test_checkpoint import child; child(*sys.argv[1:])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(directory), json.dumps(plan), backend],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.stdout is not None
+    last: Any = {"durable": {}, "touched": []}
+    started = time.monotonic()
+    try:
+        if kill_after is not None:
+            time.sleep(kill_after)
+            proc.send_signal(signal.SIGKILL)
+        for line in proc.stdout:
+            try:
+                report = json.loads(line)
+            except json.JSONDecodeError:  # cut short by the kill
+                break
+            if "done" in report:
+                break
+            last = report
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        assert time.monotonic() - started < 250
+    (directory / SNAPSHOT_NAME).unlink(missing_ok=True)  # no clean stop: a crash
+    return last
+
+
+# -- the parent: restart and check -------------------------------------------------------------
+
+
+async def restart(directory: Path, durable: dict[str, int]) -> NvmeTier:
+    """Open the tier after the kill, check every durable key's bytes and every forgotten key's
+    absence, and return the tier (closed) for its recovery counters."""
+    async with open_tier(directory, 1 << 40) as (tier, buffer):
+        found = {r.ref.key.decode(): r for r in tier.recovered()}
+        for key, seq in durable.items():
+            if seq == 0:
+                assert key not in found, f"{key} was forgotten and came back"
+                continue
+            assert key in found, f"{key} (seq {seq}) was synced and is lost"
+            ref, location = found[key].ref, found[key].location
+            assert ref.seq >= seq, key
+            await tier.load(ref, location, buffer[: BLOCK + PAGE_BYTES - BLOCK % PAGE_BYTES])
+            assert bytes(buffer[:BLOCK]) == content(key.encode(), ref.seq), key
+    return tier
+
+
+PLAN = {
+    "every": 1 << 40,  # only the plan's checkpoints
+    "steps": [
+        ["put", 0, 96],  # six segments
+        ["sync"],
+        ["checkpoint"],
+        ["forget", 3, 6],  # segment 0
+        ["put", 20, 22],  # rewritten: segment 1 (the old records) and where the new ones go
+        ["put", 96, 100],
+        ["sync"],
+    ],
+}
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_crash_restart_scans_only_the_segments_written_since_the_checkpoint(
+    tmp_path: Path, backend: str
+) -> None:
+    last = run_child(tmp_path, PLAN, backend, None)
+    assert len(last["durable"]) == 100
+    tier = anyio.run(restart, tmp_path, last["durable"], backend=backend)
+    assert tier.recovery_source == "checkpoint"
+    total = len(tier._segmap.segments)
+    assert 0 < tier.recovery_scanned == len(last["touched"]) < total
+
+
+@pytest.mark.parametrize("damage", ["checkpoint", "table"])
+def test_a_damaged_checkpoint_or_table_costs_a_full_scan_with_the_same_result(
+    tmp_path: Path, damage: str
+) -> None:
+    last = run_child(tmp_path, PLAN, "asyncio", None)
+    checkpoint, table = checkpoint_paths(tmp_path / SNAPSHOT_NAME)
+    target = checkpoint if damage == "checkpoint" else table
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    target.write_bytes(bytes(raw))
+    tier = anyio.run(restart, tmp_path, last["durable"])
+    assert tier.recovery_source == "scan"
+    assert tier.recovery_scanned == len(tier._segmap.segments)
+
+
+def test_a_checkpoint_the_table_does_not_cover_is_not_trusted(tmp_path: Path) -> None:
+    """A checkpoint left from before a fresh table (the table lost) is never adopted."""
+    last = run_child(tmp_path, PLAN, "asyncio", None)
+    _, table = checkpoint_paths(tmp_path / SNAPSHOT_NAME)
+    table.unlink()
+    tier = anyio.run(restart, tmp_path, last["durable"])
+    assert tier.recovery_source == "scan"
+    checkpoint, _ = checkpoint_paths(tmp_path / SNAPSHOT_NAME)
+    assert not checkpoint.exists()  # deleted before a fresh table was started
+
+
+def test_a_kill_while_the_next_checkpoint_is_written_restarts_from_the_previous_one(
+    tmp_path: Path,
+) -> None:
+    """As the checkpoint thread leaves it when killed mid-write: the table saved with the next
+    generation, and half a checkpoint under the temporary name. The previous checkpoint is
+    still covered and adopted; the half one is never read."""
+    last = run_child(tmp_path, PLAN, "trio", None)
+    checkpoint, generations = checkpoint_paths(tmp_path / SNAPSHOT_NAME)
+    table = ChangeTable.decode(generations, generations.read_bytes())
+    table.advance()
+    table.save()
+    whole = checkpoint.read_bytes()
+    checkpoint.with_name(checkpoint.name + ".tmp").write_bytes(whole[: len(whole) // 2])
+    tier = anyio.run(restart, tmp_path, last["durable"], backend="trio")
+    assert tier.recovery_source == "checkpoint"
+    assert tier.recovery_scanned == len(last["touched"])
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 1 << 30), delay=st.floats(0.6, 3.0))
+def test_kill_at_any_moment_during_periodic_checkpoints_loses_nothing_synced(
+    tmp_path_factory: pytest.TempPathFactory, seed: int, delay: float
+) -> None:
+    """Checkpoints every 1 MiB written, writes, rewrites and forgets synced in small batches,
+    and a kill at a random moment (during a checkpoint's write, between a mark and its write):
+    whatever the restart starts from, every synced block is back and no forgotten one."""
+    directory = tmp_path_factory.mktemp("kill")
+    rng = random.Random(seed)
+    steps: list[list[Any]] = [["put", 0, 48], ["sync"]]
+    for _ in range(60):
+        first = rng.randrange(0, 150)
+        steps.append([rng.choice(["put", "put", "forget"]), first, first + rng.randrange(1, 8)])
+        steps.append(["sync"])
+    plan = {"every": 1 << 20, "steps": steps}
+    backend = rng.choice(["asyncio", "trio"])
+    last = run_child(directory, plan, backend, delay)
+    tier = anyio.run(restart, directory, last["durable"], backend=backend)
+    assert tier.recovery_source in ("checkpoint", "scan")
+    # a second start from what the first left (its checkpoint and table) agrees too
+    anyio.run(restart, directory, last["durable"], backend=backend)
+
+
+# -- the generation table alone ----------------------------------------------------------------
+
+
+@given(
+    marks=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3)), max_size=30),
+    flip=st.integers(0, 10_000),
+)
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+def test_the_generation_table_reads_back_as_saved_and_any_flipped_bit_is_refused(
+    tmp_path_factory: pytest.TempPathFactory, marks: list[tuple[int, int]], flip: int
+) -> None:
+    path = tmp_path_factory.mktemp("table") / "table"
+    table = ChangeTable(path, bytes(range(16)), 5, 5)
+    table.save()
+
+    async def mark_all() -> None:
+        for segment, advances in marks:
+            for _ in range(advances):
+                table.advance()
+            await table.mark(segment)
+
+    anyio.run(mark_all)
+    loaded = ChangeTable.load(path, bytes(range(16)))
+    assert (loaded.since, loaded.generation) == (5, table.generation)
+    assert loaded.segments.tolist() == table.segments.tolist()
+    for generation in range(5, table.generation):
+        expected = [s for s, g in enumerate(table.segments.tolist()) if g > generation]
+        assert np.flatnonzero(loaded.changed_since(generation, len(loaded.segments))).tolist() == (
+            expected
+        )
+        assert loaded.covers(generation)
+    assert not loaded.covers(4)
+    assert not loaded.covers(table.generation)
+    raw = bytearray(path.read_bytes())
+    raw[flip % len(raw)] ^= 1 << (flip % 8)
+    with pytest.raises(CorruptTable):
+        ChangeTable.decode(path, bytes(raw))
+    with pytest.raises(CorruptTable):
+        ChangeTable.load(path, bytes(16))  # another data file's
