@@ -270,8 +270,10 @@ class NvmeConfig(_Section):
     policy: NvmePolicyKind = NvmePolicyKind.CLOCK
     #: A checkpoint (the index snapshot, written in a worker thread) every so many bytes
     #: written: a start after a crash then reads it and scans only the segments written since,
-    #: so what it costs is bounded by this. 0: none (a crash restart scans every header).
-    checkpoint_every_bytes: ByteSize = ByteSize(8 << 30)
+    #: so what it costs is bounded by this. 0: none (a crash restart scans every header). Off
+    #: by default: taking one copies the index on the event loop, about 65 ns a row (65 ms at
+    #: 1M blocks), until that copy is made in slices.
+    checkpoint_every_bytes: ByteSize = ByteSize(0)
 
     field_rules: ClassVar[Mapping[str, FieldRule]] = {
         "size": lambda n: (
