@@ -254,14 +254,10 @@ class ColdIndex:
     def record(self, row: int) -> RecordHeader:
         """The record in ``row`` as its header (on a READ's path: read through memoryviews,
         about a microsecond, where numpy scalars cost five)."""
-        f = self._flat
-        klen = f["klen"][row] if 0 <= row < self._high else 0
-        if not klen:
-            raise ValueError(f"row {row} holds no record")
-        at = row * MAX_KEY_BYTES
+        f, digest, key = self._identified(row)
         return RecordHeader.known(
-            self._digests[f["ns"][row]],
-            f["key"][at : at + klen].tobytes(),
+            digest,
+            key,
             f["stored"][row],
             f["raw"][row],
             f["checksum"][row],
@@ -552,14 +548,10 @@ class ColdIndex:
         ``row``, read through the columns' memoryviews: what a store's ``BlockRef`` and disk
         slot are made of (on a cold READ's path, one per block), with no
         :class:`RecordHeader` made between."""
-        f = self._flat
-        klen = f["klen"][row] if 0 <= row < self._high else 0
-        if not klen:
-            raise ValueError(f"row {row} holds no record")
-        at = row * MAX_KEY_BYTES
+        f, digest, key = self._identified(row)
         return (
-            self._digests[f["ns"][row]],
-            f["key"][at : at + klen].tobytes(),
+            digest,
+            key,
             f["raw"][row],
             f["checksum"][row],
             f["seq"][row],
@@ -567,6 +559,16 @@ class ColdIndex:
             f["segment"][row],
             f["index"][row],
         )
+
+    def _identified(self, row: int) -> tuple[dict[str, memoryview], bytes, bytes]:
+        """The flat columns and ``row``'s namespace digest and key, through memoryviews (what
+        :meth:`record` and :meth:`ref_fields` start from); ``ValueError`` for a free row."""
+        f = self._flat
+        klen = f["klen"][row] if 0 <= row < self._high else 0
+        if not klen:
+            raise ValueError(f"row {row} holds no record")
+        at = row * MAX_KEY_BYTES
+        return f, self._digests[f["ns"][row]], f["key"][at : at + klen].tobytes()
 
 
 def _flat(column: npt.NDArray[Any]) -> memoryview:
