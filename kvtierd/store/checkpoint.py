@@ -25,6 +25,7 @@ true, since every write into a segment is marked durably before it is made.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -67,10 +68,12 @@ log = logging.getLogger("kvtierd.checkpoint")
 class Checkpoints:
     """Takes a checkpoint of the tier every ``every_bytes`` written (0: never)."""
 
-    def __init__(self, path: Path, table: ChangeTable, every_bytes: int) -> None:
+    def __init__(self, path: Path, table: ChangeTable, every_bytes: int, data_fd: int) -> None:
         self.path = path
         self.table = table
         self.every_bytes = every_bytes
+        #: The data file, made durable before a checkpoint naming its records is.
+        self._data_fd = data_fd
         #: Checkpoints written by this process (tests and the benchmark read it).
         self.written = 0
         self._since = 0
@@ -88,6 +91,7 @@ class Checkpoints:
         table: ChangeTable | None,
         file_id: bytes,
         every_bytes: int,
+        data_fd: int,
     ) -> Checkpoints | None:
         """Once the index is recovered: checkpoints of the data file ``file_id`` at ``path``,
         with the generation ``table`` read at start (a fresh one when ``None``), or ``None``
@@ -98,7 +102,7 @@ class Checkpoints:
             return None
         if table is None:
             table = fresh_table(generations, path, file_id)
-        return cls(path, table, every_bytes)
+        return cls(path, table, every_bytes, data_fd)
 
     async def wrote(
         self, segment: int, generation: int, nbytes: int, segmap: SegmentMap, cold: ColdIndex
@@ -131,6 +135,10 @@ class Checkpoints:
 
     def _write(self, snap: snapshots.Snapshot) -> None:
         try:
+            # The rows copied include records written but not yet synced: durable first, or
+            # power lost after the rename would leave the checkpoint naming slots that hold
+            # older bytes, in segments it says are unchanged.
+            os.fdatasync(self._data_fd)
             self.table.save()  # the table on disk covers the checkpoint before it exists
             replace_durably(self.path, snapshots.encode_parts(snap))
         except OSError as exc:  # the previous checkpoint (or a full scan) still serves

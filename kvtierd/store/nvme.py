@@ -676,8 +676,18 @@ async def open_nvme_tier(
             or await load_checkpoint(checkpoint, table, fd, segmap, backend, pages)
             or await scan(fd, segmap, backend, pages, progress=progress)
         )
+        # The table goes on only from the checkpoint it covers. After any other start (a clean
+        # snapshot, a scan: perhaps the file was written by a writer that marks nothing, as the
+        # snapshot's mtime check may just have found) a fresh one, and the checkpoint goes.
+        kept = table if found.source == "checkpoint" else None
         tier.checkpoints = await anyio.to_thread.run_sync(
-            Checkpoints.open, checkpoint, generations, table, segmap.file_id, checkpoint_every_bytes
+            Checkpoints.open,
+            checkpoint,
+            generations,
+            kept,
+            segmap.file_id,
+            checkpoint_every_bytes,
+            fd,
         )
         await tier._adopt(found)
         log.info(

@@ -143,9 +143,11 @@ def recovered(
 def snapshot_path(data_dir: Path, data_file: Path) -> Path:
     """Where the snapshot of ``data_file`` lives: in ``data_dir``, ``index.snapshot`` for the
     default data file (the name every version used), else a name made of the data file's name
-    and a 128-bit digest of its absolute path, so two data files never share one."""
-    absolute = Path(os.path.abspath(data_file))
-    if absolute == Path(os.path.abspath(data_dir / DATA_FILE_NAME)):
+    and a 128-bit digest of its path with symbolic links resolved, so two data files never
+    share one and two paths to one file (a link, ``/dev/disk/by-id``) never give it two (whose
+    checkpoints and generation tables would each miss the other's writes)."""
+    absolute = Path(os.path.realpath(data_file))
+    if absolute == Path(os.path.realpath(data_dir / DATA_FILE_NAME)):
         return data_dir / SNAPSHOT_NAME
     digest = hashlib.blake2b(os.fsencode(absolute), digest_size=16).hexdigest()
     return data_dir / f"index.{_UNSAFE_NAME.sub('_', absolute.name)[:64]}.{digest}.snapshot"

@@ -34,7 +34,7 @@ from kvtierd.store.changes import ChangeTable, CorruptTable
 from kvtierd.store.checkpoint import checkpoint_paths
 from kvtierd.store.nvme import NvmeTier, open_nvme_tier
 from kvtierd.store.records import PAGE_BYTES, checksum
-from kvtierd.store.recovery import SNAPSHOT_NAME
+from kvtierd.store.recovery import SNAPSHOT_NAME, snapshot_path
 from kvtierd.store.segments import DiskSlot
 from kvtierd.store.staging import StagingPages
 from kvtierd.store.tier import BlockRef
@@ -329,3 +329,36 @@ def test_the_generation_table_reads_back_as_saved_and_any_flipped_bit_is_refused
         ChangeTable.decode(path, bytes(raw))
     with pytest.raises(CorruptTable):
         ChangeTable.load(path, bytes(16))  # another data file's
+
+
+def test_a_start_not_from_the_checkpoint_starts_a_fresh_table_and_drops_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """After a start by scan (here: the checkpoint damaged) the file may hold writes the table
+    never saw (the same check fails when a writer that marks nothing wrote it), so neither the
+    old table nor its checkpoint may be trusted at a later crash."""
+    last = run_child(tmp_path, PLAN, "asyncio", None)
+    checkpoint, generations = checkpoint_paths(tmp_path / SNAPSHOT_NAME)
+    before = ChangeTable.decode(generations, generations.read_bytes()).since
+    raw = bytearray(checkpoint.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    checkpoint.write_bytes(bytes(raw))
+    tier = anyio.run(restart, tmp_path, last["durable"])
+    assert tier.recovery_source == "scan"
+    assert not checkpoint.exists()
+    assert ChangeTable.decode(generations, generations.read_bytes()).since != before
+
+
+def test_two_paths_to_one_data_file_share_its_snapshot_checkpoint_and_table(
+    tmp_path: Path,
+) -> None:
+    """A link to the data file (``/dev/disk/by-id`` to a device) names the same files: two
+    tables of one file would each miss the writes made through the other path."""
+    (tmp_path / "disk").mkdir()
+    target = tmp_path / "disk" / "kv.data"
+    target.touch()
+    link = tmp_path / "alias.data"
+    link.symlink_to(target)
+    assert snapshot_path(tmp_path, link) == snapshot_path(tmp_path, target)
+    (tmp_path / "nvme.data").symlink_to(target)  # the default name, through a link
+    assert snapshot_path(tmp_path, tmp_path / "nvme.data") == snapshot_path(tmp_path, target)
