@@ -65,10 +65,13 @@ class ChangeTable:
     # -- on disk -----------------------------------------------------------------------------
 
     def encode(self) -> bytes:
+        # One read of the array: the loop may replace it (a mark past the end) while a worker
+        # thread encodes, and a count from one array with the body of another is a torn table.
+        segments = self.segments
         head = _HEAD.pack(
-            _MAGIC, _VERSION, self.file_id, self.since, self.generation, len(self.segments)
+            _MAGIC, _VERSION, self.file_id, self.since, self.generation, len(segments)
         )
-        body = head + self.segments.astype("<u8").tobytes()
+        body = head + segments.astype("<u8").tobytes()
         return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
     @classmethod

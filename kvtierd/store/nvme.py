@@ -472,7 +472,12 @@ class NvmeTier(LowerTier):
 
     async def discard(self, location: Hashable) -> None:
         slot = self._slot(location)
-        row = self._cold.at(slot.segment, slot.index)
+        if self._cold.at(slot.segment, slot.index) < 0:
+            return
+        # Marked before the row goes: a mark that fails leaves the record as it was, indexed
+        # and in its slot, rather than a row gone with its slot neither zeroed nor free.
+        await mark(self.checkpoints, slot.segment)
+        row = self._cold.at(slot.segment, slot.index)  # (a discard beside this one may have won)
         if row < 0:
             return
         self._cold.remove(row)
@@ -480,6 +485,7 @@ class NvmeTier(LowerTier):
         self._segmap.free(slot)
 
     async def _tombstone(self, slot: DiskSlot) -> None:
+        """Zero ``slot``'s header page, its segment marked first (a no-op once marked)."""
         if slot.offset + PAGE_BYTES > self._segmap.file_bytes:
             return  # never write past the end of the file (it would grow a regular file)
         await mark(self.checkpoints, slot.segment)
