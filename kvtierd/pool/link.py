@@ -328,7 +328,7 @@ class PoolLink(Generic[H]):
                 continue
             if block.forgotten:  # FORGET ran during the write: take the copy back out
                 if self.store.block_by_id(*block.id) is None:
-                    await self.tier.discard_quietly(location)
+                    await self.tier.discard_quietly(block.ref, location)
                 continue
             self.store.record_copy(block, location)
             self.counters["written"] += 1

@@ -240,7 +240,7 @@ class PoolTier(LowerTier):
         self._counters["hits"] += 1
         self._counters["bytes_read"] += len(value)
 
-    async def discard(self, location: Hashable) -> None:
+    async def discard(self, ref: BlockRef, location: Hashable) -> None:
         field = self._field(location)
         client = self.live()
         with map_pool_errors("delete"):

@@ -164,6 +164,9 @@ class NvmeTier(LowerTier):
         #: Blocks whose read into a tenant's region did not match while the record did
         #: (:meth:`_read_privately`).
         self._slot_disagreed = 0
+        #: Slots of discarded records whose header page could not be zeroed yet (the segment
+        #: could not be marked, or the write failed): kept from reuse until a sync zeroes them.
+        self._unzeroed: list[DiskSlot] = []
         self.max_seq = 0
         self.recovery_source = "empty"
         #: Segments whose headers recovery read (all after a full scan).
@@ -470,18 +473,24 @@ class NvmeTier(LowerTier):
                     )
                     raise BlockNotFoundError(f"stored block unreadable: {exc}") from exc
 
-    async def discard(self, location: Hashable) -> None:
+    async def discard(self, ref: BlockRef, location: Hashable) -> None:
+        """Drop ``ref``'s record at ``location``: its row at once, then its header page zeroed
+        and the slot freed. A slot that holds no record, or another block's now (a copy
+        dropped twice, or by a ``Block`` made before an earlier discard), is left alone."""
         slot = self._slot(location)
-        if self._cold.at(slot.segment, slot.index) < 0:
+        row = self._cold.at(slot.segment, slot.index)
+        if row < 0 or self._cold.column("seq")[row] != ref.seq:
             return
-        # Marked before the row goes: a mark that fails leaves the record as it was, indexed
-        # and in its slot, rather than a row gone with its slot neither zeroed nor free.
-        await mark(self.checkpoints, slot.segment)
-        row = self._cold.at(slot.segment, slot.index)  # (a discard beside this one may have won)
-        if row < 0:
-            return
+        # The row goes before the first await: a READ or LOOKUP beside this discard must not
+        # make a block of it, which would name a slot about to be freed and written by
+        # another block's record (a failed read of it then dropped that record: a block
+        # acknowledged by FSYNC was lost).
         self._cold.remove(row)
-        await self._tombstone(slot)
+        try:
+            await self._tombstone(slot)
+        except BaseException:
+            self._unzeroed.append(slot)  # zeroed and freed by the next sync
+            raise
         self._segmap.free(slot)
 
     async def _tombstone(self, slot: DiskSlot) -> None:
@@ -494,8 +503,12 @@ class NvmeTier(LowerTier):
             await self._backend.writev(self._fd, slot.offset, [page])
 
     async def sync(self) -> None:
-        """``fdatasync``, then :meth:`check_data_file`: a sync onto a file that is no longer
-        the data file makes nothing durable there, so it raises instead of returning."""
+        """Zero the slots whose discard could not, then ``fdatasync``, then
+        :meth:`check_data_file`: a sync onto a file that is no longer the data file makes
+        nothing durable there, so it raises instead of returning."""
+        while self._unzeroed:
+            await self._tombstone(self._unzeroed[-1])
+            self._segmap.free(self._unzeroed.pop())
         await self._backend.fdatasync(self._fd)
         await self.check_data_file()
 

@@ -262,7 +262,7 @@ class Residency:
         self.lower_policy.removed(block)
         if not block.has_copy:
             self.index.remove(block)
-        await self.lower.discard(location)
+        await self.lower.discard(block.ref, location)
 
     async def discard_shared(self, block: Block) -> None:
         """Drop ``block``'s pool copy, here and in the pool (a failure there is logged: the
@@ -271,7 +271,7 @@ class Residency:
         assert block.pool is not None
         location = block.pool
         self.drop_copy(block)
-        await self.shared.discard_quietly(location)
+        await self.shared.discard_quietly(block.ref, location)
 
     def drop_staged(self, block: Block) -> None:
         if block.staged is not None and self.staged is not None:

@@ -156,14 +156,16 @@ class LowerTier(abc.ABC):
         return outcomes
 
     @abc.abstractmethod
-    async def discard(self, location: Hashable) -> None:
-        """Forget the copy at ``location`` so that no later recovery brings it back."""
+    async def discard(self, ref: BlockRef, location: Hashable) -> None:
+        """Forget ``ref``'s copy at ``location`` so that no later recovery brings it back; a
+        location that holds another block's copy now is left alone (a tier that reuses
+        places checks whose copy is there)."""
 
-    async def discard_quietly(self, location: Hashable) -> None:
+    async def discard_quietly(self, ref: BlockRef, location: Hashable) -> None:
         """:meth:`discard` for a copy nothing indexes any more (FORGET dropped it): a failure
         is logged, and the copy stays until the medium evicts it, never restored."""
         try:
-            await self.discard(location)
+            await self.discard(ref, location)
         except KvtierError as exc:
             log.warning("a forgotten block stays in the %s tier until it is evicted: %s",
                         self.kind.name.lower(), exc)  # fmt: skip

@@ -48,7 +48,7 @@ class LowerWriter:
         r.unpin(block)
         r.drop_staged(block)
         if block.forgotten:
-            await r.lower.discard(location)
+            await r.lower.discard(block.ref, location)
             return
         block.copies[r.lower.kind] = location
         block.dirty = False

@@ -132,7 +132,7 @@ async def test_discard_removes_value_and_manifest_entry(
     tier = _tier(redis_server, client)
     ref, raw = _block(5)
     location = await tier.store(ref, raw)
-    await tier.discard(location)
+    await tier.discard(ref, location)
     catalog = PoolCatalog(tier)
     assert await catalog.exists([location]) == [False]
     assert [entry async for entry in catalog.manifest()] == []

@@ -29,6 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtierd.errors import StorageIOError
 from kvtierd.io import open_io_backend
 from kvtierd.store.changes import ChangeTable, CorruptTable
 from kvtierd.store.checkpoint import checkpoint_paths
@@ -118,7 +119,7 @@ async def _child(directory: Path, plan: dict[str, Any]) -> None:
                         durable[key.decode()] = seq
                         report()
                         touched.add(where[key][1].segment)
-                        await tier.discard(where[key][1])
+                        await tier.discard(*where[key])
                     where[key] = (ref, slot)
             elif step[0] == "forget":
                 for i in range(step[1], step[2]):
@@ -127,7 +128,7 @@ async def _child(directory: Path, plan: dict[str, Any]) -> None:
                         durable.pop(key.decode(), None)  # gone or not until the next sync
                         report()
                         touched.add(where[key][1].segment)
-                        await tier.discard(where.pop(key)[1])
+                        await tier.discard(*where.pop(key))
                         durable[key.decode()] = 0
             elif step[0] == "checkpoint":
                 assert tier.checkpoints is not None
@@ -362,3 +363,45 @@ def test_two_paths_to_one_data_file_share_its_snapshot_checkpoint_and_table(
     assert snapshot_path(tmp_path, link) == snapshot_path(tmp_path, target)
     (tmp_path / "nvme.data").symlink_to(target)  # the default name, through a link
     assert snapshot_path(tmp_path, tmp_path / "nvme.data") == snapshot_path(tmp_path, target)
+
+
+@pytest.mark.anyio
+async def test_a_discard_whose_mark_fails_keeps_its_slot_until_a_sync_zeroes_it(
+    tmp_path: Path,
+) -> None:
+    """The record's row goes at once (no block may be made of it while the discard waits),
+    so a mark that fails (the generation table cannot be written) leaves the slot neither
+    free nor zeroed: it is kept from reuse and raised, and the next sync zeroes and frees it,
+    or fails while it cannot."""
+    async with open_tier(tmp_path, 1 << 20) as (tier, buffer):
+        key = key_for(0)
+        data = content(key, 1)
+        buffer[:BLOCK] = data
+        ref = BlockRef(NS, key, BLOCK, checksum(data), 1)
+        slot = await tier.store(ref, buffer[: BLOCK + PAGE_BYTES - BLOCK % PAGE_BYTES])
+        assert isinstance(slot, DiskSlot)
+        assert tier.checkpoints is not None
+        tier.checkpoints.take(tier._segmap, tier.cold)  # the segment is marked again next
+        await anyio.to_thread.run_sync(tier.checkpoints.wait)
+        table = tier.checkpoints.table.path
+        table.unlink()
+        (table / "in-the-way").mkdir(parents=True)  # the table's rename now fails
+        used = tier.statistics().used_bytes
+
+        def header_on_disk() -> bytes:
+            with open(tmp_path / "nvme.data", "rb") as file:
+                file.seek(slot.offset)
+                return file.read(4)
+
+        with pytest.raises(StorageIOError):
+            await tier.discard(ref, slot)
+        assert tier.cold.find(NS, key) == -1
+        assert tier.statistics().used_bytes == used  # kept: not free, not zeroed
+        assert header_on_disk() == b"KVTB"
+        with pytest.raises(StorageIOError):
+            await tier.sync()  # the table still cannot be written
+        (table / "in-the-way").rmdir()
+        table.rmdir()
+        await tier.sync()
+        assert header_on_disk() == bytes(4)
+        assert tier.statistics().used_bytes == used - slot.size

@@ -13,11 +13,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import pytest
 
+from kvtierd.errors import BlockNotFoundError
 from kvtierd.policy import ServedBy
 from kvtierd.store.index import ColdKey, Owner
 from kvtierd.store.namespaces import Namespace
+from kvtierd.store.nvme import NvmeTier
 from kvtierd.store.segments import slot_bytes_for
 from kvtierd.store.store import BlockStore
 from tests.store.test_store_pressure import content, key_of, put, read_back, small_store
@@ -254,3 +257,52 @@ async def test_a_hint_promotes_cold_blocks(tmp_path: Path) -> None:
             await anyio.sleep(0.01)
         assert all(block.dram is not None and store.index.holds(block) for block in made)
         assert _counts(store, ns) == (COUNT, COUNT, COUNT, len(made))
+
+
+async def test_a_read_beside_a_forget_never_takes_another_blocks_record(tmp_path: Path) -> None:
+    """A FORGET of a cold block whose discard waits (its segment's mark in the generation
+    table, just after a checkpoint) while a READ of the key comes: no ``Block`` may be made of
+    the row meanwhile, and a copy dropped late never takes the record now in its slot. Both
+    once failed together: the READ made a block naming the slot, the slot went to the next
+    block written, and the READ's failed promotion discarded that block's record, acknowledged
+    by FSYNC (the crash soak's "FSYNC'd key is missing")."""
+    async with small_store(tmp_path, BLOCK, checkpoint_every_bytes="1G") as (store, ns):
+        tier = store.lower
+        assert isinstance(tier, NvmeTier)
+        assert tier.checkpoints is not None
+        keys = await _written_and_evicted(store, ns, 2)
+        gone, other = keys[0], b"written-after-the-forget"
+        place = store.index.peek(ns, gone)
+        assert place is not None
+        tier.checkpoints.take(tier._segmap, tier.cold)  # the next mark of a segment waits
+        await anyio.to_thread.run_sync(tier.checkpoints.wait)
+        owner = Owner("reader")
+        forgetting = store.index.get(ns, gone)  # the block the FORGET will drop
+        assert forgetting is not None
+        forgotten = anyio.Event()
+
+        async def forget() -> None:
+            await store.forget(ns, [gone])
+            forgotten.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(forget)
+            while forgetting.lower is not None:  # until the FORGET is in the tier's discard
+                await anyio.lowlevel.checkpoint()
+            assert not forgotten.is_set()  # (it waits there for the mark)
+            made = store.index.get(ns, gone)  # what a READ of the key does first
+        assert made is None
+        await put(store, owner, ns, other)  # into the freed slot, as the next write goes
+        await store.fsync()
+        written = store.index.live(ns, other)
+        assert written is not None
+        assert written.lower == place.lower  # (the slot the forgotten record left)
+        with pytest.raises(BlockNotFoundError):
+            await store.read(owner, ns, [gone])
+        # a copy dropped late (a block made before the discard) leaves the new record alone
+        await tier.discard(place.ref, place.lower)
+        assert tier.cold.find(ns.digest, other) >= 0
+        assert await read_back(store, owner, ns, other) == content(other, BLOCK)
+    async with _restarted(tmp_path, "snapshot") as (store, ns):
+        assert await read_back(store, Owner("after"), ns, other) == content(other, BLOCK)
+        assert not store.index.contains(ns, gone)

@@ -213,10 +213,10 @@ class TierContract:
     async def test_load_of_a_discarded_location_fails(self, tmp_path: Path) -> None:
         async with self.open_tier(tmp_path, self.SIZE_BYTES) as h:
             ref, location = await h.put(b"D" * 16, content(b"D", 8192))
-            await h.tier.discard(location)
+            await h.tier.discard(ref, location)
             with pytest.raises(BlockNotFoundError):
                 await h.get(ref, location)
-            await h.tier.discard(location)  # twice is harmless
+            await h.tier.discard(ref, location)  # twice is harmless
             assert h.tier.statistics().blocks == 0
 
     @pytest.mark.anyio
@@ -227,7 +227,7 @@ class TierContract:
             async with self.open_tier(directory, self.SIZE_BYTES) as h:
                 kept = await h.put(b"kept" + bytes(12), content(b"kept", 8192))
                 gone = await h.put(b"gone" + bytes(12), content(b"gone", 8192))
-                await h.tier.discard(gone[1])
+                await h.tier.discard(*gone)
                 await h.tier.sync()
             if crash:
                 self.simulate_crash(directory)
@@ -248,8 +248,8 @@ class TierContract:
                     except NoSpaceError:
                         break
                 assert len(locations) > 10
-                for _, location in locations:
-                    await h.tier.discard(location)
+                for ref, location in locations:
+                    await h.tier.discard(ref, location)
             assert h.tier.statistics().blocks == 0
 
     # -- damage --------------------------------------------------------------------------------
@@ -304,7 +304,7 @@ class TierContract:
             if self.merges_following_copies:
                 assert [len(run) for run in runs] == [3]
             if damaged == "discarded":
-                await h.tier.discard(stored[1][1])
+                await h.tier.discard(stored[1][0], stored[1][1])
             elif damaged is not None:
                 self.corrupt(tmp_path, stored[1][1], damaged)
             with contextlib.ExitStack() as stack:
@@ -413,7 +413,7 @@ class TierContract:
                 # a full tier still serves what it holds, and frees room on discard
                 for data, ref, location in stored[:: max(1, len(stored) // 8)]:
                     assert await h.get(ref, location) == data
-                await h.tier.discard(stored[0][2])
+                await h.tier.discard(stored[0][1], stored[0][2])
                 again = await h.put(b"again".ljust(16, b"."), content(b"again", 64 << 10))
                 assert await h.get(*again) == content(b"again", 64 << 10)
 
