@@ -20,10 +20,16 @@ Any doubt (no table, a damaged table or checkpoint, a checkpoint the table does 
 geometry that disagrees) costs the full scan, with a WARNING: a checkpoint is a shortcut, never
 an authority. Unlike the clean-stop snapshot it is not deleted at start: the table keeps it
 true, since every write into a segment is marked durably before it is made.
+
+A table that cannot be written (the data directory full, its disk failing) does not fail the
+writes: the checkpoints are given up for the rest of the run (:meth:`Checkpoints.abandon`, an
+ERROR), the checkpoint deleted first, durably, so a crash restart scans every header. Only a
+checkpoint that cannot be deleted either fails the write that needed the mark.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -31,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
@@ -76,8 +83,13 @@ class Checkpoints:
         self._data_fd = data_fd
         #: Checkpoints written by this process (tests and the benchmark read it).
         self.written = 0
+        #: Why checkpoints were given up in this run (:meth:`abandon`), or ``None``.
+        self.abandoned: str | None = None
         self._since = 0
         self._thread: threading.Thread | None = None
+        #: Held while a checkpoint is written and while checkpoints are given up, so none is
+        #: renamed into place after the one deleted by :meth:`abandon`.
+        self._writing = threading.Lock()
 
     @property
     def busy(self) -> bool:
@@ -101,7 +113,13 @@ class Checkpoints:
             forget(path, generations)
             return None
         if table is None:
-            table = fresh_table(generations, path, file_id)
+            forget(path)  # the table it would need is gone (raises when it cannot be deleted)
+            try:
+                table = fresh_table(generations, file_id)
+            except OSError as exc:
+                log.error("index checkpoints are off for this run: %s cannot be written: %s",
+                          generations, exc)  # fmt: skip
+                return None
         return cls(path, table, every_bytes, data_fd)
 
     async def wrote(
@@ -113,7 +131,7 @@ class Checkpoints:
             # a checkpoint was taken while it was written, without it: mark it again
             await mark(self, segment)
         self._since += nbytes
-        if self.every_bytes and self._since >= self.every_bytes and not self.busy:
+        if self._since >= self.every_bytes and not self.busy and self.abandoned is None:
             self.take(segmap, cold)
 
     def take(self, segmap: SegmentMap, cold: ColdIndex) -> None:
@@ -134,20 +152,41 @@ class Checkpoints:
         self._thread.start()
 
     def _write(self, snap: snapshots.Snapshot) -> None:
-        try:
-            # The rows copied include records written but not yet synced: durable first, or
-            # power lost after the rename would leave the checkpoint naming slots that hold
-            # older bytes, in segments it says are unchanged.
-            os.fdatasync(self._data_fd)
-            self.table.save()  # the table on disk covers the checkpoint before it exists
-            replace_durably(self.path, snapshots.encode_parts(snap))
-        except OSError as exc:  # the previous checkpoint (or a full scan) still serves
-            log.warning("cannot write the index checkpoint %s: %s", self.path, exc)
-            return
+        with self._writing:
+            if self.abandoned is not None:
+                return
+            try:
+                # The rows copied include records written but not yet synced: durable first,
+                # or power lost after the rename would leave the checkpoint naming slots that
+                # hold older bytes, in segments it says are unchanged.
+                os.fdatasync(self._data_fd)
+                self.table.save()  # the table on disk covers the checkpoint before it exists
+                replace_durably(self.path, snapshots.encode_parts(snap))
+            except OSError as exc:  # the previous checkpoint (or a full scan) still serves
+                log.warning("cannot write the index checkpoint %s: %s", self.path, exc)
+                return
         self.written += 1
         log.info(
             "index checkpoint %d written: %d blocks", snap.generation, len(snap.columns["klen"])
         )
+
+    def abandon(self, why: OSError) -> None:
+        """Give checkpoints up for the rest of the run: a segment could not be marked, so no
+        checkpoint may be trusted at a crash. The checkpoint is deleted durably (the table
+        too, where it can be), after any being written; raises ``OSError`` when it cannot be
+        (the caller fails the write that needed the mark). Blocking: call it in a worker
+        thread."""
+        with self._writing:
+            if self.abandoned is None:
+                forget(self.path)
+                self.abandoned = str(why)
+                log.error(
+                    "index checkpoints are off for the rest of this run (a crash restart scans"
+                    " every header): a segment could not be marked: %s",
+                    why,
+                )
+        with contextlib.suppress(OSError):  # a table with no checkpoint is never used
+            forget(self.table.path)
 
     def wait(self) -> None:
         """Block until the checkpoint being written, if any, is (call it in a worker
@@ -272,16 +311,23 @@ def forget(*paths: Path) -> None:
 
 async def mark(checkpoints: Checkpoints | None, segment: int) -> int:
     """Mark ``segment`` written in the current generation, durably, before a write into it
-    (:meth:`ChangeTable.mark`); the generation (0 with checkpoints off). A table that cannot
-    be written fails the write (``StorageIOError``): unmarked, it could be lost to a crash."""
-    if checkpoints is None:
+    (:meth:`ChangeTable.mark`); the generation (0 with checkpoints off or given up). A table
+    that cannot be written gives checkpoints up (:meth:`Checkpoints.abandon`); only a
+    checkpoint that cannot be deleted then fails the write (``StorageIOError``): the write,
+    unmarked, could be lost to a crash restart from it."""
+    if checkpoints is None or checkpoints.abandoned is not None:
         return 0
     table = checkpoints.table
     generation = table.generation
     try:
         await table.mark(segment)
     except OSError as exc:
-        raise StorageIOError(f"cannot write the generation table: {exc}") from exc
+        try:
+            await anyio.to_thread.run_sync(checkpoints.abandon, exc)
+        except OSError as again:
+            raise StorageIOError(
+                f"cannot write the generation table ({exc}) nor delete the checkpoint ({again})"
+            ) from exc
     return generation
 
 
@@ -300,11 +346,10 @@ def open_table(path: Path, file_id: bytes, every_bytes: int) -> ChangeTable | No
         return None
 
 
-def fresh_table(path: Path, checkpoint: Path, file_id: bytes) -> ChangeTable:
-    """A new generation table, written durably, once the checkpoint it does not cover is
-    deleted; its generations start at the clock's nanoseconds, above any an earlier table of
-    this file gave (blocking: call it in a worker thread)."""
-    forget(checkpoint)
+def fresh_table(path: Path, file_id: bytes) -> ChangeTable:
+    """A new generation table, written durably: call it only once the checkpoint it does not
+    cover is deleted. Its generations start at the clock's nanoseconds, above any an earlier
+    table of this file gave (blocking: call it in a worker thread)."""
     now = time.time_ns()
     table = ChangeTable(path, file_id, now, now)
     table.save()

@@ -716,9 +716,12 @@ async def open_nvme_tier(
             found.source,
             time.monotonic() - started,
         )
-        yield tier
-        if tier.checkpoints is not None:
-            await anyio.to_thread.run_sync(tier.checkpoints.wait)
+        try:
+            yield tier
+        finally:
+            if tier.checkpoints is not None:  # its thread syncs the data file: not once closed
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(tier.checkpoints.wait)
         try:
             await tier.sync()  # the snapshot may only name records that are durable
         except KvtierError as exc:  # the next start scans the headers instead

@@ -365,43 +365,94 @@ def test_two_paths_to_one_data_file_share_its_snapshot_checkpoint_and_table(
     assert snapshot_path(tmp_path, tmp_path / "nvme.data") == snapshot_path(tmp_path, target)
 
 
+def _in_the_way(path: Path) -> Path:
+    """A directory (not empty) where the file ``path`` was: a rename onto it and an unlink of
+    it fail, as on a failing disk, for root too."""
+    path.unlink(missing_ok=True)
+    (path / "in-the-way").mkdir(parents=True)
+    return path
+
+
+def _cleared(path: Path) -> None:
+    (path / "in-the-way").rmdir()
+    path.rmdir()
+
+
+async def _stored_and_checkpointed(
+    tier: NvmeTier, buffer: memoryview, i: int
+) -> tuple[BlockRef, DiskSlot]:
+    """Block ``i`` stored, then a checkpoint taken: its segment is marked again at its next
+    write or discard."""
+    key = key_for(i)
+    data = content(key, i + 1)
+    buffer[:BLOCK] = data
+    ref = BlockRef(NS, key, BLOCK, checksum(data), i + 1)
+    slot = await tier.store(ref, buffer[: BLOCK + PAGE_BYTES - BLOCK % PAGE_BYTES])
+    assert isinstance(slot, DiskSlot)
+    assert tier.checkpoints is not None
+    tier.checkpoints.take(tier._segmap, tier.cold)
+    await anyio.to_thread.run_sync(tier.checkpoints.wait)
+    return ref, slot
+
+
+def _header_at(directory: Path, slot: DiskSlot) -> bytes:
+    with open(directory / "nvme.data", "rb") as file:
+        file.seek(slot.offset)
+        return file.read(4)
+
+
+@pytest.mark.anyio
+async def test_a_table_that_cannot_be_written_gives_checkpoints_up_not_the_writes(
+    tmp_path: Path,
+) -> None:
+    """The data directory fails under the generation table: the checkpoint is deleted, the
+    discard and later writes go on unmarked, no checkpoint is taken any more, and a crash
+    restart scans every header and finds every block."""
+    async with open_tier(tmp_path, 1 << 20) as (tier, buffer):
+        ref, slot = await _stored_and_checkpointed(tier, buffer, 0)
+        assert tier.checkpoints is not None
+        checkpoint = tier.checkpoints.path
+        assert checkpoint.exists()
+        table = _in_the_way(tier.checkpoints.table.path)
+        await tier.discard(ref, slot)
+        assert tier.checkpoints.abandoned is not None
+        assert not checkpoint.exists()
+        assert _header_at(tmp_path, slot) == bytes(4)
+        kept = [await _stored_and_checkpointed(tier, buffer, i) for i in range(1, 40)]
+        assert not checkpoint.exists()
+        assert tier.checkpoints.written == 1
+    _cleared(table)
+    (tmp_path / SNAPSHOT_NAME).unlink()  # as after a crash
+    async with open_tier(tmp_path, 1 << 20) as (tier, _):
+        assert tier.recovery_source == "scan"
+        found = {r.ref.key: r.ref.seq for r in tier.recovered()}
+        assert found == {ref.key: ref.seq for ref, _ in kept}
+
+
 @pytest.mark.anyio
 async def test_a_discard_whose_mark_fails_keeps_its_slot_until_a_sync_zeroes_it(
     tmp_path: Path,
 ) -> None:
-    """The record's row goes at once (no block may be made of it while the discard waits),
-    so a mark that fails (the generation table cannot be written) leaves the slot neither
-    free nor zeroed: it is kept from reuse and raised, and the next sync zeroes and frees it,
-    or fails while it cannot."""
+    """Neither the table can be written nor the checkpoint deleted: the discard fails, its
+    record's row gone already (no block may be made of it while the discard waits), its slot
+    neither free nor zeroed but kept from reuse; the next sync zeroes and frees it, or fails
+    while it cannot."""
     async with open_tier(tmp_path, 1 << 20) as (tier, buffer):
-        key = key_for(0)
-        data = content(key, 1)
-        buffer[:BLOCK] = data
-        ref = BlockRef(NS, key, BLOCK, checksum(data), 1)
-        slot = await tier.store(ref, buffer[: BLOCK + PAGE_BYTES - BLOCK % PAGE_BYTES])
-        assert isinstance(slot, DiskSlot)
+        ref, slot = await _stored_and_checkpointed(tier, buffer, 0)
         assert tier.checkpoints is not None
-        tier.checkpoints.take(tier._segmap, tier.cold)  # the segment is marked again next
-        await anyio.to_thread.run_sync(tier.checkpoints.wait)
-        table = tier.checkpoints.table.path
-        table.unlink()
-        (table / "in-the-way").mkdir(parents=True)  # the table's rename now fails
+        table = _in_the_way(tier.checkpoints.table.path)
+        checkpoint = _in_the_way(tier.checkpoints.path)
         used = tier.statistics().used_bytes
-
-        def header_on_disk() -> bytes:
-            with open(tmp_path / "nvme.data", "rb") as file:
-                file.seek(slot.offset)
-                return file.read(4)
-
         with pytest.raises(StorageIOError):
             await tier.discard(ref, slot)
-        assert tier.cold.find(NS, key) == -1
+        assert tier.checkpoints.abandoned is None
+        assert tier.cold.find(NS, ref.key) == -1
         assert tier.statistics().used_bytes == used  # kept: not free, not zeroed
-        assert header_on_disk() == b"KVTB"
+        assert _header_at(tmp_path, slot) == b"KVTB"
         with pytest.raises(StorageIOError):
-            await tier.sync()  # the table still cannot be written
-        (table / "in-the-way").rmdir()
-        table.rmdir()
+            await tier.sync()  # still neither
+        _cleared(table)
+        _cleared(checkpoint)
         await tier.sync()
-        assert header_on_disk() == bytes(4)
+        assert _header_at(tmp_path, slot) == bytes(4)
         assert tier.statistics().used_bytes == used - slot.size
