@@ -38,8 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
+from anyio.abc import TaskGroup
 
 from kvtierd.errors import StorageIOError
 from kvtierd.io import IoBackend
@@ -71,9 +73,13 @@ __all__ = [
 
 log = logging.getLogger("kvtierd.checkpoint")
 
+#: Rows of the index copied in one step of the event loop (about 4 ms at 65 ns a row).
+_SLICE_ROWS = 1 << 16
+
 
 class Checkpoints:
-    """Takes a checkpoint of the tier every ``every_bytes`` written (0: never)."""
+    """Takes a checkpoint of the tier every ``every_bytes`` written, in the task group given
+    to :meth:`serve` (the tier's: its exit waits for one being taken)."""
 
     def __init__(self, path: Path, table: ChangeTable, every_bytes: int, data_fd: int) -> None:
         self.path = path
@@ -85,15 +91,18 @@ class Checkpoints:
         self.written = 0
         #: Why checkpoints were given up in this run (:meth:`abandon`), or ``None``.
         self.abandoned: str | None = None
+        #: The longest the event loop was held by one slice of a checkpoint's copy (seconds).
+        self.longest_slice_s = 0.0
         self._since = 0
-        self._thread: threading.Thread | None = None
+        self._taking = False
+        self._tasks: TaskGroup | None = None
         #: Held while a checkpoint is written and while checkpoints are given up, so none is
         #: renamed into place after the one deleted by :meth:`abandon`.
         self._writing = threading.Lock()
 
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._taking
 
     @classmethod
     def open(
@@ -122,52 +131,88 @@ class Checkpoints:
                 return None
         return cls(path, table, every_bytes, data_fd)
 
+    def serve(self, tasks: TaskGroup) -> None:
+        """Take the periodic checkpoints in ``tasks`` from now on."""
+        self._tasks = tasks
+
     async def wrote(
         self, segment: int, generation: int, nbytes: int, segmap: SegmentMap, cold: ColdIndex
     ) -> None:
         """Count a record of ``nbytes`` written into ``segment`` (marked in ``generation``) and
-        indexed; take a checkpoint when a period's worth is written and none is being."""
+        indexed; start a checkpoint when a period's worth is written and none is being."""
         if self.table.generation != generation:
             # a checkpoint was taken while it was written, without it: mark it again
             await mark(self, segment)
         self._since += nbytes
-        if self._since >= self.every_bytes and not self.busy and self.abandoned is None:
-            self.take(segmap, cold)
+        if (
+            self._since >= self.every_bytes
+            and not self._taking
+            and self.abandoned is None
+            and self._tasks is not None
+        ):
+            self._since = 0
+            self._taking = True
+            self._tasks.start_soon(self._take_owned, segmap, cold)
 
-    def take(self, segmap: SegmentMap, cold: ColdIndex) -> None:
-        """Copy the index and move the table on (both now, on the caller's thread, in one
-        step), then write both in a worker thread."""
+    async def _take_owned(self, segmap: SegmentMap, cold: ColdIndex) -> None:
+        try:
+            await self.take(segmap, cold)
+        finally:
+            self._taking = False
+
+    async def take(self, segmap: SegmentMap, cold: ColdIndex) -> None:
+        """Take a checkpoint now; returns once it is written (or could not be: a WARNING).
+
+        The table moves on to the next generation first; then the index is copied a slice
+        of rows at a time, each slice in one step of the event loop (about 4 ms at most:
+        :data:`_SLICE_ROWS`), while the loop goes on serving. A row that changes meanwhile
+        is in a segment marked in the new generation (every insert and discard marks its
+        segment, and an insert marked in the old one is marked again), so its copy, whatever
+        moment it caught, is one recovery ignores: such segments are scanned. Their rows,
+        and those of segments carved since, are left out of the checkpoint (they could name
+        a slot twice), and the rest is written in a worker thread."""
         self._since = 0
+        generation = self.table.advance()
+        geometry = [(s.start, s.slot_bytes, s.slot_count) for s in segmap.segments]
+        pieces = []
+        started = time.perf_counter()
+        for piece in cold.chunks(_SLICE_ROWS):  # each piece taken in one step of the loop
+            pieces.append(piece)
+            now = time.perf_counter()
+            self.longest_slice_s = max(self.longest_slice_s, now - started)
+            await anyio.lowlevel.checkpoint()
+            started = time.perf_counter()
+        changed = self.table.changed_since(generation, len(geometry))  # (marked meanwhile)
         snap = snapshots.Snapshot(
-            segmap.file_id,
-            segmap.file_bytes,
-            [(s.start, s.slot_bytes, s.slot_count) for s in segmap.segments],
-            list(cold.digests),
-            cold.columns(),
+            segmap.file_id, segmap.file_bytes, geometry, list(cold.digests), {}, None, generation
         )
-        snap.generation = self.table.advance()
-        self._thread = threading.Thread(
-            target=self._write, args=(snap,), name="kvtierd-checkpoint", daemon=True
-        )
-        self._thread.start()
+        await anyio.to_thread.run_sync(self._write, snap, pieces, changed)
 
-    def _write(self, snap: snapshots.Snapshot) -> None:
+    def _write(
+        self,
+        snap: snapshots.Snapshot,
+        pieces: list[dict[str, npt.NDArray[Any]]],
+        changed: npt.NDArray[np.bool_],
+    ) -> None:
         with self._writing:
             if self.abandoned is not None:
                 return
+            kept = [_unchanged(piece, changed) for piece in pieces]
             try:
                 # The rows copied include records written but not yet synced: durable first,
                 # or power lost after the rename would leave the checkpoint naming slots that
                 # hold older bytes, in segments it says are unchanged.
                 os.fdatasync(self._data_fd)
                 self.table.save()  # the table on disk covers the checkpoint before it exists
-                replace_durably(self.path, snapshots.encode_parts(snap))
+                replace_durably(self.path, snapshots.encode_pieces(snap, kept))
             except OSError as exc:  # the previous checkpoint (or a full scan) still serves
                 log.warning("cannot write the index checkpoint %s: %s", self.path, exc)
                 return
         self.written += 1
         log.info(
-            "index checkpoint %d written: %d blocks", snap.generation, len(snap.columns["klen"])
+            "index checkpoint %d written: %d blocks",
+            snap.generation,
+            sum(len(piece["klen"]) for piece in kept),
         )
 
     def abandon(self, why: OSError) -> None:
@@ -188,11 +233,19 @@ class Checkpoints:
         with contextlib.suppress(OSError):  # a table with no checkpoint is never used
             forget(self.table.path)
 
-    def wait(self) -> None:
-        """Block until the checkpoint being written, if any, is (call it in a worker
-        thread)."""
-        if self._thread is not None:
-            self._thread.join()
+
+def _unchanged(
+    piece: dict[str, npt.NDArray[Any]], changed: npt.NDArray[np.bool_]
+) -> dict[str, npt.NDArray[Any]]:
+    """The rows of ``piece`` in segments not ``changed`` (``changed``: one flag a segment of
+    the checkpoint's geometry; a row past it is in a segment carved since)."""
+    segment = piece["segment"].astype(np.int64)
+    inside = segment < len(changed)
+    keep = inside.copy()
+    keep[inside] = ~changed[segment[inside]]
+    if keep.all():
+        return piece
+    return {name: column[keep] for name, column in piece.items()}
 
 
 def read_checkpoint(path: Path, segmap: SegmentMap) -> snapshots.Snapshot | None:

@@ -716,12 +716,15 @@ async def open_nvme_tier(
             found.source,
             time.monotonic() - started,
         )
-        try:
-            yield tier
-        finally:
-            if tier.checkpoints is not None:  # its thread syncs the data file: not once closed
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(tier.checkpoints.wait)
+        # The checkpoints' task is the tier's: whatever ends the tier ends it, and waits for
+        # its write (a worker thread syncing this data file) before the file is closed.
+        async with anyio.create_task_group() as tasks:
+            if tier.checkpoints is not None:
+                tier.checkpoints.serve(tasks)
+            try:
+                yield tier
+            finally:
+                tasks.cancel_scope.cancel()  # the clean-stop snapshot follows: no need for one
         try:
             await tier.sync()  # the snapshot may only name records that are durable
         except KvtierError as exc:  # the next start scans the headers instead

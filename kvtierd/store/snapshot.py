@@ -21,6 +21,7 @@ the data file (the checks docs/architecture.md's "Crash safety" lists), all vect
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,10 +102,25 @@ def encode_parts(snap: Snapshot) -> list[bytes | memoryview]:
     """:func:`encode`'s bytes in pieces, the columns as views of their arrays: what a writer
     of a large snapshot writes one after the other, without joining them into one more copy
     of the index."""
-    parts = [
-        np.ascontiguousarray(snap.columns[name], dtype=d).reshape(-1).view(np.uint8).data
-        for name, d, _ in COLUMNS
-    ]
+    return encode_pieces(snap, [snap.columns])
+
+
+def encode_pieces(
+    snap: Snapshot, pieces: Sequence[Mapping[str, npt.NDArray[Any]]]
+) -> list[bytes | memoryview]:
+    """:func:`encode_parts` of ``snap`` with its rows given as ``pieces`` (each a set of
+    columns, rows one after the other; ``snap.columns`` is not read): an index copied a slice
+    at a time is written with no copy joining the slices. Each column's checksum is hashed
+    across its pieces, as of the column whole."""
+    parts: list[bytes | memoryview] = []
+    checksums = []
+    for name, d, _ in COLUMNS:
+        hashed = xxhash.xxh3_64()
+        for piece in pieces:
+            part = np.ascontiguousarray(piece[name], dtype=d).reshape(-1).view(np.uint8).data
+            hashed.update(part)
+            parts.append(part)
+        checksums.append(hashed.intdigest())
     head = msgspec.msgpack.encode(
         _Head(
             snap.file_id,
@@ -112,8 +128,8 @@ def encode_parts(snap: Snapshot) -> list[bytes | memoryview]:
             snap.segments,
             snap.digests,
             snap.data_mtime_ns,
-            len(snap.columns["klen"]),
-            [xxhash.xxh3_64_intdigest(part) for part in parts],
+            sum(len(piece["klen"]) for piece in pieces),
+            checksums,
             snap.generation,
         )
     )

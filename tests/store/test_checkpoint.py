@@ -15,6 +15,7 @@ import json
 import mmap
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -31,6 +33,7 @@ from hypothesis import strategies as st
 
 from kvtierd.errors import StorageIOError
 from kvtierd.io import open_io_backend
+from kvtierd.store import checkpoint as checkpoint_module
 from kvtierd.store.changes import ChangeTable, CorruptTable
 from kvtierd.store.checkpoint import checkpoint_paths
 from kvtierd.store.nvme import NvmeTier, open_nvme_tier
@@ -132,8 +135,7 @@ async def _child(directory: Path, plan: dict[str, Any]) -> None:
                         durable[key.decode()] = 0
             elif step[0] == "checkpoint":
                 assert tier.checkpoints is not None
-                tier.checkpoints.take(tier._segmap, tier.cold)
-                await anyio.to_thread.run_sync(tier.checkpoints.wait)
+                await tier.checkpoints.take(tier._segmap, tier.cold)
                 touched = set()
             elif step[0] == "sync":
                 await tier.sync()
@@ -390,8 +392,7 @@ async def _stored_and_checkpointed(
     slot = await tier.store(ref, buffer[: BLOCK + PAGE_BYTES - BLOCK % PAGE_BYTES])
     assert isinstance(slot, DiskSlot)
     assert tier.checkpoints is not None
-    tier.checkpoints.take(tier._segmap, tier.cold)
-    await anyio.to_thread.run_sync(tier.checkpoints.wait)
+    await tier.checkpoints.take(tier._segmap, tier.cold)
     return ref, slot
 
 
@@ -456,3 +457,62 @@ async def test_a_discard_whose_mark_fails_keeps_its_slot_until_a_sync_zeroes_it(
         await tier.sync()
         assert _header_at(tmp_path, slot) == bytes(4)
         assert tier.statistics().used_bytes == used - slot.size
+
+
+@pytest.mark.anyio
+async def test_writes_and_discards_during_a_sliced_copy_leave_a_checkpoint_that_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint's copy is taken a slice of rows at a time while the loop serves: blocks
+    written, rewritten and forgotten between the slices (slots freed and reused under the
+    copy) leave a checkpoint a crash restart adopts, and that restart finds every synced
+    block at its newest version and no forgotten one."""
+    monkeypatch.setattr(checkpoint_module, "_SLICE_ROWS", 4)  # 4 rows a step of the loop
+    live = tmp_path / "live"
+    live.mkdir()
+    durable: dict[str, int] = {}
+    async with open_tier(live, 1 << 40) as (tier, buffer):
+        assert tier.checkpoints is not None
+        where: dict[bytes, tuple[BlockRef, DiskSlot]] = {}
+        seq = 0
+
+        async def put(i: int) -> None:
+            nonlocal seq
+            key = key_for(i)
+            seq += 1
+            data = content(key, seq)
+            buffer[:BLOCK] = data
+            ref = BlockRef(NS, key, BLOCK, checksum(data), seq)
+            slot = await tier.store(ref, buffer[: BLOCK + PAGE_BYTES - BLOCK % PAGE_BYTES])
+            assert isinstance(slot, DiskSlot)
+            if key in where:
+                await tier.discard(*where[key])  # (the test's restart syncs nothing between)
+            where[key] = (ref, slot)
+
+        for i in range(64):
+            await put(i)
+        await tier.sync()
+        rng = random.Random(5)
+
+        async def meanwhile() -> None:
+            for _ in range(12):  # the copy takes 16 steps
+                i = rng.randrange(80)
+                if rng.random() < 0.4 and key_for(i) in where:
+                    await tier.discard(*where.pop(key_for(i)))  # its slot free for the next
+                else:
+                    await put(i)
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(tier.checkpoints.take, tier._segmap, tier.cold)
+            tasks.start_soon(meanwhile)
+        assert tier.checkpoints.written == 1
+        await tier.sync()
+        durable = {key.decode(): ref.seq for key, (ref, _) in where.items()}
+        durable |= {key_for(i).decode(): 0 for i in range(80) if key_for(i) not in where}
+        crashed = tmp_path / "crashed"  # the files as a kill now would leave them
+        crashed.mkdir()
+        for name in ("nvme.data", "index.snapshot.checkpoint", "index.snapshot.generations"):
+            shutil.copyfile(live / name, crashed / name)
+    tier = await restart(crashed, durable)
+    assert tier.recovery_source == "checkpoint"

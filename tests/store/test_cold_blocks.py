@@ -274,8 +274,7 @@ async def test_a_read_beside_a_forget_never_takes_another_blocks_record(tmp_path
         gone, other = keys[0], b"written-after-the-forget"
         place = store.index.peek(ns, gone)
         assert place is not None
-        tier.checkpoints.take(tier._segmap, tier.cold)  # the next mark of a segment waits
-        await anyio.to_thread.run_sync(tier.checkpoints.wait)
+        await tier.checkpoints.take(tier._segmap, tier.cold)  # the next mark of a segment waits
         owner = Owner("reader")
         forgetting = store.index.get(ns, gone)  # the block the FORGET will drop
         assert forgetting is not None
