@@ -268,12 +268,11 @@ class NvmeConfig(_Section):
     #: CLOCK by default: a reference byte per row, where LRU's entry costs about 105 bytes a
     #: block and a second reuse model would double the per-LOOKUP telemetry cost.
     policy: NvmePolicyKind = NvmePolicyKind.CLOCK
-    #: A checkpoint (the index snapshot, written in a worker thread) every so many bytes
-    #: written: a start after a crash then reads it and scans only the segments written since,
-    #: so what it costs is bounded by this. 0: none (a crash restart scans every header). Off
-    #: by default: taking one copies the index on the event loop, about 65 ns a row (65 ms at
-    #: 1M blocks), until that copy is made in slices.
-    checkpoint_every_bytes: ByteSize = ByteSize(0)
+    #: A checkpoint (the index snapshot, copied a slice at a time and written in a worker
+    #: thread) every so many bytes written: a start after a crash then reads it and scans only
+    #: the segments written since, so what it costs is bounded by this. 0: none (a crash
+    #: restart scans every header, about 71 s at 10M blocks on a disk of 140K IOPS).
+    checkpoint_every_bytes: ByteSize = ByteSize(8 << 30)
 
     field_rules: ClassVar[Mapping[str, FieldRule]] = {
         "size": lambda n: (

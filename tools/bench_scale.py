@@ -69,7 +69,7 @@ from kvtierd.testing import DaemonProcess
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _SEGMENT_BYTES = 64 * MiB  # nvme.segment_bytes' default: plan segments as the tier does
-#: Checkpoints on (they are off by default): the crash-after-a-checkpoint start needs the
+#: Checkpoints on (the default, spelled out): the crash-after-a-checkpoint start needs the
 #: daemon to trust one; with them off a start deletes any it finds and scans.
 _SYNTH_CONFIG = '[nvme]\npreallocate = false\ncheckpoint_every_bytes = "8G"\n'
 _TICKS = os.sysconf("SC_CLK_TCK")

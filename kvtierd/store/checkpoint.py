@@ -67,6 +67,7 @@ __all__ = [
     "fresh_table",
     "load_checkpoint",
     "mark",
+    "mark_again",
     "open_table",
     "read_checkpoint",
 ]
@@ -135,14 +136,10 @@ class Checkpoints:
         """Take the periodic checkpoints in ``tasks`` from now on."""
         self._tasks = tasks
 
-    async def wrote(
-        self, segment: int, generation: int, nbytes: int, segmap: SegmentMap, cold: ColdIndex
-    ) -> None:
-        """Count a record of ``nbytes`` written into ``segment`` (marked in ``generation``) and
-        indexed; start a checkpoint when a period's worth is written and none is being."""
-        if self.table.generation != generation:
-            # a checkpoint was taken while it was written, without it: mark it again
-            await mark(self, segment)
+    def wrote(self, nbytes: int, segmap: SegmentMap, cold: ColdIndex) -> None:
+        """Count a record of ``nbytes`` written and indexed (its segment marked in the current
+        generation: :func:`mark_again`); start a checkpoint when a period's worth is written
+        and none is being."""
         self._since += nbytes
         if (
             self._since >= self.every_bytes
@@ -382,6 +379,18 @@ async def mark(checkpoints: Checkpoints | None, segment: int) -> int:
                 f"cannot write the generation table ({exc}) nor delete the checkpoint ({again})"
             ) from exc
     return generation
+
+
+async def mark_again(checkpoints: Checkpoints | None, segment: int, generation: int) -> None:
+    """Mark ``segment`` in the current generation when it was marked in ``generation`` and a
+    checkpoint was taken since (a record written meanwhile, which that checkpoint may not
+    hold): call it after the write and before the record is indexed."""
+    while (
+        checkpoints is not None
+        and checkpoints.abandoned is None
+        and checkpoints.table.generation != generation
+    ):
+        generation = await mark(checkpoints, segment)
 
 
 def open_table(path: Path, file_id: bytes, every_bytes: int) -> ChangeTable | None:

@@ -90,6 +90,11 @@ class DiskWatch:
                 refusal.fault,
                 f"FSYNC refused, nothing is durable: {refusal.detail}; {refusal.remedy}",
             )
+        try:  # a slot a dropped record left is zeroed first: a write's fault, which clears
+            await self.tier.zero_discarded()
+        except KvtierError as exc:
+            self._record(self.health.failed(FaultSource.WRITE, fault_of(exc), str(exc)))
+            raise
         try:
             await self.tier.sync()
         except DataFileLostError as exc:

@@ -73,6 +73,7 @@ from kvtierd.store.checkpoint import (
     checkpoint_paths,
     load_checkpoint,
     mark,
+    mark_again,
     open_table,
 )
 from kvtierd.store.codec import (
@@ -164,9 +165,10 @@ class NvmeTier(LowerTier):
         #: Blocks whose read into a tenant's region did not match while the record did
         #: (:meth:`_read_privately`).
         self._slot_disagreed = 0
-        #: Slots of discarded records whose header page could not be zeroed yet (the segment
-        #: could not be marked, or the write failed): kept from reuse until a sync zeroes them.
+        #: Slots of discarded records whose header page could not be zeroed yet: kept from
+        #: reuse until :meth:`zero_discarded` zeroes them.
         self._unzeroed: list[DiskSlot] = []
+        self._zeroing = anyio.Lock()
         self.max_seq = 0
         self.recovery_source = "empty"
         #: Segments whose headers recovery read (all after a full scan).
@@ -217,8 +219,13 @@ class NvmeTier(LowerTier):
                 async with self._pages.page() as page:
                     page[:] = header.pack()
                     await self._backend.writev(self._fd, slot.offset, [page, body])
+                # Marked again if a checkpoint was taken meanwhile (it may not hold the row),
+                # before the row goes in: no await between the row and the return, so no READ
+                # makes a block of a record its writer may still drop (a FORGET meanwhile).
+                await mark_again(self.checkpoints, slot.segment, generation)
             except BaseException as exc:
-                # Whatever part of the record reached the medium fails its checksums.
+                # Whatever part of the record reached the medium fails its checksums; a record
+                # written whole (its mark again failed) is one its retry writes again.
                 self._segmap.free(slot)
                 if isinstance(exc, NoSpaceError):
                     raise MediumFullError(f"{self.path}: the file system is full") from exc
@@ -231,9 +238,7 @@ class NvmeTier(LowerTier):
         self._cold.add(ref.ns_digest, header, slot.segment, slot.index)
         self._counters["bytes_written"] += PAGE_BYTES + padded
         if self.checkpoints is not None:
-            await self.checkpoints.wrote(
-                slot.segment, generation, PAGE_BYTES + padded, self._segmap, self._cold
-            )
+            self.checkpoints.wrote(PAGE_BYTES + padded, self._segmap, self._cold)
         return slot
 
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
@@ -489,7 +494,7 @@ class NvmeTier(LowerTier):
         try:
             await self._tombstone(slot)
         except BaseException:
-            self._unzeroed.append(slot)  # zeroed and freed by the next sync
+            self._unzeroed.append(slot)  # zeroed and freed before the next sync
             raise
         self._segmap.free(slot)
 
@@ -502,13 +507,25 @@ class NvmeTier(LowerTier):
             page[:] = bytes(PAGE_BYTES)
             await self._backend.writev(self._fd, slot.offset, [page])
 
+    async def zero_discarded(self) -> None:
+        """Zero the header page of each slot whose discard could not, then free it; one at a
+        time, whoever calls. Raises the first failure: that slot and those after it stay,
+        kept from reuse, for the next call."""
+        async with self._zeroing:
+            while self._unzeroed:
+                slot = self._unzeroed.pop()
+                try:
+                    await self._tombstone(slot)
+                except BaseException:
+                    self._unzeroed.append(slot)
+                    raise
+                self._segmap.free(slot)
+
     async def sync(self) -> None:
-        """Zero the slots whose discard could not, then ``fdatasync``, then
-        :meth:`check_data_file`: a sync onto a file that is no longer the data file makes
-        nothing durable there, so it raises instead of returning."""
-        while self._unzeroed:
-            await self._tombstone(self._unzeroed[-1])
-            self._segmap.free(self._unzeroed.pop())
+        """:meth:`zero_discarded` (a FORGET synced is one a restart keeps), then
+        ``fdatasync``, then :meth:`check_data_file`: a sync onto a file that is no longer the
+        data file makes nothing durable there, so it raises instead of returning."""
+        await self.zero_discarded()
         await self._backend.fdatasync(self._fd)
         await self.check_data_file()
 

@@ -380,20 +380,26 @@ def _cleared(path: Path) -> None:
     path.rmdir()
 
 
-async def _stored_and_checkpointed(
-    tier: NvmeTier, buffer: memoryview, i: int
-) -> tuple[BlockRef, DiskSlot]:
-    """Block ``i`` stored, then a checkpoint taken: its segment is marked again at its next
-    write or discard."""
+async def _stored(tier: NvmeTier, buffer: memoryview, i: int) -> tuple[BlockRef, DiskSlot]:
+    """Block ``i`` stored (seq ``i + 1``)."""
     key = key_for(i)
     data = content(key, i + 1)
     buffer[:BLOCK] = data
     ref = BlockRef(NS, key, BLOCK, checksum(data), i + 1)
     slot = await tier.store(ref, buffer[: BLOCK + PAGE_BYTES - BLOCK % PAGE_BYTES])
     assert isinstance(slot, DiskSlot)
+    return ref, slot
+
+
+async def _stored_and_checkpointed(
+    tier: NvmeTier, buffer: memoryview, i: int
+) -> tuple[BlockRef, DiskSlot]:
+    """Block ``i`` stored, then a checkpoint taken: its segment is marked again at its next
+    write or discard."""
+    stored = await _stored(tier, buffer, i)
     assert tier.checkpoints is not None
     await tier.checkpoints.take(tier._segmap, tier.cold)
-    return ref, slot
+    return stored
 
 
 def _header_at(directory: Path, slot: DiskSlot) -> bytes:
@@ -516,3 +522,37 @@ async def test_writes_and_discards_during_a_sliced_copy_leave_a_checkpoint_that_
             shutil.copyfile(live / name, crashed / name)
     tier = await restart(crashed, durable)
     assert tier.recovery_source == "checkpoint"
+
+
+@pytest.mark.anyio
+async def test_two_syncs_at_once_zero_a_dropped_records_slot_once(tmp_path: Path) -> None:
+    """A slot whose discard could not zero it is zeroed and freed once, whichever FSYNC comes
+    first; the other waits for it. (Two syncs once both zeroed it: the second's zero could
+    land on the next block written into the freed slot, and its second free failed.)"""
+    async with open_tier(tmp_path, 0) as (tier, buffer):
+        ref, slot = await _stored(tier, buffer, 0)
+        await tier.sync()
+        real = tier._backend.writev
+        zeroings = 0
+
+        async def writev(fd: int, offset: int, buffers: list[memoryview]) -> int:
+            nonlocal zeroings
+            if offset == slot.offset and len(buffers) == 1 and not any(bytes(buffers[0])):
+                zeroings += 1
+                if zeroings == 1:
+                    raise StorageIOError("EIO (injected into the discard's zeroing)")
+                await anyio.sleep(0.05)  # slow: the second sync comes meanwhile
+            return await real(fd, offset, buffers)
+
+        tier._backend.writev = writev  # type: ignore[method-assign]
+        with pytest.raises(StorageIOError):
+            await tier.discard(ref, slot)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(tier.sync)
+            tasks.start_soon(tier.sync)
+        assert zeroings == 2  # the discard's, failed, and one sync's
+        tier._backend.writev = real  # type: ignore[method-assign]
+        _, again = await _stored(tier, buffer, 1)
+        assert again == slot  # the freed slot, to the next block
+        await tier.sync()
+        assert _header_at(tmp_path, slot) == b"KVTB"

@@ -9,6 +9,7 @@ restart do what they did for a live one."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -305,3 +306,51 @@ async def test_a_read_beside_a_forget_never_takes_another_blocks_record(tmp_path
     async with _restarted(tmp_path, "snapshot") as (store, ns):
         assert await read_back(store, Owner("after"), ns, other) == content(other, BLOCK)
         assert not store.index.contains(ns, gone)
+
+
+async def test_a_forget_while_its_write_back_waits_for_a_mark_leaves_no_block_to_read(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint taken while a block's record is written: its segment is marked again
+    before the row goes in, so a FORGET and a READ while that mark waits find no row (the
+    READ misses, as after any FORGET), the write-back then drops the record, and the key is
+    new again to an ALLOC. (When the row went in first, the READ served the forgotten block
+    and left a ``Block`` of a freed slot live, which made ALLOC skip the key.)"""
+    async with small_store(tmp_path, BLOCK, checkpoint_every_bytes="1G") as (store, ns):
+        tier = store.lower
+        assert isinstance(tier, NvmeTier)
+        assert tier.checkpoints is not None
+        owner = Owner("writer")
+        key = b"forgotten-while-written"
+        table = tier.checkpoints.table
+        saving, release = threading.Event(), threading.Event()
+        real_save, real_writev = table.save, tier._backend.writev
+
+        def save() -> None:  # the re-mark's save waits until the test lets it go
+            if not release.is_set():
+                saving.set()
+                release.wait(30)
+            real_save()
+
+        async def writev(fd: int, offset: int, buffers: list[memoryview]) -> int:
+            done = await real_writev(fd, offset, buffers)
+            if len(buffers) == 2 and key in bytes(buffers[0]):
+                table.advance()  # a checkpoint taken while the record was written
+                table.save = save  # type: ignore[method-assign]
+            return done
+
+        tier._backend.writev = writev  # type: ignore[method-assign]
+        await put(store, owner, ns, key)  # write-back runs in the background
+        # the record is written, its segment's mark waits
+        assert await anyio.to_thread.run_sync(saving.wait, 30)
+        assert tier.cold.find(ns.digest, key) == -1  # no row yet
+        assert await store.forget(ns, [key]) == 1
+        with pytest.raises(BlockNotFoundError):
+            await store.read(owner, ns, [key])
+        release.set()
+        await store.fsync()
+        assert store.index.live(ns, key) is None
+        assert tier.cold.find(ns.digest, key) == -1  # the write-back dropped the record
+        write = await store.alloc(owner, ns, [key])
+        assert write.slots[0] is not None  # a new key again
+        await store.commit(owner, write.id, [0], True)
