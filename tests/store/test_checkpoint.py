@@ -111,11 +111,7 @@ async def _child(directory: Path, plan: dict[str, Any]) -> None:
                         del durable[key.decode()]
                         report()
                     seq += 1
-                    data = content(key, seq)
-                    buffer[:BLOCK] = data
-                    ref = BlockRef(NS, key, BLOCK, checksum(data), seq)
-                    slot = await tier.store(ref, buffer[: BLOCK + PAGE_BYTES - BLOCK % PAGE_BYTES])
-                    assert isinstance(slot, DiskSlot)
+                    ref, slot = await _stored(tier, buffer, i, seq)
                     touched.add(slot.segment)
                     if key in where:  # the older record goes once the new one is durable
                         await tier.sync()
@@ -380,12 +376,15 @@ def _cleared(path: Path) -> None:
     path.rmdir()
 
 
-async def _stored(tier: NvmeTier, buffer: memoryview, i: int) -> tuple[BlockRef, DiskSlot]:
-    """Block ``i`` stored (seq ``i + 1``)."""
+async def _stored(
+    tier: NvmeTier, buffer: memoryview, i: int, seq: int | None = None
+) -> tuple[BlockRef, DiskSlot]:
+    """Block ``i`` stored with ``seq`` (by default ``i + 1``), through ``buffer``."""
     key = key_for(i)
-    data = content(key, i + 1)
+    seq = i + 1 if seq is None else seq
+    data = content(key, seq)
     buffer[:BLOCK] = data
-    ref = BlockRef(NS, key, BLOCK, checksum(data), i + 1)
+    ref = BlockRef(NS, key, BLOCK, checksum(data), seq)
     slot = await tier.store(ref, buffer[: BLOCK + PAGE_BYTES - BLOCK % PAGE_BYTES])
     assert isinstance(slot, DiskSlot)
     return ref, slot
@@ -486,11 +485,7 @@ async def test_writes_and_discards_during_a_sliced_copy_leave_a_checkpoint_that_
             nonlocal seq
             key = key_for(i)
             seq += 1
-            data = content(key, seq)
-            buffer[:BLOCK] = data
-            ref = BlockRef(NS, key, BLOCK, checksum(data), seq)
-            slot = await tier.store(ref, buffer[: BLOCK + PAGE_BYTES - BLOCK % PAGE_BYTES])
-            assert isinstance(slot, DiskSlot)
+            ref, slot = await _stored(tier, buffer, i, seq)
             if key in where:
                 await tier.discard(*where[key])  # (the test's restart syncs nothing between)
             where[key] = (ref, slot)
