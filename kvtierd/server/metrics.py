@@ -41,6 +41,7 @@ from kvtierd.protocol import Opcode
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply
 from kvtierd.server.readiness import DaemonPhase, PoolView, Readiness
 from kvtierd.store.diskhealth import DiskFault
+from kvtierd.store.nvme import NvmeTier
 
 if TYPE_CHECKING:
     from kvtierd.server.daemon import Daemon
@@ -245,6 +246,18 @@ class MetricsSnapshot:
     lost_copies: int
     #: The disk tier's failures by fault (every fault; zeros without an NVMe tier).
     disk_failures: tuple[tuple[DiskFault, int], ...] = ()
+    #: The disk tier's index checkpoints (``None``: no NVMe tier).
+    checkpoints: CheckpointFigures | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointFigures:
+    """The NVMe tier's index checkpoints (:mod:`kvtierd.store.checkpoint`)."""
+
+    written: int
+    #: Taking them now: not off by configuration, not given up for this run.
+    on: bool
+    longest_slice_s: float
 
 
 class NamespaceLabels:
@@ -331,7 +344,18 @@ def take_snapshot(daemon: Daemon, labels: NamespaceLabels) -> MetricsSnapshot:
         _transfers(daemon, namespaces),
         daemon.store.residency.statistics().lost,
         _disk_failures(daemon),
+        _checkpoints(daemon),
     )
+
+
+def _checkpoints(daemon: Daemon) -> CheckpointFigures | None:
+    tier = daemon.store.lower
+    if not isinstance(tier, NvmeTier):
+        return None
+    taken = tier.checkpoints
+    if taken is None:
+        return CheckpointFigures(0, False, 0.0)
+    return CheckpointFigures(taken.written, taken.abandoned is None, taken.longest_slice_s)
 
 
 def _disk_failures(daemon: Daemon) -> tuple[tuple[DiskFault, int], ...]:
@@ -392,8 +416,33 @@ class SnapshotCollector(Collector):
         for fault, count in snap.disk_failures:
             failures.add_metric([fault.value], count)
         yield failures
+        if snap.checkpoints is not None:
+            yield from self._checkpoints(snap.checkpoints)
         if snap.pool is not None:
             yield from self._pool(snap.pool)
+
+    @staticmethod
+    def _checkpoints(figures: CheckpointFigures) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "kvtierd_checkpoints_written",
+            "Index checkpoints of the disk tier written (nvme.checkpoint_every_bytes), "
+            f"{_SINCE_START}.",
+            value=figures.written,
+        )
+        yield _gauge(
+            "kvtierd_checkpoints_on",
+            "1 while the disk tier takes index checkpoints; 0 when they are off "
+            "(nvme.checkpoint_every_bytes = 0) or were given up for this run because the data "
+            "directory could not take the generation table (an ERROR in the journal): a crash "
+            "restart then scans every slot header.",
+            float(figures.on),
+        )
+        yield _gauge(
+            "kvtierd_checkpoint_longest_slice_seconds",
+            "The longest the event loop was held by one slice of a checkpoint's copy of the "
+            f"index, {_SINCE_START}.",
+            figures.longest_slice_s,
+        )
 
     @staticmethod
     def _tiers(snap: MetricsSnapshot) -> Iterator[Metric]:

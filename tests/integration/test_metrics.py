@@ -235,6 +235,9 @@ def test_requests_tokens_and_transfers_are_counted(stack: Stack) -> None:
     assert grew(direction, direction="dram_to_nvme") >= 6 * BLOCK_BYTES
     assert after.value("process_resident_memory_bytes") > 0
     assert after.value("kvtierd_ready") == 1
+    # checkpoints are on by default; none is due after a few blocks written
+    assert after.value("kvtierd_checkpoints_on") == 1
+    assert after.total("kvtierd_checkpoints_written_total") == 0
 
 
 def test_namespace_label_is_bounded(stack: Stack) -> None:
