@@ -12,6 +12,7 @@ import contextlib
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import stat
 import struct
@@ -22,6 +23,7 @@ from pathlib import Path
 from kvtierd.errors import ConfigError, ConfigProblem, NoSpaceError, StorageIOError
 from kvtierd.io import IoBackend
 from kvtierd.store.diskhealth import DataFileLostError, DiskFault
+from kvtierd.store.durable import fsync_directory
 from kvtierd.store.records import PAGE_BYTES, CorruptRecord, SegmentHeader, Superblock
 from kvtierd.store.staging import StagingPages
 
@@ -82,7 +84,11 @@ def prepare_file(
         raise StorageIOError(f"{path}: no such device")  # never a regular file in /dev
     created = mode is None
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = _open_direct(path, os.O_CREAT)
+    # A new file is made under another name and renamed into place once its superblock is
+    # durable: a crash while it is made (sized, preallocated) leaves that name, made again at
+    # the next start, never a data file of zeroes that start must refuse as overwritten.
+    made = path.with_name(path.name + _MAKING) if created else path
+    fd = _open_direct(made, os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -91,23 +97,39 @@ def prepare_file(
     size_bytes -= size_bytes % PAGE_BYTES
     try:
         before = os.fstat(fd)
-        if before.st_size != size_bytes:
+        if created:
+            os.ftruncate(fd, 0)  # what a start that crashed making it left
+        if created or before.st_size != size_bytes:
             os.ftruncate(fd, size_bytes)
         if preallocate:
             os.posix_fallocate(fd, 0, size_bytes)
+        if created:
+            _initialise(fd, size_bytes)
+            os.rename(made, path)
+            fsync_directory(path.parent)
     except OSError as exc:
         os.close(fd)
         if created:
-            path.unlink(missing_ok=True)  # a half-allocated file would keep holding the space
+            made.unlink(missing_ok=True)  # a half-allocated file would keep holding the space
         if exc.errno == 28:
             raise NoSpaceError(
                 f"cannot preallocate {size_bytes >> 20} MiB for {path}: the file system is full "
                 "(lower nvme.size or free space)"
             ) from exc
-        raise StorageIOError(f"cannot size {path}: {exc.strerror}") from exc
+        raise StorageIOError(f"cannot make {path}: {exc.strerror}") from exc
     if created:
         return fd, size_bytes, None, None
     return fd, size_bytes, mtime_ns(before), before.st_size
+
+
+def _initialise(fd: int, file_bytes: int) -> None:
+    """Write a new data file's superblock, durably (through a page-aligned buffer: the file
+    is open ``O_DIRECT``)."""
+    with mmap.mmap(-1, PAGE_BYTES) as page:
+        packed = Superblock(uuid.uuid4().bytes, file_bytes, time.time_ns()).pack()
+        page[: len(packed)] = packed
+        os.pwrite(fd, page, 0)
+    os.fdatasync(fd)
 
 
 def _open_device(path: Path, size_bytes: int) -> tuple[int, int]:
@@ -144,6 +166,10 @@ def _open_device(path: Path, size_bytes: int) -> tuple[int, int]:
             f"{path} has {logical}-byte logical blocks, which 4096 is no multiple of"
         )
     return fd, size_bytes - size_bytes % PAGE_BYTES
+
+
+#: The suffix of a data file being made (:func:`prepare_file`).
+_MAKING = ".making"
 
 
 def _open_direct(path: Path, flags: int) -> int:

@@ -547,3 +547,32 @@ async def test_an_unreadable_block_stops_being_a_hit(tmp_path: Path) -> None:
         backend.readv = real  # type: ignore[method-assign]
         lease = await store.read(owner, ns, keys[1:])
         store.release(owner, [lease.id])
+
+
+@pytest.mark.anyio
+async def test_a_start_that_crashed_making_the_data_file_leaves_one_the_next_start_makes(
+    tmp_path: Path,
+) -> None:
+    """A new data file is made under another name and renamed into place once its superblock
+    is durable: a start killed while making it (the file sized, preallocated, no superblock
+    yet) leaves that name, which the next start makes again, where a data file of zeroes
+    would have been refused as overwritten (it might have held blocks)."""
+    making = tmp_path / (DATA_FILE + ".making")
+    _zeroes(making)  # as a kill before its superblock leaves it
+    async with open_tier(tmp_path) as t:
+        await t.put(b"after-the-crash", SMALL)
+    assert not making.exists()
+    async with open_tier(tmp_path) as t:
+        assert [r.ref.key for r in t.tier.recovered()] == [b"after-the-crash"]
+    # a data file of zeroes under its own name is still refused
+    (tmp_path / DATA_FILE).unlink()
+    _zeroes(tmp_path / DATA_FILE)
+    with pytest.raises(StorageIOError, match="superblock cannot be read"):
+        async with open_tier(tmp_path):
+            pass
+
+
+def _zeroes(path: Path) -> None:
+    """A file of the data file's size holding only zeroes."""
+    path.touch()
+    os.truncate(path, FILE_BYTES)
