@@ -101,10 +101,6 @@ class Checkpoints:
         #: renamed into place after the one deleted by :meth:`abandon`.
         self._writing = threading.Lock()
 
-    @property
-    def busy(self) -> bool:
-        return self._taking
-
     @classmethod
     def open(
         cls,
