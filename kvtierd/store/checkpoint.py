@@ -74,7 +74,7 @@ __all__ = [
 
 log = logging.getLogger("kvtierd.checkpoint")
 
-#: Rows of the index copied in one step of the event loop (about 4 ms at 65 ns a row).
+#: Rows of the index copied in one step of the event loop (1.6-1.9 ms measured at 1M rows).
 _SLICE_ROWS = 1 << 16
 
 
@@ -143,8 +143,7 @@ class Checkpoints:
             and self.abandoned is None
             and self._tasks is not None
         ):
-            self._since = 0
-            self._taking = True
+            self._taking = True  # (the take starts the next period)
             self._tasks.start_soon(self._take_owned, segmap, cold)
 
     async def _take_owned(self, segmap: SegmentMap, cold: ColdIndex) -> None:
@@ -157,8 +156,8 @@ class Checkpoints:
         """Take a checkpoint now; returns once it is written (or could not be: a WARNING).
 
         The table moves on to the next generation first; then the index is copied a slice
-        of rows at a time, each slice in one step of the event loop (about 4 ms at most:
-        :data:`_SLICE_ROWS`), while the loop goes on serving. A row that changes meanwhile
+        of rows at a time, each slice in one step of the event loop (:data:`_SLICE_ROWS`),
+        while the loop goes on serving. A row that changes meanwhile
         is in a segment marked in the new generation (every insert and discard marks its
         segment, and an insert marked in the old one is marked again), so its copy, whatever
         moment it caught, is one recovery ignores: such segments are scanned. Their rows,

@@ -65,6 +65,10 @@ def mtime_ns(status: os.stat_result) -> int | None:
     return status.st_mtime_ns if stat.S_ISREG(status.st_mode) else None
 
 
+#: The suffix of a data file being made (:func:`prepare_file`).
+_MAKING = ".making"
+
+
 def prepare_file(
     path: Path, size_bytes: int, preallocate: bool
 ) -> tuple[int, int, int | None, int | None]:
@@ -166,10 +170,6 @@ def _open_device(path: Path, size_bytes: int) -> tuple[int, int]:
             f"{path} has {logical}-byte logical blocks, which 4096 is no multiple of"
         )
     return fd, size_bytes - size_bytes % PAGE_BYTES
-
-
-#: The suffix of a data file being made (:func:`prepare_file`).
-_MAKING = ".making"
 
 
 def _open_direct(path: Path, flags: int) -> int:

@@ -31,9 +31,9 @@ daemons' files): it is in the data directory, named by
 
 Opening and claiming the file, its superblock and the check that the path still names it are
 :mod:`kvtierd.store.datafile`'s (they know no record). What is left past 600 lines is the run
-reads (``load_run``, issue 32), which need the tier's records and staging pages; splitting
-record keeping from reads follows the index's reshape (docs/architecture.md, "The index at
-scale").
+reads (``load_run``, issue 32) and the discards' zeroing and its retry before a sync, which
+need the tier's records and staging pages; splitting record keeping from reads follows the
+index's reshape (docs/architecture.md, "The index at scale"), with issue 33's.
 
 With ``checkpoint_every_bytes``, every write into a segment (a record, a discard) is first
 marked in the durable generation table, and the index is checkpointed periodically, so a
@@ -491,12 +491,7 @@ class NvmeTier(LowerTier):
         # another block's record (a failed read of it then dropped that record: a block
         # acknowledged by FSYNC was lost).
         self._cold.remove(row)
-        try:
-            await self._tombstone(slot)
-        except BaseException:
-            self._unzeroed.append(slot)  # zeroed and freed before the next sync
-            raise
-        self._segmap.free(slot)
+        await self._zero_and_free(slot)
 
     async def _tombstone(self, slot: DiskSlot) -> None:
         """Zero ``slot``'s header page, its segment marked first (a no-op once marked)."""
@@ -513,13 +508,17 @@ class NvmeTier(LowerTier):
         kept from reuse, for the next call."""
         async with self._zeroing:
             while self._unzeroed:
-                slot = self._unzeroed.pop()
-                try:
-                    await self._tombstone(slot)
-                except BaseException:
-                    self._unzeroed.append(slot)
-                    raise
-                self._segmap.free(slot)
+                await self._zero_and_free(self._unzeroed.pop())
+
+    async def _zero_and_free(self, slot: DiskSlot) -> None:
+        """Zero the header page of ``slot``, whose row is gone, and free it; when that fails,
+        keep it from reuse until :meth:`zero_discarded` (before every sync) does it."""
+        try:
+            await self._tombstone(slot)
+        except BaseException:
+            self._unzeroed.append(slot)
+            raise
+        self._segmap.free(slot)
 
     async def sync(self) -> None:
         """:meth:`zero_discarded` (a FORGET synced is one a restart keeps), then

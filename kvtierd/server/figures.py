@@ -1,0 +1,184 @@
+"""What the metrics read of the daemon: one :class:`MetricsSnapshot` a second, taken on the
+event loop (:func:`take_snapshot`: the STATFS record, the pool's status, the namespace counters
+folded into their bounded labels, the transfers by direction, the disk tier's failures and
+checkpoints), which :mod:`kvtierd.server.metrics`' collector, on the HTTP threads, only reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtierd.protocol.messages import PoolStatusReply, StatfsReply
+from kvtierd.store.diskhealth import DiskFault
+from kvtierd.store.nvme import NvmeTier
+
+if TYPE_CHECKING:
+    from kvtierd.server.daemon import Daemon
+
+__all__ = [
+    "OTHER_NAMESPACE",
+    "CheckpointFigures",
+    "MetricsSnapshot",
+    "NamespaceFigures",
+    "NamespaceLabels",
+    "Transfer",
+    "take_snapshot",
+]
+
+#: The ``namespace`` label of every namespace not given its own.
+OTHER_NAMESPACE = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceFigures:
+    """The counters of every namespace that one ``namespace`` label stands for, summed."""
+
+    label: str
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    read_blocks: int = 0
+    read_bytes: int = 0
+    committed_blocks: int = 0
+    committed_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Blocks and bytes moved one way (``direction``: ``client_to_dram``, ...)."""
+
+    direction: str
+    blocks: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSnapshot:
+    """What the event loop saw at one instant; the collector's only source."""
+
+    statfs: StatfsReply
+    pool: PoolStatusReply | None
+    namespaces: tuple[NamespaceFigures, ...]
+    transfers: tuple[Transfer, ...]
+    lost_copies: int
+    #: The disk tier's failures by fault (every fault; zeros without an NVMe tier).
+    disk_failures: tuple[tuple[DiskFault, int], ...] = ()
+    #: The disk tier's index checkpoints (``None``: no NVMe tier).
+    checkpoints: CheckpointFigures | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointFigures:
+    """The NVMe tier's index checkpoints (:mod:`kvtierd.store.checkpoint`)."""
+
+    written: int
+    #: Taking them now: not off by configuration, not given up for this run.
+    on: bool
+    longest_slice_s: float
+
+
+class NamespaceLabels:
+    """Which ``namespace`` label a namespace name gets: itself when ``allowed`` lists it, or,
+    with no allow-list, when it is among the first ``limit`` names seen; else ``"other"``.
+    A name once given its own label keeps it for the daemon's life (stable series)."""
+
+    def __init__(self, allowed: Sequence[str], limit: int) -> None:
+        self._allowed = frozenset(allowed)
+        self._limit = limit
+        self._own: set[str] = set()  # at most ``limit`` names
+
+    def label(self, name: str) -> str:
+        if self._allowed:
+            return name if name in self._allowed else OTHER_NAMESPACE
+        if name in self._own:
+            return name
+        if len(self._own) < self._limit:
+            self._own.add(name)
+            return name
+        return OTHER_NAMESPACE
+
+
+def _fold_namespaces(daemon: Daemon, labels: NamespaceLabels) -> tuple[NamespaceFigures, ...]:
+    sums: dict[str, list[int]] = {}
+    for ns in daemon.store.registry:
+        c = ns.counters
+        tokens = ns.spec.layout.block_tokens if ns.spec.layout is not None else 0
+        row = sums.setdefault(labels.label(ns.spec.name), [0] * 8)
+        for i, value in enumerate(
+            (
+                c.lookup_blocks,
+                c.hit_blocks,
+                c.lookup_blocks * tokens,
+                c.hit_blocks * tokens,
+                c.read_blocks,
+                c.read_bytes,
+                c.committed_blocks,
+                c.committed_bytes,
+            )
+        ):
+            row[i] += value
+    return tuple(NamespaceFigures(label, *row) for label, row in sorted(sums.items()))
+
+
+def _transfers(daemon: Daemon, namespaces: Iterable[NamespaceFigures]) -> tuple[Transfer, ...]:
+    """Blocks and bytes by direction. Client traffic counts whole blocks; NVMe bytes are what
+    the device moved (a record's header page and its payload padded to 4 KiB, compressed where
+    zstd is on); pool bytes are the values sent and received."""
+    store = daemon.store
+    c = store.residency.statistics()
+    figures = list(namespaces)
+    moved = [
+        Transfer(
+            "client_to_dram",
+            sum(f.committed_blocks for f in figures),
+            sum(f.committed_bytes for f in figures),
+        ),
+        Transfer(
+            "dram_to_client",
+            sum(f.read_blocks for f in figures),
+            sum(f.read_bytes for f in figures),
+        ),
+    ]
+    if store.lower is not None:
+        nvme = store.lower.statistics()
+        moved.append(Transfer("dram_to_nvme", c.written_back, nvme.bytes_written))
+        moved.append(Transfer("nvme_to_dram", c.lower_hits, nvme.bytes_read))
+    if daemon.pool is not None:
+        pool = daemon.pool.tier.statistics()
+        written = daemon.pool.statistics().written
+        moved.append(Transfer("dram_to_pool", written, pool.bytes_written))
+        moved.append(Transfer("pool_to_dram", c.pool_hits, pool.bytes_read))
+    return tuple(moved)
+
+
+def take_snapshot(daemon: Daemon, labels: NamespaceLabels) -> MetricsSnapshot:
+    """Everything the collector exports, read on the event loop (cheap: counters and sums)."""
+    namespaces = _fold_namespaces(daemon, labels)
+    return MetricsSnapshot(
+        daemon.statistics(),
+        daemon.pool_status() if daemon.pool is not None else None,
+        namespaces,
+        _transfers(daemon, namespaces),
+        daemon.store.residency.statistics().lost,
+        _disk_failures(daemon),
+        _checkpoints(daemon),
+    )
+
+
+def _checkpoints(daemon: Daemon) -> CheckpointFigures | None:
+    tier = daemon.store.lower
+    if not isinstance(tier, NvmeTier):
+        return None
+    taken = tier.checkpoints
+    if taken is None:
+        return CheckpointFigures(0, False, 0.0)
+    return CheckpointFigures(taken.written, taken.abandoned is None, taken.longest_slice_s)
+
+
+def _disk_failures(daemon: Daemon) -> tuple[tuple[DiskFault, int], ...]:
+    watch = daemon.store.disk
+    counts = watch.health.failures if watch is not None else dict.fromkeys(DiskFault, 0)
+    return tuple((fault, counts[fault]) for fault in DiskFault)
