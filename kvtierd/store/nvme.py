@@ -420,6 +420,29 @@ class NvmeTier(LowerTier):
         buffers are given up, in case the region's pages changed) and its checksum returned;
         else the checksum it has, and the caller drops it as torn. Raises
         :class:`BlockNotFoundError` as :meth:`load` does when it cannot be read at all."""
+        async with self._private_copy(ref, slot) as (payload, value):
+            if value == ref.checksum:
+                await copy_checksum_off_loop(dest[: ref.raw_bytes], payload)
+                self._slot_disagreed += 1
+                if self._slot_disagreed & (self._slot_disagreed - 1) == 0:  # 1, 2, 4, ...
+                    log.warning(
+                        "a block read from offset %d of %s into its tenant's region did not "
+                        "match, the record re-read into private memory did (%d times so "
+                        "far): a client wrote to its region while the block was read",
+                        slot.offset,
+                        self.path,
+                        self._slot_disagreed,
+                    )
+                self._backend.release_fixed_buffers()
+            return value
+
+    @contextlib.asynccontextmanager
+    async def _private_copy(
+        self, ref: BlockRef, slot: DiskSlot
+    ) -> AsyncIterator[tuple[memoryview, int]]:
+        """``ref``'s record in ``slot`` read into daemon-private memory: its payload and the
+        payload's checksum, valid inside the block. Raises :class:`BlockNotFoundError` as
+        :meth:`load` does when it cannot be read at all."""
         header, padded = self._readable(ref, slot)
         bounce = _bounce(max(padded, ref.raw_bytes))
         try:
@@ -427,21 +450,7 @@ class NvmeTier(LowerTier):
                 async with self._pages.page() as page:
                     await self._read_record(slot, header, page, padded, private)
                     self._verify_header(page, ref)
-                value = await checksum_off_loop(payload)
-                if value == ref.checksum:
-                    await copy_checksum_off_loop(dest[: ref.raw_bytes], payload)
-                    self._slot_disagreed += 1
-                    if self._slot_disagreed & (self._slot_disagreed - 1) == 0:  # 1, 2, 4, ...
-                        log.warning(
-                            "a block read from offset %d of %s into its tenant's region did not "
-                            "match, the record re-read into private memory did (%d times so "
-                            "far): a client wrote to its region while the block was read",
-                            slot.offset,
-                            self.path,
-                            self._slot_disagreed,
-                        )
-                    self._backend.release_fixed_buffers()
-                return value
+                yield payload, await checksum_off_loop(payload)
         finally:
             _close_bounce(bounce)
 
@@ -633,13 +642,50 @@ class NvmeTier(LowerTier):
         return slot
 
     async def _adopt(self, found: RecoveredIndex) -> None:
+        self._cold = found.cold
+        for row in found.ties:
+            found.stale.append(await self._settle_tie(row))
         for slot in found.stale:
             await self._tombstone(slot)
             self._segmap.free(slot)
-        self._cold = found.cold
         self.max_seq = found.max_seq
         self.recovery_source = found.source
         self.recovery_scanned = found.scanned_segments
+
+    async def _settle_tie(self, row: int) -> DiskSlot:
+        """Keep one of two records of a block written twice (``row``, beside its key's row with
+        the same seq; see :mod:`kvtierd.store.recovery`): the key's row unless its payload fails
+        its checksum where ``row``'s holds. The other leaves the index; its slot, to discard."""
+        identity = self._cold.identity(row)
+        assert identity is not None
+        named = self._cold.find(*identity)
+        if not await self._intact(named) and await self._intact(row):
+            torn = self._segmap.slot(*self._cold.place(named))
+            log.warning(
+                "a block written twice had a torn copy at offset %d of %s; the whole one kept",
+                torn.offset,
+                self.path,
+            )
+            header, place = self._cold.record(row), self._cold.place(row)
+            self._cold.remove(named)
+            self._cold.remove(row)
+            self._cold.add(identity[0], header, *place)  # now its key's row
+            return torn
+        slot = self._segmap.slot(*self._cold.place(row))
+        self._cold.remove(row)
+        return slot
+
+    async def _intact(self, row: int) -> bool:
+        """Whether the record in ``row`` reads whole and its payload matches its checksum."""
+        ref = self.cold_rows().made(row).ref
+        try:
+            async with self._private_copy(ref, self._segmap.slot(*self._cold.place(row))) as (
+                _,
+                value,
+            ):
+                return value == ref.checksum
+        except BlockNotFoundError:
+            return False
 
     def save_snapshot(self) -> None:
         save_snapshot(

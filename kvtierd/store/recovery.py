@@ -20,6 +20,14 @@ through the I/O backend) and adopts each whose checksum holds; when two records 
 higher ``seq`` wins and the loser is discarded. Payloads are not read here: they are verified
 against their checksum on every load, so a torn payload costs a miss, never a wrong answer.
 
+Ties. Two records of one key with one ``seq`` are two writes of one block: a write-back whose
+header page landed before the device failed it (its slot freed, the block written again
+elsewhere), or one written whole whose checkpoint mark failed. Which of them the scan meets first
+depends on the order its reads complete, and one may be torn, so neither header decides: the
+tier reads both payloads before it discards either (:attr:`RecoveredIndex.ties`), and the loser
+is the one that fails its checksum. Ties exist only after a failed write, so reading them costs
+nothing on a healthy disk.
+
 Damage. A segment header is what lets the scan find the next one, so one flipped bit in it must
 not hide the segments after it. A page at the expected place that is recognisably a damaged
 segment header of this file (:func:`~kvtierd.store.records.damaged_segment_header`), or that
@@ -99,11 +107,14 @@ _KNOWN_FLAGS = RecordHeader.FLAG_ZSTD
 
 @dataclass
 class RecoveredIndex:
-    """What recovery found: the records adopted, as the tier's index, and places to discard
-    (older records of a key that a newer one replaced)."""
+    """What recovery found: the records adopted, as the tier's index, places to discard (older
+    records of a key that a newer one replaced), and ties to settle by reading payloads."""
 
     cold: ColdIndex = field(default_factory=ColdIndex)
     stale: list[DiskSlot] = field(default_factory=list)
+    #: Rows left in ``cold`` beside their key's row, with its ``seq``: another write of the
+    #: same block, one of the two possibly torn (see the module's *Ties*).
+    ties: list[int] = field(default_factory=list)
     source: str = "empty"
     #: Segments whose slot headers were read (all of them for a scan, none for a snapshot).
     scanned_segments: int = 0
@@ -120,7 +131,8 @@ def recovered(
     source: str,
 ) -> RecoveredIndex:
     """Mark the slots ``columns`` name used in ``segmap`` (the rest of its segments free) and
-    index them, newest record of each key first; older ones become ``stale``."""
+    index them, newest record of each key first; older ones become ``stale``, ones as new as
+    their key's row ``ties``."""
     segment = np.asarray(columns["segment"])
     order = np.argsort(segment, kind="stable")
     bounds = np.searchsorted(segment[order], np.arange(len(segmap.segments) + 1))
@@ -130,11 +142,17 @@ def recovered(
         used[index[bounds[number] : bounds[number + 1]]] = True
         segmap.adopt_used(number, used)
     cold = ColdIndex.from_columns(columns, digests)
-    stale = []
+    stale, ties = [], []
+    seqs = cold.column("seq")
     for row in cold.shadowed().tolist():
+        identity = cold.identity(row)
+        assert identity is not None
+        if seqs[cold.find(*identity)] == seqs[row]:
+            ties.append(row)
+            continue
         stale.append(segmap.slot(*cold.place(row)))
         cold.remove(row)
-    return RecoveredIndex(cold, stale, source)
+    return RecoveredIndex(cold, stale, ties, source)
 
 
 # -- the snapshot ------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from kvtierd.store.index import Owner
 from kvtierd.store.nvme import NvmeTier, open_nvme_tier
 from kvtierd.store.records import PAGE_BYTES, RecordHeader, SegmentHeader, checksum
 from kvtierd.store.recovery import SNAPSHOT_NAME
-from kvtierd.store.segments import DiskSlot
+from kvtierd.store.segments import DiskSlot, slot_bytes_for
 from kvtierd.store.snapshot import Snapshot
 from kvtierd.store.staging import StagingPages
 from kvtierd.store.tier import BlockRef
@@ -576,3 +576,57 @@ def _zeroes(path: Path) -> None:
     """A file of the data file's size holding only zeroes."""
     path.touch()
     os.truncate(path, FILE_BYTES)
+
+
+# -- one block written twice -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("torn_first", [True, False], ids=["torn-first", "whole-first"])
+@pytest.mark.parametrize("nbytes", [16 << 10, SMALL])  # headers read in runs, or one by one
+async def test_a_block_written_twice_keeps_its_whole_copy_whichever_the_scan_meets_first(
+    tmp_path: Path, torn_first: bool, nbytes: int
+) -> None:
+    """A write-back whose header page landed before the device failed it leaves a torn record
+    with its block's seq, and its slot free; the retry writes the block whole elsewhere, with
+    the same seq. After a crash the scan meets both: the whole one is kept and the torn one
+    discarded. (Recovery used to keep whichever it met first and discard the other: an
+    FSYNC'd block lost.) The torn copy first is the case a failing device leaves when a write
+    in flight at the crash holds its slot; whole first, one whose retry was written before."""
+    key = key_for(0)
+    data = content(key, nbytes)
+    ref = BlockRef(NS, key, nbytes, checksum(data), 7)
+    padded = -(-nbytes // 4096) * 4096
+    async with open_tier(tmp_path) as t:
+        t.buffer[:nbytes] = data
+        real = t.backend.writev
+
+        async def torn(fd: int, offset: int, buffers: Any) -> int:
+            if len(buffers) == 1:  # a segment header, carved for the first record
+                return await real(fd, offset, buffers)
+            await real(fd, offset, buffers[:1])  # the header page lands, the payload does not
+            raise StorageIOError("injected: the device failed the write")
+
+        async def store_torn() -> None:
+            t.backend.writev = torn  # type: ignore[method-assign]
+            try:
+                with pytest.raises(StorageIOError, match="injected"):
+                    await t.tier.store(ref, t.buffer[:padded])
+            finally:
+                t.backend.writev = real  # type: ignore[method-assign]
+
+        if torn_first:
+            await store_torn()
+            # a write in flight when the crash came holds the torn record's slot
+            assert t.tier._segmap.allocate(slot_bytes_for(nbytes)) is not None
+            await t.tier.store(ref, t.buffer[:padded])
+        else:
+            await t.tier.store(ref, t.buffer[:padded])
+            await store_torn()
+        await t.tier.sync()
+    for _ in range(2):  # the second start finds the torn copy discarded
+        crash(tmp_path)
+        async with open_tier(tmp_path) as t:
+            found = list(t.tier.recovered())
+            assert [r.ref for r in found] == [ref]
+            assert await t.get(ref, found[0].location) == data
+            assert len(t.tier._cold) == 1
