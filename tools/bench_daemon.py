@@ -4,7 +4,9 @@
   the daemon into client buffers, at 448 KiB, 2, 8 and 32 MiB (``--cold-sizes``), in the order
   they were written and in random order, against ``fio --ioengine=io_uring --direct=1``
   reading the same data file the same way (``read`` / ``randread``) with the same block size
-  and queue depth: the daemon's ``nvme.queue_depth`` is fio's ``iodepth`` (``--qd``), and
+  and queue depth, once with its buffers registered with io_uring (``--fixedbufs``, as the
+  daemon's arena is) and once without, the faster of the two each round the reference. The
+  daemon's ``nvme.queue_depth`` is fio's ``iodepth`` (``--qd``), and
   the client keeps READs of about 4 MiB in flight for twice that many blocks and 16 MiB
   more (an engine pipelines its loads; the daemon then always has the next read to submit,
   while finished READs are verified, answered and copied out: :func:`cold_window`). Rounds alternate
@@ -143,10 +145,18 @@ def _cpu_s(pid: int) -> float:
 
 
 def _fio_cold(
-    data_file: Path, used: int, block_bytes: int, count: int, qd: int, order: str
+    data_file: Path, used: int, block_bytes: int, count: int, qd: int, order: str, *, fixed: bool
 ) -> float:
     fio = fio_json(
-        fio_read_args(data_file, used, block_bytes, count, qd, in_order=order == "in_order")
+        fio_read_args(
+            data_file,
+            used,
+            block_bytes,
+            count,
+            qd,
+            in_order=order == "in_order",
+            fixed_buffers=fixed,
+        )
     )
     return float(fio["jobs"][0]["read"]["bw_bytes"]) / 1e9
 
@@ -156,7 +166,8 @@ def bench_cold(
 ) -> list[dict[str, Any]]:
     """Cold reads of ``block_bytes`` blocks in order and in random order, each against fio
     reading the daemon's data file the same way (``read`` / ``randread``, same block size and
-    queue depth), in pairs that alternate A B A B; one result per order."""
+    queue depth; the faster of ``--fixedbufs`` and not), in pairs that alternate A B A B; one
+    result per order."""
     count = total_bytes // block_bytes
     workers, batch = cold_window(block_bytes, qd)
     dram = max(256 * MiB, 2 * workers * batch * block_bytes + 64 * MiB)
@@ -178,7 +189,15 @@ def bench_cold(
         random.Random(7).shuffle(shuffled)
         orders = {"in_order": keys, "random": shuffled}
         runs: dict[str, dict[str, list[float]]] = {
-            order: {"kvtierd": [], "lease": [], "fio": [], "cpu": []} for order in orders
+            order: {
+                "kvtierd": [],
+                "lease": [],
+                "fio": [],
+                "fio_plain": [],
+                "fio_fixed": [],
+                "cpu": [],
+            }
+            for order in orders
         }
         for _ in range(rounds):
             for order, ordered in orders.items():
@@ -186,9 +205,19 @@ def bench_cold(
                 before = _cpu_s(d.process.pid)
                 r["kvtierd"].append(anyio.run(_cold_read, d.socket, block_bytes, ordered, qd))
                 r["cpu"].append((_cpu_s(d.process.pid) - before) / (count * block_bytes / 1e9))
-                r["fio"].append(
-                    _fio_cold(d.data_dir / "nvme.data", used, block_bytes, count, qd, order)
-                )
+                for fixed, name in ((False, "fio_plain"), (True, "fio_fixed")):
+                    r[name].append(
+                        _fio_cold(
+                            d.data_dir / "nvme.data",
+                            used,
+                            block_bytes,
+                            count,
+                            qd,
+                            order,
+                            fixed=fixed,
+                        )
+                    )
+                r["fio"].append(max(r["fio_plain"][-1], r["fio_fixed"][-1]))
                 r["lease"].append(
                     anyio.run(
                         functools.partial(_cold_read, zero_copy=True),
@@ -211,7 +240,9 @@ def bench_cold(
                 "blocks_per_read": batch,
                 "blocks": count,
                 "kvtierd_gbps": r["kvtierd"],
-                "fio_gbps": r["fio"],
+                "fio_gbps": r["fio"],  # the faster of the two below, each round
+                "fio_plain_gbps": r["fio_plain"],
+                "fio_fixedbufs_gbps": r["fio_fixed"],
                 "ratios": ratios,
                 "median_ratio": benchlib.median(ratios),
                 "daemon_cpu_s_per_gb": r["cpu"],

@@ -77,7 +77,8 @@ def record_daemon(result: dict[str, Any]) -> None:
     for cold in result.get("cold", []):
         row(
             f"cold read, {_cold_label(cold)}, qd {cold['queue_depth']}, "
-            "copied into client buffers (vs fio io_uring O_DIRECT, same order)",
+            "copied into client buffers (vs fio io_uring O_DIRECT, same order, the faster of "
+            "`--fixedbufs` and not)",
             cold,
             "fio_gbps",
             ">= 0.95",
@@ -112,6 +113,18 @@ def record_daemon(result: dict[str, Any]) -> None:
             for c in result["cold"]
         )
         lines += ["", f"Daemon CPU seconds per GB of cold reads copied out (median): {cpu}."]
+    if any("fio_fixedbufs_gbps" in cold for cold in result.get("cold", [])):
+        fio = "; ".join(
+            f"{_cold_label(c)} {benchlib.median(c['fio_plain_gbps']):.2f} / "
+            f"{benchlib.median(c['fio_fixedbufs_gbps']):.2f}"
+            for c in result["cold"]
+        )
+        lines += [
+            "",
+            "fio's two references, without / with `--fixedbufs` (median GB/s; on this virtual "
+            "machine io_uring reads into memory its registration faulted in keep the disk's "
+            f"queue full, see architecture.md): {fio}.",
+        ]
     if "rtt" in result:
         lines += [
             "",

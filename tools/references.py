@@ -48,10 +48,21 @@ def fio_json(args: Sequence[str]) -> dict[str, Any]:
 
 
 def fio_read_args(
-    data_file: Path, used: int, block_bytes: int, count: int, qd: int, *, in_order: bool = False
+    data_file: Path,
+    used: int,
+    block_bytes: int,
+    count: int,
+    qd: int,
+    *,
+    in_order: bool = False,
+    fixed_buffers: bool = False,
 ) -> list[str]:
     """fio's arguments for ``count`` reads of ``block_bytes`` from the first ``used`` bytes of a
-    daemon's data file (read-only: fio never writes the file it measures)."""
+    daemon's data file (read-only: fio never writes the file it measures). ``fixed_buffers``:
+    fio's buffers registered with io_uring (``--fixedbufs``), as the daemon's arena is; on the
+    virtual machines measured that reads faster into memory the registration faulted in
+    (docs/architecture.md, *Fixed buffers before the pre-fault*), so a fair reference runs both
+    and takes the faster."""
     return [
         "--rw=read" if in_order else "--rw=randread",
         f"--bs={block_bytes}",
@@ -60,6 +71,7 @@ def fio_read_args(
         f"--size={used}",
         "--readonly",
         f"--io_size={count * block_bytes}",
+        *(["--fixedbufs"] if fixed_buffers else []),
     ]
 
 

@@ -9,4 +9,14 @@ PYTHON=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 echo "== ruff"; "$PYTHON" -m ruff check kvtierd tests tools
 echo "== mypy"; "$PYTHON" -m mypy kvtierd
+# The daemons the tests start preallocate their data files: a nearly full disk fails dozens of
+# tests with ENOSPC far from the cause, so say so first.
+tmp=${TMPDIR:-/tmp}
+need_gib=${KVTIERD_TEST_FREE_GIB:-4}
+free_gib=$(( $(df --output=avail -k "$tmp" | tail -1) / 1048576 ))
+if (( free_gib < need_gib )); then
+    echo "test.sh: $tmp has $free_gib GiB free; the tests need about $need_gib GiB" \
+        "(set KVTIERD_TEST_FREE_GIB to change the floor, or TMPDIR to use another disk)" >&2
+    exit 1
+fi
 echo "== pytest"; exec "$PYTHON" -m pytest "$@"

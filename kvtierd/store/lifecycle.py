@@ -37,7 +37,7 @@ import anyio
 
 from kvtierd.config import Config, NvmePolicyKind, PolicyKind
 from kvtierd.errors import ConfigError, StorageIOError
-from kvtierd.io import BindingVerdict, open_io_backend
+from kvtierd.io import BindingVerdict, IoBackend, open_io_backend
 from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES as FIXED_BUFFER_BYTES
 from kvtierd.policy import CachePolicy
 from kvtierd.slsap.policy import SlsapPolicy
@@ -154,10 +154,11 @@ class _Abandoned(Exception):
     """Raised in the worker thread of an arena whose creation was cancelled."""
 
 
-async def _create_arena(config: Config, progress: OpenProgress) -> Arena:
-    """:meth:`Arena.create` in a worker thread. Pre-faulting a large arena takes seconds, so a
-    cancelled start-up (Ctrl-C) does not wait for it: the thread stops at its next chunk and
-    releases what it made."""
+async def _create_arena(config: Config, progress: OpenProgress, backend: IoBackend) -> Arena:
+    """:meth:`Arena.create` in a worker thread, its resident part registered with ``backend``
+    as fixed buffers before anything touches it (see ``pin`` there). Pinning or pre-faulting
+    a large arena takes seconds, so a cancelled start-up (Ctrl-C) does not wait for it: the
+    thread stops at its next chunk and releases what it made."""
     abandoned = threading.Event()
 
     def checkpoint(done_bytes: int, total_bytes: int) -> None:
@@ -175,11 +176,23 @@ async def _create_arena(config: Config, progress: OpenProgress) -> Arena:
         mlock=config.dram.mlock,
         prefault=config.dram.prefault,
         checkpoint=checkpoint,
+        pin=partial(_register, backend),
     )
     try:
         return await anyio.to_thread.run_sync(create, abandon_on_cancel=True)
     finally:
         abandoned.set()  # after a return, too late to matter
+
+
+def _register(backend: IoBackend, view: memoryview) -> bool:
+    """Register ``view`` (the arena's resident part) as ``backend``'s fixed buffers; whether it
+    did. Without them reads are still correct, only dearer."""
+    try:
+        backend.register_buffer(view)
+    except StorageIOError as exc:
+        log.warning("arena not registered as io_uring fixed buffers: %s", exc)
+        return False
+    return True
 
 
 @contextlib.asynccontextmanager
@@ -205,99 +218,92 @@ async def open_store(
     secret = await anyio.to_thread.run_sync(load_secret, config.key_secret_path)
     staging_count = staging_pages(config)
     progress.advance(OpenPhase.CREATING_ARENA)
-    arena = await _create_arena(config, progress)
-    try:
-        async with contextlib.AsyncExitStack() as stack:
-            backend = await stack.enter_async_context(
-                open_io_backend(
-                    config.nvme.io_backend,
-                    queue_depth=config.nvme.queue_depth,
-                    verdict=io_verdict,
+    async with contextlib.AsyncExitStack() as stack:
+        backend = await stack.enter_async_context(
+            open_io_backend(
+                config.nvme.io_backend, queue_depth=config.nvme.queue_depth, verdict=io_verdict
+            )
+        )
+        arena = await _create_arena(config, progress, backend)
+        stack.callback(arena.close)  # after all that uses it, before the backend (whose pins
+        # keep the pages it may still be reading into)
+        pages = StagingPages(arena.view[: staging_count * PAGE_BYTES], staging_count)
+        tier = None
+        if config.nvme.size:
+            progress.advance(OpenPhase.OPENING_NVME)
+            tier = await stack.enter_async_context(
+                open_nvme_tier(
+                    Path(config.nvme.path) if config.nvme.path else data_dir / "nvme.data",
+                    config.nvme.size,
+                    backend=backend,
+                    pages=pages,
+                    segment_bytes=config.nvme.segment_bytes,
+                    preallocate=config.nvme.preallocate,
+                    progress=partial(progress.advance, OpenPhase.RECOVERING),
+                    snapshot_dir=data_dir,
+                    reinitialize=config.nvme.reinitialize_unreadable,
+                    checkpoint_every_bytes=config.nvme.checkpoint_every_bytes,
                 )
             )
-            try:
-                backend.register_buffer(arena.view[: arena.resident_bytes])
-            except StorageIOError as exc:  # still correct without fixed buffers, only dearer
-                log.warning("arena not registered as io_uring fixed buffers: %s", exc)
-            pages = StagingPages(arena.view[: staging_count * PAGE_BYTES], staging_count)
-            tier = None
-            if config.nvme.size:
-                progress.advance(OpenPhase.OPENING_NVME)
-                tier = await stack.enter_async_context(
-                    open_nvme_tier(
-                        Path(config.nvme.path) if config.nvme.path else data_dir / "nvme.data",
-                        config.nvme.size,
-                        backend=backend,
-                        pages=pages,
-                        segment_bytes=config.nvme.segment_bytes,
-                        preallocate=config.nvme.preallocate,
-                        progress=partial(progress.advance, OpenPhase.RECOVERING),
-                        snapshot_dir=data_dir,
-                        reinitialize=config.nvme.reinitialize_unreadable,
-                        checkpoint_every_bytes=config.nvme.checkpoint_every_bytes,
-                    )
+        staged = None
+        if tier is not None:
+            staged = StagedCopies(
+                arena.lazy()[: staging_bytes(config)],  # (the arena rounds it to 2 MiB)
+                arena.resident_bytes,
+                reserve=config.limits.max_block_bytes,
+            )
+        regions = Regions(arena.regions, boundary=FIXED_BUFFER_BYTES)
+        registry = NamespaceRegistry(
+            data_dir / "namespaces.catalog",
+            config.tenants,
+            secret=secret,
+            regions=regions,
+            limits=config.limits,
+        )
+        writeback = WriteBack(config.nvme.writeback_concurrency)
+        residency = Residency(
+            arena,
+            regions,
+            registry,
+            partial(make_policy, config.dram.policy),
+            tier,
+            make_policy(config.nvme.policy, tier),
+            writeback=writeback,
+            staged=staged,
+            shared=replica.tier if replica is not None else None,
+            limits=config.limits,
+            read_batch=(config.nvme.read_batch_bytes, config.nvme.read_batch_blocks),
+        )
+        adopted = residency.adopt_recovered()
+        log.info("store ready: %d blocks adopted from the NVMe tier", adopted)
+        # Write-back before the link: on the way out the link gives queued blocks its grace
+        # to reach the pool first, then write-back drains to disk (which has no deadline).
+        await stack.enter_async_context(
+            open_writeback(writeback, LowerWriter(residency).write_back)
+        )
+        disk = None
+        if tier is not None:  # after write-back: its timer queues failed blocks again
+            disk = await stack.enter_async_context(
+                open_disk_watch(
+                    DiskWatch(tier, writeback, registry), config.nvme.health_check_interval_s
                 )
-            staged = None
-            if tier is not None:
-                staged = StagedCopies(
-                    arena.lazy()[: staging_bytes(config)],  # (the arena rounds it to 2 MiB)
-                    arena.resident_bytes,
-                    reserve=config.limits.max_block_bytes,
-                )
-            regions = Regions(arena.regions, boundary=FIXED_BUFFER_BYTES)
-            registry = NamespaceRegistry(
-                data_dir / "namespaces.catalog",
-                config.tenants,
-                secret=secret,
-                regions=regions,
-                limits=config.limits,
             )
-            writeback = WriteBack(config.nvme.writeback_concurrency)
-            residency = Residency(
-                arena,
-                regions,
-                registry,
-                partial(make_policy, config.dram.policy),
-                tier,
-                make_policy(config.nvme.policy, tier),
-                writeback=writeback,
-                staged=staged,
-                shared=replica.tier if replica is not None else None,
-                limits=config.limits,
-                read_batch=(config.nvme.read_batch_bytes, config.nvme.read_batch_blocks),
-            )
-            adopted = residency.adopt_recovered()
-            log.info("store ready: %d blocks adopted from the NVMe tier", adopted)
-            # Write-back before the link: on the way out the link gives queued blocks its grace
-            # to reach the pool first, then write-back drains to disk (which has no deadline).
-            await stack.enter_async_context(
-                open_writeback(writeback, LowerWriter(residency).write_back)
-            )
-            disk = None
-            if tier is not None:  # after write-back: its timer queues failed blocks again
-                disk = await stack.enter_async_context(
-                    open_disk_watch(
-                        DiskWatch(tier, writeback, registry), config.nvme.health_check_interval_s
-                    )
-                )
-            link = None
-            if replica is not None:
-                link = await stack.enter_async_context(replica.open_link(residency))
-                residency.link = link  # what it holds stays live (Residency.cool)
-            background = await stack.enter_async_context(anyio.create_task_group())
-            store = BlockStore(
-                residency,
-                background,
-                link=link,
-                prefetch_bytes_per_s=config.dram.prefetch_bytes_per_s,
-                io_backend=backend,
-                disk=disk,
-            )
-            await stack.enter_async_context(open_prefetcher(store.prefetcher, store.prefetch))
-            if link is not None:
-                progress.advance(OpenPhase.JOINING_POOL)
-                await link.settle()
-            progress.advance(OpenPhase.OPEN)
-            yield store
-    finally:
-        arena.close()
+        link = None
+        if replica is not None:
+            link = await stack.enter_async_context(replica.open_link(residency))
+            residency.link = link  # what it holds stays live (Residency.cool)
+        background = await stack.enter_async_context(anyio.create_task_group())
+        store = BlockStore(
+            residency,
+            background,
+            link=link,
+            prefetch_bytes_per_s=config.dram.prefetch_bytes_per_s,
+            io_backend=backend,
+            disk=disk,
+        )
+        await stack.enter_async_context(open_prefetcher(store.prefetcher, store.prefetch))
+        if link is not None:
+            progress.advance(OpenPhase.JOINING_POOL)
+            await link.settle()
+        progress.advance(OpenPhase.OPEN)
+        yield store
