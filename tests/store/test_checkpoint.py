@@ -520,6 +520,69 @@ async def test_writes_and_discards_during_a_sliced_copy_leave_a_checkpoint_that_
 
 
 @pytest.mark.anyio
+async def test_a_slot_copied_twice_under_a_sliced_copy_is_left_out_of_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows and slots are both reused last freed first, but from different stacks: a row a
+    freed row of another size class, a slot its own class's. So a block written while the copy
+    runs can land in the slot of a row already copied (forgotten since) under a row not copied
+    yet: the copy then names that slot twice, and a checkpoint holding both rows is refused
+    at the crash restart (a full scan). The rows of segments changed during the copy are left
+    out of it, so the restart uses the checkpoint and finds every synced block."""
+    monkeypatch.setattr(checkpoint_module, "_SLICE_ROWS", 4)
+    live = tmp_path / "live"
+    live.mkdir()
+    small = 12 << 10  # another size class: its own slots, the same rows
+    async with open_tier(live, 1 << 40) as (tier, buffer):
+        assert tier.checkpoints is not None
+        stored = [await _stored(tier, buffer, i) for i in range(8)]  # rows 0-7
+        other = BlockRef(NS, b"other-size", small, checksum(bytes(small)), 100)
+        buffer[:small] = bytes(small)
+        other_slot = await tier.store(other, buffer[:small])  # row 8
+        await tier.sync()
+        cold = tier.cold
+        first_row = cold.at(stored[0][1].segment, stored[0][1].index)
+        other_row = cold.at(other_slot.segment, other_slot.index)  # type: ignore[attr-defined]
+        assert (first_row, other_row) == (0, 8)
+        moved = anyio.Event()
+        chunks = cold.chunks
+
+        def paused(rows: int) -> Any:
+            """The copy, held after its first slice (rows 0-3) until the writes are done."""
+            pieces = chunks(rows)
+            first = next(pieces)
+            yield first
+            while not moved.is_set():
+                yield {name: column[:0] for name, column in first.items()}
+            yield from pieces
+
+        monkeypatch.setattr(cold, "chunks", paused)
+
+        async def meanwhile() -> None:
+            await tier.discard(*stored[0])  # row 0 (copied) and its slot freed
+            await tier.discard(other, other_slot)  # row 8 (not copied yet) freed last
+            again = await _stored(tier, buffer, 50, seq=200)
+            # the new block: row 8, in the slot row 0 named
+            assert again[1] == stored[0][1]
+            assert cold.at(again[1].segment, again[1].index) == 8
+            moved.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(tier.checkpoints.take, tier._segmap, cold)
+            tasks.start_soon(meanwhile)
+        assert tier.checkpoints.written == 1
+        await tier.sync()
+        durable = {key_for(i).decode(): i + 1 for i in range(1, 8)}
+        durable |= {key_for(0).decode(): 0, key_for(50).decode(): 200, "other-size": 0}
+        crashed = tmp_path / "crashed"
+        crashed.mkdir()
+        for name in ("nvme.data", "index.snapshot.checkpoint", "index.snapshot.generations"):
+            shutil.copyfile(live / name, crashed / name)
+    tier = await restart(crashed, durable)
+    assert tier.recovery_source == "checkpoint"
+
+
+@pytest.mark.anyio
 async def test_two_syncs_at_once_zero_a_dropped_records_slot_once(tmp_path: Path) -> None:
     """A slot whose discard could not zero it is zeroed and freed once, whichever FSYNC comes
     first; the other waits for it. (Two syncs once both zeroed it: the second's zero could
