@@ -15,7 +15,8 @@ Theory of operation. Four things are watched, none of them per block on the hot 
   nobody FSYNCs still notices, and queues the oldest failed block again: once it is written
   write-back queues the others (:meth:`WriteBack.retry`), so health returns after space is
   freed even if no FSYNC comes, and a disk that stays full costs one attempt per tick, not
-  one per waiting block.
+  one per waiting block. It also zeroes again the header pages of dropped records whose
+  zeroing failed (a FORGET that a crash could undo: write-back's condition until done).
 
 Each failure is counted by its fault; a change of verdict is logged once, as an error with its
 remedy (a return to health as a warning). The verdict itself is :attr:`DiskHealth.condition`,
@@ -65,6 +66,9 @@ class DiskWatch:
         self.writeback = writeback
         self.catalog = catalog
         self.health = DiskHealth(str(tier.path))
+        #: Slots of dropped records wait to be zeroed (the last attempt failed): a FORGET
+        #: acknowledged could come back at a crash, so write-back's condition holds.
+        self._zeroing_failed = False
         writeback.observer = self
 
     # -- WriteObserver ------------------------------------------------------------------------
@@ -73,7 +77,8 @@ class DiskWatch:
         self._record(self.health.failed(FaultSource.WRITE, fault_of(exc), str(exc)))
 
     def writes_recovered(self) -> None:
-        self._record(self.health.cleared(FaultSource.WRITE))
+        if not self._zeroing_failed:
+            self._record(self.health.cleared(FaultSource.WRITE))
 
     # -- FSYNC and the timer ------------------------------------------------------------------
 
@@ -90,11 +95,7 @@ class DiskWatch:
                 refusal.fault,
                 f"FSYNC refused, nothing is durable: {refusal.detail}; {refusal.remedy}",
             )
-        try:  # a slot a dropped record left is zeroed first: a write's fault, which clears
-            await self.tier.zero_discarded()
-        except KvtierError as exc:
-            self._record(self.health.failed(FaultSource.WRITE, fault_of(exc), str(exc)))
-            raise
+        await self._zero_discarded()  # a write's fault, which clears
         try:
             await self.tier.sync()
         except DataFileLostError as exc:
@@ -115,6 +116,24 @@ class DiskWatch:
                 self._record(self.health.failed(FaultSource.FILE, exc.fault, str(exc)))
         if self.writeback.failed:
             self.writeback.retry(limit=1)
+        if self._zeroing_failed:
+            with contextlib.suppress(KvtierError):  # filed as it failed
+                await self._zero_discarded()
+
+    async def _zero_discarded(self) -> None:
+        """Zero the slots dropped records left (:meth:`NvmeTier.zero_discarded`). A failure is
+        write-back's condition (health fails, FSYNC raises it but is not refused for good);
+        the first success after one clears it, unless blocks still wait for their write."""
+        try:
+            await self.tier.zero_discarded()
+        except KvtierError as exc:
+            self._zeroing_failed = True
+            self._record(self.health.failed(FaultSource.WRITE, fault_of(exc), str(exc)))
+            raise
+        if self._zeroing_failed:
+            self._zeroing_failed = False
+            if not self.writeback.failed:
+                self._record(self.health.cleared(FaultSource.WRITE))
 
     async def _keep_catalog(self) -> None:
         """Rewrite a namespace catalog that changed under the daemon (counted with reason

@@ -1,0 +1,63 @@
+"""The disk watch over a real NVMe tier: a dropped record whose header page could not be
+zeroed (a FORGET a crash could undo) fails health as write-back's condition, which FSYNC
+raises but does not latch, and which the next zeroing that succeeds clears, at an FSYNC or
+at the timer's tick. (It was once filed as the sync's fault: FSYNC refused until restart.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtierd.errors import KvtierError, StorageIOError
+from kvtierd.store.diskhealth import FaultSource
+from kvtierd.store.diskwatch import DiskWatch
+from kvtierd.store.writeback import WriteBack
+from tests.store.test_recovery_damage import DATA_FILE, SMALL, key_for, open_tier
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+
+@pytest.mark.parametrize("recovery", ["fsync", "tick"])
+async def test_a_failed_zeroing_fails_health_until_a_zeroing_succeeds(
+    tmp_path: Path, recovery: str
+) -> None:
+    async with open_tier(tmp_path) as t:
+        await t.put(key_for(0), SMALL)
+        ref, slot = t.stored[key_for(0)]
+        writeback = WriteBack(1)  # no block goes through it: only its failures are read
+        watch = DiskWatch(t.tier, writeback)
+        real = t.backend.writev
+        failing = True
+
+        async def writev(fd: int, offset: int, buffers: Any) -> int:
+            if failing and offset == slot.offset and len(buffers) == 1:  # its zeroed page
+                raise StorageIOError("injected: the medium refused the write")
+            return await real(fd, offset, buffers)
+
+        t.backend.writev = writev  # type: ignore[method-assign]
+        with pytest.raises(StorageIOError):
+            await t.tier.discard(ref, slot)
+        with pytest.raises(KvtierError, match="injected"):
+            await watch.sync()
+        condition = watch.health.condition
+        assert condition is not None
+        assert condition.source is FaultSource.WRITE
+        assert watch.health.refusal() is None  # FSYNC tries again, it is not refused for good
+        await watch.check()  # the tick tries again too; still failing
+        assert watch.health.condition == condition
+        failing = False
+        if recovery == "fsync":
+            await watch.sync()
+        else:
+            await watch.check()
+        assert watch.health.condition is None
+        writeback.close()
+    assert _page_at(tmp_path / DATA_FILE, slot.offset) == bytes(4096)  # the record is gone
+
+
+def _page_at(path: Path, offset: int) -> bytes:
+    with open(path, "rb") as file:
+        file.seek(offset)
+        return file.read(4096)
