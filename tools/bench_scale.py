@@ -252,11 +252,52 @@ def bench_index(
                 "check": check,
                 "stop_s": time.perf_counter() - started,
             }
+        if checkpoint_share:
+            result["take"] = _take_checkpoint(d, prefix, blocks, block_bytes)
         return result
     finally:
         if d.running:
             d.kill()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+_TAKEN = re.compile(
+    r"index checkpoint \d+ written: (\d+) blocks; its copy held the event loop at most "
+    r"([\d.]+) ms"
+)
+
+
+def _take_checkpoint(
+    d: DaemonProcess, prefix: int, blocks: int, block_bytes: int
+) -> dict[str, Any]:
+    """A checkpoint of the whole index taken by the serving daemon: restarted (from its
+    snapshot) with a checkpoint every 1 MiB written, 256 new blocks put and synced. The longest
+    the event loop was held by one slice of the checkpoint's copy, from the daemon's log, and
+    how long after the first put the checkpoint was written."""
+    config = d.directory / "kvtierd.toml"
+    config.write_text(_SYNTH_CONFIG.replace('"8G"', '"1M"'))
+    try:
+        d.start(timeout_s=1800)
+        before = len(_TAKEN.findall(d.log()))
+        started = time.perf_counter()
+        with connect(d.socket) as client:
+            ns = client.namespace("scale", block_bytes=block_bytes)
+            keys = [_key(prefix, blocks + i) for i in range(256)]
+            block = np.full(block_bytes, 7, np.uint8)
+            for first in range(0, len(keys), 64):
+                ns.put(keys[first : first + 64], [block] * 64)
+            client.fsync()
+        deadline = time.monotonic() + 900
+        while len(taken := _TAKEN.findall(d.log())) == before:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the daemon took no checkpoint within 15 minutes")
+            time.sleep(0.2)
+        written_s = time.perf_counter() - started
+        d.stop(timeout_s=1800)
+    finally:
+        config.write_text(_SYNTH_CONFIG)
+    rows, slice_ms = taken[before]
+    return {"rows": int(rows), "longest_slice_ms": float(slice_ms), "written_within_s": written_s}
 
 
 # -- ops: small blocks through the daemon against fio --------------------------------------------
@@ -565,6 +606,21 @@ def _markdown(result: dict[str, Any], plot: str | None) -> str:
                     f"{_start(c)} | {c['start_s'] / run['scan']['start_s']:.3f} | "
                     f"{c['check']['found']}/{c['check']['sampled']} |"
                 )
+        taken = [run for run in runs if "take" in run]
+        if taken:
+            lines += [
+                "",
+                "A checkpoint taken by the serving daemon (on by default, "
+                "`nvme.checkpoint_every_bytes`): its copy of the index is made 64K rows per "
+                "step of the event loop, written in a worker thread. "
+                + "; ".join(
+                    f"{t['take']['rows']:,} rows: the loop held at most "
+                    f"{t['take']['longest_slice_ms']:.1f} ms by one slice, written within "
+                    f"{t['take']['written_within_s']:.1f} s of the writes that called for it"
+                    for t in taken
+                )
+                + ".",
+            ]
         p = result.get("projection")
         if p:
             lines += [

@@ -167,24 +167,26 @@ class Checkpoints:
         generation = self.table.advance()
         geometry = [(s.start, s.slot_bytes, s.slot_count) for s in segmap.segments]
         pieces = []
+        longest = 0.0
         started = time.perf_counter()
         for piece in cold.chunks(_SLICE_ROWS):  # each piece taken in one step of the loop
             pieces.append(piece)
-            now = time.perf_counter()
-            self.longest_slice_s = max(self.longest_slice_s, now - started)
+            longest = max(longest, time.perf_counter() - started)
             await anyio.lowlevel.checkpoint()
             started = time.perf_counter()
+        self.longest_slice_s = max(self.longest_slice_s, longest)
         changed = self.table.changed_since(generation, len(geometry))  # (marked meanwhile)
         snap = snapshots.Snapshot(
             segmap.file_id, segmap.file_bytes, geometry, list(cold.digests), {}, None, generation
         )
-        await anyio.to_thread.run_sync(self._write, snap, pieces, changed)
+        await anyio.to_thread.run_sync(self._write, snap, pieces, changed, longest)
 
     def _write(
         self,
         snap: snapshots.Snapshot,
         pieces: list[dict[str, npt.NDArray[Any]]],
         changed: npt.NDArray[np.bool_],
+        longest_slice_s: float,
     ) -> None:
         with self._writing:
             if self.abandoned is not None:
@@ -202,9 +204,11 @@ class Checkpoints:
                 return
         self.written += 1
         log.info(
-            "index checkpoint %d written: %d blocks",
+            "index checkpoint %d written: %d blocks; its copy held the event loop at most "
+            "%.1f ms at a time",
             snap.generation,
             sum(len(piece["klen"]) for piece in kept),
+            longest_slice_s * 1e3,
         )
 
     def abandon(self, why: OSError) -> None:
