@@ -66,9 +66,6 @@ class DiskWatch:
         self.writeback = writeback
         self.catalog = catalog
         self.health = DiskHealth(str(tier.path))
-        #: Slots of dropped records wait to be zeroed (the last attempt failed): a FORGET
-        #: acknowledged could come back at a crash, so write-back's condition holds.
-        self._zeroing_failed = False
         writeback.observer = self
 
     # -- WriteObserver ------------------------------------------------------------------------
@@ -77,7 +74,7 @@ class DiskWatch:
         self._record(self.health.failed(FaultSource.WRITE, fault_of(exc), str(exc)))
 
     def writes_recovered(self) -> None:
-        if not self._zeroing_failed:
+        if not self.tier.zeroing_pending:
             self._record(self.health.cleared(FaultSource.WRITE))
 
     # -- FSYNC and the timer ------------------------------------------------------------------
@@ -116,24 +113,21 @@ class DiskWatch:
                 self._record(self.health.failed(FaultSource.FILE, exc.fault, str(exc)))
         if self.writeback.failed:
             self.writeback.retry(limit=1)
-        if self._zeroing_failed:
+        if self.tier.zeroing_pending:
             with contextlib.suppress(KvtierError):  # filed as it failed
                 await self._zero_discarded()
 
     async def _zero_discarded(self) -> None:
-        """Zero the slots dropped records left (:meth:`NvmeTier.zero_discarded`). A failure is
-        write-back's condition (health fails, FSYNC raises it but is not refused for good);
-        the first success after one clears it, unless blocks still wait for their write."""
+        """Zero what dropped records and failed writes left (:meth:`NvmeTier.zero_discarded`).
+        A failure is write-back's condition (health fails, FSYNC raises it but is not refused
+        for good); it clears once nothing waits to be zeroed or written."""
         try:
             await self.tier.zero_discarded()
         except KvtierError as exc:
-            self._zeroing_failed = True
             self._record(self.health.failed(FaultSource.WRITE, fault_of(exc), str(exc)))
             raise
-        if self._zeroing_failed:
-            self._zeroing_failed = False
-            if not self.writeback.failed:
-                self._record(self.health.cleared(FaultSource.WRITE))
+        if self.health.holds(FaultSource.WRITE) and not self.writeback.failed:
+            self._record(self.health.cleared(FaultSource.WRITE))
 
     async def _keep_catalog(self) -> None:
         """Rewrite a namespace catalog that changed under the daemon (counted with reason

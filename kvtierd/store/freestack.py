@@ -58,6 +58,16 @@ class FreeStack:
             self._resize(len(self._items) // 2)
         return value
 
+    def remove(self, value: int) -> bool:
+        """Take ``value`` out, wherever it is (the top entry takes its place); whether it was
+        there. A scan of the stack: for rare removals, not for a hot path."""
+        found = np.flatnonzero(self._items[: self._size] == np.uint64(value))
+        if not len(found):
+            return False
+        self._items[int(found[0])] = self._items[self._size - 1]
+        self._size -= 1
+        return True
+
     def values(self) -> npt.NDArray[np.uint64]:
         """A copy of the entries, bottom first."""
         return self._items[: self._size].copy()

@@ -168,6 +168,12 @@ class NvmeTier(LowerTier):
         #: Slots of discarded records whose header page could not be zeroed yet: kept from
         #: reuse until :meth:`zero_discarded` zeroes them.
         self._unzeroed: list[DiskSlot] = []
+        #: Free slots a failed write may have left a record in (its header page landed, or
+        #: all of it, before the failure): zeroed by :meth:`zero_discarded` unless a write
+        #: took the slot since. Else a FORGET of that block, acknowledged by FSYNC, could be
+        #: undone by a crash (the scan adopts the leftover record). A set in insertion order:
+        #: a failing medium's retries fail in the same slot again and again.
+        self._residue: dict[DiskSlot, None] = {}
         self._zeroing = anyio.Lock()
         self.max_seq = 0
         self.recovery_source = "empty"
@@ -224,9 +230,11 @@ class NvmeTier(LowerTier):
                 # makes a block of a record its writer may still drop (a FORGET meanwhile).
                 await mark_again(self.checkpoints, slot.segment, generation)
             except BaseException as exc:
-                # Whatever part of the record reached the medium fails its checksums; a record
-                # written whole (its mark again failed) is one its retry writes again.
+                # The slot is given back (a failing medium must not fill the tier), and what
+                # reached it is zeroed before the next sync (a record written whole, its mark
+                # again failed, would otherwise outlive a FORGET of its block).
                 self._segmap.free(slot)
+                self._residue[slot] = None
                 if isinstance(exc, NoSpaceError):
                     raise MediumFullError(f"{self.path}: the file system is full") from exc
                 raise
@@ -511,13 +519,31 @@ class NvmeTier(LowerTier):
             page[:] = bytes(PAGE_BYTES)
             await self._backend.writev(self._fd, slot.offset, [page])
 
+    @property
+    def zeroing_pending(self) -> bool:
+        """Whether a record dropped, or left by a failed write, still waits to be zeroed."""
+        return bool(self._unzeroed or self._residue)
+
     async def zero_discarded(self) -> None:
-        """Zero the header page of each slot whose discard could not, then free it; one at a
-        time, whoever calls. Raises the first failure: that slot and those after it stay,
-        kept from reuse, for the next call."""
+        """Zero the header page of each slot whose discard could not, then free it, and of
+        each free slot a failed write may have left a record in (taken while it is zeroed);
+        one at a time, whoever calls. Raises the first failure: that slot and those after it
+        stay for the next call (a discarded record's slot kept from reuse)."""
         async with self._zeroing:
             while self._unzeroed:
                 await self._zero_and_free(self._unzeroed.pop())
+            while self._residue:
+                slot = next(iter(self._residue))
+                del self._residue[slot]
+                if not self._segmap.claim(slot):
+                    continue  # a write took it since: its record's header page replaces it
+                try:
+                    await self._tombstone(slot)
+                except BaseException:
+                    self._residue[slot] = None
+                    raise
+                finally:
+                    self._segmap.free(slot)
 
     async def _zero_and_free(self, slot: DiskSlot) -> None:
         """Zero the header page of ``slot``, whose row is gone, and free it; when that fails,
@@ -644,7 +670,8 @@ class NvmeTier(LowerTier):
     async def _adopt(self, found: RecoveredIndex) -> None:
         self._cold = found.cold
         for row in found.ties:
-            found.stale.append(await self._settle_tie(row))
+            if (settled := await self._settle_tie(row)) is not None:
+                found.stale.append(settled)
         for slot in found.stale:
             await self._tombstone(slot)
             self._segmap.free(slot)
@@ -652,14 +679,19 @@ class NvmeTier(LowerTier):
         self.recovery_source = found.source
         self.recovery_scanned = found.scanned_segments
 
-    async def _settle_tie(self, row: int) -> DiskSlot:
+    async def _settle_tie(self, row: int) -> DiskSlot | None:
         """Keep one of two records of a block written twice (``row``, beside its key's row with
-        the same seq; see :mod:`kvtierd.store.recovery`): the key's row unless its payload fails
-        its checksum where ``row``'s holds. The other leaves the index; its slot, to discard."""
+        the same seq; see :mod:`kvtierd.store.recovery`): the key's row unless its payload does
+        not verify where ``row``'s does. The other leaves the index; its slot is returned to
+        discard when the kept copy verified or it is proven torn (its checksum fails), else
+        ``None``: a copy that could not be read is left on the medium (its slot unused until
+        the next start settles it again), never erased on a read error's word."""
         identity = self._cold.identity(row)
         assert identity is not None
         named = self._cold.find(*identity)
-        if not await self._intact(named) and await self._intact(row):
+        kept_whole = await self._intact(named)
+        other_whole = None if kept_whole else await self._intact(row)
+        if not kept_whole and other_whole:
             torn = self._segmap.slot(*self._cold.place(named))
             log.warning(
                 "a block written twice had a torn copy at offset %d of %s; the whole one kept",
@@ -671,12 +703,13 @@ class NvmeTier(LowerTier):
             self._cold.remove(row)
             self._cold.add(identity[0], header, *place)  # now its key's row
             return torn
-        slot = self._segmap.slot(*self._cold.place(row))
+        other = self._segmap.slot(*self._cold.place(row))
         self._cold.remove(row)
-        return slot
+        return other if kept_whole or other_whole is False else None
 
-    async def _intact(self, row: int) -> bool:
-        """Whether the record in ``row`` reads whole and its payload matches its checksum."""
+    async def _intact(self, row: int) -> bool | None:
+        """Whether the record in ``row`` reads whole and its payload matches its checksum;
+        ``None`` when it cannot be read at all (the medium refused it twice)."""
         ref = self.cold_rows().made(row).ref
         try:
             async with self._private_copy(ref, self._segmap.slot(*self._cold.place(row))) as (
@@ -685,7 +718,7 @@ class NvmeTier(LowerTier):
             ):
                 return value == ref.checksum
         except BlockNotFoundError:
-            return False
+            return None
 
     def save_snapshot(self) -> None:
         save_snapshot(

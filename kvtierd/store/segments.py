@@ -160,6 +160,17 @@ class SegmentMap:
         place = bucket.pop()
         return self._take(place >> 32, place & 0xFFFFFFFF)
 
+    def claim(self, slot: DiskSlot) -> bool:
+        """Take ``slot`` if it is free (whether it was): to write it while no block may be
+        given it. A scan of its size's free slots, for rare use."""
+        bucket = self._free.get(slot.size)
+        if self._in_use(slot.segment, slot.index) or bucket is None:
+            return False
+        if not bucket.remove(slot.segment << 32 | slot.index):
+            return False
+        self._take(slot.segment, slot.index)
+        return True
+
     def free(self, slot: DiskSlot) -> None:
         """Return a slot; raises ``ValueError`` if it is not in use."""
         place = (slot.segment, slot.index)

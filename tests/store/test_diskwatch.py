@@ -61,3 +61,40 @@ def _page_at(path: Path, offset: int) -> bytes:
     with open(path, "rb") as file:
         file.seek(offset)
         return file.read(4096)
+
+
+async def test_the_tick_zeroes_what_a_failed_forget_left_and_clears_only_then(
+    tmp_path: Path,
+) -> None:
+    """A FORGET's zeroing that failed outside any FSYNC (the store's own discard) is tried
+    again by the timer's tick; health fails while it still fails, and a write-back recovering
+    meanwhile does not clear it (a record still waits to be zeroed)."""
+    async with open_tier(tmp_path) as t:
+        await t.put(key_for(0), SMALL)
+        ref, slot = t.stored[key_for(0)]
+        writeback = WriteBack(1)
+        watch = DiskWatch(t.tier, writeback)
+        real = t.backend.writev
+        failing = True
+
+        async def writev(fd: int, offset: int, buffers: Any) -> int:
+            if failing and offset == slot.offset and len(buffers) == 1:
+                raise StorageIOError("injected: the medium refused the write")
+            return await real(fd, offset, buffers)
+
+        t.backend.writev = writev  # type: ignore[method-assign]
+        with pytest.raises(StorageIOError):
+            await t.tier.discard(ref, slot)  # no FSYNC, no disk watch involved
+        assert t.tier.zeroing_pending
+        await watch.check()
+        condition = watch.health.condition
+        assert condition is not None
+        assert condition.source is FaultSource.WRITE
+        watch.writes_recovered()  # write-back's failed blocks all written meanwhile
+        assert watch.health.condition == condition  # the record still waits
+        failing = False
+        await watch.check()
+        assert not t.tier.zeroing_pending
+        assert watch.health.condition is None
+        writeback.close()
+    assert _page_at(tmp_path / DATA_FILE, slot.offset) == bytes(4096)

@@ -630,3 +630,88 @@ async def test_a_block_written_twice_keeps_its_whole_copy_whichever_the_scan_mee
             assert [r.ref for r in found] == [ref]
             assert await t.get(ref, found[0].location) == data
             assert len(t.tier._cold) == 1
+
+
+async def test_a_copy_that_cannot_be_read_at_start_is_never_erased_for_the_other(
+    tmp_path: Path,
+) -> None:
+    """A tie whose whole copy the medium refuses to read at start: neither copy is proven
+    whole, so the whole one is not erased on a read error's word (only a copy proven torn is);
+    the next start, reading again, keeps it."""
+    key = key_for(0)
+    data = content(key, SMALL)
+    ref = BlockRef(NS, key, SMALL, checksum(data), 7)
+    async with open_tier(tmp_path) as t:
+        t.buffer[:SMALL] = data
+        real = t.backend.writev
+
+        async def torn(fd: int, offset: int, buffers: Any) -> int:
+            if len(buffers) == 1:
+                return await real(fd, offset, buffers)
+            await real(fd, offset, buffers[:1])
+            raise StorageIOError("injected: the device failed the write")
+
+        t.backend.writev = torn  # type: ignore[method-assign]
+        with pytest.raises(StorageIOError, match="injected"):
+            await t.tier.store(ref, t.buffer[:SMALL])
+        t.backend.writev = real  # type: ignore[method-assign]
+        assert t.tier._segmap.allocate(slot_bytes_for(SMALL)) is not None  # held at the crash
+        whole = await t.tier.store(ref, t.buffer[:SMALL])
+        assert isinstance(whole, DiskSlot)
+        t.tier._residue.clear()  # the crash comes before the sync that would zero the torn copy
+        await t.backend.fdatasync(t.tier._fd)
+    crash(tmp_path)
+
+    def unreadable_whole_copy(backend: IoBackend) -> None:
+        real_readv = backend.readv
+
+        async def readv(fd: int, offset: int, buffers: Any) -> int:
+            if offset == whole.offset and len(buffers) == 2:  # the record, not a header run
+                raise StorageIOError("injected: unreadable sector")
+            return await real_readv(fd, offset, buffers)
+
+        backend.readv = readv  # type: ignore[method-assign]
+
+    async with open_tier(tmp_path, hook=unreadable_whole_copy) as t:
+        pass  # the tie cannot be settled: both copies stay on the medium
+    crash(tmp_path)
+    async with open_tier(tmp_path) as t:
+        found = list(t.tier.recovered())
+        assert [r.ref for r in found] == [ref]
+        assert await t.get(ref, found[0].location) == data
+
+
+@pytest.mark.parametrize("reused", [False, True], ids=["left-free", "taken-since"])
+async def test_a_failed_write_leaves_nothing_a_crash_brings_back(
+    tmp_path: Path, reused: bool
+) -> None:
+    """A write the device failed after the whole record landed leaves no block: the block is
+    forgotten (nothing was stored) and a crash after the next sync must not bring it back,
+    so the sync zeroes what the failed write left in the slot it gave back. When another
+    write took the slot since, its record replaces the leftover and is left alone."""
+    key, other = key_for(0), key_for(1)
+    data = content(key, SMALL)
+    ref = BlockRef(NS, key, SMALL, checksum(data), 7)
+    async with open_tier(tmp_path) as t:
+        t.buffer[:SMALL] = data
+        real = t.backend.writev
+
+        async def landed_then_failed(fd: int, offset: int, buffers: Any) -> int:
+            done = await real(fd, offset, buffers)
+            if len(buffers) == 1:
+                return done
+            raise StorageIOError("injected: the device reported a failure after the write")
+
+        t.backend.writev = landed_then_failed  # type: ignore[method-assign]
+        with pytest.raises(StorageIOError, match="injected"):
+            await t.tier.store(ref, t.buffer[:SMALL])
+        t.backend.writev = real  # type: ignore[method-assign]
+        if reused:
+            await t.put(other, SMALL)  # takes the slot the failed write gave back
+        await t.tier.sync()
+    crash(tmp_path)
+    async with open_tier(tmp_path) as t:
+        found = {r.ref.key: r for r in t.tier.recovered()}
+        assert key not in found
+        if reused:
+            assert await t.get(found[other].ref, found[other].location) == content(other, SMALL)

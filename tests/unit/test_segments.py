@@ -83,3 +83,23 @@ def test_segments_keep_their_own_accounting() -> None:
         assert slot is not None
         segmap.free(slot)
     assert segmap.used_bytes == 0
+
+
+def test_a_free_slot_can_be_claimed_and_no_other() -> None:
+    """``claim`` takes one particular free slot (what zeroing a failed write's leftovers needs:
+    no write may be given the slot meanwhile), and refuses one in use or taken already."""
+    segmap = _map()
+    _carve(segmap)
+    taken = [segmap.allocate(SLOT) for _ in range(4)]
+    assert None not in taken
+    a, b, c, _ = (slot for slot in taken if slot is not None)
+    for slot in (a, b, c):
+        segmap.free(slot)
+    assert not segmap.claim(taken[3])  # type: ignore[arg-type]  # in use
+    assert segmap.claim(b)  # from the middle of the free slots
+    assert not segmap.claim(b)  # taken already
+    assert segmap.used_bytes == 2 * SLOT
+    assert {segmap.allocate(SLOT), segmap.allocate(SLOT)} == {a, c}
+    assert segmap.allocate(SLOT) is None  # b was never handed out twice
+    segmap.free(b)
+    assert segmap.allocate(SLOT) == b
