@@ -88,7 +88,6 @@ class UringBackend(IoBackend):
         except OSError as exc:
             raise os_error("register_buffers", -1, 0, exc.errno or errno.EIO) from exc
         self._regions = regions
-        logger.info("io_uring: registered %d bytes as %d fixed buffer(s)", view.nbytes, len(chunks))
 
     def release_fixed_buffers(self) -> None:
         # The kernel keeps the registered pages pinned until the ring closes (no unregister

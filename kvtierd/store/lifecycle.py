@@ -160,11 +160,23 @@ async def _create_arena(config: Config, progress: OpenProgress, backend: IoBacke
     a large arena takes seconds, so a cancelled start-up (Ctrl-C) does not wait for it: the
     thread stops at its next chunk and releases what it made."""
     abandoned = threading.Event()
+    registered: list[StorageIOError | int] = []  # logged from the loop: never after a Ctrl-C
 
     def checkpoint(done_bytes: int, total_bytes: int) -> None:
         if abandoned.is_set():
             raise _Abandoned
         progress.advance(OpenPhase.PREFAULTING, done_bytes, total_bytes)
+
+    def pin(view: memoryview) -> bool:
+        """Register ``view`` (the resident part) as ``backend``'s fixed buffers; whether it
+        did. Without them reads are still correct, only dearer."""
+        try:
+            backend.register_buffer(view)
+        except StorageIOError as exc:
+            registered.append(exc)
+            return False
+        registered.append(view.nbytes)
+        return True
 
     create = partial(
         Arena.create,
@@ -176,23 +188,18 @@ async def _create_arena(config: Config, progress: OpenProgress, backend: IoBacke
         mlock=config.dram.mlock,
         prefault=config.dram.prefault,
         checkpoint=checkpoint,
-        pin=partial(_register, backend),
+        pin=pin if backend.supports_fixed_buffers else None,
     )
     try:
-        return await anyio.to_thread.run_sync(create, abandon_on_cancel=True)
+        arena = await anyio.to_thread.run_sync(create, abandon_on_cancel=True)
     finally:
         abandoned.set()  # after a return, too late to matter
-
-
-def _register(backend: IoBackend, view: memoryview) -> bool:
-    """Register ``view`` (the arena's resident part) as ``backend``'s fixed buffers; whether it
-    did. Without them reads are still correct, only dearer."""
-    try:
-        backend.register_buffer(view)
-    except StorageIOError as exc:
-        log.warning("arena not registered as io_uring fixed buffers: %s", exc)
-        return False
-    return True
+    for outcome in registered:
+        if isinstance(outcome, StorageIOError):
+            log.warning("arena not registered as io_uring fixed buffers: %s", outcome)
+        else:
+            log.info("io_uring: the arena's %d MiB registered as fixed buffers", outcome >> 20)
+    return arena
 
 
 @contextlib.asynccontextmanager

@@ -198,19 +198,31 @@ def _wait_for(predicate: object, timeout_s: float = 30.0) -> None:
 @pytest.mark.skipif(
     (host.memory_available() or 0) < 8 << 30, reason="needs 8 GiB free for a slow 4 GiB pre-fault"
 )
-@pytest.mark.parametrize("runtime", ["asyncio", "trio"])
-def test_ctrl_c_while_the_arena_is_pre_faulted(tmp_path: Path, runtime: str) -> None:
+@pytest.mark.parametrize(
+    ("runtime", "backend", "faulting"),
+    [
+        ("asyncio", "io_uring", b"arena: pinning"),  # the registration faults the arena in
+        ("trio", "io_uring", b"arena: pinning"),
+        ("asyncio", "threads", b"arena: pre-faulting"),  # no fixed buffers: MADV_POPULATE_WRITE
+        ("trio", "threads", b"arena: pre-faulting"),
+    ],
+)
+def test_ctrl_c_while_the_arena_is_faulted_in(
+    tmp_path: Path, runtime: str, backend: str, faulting: bytes
+) -> None:
     # 4 GiB of first touches take seconds here (0.4-3 GB/s): the signal lands inside them.
     log = tmp_path / "daemon.log"
+    config = tmp_path / "kvtierd.toml"
+    config.write_text(f'[nvme]\nio_backend = "{backend}"\n')
     with open(log, "wb") as out:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "kvtierd", "--socket", str(tmp_path / "s"), "--data-dir",
              str(tmp_path / "data"), "--dram-size", "4G", "--nvme-size", "128M", "--runtime",
-             runtime],
+             runtime, "--config", str(config)],
             stdout=out, stderr=out,
         )  # fmt: skip
     try:
-        _wait_for(lambda: b"pre-faulting" in log.read_bytes())
+        _wait_for(lambda: faulting in log.read_bytes())
         daemon.send_signal(signal.SIGINT)
         assert daemon.wait(timeout=30) == 130
     finally:
