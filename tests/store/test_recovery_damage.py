@@ -581,6 +581,33 @@ def _zeroes(path: Path) -> None:
 # -- one block written twice -------------------------------------------------------------------
 
 
+async def store_failing(t: Tier, ref: BlockRef, *, landed: str) -> None:
+    """``t.tier.store`` of ``ref`` (its bytes already in ``t.buffer``) on a device that fails
+    the write after ``landed`` reached the medium: ``"header"``, the header page alone (a torn
+    record), or ``"whole"``, all of it (the failure reported after the write)."""
+    real = t.backend.writev
+
+    async def failing(fd: int, offset: int, buffers: Any) -> int:
+        if len(buffers) == 1:  # a segment header (carved for the first record) or a zeroing
+            return await real(fd, offset, buffers)
+        await real(fd, offset, buffers if landed == "whole" else buffers[:1])
+        raise StorageIOError("injected: the device failed the write")
+
+    t.backend.writev = failing  # type: ignore[method-assign]
+    try:
+        with pytest.raises(StorageIOError, match="injected"):
+            await t.tier.store(ref, t.buffer[: -(-ref.raw_bytes // PAGE_BYTES) * PAGE_BYTES])
+    finally:
+        t.backend.writev = real  # type: ignore[method-assign]
+
+
+async def crash_before_the_leftover_is_zeroed(t: Tier) -> None:
+    """Make what was written durable, as a sync would, but leave what a failed write left in
+    place: the crash comes before the sync that zeroes it."""
+    t.tier._residue.clear()
+    await t.backend.fdatasync(t.tier._fd)
+
+
 @pytest.mark.parametrize("torn_first", [True, False], ids=["torn-first", "whole-first"])
 @pytest.mark.parametrize("nbytes", [16 << 10, SMALL])  # headers read in runs, or one by one
 async def test_a_block_written_twice_keeps_its_whole_copy_whichever_the_scan_meets_first(
@@ -598,31 +625,15 @@ async def test_a_block_written_twice_keeps_its_whole_copy_whichever_the_scan_mee
     padded = -(-nbytes // 4096) * 4096
     async with open_tier(tmp_path) as t:
         t.buffer[:nbytes] = data
-        real = t.backend.writev
-
-        async def torn(fd: int, offset: int, buffers: Any) -> int:
-            if len(buffers) == 1:  # a segment header, carved for the first record
-                return await real(fd, offset, buffers)
-            await real(fd, offset, buffers[:1])  # the header page lands, the payload does not
-            raise StorageIOError("injected: the device failed the write")
-
-        async def store_torn() -> None:
-            t.backend.writev = torn  # type: ignore[method-assign]
-            try:
-                with pytest.raises(StorageIOError, match="injected"):
-                    await t.tier.store(ref, t.buffer[:padded])
-            finally:
-                t.backend.writev = real  # type: ignore[method-assign]
-
         if torn_first:
-            await store_torn()
+            await store_failing(t, ref, landed="header")
             # a write in flight when the crash came holds the torn record's slot
             assert t.tier._segmap.allocate(slot_bytes_for(nbytes)) is not None
             await t.tier.store(ref, t.buffer[:padded])
         else:
             await t.tier.store(ref, t.buffer[:padded])
-            await store_torn()
-        await t.tier.sync()
+            await store_failing(t, ref, landed="header")
+        await crash_before_the_leftover_is_zeroed(t)
     for _ in range(2):  # the second start finds the torn copy discarded
         crash(tmp_path)
         async with open_tier(tmp_path) as t:
@@ -643,23 +654,11 @@ async def test_a_copy_that_cannot_be_read_at_start_is_never_erased_for_the_other
     ref = BlockRef(NS, key, SMALL, checksum(data), 7)
     async with open_tier(tmp_path) as t:
         t.buffer[:SMALL] = data
-        real = t.backend.writev
-
-        async def torn(fd: int, offset: int, buffers: Any) -> int:
-            if len(buffers) == 1:
-                return await real(fd, offset, buffers)
-            await real(fd, offset, buffers[:1])
-            raise StorageIOError("injected: the device failed the write")
-
-        t.backend.writev = torn  # type: ignore[method-assign]
-        with pytest.raises(StorageIOError, match="injected"):
-            await t.tier.store(ref, t.buffer[:SMALL])
-        t.backend.writev = real  # type: ignore[method-assign]
+        await store_failing(t, ref, landed="header")
         assert t.tier._segmap.allocate(slot_bytes_for(SMALL)) is not None  # held at the crash
         whole = await t.tier.store(ref, t.buffer[:SMALL])
         assert isinstance(whole, DiskSlot)
-        t.tier._residue.clear()  # the crash comes before the sync that would zero the torn copy
-        await t.backend.fdatasync(t.tier._fd)
+        await crash_before_the_leftover_is_zeroed(t)
     crash(tmp_path)
 
     def unreadable_whole_copy(backend: IoBackend) -> None:
@@ -694,18 +693,7 @@ async def test_a_failed_write_leaves_nothing_a_crash_brings_back(
     ref = BlockRef(NS, key, SMALL, checksum(data), 7)
     async with open_tier(tmp_path) as t:
         t.buffer[:SMALL] = data
-        real = t.backend.writev
-
-        async def landed_then_failed(fd: int, offset: int, buffers: Any) -> int:
-            done = await real(fd, offset, buffers)
-            if len(buffers) == 1:
-                return done
-            raise StorageIOError("injected: the device reported a failure after the write")
-
-        t.backend.writev = landed_then_failed  # type: ignore[method-assign]
-        with pytest.raises(StorageIOError, match="injected"):
-            await t.tier.store(ref, t.buffer[:SMALL])
-        t.backend.writev = real  # type: ignore[method-assign]
+        await store_failing(t, ref, landed="whole")
         if reused:
             await t.put(other, SMALL)  # takes the slot the failed write gave back
         await t.tier.sync()
