@@ -59,14 +59,22 @@ class FreeStack:
         return value
 
     def remove(self, value: int) -> bool:
-        """Take ``value`` out, wherever it is (the top entry takes its place); whether it was
+        """Take ``value`` out, wherever it is, the others keeping their order; whether it was
         there. A scan of the stack: for rare removals, not for a hot path."""
         found = np.flatnonzero(self._items[: self._size] == np.uint64(value))
         if not len(found):
             return False
-        self._items[int(found[0])] = self._items[self._size - 1]
+        at = int(found[0])
+        self._items[at : self._size - 1] = self._items[at + 1 : self._size].copy()
         self._size -= 1
         return True
+
+    def push_bottom(self, value: int) -> None:
+        """Push ``value`` under every other entry: popped last. A shift of the stack: rare."""
+        self.push(value)
+        items = self._items[: self._size]
+        items[1:] = items[:-1].copy()
+        items[0] = value
 
     def values(self) -> npt.NDArray[np.uint64]:
         """A copy of the entries, bottom first."""

@@ -535,15 +535,34 @@ class NvmeTier(LowerTier):
             while self._residue:
                 slot = next(iter(self._residue))
                 del self._residue[slot]
-                if not self._segmap.claim(slot):
-                    continue  # a write took it since: its record's header page replaces it
                 try:
-                    await self._tombstone(slot)
+                    await self._zero_leftover(slot)
                 except BaseException:
                     self._residue[slot] = None
                     raise
-                finally:
-                    self._segmap.free(slot)
+
+    async def _zero_leftover(self, slot: DiskSlot) -> None:
+        """Zero the header page a failed write may have left in ``slot``, if it holds a record
+        header and no write took the slot since (claimed while it is zeroed). Read first: a
+        write the file system refused for lack of space left nothing, and zeroing a page never
+        allocated would need the space it lacks; and the free slots keep their order (the
+        slot zeroed is handed out after the others)."""
+        if slot.offset + PAGE_BYTES > self._segmap.file_bytes:
+            return
+        async with self._pages.page() as page:
+            await self._backend.readv(self._fd, slot.offset, [page])
+            try:
+                RecordHeader.unpack(page)
+            except CorruptRecord:
+                return  # nothing a scan would adopt
+        if not self._segmap.claim(slot):
+            return  # a write took it since: its record's header page replaces the leftover
+        try:
+            await self._tombstone(slot)
+        finally:
+            # handed out last: the next writes take the slots a FORGET freed (where a full
+            # file system has room), not the one a write just failed in
+            self._segmap.free(slot, last=True)
 
     async def _zero_and_free(self, slot: DiskSlot) -> None:
         """Zero the header page of ``slot``, whose row is gone, and free it; when that fails,

@@ -162,7 +162,8 @@ class SegmentMap:
 
     def claim(self, slot: DiskSlot) -> bool:
         """Take ``slot`` if it is free (whether it was): to write it while no block may be
-        given it. A scan of its size's free slots, for rare use."""
+        given it; :meth:`free` it with ``last=True`` after. A scan of its size's free slots,
+        for rare use."""
         bucket = self._free.get(slot.size)
         if self._in_use(slot.segment, slot.index) or bucket is None:
             return False
@@ -171,14 +172,20 @@ class SegmentMap:
         self._take(slot.segment, slot.index)
         return True
 
-    def free(self, slot: DiskSlot) -> None:
-        """Return a slot; raises ``ValueError`` if it is not in use."""
+    def free(self, slot: DiskSlot, *, last: bool = False) -> None:
+        """Return a slot, to be handed out next (``last``: after every other free slot of its
+        size); raises ``ValueError`` if it is not in use."""
         place = (slot.segment, slot.index)
         if not self._in_use(*place):
             raise ValueError(f"disk slot {place} is not in use")
         self._used[slot.segment][slot.index] = 0
         self._used_bytes -= slot.size
-        self._free.setdefault(slot.size, FreeStack()).push(slot.segment << 32 | slot.index)
+        bucket = self._free.setdefault(slot.size, FreeStack())
+        value = slot.segment << 32 | slot.index
+        if last:
+            bucket.push_bottom(value)
+        else:
+            bucket.push(value)
 
     def _in_use(self, segment: int, index: int) -> bool:
         return (

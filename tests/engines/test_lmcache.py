@@ -238,15 +238,23 @@ def test_unpinning_a_chunk_found_on_nvme_leaves_other_lookups_pins(
     keys = [block_key(k.chunk_hash) for k in engine.keys(ids)]
     with connect(daemon.socket) as client:
         client.fsync()
-        client.evict()
         ns = engine.namespace(client, ids)
-        # request 1 finds every chunk on NVMe (its pins lease nothing) and promotes them
-        assert engine.engine.lookup(ids, lookup_id="request-1", pin=True) == 512
-        deadline = time.monotonic() + 30
-        while ns.lookup_tiers(keys, promote=False) != ["dram"] * 32:
-            assert time.monotonic() < deadline, "LOOKUP's promotions did not finish"
-            time.sleep(0.01)
-        assert client.stats()["leased_blocks"] == 0
+        for _ in range(10):
+            client.evict()
+            # request 1 finds every chunk on NVMe (its pins lease nothing) and promotes them
+            assert engine.engine.lookup(ids, lookup_id="request-1", pin=True) == 512
+            deadline = time.monotonic() + 30
+            while ns.lookup_tiers(keys, promote=False) != ["dram"] * 32:
+                assert time.monotonic() < deadline, "LOOKUP's promotions did not finish"
+                time.sleep(0.01)
+            if client.stats()["leased_blocks"] == 0:
+                break
+            # the promotions were done before its pins were taken (the disk was that fast):
+            # they leased the chunks, not the case tested here; again
+            engine.engine.lookup_unpin("request-1")
+            assert _no_leases_soon(client)
+        else:
+            pytest.fail("request 1's pins leased the chunks every time")
         # request 2 finds them in DRAM and leases them
         assert engine.engine.lookup(ids, lookup_id="request-2", pin=True) == 512
         assert client.stats()["leased_blocks"] == 32
