@@ -126,7 +126,10 @@ class DiskWatch:
         except KvtierError as exc:
             self._record(self.health.failed(FaultSource.WRITE, fault_of(exc), str(exc)))
             raise
-        if self.health.holds(FaultSource.WRITE) and not self.writeback.failed:
+        if self.tier.zeroing_pending:  # a leftover that could not be read: tried again later
+            detail = "what a failed write left cannot be read to be zeroed"
+            self._record(self.health.failed(FaultSource.WRITE, DiskFault.EIO, detail))
+        elif self.health.holds(FaultSource.WRITE) and not self.writeback.failed:
             self._record(self.health.cleared(FaultSource.WRITE))
 
     async def _keep_catalog(self) -> None:

@@ -174,6 +174,10 @@ class NvmeTier(LowerTier):
         #: undone by a crash (the scan adopts the leftover record). A set in insertion order:
         #: a failing medium's retries fail in the same slot again and again.
         self._residue: dict[DiskSlot, None] = {}
+        #: Copies recovery could not settle (a block written twice, neither copy readable),
+        #: by block: left on the medium, their slots held, until the block's kept copy is
+        #: discarded, when they are zeroed too (:meth:`_settle_tie`).
+        self._left_copies: dict[tuple[bytes, bytes], DiskSlot] = {}
         self._zeroing = anyio.Lock()
         self.max_seq = 0
         self.recovery_source = "empty"
@@ -233,7 +237,7 @@ class NvmeTier(LowerTier):
                 # The slot is given back (a failing medium must not fill the tier), and what
                 # reached it is zeroed before the next sync (a record written whole, its mark
                 # again failed, would otherwise outlive a FORGET of its block).
-                self._segmap.free(slot)
+                self._segmap.free(slot, last=True)  # not the next write's: the medium refused it
                 self._residue[slot] = None
                 if isinstance(exc, NoSpaceError):
                     raise MediumFullError(f"{self.path}: the file system is full") from exc
@@ -508,6 +512,9 @@ class NvmeTier(LowerTier):
         # another block's record (a failed read of it then dropped that record: a block
         # acknowledged by FSYNC was lost).
         self._cold.remove(row)
+        left = self._left_copies.pop((ref.ns_digest, ref.key), None)
+        if left is not None:  # zeroed with it, before the next sync
+            self._unzeroed.append(left)
         await self._zero_and_free(slot)
 
     async def _tombstone(self, slot: DiskSlot) -> None:
@@ -527,19 +534,24 @@ class NvmeTier(LowerTier):
     async def zero_discarded(self) -> None:
         """Zero the header page of each slot whose discard could not, then free it, and of
         each free slot a failed write may have left a record in (taken while it is zeroed);
-        one at a time, whoever calls. Raises the first failure: that slot and those after it
-        stay for the next call (a discarded record's slot kept from reuse)."""
+        one at a time, whoever calls. Raises the first failure to zero: that slot and those
+        after it stay for the next call (a discarded record's slot kept from reuse). A
+        leftover whose page cannot be read stays for the next call too, without a failure
+        (a scan could not read it either): :attr:`zeroing_pending` says so."""
         async with self._zeroing:
-            while self._unzeroed:
-                await self._zero_and_free(self._unzeroed.pop())
-            while self._residue:
-                slot = next(iter(self._residue))
+            await self._zero_unzeroed()
+            for slot in list(self._residue):
                 del self._residue[slot]
                 try:
                     await self._zero_leftover(slot)
                 except BaseException:
                     self._residue[slot] = None
                     raise
+            await self._zero_unzeroed()  # discards that failed meanwhile
+
+    async def _zero_unzeroed(self) -> None:
+        while self._unzeroed:
+            await self._zero_and_free(self._unzeroed.pop())
 
     async def _zero_leftover(self, slot: DiskSlot) -> None:
         """Zero the header page a failed write may have left in ``slot``, if it holds a record
@@ -547,16 +559,23 @@ class NvmeTier(LowerTier):
         write the file system refused for lack of space left nothing, and zeroing a page never
         allocated would need the space it lacks; and the free slots keep their order (the
         slot zeroed is handed out after the others)."""
-        if slot.offset + PAGE_BYTES > self._segmap.file_bytes:
-            return
+        if slot.offset + PAGE_BYTES > self._segmap.file_bytes or self._segmap.in_use(slot):
+            return  # a write took it since: its record's header page replaces the leftover
         async with self._pages.page() as page:
-            await self._backend.readv(self._fd, slot.offset, [page])
+            try:
+                await self._backend.readv(self._fd, slot.offset, [page])
+            except StorageIOError as exc:
+                log.warning(
+                    "cannot read what a failed write left at offset %d: %s", slot.offset, exc
+                )
+                self._residue[slot] = None  # tried again at the next sync or tick
+                return
             try:
                 RecordHeader.unpack(page)
             except CorruptRecord:
                 return  # nothing a scan would adopt
         if not self._segmap.claim(slot):
-            return  # a write took it since: its record's header page replaces the leftover
+            return  # taken while the page was read
         try:
             await self._tombstone(slot)
         finally:
@@ -700,31 +719,39 @@ class NvmeTier(LowerTier):
 
     async def _settle_tie(self, row: int) -> DiskSlot | None:
         """Keep one of two records of a block written twice (``row``, beside its key's row with
-        the same seq; see :mod:`kvtierd.store.recovery`): the key's row unless its payload does
-        not verify where ``row``'s does. The other leaves the index; its slot is returned to
-        discard when the kept copy verified or it is proven torn (its checksum fails), else
-        ``None``: a copy that could not be read is left on the medium (its slot unused until
-        the next start settles it again), never erased on a read error's word."""
+        the same seq; see :mod:`kvtierd.store.recovery`): the key's row unless its payload is
+        proven torn (its checksum fails) where ``row``'s is not, or does not verify where
+        ``row``'s does. The other leaves the index; its slot is returned to discard when the
+        kept copy verified or the other is proven torn, else ``None``: a copy neither proven
+        whole nor torn (the medium refused to read it) is left on the medium, never erased on
+        a read error's word, and erased when its block's kept copy is (:meth:`discard`), so a
+        FORGET it outlived is never undone by a crash."""
         identity = self._cold.identity(row)
         assert identity is not None
         named = self._cold.find(*identity)
         kept_whole = await self._intact(named)
         other_whole = None if kept_whole else await self._intact(row)
-        if not kept_whole and other_whole:
-            torn = self._segmap.slot(*self._cold.place(named))
+        if (kept_whole is False and other_whole is not False) or (
+            kept_whole is None and other_whole
+        ):
+            replaced = self._segmap.slot(*self._cold.place(named))
             log.warning(
-                "a block written twice had a torn copy at offset %d of %s; the whole one kept",
-                torn.offset,
+                "a block written twice had a copy at offset %d of %s that %s; the other kept",
+                replaced.offset,
                 self.path,
+                "is torn" if kept_whole is False else "cannot be read",
             )
             header, place = self._cold.record(row), self._cold.place(row)
             self._cold.remove(named)
             self._cold.remove(row)
             self._cold.add(identity[0], header, *place)  # now its key's row
-            return torn
+            return replaced
         other = self._segmap.slot(*self._cold.place(row))
         self._cold.remove(row)
-        return other if kept_whole or other_whole is False else None
+        if kept_whole or other_whole is False:
+            return other
+        self._left_copies[identity] = other  # neither could be read
+        return None
 
     async def _intact(self, row: int) -> bool | None:
         """Whether the record in ``row`` reads whole and its payload matches its checksum;

@@ -160,6 +160,9 @@ class SegmentMap:
         place = bucket.pop()
         return self._take(place >> 32, place & 0xFFFFFFFF)
 
+    def in_use(self, slot: DiskSlot) -> bool:
+        return self._in_use(slot.segment, slot.index)
+
     def claim(self, slot: DiskSlot) -> bool:
         """Take ``slot`` if it is free (whether it was): to write it while no block may be
         given it; :meth:`free` it with ``last=True`` after. A scan of its size's free slots,

@@ -13,8 +13,18 @@ import pytest
 from kvtierd.errors import KvtierError, StorageIOError
 from kvtierd.store.diskhealth import FaultSource
 from kvtierd.store.diskwatch import DiskWatch
+from kvtierd.store.records import checksum
+from kvtierd.store.tier import BlockRef
 from kvtierd.store.writeback import WriteBack
-from tests.store.test_recovery_damage import DATA_FILE, SMALL, key_for, open_tier
+from tests.store.test_recovery_damage import (
+    DATA_FILE,
+    NS,
+    SMALL,
+    content,
+    key_for,
+    open_tier,
+    store_failing,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -98,3 +108,72 @@ async def test_the_tick_zeroes_what_a_failed_forget_left_and_clears_only_then(
         assert watch.health.condition is None
         writeback.close()
     assert _page_at(tmp_path / DATA_FILE, slot.offset) == bytes(4096)
+
+
+async def test_a_forget_failing_beside_the_ticks_zeroing_keeps_health_failing(
+    tmp_path: Path,
+) -> None:
+    """A FORGET's zeroing fails while the tick zeroes what a failed write left: the tick
+    does not report health back while that discarded record waits."""
+    async with open_tier(tmp_path) as t:
+        await t.put(key_for(5), SMALL)
+        live_ref, live_slot = t.stored[key_for(5)]
+        data = content(key_for(0), SMALL)
+        t.buffer[:SMALL] = data
+        await store_failing(t, BlockRef(NS, key_for(0), SMALL, checksum(data), 7), landed="whole")
+        leftover = next(iter(t.tier._residue))
+        writeback = WriteBack(1)
+        watch = DiskWatch(t.tier, writeback)
+        watch.write_failed(StorageIOError("the failed write, as write-back reports it"))
+        real = t.backend.writev
+        forgot = False
+
+        async def writev(fd: int, offset: int, buffers: Any) -> int:
+            nonlocal forgot
+            if offset == live_slot.offset and len(buffers) == 1:
+                raise StorageIOError("injected: the FORGET's zeroing refused")
+            if offset == leftover.offset and len(buffers) == 1 and not forgot:
+                forgot = True  # a FORGET runs beside the leftover's zeroing, and fails
+                with pytest.raises(StorageIOError):
+                    await t.tier.discard(live_ref, live_slot)
+            return await real(fd, offset, buffers)
+
+        t.backend.writev = writev  # type: ignore[method-assign]
+        await watch.check()
+        assert forgot
+        assert t.tier.zeroing_pending
+        assert watch.health.condition is not None
+        t.backend.writev = real  # type: ignore[method-assign]
+        await watch.check()
+        assert not t.tier.zeroing_pending
+        assert watch.health.condition is None
+        writeback.close()
+
+
+async def test_a_leftover_that_cannot_be_read_fails_health_not_fsync(tmp_path: Path) -> None:
+    async with open_tier(tmp_path) as t:
+        await t.put(key_for(9), SMALL)
+        data = content(key_for(0), SMALL)
+        t.buffer[:SMALL] = data
+        await store_failing(t, BlockRef(NS, key_for(0), SMALL, checksum(data), 7), landed="whole")
+        leftover = next(iter(t.tier._residue))
+        writeback = WriteBack(1)
+        watch = DiskWatch(t.tier, writeback)
+        real = t.backend.readv
+        refusing = True
+
+        async def readv(fd: int, offset: int, buffers: Any) -> int:
+            if refusing and offset == leftover.offset:
+                raise StorageIOError("injected: unreadable sector")
+            return await real(fd, offset, buffers)
+
+        t.backend.readv = readv  # type: ignore[method-assign]
+        await watch.sync()  # acknowledged: a scan could not read that page either
+        condition = watch.health.condition
+        assert condition is not None
+        assert condition.source is FaultSource.WRITE
+        refusing = False
+        await watch.check()  # read now, and zeroed
+        assert watch.health.condition is None
+        writeback.close()
+    assert _page_at(tmp_path / DATA_FILE, leftover.offset) == bytes(4096)

@@ -703,3 +703,86 @@ async def test_a_failed_write_leaves_nothing_a_crash_brings_back(
         assert key not in found
         if reused:
             assert await t.get(found[other].ref, found[other].location) == content(other, SMALL)
+
+
+@pytest.mark.parametrize("unreadable", ["whole copy", "both copies"])
+async def test_a_forget_synced_is_not_undone_by_a_copy_recovery_could_not_settle(
+    tmp_path: Path, unreadable: str
+) -> None:
+    """A tie recovery could not settle (a copy the medium would not read at start) leaves no
+    copy behind once the block is forgotten: FORGET (the kept copy discarded), FSYNC, crash,
+    and the next start, reading again, finds nothing."""
+    key = key_for(0)
+    data = content(key, SMALL)
+    ref = BlockRef(NS, key, SMALL, checksum(data), 7)
+    async with open_tier(tmp_path) as t:
+        t.buffer[:SMALL] = data
+        await store_failing(t, ref, landed="header")
+        torn = t.tier._segmap.allocate(slot_bytes_for(SMALL))  # held at the crash
+        assert torn is not None
+        whole = await t.tier.store(ref, t.buffer[:SMALL])
+        assert isinstance(whole, DiskSlot)
+        await crash_before_the_leftover_is_zeroed(t)
+    crash(tmp_path)
+    refused = {whole.offset} | ({torn.offset} if unreadable == "both copies" else set())
+
+    def unreadable_records(backend: IoBackend) -> None:
+        real_readv = backend.readv
+
+        async def readv(fd: int, offset: int, buffers: Any) -> int:
+            if offset in refused and len(buffers) == 2:  # a record, not a header run
+                raise StorageIOError("injected: unreadable sector")
+            return await real_readv(fd, offset, buffers)
+
+        backend.readv = readv  # type: ignore[method-assign]
+
+    async with open_tier(tmp_path, hook=unreadable_records) as t:
+        found = list(t.tier.recovered())
+        assert [r.ref for r in found] == [ref]
+        await t.tier.discard(found[0].ref, found[0].location)  # FORGET
+        await t.tier.sync()
+    crash(tmp_path)
+    async with open_tier(tmp_path) as t:
+        assert list(t.tier.recovered()) == []
+
+
+async def test_a_failed_write_whose_page_cannot_be_read_does_not_fail_every_fsync(
+    tmp_path: Path,
+) -> None:
+    """A sector that refuses reads and writes: the write fails with nothing landed, and its
+    leftover cannot be read to be zeroed (nor by a scan). FSYNC is not failed for it (it is
+    tried again, and health reports it: tests/store/test_diskwatch.py), and the next write of
+    that size is not handed the same slot."""
+    key = key_for(0)
+    data = content(key, SMALL)
+    ref = BlockRef(NS, key, SMALL, checksum(data), 7)
+    async with open_tier(tmp_path) as t:
+        await t.put(key_for(9), SMALL)  # carves the segment
+        t.buffer[:SMALL] = data
+        real_writev, real_readv = t.backend.writev, t.backend.readv
+        bad: list[int] = []
+
+        async def writev(fd: int, offset: int, buffers: Any) -> int:
+            if len(buffers) == 2 and not bad:
+                bad.append(offset)
+            if offset in bad:
+                raise StorageIOError("injected: bad sector")
+            return await real_writev(fd, offset, buffers)
+
+        async def readv(fd: int, offset: int, buffers: Any) -> int:
+            if offset in bad:
+                raise StorageIOError("injected: bad sector")
+            return await real_readv(fd, offset, buffers)
+
+        t.backend.writev, t.backend.readv = writev, readv  # type: ignore[method-assign]
+        with pytest.raises(StorageIOError):
+            await t.tier.store(ref, t.buffer[:SMALL])
+        for _ in range(3):
+            await t.tier.sync()
+            assert t.tier.zeroing_pending
+        following = await t.tier.store(ref, t.buffer[:SMALL])
+        assert isinstance(following, DiskSlot)
+        assert following.offset not in bad
+        t.backend.writev, t.backend.readv = real_writev, real_readv  # type: ignore[method-assign]
+        await t.tier.sync()
+        assert not t.tier.zeroing_pending
