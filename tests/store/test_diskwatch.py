@@ -14,12 +14,14 @@ from kvtierd.errors import KvtierError, StorageIOError
 from kvtierd.store.diskhealth import FaultSource
 from kvtierd.store.diskwatch import DiskWatch
 from kvtierd.store.records import checksum
+from kvtierd.store.segments import DiskSlot
 from kvtierd.store.tier import BlockRef
 from kvtierd.store.writeback import WriteBack
 from tests.store.test_recovery_damage import (
     DATA_FILE,
     NS,
     SMALL,
+    Tier,
     content,
     key_for,
     open_tier,
@@ -65,6 +67,15 @@ async def test_a_failed_zeroing_fails_health_until_a_zeroing_succeeds(
         assert watch.health.condition is None
         writeback.close()
     assert _page_at(tmp_path / DATA_FILE, slot.offset) == bytes(4096)  # the record is gone
+
+
+async def a_failed_write(t: Tier) -> DiskSlot:
+    """Block 5 stored, then block 0's write failed after it landed whole; its leftover's slot."""
+    await t.put(key_for(5), SMALL)
+    data = content(key_for(0), SMALL)
+    t.buffer[:SMALL] = data
+    await store_failing(t, BlockRef(NS, key_for(0), SMALL, checksum(data), 7), landed="whole")
+    return next(iter(t.tier._residue))
 
 
 def _page_at(path: Path, offset: int) -> bytes:
@@ -116,12 +127,8 @@ async def test_a_forget_failing_beside_the_ticks_zeroing_keeps_health_failing(
     """A FORGET's zeroing fails while the tick zeroes what a failed write left: the tick
     does not report health back while that discarded record waits."""
     async with open_tier(tmp_path) as t:
-        await t.put(key_for(5), SMALL)
+        leftover = await a_failed_write(t)
         live_ref, live_slot = t.stored[key_for(5)]
-        data = content(key_for(0), SMALL)
-        t.buffer[:SMALL] = data
-        await store_failing(t, BlockRef(NS, key_for(0), SMALL, checksum(data), 7), landed="whole")
-        leftover = next(iter(t.tier._residue))
         writeback = WriteBack(1)
         watch = DiskWatch(t.tier, writeback)
         watch.write_failed(StorageIOError("the failed write, as write-back reports it"))
@@ -152,11 +159,7 @@ async def test_a_forget_failing_beside_the_ticks_zeroing_keeps_health_failing(
 
 async def test_a_leftover_that_cannot_be_read_fails_health_not_fsync(tmp_path: Path) -> None:
     async with open_tier(tmp_path) as t:
-        await t.put(key_for(9), SMALL)
-        data = content(key_for(0), SMALL)
-        t.buffer[:SMALL] = data
-        await store_failing(t, BlockRef(NS, key_for(0), SMALL, checksum(data), 7), landed="whole")
-        leftover = next(iter(t.tier._residue))
+        leftover = await a_failed_write(t)
         writeback = WriteBack(1)
         watch = DiskWatch(t.tier, writeback)
         real = t.backend.readv

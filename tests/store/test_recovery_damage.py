@@ -608,6 +608,24 @@ async def crash_before_the_leftover_is_zeroed(t: Tier) -> None:
     await t.backend.fdatasync(t.tier._fd)
 
 
+async def tie_on_disk(directory: Path) -> tuple[BlockRef, bytes, DiskSlot, DiskSlot]:
+    """Block 0 written twice, as a crash leaves it: torn (its header alone landed, its slot
+    held by a write in flight at the crash), then whole; ``(ref, data, torn, whole)``."""
+    key = key_for(0)
+    data = content(key, SMALL)
+    ref = BlockRef(NS, key, SMALL, checksum(data), 7)
+    async with open_tier(directory) as t:
+        t.buffer[:SMALL] = data
+        await store_failing(t, ref, landed="header")
+        torn = t.tier._segmap.allocate(slot_bytes_for(SMALL))
+        assert torn is not None
+        whole = await t.tier.store(ref, t.buffer[:SMALL])
+        assert isinstance(whole, DiskSlot)
+        await crash_before_the_leftover_is_zeroed(t)
+    crash(directory)
+    return ref, data, torn, whole
+
+
 @pytest.mark.parametrize("torn_first", [True, False], ids=["torn-first", "whole-first"])
 @pytest.mark.parametrize("nbytes", [16 << 10, SMALL])  # headers read in runs, or one by one
 async def test_a_block_written_twice_keeps_its_whole_copy_whichever_the_scan_meets_first(
@@ -649,17 +667,7 @@ async def test_a_copy_that_cannot_be_read_at_start_is_never_erased_for_the_other
     """A tie whose whole copy the medium refuses to read at start: neither copy is proven
     whole, so the whole one is not erased on a read error's word (only a copy proven torn is);
     the next start, reading again, keeps it."""
-    key = key_for(0)
-    data = content(key, SMALL)
-    ref = BlockRef(NS, key, SMALL, checksum(data), 7)
-    async with open_tier(tmp_path) as t:
-        t.buffer[:SMALL] = data
-        await store_failing(t, ref, landed="header")
-        assert t.tier._segmap.allocate(slot_bytes_for(SMALL)) is not None  # held at the crash
-        whole = await t.tier.store(ref, t.buffer[:SMALL])
-        assert isinstance(whole, DiskSlot)
-        await crash_before_the_leftover_is_zeroed(t)
-    crash(tmp_path)
+    ref, data, _, whole = await tie_on_disk(tmp_path)
 
     def unreadable_whole_copy(backend: IoBackend) -> None:
         real_readv = backend.readv
@@ -712,18 +720,7 @@ async def test_a_forget_synced_is_not_undone_by_a_copy_recovery_could_not_settle
     """A tie recovery could not settle (a copy the medium would not read at start) leaves no
     copy behind once the block is forgotten: FORGET (the kept copy discarded), FSYNC, crash,
     and the next start, reading again, finds nothing."""
-    key = key_for(0)
-    data = content(key, SMALL)
-    ref = BlockRef(NS, key, SMALL, checksum(data), 7)
-    async with open_tier(tmp_path) as t:
-        t.buffer[:SMALL] = data
-        await store_failing(t, ref, landed="header")
-        torn = t.tier._segmap.allocate(slot_bytes_for(SMALL))  # held at the crash
-        assert torn is not None
-        whole = await t.tier.store(ref, t.buffer[:SMALL])
-        assert isinstance(whole, DiskSlot)
-        await crash_before_the_leftover_is_zeroed(t)
-    crash(tmp_path)
+    ref, _, torn, whole = await tie_on_disk(tmp_path)
     refused = {whole.offset} | ({torn.offset} if unreadable == "both copies" else set())
 
     def unreadable_records(backend: IoBackend) -> None:
