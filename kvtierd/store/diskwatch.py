@@ -122,14 +122,18 @@ class DiskWatch:
         A failure is write-back's condition (health fails, FSYNC raises it but is not refused
         for good); it clears once nothing waits to be zeroed or written."""
         try:
-            await self.tier.zero_discarded()
+            unread = await self.tier.zero_discarded()
         except KvtierError as exc:
             self._record(self.health.failed(FaultSource.WRITE, fault_of(exc), str(exc)))
             raise
-        if self.tier.zeroing_pending:  # a leftover that could not be read: tried again later
-            detail = "what a failed write left cannot be read to be zeroed"
+        if unread:  # a leftover that could not be read: tried again later
+            detail = f"what {unread} failed write(s) left cannot be read to be zeroed"
             self._record(self.health.failed(FaultSource.WRITE, DiskFault.EIO, detail))
-        elif self.health.holds(FaultSource.WRITE) and not self.writeback.failed:
+        elif (
+            self.health.holds(FaultSource.WRITE)
+            and not self.tier.zeroing_pending  # (a write failing meanwhile left more)
+            and not self.writeback.failed
+        ):
             self._record(self.health.cleared(FaultSource.WRITE))
 
     async def _keep_catalog(self) -> None:

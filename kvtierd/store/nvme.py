@@ -531,36 +531,39 @@ class NvmeTier(LowerTier):
         """Whether a record dropped, or left by a failed write, still waits to be zeroed."""
         return bool(self._unzeroed or self._residue)
 
-    async def zero_discarded(self) -> None:
+    async def zero_discarded(self) -> int:
         """Zero the header page of each slot whose discard could not, then free it, and of
         each free slot a failed write may have left a record in (taken while it is zeroed);
         one at a time, whoever calls. Raises the first failure to zero: that slot and those
         after it stay for the next call (a discarded record's slot kept from reuse). A
         leftover whose page cannot be read stays for the next call too, without a failure
-        (a scan could not read it either): :attr:`zeroing_pending` says so."""
+        (a scan could not read it either): how many did is returned."""
+        unread = 0
         async with self._zeroing:
             await self._zero_unzeroed()
             for slot in list(self._residue):
                 del self._residue[slot]
                 try:
-                    await self._zero_leftover(slot)
+                    unread += not await self._zero_leftover(slot)
                 except BaseException:
                     self._residue[slot] = None
                     raise
             await self._zero_unzeroed()  # discards that failed meanwhile
+        return unread
 
     async def _zero_unzeroed(self) -> None:
         while self._unzeroed:
             await self._zero_and_free(self._unzeroed.pop())
 
-    async def _zero_leftover(self, slot: DiskSlot) -> None:
+    async def _zero_leftover(self, slot: DiskSlot) -> bool:
         """Zero the header page a failed write may have left in ``slot``, if it holds a record
         header and no write took the slot since (claimed while it is zeroed). Read first: a
         write the file system refused for lack of space left nothing, and zeroing a page never
         allocated would need the space it lacks; and the free slots keep their order (the
-        slot zeroed is handed out after the others)."""
+        slot zeroed is handed out after the others). ``False`` when the page could not be read
+        (it stays, for the next call)."""
         if slot.offset + PAGE_BYTES > self._segmap.file_bytes or self._segmap.in_use(slot):
-            return  # a write took it since: its record's header page replaces the leftover
+            return True  # a write took it since: its record's header page replaces the leftover
         async with self._pages.page() as page:
             try:
                 await self._backend.readv(self._fd, slot.offset, [page])
@@ -569,19 +572,20 @@ class NvmeTier(LowerTier):
                     "cannot read what a failed write left at offset %d: %s", slot.offset, exc
                 )
                 self._residue[slot] = None  # tried again at the next sync or tick
-                return
+                return False
             try:
                 RecordHeader.unpack(page)
             except CorruptRecord:
-                return  # nothing a scan would adopt
+                return True  # nothing a scan would adopt
         if not self._segmap.claim(slot):
-            return  # taken while the page was read
+            return True  # taken while the page was read
         try:
             await self._tombstone(slot)
         finally:
             # handed out last: the next writes take the slots a FORGET freed (where a full
             # file system has room), not the one a write just failed in
             self._segmap.free(slot, last=True)
+        return True
 
     async def _zero_and_free(self, slot: DiskSlot) -> None:
         """Zero the header page of ``slot``, whose row is gone, and free it; when that fails,
