@@ -15,8 +15,9 @@ Theory of operation. Four things are watched, none of them per block on the hot 
   nobody FSYNCs still notices, and queues the oldest failed block again: once it is written
   write-back queues the others (:meth:`WriteBack.retry`), so health returns after space is
   freed even if no FSYNC comes, and a disk that stays full costs one attempt per tick, not
-  one per waiting block. It also zeroes again the header pages of dropped records whose
-  zeroing failed (a FORGET that a crash could undo: write-back's condition until done).
+  one per waiting block. It also zeroes what dropped records and failed writes left
+  (:mod:`kvtierd.store.leftovers`: a FORGET that a crash could undo, write-back's condition
+  until done).
 
 Each failure is counted by its fault; a change of verdict is logged once, as an error with its
 remedy (a return to health as a warning). The verdict itself is :attr:`DiskHealth.condition`,
@@ -74,7 +75,12 @@ class DiskWatch:
         self._record(self.health.failed(FaultSource.WRITE, fault_of(exc), str(exc)))
 
     def writes_recovered(self) -> None:
-        if not self.tier.zeroing_pending:
+        self._clear_write_when_settled()
+
+    def _clear_write_when_settled(self) -> None:
+        """Write-back's condition clears once no block waits for its write and nothing
+        waits to be zeroed (:mod:`kvtierd.store.leftovers`)."""
+        if not self.tier.leftovers.pending and not self.writeback.failed:
             self._record(self.health.cleared(FaultSource.WRITE))
 
     # -- FSYNC and the timer ------------------------------------------------------------------
@@ -92,7 +98,7 @@ class DiskWatch:
                 refusal.fault,
                 f"FSYNC refused, nothing is durable: {refusal.detail}; {refusal.remedy}",
             )
-        await self._zero_discarded()  # a write's fault, which clears
+        await self._zero_leftovers()  # a write's fault, which clears
         try:
             await self.tier.sync()
         except DataFileLostError as exc:
@@ -113,28 +119,24 @@ class DiskWatch:
                 self._record(self.health.failed(FaultSource.FILE, exc.fault, str(exc)))
         if self.writeback.failed:
             self.writeback.retry(limit=1)
-        if self.tier.zeroing_pending:
+        if self.tier.leftovers.pending:
             with contextlib.suppress(KvtierError):  # filed as it failed
-                await self._zero_discarded()
+                await self._zero_leftovers()
 
-    async def _zero_discarded(self) -> None:
-        """Zero what dropped records and failed writes left (:meth:`NvmeTier.zero_discarded`).
-        A failure is write-back's condition (health fails, FSYNC raises it but is not refused
+    async def _zero_leftovers(self) -> None:
+        """Zero what dropped records and failed writes left (:meth:`Leftovers.zero`). A
+        failure is write-back's condition (health fails, FSYNC raises it but is not refused
         for good); it clears once nothing waits to be zeroed or written."""
         try:
-            unread = await self.tier.zero_discarded()
+            unread = await self.tier.leftovers.zero()
         except KvtierError as exc:
             self._record(self.health.failed(FaultSource.WRITE, fault_of(exc), str(exc)))
             raise
         if unread:  # a leftover that could not be read: tried again later
             detail = f"what {unread} failed write(s) left cannot be read to be zeroed"
             self._record(self.health.failed(FaultSource.WRITE, DiskFault.EIO, detail))
-        elif (
-            self.health.holds(FaultSource.WRITE)
-            and not self.tier.zeroing_pending  # (a write failing meanwhile left more)
-            and not self.writeback.failed
-        ):
-            self._record(self.health.cleared(FaultSource.WRITE))
+        else:
+            self._clear_write_when_settled()
 
     async def _keep_catalog(self) -> None:
         """Rewrite a namespace catalog that changed under the daemon (counted with reason

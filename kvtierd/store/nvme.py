@@ -30,10 +30,11 @@ daemons' files): it is in the data directory, named by
 :func:`~kvtierd.store.recovery.snapshot_path`.
 
 Opening and claiming the file, its superblock and the check that the path still names it are
-:mod:`kvtierd.store.datafile`'s (they know no record). What is left past 600 lines is the run
-reads (``load_run``, issue 32) and the discards' zeroing and its retry before a sync, which
-need the tier's records and staging pages; splitting record keeping from reads follows the
-index's reshape (docs/architecture.md, "The index at scale"), with issue 33's.
+:mod:`kvtierd.store.datafile`'s (they know no record), and what still waits to be zeroed is
+:mod:`kvtierd.store.leftovers`'. What is left past 600 lines is the run reads (``load_run``,
+issue 32) and recovery's settling of blocks written twice, which need the tier's records and
+staging pages; splitting record keeping from reads follows the index's reshape
+(docs/architecture.md, "The index at scale"), with issue 33's.
 
 With ``checkpoint_every_bytes``, every write into a segment (a record, a discard) is first
 marked in the durable generation table, and the index is checkpointed periodically, so a
@@ -92,6 +93,7 @@ from kvtierd.store.datafile import (
     open_superblock,
     prepare_file,
 )
+from kvtierd.store.leftovers import Leftovers
 from kvtierd.store.records import (
     PAGE_BYTES,
     CorruptRecord,
@@ -165,20 +167,8 @@ class NvmeTier(LowerTier):
         #: Blocks whose read into a tenant's region did not match while the record did
         #: (:meth:`_read_privately`).
         self._slot_disagreed = 0
-        #: Slots of discarded records whose header page could not be zeroed yet: kept from
-        #: reuse until :meth:`zero_discarded` zeroes them.
-        self._unzeroed: list[DiskSlot] = []
-        #: Free slots a failed write may have left a record in (its header page landed, or
-        #: all of it, before the failure): zeroed by :meth:`zero_discarded` unless a write
-        #: took the slot since. Else a FORGET of that block, acknowledged by FSYNC, could be
-        #: undone by a crash (the scan adopts the leftover record). A set in insertion order:
-        #: a failing medium's retries fail in the same slot again and again.
-        self._residue: dict[DiskSlot, None] = {}
-        #: Copies recovery could not settle (a block written twice, neither copy readable),
-        #: by block: left on the medium, their slots held, until the block's kept copy is
-        #: discarded, when they are zeroed too (:meth:`_settle_tie`).
-        self._left_copies: dict[tuple[bytes, bytes], DiskSlot] = {}
-        self._zeroing = anyio.Lock()
+        #: Header pages still to be zeroed (:mod:`kvtierd.store.leftovers`).
+        self.leftovers = Leftovers(segmap, self._tombstone, self._holds_header)
         self.max_seq = 0
         self.recovery_source = "empty"
         #: Segments whose headers recovery read (all after a full scan).
@@ -237,8 +227,7 @@ class NvmeTier(LowerTier):
                 # The slot is given back (a failing medium must not fill the tier), and what
                 # reached it is zeroed before the next sync (a record written whole, its mark
                 # again failed, would otherwise outlive a FORGET of its block).
-                self._segmap.free(slot, last=True)  # not the next write's: the medium refused it
-                self._residue[slot] = None
+                self.leftovers.write_failed(slot)
                 if isinstance(exc, NoSpaceError):
                     raise MediumFullError(f"{self.path}: the file system is full") from exc
                 raise
@@ -512,10 +501,7 @@ class NvmeTier(LowerTier):
         # another block's record (a failed read of it then dropped that record: a block
         # acknowledged by FSYNC was lost).
         self._cold.remove(row)
-        left = self._left_copies.pop((ref.ns_digest, ref.key), None)
-        if left is not None:  # zeroed with it, before the next sync
-            self._unzeroed.append(left)
-        await self._zero_and_free(slot)
+        await self.leftovers.discard((ref.ns_digest, ref.key), slot)
 
     async def _tombstone(self, slot: DiskSlot) -> None:
         """Zero ``slot``'s header page, its segment marked first (a no-op once marked)."""
@@ -526,82 +512,23 @@ class NvmeTier(LowerTier):
             page[:] = bytes(PAGE_BYTES)
             await self._backend.writev(self._fd, slot.offset, [page])
 
-    @property
-    def zeroing_pending(self) -> bool:
-        """Whether a record dropped, or left by a failed write, still waits to be zeroed."""
-        return bool(self._unzeroed or self._residue)
-
-    async def zero_discarded(self) -> int:
-        """Zero the header page of each slot whose discard could not, then free it, and of
-        each free slot a failed write may have left a record in (taken while it is zeroed);
-        one at a time, whoever calls. Raises the first failure to zero: that slot and those
-        after it stay for the next call (a discarded record's slot kept from reuse). A
-        leftover whose page cannot be read stays for the next call too, without a failure
-        (a scan could not read it either): how many did is returned."""
-        unread = 0
-        async with self._zeroing:
-            await self._zero_unzeroed()
-            for slot in list(self._residue):
-                del self._residue[slot]
-                try:
-                    unread += not await self._zero_leftover(slot)
-                except BaseException:
-                    self._residue[slot] = None
-                    raise
-            await self._zero_unzeroed()  # discards that failed meanwhile
-        return unread
-
-    async def _zero_unzeroed(self) -> None:
-        while self._unzeroed:
-            await self._zero_and_free(self._unzeroed.pop())
-
-    async def _zero_leftover(self, slot: DiskSlot) -> bool:
-        """Zero the header page a failed write may have left in ``slot``, if it holds a record
-        header and no write took the slot since (claimed while it is zeroed). Read first: a
-        write the file system refused for lack of space left nothing, and zeroing a page never
-        allocated would need the space it lacks; and the free slots keep their order (the
-        slot zeroed is handed out after the others). ``False`` when the page could not be read
-        (it stays, for the next call)."""
-        if slot.offset + PAGE_BYTES > self._segmap.file_bytes or self._segmap.in_use(slot):
-            return True  # a write took it since: its record's header page replaces the leftover
+    async def _holds_header(self, slot: DiskSlot) -> bool:
+        """Whether ``slot``'s header page holds a record header (what a scan would adopt)."""
+        if slot.offset + PAGE_BYTES > self._segmap.file_bytes:
+            return False
         async with self._pages.page() as page:
-            try:
-                await self._backend.readv(self._fd, slot.offset, [page])
-            except StorageIOError as exc:
-                log.warning(
-                    "cannot read what a failed write left at offset %d: %s", slot.offset, exc
-                )
-                self._residue[slot] = None  # tried again at the next sync or tick
-                return False
+            await self._backend.readv(self._fd, slot.offset, [page])
             try:
                 RecordHeader.unpack(page)
             except CorruptRecord:
-                return True  # nothing a scan would adopt
-        if not self._segmap.claim(slot):
-            return True  # taken while the page was read
-        try:
-            await self._tombstone(slot)
-        finally:
-            # handed out last: the next writes take the slots a FORGET freed (where a full
-            # file system has room), not the one a write just failed in
-            self._segmap.free(slot, last=True)
+                return False
         return True
 
-    async def _zero_and_free(self, slot: DiskSlot) -> None:
-        """Zero the header page of ``slot``, whose row is gone, and free it; when that fails,
-        keep it from reuse until :meth:`zero_discarded` (before every sync) does it."""
-        try:
-            await self._tombstone(slot)
-        except BaseException:
-            self._unzeroed.append(slot)
-            raise
-        self._segmap.free(slot)
-
     async def sync(self) -> None:
-        """:meth:`zero_discarded` (a FORGET synced is one a restart keeps), then
+        """:meth:`Leftovers.zero` (a FORGET synced is one a restart keeps), then
         ``fdatasync``, then :meth:`check_data_file`: a sync onto a file that is no longer the
         data file makes nothing durable there, so it raises instead of returning."""
-        await self.zero_discarded()
+        await self.leftovers.zero()
         await self._backend.fdatasync(self._fd)
         await self.check_data_file()
 
@@ -715,8 +642,7 @@ class NvmeTier(LowerTier):
             if (settled := await self._settle_tie(row)) is not None:
                 found.stale.append(settled)
         for slot in found.stale:
-            await self._tombstone(slot)
-            self._segmap.free(slot)
+            await self.leftovers.zero_and_free(slot)
         self.max_seq = found.max_seq
         self.recovery_source = found.source
         self.recovery_scanned = found.scanned_segments
@@ -738,7 +664,7 @@ class NvmeTier(LowerTier):
         if (kept_whole is False and other_whole is not False) or (
             kept_whole is None and other_whole
         ):
-            replaced = self._segmap.slot(*self._cold.place(named))
+            replaced = self._slot_of(named)
             log.warning(
                 "a block written twice had a copy at offset %d of %s that %s; the other kept",
                 replaced.offset,
@@ -750,19 +676,22 @@ class NvmeTier(LowerTier):
             self._cold.remove(row)
             self._cold.add(identity[0], header, *place)  # now its key's row
             return replaced
-        other = self._segmap.slot(*self._cold.place(row))
+        other = self._slot_of(row)
         self._cold.remove(row)
         if kept_whole or other_whole is False:
             return other
-        self._left_copies[identity] = other  # neither could be read
+        self.leftovers.left_unsettled(identity, other)  # neither could be read
         return None
+
+    def _slot_of(self, row: int) -> DiskSlot:
+        return self._segmap.slot(*self._cold.place(row))
 
     async def _intact(self, row: int) -> bool | None:
         """Whether the record in ``row`` reads whole and its payload matches its checksum;
         ``None`` when it cannot be read at all (the medium refused it twice)."""
         ref = self.cold_rows().made(row).ref
         try:
-            async with self._private_copy(ref, self._segmap.slot(*self._cold.place(row))) as (
+            async with self._private_copy(ref, self._slot_of(row)) as (
                 _,
                 value,
             ):

@@ -170,7 +170,7 @@ class SegmentMap:
         bucket = self._free.get(slot.size)
         if self._in_use(slot.segment, slot.index) or bucket is None:
             return False
-        if not bucket.remove(slot.segment << 32 | slot.index):
+        if not bucket.remove(_packed(slot)):
             return False
         self._take(slot.segment, slot.index)
         return True
@@ -184,11 +184,10 @@ class SegmentMap:
         self._used[slot.segment][slot.index] = 0
         self._used_bytes -= slot.size
         bucket = self._free.setdefault(slot.size, FreeStack())
-        value = slot.segment << 32 | slot.index
         if last:
-            bucket.push_bottom(value)
+            bucket.push_bottom(_packed(slot))
         else:
-            bucket.push(value)
+            bucket.push(_packed(slot))
 
     def _in_use(self, segment: int, index: int) -> bool:
         return (
@@ -208,3 +207,8 @@ class SegmentMap:
         """Slot ``index`` of ``segment``, used or not."""
         header = self.segments[segment]
         return DiskSlot(segment, index, header.slot_offset(index), header.slot_bytes)
+
+
+def _packed(slot: DiskSlot) -> int:
+    """``slot``'s place as its size's free stack holds it: ``segment << 32 | index``."""
+    return slot.segment << 32 | slot.index

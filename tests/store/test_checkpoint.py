@@ -178,6 +178,15 @@ def run_child(directory: Path, plan: dict[str, Any], backend: str, kill_after: f
 # -- the parent: restart and check -------------------------------------------------------------
 
 
+def as_a_kill_leaves(live: Path, crashed: Path) -> Path:
+    """``crashed``: a copy of the files in ``live`` a kill now would leave (no clean-stop
+    snapshot), taken while the tier is open."""
+    crashed.mkdir()
+    for name in ("nvme.data", "index.snapshot.checkpoint", "index.snapshot.generations"):
+        shutil.copyfile(live / name, crashed / name)
+    return crashed
+
+
 async def restart(directory: Path, durable: dict[str, int]) -> NvmeTier:
     """Open the tier after the kill, check every durable key's bytes and every forgotten key's
     absence, and return the tier (closed) for its recovery counters."""
@@ -511,10 +520,7 @@ async def test_writes_and_discards_during_a_sliced_copy_leave_a_checkpoint_that_
         await tier.sync()
         durable = {key.decode(): ref.seq for key, (ref, _) in where.items()}
         durable |= {key_for(i).decode(): 0 for i in range(80) if key_for(i) not in where}
-        crashed = tmp_path / "crashed"  # the files as a kill now would leave them
-        crashed.mkdir()
-        for name in ("nvme.data", "index.snapshot.checkpoint", "index.snapshot.generations"):
-            shutil.copyfile(live / name, crashed / name)
+        crashed = as_a_kill_leaves(live, tmp_path / "crashed")
     tier = await restart(crashed, durable)
     assert tier.recovery_source == "checkpoint"
 
@@ -574,10 +580,7 @@ async def test_a_slot_copied_twice_under_a_sliced_copy_is_left_out_of_the_checkp
         await tier.sync()
         durable = {key_for(i).decode(): i + 1 for i in range(1, 8)}
         durable |= {key_for(0).decode(): 0, key_for(50).decode(): 200, "other-size": 0}
-        crashed = tmp_path / "crashed"
-        crashed.mkdir()
-        for name in ("nvme.data", "index.snapshot.checkpoint", "index.snapshot.generations"):
-            shutil.copyfile(live / name, crashed / name)
+        crashed = as_a_kill_leaves(live, tmp_path / "crashed")
     tier = await restart(crashed, durable)
     assert tier.recovery_source == "checkpoint"
 

@@ -75,7 +75,7 @@ async def a_failed_write(t: Tier) -> DiskSlot:
     data = content(key_for(0), SMALL)
     t.buffer[:SMALL] = data
     await store_failing(t, BlockRef(NS, key_for(0), SMALL, checksum(data), 7), landed="whole")
-    return next(iter(t.tier._residue))
+    return next(iter(t.tier.leftovers._failed_writes))
 
 
 def _page_at(path: Path, offset: int) -> bytes:
@@ -106,7 +106,7 @@ async def test_the_tick_zeroes_what_a_failed_forget_left_and_clears_only_then(
         t.backend.writev = writev  # type: ignore[method-assign]
         with pytest.raises(StorageIOError):
             await t.tier.discard(ref, slot)  # no FSYNC, no disk watch involved
-        assert t.tier.zeroing_pending
+        assert t.tier.leftovers.pending
         await watch.check()
         condition = watch.health.condition
         assert condition is not None
@@ -115,7 +115,7 @@ async def test_the_tick_zeroes_what_a_failed_forget_left_and_clears_only_then(
         assert watch.health.condition == condition  # the record still waits
         failing = False
         await watch.check()
-        assert not t.tier.zeroing_pending
+        assert not t.tier.leftovers.pending
         assert watch.health.condition is None
         writeback.close()
     assert _page_at(tmp_path / DATA_FILE, slot.offset) == bytes(4096)
@@ -148,11 +148,11 @@ async def test_a_forget_failing_beside_the_ticks_zeroing_keeps_health_failing(
         t.backend.writev = writev  # type: ignore[method-assign]
         await watch.check()
         assert forgot
-        assert t.tier.zeroing_pending
+        assert t.tier.leftovers.pending
         assert watch.health.condition is not None
         t.backend.writev = real  # type: ignore[method-assign]
         await watch.check()
-        assert not t.tier.zeroing_pending
+        assert not t.tier.leftovers.pending
         assert watch.health.condition is None
         writeback.close()
 

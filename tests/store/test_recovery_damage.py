@@ -604,7 +604,7 @@ async def store_failing(t: Tier, ref: BlockRef, *, landed: str) -> None:
 async def crash_before_the_leftover_is_zeroed(t: Tier) -> None:
     """Make what was written durable, as a sync would, but leave what a failed write left in
     place: the crash comes before the sync that zeroes it."""
-    t.tier._residue.clear()
+    t.tier.leftovers._failed_writes.clear()
     await t.backend.fdatasync(t.tier._fd)
 
 
@@ -776,10 +776,10 @@ async def test_a_failed_write_whose_page_cannot_be_read_does_not_fail_every_fsyn
             await t.tier.store(ref, t.buffer[:SMALL])
         for _ in range(3):
             await t.tier.sync()
-            assert t.tier.zeroing_pending
+            assert t.tier.leftovers.pending
         following = await t.tier.store(ref, t.buffer[:SMALL])
         assert isinstance(following, DiskSlot)
         assert following.offset not in bad
         t.backend.writev, t.backend.readv = real_writev, real_readv  # type: ignore[method-assign]
         await t.tier.sync()
-        assert not t.tier.zeroing_pending
+        assert not t.tier.leftovers.pending
