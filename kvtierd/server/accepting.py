@@ -43,7 +43,7 @@ import ssl
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from anyio.abc import ByteStream, SocketAttribute, SocketStream
@@ -58,9 +58,9 @@ from kvtierd.server.throttle import Throttle
 from kvtierd.store.namespaces import PeerCredentials
 
 if TYPE_CHECKING:
-    from kvtierd.server.daemon import Daemon
+    from kvtierd.server.session import Session
 
-__all__ = ["listen_unix", "refuse", "serve_connections"]
+__all__ = ["Admission", "Entrance", "listen_unix", "refuse", "serve_connections"]
 
 log = logging.getLogger("kvtierd")
 
@@ -143,18 +143,51 @@ class _Slot:
                 slots.of_key[self._key] = left
 
 
-async def _admit(stream: SocketStream, readiness: Readiness) -> None:
+class Admission(Protocol):
+    """What the listeners hand connections to: the daemon, once it serves."""
+
+    @property
+    def sessions_of_uid(self) -> dict[int, set[Session]]:
+        """The open sessions of each peer uid."""
+
+    async def handle(self, stream: SocketStream) -> None:
+        """Serve a connection to the Unix socket, or tell it why not."""
+
+    def admit(self, stream: ByteStream, peer: PeerCredentials, *, direct: bool) -> Session:
+        """A session for ``stream`` of ``peer``; raises :class:`BusyError` when it does not
+        fit."""
+
+    async def serve(self, session: Session) -> None:
+        """Run an admitted session to its end."""
+
+    def reclaim(self, candidates: set[Session]) -> bool:
+        """Close the one of ``candidates`` idle longest, if one is idle; whether one was."""
+
+
+class Entrance:
+    """Where the listeners take their connections: while the daemon starts, each is told the
+    start-up's progress (``EAGAIN``); once it serves (:meth:`open`), each is handed to it."""
+
+    def __init__(self, readiness: Readiness) -> None:
+        self.readiness = readiness
+        self.host: Admission | None = None
+
+    def open(self, host: Admission) -> None:
+        self.host = host
+
+
+async def _admit(stream: SocketStream, entrance: Entrance) -> None:
     """Hand a new connection to the daemon, or tell it the daemon is still starting."""
-    daemon = readiness.daemon
+    daemon = entrance.host
     if daemon is None:
-        log.debug("a connection while starting: %s", readiness.progress.describe())
-        await refuse(stream, readiness.starting_error())
+        log.debug("a connection while starting: %s", entrance.readiness.progress.describe())
+        await refuse(stream, entrance.readiness.starting_error())
         return
     await daemon.handle(stream)
 
 
 async def _admit_remote(
-    stream: SocketStream, slot: _Slot, where: str, readiness: Readiness, remote: RemoteListener
+    stream: SocketStream, slot: _Slot, where: str, entrance: Entrance, remote: RemoteListener
 ) -> None:
     """Hand a TCP connection to the daemon once its handshake says who it is, or tell it why
     not (``docs/remote.md``). It holds its handshake slot until its session starts."""
@@ -162,9 +195,9 @@ async def _admit_remote(
     if hello is None:
         return
     try:
-        daemon = readiness.daemon
+        daemon = entrance.host
         if daemon is None:
-            raise readiness.starting_error()
+            raise entrance.readiness.starting_error()
         peer = remote.identify(hello)
         _make_uid_room(daemon, peer, remote)
         # Written through the stream only: a TLS socket carries records, not frames, and on
@@ -177,14 +210,14 @@ async def _admit_remote(
     await daemon.serve(session)
 
 
-def _make_uid_room(daemon: Daemon, peer: PeerCredentials, remote: RemoteListener) -> None:
+def _make_uid_room(daemon: Admission, peer: PeerCredentials, remote: RemoteListener) -> None:
     """Raise :class:`BusyError` when ``peer``'s uid holds ``remote.max_connections_per_uid``
     TCP sessions and none of them is idle (``daemon.idle_timeout_s``: the one idle longest is
     then closed instead, as at any other connection limit), so that one remote client never
     takes every remote session (``remote.max_connections``)."""
     cap = remote.config.uid_cap
     own = {s for s in daemon.sessions_of_uid.get(peer.uid, ()) if s.peer.remote and not s.departing}
-    if len(own) >= cap and not daemon._reclaim(own):
+    if len(own) >= cap and not daemon.reclaim(own):
         remote.failures.report(
             log, logging.WARNING, f"uid {peer.uid}",
             "refusing %s: its uid holds %d TCP sessions (remote.max_connections_per_uid)",
@@ -226,7 +259,7 @@ def _prepare_socket_dir(path: Path) -> None:
 
 async def serve_connections(
     listener: anyio.abc.SocketListener,
-    readiness: Readiness,
+    entrance: Entrance,
     scope: anyio.CancelScope,
     remote: RemoteListener | None = None,
     *,
@@ -237,13 +270,13 @@ async def serve_connections(
     flight."""
 
     async def admit_local(stream: SocketStream, slot: _Slot, where: str) -> None:
-        await _admit(stream, readiness)  # holding its slot to its end
+        await _admit(stream, entrance)  # holding its slot to its end
 
     doors = [_Door(listener, "the Unix socket", _Slots(unix_cap), admit_local, _turn_away)]
     if remote is not None:
 
         async def admit_remote(stream: SocketStream, slot: _Slot, where: str) -> None:
-            await _admit_remote(stream, slot, where, readiness, remote)
+            await _admit_remote(stream, slot, where, entrance, remote)
 
         # Shared by its addresses; ``max_handshakes_per_host`` of them per source host.
         handshakes = _Slots(remote.config.max_handshakes, remote.config.max_handshakes_per_host)

@@ -14,14 +14,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvtierd.config import Config
 from kvtierd.nixl.export import NixlReads
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply
 from kvtierd.server.checks import HostCheck
+from kvtierd.server.throttle import Throttle
 from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import PeerCredentials
 from kvtierd.store.store import BlockStore
 
-__all__ = ["Reports", "RequestContext"]
+__all__ = ["Reports", "RequestContext", "SessionHost", "Timings"]
 
 
 class Reports(Protocol):
@@ -32,6 +34,37 @@ class Reports(Protocol):
     def pool_status(self) -> PoolStatusReply: ...
 
     async def doctor(self) -> Sequence[HostCheck]: ...
+
+
+class Timings(Protocol):
+    """Where a session reports how long each request took (the request-duration histogram)."""
+
+    def observe(self, opcode: int, tier: str, seconds: float) -> None: ...
+
+
+class SessionHost(Reports, Protocol):
+    """What a session uses of the daemon that admitted it: the configuration (its limits),
+    the store, the NIXL export and the reports its handlers reach, where it times and counts
+    its requests and throttles its warnings. Not the other sessions, the listeners or the
+    daemon's own bookkeeping."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def store(self) -> BlockStore: ...
+
+    @property
+    def nixl(self) -> NixlReads: ...
+
+    @property
+    def timings(self) -> Timings | None: ...
+
+    @property
+    def peer_warnings(self) -> Throttle: ...
+
+    def count_request(self) -> None:
+        """One more request served, daemon-wide."""
 
 
 class RequestContext(Protocol):

@@ -51,7 +51,7 @@ from kvtierd.io import BindingVerdict
 from kvtierd.nixl.export import NIXL_OFF, NixlReads
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply, TierStatistics
 from kvtierd.server import heap
-from kvtierd.server.accepting import listen_unix, refuse, serve_connections
+from kvtierd.server.accepting import Entrance, listen_unix, refuse, serve_connections
 from kvtierd.server.assembly import (
     open_daemon_store,
     open_nixl_reads,
@@ -65,7 +65,7 @@ from kvtierd.server.doctor import RunningFacts, running_report
 from kvtierd.server.endpoint import serve_endpoint
 from kvtierd.server.metrics import Metrics, RequestTimings
 from kvtierd.server.notify import Notifier
-from kvtierd.server.readiness import Readiness
+from kvtierd.server.readiness import DaemonPhase, Readiness
 from kvtierd.server.remote import open_remote_listener
 from kvtierd.server.session import Session, peer_credentials, throttle_key
 from kvtierd.server.throttle import Throttle
@@ -132,6 +132,9 @@ class Daemon:
         self.idle = anyio.Event()
         #: Warnings about peers (refused, silent in INIT), at most once a minute per peer.
         self.peer_warnings = Throttle()
+
+    def count_request(self) -> None:
+        self.requests += 1
 
     def statistics(self, peer: PeerCredentials | None = None) -> StatfsReply:
         """The STATFS record: the host's (``peer`` None: for the admin), or only what belongs to
@@ -326,9 +329,9 @@ class Daemon:
             s for s in self.sessions if not s.departing and bool(s.peer.remote) == bool(peer.remote)
         ]
         own = {s for s in open_now if s.peer.uid == peer.uid}
-        if len(own) >= limits.max_connections_per_uid and not self._reclaim(own):
+        if len(own) >= limits.max_connections_per_uid and not self.reclaim(own):
             return f"too many connections from uid {peer.uid} ({len(own)} open)"
-        if len(open_now) >= cap and not self._reclaim(self._busiest(open_now)):
+        if len(open_now) >= cap and not self.reclaim(self._busiest(open_now)):
             return f"too many connections ({len(open_now)} open)"
         return None
 
@@ -341,7 +344,7 @@ class Daemon:
             by_uid.setdefault(session.peer.uid, set()).add(session)
         return max(by_uid.values(), key=len, default=set())
 
-    def _reclaim(self, candidates: set[Session]) -> bool:
+    def reclaim(self, candidates: set[Session]) -> bool:
         """Close the connection idle longest among ``candidates``, if one is idle: no request
         for ``idle_timeout_s`` and nothing in flight, leased or being written (closing it
         would take an engine's views from under it). Whether one was closed."""
@@ -440,6 +443,7 @@ async def serve_daemon(
     _tolerate_duplicate_readiness()
     notifier = Notifier()
     readiness = Readiness()
+    entrance = Entrance(readiness)
     notifier.status(str(readiness.starting_error()))
     budget = reserve_descriptors(config)
     with _exclusive(config.data_path):
@@ -453,7 +457,7 @@ async def serve_daemon(
             accepting = anyio.CancelScope()
             tg.start_soon(
                 partial(serve_connections, unix_cap=budget.unix),
-                listener, readiness, accepting, remote,
+                listener, entrance, accepting, remote,
             )  # fmt: skip
             tg.start_soon(notifier.run_watchdog)
             metrics = Metrics(config.daemon, readiness) if config.daemon.metrics_port else None
@@ -473,10 +477,12 @@ async def serve_daemon(
                     await anyio.to_thread.run_sync(heap.trim)  # what recovery freed (heap.py)
                     timings = metrics.timings if metrics is not None else None
                     daemon = Daemon(config, store, startup, timings, nixl)
-                    readiness.serve(daemon)
+                    disk = store.disk.health if store.disk is not None else None
+                    readiness.serve(str(config.socket_path), disk)
+                    entrance.open(daemon)
                     tg.start_soon(serve_collector)
                     if metrics is not None:
-                        metrics.refresh()
+                        metrics.observe(daemon)
                     notifier.ready(f"serving on {config.socket_path}")
                     log.info("kvtierd %s ready on %s", __version__, config.socket_path)
                     if remote is not None:
@@ -504,10 +510,10 @@ async def _extend_start_timeout(readiness: Readiness, notifier: Notifier) -> Non
     """While starting, tell systemd each advance: STATUS=starting: ... and EXTEND_TIMEOUT_USEC
     (a start that makes progress is never killed for its length, one that stalls still is)."""
     seen = readiness.progress.steps
-    while readiness.daemon is None:
+    while readiness.phase is DaemonPhase.STARTING:
         await anyio.sleep(_EXTEND_EVERY_S)
         steps = readiness.progress.steps
-        if steps != seen and readiness.daemon is None:
+        if steps != seen and readiness.phase is DaemonPhase.STARTING:
             seen = steps
             notifier.extend_timeout(_EXTEND_S, str(readiness.starting_error()))
 
@@ -518,7 +524,7 @@ async def _watch_stop_signals(
     """Until SIGTERM or SIGINT: then ``stopping``; a daemon still starting abandons the
     opening, a serving one drains (``stop``)."""
     stop.signal = await _wait_for_stop_signal()
-    starting = readiness.daemon is None
+    starting = readiness.phase is DaemonPhase.STARTING
     readiness.stop()
     if starting:
         opening.cancel()

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from kvtierd.pool.link import PoolLink
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply
+from kvtierd.server.context import Reports
 from kvtierd.store.diskhealth import DiskFault
+from kvtierd.store.index import Block
 from kvtierd.store.nvme import NvmeTier
-
-if TYPE_CHECKING:
-    from kvtierd.server.daemon import Daemon
+from kvtierd.store.store import BlockStore
 
 __all__ = [
     "OTHER_NAMESPACE",
@@ -23,9 +24,21 @@ __all__ = [
     "MetricsSnapshot",
     "NamespaceFigures",
     "NamespaceLabels",
+    "Observed",
     "Transfer",
     "take_snapshot",
 ]
+
+
+class Observed(Reports, Protocol):
+    """What a snapshot reads of the daemon: its reports, its store and its pool link."""
+
+    @property
+    def store(self) -> BlockStore: ...
+
+    @property
+    def pool(self) -> PoolLink[Block] | None: ...
+
 
 #: The ``namespace`` label of every namespace not given its own.
 OTHER_NAMESPACE = "other"
@@ -101,7 +114,7 @@ class NamespaceLabels:
         return OTHER_NAMESPACE
 
 
-def _fold_namespaces(daemon: Daemon, labels: NamespaceLabels) -> tuple[NamespaceFigures, ...]:
+def _fold_namespaces(daemon: Observed, labels: NamespaceLabels) -> tuple[NamespaceFigures, ...]:
     sums: dict[str, list[int]] = {}
     for ns in daemon.store.registry:
         c = ns.counters
@@ -123,7 +136,7 @@ def _fold_namespaces(daemon: Daemon, labels: NamespaceLabels) -> tuple[Namespace
     return tuple(NamespaceFigures(label, *row) for label, row in sorted(sums.items()))
 
 
-def _transfers(daemon: Daemon, namespaces: Iterable[NamespaceFigures]) -> tuple[Transfer, ...]:
+def _transfers(daemon: Observed, namespaces: Iterable[NamespaceFigures]) -> tuple[Transfer, ...]:
     """Blocks and bytes by direction. Client traffic counts whole blocks; NVMe bytes are what
     the device moved (a record's header page and its payload padded to 4 KiB, compressed where
     zstd is on); pool bytes are the values sent and received."""
@@ -154,7 +167,7 @@ def _transfers(daemon: Daemon, namespaces: Iterable[NamespaceFigures]) -> tuple[
     return tuple(moved)
 
 
-def take_snapshot(daemon: Daemon, labels: NamespaceLabels) -> MetricsSnapshot:
+def take_snapshot(daemon: Observed, labels: NamespaceLabels) -> MetricsSnapshot:
     """Everything the collector exports, read on the event loop (cheap: counters and sums)."""
     namespaces = _fold_namespaces(daemon, labels)
     return MetricsSnapshot(
@@ -168,7 +181,7 @@ def take_snapshot(daemon: Daemon, labels: NamespaceLabels) -> MetricsSnapshot:
     )
 
 
-def _checkpoints(daemon: Daemon) -> CheckpointFigures | None:
+def _checkpoints(daemon: Observed) -> CheckpointFigures | None:
     tier = daemon.store.lower
     if not isinstance(tier, NvmeTier):
         return None
@@ -178,7 +191,7 @@ def _checkpoints(daemon: Daemon) -> CheckpointFigures | None:
     return CheckpointFigures(taken.written, taken.abandoned is None, taken.longest_slice_s)
 
 
-def _disk_failures(daemon: Daemon) -> tuple[tuple[DiskFault, int], ...]:
+def _disk_failures(daemon: Observed) -> tuple[tuple[DiskFault, int], ...]:
     watch = daemon.store.disk
     counts = watch.health.failures if watch is not None else dict.fromkeys(DiskFault, 0)
     return tuple((fault, counts[fault]) for fault in DiskFault)

@@ -24,7 +24,6 @@ repeat a figure nobody can check (``kvtierd_pool_up`` is 0 then); its counters s
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -44,14 +43,12 @@ from kvtierd.server.figures import (
     MetricsSnapshot,
     NamespaceFigures,
     NamespaceLabels,
+    Observed,
     Transfer,
     take_snapshot,
 )
 from kvtierd.server.readiness import DaemonPhase, PoolView, Readiness
 from kvtierd.store.diskhealth import DiskFault
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["DURATION_BUCKETS_S", "Metrics", "RequestTimings"]
 
@@ -450,10 +447,17 @@ class Metrics:
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self.labels = NamespaceLabels(config.metrics_namespaces, config.metrics_namespace_limit)
+        #: The running daemon, once it serves (nothing to snapshot while it starts).
+        self._observed: Observed | None = None
+
+    def observe(self, daemon: Observed) -> None:
+        """Take snapshots of ``daemon`` from now on (it serves): the first one now."""
+        self._observed = daemon
+        self.refresh()
 
     def refresh(self) -> None:
         """Take a new snapshot of the running daemon (on the event loop)."""
-        daemon = self.readiness.daemon
+        daemon = self._observed
         if daemon is None:
             return
         snap = take_snapshot(daemon, self.labels)

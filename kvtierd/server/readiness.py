@@ -26,14 +26,10 @@ import enum
 import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvtierd.errors import StartingError
 from kvtierd.store.diskhealth import DiskCondition, DiskHealth
 from kvtierd.store.lifecycle import OpenProgress
-
-if TYPE_CHECKING:
-    from kvtierd.server.daemon import Daemon
 
 __all__ = ["BEAT_S", "STALE_S", "DaemonPhase", "PoolView", "Readiness", "Verdict"]
 
@@ -76,8 +72,6 @@ class Readiness:
     def __init__(self, progress: OpenProgress | None = None) -> None:
         self.progress = progress if progress is not None else OpenProgress()
         self.phase = DaemonPhase.STARTING
-        #: The running daemon, once the store is open (``None`` while starting).
-        self.daemon: Daemon | None = None
         #: What the last metrics snapshot saw of the pool; ``None``: no pool configured.
         self.pool: PoolView | None = None
         #: The disk tier's health, once serving with an NVMe tier.
@@ -90,11 +84,10 @@ class Readiness:
     def beat(self) -> None:
         self._last_beat_s = time.monotonic()
 
-    def serve(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        watch = daemon.store.disk
-        self.disk = watch.health if watch is not None else None
-        self.socket = str(daemon.config.socket_path)
+    def serve(self, socket: str, disk: DiskHealth | None) -> None:
+        """Serving on ``socket``, its disk tier's health ``disk`` (``None``: no disk tier)."""
+        self.disk = disk
+        self.socket = socket
         self.phase = DaemonPhase.SERVING
 
     def stop(self) -> None:

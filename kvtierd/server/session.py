@@ -66,7 +66,7 @@ from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import PeerCredentials
 
 if TYPE_CHECKING:
-    from kvtierd.server.daemon import Daemon
+    from kvtierd.server.context import SessionHost
     from kvtierd.store.store import BlockStore
 
 __all__ = ["Session", "peer_credentials", "throttle_key"]
@@ -122,7 +122,7 @@ class Session:
     """State of one connection; :meth:`serve` runs it to the end."""
 
     def __init__(
-        self, daemon: Daemon, stream: ByteStream, peer: PeerCredentials, *, direct: bool = True
+        self, daemon: SessionHost, stream: ByteStream, peer: PeerCredentials, *, direct: bool = True
     ) -> None:
         self.daemon = daemon
         self.stream = stream
@@ -164,7 +164,7 @@ class Session:
         return self.daemon.store
 
     @property
-    def reports(self) -> Daemon:
+    def reports(self) -> SessionHost:
         return self.daemon
 
     @property
@@ -429,7 +429,7 @@ class Session:
         return True
 
     def _count_request(self) -> None:
-        self.daemon.requests += 1
+        self.daemon.count_request()
         self.requests += 1
 
     def _reply_frame(

@@ -15,53 +15,67 @@ Any other tier lists its blocks (:meth:`~kvtierd.store.tier.LowerTier.recovered`
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.store.coldrefs import ColdRows
-from kvtierd.store.index import Block
-
-if TYPE_CHECKING:
-    from kvtierd.store.residency import Residency
+from kvtierd.store.index import Block, BlockIndex
+from kvtierd.store.namespaces import NamespaceRegistry
+from kvtierd.store.tier import LowerTier
+from kvtierd.store.tracking import TierPolicy
 
 __all__ = ["adopt_recovered"]
 
 log = logging.getLogger("kvtierd.store")
 
 
-def adopt_recovered(r: Residency) -> int:
-    """Index the blocks ``r``'s local lower tier found when it opened; how many."""
-    if r.lower is None or not r.lower.capabilities.recovers_on_open:
+def adopt_recovered(
+    lower: LowerTier,
+    registry: NamespaceRegistry,
+    index: BlockIndex,
+    policy: TierPolicy,
+    saw_seq: Callable[[int], None],
+) -> int:
+    """Index in ``index`` the blocks the local lower tier ``lower`` found when it opened, of
+    the namespaces ``registry`` names, telling ``policy`` (the lower tier's) of them and
+    ``saw_seq`` the newest ``seq``; how many."""
+    if not lower.capabilities.recovers_on_open:
         return 0
-    rows = r.lower.cold_rows()
+    rows = lower.cold_rows()
     if rows is not None:
-        return _adopt_rows(r, rows)
+        return _adopt_rows(lower, registry, index, policy, saw_seq, rows)
     adopted = unknown = 0
-    for found in r.lower.recovered():
-        ns = r.registry.by_digest(found.ref.ns_digest)
+    for found in lower.recovered():
+        ns = registry.by_digest(found.ref.ns_digest)
         if ns is None:
             unknown += 1
             continue
-        block = Block(ns, found.ref, copies={r.lower.kind: found.location})
-        r.index.add(block)
+        block = Block(ns, found.ref, copies={lower.kind: found.location})
+        index.add(block)
         ns.nvme_blocks += 1
-        r.lower_policy.inserted(block, 0.0)
-        r.saw_seq(found.ref.seq)
+        policy.inserted(block, 0.0)
+        saw_seq(found.ref.seq)
         adopted += 1
     _warn_unknown(unknown)
     return adopted
 
 
-def _adopt_rows(r: Residency, rows: ColdRows) -> int:
+def _adopt_rows(
+    lower: LowerTier,
+    registry: NamespaceRegistry,
+    index: BlockIndex,
+    policy: TierPolicy,
+    saw_seq: Callable[[int], None],
+    rows: ColdRows,
+) -> int:
     """Index the tier's rows as they are (the module's docstring)."""
-    assert r.lower is not None
     adopted = unknown = 0
     unadopted: set[bytes] = set()
     for digest, count in rows.counts().items():
-        ns = r.registry.by_digest(digest)
+        ns = registry.by_digest(digest)
         if ns is None:
             unknown += count
             unadopted.add(digest)
@@ -69,24 +83,24 @@ def _adopt_rows(r: Residency, rows: ColdRows) -> int:
         ns.blocks += count
         ns.nvme_blocks += count
         adopted += count
-    r.index.attach_cold(
+    index.attach_cold(
         rows,
-        r.lower.kind,
-        r.registry.by_digest,
+        lower.kind,
+        registry.by_digest,
         adopted=adopted,
         unadopted=frozenset(unadopted),
     )
-    policy = r.lower_policy.policy  # nothing is deferred yet: told at once
-    per_block = policy.recovers_by_insertion
+    cache_policy = policy.policy  # nothing is deferred yet: told at once
+    per_block = cache_policy.recovers_by_insertion
     for digest, words, klen in rows.key_columns():
-        ns = r.registry.by_digest(digest)
+        ns = registry.by_digest(digest)
         if ns is None:
             continue
-        r.index.adopt_keys(ns, words, klen)
+        index.adopt_keys(ns, words, klen)
         if per_block:
             for key in _keys(words, klen):
-                policy.inserted((digest, key), 0.0)
-    r.saw_seq(rows.max_seq())
+                cache_policy.inserted((digest, key), 0.0)
+    saw_seq(rows.max_seq())
     _warn_unknown(unknown)
     return adopted
 

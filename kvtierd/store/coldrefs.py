@@ -21,8 +21,8 @@ import numpy.typing as npt
 from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.coldprobe import find_many
 from kvtierd.store.records import RecordHeader
+from kvtierd.store.refs import BlockRef, Recovered
 from kvtierd.store.segments import DiskSlot, SegmentMap
-from kvtierd.store.tier import BlockRef, Recovered
 
 __all__ = ["ColdRows"]
 

@@ -131,7 +131,11 @@ class Residency:
     def adopt_recovered(self) -> int:
         """Index the blocks the local lower tier found when it opened; how many
         (:func:`~kvtierd.store.adoption.adopt_recovered`)."""
-        return adopt_recovered(self)
+        if self.lower is None:
+            return 0
+        return adopt_recovered(
+            self.lower, self.registry, self.index, self.lower_policy, self.saw_seq
+        )
 
     def cool(self, block: Block) -> None:
         """Let go of ``block``'s ``Block`` when it is on the local tier only and idle: no

@@ -13,14 +13,13 @@ import abc
 import logging
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from kvtierd.errors import BlockNotFoundError, KvtierError, NoSpaceError, StorageIOError
 from kvtierd.policy import ServedBy
 from kvtierd.protocol.messages import TierStatistics
-
-if TYPE_CHECKING:
-    from kvtierd.store.coldrefs import ColdRows
+from kvtierd.store.coldrefs import ColdRows
+from kvtierd.store.refs import BlockRef, Recovered
 
 log = logging.getLogger("kvtierd.store")
 
@@ -57,22 +56,6 @@ class TierUnavailableError(StorageIOError):
 
 
 @dataclass(frozen=True, slots=True)
-class BlockRef:
-    """What identifies a block's bytes in every tier.
-
-    ``checksum`` is the xxh3-64 of the ``raw_bytes`` bytes the client committed; ``seq`` grows
-    with every commit in the daemon, so the newest copy of a key wins after recovery.
-    """
-
-    ns_digest: bytes
-    key: bytes
-    raw_bytes: int
-    checksum: int
-    seq: int
-    compress: bool = False
-
-
-@dataclass(frozen=True, slots=True)
 class TierCapabilities:
     """What a tier promises."""
 
@@ -86,14 +69,6 @@ class TierCapabilities:
     #: The medium drops copies by itself (a pool's maxmemory policy) and never refuses a
     #: size class as full: the store does not evict it, and a load may find a copy gone.
     evicts_itself: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Recovered:
-    """A block a tier found intact (by its header) when it opened."""
-
-    ref: BlockRef
-    location: Hashable
 
 
 class LowerTier(abc.ABC):

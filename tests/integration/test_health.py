@@ -24,7 +24,7 @@ from kvtierd.protocol import ClientConnection
 from kvtierd.protocol.messages import DoctorRequest
 from kvtierd.server import daemon as daemon_module
 from kvtierd.server.notify import Notifier
-from kvtierd.server.readiness import Readiness
+from kvtierd.server.readiness import DaemonPhase, Readiness
 from kvtierd.store.lifecycle import OpenPhase
 from kvtierd.testing import DaemonProcess
 from tests.integration.test_metrics import free_port, http_get
@@ -206,7 +206,7 @@ async def test_each_advance_of_a_start_extends_systemds_timeout(
             await anyio.sleep(0.1)  # standing still: nothing more
             assert received() == []
             readiness.progress.advance(OpenPhase.RECOVERING, 12000)
-            readiness.daemon = object()  # type: ignore[assignment]  # it serves: no extension
+            readiness.phase = DaemonPhase.SERVING  # it serves: no extension
             await anyio.sleep(0.1)
             tg.cancel_scope.cancel()
         assert received() == []

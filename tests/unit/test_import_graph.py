@@ -66,3 +66,89 @@ def test_no_circle_among_store_pool_and_server() -> None:
         )
 
     assert not [layer for layer in LAYERS if reaches(layer, layer)]
+
+
+# -- module by module (issue 33): no circle of modules, TYPE_CHECKING imports included -----
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name (a package by its own)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = ("kvtierd", *path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _module_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """The package's modules each module imports. ``from X import Y`` counts as importing
+    ``X.Y`` where that is a module (``from kvtierd.client import ops``), else ``X``; relative
+    imports are resolved."""
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, *([base] if base else [])])
+                for alias in node.names:
+                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+        edges[name] = {target for target in found if target in modules and target != name}
+    return edges
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``edges``: its strongly connected parts of two modules or more
+    (Tarjan's algorithm), each sorted."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            part = []
+            while True:
+                member = stack.pop()
+                part.append(member)
+                if member == node:
+                    break
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    for node in sorted(edges):
+        if node not in order:
+            visit(node)
+    return circles
+
+
+def test_the_circle_finder_finds_circles() -> None:
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
+    assert _circles(edges) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_module_reader_resolves_imports() -> None:
+    edges = _module_edges(_modules())
+    assert "kvtierd.store.tier" in edges["kvtierd.store.nvme"]
+    assert "kvtierd.client.ops" in edges["kvtierd.client.base"]  # from kvtierd.client import ops
+    assert "kvtierd.client" not in edges["kvtierd.client.base"]
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert _circles(_module_edges(_modules())) == []
