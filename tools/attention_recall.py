@@ -1,8 +1,8 @@
 """Recall of real attention by sparse block selection, on SmolLM2-135M and LooGLE-format text.
 
-    python tools/attention_recall.py --data ../shared/data/loogle/shortdep_qa.jsonl \
+    python -m tools.attention_recall --data ../shared/data/loogle/shortdep_qa.jsonl \
         --budget 0.125 --json [--tokens 4096] [--docs 5] [--queries 32]
-    python tools/attention_recall.py --data FILE --sweep 0.0625,0.125,0.25 --record
+    python -m tools.attention_recall --data FILE --sweep 0.0625,0.125,0.25 --record
 
 For each of the first ``--docs`` documents: tokenise ``input``, keep the first ``--tokens``
 tokens, prefill the real model once, and capture the post-RoPE keys of every layer (from the KV
@@ -26,18 +26,15 @@ import argparse
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
 
 from kvtierd.engines.hf_prompts import read_qa_documents
 from kvtierd.engines.smollm2 import LoadedModel, ModelDType, load_smollm2
 from kvtierd.slsap.sparse import SparseConfig
 from kvtierd.slsap.sparse.recall import METHODS, SequenceRecall, evaluate_sequence
+from tools import benchlib
 
 MAIN_METHODS = ("oracle", "slsap", "quest_full_scan", "mean_key", "recency")
 
@@ -218,7 +215,7 @@ def plot_and_record(result: dict[str, Any], data: str) -> None:
         [
             "## Sparse attention recall (SLSAP)",
             "",
-            f"`python tools/attention_recall.py --data {data} --tokens {result['tokens']} "
+            f"`python -m tools.attention_recall --data {data} --tokens {result['tokens']} "
             f"--queries {result['queries']} --sweep {','.join(budgets)} --record`: share of the "
             "true attention mass of the last queries held by the selected blocks, averaged over "
             f"layers >= {result['layers'][0]}, query heads, queries and documents "

@@ -24,7 +24,7 @@ Beside them, the other step on the loop that grows with the index: the NVMe tier
 batches, each evicted as the tier would; and the same for write-back's sweep of one slot
 class (``victims_in_class``), which filters the rows by their segment's class first.
 
-``python tools/bench_coldindex.py --keys 1000000 4000000 --json`` prints one JSON object and
+``python -m tools.bench_coldindex --keys 1000000 4000000 --json`` prints one JSON object and
 records the table in ``docs/benchmarks.md``. Figures are never asserted by tests.
 """
 
@@ -33,19 +33,15 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
-
 from kvtierd.store.clock import ClockPolicy
 from kvtierd.store.coldindex import COLUMNS, ColdIndex
 from kvtierd.store.records import RecordHeader
+from tools import benchlib
 
 DIGEST = b"\x01" * 16
 SLOTS = 1 << 16  # slots a segment

@@ -12,20 +12,18 @@ ratios) and better for the others (round trips, restart seconds, overheads); the
 which. Noise: the same scenario's rounds within one run (``rounds`` in each file) spread as
 much as the table's ``spread`` columns show; a change is "beyond noise" only past that.
 
-``python tools/bench_compare.py BEFORE.json AFTER.json --json --record --title "issue 18"``
+``python -m tools.bench_compare BEFORE.json AFTER.json --json --record --title "issue 18"``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
+from tools import benchlib
 
 MiB = 1 << 20
 
@@ -189,9 +187,9 @@ def record(result: dict[str, Any], title: str, name: str = "daemon_before_after"
         "",
         f"![after over before]({_plot(result, title, name)})",
         "",
-        "Reproduce: run `python tools/bench_daemon.py --json --no-record` on each commit "
+        "Reproduce: run `python -m tools.bench_daemon --json --no-record` on each commit "
         "(a worktree per commit, `PYTHONPATH` at it), then "
-        "`python tools/bench_compare.py BEFORE.json AFTER.json --record --title ...`.",
+        "`python -m tools.bench_compare BEFORE.json AFTER.json --record --title ...`.",
     ]
     benchlib.record(name, "\n".join(lines), result)
 

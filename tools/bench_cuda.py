@@ -1,7 +1,7 @@
 """The last hop: leased blocks out of kvtierd's arena into an engine's K/V planes, layer by layer
 (``kvtierd.client.cuda``), against plain copies of the same bytes in the same run.
 
-    python tools/bench_cuda.py [--json] [--record] [--device auto|cpu|cuda] [--blocks 64]
+    python -m tools.bench_cuda [--json] [--record] [--device auto|cpu|cuda] [--blocks 64]
 
 Blocks of a 7B-class layout (32 layers, 8 KV heads of 128, 16 tokens, bf16: 2 MiB each), put
 into a real daemon and leased from DRAM. Per round, in turn:
@@ -33,13 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
-
 from kvtierd.client import connect
 from kvtierd.client.cuda import KvGeometry, PinnedRegion, block_tensors, deliver
 from kvtierd.protocol.messages import Layout
 from kvtierd.testing import DaemonProcess
+from tools import benchlib
 
 LAYOUT = Layout(
     "bench/7b-like", layers=32, kv_heads=8, head_dim=128, dtype="bfloat16", block_tokens=16
@@ -156,7 +154,7 @@ def _section(result: dict[str, Any]) -> list[str]:
     lines = [
         "## Into engine memory (layer-wise delivery)",
         "",
-        f"`python tools/bench_cuda.py --record` on {result['device']}: {result['blocks']} "
+        f"`python -m tools.bench_cuda --record` on {result['device']}: {result['blocks']} "
         f"leased blocks of {result['block_bytes']:,} bytes (32 layers, 8 KV heads of 128, 16 "
         "tokens, bf16) delivered by `kvtierd.client.cuda.deliver` into `[2L, H, T, D]` planes, "
         "layer by layer, against one copy of as many bytes from a pinned host tensor (on CPU: "

@@ -35,7 +35,7 @@
   numpy copy of the same arena bytes and a numpy copy followed by xxh3-64, so the verifying
   hash's cost beside the copy shows.
 
-``python tools/bench_daemon.py --json`` prints one JSON object and records the results (table
+``python -m tools.bench_daemon --json`` prints one JSON object and records the results (table
 and plot) in ``docs/benchmarks.md`` (``staging`` and ``verify`` in a section of their own).
 Figures are never asserted by tests. The cold-read daemons take extra TOML configuration from
 ``$KVTIERD_BENCH_CONFIG`` (e.g. ``[dram] policy = "lru"``) to compare settings.
@@ -62,16 +62,14 @@ from typing import Any, cast
 import anyio
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
-from references import echo_server, fio_json, fio_read_args
-
 from kvtierd.client import chain_keys, connect, connect_async
 from kvtierd.config import LimitsConfig, NvmeConfig, parse_size
 from kvtierd.store import copyhash
 from kvtierd.store.codec import checksum_off_loop, copy_checksum_off_loop
 from kvtierd.store.records import checksum
 from kvtierd.testing import DaemonProcess
+from tools import benchlib
+from tools.references import echo_server, fio_json, fio_read_args
 
 MiB = 1 << 20
 
@@ -1225,7 +1223,7 @@ def record_integrity(result: dict[str, Any]) -> None:
     cores = result["machine"]["cores"]
     shared = max(load["start"], load["end"]) > cores  # its own daemons and client load ~1
     lines += [
-        f"`python tools/bench_daemon.py --only staging,verify --rounds {result['rounds']}`. "
+        f"`python -m tools.bench_daemon --only staging,verify --rounds {result['rounds']}`. "
         f"One-minute load average {load['start']:.1f} at the start and {load['end']:.1f} at the "
         f"end, on {cores} cores"
         + (
@@ -1244,7 +1242,7 @@ def record_integrity(result: dict[str, Any]) -> None:
         lines += [*_verify_lines(result["verify"]), ""]
     lines += [benchlib.machine_line(result["machine"]), ""]
     lines.append(
-        "Reproduce: `python tools/bench_daemon.py --only staging,verify --json` (about 3 minutes)."
+        "Reproduce: `python -m tools.bench_daemon --only staging,verify --json` (about 3 minutes)."
     )
     benchlib.record("daemon_integrity", "\n".join(lines), result)
 
@@ -1308,7 +1306,7 @@ def main() -> int:
     result["rounds"] = args.rounds
     benchlib.emit(result, args.json)
     if not args.no_record:
-        from bench_daemon_report import record_daemon
+        from tools.bench_daemon_report import record_daemon
 
         if only & {"cold", "dram", "rtt", "put", "restart"}:
             record_daemon(result)

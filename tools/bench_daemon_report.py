@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import benchlib
+from tools import benchlib
 
 GOALS = {"cold": 0.95, "dram": 0.95, "rtt": 1.2}
 #: The LOOKUP rows (key suffix, who measured it): bench_daemon's RTT_VARIANTS.
@@ -157,7 +157,7 @@ def record_daemon(result: dict[str, Any]) -> None:
         lines += ["", f"![ratios]({_plot(result)})"]
     lines += [
         "",
-        "Reproduce: `python tools/bench_daemon.py --json` (about 10 minutes; the cold reads "
+        "Reproduce: `python -m tools.bench_daemon --json` (about 10 minutes; the cold reads "
         "alone: `--only cold`).",
     ]
     benchlib.record("daemon", "\n".join(lines), result)

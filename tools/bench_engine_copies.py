@@ -1,6 +1,6 @@
 """Verifying in the copy against hashing and then copying, for each engine's destination.
 
-    python tools/bench_engine_copies.py [--json] [--pairs 15] [--threads 1] [--record]
+    python -m tools.bench_engine_copies [--json] [--pairs 15] [--threads 1] [--record]
 
 Each case copies leased-block-shaped bytes (random, with their xxh3-64) out of one buffer into
 an engine's host memory, two ways, alternated pair by pair in one process (this machine's
@@ -26,19 +26,16 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
-
 from kvtierd.client.arena import ByteRuns, checksum, copy_verified
 from kvtierd.engines.hf_cache import BlockRun, copy_run
 from kvtierd.engines.host_runs import HostRuns
 from kvtierd.store.copyhash import default_hasher
+from tools import benchlib
 
 LAYERS, HEADS, DIM = 30, 3, 64
 

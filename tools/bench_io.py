@@ -23,7 +23,7 @@ fio's own usr+sys for fio (the job's threads only: the whole fio process, from `
 children, is recorded beside it: 1.1x the job's figure at 4 KiB here, 1.7x at 2 MiB).
 The file is deleted afterwards. Usage::
 
-    python tools/bench_io.py [--json] [--size 2M] [--qd 16] [--file-size 2G] [--rounds 6]
+    python -m tools.bench_io [--json] [--size 2M] [--qd 16] [--file-size 2G] [--rounds 6]
         [--bindings MODULE,...] [--candidate-path DIR[:DIR...]]
 
 The io_uring binding candidates of ``docs/io.md`` are adapters in ``tools/uring_candidates/``
@@ -36,7 +36,7 @@ over packages installed outside the project, found through ``--candidate-path``:
         /tmp/lu/w2024/liburing-2024.5.3-*.whl
     B=kvtierd.io.liburing_cffi,uring_candidates.pypi_liburing
     B=$B,uring_candidates.liburing_2024,uring_candidates.cffi_plain
-    python tools/bench_io.py --candidate-path /tmp/lu/pypi:/tmp/lu/v2024 --bindings $B
+    python -m tools.bench_io --candidate-path /tmp/lu/pypi:/tmp/lu/v2024 --bindings $B
 """
 
 from __future__ import annotations
@@ -59,15 +59,11 @@ from typing import Any
 
 import anyio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import benchlib
-
 from kvtierd import config
 from kvtierd.io import BindingVerdict, IoBackend, open_io_backend
 from kvtierd.io.binding import DEFAULT_BINDING
 from kvtierd.io.probe import probe_binding
+from tools import benchlib
 
 TOOLS = Path(__file__).resolve().parent
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; the mmap module names it only from Python 3.13
@@ -388,7 +384,7 @@ def markdown(result: dict[str, Any]) -> str:
 def add_candidate_paths(paths: list[str]) -> None:
     """Put ``paths`` and ``tools/`` where this process and its probe children import from."""
     entries = [str(TOOLS), *paths]
-    sys.path[:0] = paths
+    sys.path[:0] = entries
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [*entries, os.environ.get("PYTHONPATH")])
     )

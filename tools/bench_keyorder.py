@@ -18,7 +18,7 @@ run, alternating A B A B:
   order: the merge at once, what the incremental sweep avoids).
 
 In-process and CPU-bound; on a shared machine repeat it (``--repeat``).
-``python tools/bench_keyorder.py --keys 1000000 10000000 --json`` prints one JSON object and
+``python -m tools.bench_keyorder --keys 1000000 10000000 --json`` prints one JSON object and
 records the table in ``docs/benchmarks.md``. Figures are never asserted by tests.
 """
 
@@ -29,21 +29,17 @@ import gc
 import itertools
 import random
 import statistics
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
 from sortedcontainers import SortedList  # type: ignore[import-untyped]
 
 from kvtierd.keys import KEY_BYTES, MAX_KEY_BYTES
 from kvtierd.store.keyorder import CHUNK, MERGE_AT, KeyOrder
+from tools import benchlib
 
 
 def _keys(n: int, seed: int) -> list[bytes]:

@@ -19,7 +19,7 @@ machine), and as a ratio to the p99 of the reference rounds of the same run. Sep
 processes, so that the load generator's interpreter never delays the watcher's. Everything
 shares this machine's cores, so the figures are noisy; run it more than once.
 
-``python tools/bench_loop.py --json`` prints one JSON object and records the table in
+``python -m tools.bench_loop --json`` prints one JSON object and records the table in
 ``docs/benchmarks.md``. Figures are never asserted by tests.
 """
 
@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -39,27 +38,21 @@ from typing import Any
 import anyio
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
-
 from kvtierd.client import KvtierError, chain_keys, connect, connect_async, ops
-from kvtierd.protocol import MAX_KEYS_PER_REQUEST
 from kvtierd.protocol.messages import EvictRequest, ReadResidentReply, ReadResidentRequest
 from kvtierd.testing import DaemonProcess
+from kvtierd.testing.loop_load import (
+    BLOCK_BYTES,
+    BLOCK_TOKENS,
+    HEAD_DIM,
+    LAYERS,
+    LAYOUT,
+    QUERY_HEADS,
+    SPARSE_BYTES,
+    N,
+)
+from tools import benchlib
 
-N = MAX_KEYS_PER_REQUEST
-BLOCK_BYTES = 4096
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 2, 1, 8, 4
-LAYOUT = {
-    "model_id": "loop",
-    "layers": LAYERS,
-    "kv_heads": KV_HEADS,
-    "head_dim": HEAD_DIM,
-    "dtype": "float32",
-    "block_tokens": BLOCK_TOKENS,
-}
-SPARSE_BYTES = 2 * LAYERS * KV_HEADS * HEAD_DIM * BLOCK_TOKENS * 4
-QUERY_HEADS = (768 << 10) // (4 * LAYERS * HEAD_DIM)
 GOAL_P99_MS = 20.0
 #: The watcher's LOOKUP rate: one due every millisecond.
 PERIOD_S = 0.001
@@ -351,7 +344,7 @@ def _markdown(result: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             "|---|---|---|---|---|---|---|---|---|",
             *history,
             "",
-            "Reproduce: `python tools/bench_loop.py --json` (about a minute).",
+            "Reproduce: `python -m tools.bench_loop --json` (about a minute).",
         ]
     )
 

@@ -14,7 +14,7 @@ The ratio of each round is metrics-on against metrics-off (latency: on / off; th
 off / on), so 1.00 is free and 1.05 costs 5 %. Then the scrape itself: its latency and body size
 with 1 namespace and with 64 (the namespace label is bounded, so the body stops growing).
 
-``python tools/bench_metrics.py --json`` prints one JSON object and records the table and the
+``python -m tools.bench_metrics --json`` prints one JSON object and records the table and the
 plot in ``docs/benchmarks.md``. Figures are never asserted by tests.
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -34,11 +33,9 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
-
 from kvtierd.client import chain_keys, connect
 from kvtierd.testing import DaemonProcess
+from tools import benchlib
 
 BLOCK_BYTES = 64 << 10
 READ_BLOCKS = 16
@@ -258,7 +255,7 @@ def _markdown(result: dict[str, Any], figure: str) -> str:
             "",
             f"![metrics cost]({figure})",
             "",
-            "Reproduce: `python tools/bench_metrics.py --json` (about a minute).",
+            "Reproduce: `python -m tools.bench_metrics --json` (about a minute).",
         ]
     )
 

@@ -53,8 +53,8 @@ daemon's with its exporters in the 2 s after a lease (``nixl_daemon_linger_cpu``
 *Placement* says where the processes run. ``local``: every process on this host, the reader
 reaching the daemon's Unix socket, UCX's transports as ``UCX_TLS`` says (the benchmark leaves it
 as it finds it: unset, UCX's defaults, take ``cma`` between two processes of one host).
-``netns``: three network namespaces on one bridge (``tests/support/netns.py``'s
-:class:`~tests.support.netns.NetnsLab`), every one of them reached through its own veth pair:
+``netns``: three network namespaces on one bridge (``kvtierd/testing/netns.py``'s
+:class:`~kvtierd.testing.netns.NetnsLab`), every one of them reached through its own veth pair:
 the NIXL daemon and the raw owner on the first, the reader, the raw puller and the pool's
 restoring daemon on the second, ``redis-server`` on the third. The reader opens the daemon over
 TCP with TLS (``remote.listen``, a client certificate made with ``trustme``, ``docs/remote.md``)
@@ -79,7 +79,7 @@ JSON in ``docs/benchmarks/nixl.json``; ``--no-record``, ``--quick`` or other siz
 leave docs/ alone. Everything else is written under a temporary directory in /tmp, removed at
 the end.
 
-Run: ``python tools/bench_nixl.py --json`` (both placements, ``local,netns``: under 4 minutes on
+Run: ``python -m tools.bench_nixl --json`` (both placements, ``local,netns``: under 4 minutes on
 2 vCPUs; ``--quick``: about 1; ``--placements local`` where namespaces cannot be made).
 """
 
@@ -109,16 +109,13 @@ from typing import IO, TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import benchlib
-from bench_pool import _daemon_read as pool_read
-from bench_pool import pool_config, redis_server, restart_wiped
-
 from kvtierd import config
 from kvtierd.client import Client, chain_keys, client_tls_context, connect, connect_tcp
 from kvtierd.nixl.agent import POLL_FIRST_S, POLL_MAX_S
 from kvtierd.testing import DaemonProcess
+from tools import benchlib
+from tools.poolrig import daemon_read as pool_read
+from tools.poolrig import pool_config, redis_server, restart_wiped
 
 if TYPE_CHECKING:
     from kvtierd.client.nixl import NixlLease
@@ -183,7 +180,7 @@ class Placement(enum.Enum):
 def placement_unavailable(placement: Placement) -> str | None:
     """Why ``placement`` cannot be measured here, or ``None``; asks nothing of NIXL."""
     if placement is Placement.NETNS:
-        from tests.support.netns import netns_available
+        from kvtierd.testing.netns import netns_available
 
         reason = netns_available()
         if reason is not None:
@@ -262,7 +259,7 @@ def open_placement(placement: Placement, workdir: Path) -> Iterator[Hosts]:
                 pool=("127.0.0.1", port), ucx_tls=os.environ.get("UCX_TLS") or UCX_TLS_UNSET
             )
         return
-    from tests.support.netns import NetnsLab
+    from kvtierd.testing.netns import NetnsLab
 
     with NetnsLab(workdir / "lab", hosts=3) as lab:
         holder, reader, pool = lab.hosts
@@ -496,7 +493,7 @@ class Child:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115  (closed by close())
         self.process = subprocess.Popen(
-            [*prefix, sys.executable, __file__, "--child", role, *args],
+            [*prefix, sys.executable, "-m", "tools.bench_nixl", "--child", role, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -1035,7 +1032,7 @@ def _method_lines(result: dict[str, Any]) -> list[str]:
     placements = result["placements"]
     where = {
         "local": "every process on this host, the reader on the daemon's Unix socket",
-        "netns": "three network namespaces on one bridge (`tests/support/netns.py`), each "
+        "netns": "three network namespaces on one bridge (`kvtierd/testing/netns.py`), each "
         "behind its own veth pair: the daemon and the raw owner on the first, the reader, the "
         "raw puller and the restoring pool daemon on the second, `redis-server` on the third; "
         "the reader opens the daemon over TCP with TLS (`remote.listen`, a client "
@@ -1049,7 +1046,7 @@ def _method_lines(result: dict[str, Any]) -> list[str]:
         else "every process runs throughout (`--keep-others-running`)"
     )
     return [
-        "`python tools/bench_nixl.py --json`: kvtierd's NIXL pull against a raw two-process NIXL "
+        "`python -m tools.bench_nixl --json`: kvtierd's NIXL pull against a raw two-process NIXL "
         "READ of the same buffers (the limit) and against the pool restore (the remote path "
         f"without NIXL), {size_name(result['total_bytes'])} of blocks per block size, every "
         "process on the same 2 shared vCPUs. Placements: "

@@ -33,7 +33,7 @@ disk backend (buffered and O_DIRECT), MP-mode ``fs_native`` L2 adapter and TCP s
 (``tools/bench_peers_lmcache.py``); LMCache's StorageManager with kvtierd as its storage plug-in
 (:mod:`kvtierd.engines.lmcache`); ``memcpy`` (numpy copy from process memory, the warm limit).
 
-``python tools/bench_peers.py --json`` prints one JSON object and records the results (tables and
+``python -m tools.bench_peers --json`` prints one JSON object and records the results (tables and
 a plot) in the ``peers`` section of ``docs/benchmarks.md``; ``--no-record`` only prints. The
 daemon's data and LMCache's files go to ``$BENCH_DIR`` (default ``/var/tmp``).
 """
@@ -49,10 +49,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
-from bench_peers_lmcache import GB, ChunkShape, FsNativeDriver, ManagerDriver, TcpServer
-from bench_peers_report import (
+from kvtierd.client import BlockLease, Layout, chain_keys, connect
+from kvtierd.store import copyhash
+from kvtierd.testing import DaemonProcess
+from tools import benchlib
+from tools.bench_peers_lmcache import GB, ChunkShape, FsNativeDriver, ManagerDriver, TcpServer
+from tools.bench_peers_report import (
     ADAPTER,
     KVTIERD,
     KVTIERD_READ,
@@ -60,11 +62,7 @@ from bench_peers_report import (
     LMC_TCP,
     SYSTEMS_WITH_TARGETS,
 )
-from references import fio_json
-
-from kvtierd.client import BlockLease, Layout, chain_keys, connect
-from kvtierd.store import copyhash
-from kvtierd.testing import DaemonProcess
+from tools.references import fio_json
 
 MiB = 1 << 20
 #: How many bytes of copies at least pass before a destination buffer is written again: more than
@@ -561,7 +559,7 @@ def main() -> int:
     result["load_average"]["end"] = os.getloadavg()
     benchlib.emit(result, args.json)
     if not args.no_record and not wanted:
-        from bench_peers_report import record_peers
+        from tools.bench_peers_report import record_peers
 
         record_peers(result)
     return 0

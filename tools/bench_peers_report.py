@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import benchlib
+from tools import benchlib
 
 NAME = "peers"
 KVTIERD, KVTIERD_READ, ADAPTER, LMC_CPU, LMC_TCP = (
@@ -170,7 +170,7 @@ def record_peers(result: dict[str, Any]) -> None:
         lines += [*_shape_tables(shape), ""]
     lines += [f"![GB/s per system and mode]({_plot(result)})", ""]
     lines += [
-        "Reproduce: `python tools/bench_peers.py --json` (needs `pip install -e .[peers]`; "
+        "Reproduce: `python -m tools.bench_peers --json` (needs `pip install -e .[peers]`; "
         "about 3 minutes, under 3 GB of temporary files in `$BENCH_DIR`, default `/var/tmp`)."
     ]
     benchlib.record(NAME, "\n".join(lines), result)

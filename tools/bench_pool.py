@@ -27,41 +27,35 @@ A full run rewrites the "pool" section of ``docs/benchmarks.md`` with its plot a
 JSON in ``docs/benchmarks/pool.json``; ``--no-record`` leaves docs/ alone, and so does any
 ``--skip-*``. Everything is written under a temporary directory in /tmp, removed at the end.
 
-Run: ``python tools/bench_pool.py --json`` (about 5 minutes; ``--skip-ttft``: about 1).
+Run: ``python -m tools.bench_pool --json`` (about 5 minutes; ``--skip-ttft``: about 1).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import benchlib
-
 from kvtierd import config
-from kvtierd.client import chain_keys, connect, connect_async
+from kvtierd.client import chain_keys, connect
 from kvtierd.testing import DaemonProcess
+from tools import benchlib
+from tools.poolrig import daemon_read, pool_config, redis_server, restart_wiped
 
 KiB, MiB = 1 << 10, 1 << 20
 GOAL_RATIO = 0.8
-GROUP = "bench"
 
 
 def log(message: str) -> None:
@@ -78,92 +72,7 @@ def size_name(nbytes: int) -> str:
     return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
 
 
-# -- the pool server ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@contextlib.contextmanager
-def redis_server(directory: Path) -> Iterator[int]:
-    """A ``redis-server`` on loopback without persistence, in ``directory``; yields its port."""
-    import redis
-
-    if shutil.which("redis-server") is None:
-        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-    directory.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1"]
-    command += ["--protected-mode", "no", "--save", "", "--appendonly", "no"]
-    command += ["--dir", str(directory), "--logfile", str(directory / "redis.log")]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with redis.Redis(port=port, socket_connect_timeout=1) as probe:
-                    probe.ping()
-                break
-            except redis.ConnectionError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-        yield port
-    finally:
-        process.terminate()
-        process.wait(10)
-
-
-def pool_config(port: int, key_prefix: str) -> str:
-    return (
-        "[pool]\n"
-        f'url = "redis://127.0.0.1:{port}"\n'
-        "allow_plaintext = true\n"
-        'write_policy = "write-through"\n'
-        f'group_id = "{GROUP}"\n'
-        f'key_prefix = "{key_prefix}"\n'
-    )
-
-
-def restart_wiped(daemon: DaemonProcess) -> float:
-    """Stop ``daemon`` if it runs, wipe its data directory, start it; seconds until it answers
-    (attached and restored: the daemon waits for the pool before it is ready)."""
-    if daemon.running:
-        daemon.stop()
-    shutil.rmtree(daemon.data_dir, ignore_errors=True)
-    started = time.perf_counter()
-    daemon.start(timeout_s=60)
-    return time.perf_counter() - started
-
-
 # -- restore vs raw GETs -----------------------------------------------------------------------
-
-
-async def _daemon_read(
-    socket_path: Path, block_bytes: int, keys: list[bytes], concurrency: int, batch: int
-) -> tuple[float, list[float]]:
-    """(GB/s, per-block latencies in s) of leasing every key, ``concurrency`` blocks in flight."""
-    chunks = [keys[i : i + batch] for i in range(0, len(keys), batch)]
-    latencies: list[float] = []
-    async with connect_async(socket_path) as client:
-        ns = await client.namespace("bench", block_bytes=block_bytes)
-        next_chunk = iter(chunks)
-
-        async def worker() -> None:
-            for chunk in next_chunk:
-                t0 = time.perf_counter()
-                async with ns.lease(chunk):
-                    latencies.extend([time.perf_counter() - t0] * len(chunk))
-
-        started = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for _ in range(max(1, concurrency // batch)):
-                tg.start_soon(worker)
-        elapsed = time.perf_counter() - started
-    return len(keys) * block_bytes / elapsed / 1e9, latencies
 
 
 async def _raw_get(
@@ -273,7 +182,7 @@ def bench_restore(
                     if status["state"] != "attached" or status["restored"] != count:
                         raise RuntimeError(f"the restarted daemon did not restore: {status}")
                     gbps, lat = anyio.run(
-                        _daemon_read, daemon.socket, block_bytes, keys, args.concurrency, batch
+                        daemon_read, daemon.socket, block_bytes, keys, args.concurrency, batch
                     )
                     with connect(daemon.socket) as client:
                         hits = client.pool_status()["pool_hits"]
@@ -388,7 +297,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "## Shared pool: restore vs raw GETs, and 8K restore vs recompute",
         "",
-        f"`python tools/bench_pool.py --json`: one `redis-server` {result['redis_version']} on "
+        f"`python -m tools.bench_pool --json`: one `redis-server` {result['redis_version']} on "
         'loopback, persistence off (`save ""`, `appendonly no`), real daemons (write-through, '
         "`allow_plaintext`), all on the same 2 shared cores.",
         "",
@@ -441,7 +350,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _ttft_markdown(ttft: dict[str, Any]) -> list[str]:
-    from bench_pool_ttft import markdown_lines
+    from tools.bench_pool_ttft import markdown_lines
 
     return markdown_lines(ttft)
 
@@ -467,7 +376,7 @@ def main() -> int:
     parser.add_argument(
         "--report", type=Path, help="record the JSON of an earlier run (plot, section) and exit"
     )
-    from bench_pool_ttft import add_arguments, bench_ttft
+    from tools.bench_pool_ttft import add_arguments, bench_ttft
 
     add_arguments(parser)
     args = parser.parse_args()

@@ -19,13 +19,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from bench_pool import pool_config, restart_wiped
-from benchlib import median
-from fidelity import DEFAULT_DATA, MODEL_ID, check_inputs, open_model, prompt_for
-from ttft import LengthRun
-
 from kvtierd.client import connect
 from kvtierd.testing import DaemonProcess
+from tools.benchlib import median
+from tools.fidelity import DEFAULT_DATA, MODEL_ID, check_inputs, open_model, prompt_for
+from tools.poolrig import pool_config, restart_wiped
+from tools.ttft import LengthRun
 
 CASES = ("recompute", "pool", "nvme_cold", "dram")
 

@@ -36,7 +36,7 @@ under 20 s, 64 KiB reads at 0.8 of fio's IOPS. A size whose projected daemon mem
 smallest size's per-block figure) exceeds ``--max-daemon-gib`` is skipped, not run: the machine
 is shared.
 
-``python tools/bench_scale.py --json`` prints one JSON object and records the results (table and
+``python -m tools.bench_scale --json`` prints one JSON object and records the results (table and
 plot) in ``docs/benchmarks.md``. Figures are never asserted by tests.
 """
 
@@ -56,17 +56,15 @@ from typing import Any
 import anyio
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
-from references import fio_json, fio_read_args
-from scale_checkpoint import synthesise_checkpoint
-
 from kvtierd.client import connect, connect_async
 from kvtierd.config import parse_size
 from kvtierd.store.records import PAGE_BYTES, RecordHeader, Superblock, checksum
 from kvtierd.store.recovery import DATA_FILE_NAME, SNAPSHOT_NAME
 from kvtierd.store.segments import SegmentMap, slot_bytes_for
 from kvtierd.testing import DaemonProcess
+from tools import benchlib
+from tools.references import fio_json, fio_read_args
+from tools.scale_checkpoint import synthesise_checkpoint
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _SEGMENT_BYTES = 64 * MiB  # nvme.segment_bytes' default: plan segments as the tier does

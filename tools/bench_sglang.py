@@ -1,6 +1,6 @@
 """kvtierd as SGLang HiCache's L3 storage beside SGLang's own file backend (``HiCacheFile``).
 
-    python tools/bench_sglang.py [--json] [--pages 192] [--batch 64] [--rounds 6] [--record]
+    python -m tools.bench_sglang [--json] [--pages 192] [--batch 64] [--rounds 6] [--record]
 
 One run, the same bf16 pages for both (random data of a page of 16 tokens of a 28-layer model
 with 2 KV heads of 128 per TP rank: 448 KiB), both in one temporary directory on the same disk:
@@ -43,13 +43,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib
-from references import fio_json
-
 from kvtierd.client import connect
 from kvtierd.store import copyhash
 from kvtierd.testing import DaemonProcess
+from tools import benchlib
+from tools.references import fio_json
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 28, 2, 128, 16
 DTYPE = torch.bfloat16
@@ -338,7 +336,7 @@ def _section(result: dict[str, Any]) -> list[str]:
     lines = [
         "## SGLang HiCache backend",
         "",
-        f"`python tools/bench_sglang.py --record`: {result['pages']} bf16 pages of "
+        f"`python -m tools.bench_sglang --record`: {result['pages']} bf16 pages of "
         f"{PAGE_BYTES:,} bytes (16 tokens, 28 layers, 2 KV heads of 128), batches of "
         f"{result['batch']}, {result['rounds']} rounds with fresh keys, SGLang "
         f"{result['sglang']}, both backends in one temporary directory. kvtierd's backend "

@@ -1,6 +1,6 @@
 """Scaling of sparse block selection: query cost against 1K..1M indexed blocks vs a full scan.
 
-    python tools/bench_sparse.py [--json] [--sizes 1000,10000,100000,1000000] [--record]
+    python -m tools.bench_sparse [--json] [--sizes 1000,10000,100000,1000000] [--record]
 
 Synthetic summaries, one group (one layer, one KV head, head_dim 64, a GQA group of 3 query
 heads): the cost of a real model is this times its (layer, KV head) groups, for both sides. A
@@ -24,7 +24,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 # One BLAS thread: the machines are shared, and BLAS threads waiting on busy cores make the
@@ -34,9 +33,6 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib  # noqa: E402
-
 from kvtierd.slsap.sparse import (  # noqa: E402
     BlockLayout,
     SparseConfig,
@@ -45,6 +41,7 @@ from kvtierd.slsap.sparse import (  # noqa: E402
     summarize_keys,
 )
 from kvtierd.slsap.sparse.scoring import box_log_mass, group_mass  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 DIM, Q_HEADS, BUDGET, TOPICS = 64, 3, 128, 1024
 
@@ -250,7 +247,7 @@ def record(result: dict[str, Any]) -> None:
     lines = [
         "## Sparse selection scaling (SLSAP)",
         "",
-        f"`python tools/bench_sparse.py --groups {result['groups']} --record`: "
+        f"`python -m tools.bench_sparse --groups {result['groups']} --record`: "
         f"{result['groups']} (layer, KV head) group(s), head_dim 64, 3 query heads each, "
         f"synthetic boxes, budget {BUDGET} blocks per group; {result['repeats']} queries x "
         f"{result['rounds']} rounds, select and full scan timed back to back on each query "

@@ -19,9 +19,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from fidelity import DEFAULT_DATA, MODEL_ID, check_inputs
 from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -29,6 +26,7 @@ from rich.table import Table
 
 from kvtierd.client import Client, connect
 from kvtierd.testing import DaemonProcess
+from tools.fidelity import DEFAULT_DATA, MODEL_ID, check_inputs
 
 ANSWER_TOKENS = 32
 SECOND_QUESTION = "Summarise what the document says about this in one sentence."

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh demo
-exec "${PYTHON:-python3}" tools/demo.py "$@"
+exec "${PYTHON:-python3}" -m tools.demo "$@"

@@ -46,7 +46,7 @@ echo "installed in $(($(date +%s) - start)) s"
 status=0
 python3 -m pytest -q -p no:cacheprovider tests/integration/test_cuda_delivery.py \
     --junitxml="$OUT/cuda_tests.xml" || status=$?
-python3 tools/bench_cuda.py --json --record | tee "$OUT/bench_cuda.json" || status=$?
+python3 -m tools.bench_cuda --json --record | tee "$OUT/bench_cuda.json" || status=$?
 cp docs/benchmarks.md "$OUT/benchmarks.md"
 cp docs/benchmarks/cuda.png "$OUT/cuda.png" 2>/dev/null || true
 echo "device check done in $(($(date +%s) - start)) s, status $status"

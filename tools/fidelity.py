@@ -10,7 +10,7 @@ top level, over all lengths. Lossless storage must be bitwise equal. A run of th
 lengths rewrites the "fidelity" section of ``docs/benchmarks.md``; ``--tokens`` runs one length
 and records nothing.
 
-Run: ``python tools/fidelity.py --json [--tokens N] [--data FILE]``.
+Run: ``python -m tools.fidelity --json [--tokens N] [--data FILE]``.
 """
 
 from __future__ import annotations
@@ -25,11 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from benchlib import ROOT, emit, machine, machine_line, record
 
 from kvtierd.client import Client, connect
 from kvtierd.engines.smollm2 import (
@@ -40,6 +37,7 @@ from kvtierd.engines.smollm2 import (
     unavailable_reason,
 )
 from kvtierd.testing import DaemonProcess
+from tools.benchlib import ROOT, emit, machine, machine_line, record
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "loogle" / "shortdep_qa.jsonl"
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)

@@ -1,25 +1,25 @@
 """Replay a Mooncake-format request trace through cache policies (simulation mode).
 
-    python tools/replay.py --trace FILE --capacity 0.10 --policy lru,arc,s3fifo,belady,slsap --json
+    python -m tools.replay --trace FILE --capacity 0.10 --policy lru,arc,s3fifo,belady,slsap --json
 
 prints one JSON object; ``hit_ratio`` maps each policy to its block hit ratio. ``--capacity``
 below 1 is a fraction of the trace's distinct blocks, otherwise a number of blocks. ``belady``
 sees the future (offline optimum) and is labelled so in ``offline``.
 
-    python tools/replay.py --sweep [--record]
+    python -m tools.replay --sweep [--record]
 
 runs every policy at 1, 5, 10 and 25 % on the trace, measures the pure SLSAP engine (block
 references per second with every call into the policy timed, and memory per tracked block),
 draws ``docs/benchmarks/slsap_replay.png`` and, with ``--record``, writes the ``slsap_replay``
 section of ``docs/benchmarks.md``.
 
-    python tools/replay.py --workloads [--record]
+    python -m tools.replay --workloads [--record]
 
 runs every policy at the same capacities on three seeded workload-model traces (conversation,
 agent, RAG; ``kvtierd.replay.workloads``), the check that SLSAP's defaults are not fitted to the
 one real trace, and records the ``slsap_workloads`` section.
 
-    python tools/replay.py --mode daemon --requests 1000 [--capacity 0.10] [--speed 4]
+    python -m tools.replay --mode daemon --requests 1000 [--capacity 0.10] [--speed 4]
         [--rounds 3] [--record]
 
 replays against a real kvtierd (64 KiB blocks) with a queue-and-prefill-rate engine model, SLSAP
@@ -31,16 +31,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import benchlib
-from replay_plot import draw_hit_ratios
 
 from kvtierd.policy import AccessContext, CachePolicy
 from kvtierd.replay import (
@@ -54,6 +48,8 @@ from kvtierd.replay import (
     simulate,
 )
 from kvtierd.slsap import SlsapPolicy
+from tools import benchlib
+from tools.replay_plot import draw_hit_ratios
 
 DEFAULT_TRACE = benchlib.ROOT.parent / "shared/data/traces/mooncake_fast25_synthetic_trace.jsonl"
 SWEEP_CAPACITIES = (0.01, 0.05, 0.10, 0.25)
@@ -86,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.workloads:
-        from replay_workloads import record_workloads_mode, workloads_mode
+        from tools.replay_workloads import record_workloads_mode, workloads_mode
 
         result = workloads_mode(SWEEP_CAPACITIES, args.block_bytes)
         if args.record:
@@ -97,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.requests:
         requests = requests[: args.requests]
     if args.mode == "daemon":
-        from replay_daemon import daemon_mode, record_daemon_mode
+        from tools.replay_daemon import daemon_mode, record_daemon_mode
 
         result = daemon_mode(
             requests,

@@ -6,10 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import benchlib
-
 from kvtierd.replay import TraceRequest, capacity_in_blocks, distinct_blocks
 from kvtierd.replay.daemon import DaemonReplay
+from tools import benchlib
 
 
 def daemon_mode(
@@ -135,7 +134,7 @@ def record_daemon_mode(result: dict[str, Any]) -> None:
             )
         ),
         "",
-        "Reproduce: `python tools/replay.py --mode daemon --requests 1000 "
+        "Reproduce: `python -m tools.replay --mode daemon --requests 1000 "
         f"--rounds {result['rounds']} --record`.",
     ]
     benchlib.record("slsap_daemon_replay", "\n".join(lines), result)

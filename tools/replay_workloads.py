@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import benchlib
-from replay_plot import draw_hit_ratios
-
 from kvtierd.replay import PolicyName, capacity_in_blocks, simulate
 from kvtierd.replay.workloads import KINDS, workload_trace
+from tools import benchlib
+from tools.replay_plot import draw_hit_ratios
 
 REQUESTS, SEEDS = 4000, (1, 2, 3)
 """Three draws of each mix, so that a margin one draw's randomness decides shows as such."""

@@ -23,7 +23,7 @@ drift; figures are medians.
 A run of the default lengths (1K, 2K, 4K, 8K) rewrites the "ttft" section of
 ``docs/benchmarks.md`` and its plot; ``--tokens`` runs one length and records nothing.
 
-Run: ``python tools/ttft.py --json [--tokens N] [--data FILE]``.
+Run: ``python -m tools.ttft --json [--tokens N] [--data FILE]``.
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ from typing import Any
 # It applies to every case alike (recomputation included); the JSON records it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchlib import emit, machine, machine_line, median, record, save_figure
-from fidelity import (
+from kvtierd.client import Client
+from kvtierd.engines.smollm2 import LoadedModel
+from tools.benchlib import emit, machine, machine_line, median, record, save_figure
+from tools.fidelity import (
     MODEL_ID,
     bench_daemon,
     check_inputs,
@@ -54,10 +55,7 @@ from fidelity import (
     open_model,
     prompt_for,
 )
-from references import fio_json
-
-from kvtierd.client import Client
-from kvtierd.engines.smollm2 import LoadedModel
+from tools.references import fio_json
 
 PARTIAL_SHARE = 0.9
 FIO_QUEUE_DEPTH = 32

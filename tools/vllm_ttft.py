@@ -45,7 +45,7 @@ plot (``--no-record``: not); ``--tokens`` runs the lengths given and records not
 ``--docs PATH`` names where to; ``--from-json`` rewrites the section from a saved result
 without running anything.
 
-Run: ``python tools/vllm_ttft.py --json [--tokens N ...] [--data FILE] [--repeats 3]``. On 2
+Run: ``python -m tools.vllm_ttft --json [--tokens N ...] [--data FILE] [--repeats 3]``. On 2
 shared vCPUs a 1K run takes about 4 minutes (four engine start-ups), 1K-8K about 12-15.
 """
 
@@ -63,14 +63,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import benchlib
-from benchlib import emit, machine, median, record
-from fidelity import DEFAULT_DATA, DEFAULT_LENGTHS, check_inputs, log
-from ttft import drop_page_cache, fio_read_s, make_fio_file
-from vllm_ttft_plot import markdown, plot
-
 from kvtierd.client import connect
 from kvtierd.engines.vllm_plan import loadable_blocks
 from kvtierd.engines.vllm_process import (
@@ -80,6 +72,11 @@ from kvtierd.engines.vllm_process import (
     total_variation,
 )
 from kvtierd.testing import DaemonProcess
+from tools import benchlib
+from tools.benchlib import emit, machine, median, record
+from tools.fidelity import DEFAULT_DATA, DEFAULT_LENGTHS, check_inputs, log
+from tools.ttft import drop_page_cache, fio_read_s, make_fio_file
+from tools.vllm_ttft_plot import markdown, plot
 
 SECTION = "vllm_ttft"
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"

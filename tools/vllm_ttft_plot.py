@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchlib import machine_line, save_figure
+from tools.benchlib import machine_line, save_figure
 
 #: (JSON name, label, colour, line style) of every TTFT the section shows.
 SERIES = (

@@ -14,7 +14,6 @@ single set/get/exists, batch set/exists/get, zero-copy) are ported as the ``test
 from __future__ import annotations
 
 import shutil
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -368,16 +367,3 @@ def test_wiped_data_directory_reads_as_misses(daemon: DaemonProcess) -> None:
     assert all(store.batch_set_v1(keys, torch.arange(4 * PAGE)))  # and it stores again
     assert store.batch_exists(keys) == 4
     store.close()
-
-
-def test_benchmark_runs_and_checks_its_pages(tmp_path: Path) -> None:
-    """``tools/bench_sglang.py`` on a few pages: every side measured, pages compared."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    try:
-        import bench_sglang
-    finally:
-        sys.path.pop(0)
-    result = bench_sglang.measure(pages=4, batch=2, rounds=1, root=tmp_path)
-    assert set(result["sides"]) == set(bench_sglang.LABELS)
-    assert result["sides"]["kvtierd_v1"]["warm"]["gb_per_s"] > 0
-    assert set(result["ratios"]["kvtierd_v1_vs_file_to_pool"]) == {"cold", "warm"}

@@ -1,9 +1,9 @@
 """Crash loop: SIGKILL the daemon at random moments during heavy writes, restart, verify.
 
-The loop itself is :mod:`tools.soak_crash` (which runs it longer); here it runs 50 iterations
-against one data directory, alternating asyncio and trio daemons. After every kill: each key whose
-FSYNC returned is present and byte-exact, and every block served for any key ever written is
-byte-exact.
+The loop itself is :mod:`kvtierd.testing.crash` (``tools/soak_crash.py`` runs it longer); here it
+runs 50 iterations against one data directory, alternating asyncio and trio daemons. After every
+kill: each key whose FSYNC returned is present and byte-exact, and every block served for any key
+ever written is byte-exact.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import soak_crash
+from kvtierd.testing import crash as soak_crash
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

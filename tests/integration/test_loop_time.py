@@ -30,7 +30,7 @@ from kvtierd.protocol.messages import (
     ReleaseRequest,
 )
 from kvtierd.testing import DaemonProcess
-from tools.bench_loop import (
+from kvtierd.testing.loop_load import (
     BLOCK_BYTES,
     BLOCK_TOKENS,
     HEAD_DIM,

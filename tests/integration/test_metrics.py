@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtierd.client import BlockNotFoundError, chain_keys, connect
 from kvtierd.testing import DaemonProcess
-from tests.support.redis_server import RedisServer, require_redis_server
+from kvtierd.testing.redis_server import RedisServer, require_redis_server
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = ROOT / "docs" / "operations.md"

@@ -1,5 +1,5 @@
 """Children running roles of :mod:`tests.nixl.peer` (or of another module, such as
-:mod:`tests.nixl.reader`), watched from the pytest process (which never loads NIXL)."""
+:mod:`kvtierd.testing.nixl_reader`), watched from the pytest process (which never loads NIXL)."""
 
 from __future__ import annotations
 

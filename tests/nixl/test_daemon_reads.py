@@ -2,9 +2,10 @@
 client's :class:`~kvtierd.client.nixl.NixlReader`, in real processes.
 
 The daemon runs as a process of its own and loads NIXL after its probe; every reader is a child
-(:mod:`tests.nixl.reader`), since a process that loaded NIXL must end through ``os._exit``. The
-pytest process stores the blocks through the ordinary client and never loads NIXL. Two tenants
-(``alpha``: uid 2001, ``beta``: uid 2002) share the daemon, whose socket any uid may open.
+(:mod:`kvtierd.testing.nixl_reader`), since a process that loaded NIXL must end through
+``os._exit``. The pytest process stores the blocks through the ordinary client and never loads NIXL.
+Two tenants (``alpha``: uid 2001, ``beta``: uid 2002) share the daemon, whose socket any uid may
+open.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from kvtierd.client import Client, Namespace, connect, ops
 from kvtierd.errors import NotSupportedError
 from kvtierd.nixl.probe import NixlVerdict
 from kvtierd.testing import DaemonProcess
+from kvtierd.testing.nixl_reader import TWO_TENANTS, block_content, block_keys
 from tests.nixl.children import Child
-from tests.nixl.reader import TWO_TENANTS, block_content, block_keys
 from tests.support.uids import reachable_directory, require_root
 
 pytestmark = pytest.mark.timeout(300)
@@ -75,7 +76,8 @@ def _store(client: Client, name: str, tenant: str = "alpha") -> tuple[Namespace,
 def _reader(daemon: DaemonProcess, name: str, case: str, tenant: str = "alpha",
             uid: int | None = None) -> Child:  # fmt: skip
     args = [str(daemon.socket), tenant, name, str(BLOCK), str(COUNT), case]
-    return Child(*args, *([str(uid)] if uid is not None else []), module="tests.nixl.reader")
+    uids = [str(uid)] if uid is not None else []
+    return Child(*args, *uids, module="kvtierd.testing.nixl_reader")
 
 
 def _finish(child: Child) -> dict[str, object]:

@@ -5,7 +5,7 @@ The attack: a client of tenant ``alpha`` widens the registration inside its NIXL
 (its own NIXL checks forged descriptors against that metadata, nothing on the daemon's side
 checks anything over UCX) and READs addresses around its region: its own bytes, the next
 16 MiB (tenant ``beta``'s region, in the arena), 64 MiB below it, and an unmapped address, in
-that order (:mod:`tests.nixl.reader`, case ``widen``). Against a daemon whose own process
+that order (:mod:`kvtierd.testing.nixl_reader`, case ``widen``). Against a daemon whose own process
 exported the arena, the second probe brought ``beta``'s blocks and the unmapped one killed the
 daemon (SIGSEGV). Now each region is exported by a process of its own that maps that region and
 nothing else: the attacker gets its own bytes or errors, never a byte of ``beta``'s; the daemon
@@ -36,10 +36,10 @@ from kvtierd.client import Client, connect
 from kvtierd.errors import CorruptBlockError
 from kvtierd.nixl.probe import NixlVerdict
 from kvtierd.testing import DaemonProcess
+from kvtierd.testing.netns import open_lab
+from kvtierd.testing.nixl_reader import TWO_TENANTS, block_content, block_keys
 from tests.nixl.children import Child
-from tests.nixl.reader import TWO_TENANTS, block_content, block_keys
 from tests.nixl.test_remote_reads import _certificates, _free_port
-from tests.support.netns import open_lab
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -76,7 +76,7 @@ class Placement:
         if self.tls is not None:
             extra["KVTIERD_TEST_TLS"] = str(self.tls / ("engine-a" if tenant == "alpha"
                                                         else "engine-b"))  # fmt: skip
-        return Child(*args, module="tests.nixl.reader", prefix=self.prefix, env=extra)
+        return Child(*args, module="kvtierd.testing.nixl_reader", prefix=self.prefix, env=extra)
 
 
 def _config(remote: str = "") -> str:

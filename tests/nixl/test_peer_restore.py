@@ -23,9 +23,9 @@ import trustme
 from kvtierd.client import Client, connect
 from kvtierd.nixl.probe import NixlVerdict
 from kvtierd.testing import DaemonProcess
-from tests.nixl.reader import block_content, block_keys
-from tests.support.netns import LoopbackLab, NetnsLab, open_lab
-from tests.support.redis_server import RedisServer, require_redis_server
+from kvtierd.testing.netns import LoopbackLab, NetnsLab, open_lab
+from kvtierd.testing.nixl_reader import block_content, block_keys
+from kvtierd.testing.redis_server import RedisServer, require_redis_server
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 

@@ -2,12 +2,12 @@
 tests use) opens the daemon over TCP with TLS and pulls blocks over NIXL
 (``docs/remote.md``).
 
-The daemon runs in ``hosts[0]`` with ``remote.listen`` on that host's address; every reader
-is a child in ``hosts[1]`` (:mod:`tests.nixl.reader`, ``tls://``) with a certificate of its
-own, and UCX restricted to TCP on the reader's side (``UCX_TLS=tcp``) so that the bytes cannot
-take shared memory: the reader's ``eth0`` counts them. The pytest process stores the blocks
-through the daemon's Unix socket (a file: reachable from any namespace) and never loads NIXL.
-Where namespaces cannot be made the lab runs over loopback (the same tests, no veth).
+The daemon runs in ``hosts[0]`` with ``remote.listen`` on that host's address; every reader is a
+child in ``hosts[1]`` (:mod:`kvtierd.testing.nixl_reader`, ``tls://``) with a certificate of its
+own, and UCX restricted to TCP on the reader's side (``UCX_TLS=tcp``) so that the bytes cannot take
+shared memory: the reader's ``eth0`` counts them. The pytest process stores the blocks through the
+daemon's Unix socket (a file: reachable from any namespace) and never loads NIXL. Where namespaces
+cannot be made the lab runs over loopback (the same tests, no veth).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from kvtierd.config import RemoteConfig, load_config
 from kvtierd.errors import ConfigError
 from kvtierd.nixl.probe import NixlVerdict
 from kvtierd.testing import DaemonProcess
+from kvtierd.testing.netns import LoopbackLab, NetnsLab, open_lab
+from kvtierd.testing.nixl_reader import TWO_TENANTS, block_content, block_keys
 from tests.nixl.children import Child
-from tests.nixl.reader import TWO_TENANTS, block_content, block_keys
-from tests.support.netns import LoopbackLab, NetnsLab, open_lab
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -103,7 +103,7 @@ class Remote:
         args = [url or self.url, tenant, name, str(BLOCK), str(COUNT), case]
         return Child(
             *args,
-            module="tests.nixl.reader",
+            module="kvtierd.testing.nixl_reader",
             prefix=self.reader_host.command_prefix,
             env={"KVTIERD_TEST_TLS": str(self.tls / certificate), "UCX_TLS": "tcp"},
         )
@@ -241,7 +241,7 @@ plaintext_uid = 2001
             _, expected = _store(local, "plain", "alpha")
         url = f"tcp://127.0.0.1:{port}"
         reader = Child(url, "alpha", "plain", str(BLOCK), str(COUNT), "pull",
-                       module="tests.nixl.reader")  # fmt: skip
+                       module="kvtierd.testing.nixl_reader")  # fmt: skip
         result = _finish(reader)
         assert result["error"] == "", daemon.log()[-3000:]
         assert result["sha256"] == expected

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.netns import LoopbackLab, NetnsLab, open_lab
-from tests.support.redis_server import (
+from kvtierd.testing.netns import LoopbackLab, NetnsLab, open_lab
+from kvtierd.testing.redis_server import (
     RedisCluster,
     RedisServer,
     TlsFiles,

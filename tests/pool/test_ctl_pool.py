@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kvtierd.cli.ctl import main
+from kvtierd.testing.redis_server import RedisServer, TlsFiles, make_other_ca
 from tests.support.daemon import DaemonProcess
-from tests.support.redis_server import RedisServer, TlsFiles, make_other_ca
 
 pytestmark = pytest.mark.redis
 

@@ -17,8 +17,8 @@ from redis.asyncio.cluster import RedisCluster
 from kvtierd.errors import StorageIOError, TimedOutError
 from kvtierd.pool.consensus import GroupKeys, decode_proposal, decode_vote
 from kvtierd.pool.group import GroupMembership, GroupState, GroupStatus, RedisLike
-from tests.support.redis_server import RedisCluster as RedisClusterServers
-from tests.support.redis_server import RedisServer, require_redis_server
+from kvtierd.testing.redis_server import RedisCluster as RedisClusterServers
+from kvtierd.testing.redis_server import RedisServer, require_redis_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.timeout(60)]
 

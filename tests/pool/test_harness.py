@@ -14,7 +14,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tests.support.netns import (
+from kvtierd.testing.netns import (
     LoopbackHost,
     LoopbackLab,
     NetnsHost,
@@ -23,7 +23,7 @@ from tests.support.netns import (
     pid_alive,
     require_netns,
 )
-from tests.support.redis_server import (
+from kvtierd.testing.redis_server import (
     RedisCluster,
     RedisServer,
     TlsFiles,

@@ -29,8 +29,8 @@ from kvtierd.client.sync import Namespace
 from kvtierd.config import load_config
 from kvtierd.errors import BlockNotFoundError, ConfigError
 from kvtierd.testing import DaemonProcess
-from tests.support.netns import LoopbackHost, LoopbackLab, NetnsHost, NetnsLab
-from tests.support.redis_server import (
+from kvtierd.testing.netns import LoopbackHost, LoopbackLab, NetnsHost, NetnsLab
+from kvtierd.testing.redis_server import (
     RedisCluster,
     RedisServer,
     make_other_ca,

@@ -16,8 +16,8 @@ from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import Namespace, NamespaceSpec, PeerCredentials
 from kvtierd.store.records import checksum
 from kvtierd.store.store import BlockStore
+from kvtierd.testing.redis_server import RedisServer
 from tests.store.test_store_pressure import read_back
-from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 

@@ -10,6 +10,7 @@ import pytest
 
 from kvtierd.client import chain_keys, connect
 from kvtierd.testing import DaemonProcess
+from kvtierd.testing.redis_server import RedisServer
 from tests.integration.test_metrics import (
     Scraped,
     daemon_config,
@@ -18,7 +19,6 @@ from tests.integration.test_metrics import (
     scrape,
     wait_for,
 )
-from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 

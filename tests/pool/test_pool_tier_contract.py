@@ -18,8 +18,8 @@ from kvtierd.config import load_config
 from kvtierd.pool.connect import connect_pool
 from kvtierd.pool.tier import PoolTier
 from kvtierd.pool.values import HEADER_BYTES, PoolNames
+from kvtierd.testing.redis_server import RedisServer
 from tests.store.tier_contract import Harness, TierContract
-from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 

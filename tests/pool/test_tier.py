@@ -19,7 +19,7 @@ from kvtierd.pool.values import HEADER_BYTES, PoolNames
 from kvtierd.store.namespaces import NamespaceSpec
 from kvtierd.store.records import checksum
 from kvtierd.store.tier import BlockRef, MediumFullError
-from tests.support.redis_server import RedisServer, require_redis_server
+from kvtierd.testing.redis_server import RedisServer, require_redis_server
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 

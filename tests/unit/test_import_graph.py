@@ -152,3 +152,34 @@ def test_the_module_reader_resolves_imports() -> None:
 
 def test_no_module_imports_itself_through_others() -> None:
     assert _circles(_module_edges(_modules())) == []
+
+
+# -- tools/ and tests/ (issue 33): what both need lives in kvtierd.testing ---------------------
+
+ROOT = PACKAGE.parent
+
+
+def _top_imports(path: Path) -> set[str]:
+    """The top-level packages ``path`` imports (absolute imports only)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize(("folder", "other"), [("tests", "tools"), ("tools", "tests")])
+def test_tools_and_tests_import_neither_each_other(folder: str, other: str) -> None:
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / folder).rglob("*.py")
+        if other in _top_imports(path)
+    ]
+    assert not offenders
+
+
+def test_the_tools_tests_import_the_tools() -> None:
+    # the rule above would pass on a reader that found nothing: check it finds a known import
+    assert "tools" in _top_imports(ROOT / "tools" / "tests" / "test_benchlib.py")

@@ -1,12 +1,11 @@
 """Sizes as the configuration writes them (read by ``humanfriendly``, binary units whatever the
-spelling) and the benchmarks' percentiles (numpy's, linear interpolation)."""
+spelling)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvtierd.config import _show_size, parse_size
-from tools import benchlib
 
 
 @pytest.mark.parametrize(
@@ -45,23 +44,3 @@ def test_a_size_is_shown_as_it_would_be_written(nbytes: int, shown: str) -> None
 @pytest.mark.parametrize("nbytes", [*range(0, 70_000, 997), 1 << 60, (1 << 30) + 1, 12345 << 20])
 def test_a_shown_size_reads_back_exactly(nbytes: int) -> None:
     assert parse_size(_show_size(nbytes)) == nbytes
-
-
-@pytest.mark.parametrize(
-    ("values", "q", "expected"),
-    [
-        ([4.0, 1.0, 3.0, 2.0], 50, 2.5),
-        ([1.0, 2.0, 3.0, 4.0], 25, 1.75),
-        ([1.0, 2.0, 3.0, 4.0], 0, 1.0),
-        ([1.0, 2.0, 3.0, 4.0], 100, 4.0),
-        ([10.0, 20.0, 30.0], 90, 28.0),
-        ([5.0], 99, 5.0),
-    ],
-)
-def test_percentiles_interpolate_linearly(values: list[float], q: float, expected: float) -> None:
-    assert benchlib.percentile(values, q) == pytest.approx(expected)
-
-
-def test_no_values_have_no_percentile() -> None:
-    with pytest.raises(ValueError, match="no values"):
-        benchlib.percentile([], 50)

@@ -30,9 +30,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtierd.io.binding import Completion, RingOp, Span
 from uring_candidates.package_ring import PackageRing
 from uring_candidates.segments import SegmentCache
+
+from kvtierd.io.binding import Completion, RingOp, Span
 
 __all__ = ["Ring2024", "describe", "open_ring"]
 

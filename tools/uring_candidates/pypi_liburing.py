@@ -29,9 +29,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kvtierd.io.binding import Completion, RingOp, Span
 from uring_candidates.package_ring import PackageRing
 from uring_candidates.segments import SegmentCache
+
+from kvtierd.io.binding import Completion, RingOp, Span
 
 __all__ = ["PypiRing", "describe", "open_ring"]
 

@@ -1,8 +1,14 @@
-"""Start and stop a real ``kvtierd`` process in a directory of its own, for tests, tools and demos.
+"""Real components for tests, tools and demos, shared so that neither imports the other.
 
 ``DaemonProcess`` runs ``python -m kvtierd`` with its own socket and data directory, waits until
 the socket answers INIT (``kvtierd.client.connect``), and stops it with SIGTERM (``stop``) or
 SIGKILL (``kill``). Its log is kept in ``<dir>/daemon.log`` and printed when start-up fails.
+
+Beside it: real ``redis-server`` processes (:mod:`.redis_server`), several hosts on one machine
+(:mod:`.netns`), the NIXL reader child (:mod:`.nixl_reader`), and the crash soak's loop and
+attackers (:mod:`.crash`, :mod:`.remote_attacks`), which ``tools/soak_crash.py`` runs long and
+the crash tests short. Where a component is missing here, :func:`skip` skips the calling test;
+nothing in the package needs pytest to import these modules.
 """
 
 from __future__ import annotations
@@ -14,11 +20,19 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from kvtierd.client import DaemonNotRunningError, StartingError, connect
 from kvtierd.config import default_data_dir, default_socket_path
 
-__all__ = ["DaemonProcess", "wait_until_serving"]
+__all__ = ["DaemonProcess", "skip", "wait_until_serving"]
+
+
+def skip(reason: str) -> NoReturn:
+    """Skip the calling test for ``reason`` (pytest's ``skip``, imported only then)."""
+    import pytest
+
+    pytest.skip(reason)
 
 
 def wait_until_serving(

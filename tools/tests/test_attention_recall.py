@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,7 @@ pytestmark = [
 
 @pytest.mark.timeout(900)
 def test_attention_recall_tool_on_real_text(capsys: pytest.CaptureFixture[str]) -> None:
-    sys.path.insert(0, str(ROOT / "tools"))
-    import attention_recall
+    from tools import attention_recall
 
     argv = [
         "--data",

@@ -46,11 +46,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pytest
+from kvtierd.testing import skip
 
 if TYPE_CHECKING:
     from kvtierd.testing import DaemonProcess
-    from tests.support.redis_server import RedisServer
+    from kvtierd.testing.redis_server import RedisServer
 
 __all__ = [
     "LoopbackHost",
@@ -142,7 +142,7 @@ def netns_available() -> str | None:
 def require_netns() -> None:
     reason = netns_available()
     if reason is not None:
-        pytest.skip(f"network namespaces unavailable: {reason}")
+        skip(f"network namespaces unavailable: {reason}")
 
 
 # -- leftovers ---------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ class _HostBase:
 
     def redis_server(self, directory: Path | None = None, **kwargs: Any) -> RedisServer:
         """A (not yet started) :class:`RedisServer` on this host's address, in its namespace."""
-        from tests.support.redis_server import RedisServer
+        from kvtierd.testing.redis_server import RedisServer
 
         return RedisServer(
             directory if directory is not None else self.directory / "redis",
@@ -284,13 +284,13 @@ class LoopbackHost(_HostBase):
         self.directory = directory
 
     def link_stats(self) -> dict[str, int]:
-        pytest.skip("a loopback lab has no per-host interface")
+        skip("a loopback lab has no per-host interface")
 
     def disconnect(self) -> None:
-        pytest.skip("a loopback lab cannot cut a host off: needs network namespaces")
+        skip("a loopback lab cannot cut a host off: needs network namespaces")
 
     def reconnect(self) -> None:
-        pytest.skip("a loopback lab cannot cut a host off: needs network namespaces")
+        skip("a loopback lab cannot cut a host off: needs network namespaces")
 
 
 # -- labs --------------------------------------------------------------------------------------

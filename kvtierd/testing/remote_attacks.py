@@ -1,4 +1,5 @@
-"""The crash soak's remote and NIXL attackers (``tools/soak_crash.py --hostile``, issue 31).
+"""The crash soak's remote and NIXL attackers (hostile runs of :mod:`kvtierd.testing.crash`;
+issue 31).
 
 With them the soak's daemon also listens on TCP (``remote.listen`` on loopback, TLS with client
 certificates, ``nixl.enabled``), and two more attackers join the hostile tenant's:
@@ -14,13 +15,12 @@ certificates, ``nixl.enabled``), and two more attackers join the hostile tenant'
   clients on the Unix socket must be served as always: their failure while the daemon is up is
   a violation, and so is the daemon's exit.
 * :func:`nixl_attack`, run once a cycle after the restart's verification, is a child
-  (:mod:`tests.nixl.reader`, case ``widen``) of the hostile tenant that leases its own blocks,
-  widens the registration in its NIXL_GRANT metadata and READs around its region: the next
-  32 MiB, 64 MiB below it, and an unmapped address. Even cycles it connects over TCP with TLS
-  and ``UCX_TLS=tcp``; odd cycles through the Unix socket, UCX choosing (``cma`` on one host).
-  Any honest block found in what arrived is a defence failure; the daemon must still serve
-  its Unix socket and its TCP listener afterwards, and the cycle's checks then cover the
-  honest blocks.
+  (:mod:`kvtierd.testing.nixl_reader`, case ``widen``) of the hostile tenant that leases its own
+  blocks, widens the registration in its NIXL_GRANT metadata and READs around its region: the next
+  32 MiB, 64 MiB below it, and an unmapped address. Even cycles it connects over TCP with TLS and
+  ``UCX_TLS=tcp``; odd cycles through the Unix socket, UCX choosing (``cma`` on one host). Any
+  honest block found in what arrived is a defence failure; the daemon must still serve its Unix
+  socket and its TCP listener afterwards, and the cycle's checks then cover the honest blocks.
 
 Everything runs on loopback. The listener and the NIXL attacker need NIXL: where its probe
 fails, :func:`prepare` says why and the soak runs without them (the summary says so).
@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -49,23 +49,28 @@ from kvtierd.client import Client, KvtierError, connect
 from kvtierd.client.endpoint import client_tls_context
 from kvtierd.client.sync import connect_tcp
 from kvtierd.nixl.probe import probe_nixl
-from kvtierd.testing import DaemonProcess
-
-if TYPE_CHECKING:
-    from soak_crash import CrashLoop
+from kvtierd.store.records import PAGE_BYTES
+from kvtierd.testing import DaemonProcess, nixl_reader
+from kvtierd.testing.soak import (
+    HOSTILE_BLOCK_BYTES,
+    HOSTILE_NAMESPACE,
+    UNIVERSE,
+    Findings,
+    block_content,
+    key_of,
+)
 
 __all__ = ["NIXL_NAMESPACE", "REMOTE_UID", "RemoteAttacker", "RemoteSetup", "prepare"]
 
-ROOT = Path(__file__).resolve().parent.parent
 #: The uid the hostile tenant's certificate acts as: listed for that tenant only.
 REMOTE_UID = 4242
 #: The hostile tenant's namespace the NIXL attacker leases from (blocks of
-#: :mod:`tests.nixl.reader`'s making, so that the child knows them).
+#: :mod:`kvtierd.testing.nixl_reader`'s making, so that the child knows them).
 NIXL_NAMESPACE = "crash-hostile-nixl"
 #: The hostile tenant's own block size: a size class of its own would need an NVMe segment
 #: (64 MiB) of its own, which the soak's 128 MiB tier, split between the two tenants' classes,
 #: does not have (its write-back would fail, and with it every FSYNC).
-NIXL_BLOCK = 24576
+NIXL_BLOCK = HOSTILE_BLOCK_BYTES
 NIXL_COUNT = 4
 #: ``[name, offset from the hostile region's base, length]``, pulled in this order.
 NIXL_PROBES = [
@@ -161,7 +166,7 @@ class RemoteAttacker:
         "write_over_tcp": 0.1,
     }
 
-    def __init__(self, loop: CrashLoop, setup: RemoteSetup, rng: random.Random) -> None:
+    def __init__(self, loop: Findings, setup: RemoteSetup, rng: random.Random) -> None:
         self.loop = loop
         self.setup = setup
         self.rng = rng
@@ -230,7 +235,6 @@ class RemoteAttacker:
 
     def write_over_tcp(self) -> None:
         """A TCP client may not write, not even into its own tenant."""
-        from soak_crash import HOSTILE_BLOCK_BYTES, HOSTILE_NAMESPACE
 
         def write(client: Client) -> object:
             ns = client.namespace(
@@ -272,23 +276,21 @@ def _fate(sock: socket.socket) -> str:
 def store_nixl_blocks(daemon: DaemonProcess) -> None:
     """The hostile tenant's blocks the NIXL attacker leases (through the Unix socket: a TCP
     client cannot write)."""
-    sys.path.insert(0, str(ROOT))
-    from tests.nixl.reader import block_content, block_keys
-
     with connect(daemon.socket, timeout_s=30) as client:
         ns = client.namespace(NIXL_NAMESPACE, block_bytes=NIXL_BLOCK, tenant="hostile")
-        blocks = [block_content(NIXL_NAMESPACE, i, NIXL_BLOCK) for i in range(NIXL_COUNT)]
-        ns.put(block_keys(NIXL_NAMESPACE, NIXL_COUNT), blocks)
+        blocks = [
+            nixl_reader.block_content(NIXL_NAMESPACE, i, NIXL_BLOCK) for i in range(NIXL_COUNT)
+        ]
+        ns.put(nixl_reader.block_keys(NIXL_NAMESPACE, NIXL_COUNT), blocks)
 
 
-def nixl_attack(loop: CrashLoop, setup: RemoteSetup, daemon: DaemonProcess, number: int) -> None:
+def nixl_attack(loop: Findings, setup: RemoteSetup, daemon: DaemonProcess, number: int) -> None:
     """One widened-grant NIXL attack (module docstring); its findings go to ``loop``."""
     over_tcp = number % 2 == 0
     store_nixl_blocks(daemon)
     out = daemon.directory.parent / f"{daemon.directory.name}-nixl-{number}"
     out.mkdir(exist_ok=True)
     env = dict(os.environ, KVTIERD_TEST_OUT=str(out), KVTIERD_TEST_PROBES=json.dumps(NIXL_PROBES))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if over_tcp:
         env.update(KVTIERD_TEST_TLS=str(setup.tls / "hostile"), UCX_TLS="tcp")
         where = f"tls://127.0.0.1:{setup.port}"
@@ -296,10 +298,10 @@ def nixl_attack(loop: CrashLoop, setup: RemoteSetup, daemon: DaemonProcess, numb
         where = str(daemon.socket)
     args = [where, "hostile", NIXL_NAMESPACE, str(NIXL_BLOCK), str(NIXL_COUNT), "widen"]
     transport = "tcp" if over_tcp else "local"
-    command = [sys.executable, "-m", "tests.nixl.reader", *args]
+    command = [sys.executable, "-m", "kvtierd.testing.nixl_reader", *args]
     try:
         child = subprocess.run(
-            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=NIXL_CHILD_TIMEOUT_S
+            command, env=env, capture_output=True, text=True, timeout=NIXL_CHILD_TIMEOUT_S
         )
     except subprocess.TimeoutExpired:
         loop.violation(f"cycle {number}: the NIXL attacker ({transport}) hung")
@@ -323,17 +325,15 @@ def nixl_attack(loop: CrashLoop, setup: RemoteSetup, daemon: DaemonProcess, numb
     _still_serves(loop, setup, daemon, number)
 
 
-def _honest_blocks_in(data: bytes, loop: CrashLoop) -> int:
+def _honest_blocks_in(data: bytes, loop: Findings) -> int:
     """How many honest blocks start at a page boundary of ``data`` (slots are page-aligned)."""
-    from soak_crash import PAGE_BYTES, UNIVERSE, block_content, key_of
-
     prefixes = {block_content(key_of(i))[:32] for i in range(UNIVERSE)}
     pages = np.frombuffer(data[: len(data) // PAGE_BYTES * PAGE_BYTES], np.uint8)
     heads = pages.reshape(-1, PAGE_BYTES)[:, :32]
     return sum(bytes(head) in prefixes for head in heads)
 
 
-def _still_serves(loop: CrashLoop, setup: RemoteSetup, daemon: DaemonProcess, number: int) -> None:
+def _still_serves(loop: Findings, setup: RemoteSetup, daemon: DaemonProcess, number: int) -> None:
     """After an attack the daemon runs and serves its Unix socket and its TCP listener."""
     if not daemon.running:
         loop.violation(f"cycle {number}: the daemon exited after the NIXL attack")
@@ -347,7 +347,7 @@ def _still_serves(loop: CrashLoop, setup: RemoteSetup, daemon: DaemonProcess, nu
         loop.violation(f"cycle {number}: the daemon stopped serving after the NIXL attack: {exc!r}")
 
 
-def _last_json(stdout: str) -> dict[str, object] | None:
+def _last_json(stdout: str) -> dict[str, Any] | None:
     for line in reversed(stdout.strip().splitlines()):
         with contextlib.suppress(ValueError):
             value = json.loads(line)

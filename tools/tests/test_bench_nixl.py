@@ -1,6 +1,6 @@
-"""``tools/bench_nixl.py`` on its smallest settings: every side measured and reported as JSON, in
-each placement, and ``netns`` refused with its reason where namespaces cannot be made. No figure
-is checked against a goal: timing belongs to the benchmark, not to its test."""
+"""``python -m tools.bench_nixl`` on its smallest settings: every side measured and reported as
+JSON, in each placement, and ``netns`` refused with its reason where namespaces cannot be made. No
+figure is checked against a goal: timing belongs to the benchmark, not to its test."""
 
 from __future__ import annotations
 
@@ -13,20 +13,19 @@ from typing import Any
 
 import pytest
 
-from tests.support.netns import NO_NETNS_ENV, require_netns
-from tests.support.redis_server import require_redis_server
+from kvtierd.testing.netns import NO_NETNS_ENV, require_netns
+from kvtierd.testing.redis_server import require_redis_server
 
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOL = ROOT / "tools" / "bench_nixl.py"
 SMALLEST = ["--quick", "--sizes", "2M", "--total", "4M", "--rounds", "1", "--repeats", "1"]
 BLOCKS = 4 << 20
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(TOOL), *args],
+        [sys.executable, "-m", "tools.bench_nixl", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

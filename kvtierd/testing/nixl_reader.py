@@ -1,4 +1,4 @@
-"""A client of a real daemon that pulls over NIXL, run as ``python -m tests.nixl.reader``.
+"""A client of a real daemon that pulls over NIXL, run as ``python -m kvtierd.testing.nixl_reader``.
 
 ``SOCKET TENANT NS BLOCK_BYTES COUNT CASE [UID]``: connects to the daemon at ``SOCKET`` (as
 ``UID`` when given: NIXL and the client are loaded first, then the process drops to that uid

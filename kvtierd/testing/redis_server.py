@@ -6,7 +6,7 @@ unless given; the TLS port only when ``tls`` is given) and is stopped with SIGTE
 SIGKILL. With ``netns`` it runs under ``ip netns exec <netns>``; ``ip netns exec`` execs the
 server, so the process the harness signals is the server itself. The harness talks to it with
 redis-py from the test process (``client()``), which is why a namespaced server must be reachable
-from the root namespace: :class:`tests.support.netns.NetnsLab` gives its bridge an address there.
+from the root namespace: :class:`kvtierd.testing.netns.NetnsLab` gives its bridge an address there.
 
 :class:`RedisCluster` starts N such servers in cluster mode and joins them with
 ``redis-cli --cluster create``.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pytest
+from kvtierd.testing import skip
 
 if TYPE_CHECKING:
     import redis
@@ -57,14 +57,12 @@ class RedisServerError(RuntimeError):
 
 def require_redis_server() -> None:
     if shutil.which("redis-server") is None:
-        pytest.skip(
-            "redis-server is not installed: apt-get install redis-server (tools/setup.sh does)"
-        )
+        skip("redis-server is not installed: apt-get install redis-server (tools/setup.sh does)")
 
 
 def require_redis_cli() -> None:
     if shutil.which("redis-cli") is None:
-        pytest.skip("redis-cli is not installed: apt-get install redis-tools (tools/setup.sh does)")
+        skip("redis-cli is not installed: apt-get install redis-tools (tools/setup.sh does)")
 
 
 # -- certificates ------------------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""The shared pool's bench rig: a ``redis-server`` on loopback, the daemon's pool
+configuration, a restart on a wiped data directory (the restore the pool benchmarks time), and
+the leased read every restore measurement makes (``bench_pool``, ``bench_pool_ttft``,
+``bench_nixl``)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+
+from kvtierd.client import connect_async
+from kvtierd.testing import DaemonProcess
+
+__all__ = ["GROUP", "daemon_read", "pool_config", "redis_server", "restart_wiped"]
+
+GROUP = "bench"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def redis_server(directory: Path) -> Iterator[int]:
+    """A ``redis-server`` on loopback without persistence, in ``directory``; yields its port."""
+    import redis
+
+    if shutil.which("redis-server") is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    directory.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1"]
+    command += ["--protected-mode", "no", "--save", "", "--appendonly", "no"]
+    command += ["--dir", str(directory), "--logfile", str(directory / "redis.log")]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with redis.Redis(port=port, socket_connect_timeout=1) as probe:
+                    probe.ping()
+                break
+            except redis.ConnectionError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def pool_config(port: int, key_prefix: str) -> str:
+    return (
+        "[pool]\n"
+        f'url = "redis://127.0.0.1:{port}"\n'
+        "allow_plaintext = true\n"
+        'write_policy = "write-through"\n'
+        f'group_id = "{GROUP}"\n'
+        f'key_prefix = "{key_prefix}"\n'
+    )
+
+
+def restart_wiped(daemon: DaemonProcess) -> float:
+    """Stop ``daemon`` if it runs, wipe its data directory, start it; seconds until it answers
+    (attached and restored: the daemon waits for the pool before it is ready)."""
+    if daemon.running:
+        daemon.stop()
+    shutil.rmtree(daemon.data_dir, ignore_errors=True)
+    started = time.perf_counter()
+    daemon.start(timeout_s=60)
+    return time.perf_counter() - started
+
+
+async def daemon_read(
+    socket_path: Path, block_bytes: int, keys: list[bytes], concurrency: int, batch: int
+) -> tuple[float, list[float]]:
+    """(GB/s, per-block latencies in s) of leasing every key, ``concurrency`` blocks in flight."""
+    chunks = [keys[i : i + batch] for i in range(0, len(keys), batch)]
+    latencies: list[float] = []
+    async with connect_async(socket_path) as client:
+        ns = await client.namespace("bench", block_bytes=block_bytes)
+        next_chunk = iter(chunks)
+
+        async def worker() -> None:
+            for chunk in next_chunk:
+                t0 = time.perf_counter()
+                async with ns.lease(chunk):
+                    latencies.extend([time.perf_counter() - t0] * len(chunk))
+
+        started = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for _ in range(max(1, concurrency // batch)):
+                tg.start_soon(worker)
+        elapsed = time.perf_counter() - started
+    return len(keys) * block_bytes / elapsed / 1e9, latencies
