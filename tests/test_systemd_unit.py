@@ -20,7 +20,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from kvtierd.config import Config, default_data_dir, default_socket_path, load_config
-from kvtierd.testing import wait_until_serving
+from kvtierd.testing import free_port, wait_until_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "systemd"
@@ -476,7 +475,7 @@ def test_daemon_serves_inside_the_unit_sandbox() -> None:
         uid = gid = 65534  # nobody, like a system user without privileges
         os.chown(work, uid, gid)
     sock = work / "kvtierd.sock"
-    port = _free_port()
+    port = free_port()
     config = work / "kvtierd.toml"
     config.write_text(f'[daemon]\nmetrics_port = {port}\nmetrics_address = "localhost"\n')
     argv = [sys.executable, "-m", "kvtierd", "--config", str(config), "--socket", str(sock),
@@ -522,11 +521,6 @@ def test_daemon_serves_inside_the_unit_sandbox() -> None:
             proc.wait()
         shutil.rmtree(work, ignore_errors=True)
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _exercise(sock: Path) -> None:

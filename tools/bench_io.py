@@ -59,11 +59,11 @@ from typing import Any
 
 import anyio
 
-from kvtierd import config
 from kvtierd.io import BindingVerdict, IoBackend, open_io_backend
 from kvtierd.io.binding import DEFAULT_BINDING
 from kvtierd.io.probe import probe_binding
 from tools import benchlib
+from tools.benchlib import parse_size
 
 TOOLS = Path(__file__).resolve().parent
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; the mmap module names it only from Python 3.13
@@ -90,11 +90,6 @@ class Engine:
     detail: str
     fixed_buffers: bool = False
     fixed_ops: int = 0
-
-
-def parse_size(text: str) -> int:
-    """``4K``, ``2M``, ``2G`` or a plain byte count: the daemon's size syntax."""
-    return config.parse_size(text)
 
 
 def short(label: str) -> str:

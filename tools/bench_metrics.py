@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import socket
 import tempfile
 import threading
 import time
@@ -34,19 +33,12 @@ from typing import Any
 import numpy as np
 
 from kvtierd.client import chain_keys, connect
-from kvtierd.testing import DaemonProcess
+from kvtierd.testing import DaemonProcess, free_port
 from tools import benchlib
 
 BLOCK_BYTES = 64 << 10
 READ_BLOCKS = 16
 PUT_BLOCKS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _scrape(port: int) -> bytes:
@@ -149,7 +141,7 @@ WARM_UP_S = 10.0
 
 
 def run(rounds: int, samples: int) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="kvtierd-bench-metrics-") as tmp:
         work = Path(tmp)
         common = {"dram_size": "256M", "nvme_size": "0"}

@@ -114,6 +114,7 @@ from kvtierd.client import Client, chain_keys, client_tls_context, connect, conn
 from kvtierd.nixl.agent import POLL_FIRST_S, POLL_MAX_S
 from kvtierd.testing import DaemonProcess
 from tools import benchlib
+from tools.benchlib import log, size_name
 from tools.poolrig import daemon_read as pool_read
 from tools.poolrig import pool_config, redis_server, restart_wiped
 
@@ -158,15 +159,6 @@ REMOTE_PORT = 7460
 READER_NAME, READER_UID = "bench-reader", 2001
 NETNS_UCX_TLS = "tcp"
 UCX_TLS_UNSET = "unset (UCX's defaults)"
-
-
-def log(message: str) -> None:
-    """Progress for people, on stderr (stdout carries the JSON)."""
-    print(message, file=sys.stderr, flush=True)
-
-
-def size_name(nbytes: int) -> str:
-    return f"{nbytes // MiB} MiB"
 
 
 # -- placements --------------------------------------------------------------------------------

@@ -48,28 +48,14 @@ from typing import Any
 import anyio
 import numpy as np
 
-from kvtierd import config
 from kvtierd.client import chain_keys, connect
 from kvtierd.testing import DaemonProcess
 from tools import benchlib
+from tools.benchlib import log, parse_size, size_name
 from tools.poolrig import daemon_read, pool_config, redis_server, restart_wiped
 
 KiB, MiB = 1 << 10, 1 << 20
 GOAL_RATIO = 0.8
-
-
-def log(message: str) -> None:
-    """Progress for people, on stderr (stdout carries the JSON)."""
-    print(message, file=sys.stderr, flush=True)
-
-
-def parse_size(text: str) -> int:
-    """``256K``, ``2M``, ``1G`` or a plain byte count: the daemon's size syntax."""
-    return config.parse_size(text)
-
-
-def size_name(nbytes: int) -> str:
-    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
 
 
 # -- restore vs raw GETs -----------------------------------------------------------------------

@@ -16,6 +16,7 @@ import platform
 import re
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvtierd import config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -142,3 +145,18 @@ def machine_line(info: dict[str, Any]) -> str:
         f"kernel {info['kernel']}, Python {info['python']}, "
         f"shmem THP {info.get('shmem_thp', 'unknown')}; {info['date']}, commit {info['commit']}."
     )
+
+
+def log(message: str) -> None:
+    """Progress for people, on stderr (stdout carries the JSON)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_size(text: str) -> int:
+    """``256K``, ``2M``, ``1G`` or a plain byte count: the daemon's size syntax."""
+    return config.parse_size(text)
+
+
+def size_name(nbytes: int) -> str:
+    """``2 MiB``, ``448 KiB``: a block size as the tables name it."""
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"

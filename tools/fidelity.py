@@ -37,17 +37,12 @@ from kvtierd.engines.smollm2 import (
     unavailable_reason,
 )
 from kvtierd.testing import DaemonProcess
-from tools.benchlib import ROOT, emit, machine, machine_line, record
+from tools.benchlib import ROOT, emit, log, machine, machine_line, record
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "loogle" / "shortdep_qa.jsonl"
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 MODEL_ID = f"HuggingFaceTB/SmolLM2-135M-Instruct/{GGUF_FILE}"
 STEPS = 64
-
-
-def log(message: str) -> None:
-    """Progress for people, on stderr (stdout carries the JSON)."""
-    print(message, file=sys.stderr, flush=True)
 
 
 def check_inputs(data: Path) -> str | None:

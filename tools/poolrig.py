@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,17 +15,11 @@ from pathlib import Path
 import anyio
 
 from kvtierd.client import connect_async
-from kvtierd.testing import DaemonProcess
+from kvtierd.testing import DaemonProcess, free_port
 
 __all__ = ["GROUP", "daemon_read", "pool_config", "redis_server", "restart_wiped"]
 
 GROUP = "bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -37,7 +30,7 @@ def redis_server(directory: Path) -> Iterator[int]:
     if shutil.which("redis-server") is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
     directory.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1"]
     command += ["--protected-mode", "no", "--save", "", "--appendonly", "no"]
     command += ["--dir", str(directory), "--logfile", str(directory / "redis.log")]

@@ -44,14 +44,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from kvtierd.client import Client
 from kvtierd.engines.smollm2 import LoadedModel
-from tools.benchlib import emit, machine, machine_line, median, record, save_figure
+from tools.benchlib import emit, log, machine, machine_line, median, record, save_figure
 from tools.fidelity import (
     MODEL_ID,
     bench_daemon,
     check_inputs,
     common_arguments,
     lengths_for,
-    log,
     open_model,
     prompt_for,
 )

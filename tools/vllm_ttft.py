@@ -73,8 +73,8 @@ from kvtierd.engines.vllm_process import (
 )
 from kvtierd.testing import DaemonProcess
 from tools import benchlib
-from tools.benchlib import emit, machine, median, record
-from tools.fidelity import DEFAULT_DATA, DEFAULT_LENGTHS, check_inputs, log
+from tools.benchlib import emit, log, machine, median, record
+from tools.fidelity import DEFAULT_DATA, DEFAULT_LENGTHS, check_inputs
 from tools.ttft import drop_page_cache, fio_read_s, make_fio_file
 from tools.vllm_ttft_plot import markdown, plot
 

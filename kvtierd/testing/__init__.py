@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from typing import NoReturn
 from kvtierd.client import DaemonNotRunningError, StartingError, connect
 from kvtierd.config import default_data_dir, default_socket_path
 
-__all__ = ["DaemonProcess", "skip", "wait_until_serving"]
+__all__ = ["DaemonProcess", "free_port", "skip", "wait_until_serving"]
 
 
 def skip(reason: str) -> NoReturn:
@@ -151,3 +152,33 @@ class DaemonProcess:
                 self.stop()
             finally:
                 self.kill()
+
+
+def free_port(host: str = "127.0.0.1", *, also_free: Sequence[int] = ()) -> int:
+    """A TCP port that nobody listens on now (in this namespace), with ``port + offset`` free
+    too for every offset in ``also_free`` (10000 for a cluster node's bus port)."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host if _is_local(host) else "127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if all(port + offset < 65536 and _port_free(port + offset) for offset in also_free):
+            return port
+    raise RuntimeError("no free port found")
+
+
+def _is_local(host: str) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, 0))
+        except OSError:
+            return False
+    return True
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True

@@ -22,7 +22,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtierd.testing import skip
+from kvtierd.testing import free_port, skip
 
 if TYPE_CHECKING:
     import redis
@@ -120,36 +119,6 @@ def make_other_ca(directory: Path) -> Path:
 
 
 # -- one server --------------------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1", *, also_free: Sequence[int] = ()) -> int:
-    """A TCP port that nobody listens on now (in this namespace), with ``port + offset`` free
-    too for every offset in ``also_free`` (10000 for a cluster node's bus port)."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((host if _is_local(host) else "127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
-        if all(port + offset < 65536 and _port_free(port + offset) for offset in also_free):
-            return port
-    raise RedisServerError("no free port found")
-
-
-def _is_local(host: str) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, 0))
-        except OSError:
-            return False
-    return True
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
 
 
 class RedisServer:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvtierd.client import BusyError, chain_keys, connect
-from kvtierd.testing import DaemonProcess
+from kvtierd.testing import DaemonProcess, free_port
 
 BLOCK = 256 << 10
 
@@ -24,11 +23,6 @@ def _kvtierd(*args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "kvtierd", *args], capture_output=True, text=True, timeout=60
     )
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize(
@@ -88,7 +82,7 @@ def test_connections_beyond_the_limit_get_ebusy(tmp_path: Path) -> None:
 
 
 def test_metrics_are_served_on_loopback(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     config = f"[daemon]\nmetrics_port = {port}\n"
     with DaemonProcess(tmp_path, config_text=config) as d, connect(d.socket) as client:
         ns = client.namespace("t", block_bytes=BLOCK)

@@ -30,12 +30,11 @@ from kvtierd.errors import BrokenConnectionError, BusyError, TimedOutError
 from kvtierd.protocol import ClientConnection, ReplyReceived
 from kvtierd.protocol.frames import PROTOCOL_VERSION
 from kvtierd.protocol.messages import InitRequest
-from kvtierd.testing import DaemonProcess
+from kvtierd.testing import DaemonProcess, free_port
 from tests.support.tls import (
     DEADLINE_S,
     Certificates,
     client_hello,
-    free_port,
     tcp,
     unix_round_trip,
 )

@@ -38,8 +38,8 @@ import numpy as np
 import pytest
 
 from kvtierd.client import AsyncNamespace, NoSpaceError, StorageIOError, connect_async
-from kvtierd.testing import DaemonProcess
-from tests.integration.test_metrics import Scraped, free_port, http_get, scrape
+from kvtierd.testing import DaemonProcess, free_port
+from tests.integration.test_metrics import Scraped, http_get, scrape
 from tests.support.filesystems import fill, small_file_system
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]

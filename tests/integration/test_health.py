@@ -26,8 +26,8 @@ from kvtierd.server import daemon as daemon_module
 from kvtierd.server.notify import Notifier
 from kvtierd.server.readiness import DaemonPhase, Readiness
 from kvtierd.store.lifecycle import OpenPhase
-from kvtierd.testing import DaemonProcess
-from tests.integration.test_metrics import free_port, http_get
+from kvtierd.testing import DaemonProcess, free_port
+from tests.integration.test_metrics import http_get
 
 T = TypeVar("T")
 

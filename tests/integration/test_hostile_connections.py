@@ -26,13 +26,12 @@ import pytest
 
 from kvtierd.client import connect
 from kvtierd.errors import AccessDeniedError, KvtierError, TimedOutError
-from kvtierd.testing import DaemonProcess
+from kvtierd.testing import DaemonProcess, free_port
 from tests.support.frames import last_word
 from tests.support.tls import (
     DEADLINE_S,
     Certificates,
     client_hello,
-    free_port,
     reset,
     tcp,
     unix_round_trip,

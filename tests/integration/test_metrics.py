@@ -9,7 +9,6 @@ its type and labels, and every documented family exists.
 from __future__ import annotations
 
 import re
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtierd.client import BlockNotFoundError, chain_keys, connect
-from kvtierd.testing import DaemonProcess
+from kvtierd.testing import DaemonProcess, free_port
 from kvtierd.testing.redis_server import RedisServer, require_redis_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,12 +38,6 @@ LAYOUT = {
 BLOCK_BYTES = 2 * 2 * 2 * 64 * BLOCK_TOKENS * 2
 T = TypeVar("T")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def http_get(url: str) -> tuple[int, bytes]:

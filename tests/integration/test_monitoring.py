@@ -33,8 +33,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtierd.client import connect
-from kvtierd.testing import DaemonProcess
-from kvtierd.testing.redis_server import RedisServer, free_port, require_redis_server
+from kvtierd.testing import DaemonProcess, free_port
+from kvtierd.testing.redis_server import RedisServer, require_redis_server
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -35,11 +35,11 @@ import pytest
 from kvtierd.client import Client, connect
 from kvtierd.errors import CorruptBlockError
 from kvtierd.nixl.probe import NixlVerdict
-from kvtierd.testing import DaemonProcess
+from kvtierd.testing import DaemonProcess, free_port
 from kvtierd.testing.netns import open_lab
 from kvtierd.testing.nixl_reader import TWO_TENANTS, block_content, block_keys
 from tests.nixl.children import Child
-from tests.nixl.test_remote_reads import _certificates, _free_port
+from tests.nixl.test_remote_reads import _certificates
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -99,7 +99,7 @@ def _netns(directory: Path) -> Iterator[Placement]:
         tls = directory / "tls"
         tls.mkdir()
         _certificates(tls, server.address)
-        port = _free_port()
+        port = free_port()
         remote = f"""
 [remote]
 listen = "{server.address}:{port}"

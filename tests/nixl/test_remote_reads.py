@@ -13,7 +13,6 @@ cannot be made the lab runs over loopback (the same tests, no veth).
 from __future__ import annotations
 
 import hashlib
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from kvtierd.client import Client, Namespace, connect
 from kvtierd.config import RemoteConfig, load_config
 from kvtierd.errors import ConfigError
 from kvtierd.nixl.probe import NixlVerdict
-from kvtierd.testing import DaemonProcess
+from kvtierd.testing import DaemonProcess, free_port
 from kvtierd.testing.netns import LoopbackLab, NetnsLab, open_lab
 from kvtierd.testing.nixl_reader import TWO_TENANTS, block_content, block_keys
 from tests.nixl.children import Child
@@ -57,12 +56,6 @@ clients = [{clients}]
         + TWO_TENANTS
     )
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _certificates(directory: Path, server_address: str) -> None:
@@ -118,7 +111,7 @@ def remote(nixl_verdict: NixlVerdict, tmp_path_factory: pytest.TempPathFactory) 
         host = lab.hosts[0]
         (directory / "tls").mkdir()
         _certificates(directory / "tls", host.address)
-        port = _free_port()
+        port = free_port()
         daemon = DaemonProcess(
             directory,
             dram_size=None,
@@ -221,7 +214,7 @@ def test_plaintext_where_the_daemon_allows_it(
     runtimes (the TLS daemon above runs on asyncio)."""
     if not nixl_verdict.ok:
         pytest.skip(f"NIXL failed its probe: {nixl_verdict.detail}")
-    port = _free_port()
+    port = free_port()
     text = f"""
 [dram]
 size = "40M"

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 
 from kvtierd.client import chain_keys, connect
-from kvtierd.testing import DaemonProcess
+from kvtierd.testing import DaemonProcess, free_port
 from kvtierd.testing.redis_server import RedisServer
 from tests.integration.test_metrics import (
     Scraped,
     daemon_config,
-    free_port,
     http_get,
     scrape,
     wait_for,

@@ -30,13 +30,6 @@ SECOND_UID = 2002
 DEADLINE_S = 30.0  # generous: only a daemon that never answers reaches it
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @dataclass(frozen=True)
 class Certificates:
     """Files under ``directory``: the daemon's, two listed clients' (signed by the daemon's CA:
