@@ -6,7 +6,7 @@ with a reply), the limits it negotiates, and the daemon's reports. Not the socke
 state machine (which closes the connection after DESTROY and after a refused INIT), other
 sessions or the store's insides.
 :class:`~kvtierd.server.session.Session` implements it; the handler tests
-(``tests/unit/test_handlers.py``) implement it over a real store with no socket at all.
+(``tests/server/test_handlers.py``) implement it over a real store with no socket at all.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The lower-tier contract (:mod:`tests.store.tier_contract`) run against the pool tier on a real
-``redis-server``: the same suite as the NVMe tier, less what the pool does not promise (it is
+"""The lower-tier contract (:mod:`kvtierd.testing.tier_contract`) run against the pool tier on a
+real ``redis-server``: the same suite as the NVMe tier, less what the pool does not promise (it is
 indexed by its link's restore, not when opened, and it evicts by itself: the skips name the
 capability). Damage is done straight in the server, behind the tier's back."""
 
@@ -19,7 +19,7 @@ from kvtierd.pool.connect import connect_pool
 from kvtierd.pool.tier import PoolTier
 from kvtierd.pool.values import HEADER_BYTES, PoolNames
 from kvtierd.testing.redis_server import RedisServer
-from tests.store.tier_contract import Harness, TierContract
+from kvtierd.testing.tier_contract import Harness, TierContract
 
 pytestmark = pytest.mark.redis
 

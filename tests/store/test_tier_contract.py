@@ -1,4 +1,4 @@
-"""The lower-tier contract (:mod:`tests.store.tier_contract`) run against the NVMe tier, over
+"""The lower-tier contract (:mod:`kvtierd.testing.tier_contract`) run against the NVMe tier, over
 both I/O backends; the pool tier runs it in ``tests/pool/test_pool_tier_contract.py``."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvtierd.store.recovery import SNAPSHOT_NAME
 from kvtierd.store.segments import DiskSlot
 from kvtierd.store.staging import StagingPages
 from kvtierd.store.tier import MediumFullError
-from tests.store.tier_contract import Harness, TierContract, content
+from kvtierd.testing.tier_contract import Harness, TierContract, content
 
 STAGING_PAGES = 64
 BUFFERS = 4
