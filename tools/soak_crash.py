@@ -1,24 +1,11 @@
-"""Crash soak: SIGKILL the daemon at random moments during heavy writes, restart, verify.
-
-Each iteration starts ``kvtierd`` on the same data directory (asyncio and trio alternately), runs
-a writer (PUT batches, FORGET, EVICT, FSYNC at random points) and a reader (LOOKUP then READ of
-keys it has seen committed) against it, kills the daemon with SIGKILL after a random delay, and
-then, on the restarted daemon, checks two things:
-
-* every key whose FSYNC returned (and that was not forgotten afterwards) is present and
-  byte-exact;
-* every block the daemon serves, for every key ever written, is byte-exact: a torn or wrong block
-  is never served (a miss is fine for a block that was not FSYNC'd).
-
-A block's bytes are a function of its key, so any served block can be checked. The same loop
-runs in CI (``tests/integration/test_crash.py``, 50 iterations); this tool runs it longer::
+"""Crash soak: SIGKILL the daemon at random moments during heavy writes, restart, verify; run
+long and recorded. The loop, what it checks after every kill and its hostile tenant are
+:mod:`kvtierd.testing.crash` (which ``tests/integration/test_crash.py`` runs for 50 cycles)::
 
     python -m tools.soak_crash --iterations 500 [--seed 1] [--dir DIR] [--hostile] [--record]
 
-and prints a JSON summary; the exit status is 1 when a violation was found.
-
-``--hostile`` adds a hostile tenant and, where NIXL works, the remote attackers. The loop, its
-checks and its attackers are :mod:`kvtierd.testing.crash`; this tool runs and records it.
+prints a JSON summary; the exit status is 1 when a violation was found. ``--hostile`` adds the
+hostile tenant and, where NIXL works, the remote attackers (:mod:`kvtierd.testing.remote_attacks`).
 """
 
 from __future__ import annotations

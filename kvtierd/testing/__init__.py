@@ -26,7 +26,7 @@ from typing import NoReturn
 from kvtierd.client import DaemonNotRunningError, StartingError, connect
 from kvtierd.config import default_data_dir, default_socket_path
 
-__all__ = ["DaemonProcess", "free_port", "skip", "wait_until_serving"]
+__all__ = ["DaemonProcess", "free_port", "skip", "terminate", "wait_until_serving"]
 
 
 def skip(reason: str) -> NoReturn:
@@ -34,6 +34,14 @@ def skip(reason: str) -> NoReturn:
     import pytest
 
     pytest.skip(reason)
+
+
+def terminate(process: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """SIGTERM ``process`` unless it has exited, and wait for it; its exit status. Raises
+    :class:`subprocess.TimeoutExpired` when it outlives ``timeout_s`` (the caller kills it)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    return process.wait(timeout_s)
 
 
 def wait_until_serving(
@@ -129,10 +137,8 @@ class DaemonProcess:
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM and wait; returns the exit status."""
         assert self.process is not None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout_s)
+            return terminate(self.process, timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
             raise

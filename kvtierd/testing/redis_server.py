@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtierd.testing import free_port, skip
+from kvtierd.testing import free_port, skip, terminate
 
 if TYPE_CHECKING:
     import redis
@@ -352,10 +351,8 @@ class RedisServer:
         """SIGTERM (redis shuts down cleanly, flushing the AOF) and wait; returns its status."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout_s)
+            return terminate(self.process, timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
             raise RedisServerError(
