@@ -26,8 +26,9 @@ The file is deleted afterwards. Usage::
     python -m tools.bench_io [--json] [--size 2M] [--qd 16] [--file-size 2G] [--rounds 6]
         [--bindings MODULE,...] [--candidate-path DIR[:DIR...]]
 
-The io_uring binding candidates of ``docs/io.md`` are adapters in ``tools/uring_candidates/``
-over packages installed outside the project, found through ``--candidate-path``::
+The io_uring binding candidates of ``docs/io.md`` were adapters in ``tools/uring_candidates/``
+(archived out of the tree: ``git checkout 32a3316 -- tools/uring_candidates``) over packages
+installed outside the project, found through ``--candidate-path``::
 
     pip install --no-deps --target /tmp/lu/pypi liburing==2026.3.30
     CFLAGS="-march=x86-64 -mtune=generic" pip wheel --no-deps --no-binary liburing \\
