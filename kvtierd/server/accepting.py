@@ -53,7 +53,7 @@ from kvtierd.errors import BusyError, ConfigError, KvtierError
 from kvtierd.protocol import ServerConnection
 from kvtierd.server.preflight import socket_answers
 from kvtierd.server.readiness import Readiness
-from kvtierd.server.remote import RemoteListener, peer_address
+from kvtierd.server.remote import HandshakeError, RemoteListener, peer_address
 from kvtierd.server.throttle import Throttle
 from kvtierd.store.namespaces import PeerCredentials
 
@@ -191,8 +191,9 @@ async def _admit_remote(
 ) -> None:
     """Hand a TCP connection to the daemon once its handshake says who it is, or tell it why
     not (``docs/remote.md``). It holds its handshake slot until its session starts."""
-    hello = await remote.shake_hands(stream, where)
-    if hello is None:
+    try:
+        hello = await remote.shake_hands(stream, where)
+    except HandshakeError:
         return
     try:
         daemon = entrance.host

@@ -295,9 +295,7 @@ class Daemon:
         """A session for ``stream`` of ``peer``, counted by its listener's limits; raises
         :class:`BusyError` when it does not fit. ``direct``: replies may be written to the
         stream's socket directly. The caller then runs it (:meth:`serve`) at once."""
-        refusal = self._make_room(peer)
-        if refusal is not None:
-            raise BusyError(refusal)
+        self._make_room(peer)
         log.info("connection from %s", peer)
         session = Session(self, stream, peer, direct=direct)
         self.sessions.add(session)
@@ -316,11 +314,12 @@ class Daemon:
                 self.idle.set()
             log.info("%s disconnected", session.peer)
 
-    def _make_room(self, peer: PeerCredentials) -> str | None:
-        """``None`` when a new connection of ``peer`` fits in its listener's limits, once an
-        idle connection counted by a limit it would break has given its slot up; else why it
-        does not fit. The Unix socket and TCP count their own connections (``daemon.`` and
-        ``remote.max_connections``), so that TCP clients never take a local engine's slot."""
+    def _make_room(self, peer: PeerCredentials) -> None:
+        """Return when a new connection of ``peer`` fits in its listener's limits, once an idle
+        connection counted by a limit it would break has given its slot up; else raise
+        :class:`BusyError` saying why it does not fit. The Unix socket and TCP count their own
+        connections (``daemon.`` and ``remote.max_connections``), so that TCP clients never
+        take a local engine's slot."""
         limits = self.config.daemon
         cap = self.config.remote.max_connections if peer.remote else limits.max_connections
         # A session that has said DESTROY is going (its client waited for the reply and may
@@ -330,10 +329,9 @@ class Daemon:
         ]
         own = {s for s in open_now if s.peer.uid == peer.uid}
         if len(own) >= limits.max_connections_per_uid and not self.reclaim(own):
-            return f"too many connections from uid {peer.uid} ({len(own)} open)"
+            raise BusyError(f"too many connections from uid {peer.uid} ({len(own)} open)")
         if len(open_now) >= cap and not self.reclaim(self._busiest(open_now)):
-            return f"too many connections ({len(open_now)} open)"
-        return None
+            raise BusyError(f"too many connections ({len(open_now)} open)")
 
     @staticmethod
     def _busiest(sessions: list[Session]) -> set[Session]:

@@ -44,6 +44,7 @@ from kvtierd.store.namespaces import PeerCredentials
 __all__ = [
     "REMOTE_OPCODES",
     "Handshake",
+    "HandshakeError",
     "RemoteListener",
     "open_remote_listener",
     "peer_address",
@@ -66,6 +67,11 @@ REMOTE_OPCODES = frozenset(
         Opcode.DESTROY,
     }
 )
+
+
+class HandshakeError(Exception):
+    """A TCP connection's TLS handshake failed (logged, its stream closed): there is no session
+    to answer, so nothing goes on the wire."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,13 +97,13 @@ class RemoteListener:
     #: Failed handshakes and refused identities, logged at most once a minute per address.
     failures: Throttle = field(default_factory=Throttle)
 
-    async def shake_hands(self, stream: SocketStream, where: str) -> Handshake | None:
-        """TLS on ``stream`` (nothing in plaintext); ``None``, the stream closed, when the
-        handshake fails (the peer closes or resets the connection, sends what is not TLS or
-        an alert, presents no certificate or one ``remote.ca_file`` did not sign) or takes
-        longer than :attr:`handshake_timeout_s`. Failures are logged at most once a minute
-        per peer address, with how many were not. ``where``: :func:`peer_address`, taken as
-        the connection was accepted."""
+    async def shake_hands(self, stream: SocketStream, where: str) -> Handshake:
+        """TLS on ``stream`` (nothing in plaintext); raises :class:`HandshakeError`, the stream
+        closed, when the handshake fails (the peer closes or resets the connection, sends what is
+        not TLS or an alert, presents no certificate or one ``remote.ca_file`` did not sign) or
+        takes longer than :attr:`handshake_timeout_s`. Failures are logged at most once a minute per
+        peer address, with how many were not. ``where``: :func:`peer_address`, taken as the
+        connection was accepted."""
         host = where.rpartition(":")[0] or where
         if self.tls is None:
             return Handshake(stream, where, None)
@@ -120,7 +126,7 @@ class RemoteListener:
             )  # fmt: skip
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
-            return None
+            raise HandshakeError(where) from exc
         name = _common_name(secure.extra(TLSAttribute.peer_certificate, None))
         return Handshake(secure, where, name)
 
