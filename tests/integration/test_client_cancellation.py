@@ -75,10 +75,15 @@ async def test_cancelled_puts_leave_no_write_pending(daemon: DaemonProcess) -> N
 
 def _quiet(client: AsyncClient) -> bool:
     """Nothing of ``client`` is in flight: no request awaits its reply (abandoned ones
-    included), and its janitor has no abort or release queued or waiting to be sent."""
+    included), and its janitor has no abort or release queued or waiting to be sent. The
+    janitor must be idle, waiting for its next item: one handed straight to it while it waited
+    is in no buffer until it runs (and registers that request's waiter), and then a STATS
+    answered before the daemon sees the abort still counts the write."""
+    janitor = client._janitor_receive.statistics()
     return (
         not client._waiters
-        and client._janitor_receive.statistics().current_buffer_used == 0
+        and janitor.current_buffer_used == 0
+        and janitor.tasks_waiting_receive == 1
         and client._send_lock.statistics().tasks_waiting == 0
     )
 
