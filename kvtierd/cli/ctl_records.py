@@ -80,6 +80,18 @@ def status_record(socket: Path, stats: Stats) -> dict[str, Any]:
             {k: tier[k] for k in ("name", "blocks", "used_bytes", "capacity_bytes")}
             for tier in stats["tiers"]
         ],
+        "checkpoints": checkpoint_record(stats),
+    }
+
+
+def checkpoint_record(stats: Stats) -> dict[str, Any]:
+    """The disk tier's checkpoints in ``status --json`` (a record without the fields, as an
+    older daemon's, reads as no checkpoints)."""
+    return {
+        "state": stats.get("checkpoints", "off"),
+        "written": stats.get("checkpoints_written", 0),
+        "age_s": stats.get("checkpoint_age_s", -1.0),
+        "bytes_since": stats.get("bytes_since_checkpoint", 0),
     }
 
 

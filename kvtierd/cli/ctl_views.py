@@ -23,6 +23,7 @@ from kvtierd.cli.ctl_records import (
     Stats,
     TierRates,
     TopState,
+    checkpoint_record,
     hit_ratio,
     prefetch_accuracy,
 )
@@ -204,7 +205,25 @@ def status_view(socket: Path, stats: Stats) -> RenderableType:
     dirty_bytes = format_bytes(int(stats["dirty_bytes"]))
     durable = _count(stats["durable_blocks"])
     rows.append(("write-back", f"{dirty} ({dirty_bytes}), {durable} durable"))
+    rows.append(("checkpoints", checkpoint_summary(stats)))
     return Group(headline, _key_values(rows))
+
+
+def checkpoint_summary(stats: Stats) -> str:
+    """The NVMe tier's index checkpoints in a line: how recent the last one is and how much
+    has been written since (what a crash restart would scan beyond it)."""
+    record = checkpoint_record(stats)
+    state = str(record["state"])
+    if state == "off":
+        return "off"
+    if state != "on":
+        return f"{state} (a crash restart scans every header)"
+    written = int(record["written"])
+    since = format_bytes(int(record["bytes_since"]))
+    if not written:
+        return f"on, none written yet in this run ({since} written since start)"
+    age = format_duration(float(record["age_s"]))
+    return f"on, {written:,} written, the last {age} ago; {since} written since"
 
 
 def _facts(stats: Stats) -> Table:

@@ -443,6 +443,19 @@ class StatfsReply(Message, frozen=True):
     corrupt_writebacks: int = 0
     #: Sparse summaries dropped to stay within ``limits.sparse_summary_bytes``.
     sparse_summaries_dropped: int = 0
+    #: The NVMe tier's index checkpoints: ``"on"``, ``"off"`` (no NVMe tier, or
+    #: ``nvme.checkpoint_every_bytes = 0``) or ``"given up: <why>"`` for the rest of the run
+    #: (a crash restart then scans every header). Host scope only; a tenant sees ``"off"``.
+    checkpoints: str = "off"
+    #: Checkpoints written since the daemon started.
+    checkpoints_written: int = 0
+    #: Seconds since the last one was written; ``-1.0`` when none was in this run.
+    checkpoint_age_s: float = -1.0
+    #: Bytes written to the NVMe tier since the last checkpoint was begun: what a crash
+    #: restart scans beyond it is the segments these went to.
+    bytes_since_checkpoint: int = 0
+    #: The longest the event loop was held by one slice of a checkpoint's copy, in seconds.
+    checkpoint_longest_slice_s: float = 0.0
 
 
 class PoolStatusRequest(Message, frozen=True):

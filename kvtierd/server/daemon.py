@@ -72,6 +72,7 @@ from kvtierd.server.throttle import Throttle
 from kvtierd.store.counts import TrafficCounts
 from kvtierd.store.lifecycle import arena_bytes
 from kvtierd.store.namespaces import Namespace, PeerCredentials
+from kvtierd.store.nvme import NvmeTier
 from kvtierd.store.regions import TenantRegion
 from kvtierd.store.segments import slot_bytes_for
 from kvtierd.store.store import BlockStore
@@ -102,6 +103,21 @@ def _dram_statistics(
         bytes_read=counts.bytes_read,
         bytes_written=counts.bytes_committed,
     )
+
+
+def _checkpoint_statistics(store: BlockStore) -> dict[str, Any]:
+    """STATFS's checkpoint fields (host scope): the NVMe tier's checkpoints, if it takes any."""
+    taken = store.lower.checkpoints if isinstance(store.lower, NvmeTier) else None
+    if taken is None:
+        return {}
+    last = taken.last_written_s
+    return {
+        "checkpoints": "on" if taken.abandoned is None else f"given up: {taken.abandoned}",
+        "checkpoints_written": taken.written,
+        "checkpoint_age_s": time.monotonic() - last if last is not None else -1.0,
+        "bytes_since_checkpoint": taken.bytes_since,
+        "checkpoint_longest_slice_s": taken.longest_slice_s,
+    }
 
 
 class Daemon:
@@ -174,6 +190,7 @@ class Daemon:
             sparse_summary_bytes=store.sparse.summary_bytes,
             corrupt_writebacks=c.corrupt_writebacks,
             sparse_summaries_dropped=store.sparse.summaries_dropped,
+            **_checkpoint_statistics(store),
         )
 
     def _tenant_statistics(self, peer: PeerCredentials) -> StatfsReply:

@@ -170,25 +170,25 @@ def _transfers(daemon: Observed, namespaces: Iterable[NamespaceFigures]) -> tupl
 def take_snapshot(daemon: Observed, labels: NamespaceLabels) -> MetricsSnapshot:
     """Everything the collector exports, read on the event loop (cheap: counters and sums)."""
     namespaces = _fold_namespaces(daemon, labels)
+    statfs = daemon.statistics()
     return MetricsSnapshot(
-        daemon.statistics(),
+        statfs,
         daemon.pool_status() if daemon.pool is not None else None,
         namespaces,
         _transfers(daemon, namespaces),
         daemon.store.residency.statistics().lost,
         _disk_failures(daemon),
-        _checkpoints(daemon),
+        _checkpoints(daemon, statfs),
     )
 
 
-def _checkpoints(daemon: Observed) -> CheckpointFigures | None:
-    tier = daemon.store.lower
-    if not isinstance(tier, NvmeTier):
+def _checkpoints(daemon: Observed, statfs: StatfsReply) -> CheckpointFigures | None:
+    """The disk tier's checkpoints as STATFS counts them; ``None`` without a disk tier."""
+    if not isinstance(daemon.store.lower, NvmeTier):
         return None
-    taken = tier.checkpoints
-    if taken is None:
-        return CheckpointFigures(0, False, 0.0)
-    return CheckpointFigures(taken.written, taken.abandoned is None, taken.longest_slice_s)
+    return CheckpointFigures(
+        statfs.checkpoints_written, statfs.checkpoints == "on", statfs.checkpoint_longest_slice_s
+    )
 
 
 def _disk_failures(daemon: Observed) -> tuple[tuple[DiskFault, int], ...]:

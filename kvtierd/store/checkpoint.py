@@ -94,6 +94,8 @@ class Checkpoints:
         self.abandoned: str | None = None
         #: The longest the event loop was held by one slice of a checkpoint's copy (seconds).
         self.longest_slice_s = 0.0
+        #: ``time.monotonic()`` when the last checkpoint of this run was written, or ``None``.
+        self.last_written_s: float | None = None
         self._since = 0
         self._taking = False
         self._tasks: TaskGroup | None = None
@@ -203,6 +205,7 @@ class Checkpoints:
                 log.warning("cannot write the index checkpoint %s: %s", self.path, exc)
                 return
         self.written += 1
+        self.last_written_s = time.monotonic()
         log.info(
             "index checkpoint %d written: %d blocks; its copy held the event loop at most "
             "%.1f ms at a time",
@@ -210,6 +213,11 @@ class Checkpoints:
             sum(len(piece["klen"]) for piece in kept),
             longest_slice_s * 1e3,
         )
+
+    @property
+    def bytes_since(self) -> int:
+        """Bytes written to the tier since the last checkpoint was called for."""
+        return self._since
 
     def abandon(self, why: OSError) -> None:
         """Give checkpoints up for the rest of the run: a segment could not be marked, so no

@@ -23,6 +23,7 @@ import pytest
 
 from kvtierd import __version__
 from kvtierd.cli.ctl import build_parser, main
+from kvtierd.cli.ctl_views import checkpoint_summary
 from kvtierd.client import Layout, chain_keys, connect
 from tests.support.daemon import DaemonProcess
 
@@ -116,6 +117,44 @@ def test_status_for_people_names_the_daemon_and_socket(
     assert status == 0
     assert f"kvtierd {__version__} is running on" in out
     assert "io backend" in out
+
+
+def test_status_says_how_recent_the_last_checkpoint_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint every 1 MiB written: once blocks reach the disk, ``status`` says how many
+    were written, how long ago the last one was and how much was written since."""
+    config = '[nvme]\ncheckpoint_every_bytes = "1M"\n'
+    with DaemonProcess(tmp_path / "kvtierd", config_text=config) as daemon:
+        before = _ctl_json(capsys, daemon, "status")["checkpoints"]
+        assert (before["state"], before["written"], before["age_s"]) == ("on", 0, -1.0)
+        _, out = _ctl(capsys, daemon, "status")
+        assert re.search(r"checkpoints\s+on, none written yet", out)
+        with connect(daemon.socket) as client:
+            ns = client.namespace("checkpointed", block_bytes=BLOCK)
+            assert ns.put(chain_keys(range(16 * 160), 16, ns.key_salt), _blocks(160)) == 160
+            client.fsync()  # 160 blocks of 16 KiB on the disk: past 1 MiB, a checkpoint is due
+        deadline = time.monotonic() + 30
+        while (after := _ctl_json(capsys, daemon, "status")["checkpoints"])["written"] == 0:
+            assert time.monotonic() < deadline, after
+            time.sleep(0.05)
+        assert after["state"] == "on"
+        assert after["age_s"] >= 0
+        assert 0 <= after["bytes_since"] < 160 * (BLOCK + 4096)  # at most what was written
+        status, out = _ctl(capsys, daemon, "status")
+        assert status == 0
+        assert re.search(r"checkpoints\s+on, \d+ written, the last .* ago; .* written since", out)
+
+
+def test_status_says_checkpoints_are_off_when_configured_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = "[nvme]\ncheckpoint_every_bytes = 0\n"
+    with DaemonProcess(tmp_path / "kvtierd", config_text=config) as daemon:
+        _put(daemon, "no-checkpoints", 3)
+        assert _ctl_json(capsys, daemon, "status")["checkpoints"]["state"] == "off"
+        _, out = _ctl(capsys, daemon, "status")
+        assert re.search(r"checkpoints\s+off", out)
 
 
 def test_stats_json_has_tier_counters_and_derived_ratios(
@@ -586,3 +625,32 @@ def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]
         main([command, "--help"])
     assert exit_info.value.code == 0
     assert f"usage: kvtierctl {command}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("fields", "line"),
+    [
+        ({"checkpoints": "off"}, "off"),
+        (
+            {"checkpoints": "given up: [Errno 28] No space left on device"},
+            "given up: [Errno 28] No space left on device (a crash restart scans every header)",
+        ),
+        (
+            {"checkpoints": "on", "checkpoints_written": 0, "bytes_since_checkpoint": 3 << 20},
+            "on, none written yet in this run (3.0 MiB written since start)",
+        ),
+        (
+            {
+                "checkpoints": "on",
+                "checkpoints_written": 1200,
+                "checkpoint_age_s": 250.0,
+                "bytes_since_checkpoint": 1 << 30,
+            },
+            "on, 1,200 written, the last 4m 10s ago; 1.0 GiB written since",
+        ),
+    ],
+)
+def test_the_checkpoint_line_says_what_a_crash_restart_would_scan(
+    fields: dict[str, Any], line: str
+) -> None:
+    assert checkpoint_summary(fields) == line
