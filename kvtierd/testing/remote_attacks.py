@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import socket
 import ssl
 import struct
@@ -123,7 +124,7 @@ def prepare(directory: Path) -> tuple[RemoteSetup | None, str]:
         return None, f"NIXL failed its probe: {verdict.detail}"
     import trustme
 
-    tls = directory.parent / f"{directory.name}-tls"
+    tls = directory / "tls"  # beside the daemon's socket and data: removed with them
     tls.mkdir(parents=True, exist_ok=True)
     ca = trustme.CA()
     ca.cert_pem.write_to_path(tls / "ca.pem")
@@ -313,14 +314,18 @@ def nixl_attack(loop: Findings, setup: RemoteSetup, daemon: DaemonProcess, numbe
             f"{result and result.get('error')} {child.stderr[-400:]!r}"
         )
         return
+    evidence = False
     for name, failure in result["probes"].items():
         loop.outcome(f"nixl_{transport}_{name}_{'error' if failure else 'bytes'}")
         found = _honest_blocks_in((out / f"{name}.bin").read_bytes(), loop)
         if found:
             loop.defence_failed(
                 f"cycle {number}: the NIXL attacker ({transport}) read {found} honest block(s) "
-                f"through probe {name!r}"
+                f"through probe {name!r} (what it read is kept in {out})"
             )
+            evidence = True
+    if not evidence:  # about 100 MB a cycle of what the probes read
+        shutil.rmtree(out, ignore_errors=True)
     loop.action(f"nixl_widen_{transport}")
     _still_serves(loop, setup, daemon, number)
 
