@@ -250,7 +250,7 @@ def record(result: dict[str, Any]) -> None:
     lines = [
         "## SLSAP reuse policy: trace replay (simulation)",
         "",
-        f"`tools/replay.py --sweep --record` on `{Path(result['trace']).name}` "
+        f"`python -m tools.replay --sweep --record` on `{Path(result['trace']).name}` "
         f"({result['references']} block references, {result['distinct_blocks']} distinct blocks)."
         " Block hit ratio of one DRAM tier, demand caching, no prefetch; `belady` is the offline"
         " optimum and sees the future. Accounting: `docs/slsap-reuse.md`.",

@@ -1,4 +1,4 @@
-"""``tools/replay.py --workloads``: every policy at the sweep capacities on the three
+"""``python -m tools.replay --workloads``: every policy at the sweep capacities on the three
 workload-model traces of :mod:`kvtierd.replay.workloads`, the check that SLSAP's defaults are not
 fitted to the one real trace. Records the ``slsap_workloads`` section of docs/benchmarks.md."""
 
@@ -86,7 +86,7 @@ def record_workloads_mode(result: dict[str, Any]) -> None:
     lines = [
         "## SLSAP reuse policy on workload-model traces (simulation)",
         "",
-        "`tools/replay.py --workloads --record`: the same policies and defaults on three draws "
+        "`python -m tools.replay --workloads --record`: the same policies and defaults on three draws "
         f"(seeds {', '.join(map(str, SEEDS))}) of three traces with other structure than the "
         "Mooncake one (conversation sessions, agent loops, RAG documents; the model is "
         "`kvtierd/replay/workloads.py`), so that a default fitted to one trace would show. They "

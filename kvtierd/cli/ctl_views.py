@@ -212,6 +212,8 @@ def status_view(socket: Path, stats: Stats) -> RenderableType:
 def checkpoint_summary(stats: Stats) -> str:
     """The NVMe tier's index checkpoints in a line: how recent the last one is and how much
     has been written since (what a crash restart would scan beyond it)."""
+    if stats.get("scope") == "tenant":
+        return "the host's (not shown to a tenant)"
     record = checkpoint_record(stats)
     state = str(record["state"])
     if state == "off":

@@ -443,7 +443,7 @@ class StatfsReply(Message, frozen=True):
     corrupt_writebacks: int = 0
     #: Sparse summaries dropped to stay within ``limits.sparse_summary_bytes``.
     sparse_summaries_dropped: int = 0
-    #: The NVMe tier's index checkpoints: ``"on"``, ``"off"`` (no NVMe tier, or
+    #: (minor 9) The NVMe tier's index checkpoints: ``"on"``, ``"off"`` (no NVMe tier, or
     #: ``nvme.checkpoint_every_bytes = 0``) or ``"given up: <why>"`` for the rest of the run
     #: (a crash restart then scans every header). Host scope only; a tenant sees ``"off"``.
     checkpoints: str = "off"
@@ -574,9 +574,12 @@ OPCODE_OF: Final[dict[type[Message], Opcode]] = {
 #: Reply structs that grew after minor 6 (the oldest client a daemon serves): struct -> (the
 #: minor that appended fields, how many it had before). A peer of an older minor is sent the
 #: struct without them.
-APPENDED: Final[dict[type[Message], tuple[int, int]]] = {NamespaceInfo: (7, 9)}
-#: The bodies that hold such a struct, and the newest minor that appended any.
-_HOLDERS: Final[frozenset[type[Message]]] = frozenset({ListNsReply})
+APPENDED: Final[dict[type[Message], tuple[int, int]]] = {
+    NamespaceInfo: (7, 9),
+    StatfsReply: (9, 22),  # the disk tier's checkpoints
+}
+#: The bodies that hold such a struct (or are one), and the newest minor that appended any.
+_HOLDERS: Final[frozenset[type[Message]]] = frozenset({ListNsReply, StatfsReply})
 _NEWEST_APPENDED: Final = max(since for since, _ in APPENDED.values())
 
 _ENCODER: Final = msgspec.msgpack.Encoder()

@@ -631,6 +631,7 @@ def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]
     ("fields", "line"),
     [
         ({"checkpoints": "off"}, "off"),
+        ({"scope": "tenant", "checkpoints": "off"}, "the host's (not shown to a tenant)"),
         (
             {"checkpoints": "given up: [Errno 28] No space left on device"},
             "given up: [Errno 28] No space left on device (a crash restart scans every header)",

@@ -1,0 +1,62 @@
+"""STATFS's checkpoint fields (minor 9) go only to clients that know them: a client whose INIT
+said minor 6 to 8 gets the 22 fields it decodes (it refuses a longer array), and a reply of an
+older daemon decodes with the defaults."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvtierd.protocol import ClientConnection, RequestReceived, ServerConnection
+from kvtierd.protocol.frames import DEFAULT_MAX_FRAME_BYTES, MIN_CLIENT_MINOR, PROTOCOL_MINOR
+from kvtierd.protocol.messages import (
+    InitRequest,
+    StatfsReply,
+    StatfsRequest,
+    TierStatistics,
+)
+
+_TIER = TierStatistics("nvme", 3, 12288, 1 << 20, 5, 1, 0, 4096, 8192)
+_REPLY = StatfsReply(
+    "0.1.0", 1.5, "io_uring", 1, 9, 1, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, [_TIER],
+    "host", 0, 0, 0, 0,
+    checkpoints="on", checkpoints_written=2, checkpoint_age_s=1.5,
+    bytes_since_checkpoint=4096, checkpoint_longest_slice_s=0.002,
+)  # fmt: skip
+_BEFORE_MINOR_9 = 22
+
+
+def _statfs_reply_to(minor: int) -> bytes:
+    """The body of the STATFS reply a server sends a client whose INIT said ``minor``."""
+    client, server = ClientConnection(), ServerConnection()
+    server.receive_data(client.request(InitRequest(1, minor, DEFAULT_MAX_FRAME_BYTES))[1])
+    server.next_event()
+    server.receive_data(client.request(StatfsRequest())[1])
+    event = server.next_event()
+    assert isinstance(event, RequestReceived)
+    return server.reply(event.header, _REPLY)[32:]
+
+
+@pytest.mark.parametrize("minor", range(MIN_CLIENT_MINOR, 9))
+def test_an_older_client_gets_statfs_without_the_checkpoint_fields(minor: int) -> None:
+    body = _statfs_reply_to(minor)
+    fields = msgspec.msgpack.decode(body)
+    assert len(fields) == _BEFORE_MINOR_9
+    assert fields[:16] == list(msgspec.structs.astuple(_REPLY))[:16]
+    assert fields[16] == [list(msgspec.structs.astuple(_TIER))]
+    decoded = msgspec.msgpack.decode(body, type=StatfsReply)  # as a newer client reads it
+    assert decoded == msgspec.structs.replace(
+        _REPLY,
+        checkpoints="off",
+        checkpoints_written=0,
+        checkpoint_age_s=-1.0,
+        bytes_since_checkpoint=0,
+        checkpoint_longest_slice_s=0.0,
+    )
+
+
+def test_a_minor_9_client_gets_the_checkpoint_fields() -> None:
+    assert PROTOCOL_MINOR >= 9
+    body = _statfs_reply_to(PROTOCOL_MINOR)
+    assert len(msgspec.msgpack.decode(body)) == len(msgspec.structs.fields(StatfsReply))
+    assert msgspec.msgpack.decode(body, type=StatfsReply) == _REPLY
