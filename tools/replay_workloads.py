@@ -86,7 +86,8 @@ def record_workloads_mode(result: dict[str, Any]) -> None:
     lines = [
         "## SLSAP reuse policy on workload-model traces (simulation)",
         "",
-        "`python -m tools.replay --workloads --record`: the same policies and defaults on three draws "
+        "`python -m tools.replay --workloads --record`: the same policies and defaults on three "
+        "draws "
         f"(seeds {', '.join(map(str, SEEDS))}) of three traces with other structure than the "
         "Mooncake one (conversation sessions, agent loops, RAG documents; the model is "
         "`kvtierd/replay/workloads.py`), so that a default fitted to one trace would show. They "
