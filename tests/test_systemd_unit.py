@@ -522,7 +522,6 @@ def test_daemon_serves_inside_the_unit_sandbox() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-
 def _exercise(sock: Path) -> None:
     """Write blocks, make them durable, drop them from DRAM and read them back from NVMe."""
     from kvtierd.client import connect

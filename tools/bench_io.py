@@ -66,7 +66,6 @@ from kvtierd.io.probe import probe_binding
 from tools import benchlib
 from tools.benchlib import parse_size
 
-TOOLS = Path(__file__).resolve().parent
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; the mmap module names it only from Python 3.13
 
 
@@ -378,12 +377,9 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def add_candidate_paths(paths: list[str]) -> None:
-    """Put ``paths`` and ``tools/`` where this process and its probe children import from."""
-    entries = [str(TOOLS), *paths]
-    sys.path[:0] = entries
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [*entries, os.environ.get("PYTHONPATH")])
-    )
+    """Put ``paths`` where this process and its probe children import from."""
+    sys.path[:0] = paths
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
 
 
 def probe_all(bindings: list[str], directory: Path) -> list[BindingVerdict]:

@@ -8,7 +8,8 @@ Beside it: real ``redis-server`` processes (:mod:`.redis_server`), several hosts
 (:mod:`.netns`), the NIXL reader child (:mod:`.nixl_reader`), and the crash soak's loop and
 attackers (:mod:`.crash`, :mod:`.remote_attacks`), which ``tools/soak_crash.py`` runs long and
 the crash tests short. Where a component is missing here, :func:`skip` skips the calling test;
-nothing in the package needs pytest to import these modules.
+the modules tools use import pytest only then. The pytest fixtures (:mod:`.fixtures`) and the
+lower-tier contract suite (:mod:`.tier_contract`) are for test suites and import it.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ def _kvtierd(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [

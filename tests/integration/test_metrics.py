@@ -39,7 +39,6 @@ BLOCK_BYTES = 2 * 2 * 2 * 64 * BLOCK_TOKENS * 2
 T = TypeVar("T")
 
 
-
 def http_get(url: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=10) as reply:

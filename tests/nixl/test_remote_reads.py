@@ -57,7 +57,6 @@ clients = [{clients}]
     )
 
 
-
 def _certificates(directory: Path, server_address: str) -> None:
     """``server.pem`` and ``ca.pem``, and a folder per client (``ca.pem``, ``client.pem``):
     the listed ``engine-a`` and ``engine-b``, ``stranger`` (signed by the CA, not listed) and
