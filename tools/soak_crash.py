@@ -22,6 +22,7 @@ from typing import Any
 
 from kvtierd.testing.crash import run
 from tools import benchlib
+from tools.benchlib import log
 
 __all__ = ["main", "record"]
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             dram_size=args.dram_size,
             nvme_size=args.nvme_size,
-            log=True,
+            progress=log,
             hostile=args.hostile,
         )
     finally:

@@ -45,7 +45,6 @@ import errno
 import mmap
 import os
 import random
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -621,12 +620,13 @@ def run(
     seed: int = 0,
     dram_size: str = "32M",
     nvme_size: str = "128M",
-    log: bool = False,
+    progress: Callable[[str], None] | None = None,
     hostile: bool = False,
     remote: bool = True,
 ) -> Summary:
-    """Run the loop; returns its summary (violations included, never raised). ``remote``
-    adds the TCP and NIXL attackers to a ``hostile`` run (:mod:`kvtierd.testing.remote_attacks`)."""
+    """Run the loop; returns its summary (violations included, never raised). ``progress`` is
+    told a line after each iteration; ``remote`` adds the TCP and NIXL attackers to a
+    ``hostile`` run (:mod:`kvtierd.testing.remote_attacks`)."""
     started = time.monotonic()
     loop = CrashLoop(
         directory,
@@ -638,12 +638,10 @@ def run(
     )
     for number in range(iterations):
         loop.iteration(number)
-        if log:
-            s = loop.summary
-            print(
+        if progress is not None:
+            progress(
                 f"iteration {number + 1}/{iterations}: written {len(loop.written)} "
-                f"durable {len(loop.durable)} violations {len(s.violations)}",
-                file=sys.stderr,
+                f"durable {len(loop.durable)} violations {len(loop.summary.violations)}"
             )
     # the last kill is verified too
     daemon = loop.daemon()

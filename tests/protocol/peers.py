@@ -14,9 +14,9 @@ from kvtierd.protocol import (
     ServerConnection,
 )
 from kvtierd.protocol.frames import PROTOCOL_MINOR
-from kvtierd.protocol.messages import InitReply, InitRequest
+from kvtierd.protocol.messages import InitReply, InitRequest, Message
 
-__all__ = ["INIT_REPLY", "Outcome", "drain", "handshake", "init_frame"]
+__all__ = ["INIT_REPLY", "Outcome", "drain", "handshake", "init_frame", "reply_body_to"]
 
 INIT_REPLY = InitReply(1, 0, DEFAULT_MAX_FRAME_BYTES, 256, 8192, 64 << 20, "test")
 
@@ -60,3 +60,15 @@ def drain(conn: ServerConnection | ClientConnection, limit: int = 10_000) -> Out
             return events, event
         events.append(event)
     raise AssertionError("next_event() never asked for more data")
+
+
+def reply_body_to(minor: int, request: Message, reply: Message) -> bytes:
+    """The body of ``reply`` to ``request`` as a server sends it to a client whose INIT said
+    ``minor`` (fields appended after that minor left out)."""
+    client, server = ClientConnection(), ServerConnection()
+    server.receive_data(client.request(InitRequest(1, minor, DEFAULT_MAX_FRAME_BYTES))[1])
+    server.next_event()
+    server.receive_data(client.request(request)[1])
+    event = server.next_event()
+    assert isinstance(event, RequestReceived)
+    return server.reply(event.header, reply)[32:]

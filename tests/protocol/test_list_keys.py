@@ -12,7 +12,6 @@ from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_KEYS_PER_REQUEST,
-    ClientConnection,
     InvalidRequest,
     ReplyReceived,
     RequestReceived,
@@ -20,7 +19,6 @@ from kvtierd.protocol import (
 )
 from kvtierd.protocol.frames import Opcode, RequestHeader
 from kvtierd.protocol.messages import (
-    InitRequest,
     KeyRecord,
     Layout,
     ListKeysReply,
@@ -30,7 +28,7 @@ from kvtierd.protocol.messages import (
     NamespaceInfo,
     encode_body,
 )
-from tests.protocol.peers import handshake
+from tests.protocol.peers import handshake, reply_body_to
 
 KEY = bytes.fromhex("a635c33f876273d2614b3194bbf3effe")
 
@@ -122,13 +120,7 @@ _INFO = NamespaceInfo(
 
 def _list_ns_reply_to(minor: int) -> bytes:
     """The body of the LIST_NS reply a server sends a client whose INIT said ``minor``."""
-    client, server = ClientConnection(), ServerConnection()
-    server.receive_data(client.request(InitRequest(1, minor, DEFAULT_MAX_FRAME_BYTES))[1])
-    server.next_event()
-    server.receive_data(client.request(ListNsRequest())[1])
-    event = server.next_event()
-    assert isinstance(event, RequestReceived)
-    return server.reply(event.header, ListNsReply([_INFO]))[32:]
+    return reply_body_to(minor, ListNsRequest(), ListNsReply([_INFO]))
 
 
 def test_a_minor_6_client_gets_namespace_info_without_the_minor_7_counters() -> None:

@@ -7,14 +7,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvtierd.protocol import ClientConnection, RequestReceived, ServerConnection
-from kvtierd.protocol.frames import DEFAULT_MAX_FRAME_BYTES, MIN_CLIENT_MINOR, PROTOCOL_MINOR
+from kvtierd.protocol.frames import MIN_CLIENT_MINOR, PROTOCOL_MINOR
 from kvtierd.protocol.messages import (
-    InitRequest,
     StatfsReply,
     StatfsRequest,
     TierStatistics,
 )
+from tests.protocol.peers import reply_body_to
 
 _TIER = TierStatistics("nvme", 3, 12288, 1 << 20, 5, 1, 0, 4096, 8192)
 _REPLY = StatfsReply(
@@ -28,13 +27,7 @@ _BEFORE_MINOR_9 = 22
 
 def _statfs_reply_to(minor: int) -> bytes:
     """The body of the STATFS reply a server sends a client whose INIT said ``minor``."""
-    client, server = ClientConnection(), ServerConnection()
-    server.receive_data(client.request(InitRequest(1, minor, DEFAULT_MAX_FRAME_BYTES))[1])
-    server.next_event()
-    server.receive_data(client.request(StatfsRequest())[1])
-    event = server.next_event()
-    assert isinstance(event, RequestReceived)
-    return server.reply(event.header, _REPLY)[32:]
+    return reply_body_to(minor, StatfsRequest(), _REPLY)
 
 
 @pytest.mark.parametrize("minor", range(MIN_CLIENT_MINOR, 9))
