@@ -132,7 +132,7 @@ async def _heavy_rounds(
             reply = await client.run(ops.request(ReadResidentRequest(sets["dram"]), nsid))
             assert isinstance(reply, ReadResidentReply)
             if reply.extents:
-                await client.release_leases([reply.lease], client.reconnects)
+                await client.run(ops.release([reply.lease]))
 
         began = time.perf_counter()
         until = began + seconds

@@ -9,6 +9,7 @@ PYTHON=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 echo "== ruff"; "$PYTHON" -m ruff check kvtierd tests tools
 echo "== mypy"; "$PYTHON" -m mypy kvtierd
+echo "== unasync"; "$PYTHON" -m tools.unasync_client --check
 # The daemons the tests start preallocate their data files: a nearly full disk fails dozens of
 # tests with ENOSPC far from the cause, so say so first.
 tmp=${TMPDIR:-/tmp}

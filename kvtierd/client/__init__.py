@@ -1,10 +1,12 @@
-"""The library engines link: ``connect()`` (blocking) and ``connect_async()`` (anyio).
+"""The library engines link: ``connect()`` (blocking) and ``connect_async()`` (anyio), and
+``connect_tcp()`` / ``connect_tcp_async()`` to another host's daemon.
 
-Both speak the same protocol with the same semantics; every daemon errno raises its own
+Both faces have one API, written once (:mod:`kvtierd.client._async.client`, from which the
+blocking one is generated), with the same methods and errors: every daemon errno raises its own
 :mod:`kvtierd.errors` class. See ``docs/client.md``.
 """
 
-from kvtierd.client.aio import AsyncClient, AsyncNamespace, connect_async
+from kvtierd.client.aio import AsyncClient, AsyncNamespace, connect_async, connect_tcp_async
 from kvtierd.client.blocks import BlockLease, BlockWrite
 from kvtierd.client.endpoint import client_tls_context
 from kvtierd.client.reconnect import Reconnect
@@ -60,4 +62,5 @@ __all__ = [
     "connect",
     "connect_async",
     "connect_tcp",
+    "connect_tcp_async",
 ]

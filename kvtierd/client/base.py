@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ __all__ = [
     "init_request",
     "message_of",
     "namespace_request",
+    "peer_open",
     "resolve_socket",
 ]
 
@@ -387,6 +389,21 @@ def in_flight_error(blocks: int) -> BrokenConnectionError:
 def broken_error(exc: BaseException) -> BrokenConnectionError:
     """The connection broke under a call (``exc``: what the transport raised)."""
     return BrokenConnectionError(f"connection to kvtierd lost: {exc}")
+
+
+def peer_open(fd: int) -> bool:
+    """Whether the connection on socket ``fd`` is still open at both ends, without reading
+    from it (a ``poll`` for hang-up, which sees the daemon's close even behind unread replies).
+    Leases last as long as the connection: an engine that keeps views across calls checks this
+    (``connected()``) before it trusts them."""
+    if fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)
+    return not any(
+        events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
+        for _, events in poller.poll(0)
+    )
 
 
 def close_all(fds: list[int]) -> None:

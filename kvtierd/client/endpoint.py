@@ -4,8 +4,9 @@ A :class:`UnixEndpoint` is the usual one: the socket passes each tenant region's
 blocks are read out of shared memory. A :class:`TcpEndpoint` reaches a daemon on another host
 (``remote.listen``, ``docs/remote.md``): TLS with a client certificate unless the daemon allows
 plaintext, no descriptors, and blocks pulled over NIXL (:class:`kvtierd.client.nixl.NixlReader`).
-Both open a connected, blocking socket (``socket.socket`` or ``ssl.SSLSocket``) that the sync
-client reads and writes; opening again is how the client reconnects.
+Both open a connected, blocking socket (``socket.socket`` or ``ssl.SSLSocket``) for the
+blocking client (``open``) and an anyio stream for the async one (``open_async``); opening
+again is how a client reconnects.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+
+import anyio
+from anyio.abc import ByteStream
+from anyio.streams.tls import TLSStream
 
 from kvtierd.client.base import check_socket_path, connect_error
 from kvtierd.errors import AccessDeniedError, DaemonNotRunningError, KvtierError
@@ -46,6 +51,14 @@ class UnixEndpoint:
             sock.close()
             raise connect_error(self.path, exc) from None
         return sock
+
+    async def open_async(self) -> ByteStream:
+        """:meth:`open` for the async client."""
+        check_socket_path(self.path)
+        try:
+            return await anyio.connect_unix(self.path)
+        except OSError as exc:
+            raise connect_error(self.path, exc) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,21 +98,39 @@ class TcpEndpoint:
             return sock
         try:
             return self.tls.wrap_socket(sock, server_hostname=self.server_hostname or self.host)
-        except ssl.SSLCertVerificationError as exc:
-            sock.close()
-            raise AccessDeniedError(
-                f"kvtierd at {self} failed certificate verification: {exc.verify_message}"
-            ) from None
         except (ssl.SSLError, OSError) as exc:
             sock.close()
-            raise _handshake_error(self, exc) from None
+            raise self._tls_error(exc) from None
 
+    async def open_async(self) -> ByteStream:
+        """:meth:`open` for the async client (anyio sets ``TCP_NODELAY`` itself)."""
+        try:
+            stream = await anyio.connect_tcp(self.host, self.port)
+        except OSError as exc:
+            raise DaemonNotRunningError(f"cannot connect to kvtierd at {self}: {exc}") from None
+        if self.tls is None:
+            return stream
+        try:
+            return await TLSStream.wrap(
+                stream,
+                hostname=self.server_hostname or self.host,
+                ssl_context=self.tls,
+                standard_compatible=False,
+            )
+        except (ssl.SSLError, OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
+            await anyio.aclose_forcefully(stream)
+            raise self._tls_error(exc) from None
 
-def _handshake_error(endpoint: TcpEndpoint, exc: OSError) -> KvtierError:
-    return AccessDeniedError(
-        f"the TLS handshake with kvtierd at {endpoint} failed (is this client's certificate "
-        f"signed by the daemon's remote.ca_file?): {exc}"
-    )
+    def _tls_error(self, exc: BaseException) -> KvtierError:
+        """What a failed TLS handshake (``exc``) means."""
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            return AccessDeniedError(
+                f"kvtierd at {self} failed certificate verification: {exc.verify_message}"
+            )
+        return AccessDeniedError(
+            f"the TLS handshake with kvtierd at {self} failed (is this client's certificate "
+            f"signed by the daemon's remote.ca_file?): {exc}"
+        )
 
 
 def client_tls_context(
