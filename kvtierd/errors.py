@@ -40,6 +40,7 @@ __all__ = [
     "TimedOutError",
     "errno_of",
     "error_from_errno",
+    "is_connection_loss",
 ]
 
 
@@ -241,3 +242,12 @@ CONNECTION_ERRORS: tuple[type[KvtierError], ...] = (
     RemoteProtocolError,
     TimedOutError,
 )
+
+
+def is_connection_loss(exc: BaseException) -> bool:
+    """Whether ``exc`` left a client's connection unusable (:data:`CONNECTION_ERRORS`, or the
+    socket's own ``OSError``): drop it and connect anew. Any other error refused one request on
+    a connection that stays usable."""
+    return isinstance(exc, CONNECTION_ERRORS) or (
+        isinstance(exc, OSError) and not isinstance(exc, KvtierError)
+    )

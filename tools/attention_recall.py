@@ -17,7 +17,7 @@ defines the methods, the budget and the lead-time figures). Prints ONE JSON obje
 ``recall`` maps ``oracle``, ``slsap``, ``quest_full_scan``, ``mean_key`` and ``recency`` (and
 two extras) to the mean over documents. ``--sweep`` (or ``--record``) also draws recall against
 budget into ``docs/benchmarks/sparse_recall.png`` and writes section ``sparse_recall`` of
-``docs/benchmarks.md``. Needs the model stack (see ``kvtierd/engines/smollm2.py``).
+``docs/benchmarks.md``. Needs the model stack (see ``kvtierd/testing/smollm2.py``).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from kvtierd.engines.hf_prompts import read_qa_documents
-from kvtierd.engines.smollm2 import LoadedModel, ModelDType, load_smollm2
 from kvtierd.slsap.sparse import SparseConfig
 from kvtierd.slsap.sparse.recall import METHODS, SequenceRecall, evaluate_sequence
+from kvtierd.testing.hf_prompts import read_qa_documents
+from kvtierd.testing.smollm2 import LoadedModel, ModelDType, load_smollm2
 from tools import benchlib
 
 MAIN_METHODS = ("oracle", "slsap", "quest_full_scan", "mean_key", "recency")

@@ -48,7 +48,7 @@ def answer(adapter: Any, loaded: Any, prefill: Any, console: Console, label: str
     """Greedy answer from a prefill, with a progress bar; a ``Continuation``."""
     import torch
 
-    from kvtierd.engines.hf_fidelity import Continuation
+    from kvtierd.testing.hf_fidelity import Continuation
 
     eos = loaded.tokenizer.eos_token_id
     tokens: list[int] = []
@@ -89,9 +89,9 @@ def main() -> int:
         console.print(f"[bold red]The demo cannot run:[/] {reason}")
         return 2
     from kvtierd.engines.hf import HfKvAdapter
-    from kvtierd.engines.hf_fidelity import compare
-    from kvtierd.engines.hf_prompts import document_prompt, follow_up, read_qa_documents
-    from kvtierd.engines.smollm2 import ModelDType, load_smollm2
+    from kvtierd.testing.hf_fidelity import compare
+    from kvtierd.testing.hf_prompts import document_prompt, follow_up, read_qa_documents
+    from kvtierd.testing.smollm2 import ModelDType, load_smollm2
 
     document = next(d for d in read_qa_documents(args.data) if len(d.text) > 8 * args.tokens)
     question = document.questions[0] if document.questions else "What is this document about?"

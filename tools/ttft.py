@@ -43,7 +43,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 from kvtierd.client import Client
-from kvtierd.engines.smollm2 import LoadedModel
+from kvtierd.testing.smollm2 import LoadedModel
 from tools.benchlib import emit, log, machine, machine_line, median, record, save_figure
 from tools.fidelity import (
     MODEL_ID,

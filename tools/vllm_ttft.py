@@ -65,13 +65,13 @@ from typing import Any
 
 from kvtierd.client import connect
 from kvtierd.engines.vllm_plan import loadable_blocks
-from kvtierd.engines.vllm_process import (
+from kvtierd.testing import DaemonProcess
+from kvtierd.testing.vllm_process import (
     EngineError,
     EngineProcess,
     Generation,
     total_variation,
 )
-from kvtierd.testing import DaemonProcess
 from tools import benchlib
 from tools.benchlib import emit, log, machine, median, record
 from tools.fidelity import DEFAULT_DATA, DEFAULT_LENGTHS, check_inputs
@@ -151,7 +151,7 @@ def prompts_for(tokenizer: Any, data: Path, lengths: list[int], limit: int) -> l
     Raises:
         ValueError: no document of ``data`` is long enough for some length.
     """
-    from kvtierd.engines.hf_prompts import document_prompt, read_qa_documents
+    from kvtierd.testing.hf_prompts import document_prompt, read_qa_documents
 
     documents = read_qa_documents(data)
     used: set[int] = set()
@@ -471,7 +471,7 @@ def measure_all(bench: Bench, directory: Path) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from kvtierd.engines.smollm2 import hf_folder
+    from kvtierd.testing.smollm2 import hf_folder
 
     model = ModelShape.read(hf_folder())
     tokenizer = AutoTokenizer.from_pretrained(model.folder)

@@ -87,10 +87,8 @@ what it does not need to hold is already elsewhere (keys in ``lmcache_keys``, pi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -100,16 +98,13 @@ import torch
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from kvtierd.client import Client, Namespace, connect, ops
+from kvtierd.client import Client, Namespace, ops
 from kvtierd.client.arena import copy_verified, verified_prefix
-from kvtierd.engines.lmcache_keys import NamespaceSpec, block_key, namespace_spec
+from kvtierd.engines.link import EngineLink, NamespaceSpec, Session
+from kvtierd.engines.lmcache_keys import block_key, namespace_spec
 from kvtierd.engines.lmcache_pins import PinTable, SharedLease
 from kvtierd.errors import (
     BlockNotFoundError,
-    BrokenConnectionError,
-    ClosedError,
-    InvalidRequestError,
-    KvtierError,
     NoSpaceError,
     RemoteProtocolError,
 )
@@ -141,74 +136,43 @@ class BackendStatistics:
 
 @dataclass
 class _Session:
-    """One connection to the daemon, its tenant's region as a tensor (mapped when the first
-    namespace is opened: every namespace of a backend has the backend's tenant, so one region),
-    and the namespaces opened on it."""
+    """A session of the backend's link and what the backend keeps with it: its tenant's region
+    as a tensor (mapped when the first namespace is opened: every namespace of a backend has
+    the backend's tenant, so one region) and the pins of lookups on its connection."""
 
-    client: Client
+    link: Session
     chunk_bytes: int
     region: int = 0
     region_bytes: int = 0
     arena: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
     pins: PinTable = field(default_factory=lambda: PinTable(0))
-    namespaces: dict[tuple[Any, ...], Namespace] = field(default_factory=dict)
-    cuda_registered: int = 0
-    #: Held while a namespace is opened and attached, so each is opened (and the region
-    #: mapped) once; never taken by a thread inside a request.
-    opening: threading.Lock = field(default_factory=threading.Lock)
+    #: Held while the region is attached, so it is mapped once.
+    attaching: threading.Lock = field(default_factory=threading.Lock)
 
-    @classmethod
-    def open(cls, socket_path: str | None, chunk_bytes: int) -> _Session:
-        return cls(connect(socket_path, client_name="kvtierd-lmcache"), chunk_bytes)
+    @property
+    def client(self) -> Client:
+        return self.link.client
 
-    def namespace(
-        self, ident: tuple[Any, ...], spec: Callable[[], NamespaceSpec], tenant: str
-    ) -> Namespace:
-        """The namespace known as ``ident``, opened (``spec()``) and attached the first time.
-        A namespace is published only once attached, so a thread that finds it may use the
-        region at once."""
-        ns = self.namespaces.get(ident)
-        if ns is not None:
-            return ns
-        with self.opening:
-            ns = self.namespaces.get(ident)
-            if ns is None:
-                wanted = spec()
-                ns = self.client.namespace(
-                    wanted.name,
-                    block_bytes=wanted.block_bytes,
-                    layout=wanted.layout,
-                    rank=wanted.rank,
-                    world_size=wanted.world_size,
-                    tenant=tenant,
-                )
-                self.attach(ns)
-                self.namespaces[ident] = ns
-            return ns
+    def namespace(self, ident: tuple[Any, ...], spec: Callable[[], NamespaceSpec]) -> Namespace:
+        """The namespace known as ``ident``, opened (``spec()``) the first time; the region
+        is attached before any namespace is returned, so a caller may use it at once."""
+        ns = self.link.namespace_as(ident, spec)
+        if not self.region_bytes:
+            with self.attaching:
+                if not self.region_bytes:
+                    self._attach(ns)
+        if ns.handle.region != self.region:
+            raise ValueError("the namespaces of one LMCache backend must share a tenant")
+        return ns
 
-    def attach(self, ns: Namespace) -> None:
-        """Map ``ns``'s region the first time; every later namespace shares it."""
-        if self.region_bytes:
-            if ns.handle.region != self.region:
-                raise ValueError("the namespaces of one LMCache backend must share a tenant")
-            return
-        arena_buffer = ns.arena_buffer()
-        with warnings.catch_warnings():
-            # The shared region is read-only in this process; only ever read through this tensor.
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            self.arena = torch.frombuffer(arena_buffer, dtype=torch.uint8)
-        self.region, self.region_bytes = ns.handle.region, len(arena_buffer)
-        self.pins = PinTable(self.region_bytes // self.chunk_bytes // _PIN_ARENA_SHARE)
-        if torch.cuda.is_available():  # pinned: copies to HBM are DMA with no staging copy
-            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            status = cudart.cudaHostRegister(self.arena.data_ptr(), self.arena.numel(), 0)
-            self.cuda_registered = self.arena.data_ptr() if int(status) == 0 else 0
-
-    def close(self) -> None:
-        if self.cuda_registered:
-            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            cudart.cudaHostUnregister(self.cuda_registered)
-        self.client.close()
+    def _attach(self, ns: Namespace) -> None:
+        """Map ``ns``'s region, pinned where CUDA is (copies to HBM are DMA then, with no
+        staging copy); every later namespace shares it."""
+        device = torch.device("cuda") if torch.cuda.is_available() else None
+        self.arena = self.link.arena(ns, device)
+        self.pins = PinTable(len(self.arena) // self.chunk_bytes // _PIN_ARENA_SHARE)
+        self.region = ns.handle.region
+        self.region_bytes = len(self.arena)  # last: published once the rest is set
 
 
 class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
@@ -251,10 +215,12 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         self._chunk_bytes = sum(
             s.numel() * d.itemsize for s, d in zip(self._shapes, self._dtypes, strict=True)
         )
-        #: Guards ``_session_now``, ``_closed`` and ``_counts``; held across no request but INIT.
+        self._link = EngineLink(
+            self._socket, client_name="kvtierd-lmcache", tenant=self._tenant, log=log
+        )
+        #: Guards ``_current`` and ``_counts``; held across no request.
         self._lock = threading.Lock()
-        self._session_now: _Session | None = None
-        self._closed = False
+        self._current: _Session | None = None
         self._counts = dict.fromkeys(BackendStatistics.__slots__, 0)
 
     def __str__(self) -> str:
@@ -262,46 +228,19 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
 
     # -- connection --------------------------------------------------------------------------
 
-    def _session(self) -> _Session:
-        """The current session, connecting if there is none; ``ClosedError`` after
-        :meth:`close`. (Connecting holds the lock: every caller waits for the connection.)"""
-        with self._lock:
-            if self._closed:
-                raise ClosedError("the kvtierd backend is closed")
-            if self._session_now is None:
-                self._session_now = _Session.open(self._socket, self._chunk_bytes)
-            return self._session_now
-
-    def _drop(self, session: _Session | None) -> None:
-        """Close ``session`` if it is still the current one (the first thread to find it
-        broken closes it; the next call connects anew)."""
-        with self._lock:
-            if session is None or self._session_now is not session:
-                return
-            self._session_now = None
-        session.close()
-
     def _call(self, what: str, fn: Callable[[_Session], T], miss: T) -> T:
-        """``fn(session)``, reconnecting once if the connection broke (or another thread,
-        finding it broken, closed it); ``miss`` (logged and counted) if the daemon cannot serve
-        it or the backend is closed."""
-        session: _Session | None = None
-        for attempt in (1, 2):
-            try:
-                session = self._session()
-                return fn(session)
-            except (BrokenConnectionError, ClosedError) as exc:
-                self._drop(session)
-                if attempt == 2:
-                    return self._failed(what, exc, miss)
-            except KvtierError as exc:
-                return self._failed(what, exc, miss)
-        raise AssertionError("unreachable")
+        """``fn(session)`` through the link (once more on a new connection if the connection
+        was lost under it); ``miss`` (logged, counted) if the daemon cannot serve it or the
+        backend is closed."""
+        return self._link.call(what, lambda session: fn(self._session_of(session)), miss)
 
-    def _failed(self, what: str, exc: KvtierError, miss: T) -> T:
-        self._count("errors")
-        log.warning("kvtierd %s failed, answered as a miss: %s", what, exc)
-        return miss
+    def _session_of(self, link_session: Session) -> _Session:
+        """What the backend keeps with ``link_session``, anew for each connection."""
+        with self._lock:
+            current = self._current
+            if current is None or current.link is not link_session:
+                current = self._current = _Session(link_session, self._chunk_bytes)
+            return current
 
     def _count(self, counter: str, n: int = 1) -> None:
         with self._lock:  # LMCache's threads count at once
@@ -324,7 +263,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
 
     def _namespace(self, session: _Session, key: Any) -> Namespace:
         ident = (key.model_name, key.world_size, key.worker_id, key.dtype, key.tags)
-        return session.namespace(ident, lambda: self.namespace_spec(key), self._tenant)
+        return session.namespace(ident, lambda: self.namespace_spec(key))
 
     def _runs(self, session: _Session, keys: Sequence[Any]) -> list[tuple[Namespace, list[int]]]:
         """Consecutive runs of ``keys`` (by index) that share a namespace, in order."""
@@ -403,11 +342,11 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         """Let go of one pin of ``key``; a key this backend holds no pin for (it was on NVMe at
         lookup, or the connection was re-established since) needs nothing."""
         with self._lock:
-            session = self._session_now
+            session = self._current
         if session is None:
             return True
         ident = (key.model_name, key.world_size, key.worker_id, key.dtype, key.tags)
-        ns = session.namespaces.get(ident)
+        ns = session.link.opened(ident)
         if ns is not None:
             session.pins.unpin(ns.handle.ns, block_key(key.chunk_hash))
         return True
@@ -451,14 +390,7 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         self._count("failed_stores", len(full) - stored)
 
     def _store_batch(self, session: _Session, ns: Namespace, batch: list[tuple[Any, Any]]) -> None:
-        try:
-            self._write(ns, batch)
-        except NoSpaceError:
-            # Every free slot is leased or awaiting write-back: once FSYNC returns, the written
-            # blocks are clean and can be evicted to make room.
-            with contextlib.suppress(InvalidRequestError):  # no NVMe tier: nothing to wait for
-                session.client.fsync()
-            self._write(ns, batch)
+        session.link.with_room(lambda: self._write(ns, batch))
 
     @staticmethod
     def _write(ns: Namespace, batch: list[tuple[Any, Any]]) -> None:
@@ -599,12 +531,9 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         the leased blocks are hashed now (zero-copy objects: LMCache's own copy moves them,
         which kvtierd cannot hash); without, the caller verifies each copy it makes."""
         client = session.client
-        try:
-            leases, extents = client.run(ops.read(ns.handle.ns, keys, client.max_keys))
-        except NoSpaceError:
-            with contextlib.suppress(InvalidRequestError):  # no NVMe tier: nothing to wait for
-                client.fsync()
-            leases, extents = client.run(ops.read(ns.handle.ns, keys, client.max_keys))
+        leases, extents = session.link.with_room(
+            lambda: client.run(ops.read(ns.handle.ns, keys, client.max_keys))
+        )
         if not verify:
             return leases, extents
         # Verified like the library's own reads: a block that fails its checksum ends the hit
@@ -658,16 +587,13 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
 
     def statistics(self) -> BackendStatistics:
         with self._lock:
-            return BackendStatistics(**self._counts)
+            counts = dict(self._counts, errors=self._link.failures)
+        return BackendStatistics(**counts)
 
     def close(self) -> None:
         """Close the connection (after the request in progress, if any) and unmap the region;
         idempotent. Every later call is answered as a miss or a refused store."""
-        with self._lock:
-            self._closed = True
-            session, self._session_now = self._session_now, None
-        if session is not None:
-            session.close()
+        self._link.close()
 
 
 def _raw_bytes(obj: Any) -> torch.Tensor:

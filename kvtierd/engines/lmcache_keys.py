@@ -21,14 +21,13 @@ LMCache objects.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from kvtierd.engines.link import NamespaceSpec
 from kvtierd.protocol.messages import Layout
 
 __all__ = [
     "BLOCK_ORDER",
-    "NamespaceSpec",
     "UnsupportedKeyError",
     "block_key",
     "dtype_name",
@@ -44,17 +43,6 @@ _MAX_NAME = 255
 
 class UnsupportedKeyError(ValueError):
     """A key this mapping cannot represent without hashing it (a bad chunk hash, a layer key)."""
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceSpec:
-    """The kvtierd namespace one group of LMCache keys lives in."""
-
-    name: str
-    block_bytes: int
-    layout: Layout | None
-    rank: int
-    world_size: int
 
 
 def block_key(chunk_hash: int | bytes) -> bytes:

@@ -32,31 +32,32 @@ promoting the NVMe hits into DRAM, so the prefetch that follows finds them there
 ``None`` from a ``_v1`` call as garbage, so neither reaches them: every ``KvtierError`` (daemon
 gone, restarted, out of space, a namespace the restarted daemon salts otherwise) is logged,
 counted in :meth:`KvtierdHiCacheStorage.statistics` and answered as a miss (``False``, 0, or
-``None`` for one ``get``, which is that call's contract). The connection is dropped on such an
-error and made again on the next call, so a restarted daemon serves what its NVMe tier kept.
-Bad arguments (a tensor of the wrong size) are SGLang's bug and raise.
+``None`` for one ``get``, which is that call's contract). The daemon is reached through an
+:class:`~kvtierd.engines.link.EngineLink`: a lost connection is dropped and made again (once
+within the call, else on the next), so a restarted daemon serves what its NVMe tier kept.
+Bad arguments this module checks (not a contiguous CPU tensor, not one value per key) are
+SGLang's bug and raise.
 
 *Threads.* SGLang calls from its prefetch, backup and scheduler threads; the kvtierd client takes
-their requests in turns. This module's lock guards the session, its namespaces and the
-counters; it is held across a request only to connect and open a namespace, which every caller
-waits for anyway.
+their requests in turns. This module's lock guards the counters; the link opens the session and
+each namespace once, which every caller waits for anyway.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from kvtierd.client import Client, Namespace, connect
+from kvtierd.client import Client, Namespace
 from kvtierd.engines.host_runs import HostRuns
+from kvtierd.engines.link import EngineLink, NamespaceSpec, Session
 from kvtierd.engines.sglang_keys import (
     StorageIdentity,
     cache_salt_of,
@@ -68,8 +69,6 @@ from kvtierd.errors import (
     BlockNotFoundError,
     CorruptBlockError,
     InvalidRequestError,
-    KvtierError,
-    NoSpaceError,
 )
 
 __all__ = ["KvtierdHiCacheStorage", "StorageStatistics"]
@@ -104,42 +103,25 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._pool_page_bytes = 0  # a host-pool page's bytes, taken once at registration
         self._page_runs = HostRuns()  # the host pool's pages as byte runs
         self._lock = threading.Lock()
-        self._client: Client | None = None
-        self._namespaces: dict[tuple[str, str, int], Namespace] = {}
-        self._read = self._missed = self._written = self._errors = 0
+        self._link = EngineLink(
+            self.socket_path, client_name="kvtierd-sglang", tenant=self.tenant, log=log
+        )
+        self._read = self._missed = self._written = 0
         namespace_name(self.identity, layout="layer_first", dtype="bfloat16")  # fails early
 
     # -- session ---------------------------------------------------------------------------
 
-    def _namespace(self, layout: str, dtype: torch.dtype, block_bytes: int) -> Namespace:
+    def _namespace(
+        self, session: Session, layout: str, dtype: torch.dtype, block_bytes: int
+    ) -> Namespace:
         dtype_str = str(dtype).removeprefix("torch.")
-        ident = (layout, dtype_str, block_bytes)
-        with self._lock:
-            if self._client is None:
-                self._client = connect(self.socket_path, client_name="kvtierd-sglang")
-                self._namespaces = {}
-            ns = self._namespaces.get(ident)
-            if ns is None:
-                name = namespace_name(self.identity, layout=layout, dtype=dtype_str)
-                ns = self._client.namespace(name, block_bytes=block_bytes, tenant=self.tenant)
-                self._namespaces[ident] = ns
-            return ns
+        name = namespace_name(self.identity, layout=layout, dtype=dtype_str)
+        return session.namespace(NamespaceSpec(name, block_bytes=block_bytes))
 
-    def _guarded(self, what: str, call: Callable[[], T], miss: T) -> T:
-        """``call()``, or ``miss`` (logged, counted, the session dropped) on a ``KvtierError``."""
-        try:
-            return call()
-        except InvalidRequestError:
-            raise
-        except KvtierError as exc:
-            log.warning("kvtierd %s failed, answered as a miss: %s", what, exc)
-            with self._lock:
-                self._errors += 1
-                client, self._client = self._client, None
-            if client is not None:
-                with contextlib.suppress(KvtierError):
-                    client.close()
-            return miss
+    def _page_namespace(self, session: Session, first: torch.Tensor) -> Namespace:
+        """The namespace of pages like ``first`` (the tensor calls')."""
+        block_bytes = first.numel() * first.element_size()
+        return self._namespace(session, self._layout(), first.dtype, block_bytes)
 
     def _layout(self) -> str:
         if self.mem_pool_host is not None:
@@ -174,11 +156,14 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._pool_page_bytes = page.numel() * page.element_size()
         self.mem_pool_host = mem_pool_host
 
-    def _pool_namespace(self) -> Namespace:
+    def _pool_namespace(self, session: Session | None = None) -> Namespace:
+        """The host pool's namespace on ``session`` (default: the link's open one)."""
+        if session is None:
+            session = self._link.session()
         pool = self.mem_pool_host
         if pool is None:
             raise InvalidRequestError("the _v1 calls need register_mem_pool_host first")
-        return self._namespace(self._layout(), pool.dtype, self._pool_page_bytes)
+        return self._namespace(session, self._layout(), pool.dtype, self._pool_page_bytes)
 
     def _host_pages(self, host_indices: torch.Tensor, count: int) -> list[torch.Tensor]:
         pool = self.mem_pool_host
@@ -192,8 +177,8 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         page loaded, ``False`` from the first page that was not."""
         block_keys = self._keys(keys, extra_info)
 
-        def load() -> int:
-            ns = self._pool_namespace()
+        def load(session: Session) -> int:
+            ns = self._pool_namespace(session)
             try:  # SGLang asked batch_exists first: all hits is the usual case, one READ
                 return self._load_pages(ns, block_keys, host_indices)
             except BlockNotFoundError:
@@ -203,7 +188,7 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             except BlockNotFoundError:  # gone since the lookup: counted as a miss
                 return 0
 
-        loaded = self._guarded("batch_get_v1", load, 0)
+        loaded = self._link.call("batch_get_v1", load, 0)
         self._count(read=loaded, missed=len(keys) - loaded)
         return [True] * loaded + [False] * (len(keys) - loaded)
 
@@ -231,13 +216,13 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         already stored are skipped): all ``True``, or all ``False`` if the write failed."""
         block_keys = self._keys(keys, extra_info)
 
-        def store() -> bool:
-            ns = self._pool_namespace()
+        def store(session: Session) -> bool:
+            ns = self._pool_namespace(session)
             pages = self._host_pages(host_indices, len(keys))
-            self._with_room(lambda: self._write_pages(ns, block_keys, pages))
+            session.with_room(lambda: self._write_pages(ns, block_keys, pages))
             return True
 
-        ok = self._guarded("batch_set_v1", store, False)
+        ok = self._link.call("batch_set_v1", store, False)
         self._count(written=len(keys) if ok else 0)
         return [ok] * len(keys)
 
@@ -247,17 +232,6 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 if slot is not None:
                     dst = torch.frombuffer(slot, dtype=torch.uint8).view(page.dtype)
                     dst.view(page.shape).copy_(page)
-
-    def _with_room(self, call: Callable[[], T]) -> T:
-        try:
-            return call()
-        except NoSpaceError:  # slots await write-back: FSYNC makes them evictable, once
-            with self._lock:
-                client = self._client
-            if client is None:
-                raise
-            client.fsync()
-            return call()
 
     # -- the tensor calls --------------------------------------------------------------------
 
@@ -281,11 +255,10 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         targets = [_as_contiguous_cpu(t) for t in target_locations]
         block_keys = self._keys(keys)
 
-        def read() -> int:
+        def read(session: Session) -> int:
             if not targets:
                 return 0
-            first = targets[0]
-            ns = self._namespace(self._layout(), first.dtype, first.numel() * first.element_size())
+            ns = self._page_namespace(session, targets[0])
             buffers = [t.view(torch.uint8).numpy() for t in targets]
             try:  # all hits is the usual case: one READ
                 ns.read_into(block_keys, buffers)
@@ -299,7 +272,7 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             except BlockNotFoundError:  # gone since the lookup: counted as a miss
                 return 0
 
-        hits = self._guarded("batch_get", read, 0)
+        hits = self._link.call("batch_get", read, 0)
         self._count(read=hits, missed=len(keys) - hits)
         return [*targets[:hits], *([None] * (len(keys) - hits))]
 
@@ -325,16 +298,15 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         pages = [_as_contiguous_cpu(v) for v in values]
         block_keys = self._keys(keys)
 
-        def store() -> bool:
+        def store(session: Session) -> bool:
             if not pages:
                 return True
-            first = pages[0]
-            ns = self._namespace(self._layout(), first.dtype, first.numel() * first.element_size())
+            ns = self._page_namespace(session, pages[0])
             blocks = [p.view(torch.uint8).numpy() for p in pages]
-            self._with_room(lambda: ns.put(block_keys, blocks))
+            session.with_room(lambda: ns.put(block_keys, blocks))
             return True
 
-        ok = self._guarded("batch_set", store, False)
+        ok = self._link.call("batch_set", store, False)
         self._count(written=len(keys) if ok else 0)
         return ok
 
@@ -345,19 +317,18 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """How many leading pages are stored (one LOOKUP; it starts promoting NVMe hits)."""
         block_keys = self._keys(keys, extra_info)
 
-        def look() -> int:
-            ns = self._any_namespace()
+        def look(session: Session) -> int:
+            ns = self._any_namespace(session)
             return ns.lookup(block_keys) if ns is not None and block_keys else 0
 
-        return self._guarded("batch_exists", look, 0)
+        return self._link.call("batch_exists", look, 0)
 
-    def _any_namespace(self) -> Namespace | None:
+    def _any_namespace(self, session: Session) -> Namespace | None:
         """The namespace pages go to: the host pool's, else the one the tensor calls opened
         (``None`` before either: nothing can be stored yet)."""
         if self.mem_pool_host is not None:
-            return self._pool_namespace()
-        with self._lock:
-            opened = list(self._namespaces.values()) if self._client is not None else []
+            return self._pool_namespace(session)
+        opened = session.namespaces()
         return opened[0] if opened else None
 
     # -- housekeeping ------------------------------------------------------------------------
@@ -365,32 +336,22 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def clear(self) -> None:
         """Forget every page this backend's namespaces hold."""
 
-        def forget_all() -> None:
-            with self._lock:
-                client = self._client
-                opened = list(self._namespaces.values())
-            if client is None:
-                return
-            for ns in opened:
-                while keys := _listed_keys(client, ns):
+        def forget_all(session: Session) -> None:
+            for ns in session.namespaces():
+                while keys := _listed_keys(session.client, ns):
                     ns.forget(keys)
 
-        self._guarded("clear", forget_all, None)
+        self._link.call("clear", forget_all, None)
 
     def statistics(self) -> StorageStatistics:
-        def tiers() -> tuple[dict[str, Any], ...]:
-            with self._lock:
-                client = self._client
-            if client is None:
-                client = connect(self.socket_path, client_name="kvtierd-sglang")
-                with self._lock:
-                    self._client, self._namespaces = client, {}
-            return tuple(client.stats().get("tiers", ()))
+        def tiers(session: Session) -> tuple[dict[str, Any], ...]:
+            return tuple(session.client.stats().get("tiers", ()))
 
         no_tiers: tuple[dict[str, Any], ...] = ()
-        figures = self._guarded("stats", tiers, no_tiers)
+        figures = self._link.call("stats", tiers, no_tiers)
         with self._lock:
-            return StorageStatistics(self._read, self._missed, self._written, self._errors, figures)
+            counts = self._read, self._missed, self._written
+        return StorageStatistics(*counts, self._link.failures, figures)
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` with ``.kvtierd`` (:meth:`statistics`) attached, or the
@@ -405,10 +366,7 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return metrics
 
     def close(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
+        self._link.close()
 
 
 def _as_contiguous_cpu(tensor: Any) -> torch.Tensor:

@@ -52,12 +52,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtierd.client import BlockLease
+from kvtierd.client import BlockLease, Namespace
 from kvtierd.client.arena import copy_verified
 from kvtierd.engines.host_runs import HostRuns
+from kvtierd.engines.link import EngineLink, NamespaceSpec, Session
 from kvtierd.engines.vllm_link import (
-    Link,
-    Session,
     UnsupportedEngineError,
     kv_format,
     namespace_name,
@@ -71,11 +70,11 @@ from kvtierd.engines.vllm_plan import (
     loadable_blocks,
 )
 from kvtierd.errors import (
-    CONNECTION_ERRORS,
     BlockNotFoundError,
     KvtierError,
     NoSpaceError,
     QuotaError,
+    is_connection_loss,
 )
 from kvtierd.keys import chain_keys
 from kvtierd.protocol.messages import Extent
@@ -149,7 +148,20 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         self.layout = vllm_layout(vllm_config, kv_cache_config, self.settings.model_id)
         self._block_tokens = self.layout.block_tokens
         rank, world = _tp_position(vllm_config, role)
-        self._link = Link(self.settings, self.layout, rank, world)
+        settings = self.settings
+        self._link = EngineLink(
+            settings.socket,
+            client_name="vllm",
+            tenant=settings.tenant,
+            timeout_s=settings.timeout_s,
+            log=log,
+        )
+        self._spec = NamespaceSpec(
+            settings.namespace or namespace_name(self.layout, world, kv_format()),
+            layout=self.layout,
+            rank=rank,
+            world_size=world,
+        )
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning(
                 "kv_load_failure_policy is %r: a kvtierd block lost between lookup and load "
@@ -185,11 +197,15 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
 
     # -- scheduler side ----------------------------------------------------------------------
 
+    def _ns(self, session: Session) -> Namespace:
+        """The connector's namespace on ``session``."""
+        return session.namespace(self._spec)
+
     def _request_keys(self, request: Any, session: Session) -> tuple[bytes, ...]:
         if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
             return ()
         tokens = request.prompt_token_ids or []
-        salt = session.namespace.key_salt
+        salt = self._ns(session).key_salt
         if request.cache_salt:
             salt += b"|salt:" + request.cache_salt.encode()
         if request.lora_request is not None:
@@ -199,11 +215,18 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        self._drop_lease(request.request_id)
+        no_hit: tuple[int | None, bool] = (0, False)
+        return self._link.call(
+            "lookup", lambda session: self._match(request, num_computed_tokens, session), no_hit
+        )
+
+    def _match(
+        self, request: Any, num_computed_tokens: int, session: Session
+    ) -> tuple[int | None, bool]:
+        """:meth:`get_num_new_matched_tokens` on ``session``; a ``KvtierError`` is a miss."""
         req_id = request.request_id
-        self._drop_lease(req_id)
-        session = self._link.get()
-        if session is None:
-            return 0, False
+        ns = self._ns(session)
         bt = self._block_tokens
         plan = self._plans.get(req_id)
         if plan is None:
@@ -212,39 +235,33 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
             self._plans[req_id] = plan
         limit = loadable_blocks(plan.prompt_tokens, bt, before_forward=True)
         local = num_computed_tokens // bt
-        try:
-            tiers = session.namespace.lookup_tiers(plan.keys[:limit]) if limit else []
-            stored = len(tiers)
-            # Every block of the prompt stored (a prompt of whole blocks): load them before
-            # the forward (vLLM's asynchronous path), and vLLM computes only the last token;
-            # else load during the forward, layer by layer, and vLLM computes the rest.
-            before_forward = stored > loadable_blocks(plan.prompt_tokens, bt)
-            if before_forward and not self.settings.whole_prompt:
-                stored, before_forward = stored - 1, False
-            if stored <= local:
-                plan.promise(local, stored)
-                return 0, False
-            resident = next(
-                (i for i, tier in enumerate(tiers[local:]) if tier != "dram"), stored - local
-            )
-            if resident < stored - local:
-                # Hits still coming up from NVMe (LOOKUP started promoting them): ask again next
-                # step rather than wait, while DRAM keeps filling with them.
-                now = time.monotonic()
-                promotion = self._promotions.setdefault(
-                    req_id, Promotion(now, self.settings.wait_for_promotion_s)
-                )
-                if promotion.ask_again(resident, now):
-                    return None, False
-            # The lease only holds the DRAM hits against eviction until the worker has read
-            # them; the worker verifies what it copies, so hashing them here too would be a
-            # second pass over every block for nothing.
-            lease = session.namespace.acquire(
-                plan.keys[local:stored], resident_only=True, verify_on_copy=True
-            )
-        except KvtierError as exc:  # a miss; a broken connection also drops the session
-            self._link.failed(exc)
+        tiers = ns.lookup_tiers(plan.keys[:limit]) if limit else []
+        stored = len(tiers)
+        # Every block of the prompt stored (a prompt of whole blocks): load them before the
+        # forward (vLLM's asynchronous path), and vLLM computes only the last token; else load
+        # during the forward, layer by layer, and vLLM computes the rest.
+        before_forward = stored > loadable_blocks(plan.prompt_tokens, bt)
+        if before_forward and not self.settings.whole_prompt:
+            stored, before_forward = stored - 1, False
+        if stored <= local:
+            plan.promise(local, stored)
             return 0, False
+        resident = next(
+            (i for i, tier in enumerate(tiers[local:]) if tier != "dram"), stored - local
+        )
+        if resident < stored - local:
+            # Hits still coming up from NVMe (LOOKUP started promoting them): ask again next
+            # step rather than wait, while DRAM keeps filling with them.
+            now = time.monotonic()
+            promotion = self._promotions.setdefault(
+                req_id, Promotion(now, self.settings.wait_for_promotion_s)
+            )
+            if promotion.ask_again(resident, now):
+                return None, False
+        # The lease only holds the DRAM hits against eviction until the worker has read them;
+        # the worker verifies what it copies, so hashing them here too would be a second pass
+        # over every block for nothing.
+        lease = ns.acquire(plan.keys[local:stored], resident_only=True, verify_on_copy=True)
         self._promotions.pop(req_id, None)
         # Every hit is promised; those not in DRAM now the worker reads itself.
         promised = plan.promise(local, stored, before_forward=before_forward)
@@ -382,7 +399,10 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         self._saves_pending = bool(connector_metadata.saves)
         if connector_metadata.loads or connector_metadata.saves:
             # One session for the whole step: it is never replaced while the step copies.
-            self._session = self._link.get()
+            try:
+                self._session = self._link.session()
+            except KvtierError as exc:  # the step loads nothing (load errors) and saves nothing
+                self._link.missed("step", exc, None)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # vLLM calls this before the forward when the step has loads, after it otherwise.
@@ -419,14 +439,14 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
                     self._not_loaded(run, got)
                     return
                 try:
-                    lease = session.namespace.acquire(list(run.keys))
+                    lease = self._ns(session).acquire(list(run.keys))
                 except BlockNotFoundError:  # one is gone: take what is still in DRAM
-                    lease = session.namespace.acquire(list(run.keys), resident_only=True)
+                    lease = self._ns(session).acquire(list(run.keys), resident_only=True)
                 except (QuotaError, NoSpaceError):  # more than DRAM lets one connection hold
                     got = self._load_in_batches(session, run)
                 else:
                     got = len(lease.keys)
-                    arena = session.arena(self._device)
+                    arena = session.arena(self._ns(session), self._device)
                     load = _Load(run.request_id, lease, run.block_ids[:got], arena)
                     self._loading.append(load)
             except KvtierError as exc:
@@ -445,11 +465,11 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         while the daemon refuses it); returns how many leading blocks were copied. A batch
         with a block gone from every tier loads the part of it still in DRAM, then stops."""
         done, batch = 0, max(1, batch or len(run.keys) // 2)
-        host = self._one_pass
+        host, ns = self._one_pass, self._ns(session)
         while done < len(run.keys):
             keys, complete = list(run.keys[done : done + batch]), True
             try:
-                lease = session.namespace.acquire(keys, verify_on_copy=host)
+                lease = ns.acquire(keys, verify_on_copy=host)
             except (QuotaError, NoSpaceError):
                 if batch == 1:
                     return done
@@ -458,14 +478,14 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
             except BlockNotFoundError:  # one is gone (or failed its checksum): what precedes
                 complete = False
                 try:
-                    lease = session.namespace.acquire(keys, resident_only=True, verify_on_copy=host)
+                    lease = ns.acquire(keys, resident_only=True, verify_on_copy=host)
                 except (QuotaError, NoSpaceError):
                     return done
             with lease:
                 block_ids = run.block_ids[done : done + len(lease.keys)]
                 copied = self._copy_verified(session, lease, block_ids) if host else None
                 if copied is None:  # the lease was verified when taken
-                    self._copy_layers(session.arena(self._device), lease, block_ids)
+                    self._copy_layers(session.arena(ns, self._device), lease, block_ids)
                     copied = len(lease.keys)
             done += copied
             if not complete or copied < len(keys):
@@ -550,7 +570,7 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         slots: list[tuple[int, torch.Tensor]] = []
         try:
             for run in saves:
-                write = stack.enter_context(session.namespace.write(list(run.keys)))
+                write = stack.enter_context(self._ns(session).write(list(run.keys)))
                 for view, block_id in zip(write.views, run.block_ids, strict=True):
                     if view is not None:  # None: already stored
                         raw = torch.frombuffer(view, dtype=torch.uint8)
@@ -600,7 +620,7 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         copies are done (never while they still read the session's arena)."""
         if self._step_error is None:
             self._step_error = exc
-        if not isinstance(exc, CONNECTION_ERRORS):
+        if not is_connection_loss(exc):
             log.info("kvtierd refused a request: %s", exc)
 
     def _end_step(self) -> None:
@@ -609,10 +629,10 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         if stack is not None:
             self._abandon(stack)
         self._save_slots, self._saves_pending = [], False
-        self._session = None
+        session, self._session = self._session, None
         error, self._step_error = self._step_error, None
-        if error is not None and isinstance(error, CONNECTION_ERRORS):
-            self._link.failed(error)
+        if error is not None and session is not None:
+            self._link.lost(error, session)  # dropped now that its copies are done
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
         received, self._received = self._received, set()

@@ -72,15 +72,9 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
-from kvtierd.client import Client, Namespace, connect
-from kvtierd.errors import (
-    CONNECTION_ERRORS,
-    ConfigError,
-    ConfigProblem,
-    InvalidRequestError,
-    KvtierError,
-    NoSpaceError,
-)
+from kvtierd.client import Namespace
+from kvtierd.engines.link import EngineLink, NamespaceSpec
+from kvtierd.errors import ConfigError, ConfigProblem, KvtierError
 
 __all__ = [
     "KvtierdTier",
@@ -93,8 +87,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: Errors after which a blocking client is unusable: the next call reconnects.
 
 
 @dataclass(frozen=True)
@@ -244,61 +236,32 @@ class TierStatistics:
     reconnects: int
 
 
-class _Link:
-    """One thread's connection to the daemon and its namespace, (re)opened on first use."""
-
-    def __init__(self, options: TierOptions, name: str, block_bytes: int, role: str) -> None:
-        self._options = options
-        self._name = name
-        self._block_bytes = block_bytes
-        self._client_name = f"kvtierd vLLM tier ({role}) pid {os.getpid()}"
-        self._client: Client | None = None
-        self._namespace: Namespace | None = None
-        self.opens = 0
-
-    def namespace(self) -> Namespace:
-        if self._client is not None and not self._client.connected():
-            self.close()  # the daemon closed it (a restart): reopen rather than fail one call
-        if self._namespace is None:
-            options = self._options
-            client = connect(
-                options.socket, client_name=self._client_name, timeout_s=options.timeout_s
-            )
-            try:
-                self._namespace = client.namespace(
-                    self._name, block_bytes=self._block_bytes, tenant=options.tenant
-                )
-            except BaseException:
-                client.close()
-                raise
-            self._client = client
-            self.opens += 1
-        return self._namespace
-
-    def failed(self, error: BaseException) -> None:
-        if isinstance(error, CONNECTION_ERRORS):
-            self.close()
-
-    def close(self) -> None:
-        client, self._client, self._namespace = self._client, None, None
-        if client is not None:
-            client.close()
+def _link(options: TierOptions, role: str) -> EngineLink:
+    """One thread's link to the daemon (each of the tier's threads has its own connection)."""
+    return EngineLink(
+        options.socket,
+        client_name=f"kvtierd vLLM tier ({role}) pid {os.getpid()}",
+        tenant=options.tenant,
+        timeout_s=options.timeout_s,
+        log=log,
+    )
 
 
 class _Lookups(AsyncLookupManager):  # type: ignore[misc]  # vLLM is untyped
     """vLLM's lookup state machine; its thread asks the daemon, one LOOKUP per request."""
 
-    def __init__(self, link: _Link, tier_type: str) -> None:
+    def __init__(self, link: EngineLink, spec: NamespaceSpec, tier_type: str) -> None:
         self.link = link
+        self._spec = spec
         self.lookups = self.hits = 0
         super().__init__(tier_type=tier_type)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         try:
-            ns = self.link.namespace()
+            ns = self.link.namespace(self._spec)
             hits = ns.lookup([block_key(key, ns.key_salt) for key in keys])
         except KvtierError as exc:
-            self.link.failed(exc)
+            self.link.lost(exc)
             raise  # vLLM logs it and answers MISS for these keys
         self.lookups += 1
         self.hits += hits
@@ -319,8 +282,9 @@ class _Transfers:
 
     _STOP = -1
 
-    def __init__(self, link: _Link, rows: np.ndarray) -> None:
+    def __init__(self, link: EngineLink, spec: NamespaceSpec, rows: np.ndarray) -> None:
         self.link = link
+        self._spec = spec
         self._rows = rows
         self._order = count()
         self._queue: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
@@ -369,16 +333,19 @@ class _Transfers:
         block_bytes = self._rows.shape[1]
         done = 0
         try:
-            ns = self.link.namespace()
+            session = self.link.session()
+            ns = session.namespace(self._spec)
             keys = [block_key(key, ns.key_salt) for key in job.keys]
             step = max(1, min(ns.client.max_keys, ns.arena.size_bytes // (4 * block_bytes)))
             move = self._read if job.load else self._write
             for start in range(0, len(keys), step):
                 end = min(start + step, len(keys))
-                _with_room(ns, functools.partial(move, ns, keys[start:end], job.slots[start:end]))
+                session.with_room(
+                    functools.partial(move, ns, keys[start:end], job.slots[start:end])
+                )
                 done = end
         except Exception as exc:  # reported to vLLM as a failed job; the tier goes on
-            self.link.failed(exc)
+            self.link.lost(exc)
             log.warning("kvtierd tier: %s job %d failed: %r", _kind(job), job.job_id, exc)
             if job.load:
                 self.load_failures += 1
@@ -416,17 +383,6 @@ class _Transfers:
                 lease.copy_into(i, self._rows[slot])
 
 
-def _with_room(ns: Namespace, action: Callable[[], None]) -> None:
-    """``action``, and once more after an FSYNC if the arena had no free slot (every one leased,
-    being written or awaiting write-back)."""
-    try:
-        action()
-    except NoSpaceError:
-        with contextlib.suppress(InvalidRequestError):  # no NVMe tier: nothing to wait for
-            ns.client.fsync()
-        action()
-
-
 def _kind(job: _Job) -> str:
     return "load" if job.load else "store"
 
@@ -458,17 +414,17 @@ class KvtierdTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         self.namespace_name = namespace_name(
             offloading_spec.config, rows.shape[1], self.options.namespace
         )
-        lookup_link = _Link(self.options, self.namespace_name, rows.shape[1], "lookups")
+        spec = NamespaceSpec(self.namespace_name, block_bytes=rows.shape[1])
+        lookup_link = _link(self.options, "lookups")
         try:
-            lookup_link.namespace()  # a wrong socket or tenant fails the engine's start-up
+            lookup_link.namespace(spec)  # a wrong socket or tenant fails the engine's start-up
         except KvtierError as exc:
             where = self.options.socket or "kvtierd's default socket"
             exc.add_note(f"kvtierd vLLM tier: namespace {self.namespace_name!r} at {where}")
             raise
-        self._lookups = _Lookups(lookup_link, tier_type)
+        self._lookups = _Lookups(lookup_link, spec, tier_type)
         try:
-            link = _Link(self.options, self.namespace_name, rows.shape[1], "transfers")
-            self._transfers = _Transfers(link, rows)
+            self._transfers = _Transfers(_link(self.options, "transfers"), spec, rows)
         except BaseException:
             self._lookups.shutdown()
             lookup_link.close()

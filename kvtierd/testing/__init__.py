@@ -6,9 +6,12 @@ SIGKILL (``kill``). Its log is kept in ``<dir>/daemon.log`` and printed when sta
 
 Beside it: real ``redis-server`` processes (:mod:`.redis_server`), several hosts on one machine
 (:mod:`.netns`), the NIXL reader child (:mod:`.nixl_reader`), and the crash soak's loop and
-attackers (:mod:`.crash`, :mod:`.remote_attacks`), which ``tools/soak_crash.py`` runs long and
-the crash tests short. Where a component is missing here, :func:`skip` skips the calling test;
-the modules tools use import pytest only then. The pytest fixtures (:mod:`.fixtures`) and the
+attackers (:mod:`.crash`, :mod:`.remote_attacks`), which ``tools/soak_crash.py`` runs long and the
+crash tests short; the engines' helpers for tests, benchmarks and the demo: the real SmolLM2 model
+(:mod:`.smollm2`), long prompts (:mod:`.hf_prompts`), the fidelity comparison (:mod:`.hf_fidelity`),
+a vLLM engine in a child process (:mod:`.vllm_process`), and LMCache's connector over a host KV
+tensor (:mod:`.lmcache_cpu`). Where a component is missing here, :func:`skip` skips the calling
+test; the modules tools use import pytest only then. The pytest fixtures (:mod:`.fixtures`) and the
 lower-tier contract suite (:mod:`.tier_contract`) are for test suites and import it.
 """
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvtierd.engines import smollm2
+from kvtierd.testing import smollm2
 
 _REASON = smollm2.unavailable_reason()
 pytestmark = [
@@ -99,7 +99,7 @@ def _assert_same_cache(a: Any, b: Any) -> None:
 def test_restored_logits_equal_resident(adapter: Any, prompt: list[int], tier: str) -> None:
     import torch
 
-    from kvtierd.engines.hf_fidelity import compare, greedy_continue
+    from kvtierd.testing.hf_fidelity import compare, greedy_continue
 
     first = adapter.prefill(prompt)
     assert first.cached_tokens == 0
@@ -243,7 +243,7 @@ def test_cache_in_another_dtype_is_refused(adapter: Any, prompt: list[int]) -> N
 
 
 def test_prompts_have_the_exact_length_and_follow_ups_extend_them(loaded: Any) -> None:
-    from kvtierd.engines.hf_prompts import document_prompt, follow_up
+    from kvtierd.testing.hf_prompts import document_prompt, follow_up
 
     tokenizer = loaded.tokenizer
     prompt = document_prompt(tokenizer, TEXT, "Which year is it?", tokens=200)
@@ -263,7 +263,7 @@ def test_prompts_have_the_exact_length_and_follow_ups_extend_them(loaded: Any) -
 
 def test_cache_outgrows_its_slab(adapter: Any, prompt: list[int]) -> None:
     """Decode steps past the slab's capacity move a layer to a larger buffer, same bits."""
-    from kvtierd.engines.hf_fidelity import compare, greedy_continue
+    from kvtierd.testing.hf_fidelity import compare, greedy_continue
 
     first = adapter.prefill(prompt)
     adapter.headroom_tokens = 2

@@ -5,7 +5,7 @@ never visible; LMCache's prefix hit count is kvtierd's LOOKUP.
 
 The token sequence is the UTF-8 bytes of a public-domain text (a byte-level tokenisation); the
 KV is random data of a small model's shape in bfloat16 (a dtype numpy lacks, so every byte path
-is exercised). LMCache's engine is driven by the CPU connector of ``kvtierd.engines.lmcache_cpu``.
+is exercised). LMCache's engine is driven by the CPU connector of ``kvtierd.testing.lmcache_cpu``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ try:
         from lmcache.v1.metadata import LMCacheMetadata
 
         from kvtierd.engines.lmcache import KvtierdBackend
-        from kvtierd.engines.lmcache_cpu import CpuKvConnector
+        from kvtierd.testing.lmcache_cpu import CpuKvConnector
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(
         f"lmcache is not importable ({exc}); `pip install -e .[peers]` installs it",

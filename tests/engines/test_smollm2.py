@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvtierd.engines import smollm2
 from kvtierd.errors import KvtierError
+from kvtierd.testing import smollm2
 
 
 def _without(monkeypatch: pytest.MonkeyPatch, *missing: str) -> None:

@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 
 from kvtierd.client import Namespace, connect
-from kvtierd.engines.smollm2 import unavailable_reason
 from kvtierd.keys import chain_keys
 from kvtierd.testing import DaemonProcess
+from kvtierd.testing.smollm2 import unavailable_reason
 from tests.support.scribble import scribble
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,9 +52,9 @@ if (reason := unavailable_reason()) is not None:
 if not DATA.is_file():
     pytest.skip(f"the LooGLE documents are missing ({DATA})", allow_module_level=True)
 
-from kvtierd.engines.hf_prompts import document_prompt, read_qa_documents  # noqa: E402
-from kvtierd.engines.smollm2 import hf_folder  # noqa: E402
-from kvtierd.engines.vllm_process import EngineProcess, Generation, total_variation  # noqa: E402
+from kvtierd.testing.hf_prompts import document_prompt, read_qa_documents  # noqa: E402
+from kvtierd.testing.smollm2 import hf_folder  # noqa: E402
+from kvtierd.testing.vllm_process import EngineProcess, Generation, total_variation  # noqa: E402
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(1500)]
 

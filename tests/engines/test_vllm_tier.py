@@ -42,9 +42,9 @@ import numpy as np
 import pytest
 
 from kvtierd.client import DaemonNotRunningError, connect
-from kvtierd.engines.smollm2 import unavailable_reason
 from kvtierd.errors import ConfigError
 from kvtierd.testing import DaemonProcess
+from kvtierd.testing.smollm2 import unavailable_reason
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip(
@@ -466,7 +466,7 @@ def _chunk_bytes(model: Path) -> int:
 @contextlib.contextmanager
 def _engine(model: Path, socket: Path, log: Path) -> Iterator[Any]:
     from kvtierd.engines.vllm_cpu_offload import kvtierd_transfer_config
-    from kvtierd.engines.vllm_process import EngineProcess
+    from kvtierd.testing.vllm_process import EngineProcess
 
     args = {
         "model": str(model),
@@ -511,8 +511,8 @@ def _promotions(socket: Path) -> int:
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     from transformers import AutoTokenizer
 
-    from kvtierd.engines.hf_prompts import document_prompt, read_qa_documents
-    from kvtierd.engines.smollm2 import hf_folder
+    from kvtierd.testing.hf_prompts import document_prompt, read_qa_documents
+    from kvtierd.testing.smollm2 import hf_folder
 
     root = tmp_path_factory.mktemp("vllm_tier")
     model = hf_folder()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtierd.engines.smollm2 import unavailable_reason
+from kvtierd.testing.smollm2 import unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data" / "loogle" / "shortdep_qa.jsonl"

@@ -93,7 +93,7 @@ class EngineProcess:
         self._log = log_path.open("ab")
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtierd.engines.vllm_process", json.dumps(engine_args)],
+                [sys.executable, "-m", "kvtierd.testing.vllm_process", json.dumps(engine_args)],
                 stdin=subprocess.PIPE,
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
