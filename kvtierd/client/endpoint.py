@@ -120,6 +120,9 @@ class TcpEndpoint:
         except (ssl.SSLError, OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
             await anyio.aclose_forcefully(stream)
             raise self._tls_error(exc) from None
+        except BaseException:  # cancelled during the handshake: the stream is not the caller's
+            await anyio.aclose_forcefully(stream)
+            raise
 
     def _tls_error(self, exc: BaseException) -> KvtierError:
         """What a failed TLS handshake (``exc``) means."""

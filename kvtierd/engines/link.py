@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from kvtierd.client import Client, Namespace, connect
+from kvtierd.client.base import broken_error
 from kvtierd.errors import (
     ClosedError,
     InvalidRequestError,
@@ -72,7 +73,9 @@ class Session:
         self._tenant = tenant
         self._namespaces: dict[Hashable, Namespace] = {}
         self._arenas: dict[int, torch.Tensor] = {}
+        #: Regions registered as pinned memory, and those that could not be (used unpinned).
         self._pinned: dict[int, PinnedRegion] = {}
+        self._unpinnable: set[int] = set()
         #: Held while a namespace is opened or a region mapped, so each happens once; never
         #: taken by a thread inside a request.
         self._opening = threading.Lock()
@@ -123,7 +126,8 @@ class Session:
 
         region = ns.handle.region
         arena = self._arenas.get(region)
-        if arena is None or (device is not None and region not in self._pinned):
+        tried = region in self._pinned or region in self._unpinnable
+        if arena is None or (device is not None and not tried):
             with self._opening:
                 arena = self._arenas.get(region)
                 if arena is None:
@@ -131,11 +135,24 @@ class Session:
                         warnings.filterwarnings("ignore", message=".*not writable.*")
                         arena = torch.frombuffer(ns.arena_buffer(), dtype=torch.uint8)
                     self._arenas[region] = arena
-                if device is not None and region not in self._pinned:
-                    pinned = PinnedRegion(arena, device)
-                    pinned.pin()  # nothing to do for a CPU device
-                    self._pinned[region] = pinned
+                if device is not None and region not in self._pinned.keys() | self._unpinnable:
+                    self._pin(region, PinnedRegion(arena, device))
         return arena
+
+    def _pin(self, region: int, pinned: PinnedRegion) -> None:
+        """Register ``region`` as pinned memory (nothing to do for a CPU device); a CUDA
+        runtime that refuses leaves it unpinned, said once: copies are staged, not lost."""
+        from kvtierd.client.cuda import CudaError
+
+        try:
+            pinned.pin()
+        except CudaError as exc:
+            self._unpinnable.add(region)
+            logging.getLogger("kvtierd.engines").warning(
+                "region %d stays unpinned (copies from it are staged): %s", region, exc
+            )
+        else:
+            self._pinned[region] = pinned
 
     def with_room(self, call: Callable[[], T]) -> T:
         """``call()``; refused for space, once more after FSYNC made the written blocks clean
@@ -151,14 +168,16 @@ class Session:
         return self.client.connected()
 
     def close(self) -> None:
-        """Unpin the regions (the adapter's copies out of them are done) and close."""
-        for pinned in self._pinned.values():
-            with contextlib.suppress(KvtierError):
-                pinned.unpin()
-        self._pinned.clear()
-        self._arenas.clear()
+        """Close the connection (after the call in progress), then unpin the regions: the
+        adapter drops a session only once its copies out of them are done."""
         with contextlib.suppress(KvtierError, OSError):
             self.client.close()
+        with self._opening:
+            pinned, self._pinned = list(self._pinned.values()), {}
+            self._arenas.clear()
+        for region in pinned:
+            with contextlib.suppress(KvtierError):
+                region.unpin()
 
 
 class EngineLink:
@@ -209,15 +228,23 @@ class EngineLink:
                     client = connect(
                         self._socket, client_name=self._client_name, timeout_s=self._timeout_s
                     )
-                except (KvtierError, OSError) as exc:  # OSError: reset during the handshake
+                except KvtierError as exc:
                     self._went_down(exc)
                     raise
+                except OSError as exc:  # reset during the handshake, EMFILE: not the engine's
+                    self._went_down(exc)
+                    raise broken_error(exc) from exc
                 session = self._session = Session(client, self.tenant)
                 self.opens += 1
                 if self._down_since is not None:
                     self._log.warning("kvtierd is reachable again")
                     self._down_since = None
             return session
+
+    def current(self) -> Session | None:
+        """The open session, without connecting (``None`` when there is none)."""
+        with self._lock:
+            return self._session
 
     def namespace(self, spec: NamespaceSpec) -> Namespace:
         """``spec``'s namespace on the open session (connecting if needed)."""
@@ -257,8 +284,12 @@ class EngineLink:
         with self._lock:
             self.failures += 1
             down = self._down_since is not None
-        # while the daemon is away, "unreachable" was said once already
-        level = logging.DEBUG if down else logging.WARNING
+        # while the daemon is away, "unreachable" was said once already; a refusal is the
+        # daemon doing its job (full, over quota), said quietly
+        if down:
+            level = logging.DEBUG
+        else:
+            level = logging.WARNING if is_connection_loss(exc) else logging.INFO
         self._log.log(level, "kvtierd %s failed, answered as a miss: %s", what, exc)
         return miss
 

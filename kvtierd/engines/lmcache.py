@@ -89,6 +89,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -218,9 +219,11 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
         self._link = EngineLink(
             self._socket, client_name="kvtierd-lmcache", tenant=self._tenant, log=log
         )
-        #: Guards ``_current`` and ``_counts``; held across no request.
+        #: Guards ``_states`` and ``_counts``; held across no request.
         self._lock = threading.Lock()
-        self._current: _Session | None = None
+        #: What the backend keeps with each of the link's sessions (its pins are its
+        #: connection's leases), gone with the session.
+        self._states: weakref.WeakKeyDictionary[Session, _Session] = weakref.WeakKeyDictionary()
         self._counts = dict.fromkeys(BackendStatistics.__slots__, 0)
 
     def __str__(self) -> str:
@@ -237,10 +240,10 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
     def _session_of(self, link_session: Session) -> _Session:
         """What the backend keeps with ``link_session``, anew for each connection."""
         with self._lock:
-            current = self._current
-            if current is None or current.link is not link_session:
-                current = self._current = _Session(link_session, self._chunk_bytes)
-            return current
+            state = self._states.get(link_session)
+            if state is None:
+                state = self._states[link_session] = _Session(link_session, self._chunk_bytes)
+            return state
 
     def _count(self, counter: str, n: int = 1) -> None:
         with self._lock:  # LMCache's threads count at once
@@ -341,8 +344,9 @@ class KvtierdBackend(StoragePluginInterface):  # type: ignore[misc]
     def unpin(self, key: Any) -> bool:
         """Let go of one pin of ``key``; a key this backend holds no pin for (it was on NVMe at
         lookup, or the connection was re-established since) needs nothing."""
+        current = self._link.current()
         with self._lock:
-            session = self._current
+            session = self._states.get(current) if current is not None else None
         if session is None:
             return True
         ident = (key.model_name, key.world_size, key.worker_id, key.dtype, key.tags)

@@ -35,8 +35,8 @@ counted in :meth:`KvtierdHiCacheStorage.statistics` and answered as a miss (``Fa
 ``None`` for one ``get``, which is that call's contract). The daemon is reached through an
 :class:`~kvtierd.engines.link.EngineLink`: a lost connection is dropped and made again (once
 within the call, else on the next), so a restarted daemon serves what its NVMe tier kept.
-Bad arguments this module checks (not a contiguous CPU tensor, not one value per key) are
-SGLang's bug and raise.
+Bad arguments this module checks (not a contiguous CPU tensor, not one value per key, a
+``_v1`` call before ``register_mem_pool_host``) are SGLang's bug and raise.
 
 *Threads.* SGLang calls from its prefetch, backup and scheduler threads; the kvtierd client takes
 their requests in turns. This module's lock guards the counters; the link opens the session and
@@ -156,13 +156,17 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._pool_page_bytes = page.numel() * page.element_size()
         self.mem_pool_host = mem_pool_host
 
+    def _require_pool(self) -> None:
+        """SGLang's bug, raised: a ``_v1`` call before the host pool was registered."""
+        if self.mem_pool_host is None:
+            raise InvalidRequestError("the _v1 calls need register_mem_pool_host first")
+
     def _pool_namespace(self, session: Session | None = None) -> Namespace:
         """The host pool's namespace on ``session`` (default: the link's open one)."""
         if session is None:
             session = self._link.session()
+        self._require_pool()
         pool = self.mem_pool_host
-        if pool is None:
-            raise InvalidRequestError("the _v1 calls need register_mem_pool_host first")
         return self._namespace(session, self._layout(), pool.dtype, self._pool_page_bytes)
 
     def _host_pages(self, host_indices: torch.Tensor, count: int) -> list[torch.Tensor]:
@@ -175,6 +179,7 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         """Load the leading stored pages into the host pool at ``host_indices``: ``True`` per
         page loaded, ``False`` from the first page that was not."""
+        self._require_pool()
         block_keys = self._keys(keys, extra_info)
 
         def load(session: Session) -> int:
@@ -214,6 +219,7 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         """Store the host pool's pages at ``host_indices`` (one ALLOC, copy, COMMIT; pages
         already stored are skipped): all ``True``, or all ``False`` if the write failed."""
+        self._require_pool()
         block_keys = self._keys(keys, extra_info)
 
         def store(session: Session) -> bool:

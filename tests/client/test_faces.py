@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -178,5 +179,36 @@ def test_a_tcp_client_maps_no_region_on_either_face(
             ans = await aclient.namespace("remote", block_bytes=4096, tenant="alpha")
             with pytest.raises(NotSupportedError, match="NIXL"):
                 ans.arena  # noqa: B018
+
+    anyio.run(main, backend=anyio_backend)
+
+
+def test_async_leases_are_given_back_from_any_thread_and_before_the_block_is_left(
+    daemon: DaemonProcess, anyio_backend: str
+) -> None:
+    """``release()`` of an async lease from a worker thread reaches the daemon, and leaving an
+    ``async with ns.lease()`` block waits for its RELEASE's answer even when ``release()`` ran
+    inside it (the janitor may have taken it first): another connection sees no lease held."""
+    block = np.full(4096, 3, np.uint8).tobytes()
+
+    async def main() -> None:
+        with connect(daemon.socket) as observer:
+            async with connect_async(daemon.socket) as aclient:
+                ans = await aclient.namespace("threads", block_bytes=4096)
+                keys = chain_keys(range(48), 16, ans.key_salt)
+                await ans.put(keys, [block] * 3)
+                held = await ans.acquire(keys)
+                assert observer.stats()["leases"] >= 1
+                await anyio.to_thread.run_sync(held.release)
+                for _ in range(500):
+                    if observer.stats()["leases"] == 0:
+                        break
+                    await anyio.sleep(0.01)
+                assert observer.stats()["leases"] == 0
+                for _ in range(20):
+                    async with ans.lease(keys) as leased:
+                        leased.release()
+                        await anyio.lowlevel.checkpoint()  # the janitor may take the RELEASE now
+                    assert observer.stats()["leases"] == 0
 
     anyio.run(main, backend=anyio_backend)

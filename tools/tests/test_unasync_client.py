@@ -21,3 +21,9 @@ def test_the_check_fails_on_a_stale_file(tmp_path, monkeypatch) -> None:  # type
     monkeypatch.setattr(unasync_client, "TARGET", stale)
     assert unasync_client.main(["--check"]) == 1
     assert "def put_by_hand(" in stale.read_text(), "--check must write nothing"
+
+
+def test_async_only_names_in_code_are_found_but_not_in_strings() -> None:
+    text = 'import anyio\n\n\ndef f():\n    """await the anyio way"""\n    return x  # async\n'
+    assert unasync_client._async_left(text) == ["anyio"]
+    assert unasync_client._async_left(unasync_client.TARGET.read_text()) == []

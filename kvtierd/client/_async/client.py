@@ -61,8 +61,9 @@ T = TypeVar("T")
 
 
 class AsyncClient(AsyncConnection):
-    """A connection to the daemon. Construct with :func:`kvtierd.client.connect_async`
-    (:func:`kvtierd.client.connect` for the blocking face)."""
+    """A connection to the daemon. Construct with ``kvtierd.client.connect()`` or
+    ``connect_tcp()`` (the blocking face), ``connect_async()`` or ``connect_tcp_async()`` (the
+    async one)."""
 
     def region(self, region: int) -> ClientArena:
         """The mapping of tenant region ``region`` (passed at OPEN_NS)."""
@@ -243,8 +244,9 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
     ) -> AsyncIterator[BlockLease]:
         """Lease the blocks: views and extents (offsets into :meth:`arena_buffer`), verified
         against their checksums and valid until the ``with`` block ends or ``release()`` is
-        called; the RELEASE is answered when the block is left. ``resident_only`` and
-        ``verify_on_copy``: see :meth:`acquire`."""
+        called. The async face waits for the RELEASE's answer as the block is left; the
+        blocking face sends it without waiting (before the next call's first request).
+        ``resident_only`` and ``verify_on_copy``: see :meth:`acquire`."""
         lease = await self.acquire(keys, resident_only=resident_only, verify_on_copy=verify_on_copy)
         try:
             yield lease

@@ -30,13 +30,17 @@ import collections
 import contextlib
 import socket
 import ssl
+import threading
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 from anyio import sleep
 from anyio.abc import ByteStream, SocketAttribute, TaskGroup, UNIXSocketStream
+from anyio.lowlevel import EventLoopToken
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from anyio.streams.tls import TLSAttribute
 
@@ -133,8 +137,16 @@ class AsyncConnection(abc.ABC):
         self._broken: KvtierError | None = None
         self._regions = Regions(maps=endpoint.passes_descriptors)
         self._closed = False
-        #: Leases given back from synchronous code (:meth:`release_soon`), not sent yet.
+        #: Leases given back from synchronous code (:meth:`release_soon`), not sent yet, and
+        #: one event per RELEASE being sent (set when it is answered).
         self._releases: collections.deque[int] = collections.deque()
+        self._releasing: set[anyio.Event] = set()
+        #: Whether a wake-up for the janitor to send them is queued already.
+        self._flush_queued = False
+        #: The event loop's thread and token (set by :meth:`_start`), for a release from
+        #: another thread.
+        self._loop_thread = threading.get_ident()
+        self._token: EventLoopToken | None = None
         #: What reads the current connection's replies (closed before its socket is).
         self._receiver: Receiver | None = None
         self.max_keys = 1
@@ -315,9 +327,12 @@ class AsyncConnection(abc.ABC):
 
     async def _handshake(self) -> None:
         request = init_request(self._client_name)
-        init = check_init(
-            await _exchange_unread(self._stream, self._conn, self._endpoint, request, [])
-        )
+        fds: list[int] = []
+        try:
+            reply = await _exchange_unread(self._stream, self._conn, self._endpoint, request, fds)
+        finally:
+            close_all(fds)  # INIT passes no memory (protocol minor 6)
+        init = check_init(reply)
         self.max_keys = init.max_keys
         self.daemon_version = init.daemon_version
         self.daemon_minor = init.minor
@@ -348,7 +363,11 @@ class AsyncConnection(abc.ABC):
             return await _exchange_unread(stream, conn, self._endpoint, message, fds)
 
         try:
-            init = check_init(await exchange(init_request(self._client_name), []))
+            init_fds: list[int] = []
+            try:
+                init = check_init(await exchange(init_request(self._client_name), init_fds))
+            finally:
+                close_all(init_fds)  # INIT passes no memory
             handles = await self._reopen_namespaces(exchange, regions)
         except BaseException:
             regions.close()
@@ -416,25 +435,48 @@ class AsyncConnection(abc.ABC):
     # -- giving back -------------------------------------------------------------------------
 
     def release_soon(self, leases: Sequence[int], reconnects: int | None = None) -> None:
-        """RELEASE ``leases`` without waiting, from synchronous code (a lease's ``release()``):
-        the janitor sends them, or :meth:`_flush_releases` first. Leases granted before
-        reconnect number ``reconnects`` are dropped: the daemon released them with their
-        connection, and their ids may name a new connection's leases."""
+        """RELEASE ``leases`` without waiting, from synchronous code (a lease's ``release()``),
+        on the event loop's thread or any other: the janitor sends them, unless
+        :meth:`_flush_releases` does first. Leases granted before reconnect number
+        ``reconnects`` are dropped: the daemon released them with their connection, and their
+        ids may name a new connection's leases."""
         if self._closed or (reconnects is not None and reconnects != self.reconnects):
             return
-        self._releases.extend(leases)
+        self._releases.extend(leases)  # a deque: safe from any thread
+        if threading.get_ident() == self._loop_thread:
+            self._wake_janitor()
+        elif self._token is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: so is the connection
+                anyio.from_thread.run_sync(self._wake_janitor, token=self._token)
+
+    def _wake_janitor(self) -> None:
+        """Have the janitor send the queued RELEASEs: one wake-up queued at a time, so the
+        janitor's queue keeps its room for the clean-up of cancelled requests."""
+        if self._flush_queued or self._closed:
+            return
         with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
             self._janitor_send.send_nowait((self.reconnects, _FLUSH))
+            self._flush_queued = True
 
     async def _flush_releases(self) -> None:
-        """Send the queued RELEASEs and wait for their replies (so that a lease ended by an
-        ``async with`` is given back when the block is left), a frame of up to ``max_keys``
-        at a time, shielded from cancellation."""
+        """Send the queued RELEASEs, a frame of up to ``max_keys`` at a time, shielded from
+        cancellation, and wait for every RELEASE in flight to be answered, this call's and
+        those another task took first: a lease ended by an ``async with`` is given back when
+        the block is left."""
         pending = self._releases
         while pending and not self._closed and self._broken is None:
             batch = [pending.popleft() for _ in range(min(len(pending), self.max_keys))]
-            with anyio.CancelScope(shield=True), contextlib.suppress(KvtierError):
-                await self._call(ReleaseRequest(batch))
+            answered = anyio.Event()
+            self._releasing.add(answered)
+            try:
+                with anyio.CancelScope(shield=True), contextlib.suppress(KvtierError):
+                    await self._call(ReleaseRequest(batch))
+            finally:
+                self._releasing.discard(answered)
+                answered.set()
+        for answered in list(self._releasing):
+            with anyio.CancelScope(shield=True):
+                await answered.wait()
 
     def _unsent(self, message: Message) -> None:
         """A request cancelled before it was sent: what it would have given back (a RELEASE, a
@@ -462,6 +504,7 @@ class AsyncConnection(abc.ABC):
                 if reconnects != self.reconnects:  # its connection took it along
                     continue
                 if message is _FLUSH:
+                    self._flush_queued = False
                     await self._flush_releases()
                     continue
                 with contextlib.suppress(KvtierError):
@@ -596,6 +639,8 @@ class AsyncConnection(abc.ABC):
 
     def _start(self, tg: TaskGroup) -> None:
         self._tg = tg
+        self._loop_thread = threading.get_ident()
+        self._token = anyio.lowlevel.current_token()
         self._start_reader(self._stream, self._raw, self._conn)
         tg.start_soon(self._janitor)
 
