@@ -116,14 +116,29 @@ class BlockLease:
 class BlockWrite:
     """Slots being written: ``views[i]`` is a writable view for ``keys[i]``, or ``None`` where
     that key is already stored (skip it). Committed when the ``with`` block ends normally,
-    abandoned (never visible) when it raises."""
+    abandoned (never visible) when it raises; or, from ``Namespace.allocate``, by its
+    namespace's ``commit(write)`` or ``abort(write)``."""
 
     keys: Sequence[bytes]
     views: list[memoryview | None]
+    #: The daemon's write ids (ALLOC's) and the connection that granted them (``reconnects``).
+    writes: list[int] = field(default_factory=list)
+    connection: int = 0
+    #: "committed" or "aborted" once ended; a write ends once.
+    ended: str = ""
 
     def __repr__(self) -> str:
         fill = sum(v is not None for v in self.views)
-        return f"<BlockWrite of {len(self.keys)} blocks, {fill} to fill>"
+        state = f", {self.ended}" if self.ended else ""
+        return f"<BlockWrite of {len(self.keys)} blocks, {fill} to fill{state}>"
+
+    def end(self, how: str) -> None:
+        """Mark the write ended (``how``: committed or aborted) and invalidate its views;
+        raises ``InvalidRequestError`` if it ended already."""
+        if self.ended:
+            raise InvalidRequestError(f"this write was {self.ended} already")
+        self.ended = how
+        release_views(self.views)
 
     def lose(self, why: KvtierError) -> None:
         """The connection the slots were allocated on is gone (``why``): the daemon may give

@@ -52,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtierd.client import BlockLease, Namespace
+from kvtierd.client import BlockLease, BlockWrite, Namespace
 from kvtierd.client.arena import copy_verified
 from kvtierd.engines.host_runs import HostRuns
 from kvtierd.engines.link import EngineLink, NamespaceSpec, Session
@@ -189,7 +189,8 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         self._received: set[str] = set()  # loaded before the forward, for get_finished
         self._tainted: set[str] = set()  # a load failed: save nothing more of these
         self._saves_pending = False
-        self._saving: contextlib.ExitStack | None = None
+        #: The step's writes (allocated at its first layer) and their namespace.
+        self._saving: tuple[Namespace, list[BlockWrite]] | None = None
         self._save_slots: list[tuple[int, torch.Tensor]] = []
         self._saved_layers: set[int] = set()
         self._load_errors: set[int] = set()
@@ -566,21 +567,22 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         session = self._session
         if not saves or session is None or self._step_error is not None:
             return
-        stack = contextlib.ExitStack()
+        ns = self._ns(session)
+        writes: list[BlockWrite] = []
         slots: list[tuple[int, torch.Tensor]] = []
         try:
             for run in saves:
-                write = stack.enter_context(self._ns(session).write(list(run.keys)))
+                write = ns.allocate(list(run.keys))
+                writes.append(write)
                 for view, block_id in zip(write.views, run.block_ids, strict=True):
                     if view is not None:  # None: already stored
                         raw = torch.frombuffer(view, dtype=torch.uint8)
                         slots.append((block_id, self._block_planes(raw)))
         except KvtierError as exc:  # refused (no room): nothing of this step is saved
-            with contextlib.suppress(KvtierError):
-                stack.__exit__(type(exc), exc, exc.__traceback__)
+            self._abandon(ns, writes)
             self._fail_step(exc)
             return
-        self._saving, self._save_slots = stack, slots
+        self._saving, self._save_slots = (ns, writes), slots
         self._saved_layers = set()
 
     def save_kv_layer(
@@ -598,22 +600,31 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
     def wait_for_save(self) -> None:
         self._finish_loads()
         self._saves_pending = False
-        stack, self._saving = self._saving, None
-        if stack is not None:
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            ns, writes = saving
             if len(self._saved_layers) == len(self._layers):
-                try:
-                    stack.close()  # COMMIT every write of the step
-                except KvtierError as exc:
-                    self._fail_step(exc)
+                self._commit(ns, writes)
             else:  # a layer never written: committing would publish stale bytes
-                self._abandon(stack)
+                self._abandon(ns, writes)
         self._save_slots = []
         self._end_step()
 
-    def _abandon(self, stack: contextlib.ExitStack) -> None:
-        error = KvtierError("the step did not write every layer")
-        with contextlib.suppress(KvtierError):
-            stack.__exit__(type(error), error, None)
+    def _commit(self, ns: Namespace, writes: list[BlockWrite]) -> None:
+        """COMMIT every write of the step, in order; after a failure the rest are abandoned."""
+        for i, write in enumerate(writes):
+            try:
+                ns.commit(write)
+            except KvtierError as exc:
+                self._abandon(ns, writes[i + 1 :])
+                self._fail_step(exc)
+                return
+
+    @staticmethod
+    def _abandon(ns: Namespace, writes: list[BlockWrite]) -> None:
+        for write in writes:
+            with contextlib.suppress(KvtierError):
+                ns.abort(write)
 
     def _fail_step(self, exc: KvtierError) -> None:
         """Remember the step's first error; a broken connection is dropped once the step's
@@ -625,9 +636,9 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
 
     def _end_step(self) -> None:
         self._finish_loads()
-        stack, self._saving = self._saving, None
-        if stack is not None:
-            self._abandon(stack)
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            self._abandon(*saving)
         self._save_slots, self._saves_pending = [], False
         session, self._session = self._session, None
         error, self._step_error = self._step_error, None

@@ -22,6 +22,7 @@ from kvtierd.client import (
     AsyncClient,
     AsyncNamespace,
     Client,
+    InvalidRequestError,
     KvtierError,
     Namespace,
     NotSupportedError,
@@ -210,5 +211,38 @@ def test_async_leases_are_given_back_from_any_thread_and_before_the_block_is_lef
                         leased.release()
                         await anyio.lowlevel.checkpoint()  # the janitor may take the RELEASE now
                     assert observer.stats()["leases"] == 0
+
+    anyio.run(main, backend=anyio_backend)
+
+
+def test_a_write_allocated_outside_a_block_is_committed_or_aborted_once(
+    daemon: DaemonProcess, anyio_backend: str
+) -> None:
+    """``allocate`` / ``commit`` / ``abort`` on both faces: committed blocks are stored, aborted
+    ones never visible, and a write ends once."""
+    block = np.full(4096, 9, np.uint8).tobytes()
+    with connect(daemon.socket) as client:
+        ns = client.namespace(f"allocated-{anyio_backend}", block_bytes=4096)
+        kept, dropped = chain_keys(range(32), 16, ns.key_salt), chain_keys(range(99, 131), 16)
+        write = ns.allocate(kept)
+        for view in write.views:
+            assert view is not None
+            view[:] = block
+        ns.commit(write)
+        with pytest.raises(InvalidRequestError, match="committed already"):
+            ns.abort(write)
+        ns.abort(ns.allocate(dropped))
+        assert (ns.lookup(kept), ns.lookup(dropped)) == (2, 0)
+
+    async def main() -> None:
+        async with connect_async(daemon.socket) as aclient:
+            ans = await aclient.namespace(f"allocated-{anyio_backend}", block_bytes=4096)
+            again = await ans.allocate(kept)
+            assert again.views == [None, None]  # stored already: nothing to fill
+            await ans.commit(again)
+            with pytest.raises(InvalidRequestError, match="committed already"):
+                await ans.commit(again)
+            await ans.abort(await ans.allocate(dropped))
+            assert (await ans.lookup(kept), await ans.lookup(dropped)) == (2, 0)
 
     anyio.run(main, backend=anyio_backend)

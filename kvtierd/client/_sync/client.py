@@ -35,7 +35,7 @@ from kvtierd.client.base import (
     in_flight_error,
     namespace_request,
 )
-from kvtierd.client.blocks import BlockLease, BlockWrite, release_views
+from kvtierd.client.blocks import BlockLease, BlockWrite
 from kvtierd.client.reconnect import RECONNECTABLE, Reconnect, gave_up, reopen_namespaces
 from kvtierd.errors import BrokenConnectionError, CorruptBlockError, KvtierError
 from kvtierd.protocol.messages import (
@@ -288,25 +288,42 @@ class Namespace(NamespaceBase[Client]):
         """Writable arena slots for the keys not stored yet (``None`` for the others): fill
         them in place, and they are committed when the ``with`` block ends (abandoned, never
         visible, if it raises). The zero-copy form of :meth:`put`."""
-        c = self.client
-        writes, extents = self._run(lambda: ops.alloc(self.handle.ns, keys, c.max_keys))
-        reconnects = c.reconnects
-        views = [self.arena.writable(e.offset, e.length) if e.length else None for e in extents]
-        block = c._held.track(BlockWrite(list(keys), views))
+        block = self.allocate(keys)
         try:
             yield block
         except BaseException:
-            release_views(views)
-            if c.reconnects == reconnects:  # else the daemon dropped the write already
-                c._give_back(ops.commit(self.handle.ns, writes, abort=True))
+            self.abort(block)
             raise
-        release_views(views)
+        self.commit(block)
+
+    def allocate(self, keys: Sequence[bytes]) -> BlockWrite:
+        """:meth:`write` for slots that outlive one block of code (an engine that fills them
+        layer by layer over a step): fill them, then :meth:`commit` or :meth:`abort` the
+        write, once."""
+        c = self.client
+        writes, extents = self._run(lambda: ops.alloc(self.handle.ns, keys, c.max_keys))
+        views = [self.arena.writable(e.offset, e.length) if e.length else None for e in extents]
+        return c._held.track(BlockWrite(list(keys), views, writes, c.reconnects))
+
+    def commit(self, write: BlockWrite) -> None:
+        """Make ``write``'s blocks visible (COMMIT); its views end. A connection lost since
+        ALLOC raises ``BrokenConnectionError``: the blocks are not stored, write them again."""
+        c = self.client
+        write.end("committed")
         try:
-            if c.reconnects != reconnects:
+            if c.reconnects != write.connection:
                 raise BrokenConnectionError("the client reconnected")
-            c.run(ops.commit(self.handle.ns, writes))
+            c.run(ops.commit(self.handle.ns, write.writes))
         except BrokenConnectionError as exc:
-            raise in_flight_error(len(keys)) from exc
+            raise in_flight_error(len(write.keys)) from exc
+
+    def abort(self, write: BlockWrite) -> None:
+        """Abandon ``write``: none of its blocks becomes visible; its views end. Idempotent
+        with the loss of its connection (the daemon dropped the write then)."""
+        c = self.client
+        write.end("aborted")
+        if c.reconnects == write.connection:  # else the daemon dropped the write already
+            c._give_back(ops.commit(self.handle.ns, write.writes, abort=True))
 
     def read_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
         """Copy the blocks into ``buffers`` (each verified: ``CorruptBlockError`` is a miss)."""
