@@ -36,8 +36,8 @@ from kvtierd.pool.values import (
     encode_header,
     verify_payload,
 )
-from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.codec import THREAD_CHECKSUM_BYTES, compress, decompress_into
+from kvtierd.store.counts import TierFigures
 from kvtierd.store.tier import (
     BlockRef,
     LowerTier,
@@ -257,9 +257,9 @@ class PoolTier(LowerTier):
     def recovered(self) -> Sequence[Recovered]:
         return ()  # the pool is indexed when the group attaches: see :meth:`manifest`
 
-    def statistics(self) -> TierStatistics:
+    def statistics(self) -> TierFigures:
         c = self._counters
-        return TierStatistics(
+        return TierFigures(
             "pool",
             c["blocks"],
             c["stored_bytes"],

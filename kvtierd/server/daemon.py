@@ -34,13 +34,12 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 import sniffio
 from anyio.abc import ByteStream, SocketStream, TaskStatus, UNIXSocketStream
 
@@ -69,12 +68,9 @@ from kvtierd.server.readiness import DaemonPhase, Readiness
 from kvtierd.server.remote import open_remote_listener
 from kvtierd.server.session import Session, peer_credentials, throttle_key
 from kvtierd.server.throttle import Throttle
-from kvtierd.store.counts import TrafficCounts
+from kvtierd.store.counts import StoreStatistics
 from kvtierd.store.lifecycle import arena_bytes
-from kvtierd.store.namespaces import Namespace, PeerCredentials
-from kvtierd.store.nvme import NvmeTier
-from kvtierd.store.regions import TenantRegion
-from kvtierd.store.segments import slot_bytes_for
+from kvtierd.store.namespaces import PeerCredentials
 from kvtierd.store.store import BlockStore
 
 __all__ = ["Daemon", "serve_daemon"]
@@ -88,36 +84,49 @@ def _disk_failing(store: BlockStore) -> str:
     return f"{condition.describe()}; {condition.remedy}" if condition is not None else ""
 
 
-def _dram_statistics(
-    namespaces: list[Namespace], regions: list[TenantRegion], counts: TrafficCounts
-) -> TierStatistics:
-    """The DRAM tier's record over ``namespaces`` and their ``regions``."""
-    return TierStatistics(
-        name="dram",
-        blocks=sum(ns.dram_blocks for ns in namespaces),
-        used_bytes=sum(r.allocator.used_bytes for r in regions),
-        capacity_bytes=sum(r.allocator.capacity for r in regions),
-        hits=counts.dram_hits,
-        misses=counts.lower_hits + counts.misses,
-        evictions=counts.dram_evictions,
-        bytes_read=counts.bytes_read,
-        bytes_written=counts.bytes_committed,
+def _statfs(
+    figures: StoreStatistics,
+    sessions: Collection[Session],
+    *,
+    uptime_s: float,
+    requests: int,
+) -> StatfsReply:
+    """STATFS: the store's ``figures`` and what ``sessions`` hold (leases, writes)."""
+    taken = figures.checkpoints
+    checkpoints: dict[str, Any] = {}
+    if taken is not None:
+        checkpoints = {
+            "checkpoints": taken.state,
+            "checkpoints_written": taken.written,
+            "checkpoint_age_s": taken.age_s if taken.age_s is not None else -1.0,
+            "bytes_since_checkpoint": taken.bytes_since,
+            "checkpoint_longest_slice_s": taken.longest_slice_s,
+        }
+    return StatfsReply(
+        version=__version__,
+        uptime_s=uptime_s,
+        io_backend=figures.io_backend,
+        connections=len(sessions),
+        requests=requests,
+        namespaces=figures.namespaces,
+        leases=sum(len(s.owner.leases) for s in sessions),
+        leased_blocks=sum(len(lease.blocks) for s in sessions for lease in s.owner.leases.values()),
+        pending_writes=sum(len(s.owner.writes) for s in sessions),
+        dirty_blocks=figures.dirty_blocks,
+        dirty_bytes=figures.dirty_bytes,
+        durable_blocks=figures.durable_blocks,
+        promotions=figures.promotions,
+        prefetch_promoted=figures.prefetch_promoted,
+        prefetch_used=figures.prefetch_used,
+        prefetch_wasted_bytes=figures.prefetch_wasted_bytes,
+        tiers=[TierStatistics(**dataclasses.asdict(tier)) for tier in figures.tiers],
+        scope=figures.scope,
+        sparse_summaries=figures.sparse_summaries,
+        sparse_summary_bytes=figures.sparse_summary_bytes,
+        corrupt_writebacks=figures.corrupt_writebacks,
+        sparse_summaries_dropped=figures.sparse_summaries_dropped,
+        **checkpoints,
     )
-
-
-def _checkpoint_statistics(store: BlockStore) -> dict[str, Any]:
-    """STATFS's checkpoint fields (host scope): the NVMe tier's checkpoints, if it takes any."""
-    taken = store.lower.checkpoints if isinstance(store.lower, NvmeTier) else None
-    if taken is None:
-        return {}
-    last = taken.last_written_s
-    return {
-        "checkpoints": "on" if taken.abandoned is None else f"given up: {taken.abandoned}",
-        "checkpoints_written": taken.written,
-        "checkpoint_age_s": time.monotonic() - last if last is not None else -1.0,
-        "bytes_since_checkpoint": taken.bytes_since,
-        "checkpoint_longest_slice_s": taken.longest_slice_s,
-    }
 
 
 class Daemon:
@@ -154,94 +163,15 @@ class Daemon:
 
     def statistics(self, peer: PeerCredentials | None = None) -> StatfsReply:
         """The STATFS record: the host's (``peer`` None: for the admin), or only what belongs to
-        the tenants ``peer`` is admitted to, so that no tenant sees another's traffic."""
-        if peer is not None:
-            return self._tenant_statistics(peer)
-        store = self.store
-        c = store.residency.statistics()
-        tiers = [_dram_statistics(list(store.registry), list(store.regions), c)]
-        if store.lower is not None:
-            lower = store.lower.statistics()
-            tiers.append(msgspec.structs.replace(lower, evictions=c.lower_evictions))
-        if self.pool is not None:  # counted by the pool tier itself; blocks = its manifest
-            tiers.append(self.pool.tier.statistics())
-        return StatfsReply(
-            version=__version__,
-            uptime_s=time.monotonic() - self.started,
-            io_backend=store.io_backend.kind.value if store.io_backend else "none",
-            connections=len(self.sessions),
-            requests=self.requests,
-            namespaces=len(store.registry),
-            leases=sum(len(s.owner.leases) for s in self.sessions),
-            leased_blocks=sum(
-                len(lease.blocks) for s in self.sessions for lease in s.owner.leases.values()
-            ),
-            pending_writes=sum(len(s.owner.writes) for s in self.sessions),
-            dirty_blocks=store.writeback.backlog,
-            dirty_bytes=store.writeback.pending_bytes(),
-            durable_blocks=sum(ns.nvme_blocks for ns in store.registry),
-            promotions=c.promotions,
-            prefetch_promoted=c.prefetch_promoted,
-            prefetch_used=c.prefetch_used,
-            prefetch_wasted_bytes=c.prefetch_wasted_bytes,
-            tiers=tiers,
-            scope="host",
-            sparse_summaries=store.sparse.summaries,
-            sparse_summary_bytes=store.sparse.summary_bytes,
-            corrupt_writebacks=c.corrupt_writebacks,
-            sparse_summaries_dropped=store.sparse.summaries_dropped,
-            **_checkpoint_statistics(store),
-        )
-
-    def _tenant_statistics(self, peer: PeerCredentials) -> StatfsReply:
-        """STATFS for a peer that is not the admin: its tenants' namespaces and regions, its
-        own uid's connections; nothing of anyone else (host-wide figures are 0)."""
-        store = self.store
-        registry = store.registry
-        namespaces = [ns for ns in registry if registry.may_use(ns.spec.tenant, peer)]
-        regions = {id(ns.region): ns.region for ns in namespaces if ns.region is not None}
-        counts = sum((r.statistics() for r in regions.values()), TrafficCounts())
-        tiers = [_dram_statistics(namespaces, list(regions.values()), counts)]
-        if store.lower is not None:
-            tiers.append(
-                TierStatistics(
-                    name="nvme",
-                    blocks=sum(ns.nvme_blocks for ns in namespaces),
-                    used_bytes=sum(
-                        ns.nvme_blocks * slot_bytes_for(ns.spec.block_bytes) for ns in namespaces
-                    ),
-                    capacity_bytes=store.lower.statistics().capacity_bytes,
-                    hits=counts.lower_hits,
-                    misses=0,
-                    evictions=0,
-                    bytes_read=0,
-                    bytes_written=0,
-                )
-            )
+        the tenants ``peer`` is admitted to and its own uid's connections, so that no tenant
+        sees another's traffic (host-wide figures are 0)."""
+        figures = self.store.statistics(peer)
+        uptime_s = time.monotonic() - self.started
+        if peer is None:
+            return _statfs(figures, self.sessions, uptime_s=uptime_s, requests=self.requests)
         own = self.sessions_of_uid.get(peer.uid, set())
-        scope = {id(ns) for ns in namespaces}
-        dirty = [b for b in store.writeback.queued() if id(b.ns) in scope]
-        return StatfsReply(
-            version=__version__,
-            uptime_s=time.monotonic() - self.started,
-            io_backend=store.io_backend.kind.value if store.io_backend else "none",
-            connections=len(own),
-            requests=sum(s.requests for s in own),
-            namespaces=len(namespaces),
-            leases=sum(len(s.owner.leases) for s in own),
-            leased_blocks=sum(len(lease.blocks) for s in own for lease in s.owner.leases.values()),
-            pending_writes=sum(len(s.owner.writes) for s in own),
-            dirty_blocks=len(dirty),
-            dirty_bytes=sum(b.ref.raw_bytes for b in dirty),
-            durable_blocks=sum(ns.nvme_blocks for ns in namespaces),
-            promotions=counts.promotions,
-            prefetch_promoted=0,
-            prefetch_used=0,
-            prefetch_wasted_bytes=0,
-            tiers=tiers,
-            scope="tenant",
-            corrupt_writebacks=counts.corrupt_writebacks,
-        )
+        requests = sum(s.requests for s in own)
+        return _statfs(figures, own, uptime_s=uptime_s, requests=requests)
 
     def pool_status(self) -> PoolStatusReply:
         """Where this daemon stands with the pool, every figure (the admin's POOL_STATUS and

@@ -1,7 +1,9 @@
-"""What the metrics read of the daemon: one :class:`MetricsSnapshot` a second, taken on the
-event loop (:func:`take_snapshot`: the STATFS record, the pool's status, the namespace counters
-folded into their bounded labels, the transfers by direction, the disk tier's failures and
-checkpoints), which :mod:`kvtierd.server.metrics`' collector, on the HTTP threads, only reads.
+"""What the metrics read of the daemon: one :class:`MetricsSnapshot` a second, taken on the event
+loop (:func:`take_snapshot`: the STATFS record, the pool's status, the namespace counters folded
+into their bounded labels, the transfers by direction, the disk tier's failures and checkpoints; all
+but the namespaces' from the store's one record,
+:meth:`~kvtierd.store.store.BlockStore.statistics`), which :mod:`kvtierd.server.metrics`' collector,
+on the HTTP threads, only reads.
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ from typing import Protocol
 from kvtierd.pool.link import PoolLink
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply
 from kvtierd.server.context import Reports
+from kvtierd.store.counts import CheckpointFigures, StoreCounts, StoreStatistics
 from kvtierd.store.diskhealth import DiskFault
 from kvtierd.store.index import Block
-from kvtierd.store.nvme import NvmeTier
 from kvtierd.store.store import BlockStore
 
 __all__ = [
     "OTHER_NAMESPACE",
-    "CheckpointFigures",
     "MetricsSnapshot",
     "NamespaceFigures",
     "NamespaceLabels",
@@ -83,16 +84,6 @@ class MetricsSnapshot:
     checkpoints: CheckpointFigures | None = None
 
 
-@dataclass(frozen=True)
-class CheckpointFigures:
-    """The NVMe tier's index checkpoints (:mod:`kvtierd.store.checkpoint`)."""
-
-    written: int
-    #: Taking them now: not off by configuration, not given up for this run.
-    on: bool
-    longest_slice_s: float
-
-
 class NamespaceLabels:
     """Which ``namespace`` label a namespace name gets: itself when ``allowed`` lists it, or,
     with no allow-list, when it is among the first ``limit`` names seen; else ``"other"``.
@@ -136,12 +127,14 @@ def _fold_namespaces(daemon: Observed, labels: NamespaceLabels) -> tuple[Namespa
     return tuple(NamespaceFigures(label, *row) for label, row in sorted(sums.items()))
 
 
-def _transfers(daemon: Observed, namespaces: Iterable[NamespaceFigures]) -> tuple[Transfer, ...]:
+def _transfers(
+    daemon: Observed, store: StoreStatistics, namespaces: Iterable[NamespaceFigures]
+) -> tuple[Transfer, ...]:
     """Blocks and bytes by direction. Client traffic counts whole blocks; NVMe bytes are what
     the device moved (a record's header page and its payload padded to 4 KiB, compressed where
     zstd is on); pool bytes are the values sent and received."""
-    store = daemon.store
-    c = store.residency.statistics()
+    c = store.counts
+    assert isinstance(c, StoreCounts)  # the host's
     figures = list(namespaces)
     moved = [
         Transfer(
@@ -155,12 +148,12 @@ def _transfers(daemon: Observed, namespaces: Iterable[NamespaceFigures]) -> tupl
             sum(f.read_bytes for f in figures),
         ),
     ]
-    if store.lower is not None:
-        nvme = store.lower.statistics()
+    nvme = store.tier("nvme")
+    if nvme is not None:
         moved.append(Transfer("dram_to_nvme", c.written_back, nvme.bytes_written))
         moved.append(Transfer("nvme_to_dram", c.lower_hits, nvme.bytes_read))
-    if daemon.pool is not None:
-        pool = daemon.pool.tier.statistics()
+    pool = store.tier("pool")
+    if pool is not None and daemon.pool is not None:
         written = daemon.pool.statistics().written
         moved.append(Transfer("dram_to_pool", written, pool.bytes_written))
         moved.append(Transfer("pool_to_dram", c.pool_hits, pool.bytes_read))
@@ -170,24 +163,17 @@ def _transfers(daemon: Observed, namespaces: Iterable[NamespaceFigures]) -> tupl
 def take_snapshot(daemon: Observed, labels: NamespaceLabels) -> MetricsSnapshot:
     """Everything the collector exports, read on the event loop (cheap: counters and sums)."""
     namespaces = _fold_namespaces(daemon, labels)
-    statfs = daemon.statistics()
+    store = daemon.store.statistics()
+    c = store.counts
+    assert isinstance(c, StoreCounts)
     return MetricsSnapshot(
-        statfs,
+        daemon.statistics(),
         daemon.pool_status() if daemon.pool is not None else None,
         namespaces,
-        _transfers(daemon, namespaces),
-        daemon.store.residency.statistics().lost,
+        _transfers(daemon, store, namespaces),
+        c.lost,
         _disk_failures(daemon),
-        _checkpoints(daemon, statfs),
-    )
-
-
-def _checkpoints(daemon: Observed, statfs: StatfsReply) -> CheckpointFigures | None:
-    """The disk tier's checkpoints as STATFS counts them; ``None`` without a disk tier."""
-    if not isinstance(daemon.store.lower, NvmeTier):
-        return None
-    return CheckpointFigures(
-        statfs.checkpoints_written, statfs.checkpoints == "on", statfs.checkpoint_longest_slice_s
+        store.checkpoints,
     )
 
 

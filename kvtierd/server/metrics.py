@@ -39,7 +39,6 @@ from kvtierd.config import DaemonConfig
 from kvtierd.protocol import Opcode
 from kvtierd.protocol.messages import PoolStatusReply
 from kvtierd.server.figures import (
-    CheckpointFigures,
     MetricsSnapshot,
     NamespaceFigures,
     NamespaceLabels,
@@ -48,6 +47,7 @@ from kvtierd.server.figures import (
     take_snapshot,
 )
 from kvtierd.server.readiness import DaemonPhase, PoolView, Readiness
+from kvtierd.store.counts import CheckpointFigures
 from kvtierd.store.diskhealth import DiskFault
 
 __all__ = ["DURATION_BUCKETS_S", "Metrics", "RequestTimings"]

@@ -4,7 +4,10 @@ The store counts in plain dicts on its hot paths (one ``+=`` per event, keyed by
 field names, so a misspelt name is a ``KeyError`` at once); whoever reports reads a snapshot,
 :meth:`Residency.statistics() <kvtierd.store.residency.Residency.statistics>` (the host's) or
 :meth:`TenantRegion.statistics() <kvtierd.store.regions.TenantRegion.statistics>` (one tenant's),
-never the dicts.
+never the dicts. :meth:`BlockStore.statistics() <kvtierd.store.store.BlockStore.statistics>`
+puts them together in one :class:`StoreStatistics`, each tier's as a :class:`TierFigures`: the
+daemon writes STATFS from it, the metrics export it, ``kvtierctl`` formats STATFS; none of them
+reaches into the store for more.
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
-__all__ = ["StoreCounts", "TrafficCounts", "zeroed"]
+__all__ = [
+    "CheckpointFigures",
+    "StoreCounts",
+    "StoreStatistics",
+    "TierFigures",
+    "TrafficCounts",
+    "zeroed",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +72,71 @@ class StoreCounts(TrafficCounts):
 def zeroed(record: type[Any]) -> dict[str, int]:
     """A counter dict for the fields of the dataclass ``record``, all zero."""
     return dict.fromkeys((f.name for f in dataclasses.fields(record)), 0)
+
+
+@dataclass(frozen=True, slots=True)
+class TierFigures:
+    """One tier's figures (STATFS's ``tiers``): blocks and bytes held, traffic since start."""
+
+    name: str
+    blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    bytes_read: int
+    bytes_written: int
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointFigures:
+    """The disk tier's index checkpoints (:mod:`kvtierd.store.checkpoint`) in this run."""
+
+    #: ``"on"``, ``"off"`` (by configuration) or ``"given up: <why>"`` for the rest of the run.
+    state: str
+    written: int
+    #: Seconds since the last was written; ``None`` when none was in this run.
+    age_s: float | None
+    #: Bytes written to the tier since the last one was begun.
+    bytes_since: int
+    #: The longest one slice of a checkpoint's copy held the event loop, in seconds.
+    longest_slice_s: float
+
+    @property
+    def on(self) -> bool:
+        return self.state == "on"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatistics:
+    """Everything the store reports, for the host (``scope`` ``"host"``) or for the tenants one
+    peer is admitted to (``"tenant"``: their namespaces, regions and traffic; host-wide
+    figures 0, no checkpoints)."""
+
+    scope: str
+    io_backend: str
+    namespaces: int
+    #: DRAM first, then the disk tier and the pool, where the store has them.
+    tiers: tuple[TierFigures, ...]
+    dirty_blocks: int
+    dirty_bytes: int
+    durable_blocks: int
+    promotions: int
+    prefetch_promoted: int
+    prefetch_used: int
+    prefetch_wasted_bytes: int
+    corrupt_writebacks: int
+    sparse_summaries: int
+    sparse_summary_bytes: int
+    sparse_summaries_dropped: int
+    #: ``None``: no disk tier, or the tenant's scope.
+    checkpoints: CheckpointFigures | None
+    #: The counts the figures above were made of: the host's (:class:`StoreCounts`) or the
+    #: tenants' regions' (:class:`TrafficCounts`).
+    counts: TrafficCounts
+
+    def tier(self, name: str) -> TierFigures | None:
+        """The figures of tier ``name`` (``"dram"``, ``"nvme"``, ``"pool"``), if the store has
+        that tier."""
+        return next((t for t in self.tiers if t.name == name), None)

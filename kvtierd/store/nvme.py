@@ -68,7 +68,6 @@ from kvtierd.errors import (
 from kvtierd.io import IoBackend
 from kvtierd.io.base import MAX_BUFFERS_PER_OP
 from kvtierd.policy import ServedBy
-from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.checkpoint import (
     Checkpoints,
     checkpoint_paths,
@@ -86,6 +85,7 @@ from kvtierd.store.codec import (
 )
 from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.coldrefs import ColdRows
+from kvtierd.store.counts import CheckpointFigures, TierFigures
 from kvtierd.store.datafile import (
     check_data_file,
     identity_of,
@@ -563,9 +563,22 @@ class NvmeTier(LowerTier):
         open, which is never replaced after)."""
         return ColdRows(self._cold, self._segmap)
 
-    def statistics(self) -> TierStatistics:
+    def checkpoint_figures(self) -> CheckpointFigures | None:
+        taken = self.checkpoints
+        if taken is None:  # off by configuration (nvme.checkpoint_every_bytes = 0)
+            return CheckpointFigures("off", 0, None, 0, 0.0)
+        last = taken.last_written_s
+        return CheckpointFigures(
+            "on" if taken.abandoned is None else f"given up: {taken.abandoned}",
+            taken.written,
+            time.monotonic() - last if last is not None else None,
+            taken.bytes_since,
+            taken.longest_slice_s,
+        )
+
+    def statistics(self) -> TierFigures:
         c = self._counters
-        return TierStatistics(
+        return TierFigures(
             "nvme",
             len(self._cold),
             self._segmap.used_bytes,

@@ -40,12 +40,14 @@ from anyio.abc import TaskGroup
 from kvtierd.errors import BlockNotFoundError, InvalidRequestError, KvtierError
 from kvtierd.io import IoBackend
 from kvtierd.policy import AccessContext, ServedBy
+from kvtierd.store.counts import StoreStatistics
 from kvtierd.store.diskwatch import DiskWatch
 from kvtierd.store.index import Block, ColdKey, Lease, Owner, PendingWrite
-from kvtierd.store.namespaces import Namespace
+from kvtierd.store.namespaces import Namespace, PeerCredentials
 from kvtierd.store.ports import ReplicaLink
 from kvtierd.store.prefetch import Prefetcher
 from kvtierd.store.quota import check_lease_quota
+from kvtierd.store.reports import store_statistics
 from kvtierd.store.residency import Residency
 from kvtierd.store.tier import TierUnavailableError
 from kvtierd.store.tracking import TierPolicy
@@ -100,6 +102,12 @@ class BlockStore:
         self._promoters = 0
         #: Bytes each region's background batches are loading now (by region id).
         self._loading_bytes: dict[int, int] = {}
+
+    def statistics(self, peer: PeerCredentials | None = None) -> StoreStatistics:
+        """What the store reports: the host's (``peer`` None) or ``peer``'s tenants' only
+        (:func:`~kvtierd.store.reports.store_statistics`)."""
+        backend = self.io_backend.kind.value if self.io_backend else "none"
+        return store_statistics(self.residency, backend, peer)
 
     def dram_policy_of(self, ns: Namespace) -> TierPolicy:
         """The DRAM policy of ``ns``'s region."""

@@ -17,8 +17,8 @@ from typing import ClassVar
 
 from kvtierd.errors import BlockNotFoundError, KvtierError, NoSpaceError, StorageIOError
 from kvtierd.policy import ServedBy
-from kvtierd.protocol.messages import TierStatistics
 from kvtierd.store.coldrefs import ColdRows
+from kvtierd.store.counts import CheckpointFigures, TierFigures
 from kvtierd.store.refs import BlockRef, Recovered
 
 log = logging.getLogger("kvtierd.store")
@@ -160,5 +160,10 @@ class LowerTier(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def statistics(self) -> TierStatistics:
+    def statistics(self) -> TierFigures:
         """Counters for STATFS."""
+
+    def checkpoint_figures(self) -> CheckpointFigures | None:
+        """Its index checkpoints in this run, for a tier that takes them (``None``, the default:
+        a tier that never does)."""
+        return None
