@@ -81,8 +81,8 @@ def map_pool_errors(what: str) -> Iterator[None]:
 class PeerSource(Protocol):
     """Where a block is looked for before the pool's GET (another host's daemon)."""
 
-    async def load(self, ref: BlockRef, dest: memoryview) -> bool:
-        """Fill ``dest`` with ``ref``'s verified bytes and say ``True``, or say ``False``."""
+    async def load(self, ref: BlockRef, dest: memoryview) -> None:
+        """Fill ``dest`` with ``ref``'s verified bytes, or raise ``BlockNotFoundError``."""
 
 
 class PoolTier(LowerTier):
@@ -210,8 +210,13 @@ class PoolTier(LowerTier):
         return StoreOutcome(landed, refused)
 
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
-        if self.peer_source is not None and await self.peer_source.load(ref, dest):
-            return
+        if self.peer_source is not None:
+            try:
+                await self.peer_source.load(ref, dest)
+            except BlockNotFoundError:
+                pass  # no peer has it: the pool's GET
+            else:
+                return
         client = self.live()
         # acquire_nowait first: anyio's acquire() yields to the loop twice even when a slot is
         # free, a measurable share of a small block's restore.

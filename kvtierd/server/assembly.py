@@ -25,6 +25,8 @@ import socket
 from collections.abc import AsyncIterator
 from functools import partial
 
+import anyio
+
 from kvtierd.config import Config, PoolConfig
 from kvtierd.errors import ConfigError, NotSupportedError
 from kvtierd.io import BindingVerdict
@@ -148,11 +150,12 @@ async def open_peer_reads(
         ns = store.registry.by_digest(digest)
         return ns.spec if ns is not None else None
 
-    peers = PeerReads(endpoints, nixl.export, spec_of)
-    link.tier.peer_source = peers
-    log.info("blocks only the pool holds are asked of %s first", ", ".join(map(str, endpoints)))
-    try:
-        yield peers
-    finally:
-        link.tier.peer_source = None
-        await peers.aclose()
+    async with anyio.create_task_group() as tg:  # the peer connections' tasks
+        peers = PeerReads(endpoints, nixl.export, spec_of, tg)
+        link.tier.peer_source = peers
+        log.info("blocks only the pool holds are asked of %s first", ", ".join(map(str, endpoints)))
+        try:
+            yield peers
+        finally:
+            link.tier.peer_source = None
+            await peers.aclose()

@@ -19,13 +19,15 @@ used only if it is exactly the block asked for. Anything else (the peer lacks th
 down, refuses, or sends other bytes) is a peer miss and the pool's GET follows, so a peer can
 make a restore faster, never wrong and never fail.
 
-Where the work runs. The peer connections are the blocking client (:mod:`kvtierd.client.sync`),
-used in a worker thread, one lease at a time per peer (the pulls of several blocks overlap);
-RELEASEs are queued without waiting. The pull is a control message to the exporter, awaited on
+Where the work runs. The peer connections are the async client, on the event loop, each held
+by a task of its own (the daemon's, under :func:`kvtierd.server.assembly.open_peer_reads`), one
+lease at a time per peer (the pulls of several blocks overlap); RELEASEs are queued without
+waiting. The pull is a control message to the exporter, awaited on
 the event loop (:meth:`~kvtierd.nixl.export.RegionExport.pull_into`), with the peer agent's
 metadata: the exporter loads it the first time. A peer whose exporter was restarted names a new
 agent in its descriptors; its grant is then asked again. A peer that failed is skipped for
-:data:`RETRY_AFTER_S`. The pool tier calls :meth:`PeerReads.load` (its ``peer_source``).
+:data:`RETRY_AFTER_S`. The pool tier calls :meth:`PeerReads.load` (its ``peer_source``), which
+raises ``BlockNotFoundError`` when no peer had the block.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
-import anyio.to_thread
+from anyio.abc import TaskGroup, TaskStatus
 
 from kvtierd.client import ops
+from kvtierd.client.aio import AsyncClient, AsyncNamespace, connect_endpoint_async
 from kvtierd.client.endpoint import TcpEndpoint, client_tls_context
-from kvtierd.client.sync import Client, Namespace, connect_endpoint
 from kvtierd.config import RemoteConfig
 from kvtierd.errors import BlockNotFoundError, ConfigError, KvtierError
 from kvtierd.nixl import descriptors
@@ -75,69 +77,36 @@ def peer_endpoints(config: RemoteConfig) -> list[TcpEndpoint]:
 
 @dataclass(eq=False)
 class _Peer:
-    """One peer daemon: its connection (made when first needed) and what was set up on it."""
+    """One peer daemon: its connection (made when first needed, held by a task of its own) and
+    what was set up on it."""
 
     endpoint: TcpEndpoint
-    client: Client | None = None
+    client: AsyncClient | None = None
+    #: Set to end the task that holds the connection.
+    done: anyio.Event | None = None
     #: Counts the connections made: what was set up on an earlier one is not this one's.
     connection: int = 0
     #: Namespace digest -> the namespace opened on the peer (on this connection).
-    namespaces: dict[bytes, Namespace] = field(default_factory=dict)
+    namespaces: dict[bytes, AsyncNamespace] = field(default_factory=dict)
     #: (connection, region) -> the peer's agent there and its metadata (NIXL_GRANT's).
     grants: dict[tuple[int, int], tuple[str, bytes]] = field(default_factory=dict)
     skip_until: float = 0.0
     lock: anyio.Lock = field(default_factory=anyio.Lock)
 
-    def lease(self, spec: NamespaceSpec, digest: bytes, key: bytes) -> _Lease:
-        """(In a worker thread.) Lease ``key`` of ``spec``'s namespace on the peer, with the
-        agent its descriptors name and that agent's metadata (asked once per agent)."""
-        if self.client is None or not self.client.connected():
-            self.close()
-            self.client = connect_endpoint(
-                self.endpoint, client_name="kvtierd-peer", timeout_s=PEER_TIMEOUT_S
-            )
-            self.connection += 1
-        client = self.client
-        if client.daemon_minor < ops.NIXL_MINOR:
-            raise BlockNotFoundError(f"{self.endpoint} speaks minor {client.daemon_minor}")
-        ns = self.namespaces.get(digest)
-        if ns is None:
-            ns = self.namespaces[digest] = client.namespace(
-                spec.name,
-                block_bytes=spec.block_bytes,
-                layout=spec.layout,
-                rank=spec.rank,
-                world_size=spec.world_size,
-                tenant=spec.tenant,
-                compression=spec.compression.value,
-                sparse=spec.sparse,
-                create=False,
-            )
-        replies = client.run(ops.read_nixl(ns.handle.ns, [key], client.max_keys))
-        where = (self.connection, ns.handle.region)
-        try:
-            named = descriptors.agent_of(replies[0].descriptors)
-            grant = self.grants.get(where)
-            if grant is None or grant[0] != named:  # new, or the peer's exporter restarted
-                reply = client.run(ops.nixl_grant(ns.handle.ns))
-                grant = self.grants[where] = (reply.agent, reply.metadata)
-        except BaseException:
-            client.release_soon([r.lease for r in replies])
-            raise
-        return _Lease(replies, where, *grant)
-
     def release(self, lease: _Lease) -> None:
-        """RELEASE ``lease``, unless its connection is gone (the peer released it then, and
-        its id may name a lease of the new connection)."""
+        """RELEASE ``lease`` without waiting, unless its connection is gone (the peer released
+        it then, and its id may name a lease of the new connection)."""
         if self.client is not None and self.connection == lease.where[0]:
             self.client.release_soon([r.lease for r in lease.replies])
 
     def close(self) -> None:
+        """End the connection (its task sends DESTROY) and what was set up on it."""
         self.namespaces.clear()
         self.grants.clear()
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        self.client = None
+        if self.done is not None:
+            self.done.set()
+            self.done = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,26 +120,30 @@ class _Lease:
 
 
 class PeerReads:
-    """The peers this daemon asks first for blocks only the pool holds (module docstring)."""
+    """The peers this daemon asks first for blocks only the pool holds (module docstring).
+    Their connections are tasks of ``tg``."""
 
     def __init__(
         self,
         endpoints: Sequence[TcpEndpoint],
         export: RegionExport,
         spec_of: Callable[[bytes], NamespaceSpec | None],
+        tg: TaskGroup,
     ) -> None:
         self._peers = [_Peer(e) for e in endpoints]
         self._export = export
         self._spec_of = spec_of
+        self._tg = tg
         #: Blocks pulled from a peer, asked of peers and not found there, and peer failures.
         self.counters = {"hits": 0, "misses": 0, "failures": 0, "bytes": 0}
 
-    async def load(self, ref: BlockRef, dest: memoryview) -> bool:
-        """Fill ``dest`` with ``ref``'s bytes from a peer; ``True`` when one had them intact,
-        ``False`` when the pool must be asked (``dest`` then holds nothing to rely on)."""
+    async def load(self, ref: BlockRef, dest: memoryview) -> None:
+        """Fill ``dest`` with ``ref``'s bytes from a peer that has them intact; raises
+        ``BlockNotFoundError`` when none has (the pool must be asked: ``dest`` then holds
+        nothing to rely on)."""
         spec = self._spec_of(ref.ns_digest)
         if spec is None:
-            return False
+            raise BlockNotFoundError("not a namespace of this daemon's")
         target = dest[: ref.raw_bytes]
         for peer in self._peers:
             if time.monotonic() < peer.skip_until:
@@ -179,7 +152,7 @@ class PeerReads:
                 if await self._pull(peer, spec, ref, target):
                     self.counters["hits"] += 1
                     self.counters["bytes"] += ref.raw_bytes
-                    return True
+                    return
             except (KvtierError, TimeoutError, OSError) as exc:
                 self.counters["failures"] += 1
                 if time.monotonic() >= peer.skip_until:  # once per failure, not per block
@@ -190,10 +163,65 @@ class PeerReads:
                         RETRY_AFTER_S,
                     )
                 peer.skip_until = time.monotonic() + RETRY_AFTER_S
-                async with peer.lock:
-                    await anyio.to_thread.run_sync(peer.close)
+                peer.close()
         self.counters["misses"] += 1
-        return False
+        raise BlockNotFoundError("no peer holds an intact copy")
+
+    async def _lease(self, peer: _Peer, spec: NamespaceSpec, digest: bytes, key: bytes) -> _Lease:
+        """Lease ``key`` of ``spec``'s namespace on the peer (its lock held), with the agent
+        its descriptors name and that agent's metadata (asked once per agent)."""
+        client = await self._client(peer)
+        if client.daemon_minor < ops.NIXL_MINOR:
+            raise BlockNotFoundError(f"{peer.endpoint} speaks minor {client.daemon_minor}")
+        ns = peer.namespaces.get(digest)
+        if ns is None:
+            ns = peer.namespaces[digest] = await client.namespace(
+                spec.name,
+                block_bytes=spec.block_bytes,
+                layout=spec.layout,
+                rank=spec.rank,
+                world_size=spec.world_size,
+                tenant=spec.tenant,
+                compression=spec.compression.value,
+                sparse=spec.sparse,
+                create=False,
+            )
+        replies = await client.run(ops.read_nixl(ns.handle.ns, [key], client.max_keys))
+        where = (peer.connection, ns.handle.region)
+        try:
+            named = descriptors.agent_of(replies[0].descriptors)
+            grant = peer.grants.get(where)
+            if grant is None or grant[0] != named:  # new, or the peer's exporter restarted
+                reply = await client.run(ops.nixl_grant(ns.handle.ns))
+                grant = peer.grants[where] = (reply.agent, reply.metadata)
+        except BaseException:
+            client.release_soon([r.lease for r in replies])
+            raise
+        return _Lease(replies, where, *grant)
+
+    async def _client(self, peer: _Peer) -> AsyncClient:
+        """The peer's connection, made (by a task of its own) if it has none that is open."""
+        if peer.client is None or not peer.client.connected():
+            peer.close()
+            peer.client = await self._tg.start(self._hold, peer)
+            peer.connection += 1
+        return peer.client
+
+    async def _hold(self, peer: _Peer, *, task_status: TaskStatus[AsyncClient]) -> None:
+        """Connect to ``peer`` and hold the connection until :meth:`_Peer.close`. A failure to
+        connect is the caller's (:meth:`_client`); one at the end only ends this task."""
+        done = anyio.Event()
+        started = False
+        try:
+            async with connect_endpoint_async(peer.endpoint, client_name="kvtierd-peer") as client:
+                peer.done = done
+                task_status.started(client)
+                started = True
+                await done.wait()
+        except Exception as exc:
+            if not started:
+                raise
+            log.debug("peer %s: the connection ended with %r", peer.endpoint, exc)
 
     async def _pull(
         self, peer: _Peer, spec: NamespaceSpec, ref: BlockRef, target: memoryview
@@ -201,7 +229,7 @@ class PeerReads:
         with anyio.fail_after(PEER_TIMEOUT_S):
             try:
                 async with peer.lock:  # one control call at a time; pulls overlap
-                    lease = await anyio.to_thread.run_sync(peer.lease, spec, ref.ns_digest, ref.key)
+                    lease = await self._lease(peer, spec, ref.ns_digest, ref.key)
             except BlockNotFoundError:
                 return False
         try:
@@ -227,8 +255,8 @@ class PeerReads:
         return copied == ref.checksum
 
     async def aclose(self) -> None:
-        """Close every peer connection (DESTROY: blocking sends, in a worker thread); the
-        exporters stay (they forget peer agents by themselves)."""
+        """Close every peer connection (their tasks send DESTROY and end); the exporters stay
+        (they forget peer agents by themselves)."""
         c = self.counters
         log.info(
             "peers served %d block(s), %d bytes; %d asked of them in vain; %d failure(s)",
@@ -237,6 +265,5 @@ class PeerReads:
             c["misses"],
             c["failures"],
         )
-        with anyio.CancelScope(shield=True):
-            for peer in self._peers:
-                await anyio.to_thread.run_sync(peer.close)
+        for peer in self._peers:
+            peer.close()
