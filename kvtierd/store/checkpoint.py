@@ -62,6 +62,7 @@ from kvtierd.store.staging import StagingPages
 
 __all__ = [
     "Checkpoints",
+    "TableRefusedError",
     "checkpoint_paths",
     "forget",
     "fresh_table",
@@ -76,6 +77,10 @@ log = logging.getLogger("kvtierd.checkpoint")
 
 #: Rows of the index copied in one step of the event loop (1.6-1.9 ms measured at 1M rows).
 _SLICE_ROWS = 1 << 16
+
+
+class TableRefusedError(Exception):
+    """The generation table cannot be written at start: no checkpoint this run (why)."""
 
 
 class Checkpoints:
@@ -116,7 +121,9 @@ class Checkpoints:
         """Once the index is recovered: checkpoints of the data file ``file_id`` at ``path``,
         with the generation ``table`` read at start (a fresh one when ``None``), or ``None``
         with ``every_bytes`` 0, any checkpoint and table deleted (writes will not be marked,
-        so none may be trusted later). Blocking: call it in a worker thread."""
+        so none may be trusted later). Raises :class:`TableRefusedError` when a fresh table
+        cannot be written: checkpoints are given up for the run. Blocking: call it in a worker
+        thread."""
         if not every_bytes:
             forget(path, generations)
             return None
@@ -127,7 +134,7 @@ class Checkpoints:
             except OSError as exc:
                 log.error("index checkpoints are off for this run: %s cannot be written: %s",
                           generations, exc)  # fmt: skip
-                return None
+                raise TableRefusedError(f"{generations} cannot be written: {exc}") from exc
         return cls(path, table, every_bytes, data_fd)
 
     def serve(self, tasks: TaskGroup) -> None:

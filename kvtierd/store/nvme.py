@@ -70,6 +70,7 @@ from kvtierd.io.base import MAX_BUFFERS_PER_OP
 from kvtierd.policy import ServedBy
 from kvtierd.store.checkpoint import (
     Checkpoints,
+    TableRefusedError,
     checkpoint_paths,
     load_checkpoint,
     mark,
@@ -173,8 +174,10 @@ class NvmeTier(LowerTier):
         self.recovery_source = "empty"
         #: Segments whose headers recovery read (all after a full scan).
         self.recovery_scanned = 0
-        #: Periodic checkpoints, when on (:mod:`kvtierd.store.checkpoint`).
+        #: Periodic checkpoints, when on (:mod:`kvtierd.store.checkpoint`), or why they could
+        #: not be at start (their generation table could not be written).
         self.checkpoints: Checkpoints | None = None
+        self.checkpoints_refused: str | None = None
         self._identity = identity_of(os.fstat(fd))
         #: The first page as written (``None``: not checked, a tier built by a test).
         self._superblock = superblock.pack() if superblock is not None else None
@@ -565,8 +568,10 @@ class NvmeTier(LowerTier):
 
     def checkpoint_figures(self) -> CheckpointFigures | None:
         taken = self.checkpoints
-        if taken is None:  # off by configuration (nvme.checkpoint_every_bytes = 0)
-            return CheckpointFigures("off", 0, None, 0, 0.0)
+        if taken is None:  # refused at start, or off by configuration (every_bytes = 0)
+            refused = self.checkpoints_refused
+            state = f"given up: {refused}" if refused is not None else "off"
+            return CheckpointFigures(state, 0, None, 0, 0.0)
         last = taken.last_written_s
         return CheckpointFigures(
             "on" if taken.abandoned is None else f"given up: {taken.abandoned}",
@@ -786,15 +791,18 @@ async def open_nvme_tier(
         # snapshot, a scan: perhaps the file was written by a writer that marks nothing, as the
         # snapshot's mtime check may just have found) a fresh one, and the checkpoint goes.
         kept = table if found.source == "checkpoint" else None
-        tier.checkpoints = await anyio.to_thread.run_sync(
-            Checkpoints.open,
-            checkpoint,
-            generations,
-            kept,
-            segmap.file_id,
-            checkpoint_every_bytes,
-            fd,
-        )
+        try:
+            tier.checkpoints = await anyio.to_thread.run_sync(
+                Checkpoints.open,
+                checkpoint,
+                generations,
+                kept,
+                segmap.file_id,
+                checkpoint_every_bytes,
+                fd,
+            )
+        except TableRefusedError as exc:  # given up for this run (logged)
+            tier.checkpoints_refused = str(exc)
         await tier._adopt(found)
         log.info(
             "NVMe tier %s: %d blocks recovered by %s in %.3f s",

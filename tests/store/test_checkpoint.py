@@ -617,3 +617,22 @@ async def test_two_syncs_at_once_zero_a_dropped_records_slot_once(tmp_path: Path
         assert again == slot  # the freed slot, to the next block
         await tier.sync()
         assert _header_at(tmp_path, slot) == b"KVTB"
+
+
+@pytest.mark.anyio
+async def test_a_table_refused_at_start_says_checkpoints_were_given_up(tmp_path: Path) -> None:
+    """A generation table that cannot be written when the tier opens: checkpoints are given up
+    for the run (not "off", which is the configuration's word), and the tier serves."""
+    _, generations = checkpoint_paths(tmp_path / SNAPSHOT_NAME)
+    _in_the_way(generations)
+    async with open_tier(tmp_path, 1 << 20) as (tier, _buffer):
+        assert tier.checkpoints is None
+        figures = tier.checkpoint_figures()
+        assert figures is not None
+        assert figures.state.startswith("given up: ")
+        assert "cannot be written" in figures.state
+        assert not figures.on
+    async with open_tier(tmp_path / "off", 0) as (tier, _buffer):
+        figures = tier.checkpoint_figures()
+        assert figures is not None
+        assert figures.state == "off"
