@@ -21,6 +21,10 @@ The API (namespaces, admin calls, blocks) is written once, in :mod:`kvtierd.clie
 over this class and over :class:`kvtierd.client._sync.connection.SyncConnection`; what the two
 transports offer it has the same names: ``_exchange``, ``_drive``, ``run``, ``_retrying``,
 ``_run_op``, ``_give_back``, ``_flush_releases``, ``release_soon``, ``_reopen``.
+
+The module is past 600 lines because pipelining, cancellation, giving back and reconnecting
+share one connection's state (the waiters, the reader, the janitor, the connection's number);
+the sans-IO half lives in ``ops``, ``base`` and ``reconnect``, the API in ``client``.
 """
 
 from __future__ import annotations
