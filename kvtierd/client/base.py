@@ -279,8 +279,12 @@ def init_request(client_name: str) -> InitRequest:
 
 
 def check_init(reply: Message) -> InitReply:
+    """INIT's reply, checked: a daemon (or a peer posing as one) that allows no key per
+    request, or a frame too small for a reply, is not one to talk to."""
     if not isinstance(reply, InitReply):
         raise RemoteProtocolError("INIT was not answered with INIT")
+    if reply.max_keys < 1:
+        raise RemoteProtocolError(f"INIT's reply allows {reply.max_keys} keys per request")
     return reply
 
 

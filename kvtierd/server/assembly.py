@@ -158,4 +158,5 @@ async def open_peer_reads(
             yield peers
         finally:
             link.tier.peer_source = None
-            await peers.aclose()
+            await peers.aclose()  # each connection's task sends DESTROY (shielded, bounded)
+            tg.cancel_scope.cancel()  # and none started meanwhile outlives the block

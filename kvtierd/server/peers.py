@@ -45,7 +45,7 @@ from kvtierd.client import ops
 from kvtierd.client.aio import AsyncClient, AsyncNamespace, connect_endpoint_async
 from kvtierd.client.endpoint import TcpEndpoint, client_tls_context
 from kvtierd.config import RemoteConfig
-from kvtierd.errors import BlockNotFoundError, ConfigError, KvtierError
+from kvtierd.errors import BlockNotFoundError, ConfigError, RemoteProtocolError
 from kvtierd.nixl import descriptors
 from kvtierd.nixl.export import RegionExport
 from kvtierd.protocol.messages import ReadNixlReply
@@ -134,6 +134,8 @@ class PeerReads:
         self._export = export
         self._spec_of = spec_of
         self._tg = tg
+        #: Set by :meth:`aclose`: no peer is asked, and no connection made, any more.
+        self._closed = False
         #: Blocks pulled from a peer, asked of peers and not found there, and peer failures.
         self.counters = {"hits": 0, "misses": 0, "failures": 0, "bytes": 0}
 
@@ -146,14 +148,14 @@ class PeerReads:
             raise BlockNotFoundError("not a namespace of this daemon's")
         target = dest[: ref.raw_bytes]
         for peer in self._peers:
-            if time.monotonic() < peer.skip_until:
+            if time.monotonic() < peer.skip_until or self._closed:
                 continue
             try:
                 if await self._pull(peer, spec, ref, target):
                     self.counters["hits"] += 1
                     self.counters["bytes"] += ref.raw_bytes
                     return
-            except (KvtierError, TimeoutError, OSError) as exc:
+            except Exception as exc:  # whatever a peer makes go wrong is that peer's failure
                 self.counters["failures"] += 1
                 if time.monotonic() >= peer.skip_until:  # once per failure, not per block
                     log.warning(
@@ -201,6 +203,8 @@ class PeerReads:
 
     async def _client(self, peer: _Peer) -> AsyncClient:
         """The peer's connection, made (by a task of its own) if it has none that is open."""
+        if self._closed:  # its task group may be gone: no connection outlives aclose()
+            raise BlockNotFoundError("the peers are closed")
         if peer.client is None or not peer.client.connected():
             peer.close()
             peer.client = await self._tg.start(self._hold, peer)
@@ -212,12 +216,15 @@ class PeerReads:
         connect is the caller's (:meth:`_client`); one at the end only ends this task."""
         done = anyio.Event()
         started = False
+        if self._closed:  # asked for while closing: end at once
+            raise BlockNotFoundError("the peers are closed")
         try:
             async with connect_endpoint_async(peer.endpoint, client_name="kvtierd-peer") as client:
                 peer.done = done
                 task_status.started(client)
                 started = True
-                await done.wait()
+                if not self._closed:  # closed while it connected: DESTROY at once
+                    await done.wait()
         except Exception as exc:
             if not started:
                 raise
@@ -226,9 +233,12 @@ class PeerReads:
     async def _pull(
         self, peer: _Peer, spec: NamespaceSpec, ref: BlockRef, target: memoryview
     ) -> bool:
+        deadline = anyio.current_time() + PEER_TIMEOUT_S  # the lease and the pull, together
         with anyio.fail_after(PEER_TIMEOUT_S):
             try:
                 async with peer.lock:  # one control call at a time; pulls overlap
+                    if time.monotonic() < peer.skip_until:  # failed while this one waited
+                        return False
                     lease = await self._lease(peer, spec, ref.ns_digest, ref.key)
             except BlockNotFoundError:
                 return False
@@ -247,12 +257,15 @@ class PeerReads:
                 agent=lease.agent,
                 metadata=lease.metadata,
                 remote=lease.replies[0].descriptors,
-                timeout_s=PEER_TIMEOUT_S,
+                timeout_s=max(0.1, deadline - anyio.current_time()),
             )
         finally:
             peer.release(lease)  # queued when a control call holds the connection
-        # The bytes in the slot must be exactly the manifest's block: anything else is a miss.
-        return copied == ref.checksum
+        # The bytes in the slot must be exactly the manifest's block: anything else is a miss,
+        # and a peer that sends other bytes than its lease's checksum promised has failed.
+        if copied != ref.checksum:
+            raise RemoteProtocolError(f"{peer.endpoint} sent bytes that are not the block's")
+        return True
 
     async def aclose(self) -> None:
         """Close every peer connection (their tasks send DESTROY and end); the exporters stay
@@ -265,5 +278,6 @@ class PeerReads:
             c["misses"],
             c["failures"],
         )
+        self._closed = True
         for peer in self._peers:
             peer.close()

@@ -26,12 +26,15 @@ from kvtierd.client import (
     KvtierError,
     Namespace,
     NotSupportedError,
+    RemoteProtocolError,
     chain_keys,
     connect,
     connect_async,
     connect_tcp,
     connect_tcp_async,
 )
+from kvtierd.client.base import check_init
+from kvtierd.protocol.messages import InitReply
 from kvtierd.testing import DaemonProcess, free_port
 from tests.support.tls import DEADLINE_S, Certificates
 
@@ -246,3 +249,65 @@ def test_a_write_allocated_outside_a_block_is_committed_or_aborted_once(
             assert (await ans.lookup(kept), await ans.lookup(dropped)) == (2, 0)
 
     anyio.run(main, backend=anyio_backend)
+
+
+@pytest.fixture(scope="module")
+def plaintext_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+    """A daemon whose ``remote.listen`` takes plaintext (a test network's setting)."""
+    directory = tmp_path_factory.mktemp("faces-plain")
+    port = free_port()
+    config = f"""
+[nixl]
+enabled = true
+
+[remote]
+listen = "127.0.0.1:{port}"
+allow_plaintext = true
+plaintext_uid = 2001
+allow_create = true
+
+[[tenants]]
+name = "alpha"
+uids = [2001]
+dram_size = "16M"
+"""
+    process = DaemonProcess(directory, config_text=config)
+    process.start(120)
+    try:
+        yield port, directory
+        assert "Traceback" not in process.log(), process.log()[-5000:]
+    finally:
+        process.kill()
+
+
+def test_both_faces_speak_plaintext_tcp_where_the_daemon_allows_it(
+    plaintext_daemon: tuple[int, Path], anyio_backend: str
+) -> None:
+    """Plaintext TCP (anyio's stream on asyncio is no plain socket, so the async face reads and
+    writes it through the stream): the same view on both faces, and the connection stays up."""
+    port, _ = plaintext_daemon
+    with connect_tcp("127.0.0.1", port, tls=None, timeout_s=DEADLINE_S) as client:
+        blocking = _remote_view(client.stats(), client.connected())
+
+    async def main() -> dict[str, Any]:
+        async with connect_tcp_async("127.0.0.1", port, tls=None) as aclient:
+            ns = await aclient.namespace("plain", block_bytes=4096, tenant="alpha")
+            assert await ns.lookup([b"\x02" * 16]) == 0
+            return _remote_view(await aclient.stats(), aclient.connected())
+
+    assert (
+        anyio.run(main, backend=anyio_backend)
+        == blocking
+        == {
+            "scope": "tenant",
+            "connected": True,
+        }
+    )
+
+
+def test_an_init_reply_allowing_no_key_is_refused() -> None:
+    """A peer posing as a daemon that allows 0 keys per request would make every operation
+    loop on nothing: refused at INIT as a protocol error."""
+    reply = InitReply(1, 9, 1 << 20, 64, 0, 0, "0.0.0")
+    with pytest.raises(RemoteProtocolError, match="0 keys per request"):
+        check_init(reply)

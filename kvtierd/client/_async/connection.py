@@ -81,6 +81,7 @@ from kvtierd.protocol.messages import (
     CommitRequest,
     DestroyRequest,
     Message,
+    ReadNixlReply,
     ReadReply,
     ReleaseRequest,
 )
@@ -495,7 +496,9 @@ class AsyncConnection(abc.ABC):
     def _clean_up(self, event: ReplyReceived) -> None:
         message = event.message
         with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
-            if isinstance(message, ReadReply) and message.lease:  # READ_RESIDENT's too
+            if (
+                isinstance(message, ReadReply | ReadNixlReply) and message.lease
+            ):  # and READ_RESIDENT's
                 release = ReleaseRequest([message.lease])
                 self._janitor_send.send_nowait((self.reconnects, release))
             elif isinstance(message, AllocReply):
@@ -672,7 +675,10 @@ def _sockets_of(stream: ByteStream) -> tuple[socket.socket, socket.socket | None
     CPU."""
     sock: socket.socket = stream.extra(SocketAttribute.raw_socket)
     tls = stream.extra(TLSAttribute.ssl_object, None) is not None
-    return sock, None if tls else sock
+    # anyio's TCP stream on asyncio gives the transport's socket wrapper, which neither sends
+    # nor receives: only a real socket is used directly
+    direct = isinstance(sock, socket.socket) and not tls
+    return sock, sock if direct else None
 
 
 def _send_nowait(raw: socket.socket | None, frame: bytes) -> int:
