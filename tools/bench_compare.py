@@ -33,9 +33,18 @@ Figure = tuple[
 ]
 
 
-def _by_size(key: str, size: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
+def _by_size(
+    key: str, size: int, order: str | None = None
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The entry of ``result[key]`` for block size ``size`` (and read ``order``, where the
+    entries have one: ``in_order``, ``random``)."""
+
     def pick(result: dict[str, Any]) -> dict[str, Any]:
-        return next(entry for entry in result[key] if entry["block_bytes"] == size)
+        return next(
+            entry
+            for entry in result[key]
+            if entry["block_bytes"] == size and order in (None, entry.get("order"))
+        )
 
     return pick
 
@@ -60,22 +69,36 @@ def _key(key: str) -> Section:
 def _figures() -> list[Figure]:
     figures: list[Figure] = []
     for size in (2 * MiB, 32 * MiB):
-        cold = _by_size("cold", size)
-        label = f"{size // MiB} MiB"
-        figures.append(_rounds(f"cold read vs fio, {label}", True, cold, "median_ratio", "ratios"))
-        figures.append(
-            _rounds(
-                f"cold read zero-copy vs fio, {label}",
-                True,
-                lambda r, c=cold: c(r)["zero_copy"],
-                "median_ratio",
-                "ratios",
+        for order in ("in_order", "random"):
+            cold = _by_size("cold", size, order)
+            label = f"{size // MiB} MiB, {order.replace('_', ' ')}"
+            figures.append(
+                _rounds(f"cold read vs fio, {label}", True, cold, "median_ratio", "ratios")
             )
+            figures.append(
+                _rounds(
+                    f"cold read zero-copy vs fio, {label}",
+                    True,
+                    lambda r, c=cold: c(r)["zero_copy"],
+                    "median_ratio",
+                    "ratios",
+                )
+            )
+    for size in (448 << 10, 8 * MiB):
+        label = f"{size >> 10} KiB" if size < MiB else f"{size // MiB} MiB"
+        dram = _by_size("dram", size)
+        figures.append(
+            _rounds(f"DRAM copy-out vs numpy, {label}", True, dram, "median_ratio", "ratios")
         )
+    for variant, client in (("", "blocking"), ("_async", "async"), ("_async_trio", "async, trio")):
+        for keys in (1, 64):
+            figures.append(
+                _single(
+                    f"LOOKUP p50 vs echo, {keys} key{'s' if keys > 1 else ''}, {client} client",
+                    lambda r, k=f"keys_{keys}{variant}": r["rtt"][k]["ratio_p50"],
+                )
+            )
     figures += [
-        _rounds("DRAM copy-out vs numpy", True, _key("dram"), "median_ratio", "ratios"),
-        _single("LOOKUP p50 vs echo, 1 key", lambda r: r["rtt"]["keys_1"]["ratio_p50"]),
-        _single("LOOKUP p50 vs echo, 64 keys", lambda r: r["rtt"]["keys_64"]["ratio_p50"]),
         _rounds("put + FSYNC vs fio", True, _key("put"), "median_ratio", "ratios"),
         _single("restart, snapshot (s)", lambda r: r["restart"]["snapshot_s"]),
         _single("restart, scan after kill -9 (s)", lambda r: r["restart"]["scan_s"]),

@@ -143,7 +143,7 @@ class AsyncConnection(abc.ABC):
         self._regions = Regions(maps=endpoint.passes_descriptors)
         self._closed = False
         #: Leases given back from synchronous code (:meth:`release_soon`), not sent yet, and
-        #: one event per RELEASE being sent (set when it is answered).
+        #: one event per RELEASE being sent (set once it is).
         self._releases: collections.deque[int] = collections.deque()
         self._releasing: set[anyio.Event] = set()
         #: Whether a wake-up for the janitor to send them is queued already.
@@ -465,23 +465,23 @@ class AsyncConnection(abc.ABC):
 
     async def _flush_releases(self) -> None:
         """Send the queued RELEASEs, a frame of up to ``max_keys`` at a time, shielded from
-        cancellation, and wait for every RELEASE in flight to be answered, this call's and
-        those another task took first: a lease ended by an ``async with`` is given back when
-        the block is left."""
+        cancellation, without waiting for their replies (as every RELEASE goes), and wait until
+        those another task took first are sent too: a lease ended by an ``async with`` is
+        given back before any later request of this client."""
         pending = self._releases
         while pending and not self._closed and self._broken is None:
             batch = [pending.popleft() for _ in range(min(len(pending), self.max_keys))]
-            answered = anyio.Event()
-            self._releasing.add(answered)
+            sent = anyio.Event()
+            self._releasing.add(sent)
             try:
                 with anyio.CancelScope(shield=True), contextlib.suppress(KvtierError):
-                    await self._call(ReleaseRequest(batch))
+                    await self._send_only(ReleaseRequest(batch), 0)
             finally:
-                self._releasing.discard(answered)
-                answered.set()
-        for answered in list(self._releasing):
+                self._releasing.discard(sent)
+                sent.set()
+        for sent in list(self._releasing):
             with anyio.CancelScope(shield=True):
-                await answered.wait()
+                await sent.wait()
 
     def _unsent(self, message: Message) -> None:
         """A request cancelled before it was sent: what it would have given back (a RELEASE, a

@@ -246,8 +246,9 @@ class Namespace(NamespaceBase[Client]):
     ) -> Iterator[BlockLease]:
         """Lease the blocks: views and extents (offsets into :meth:`arena_buffer`), verified
         against their checksums and valid until the ``with`` block ends or ``release()`` is
-        called. The async face waits for the RELEASE's answer as the block is left; the
-        blocking face sends it without waiting (before the next call's first request).
+        called. The RELEASE is sent without waiting for its reply, before the next request
+        of this client (on the blocking face, by the next call if another thread holds the
+        connection).
         ``resident_only`` and ``verify_on_copy``: see :meth:`acquire`."""
         lease = self.acquire(keys, resident_only=resident_only, verify_on_copy=verify_on_copy)
         try:
