@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -73,17 +72,16 @@ class Session:
         self._tenant = tenant
         self._namespaces: dict[Hashable, Namespace] = {}
         self._arenas: dict[int, torch.Tensor] = {}
-        #: Regions registered as pinned memory, and those that could not be (used unpinned).
-        self._pinned: dict[int, PinnedRegion] = {}
-        self._unpinnable: set[int] = set()
+        #: Regions pinned for a CUDA device: registered, or ``None`` where CUDA refused (used
+        #: unpinned, never tried again).
+        self._pinned: dict[int, PinnedRegion | None] = {}
         #: Held while a namespace is opened or a region mapped, so each happens once; never
         #: taken by a thread inside a request.
         self._opening = threading.Lock()
 
     def namespace(self, spec: NamespaceSpec) -> Namespace:
         """The namespace ``spec`` names, opened the first time."""
-        ns = self._namespaces.get(spec)
-        return ns if ns is not None else self.namespace_as(spec, lambda: spec)
+        return self.namespace_as(spec, lambda: spec)
 
     def namespace_as(self, ident: Hashable, make_spec: Callable[[], NamespaceSpec]) -> Namespace:
         """The namespace known as ``ident`` (the adapter's own key, cheaper to make than the
@@ -126,33 +124,18 @@ class Session:
 
         region = ns.handle.region
         arena = self._arenas.get(region)
-        tried = region in self._pinned or region in self._unpinnable
-        if arena is None or (device is not None and not tried):
-            with self._opening:
-                arena = self._arenas.get(region)
-                if arena is None:
-                    with warnings.catch_warnings():  # read-only here: only read through it
-                        warnings.filterwarnings("ignore", message=".*not writable.*")
-                        arena = torch.frombuffer(ns.arena_buffer(), dtype=torch.uint8)
-                    self._arenas[region] = arena
-                if device is not None and region not in self._pinned.keys() | self._unpinnable:
-                    self._pin(region, PinnedRegion(arena, device))
+        if arena is not None and (device is None or region in self._pinned):
+            return arena
+        with self._opening:
+            arena = self._arenas.get(region)
+            if arena is None:
+                with warnings.catch_warnings():  # read-only here: only read through it
+                    warnings.filterwarnings("ignore", message=".*not writable.*")
+                    arena = torch.frombuffer(ns.arena_buffer(), dtype=torch.uint8)
+                self._arenas[region] = arena
+            if device is not None and region not in self._pinned:
+                self._pinned[region] = _pinned(region, PinnedRegion(arena, device))
         return arena
-
-    def _pin(self, region: int, pinned: PinnedRegion) -> None:
-        """Register ``region`` as pinned memory (nothing to do for a CPU device); a CUDA
-        runtime that refuses leaves it unpinned, said once: copies are staged, not lost."""
-        from kvtierd.client.cuda import CudaError
-
-        try:
-            pinned.pin()
-        except CudaError as exc:
-            self._unpinnable.add(region)
-            logging.getLogger("kvtierd.engines").warning(
-                "region %d stays unpinned (copies from it are staged): %s", region, exc
-            )
-        else:
-            self._pinned[region] = pinned
 
     def with_room(self, call: Callable[[], T]) -> T:
         """``call()``; refused for space, once more after FSYNC made the written blocks clean
@@ -176,8 +159,9 @@ class Session:
             pinned, self._pinned = list(self._pinned.values()), {}
             self._arenas.clear()
         for region in pinned:
-            with contextlib.suppress(KvtierError):
-                region.unpin()
+            if region is not None:
+                with contextlib.suppress(KvtierError):
+                    region.unpin()
 
 
 class EngineLink:
@@ -202,7 +186,8 @@ class EngineLink:
         self._lock = threading.Lock()
         self._session: Session | None = None
         self._closed = False
-        self._down_since: float | None = None
+        #: Whether the daemon was found unreachable, and not reached since (said once).
+        self._down = False
         #: Sessions opened (the first, then one per reconnect).
         self.opens = 0
         #: Calls that answered a miss because the daemon could not serve them.
@@ -236,9 +221,9 @@ class EngineLink:
                     raise broken_error(exc) from exc
                 session = self._session = Session(client, self.tenant)
                 self.opens += 1
-                if self._down_since is not None:
+                if self._down:
                     self._log.warning("kvtierd is reachable again")
-                    self._down_since = None
+                    self._down = False
             return session
 
     def current(self) -> Session | None:
@@ -283,7 +268,7 @@ class EngineLink:
         ``miss``."""
         with self._lock:
             self.failures += 1
-            down = self._down_since is not None
+            down = self._down
         # while the daemon is away, "unreachable" was said once already; a refusal is the
         # daemon doing its job (full, over quota), said quietly
         if down:
@@ -294,8 +279,8 @@ class EngineLink:
         return miss
 
     def _went_down(self, exc: BaseException) -> None:
-        if self._down_since is None:
-            self._down_since = time.monotonic()
+        if not self._down:
+            self._down = True
             self._log.warning("kvtierd unreachable, serving without it: %s", exc)
 
     def close(self) -> None:
@@ -305,3 +290,18 @@ class EngineLink:
             session, self._session = self._session, None
         if session is not None:
             session.close()
+
+
+def _pinned(region: int, pinned: PinnedRegion) -> PinnedRegion | None:
+    """``pinned``, registered as pinned memory (nothing to do for a CPU device); ``None``
+    where the CUDA runtime refuses, said once: copies from the region are staged, not lost."""
+    from kvtierd.client.cuda import CudaError
+
+    try:
+        pinned.pin()
+    except CudaError as exc:
+        logging.getLogger("kvtierd.engines").warning(
+            "region %d stays unpinned (copies from it are staged): %s", region, exc
+        )
+        return None
+    return pinned

@@ -74,14 +74,15 @@ and its mapping are gone for good.
 
 *Threads.* LMCache calls a plug-in from its worker threads and, through ``to_thread``, from its
 storage loop, so one backend serves several threads on one connection: the client takes their
-requests in turns (:mod:`kvtierd.client.sync`), a session opens each namespace once, under its
-own lock, and the pins are a thread-safe table. The backend's lock guards which session is
-current and the counters; it is held across a request only to connect, which every caller
-waits for anyway.
+requests in turns (:mod:`kvtierd.client.sync`), the link's session
+(:class:`~kvtierd.engines.link.EngineLink`) opens each namespace once, under its own lock, and
+the pins are a thread-safe table. The backend's lock guards what it keeps per session (the
+region and the pins) and the counters; it is held across no request.
 
-*Why one module of about 650 lines:* it is one class, the interface LMCache loads by name, and
+*Why one module of about 600 lines:* it is one class, the interface LMCache loads by name, and
 what it does not need to hold is already elsewhere (keys in ``lmcache_keys``, pins in
-``lmcache_pins``, the protocol in :mod:`kvtierd.client`).
+``lmcache_pins``, the connection in :mod:`kvtierd.engines.link`, the protocol in
+:mod:`kvtierd.client`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
@@ -74,7 +74,6 @@ from kvtierd.errors import (
 __all__ = ["KvtierdHiCacheStorage", "StorageStatistics"]
 
 log = logging.getLogger("kvtierd.engines.sglang")
-T = TypeVar("T")
 #: The host-pool layouts whose pages ``HostKVCache.get_data_page`` addresses.
 _PAGE_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 
@@ -161,10 +160,8 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if self.mem_pool_host is None:
             raise InvalidRequestError("the _v1 calls need register_mem_pool_host first")
 
-    def _pool_namespace(self, session: Session | None = None) -> Namespace:
-        """The host pool's namespace on ``session`` (default: the link's open one)."""
-        if session is None:
-            session = self._link.session()
+    def _pool_namespace(self, session: Session) -> Namespace:
+        """The host pool's namespace on ``session``."""
         self._require_pool()
         pool = self.mem_pool_host
         return self._namespace(session, self._layout(), pool.dtype, self._pool_page_bytes)

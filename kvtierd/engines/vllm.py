@@ -33,6 +33,11 @@ keeps keys apart: model, quantisation, KV dtype and shape, block size, TP size a
 backend's K/V format are in the namespace (:mod:`kvtierd.engines.vllm_link`), the request's
 ``cache_salt`` and LoRA adapter in each key's salt. Requests with multimodal inputs or prompt
 embeddings are neither looked up nor saved. See ``docs/engines.md`` ("vLLM").
+
+*Why one module past 600 lines:* it is one class, the connector vLLM loads by name, whose two
+sides share its state; what it does not need to hold is already elsewhere (the planning in
+``vllm_plan``, the layout and namespace in ``vllm_link``, the connection in
+:mod:`kvtierd.engines.link`, the host cache's byte runs in ``host_runs``).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from kvtierd.nixl.export import NixlReads
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply
 from kvtierd.server.checks import HostCheck
 from kvtierd.server.throttle import Throttle
+from kvtierd.store.counts import StoreStatistics
 from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import PeerCredentials
 from kvtierd.store.store import BlockStore
@@ -29,7 +30,9 @@ __all__ = ["Reports", "RequestContext", "SessionHost", "Timings"]
 class Reports(Protocol):
     """The daemon-wide reports a handler may ask for (the daemon implements them)."""
 
-    def statistics(self, peer: PeerCredentials | None = None) -> StatfsReply: ...
+    def statistics(
+        self, peer: PeerCredentials | None = None, *, figures: StoreStatistics | None = None
+    ) -> StatfsReply: ...
 
     def pool_status(self) -> PoolStatusReply: ...
 

@@ -84,6 +84,14 @@ def _disk_failing(store: BlockStore) -> str:
     return f"{condition.describe()}; {condition.remedy}" if condition is not None else ""
 
 
+#: STATFS fields that are the store's figures of the same name, copied as they are.
+_STORE_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(StoreStatistics)
+    if f.name not in ("tiers", "checkpoints", "counts")
+)
+
+
 def _statfs(
     figures: StoreStatistics,
     sessions: Collection[Session],
@@ -105,26 +113,13 @@ def _statfs(
     return StatfsReply(
         version=__version__,
         uptime_s=uptime_s,
-        io_backend=figures.io_backend,
         connections=len(sessions),
         requests=requests,
-        namespaces=figures.namespaces,
         leases=sum(len(s.owner.leases) for s in sessions),
         leased_blocks=sum(len(lease.blocks) for s in sessions for lease in s.owner.leases.values()),
         pending_writes=sum(len(s.owner.writes) for s in sessions),
-        dirty_blocks=figures.dirty_blocks,
-        dirty_bytes=figures.dirty_bytes,
-        durable_blocks=figures.durable_blocks,
-        promotions=figures.promotions,
-        prefetch_promoted=figures.prefetch_promoted,
-        prefetch_used=figures.prefetch_used,
-        prefetch_wasted_bytes=figures.prefetch_wasted_bytes,
         tiers=[TierStatistics(**dataclasses.asdict(tier)) for tier in figures.tiers],
-        scope=figures.scope,
-        sparse_summaries=figures.sparse_summaries,
-        sparse_summary_bytes=figures.sparse_summary_bytes,
-        corrupt_writebacks=figures.corrupt_writebacks,
-        sparse_summaries_dropped=figures.sparse_summaries_dropped,
+        **{name: getattr(figures, name) for name in _STORE_FIELDS},
         **checkpoints,
     )
 
@@ -161,11 +156,15 @@ class Daemon:
     def count_request(self) -> None:
         self.requests += 1
 
-    def statistics(self, peer: PeerCredentials | None = None) -> StatfsReply:
+    def statistics(
+        self, peer: PeerCredentials | None = None, *, figures: StoreStatistics | None = None
+    ) -> StatfsReply:
         """The STATFS record: the host's (``peer`` None: for the admin), or only what belongs to
         the tenants ``peer`` is admitted to and its own uid's connections, so that no tenant
-        sees another's traffic (host-wide figures are 0)."""
-        figures = self.store.statistics(peer)
+        sees another's traffic (host-wide figures are 0). ``figures``: the store's for that
+        scope, when the caller took them already."""
+        if figures is None:
+            figures = self.store.statistics(peer)
         uptime_s = time.monotonic() - self.started
         if peer is None:
             return _statfs(figures, self.sessions, uptime_s=uptime_s, requests=self.requests)

@@ -128,13 +128,15 @@ def _fold_namespaces(daemon: Observed, labels: NamespaceLabels) -> tuple[Namespa
 
 
 def _transfers(
-    daemon: Observed, store: StoreStatistics, namespaces: Iterable[NamespaceFigures]
+    daemon: Observed,
+    store: StoreStatistics,
+    c: StoreCounts,
+    namespaces: Iterable[NamespaceFigures],
 ) -> tuple[Transfer, ...]:
-    """Blocks and bytes by direction. Client traffic counts whole blocks; NVMe bytes are what
-    the device moved (a record's header page and its payload padded to 4 KiB, compressed where
-    zstd is on); pool bytes are the values sent and received."""
-    c = store.counts
-    assert isinstance(c, StoreCounts)  # the host's
+    """Blocks and bytes by direction (``c``: the host's counts behind ``store``). Client
+    traffic counts whole blocks; NVMe bytes are what the device moved (a record's header page
+    and its payload padded to 4 KiB, compressed where zstd is on); pool bytes are the values
+    sent and received."""
     figures = list(namespaces)
     moved = [
         Transfer(
@@ -165,12 +167,12 @@ def take_snapshot(daemon: Observed, labels: NamespaceLabels) -> MetricsSnapshot:
     namespaces = _fold_namespaces(daemon, labels)
     store = daemon.store.statistics()
     c = store.counts
-    assert isinstance(c, StoreCounts)
+    assert isinstance(c, StoreCounts)  # the host's scope
     return MetricsSnapshot(
-        daemon.statistics(),
+        daemon.statistics(figures=store),
         daemon.pool_status() if daemon.pool is not None else None,
         namespaces,
-        _transfers(daemon, store, namespaces),
+        _transfers(daemon, store, c, namespaces),
         c.lost,
         _disk_failures(daemon),
         store.checkpoints,

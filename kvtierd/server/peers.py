@@ -151,10 +151,9 @@ class PeerReads:
             if time.monotonic() < peer.skip_until or self._closed:
                 continue
             try:
-                if await self._pull(peer, spec, ref, target):
-                    self.counters["hits"] += 1
-                    self.counters["bytes"] += ref.raw_bytes
-                    return
+                await self._pull(peer, spec, ref, target)
+            except BlockNotFoundError:
+                continue  # this peer lacks it (or is being skipped): the next one
             except Exception as exc:  # whatever a peer makes go wrong is that peer's failure
                 self.counters["failures"] += 1
                 if time.monotonic() >= peer.skip_until:  # once per failure, not per block
@@ -166,6 +165,10 @@ class PeerReads:
                     )
                 peer.skip_until = time.monotonic() + RETRY_AFTER_S
                 peer.close()
+            else:
+                self.counters["hits"] += 1
+                self.counters["bytes"] += ref.raw_bytes
+                return
         self.counters["misses"] += 1
         raise BlockNotFoundError("no peer holds an intact copy")
 
@@ -232,22 +235,21 @@ class PeerReads:
 
     async def _pull(
         self, peer: _Peer, spec: NamespaceSpec, ref: BlockRef, target: memoryview
-    ) -> bool:
+    ) -> None:
+        """Fill ``target`` with ``ref``'s bytes from ``peer``; ``BlockNotFoundError`` when the
+        peer does not hold that very block, any other error when the peer failed."""
         deadline = anyio.current_time() + PEER_TIMEOUT_S  # the lease and the pull, together
         with anyio.fail_after(PEER_TIMEOUT_S):
-            try:
-                async with peer.lock:  # one control call at a time; pulls overlap
-                    if time.monotonic() < peer.skip_until:  # failed while this one waited
-                        return False
-                    lease = await self._lease(peer, spec, ref.ns_digest, ref.key)
-            except BlockNotFoundError:
-                return False
+            async with peer.lock:  # one control call at a time; pulls overlap
+                if time.monotonic() < peer.skip_until:  # failed while this one waited
+                    raise BlockNotFoundError(f"{peer.endpoint} is skipped")
+                lease = await self._lease(peer, spec, ref.ns_digest, ref.key)
         try:
             extents = [e for reply in lease.replies for e in reply.extents]
             if len(extents) != 1 or extents[0].length != ref.raw_bytes:
-                return False
-            if extents[0].checksum != ref.checksum:
-                return False  # another version of the block: not the one asked for
+                raise BlockNotFoundError(f"{peer.endpoint} leased other extents")
+            if extents[0].checksum != ref.checksum:  # another version of the block
+                raise BlockNotFoundError(f"{peer.endpoint} holds another version")
             # The exporter's own deadline bounds the pull (it is killed if it overruns). The
             # exporter pulls into its landing buffer (it maps the region read-only); the copy
             # into ``target`` is hashed as it is made, and only that hash counts: the landing
@@ -265,7 +267,6 @@ class PeerReads:
         # and a peer that sends other bytes than its lease's checksum promised has failed.
         if copied != ref.checksum:
             raise RemoteProtocolError(f"{peer.endpoint} sent bytes that are not the block's")
-        return True
 
     async def aclose(self) -> None:
         """Close every peer connection (their tasks send DESTROY and end); the exporters stay

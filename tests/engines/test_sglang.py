@@ -264,7 +264,7 @@ def test_a_page_scribbled_after_commit_is_a_miss(daemon: DaemonProcess, layout: 
     keys = hashes(6)
     assert store.batch_set_v1(keys, torch.arange(0, 6 * PAGE)) == [True] * 6
     expected = [pool.get_data_page(i * PAGE).clone() for i in range(6)]
-    scribble(store._pool_namespace(), [page_key(keys[3], None)])
+    scribble(store._pool_namespace(store._link.session()), [page_key(keys[3], None)])
     dst = torch.arange(8 * PAGE, 14 * PAGE)
     assert store.batch_get_v1(keys, dst) == [True] * 3 + [False] * 3
     for i in range(3):

@@ -150,7 +150,7 @@ class AsyncConnection(abc.ABC):
         self._flush_queued = False
         #: The event loop's thread and token (set by :meth:`_start`), for a release from
         #: another thread.
-        self._loop_thread = threading.get_ident()
+        self._loop_thread: int | None = None
         self._token: EventLoopToken | None = None
         #: What reads the current connection's replies (closed before its socket is).
         self._receiver: Receiver | None = None
