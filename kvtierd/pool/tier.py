@@ -17,7 +17,6 @@ import logging
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
 import anyio
 import msgspec
@@ -78,13 +77,6 @@ def map_pool_errors(what: str) -> Iterator[None]:
         raise _pool_error(exc, what) from None
 
 
-class PeerSource(Protocol):
-    """Where a block is looked for before the pool's GET (another host's daemon)."""
-
-    async def load(self, ref: BlockRef, dest: memoryview) -> None:
-        """Fill ``dest`` with ``ref``'s verified bytes, or raise ``BlockNotFoundError``."""
-
-
 class PoolTier(LowerTier):
     kind = ServedBy.POOL
     #: Durable as the pool server is configured (AOF); indexed by the link's restore, not
@@ -101,9 +93,6 @@ class PoolTier(LowerTier):
         # failed a READ of more pool-only blocks than that; writes and the consensus keep theirs.
         self._read_slots = anyio.Semaphore(max(1, config.max_connections * 3 // 4))
         self.client: RedisLike | None = None
-        #: Asked first for a block being loaded (peer daemons over NIXL,
-        #: :mod:`kvtierd.server.peers`); the pool's GET follows when it has none.
-        self.peer_source: PeerSource | None = None
         self._block_prefix = names.block(b"", b"")
         self._counters = dict.fromkeys(
             (
@@ -210,13 +199,6 @@ class PoolTier(LowerTier):
         return StoreOutcome(landed, refused)
 
     async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
-        if self.peer_source is not None:
-            try:
-                await self.peer_source.load(ref, dest)
-            except BlockNotFoundError:
-                pass  # no peer has it: the pool's GET
-            else:
-                return
         client = self.live()
         # acquire_nowait first: anyio's acquire() yields to the loop twice even when a slot is
         # free, a measurable share of a small block's restore.

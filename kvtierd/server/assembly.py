@@ -1,19 +1,27 @@
-"""The composition root: the store, the shared pool joined to it, and the NIXL export of its
-arena, and the peers asked before the pool, for a daemon's config.
+"""The composition root: a daemon's store, with what it is joined to, for its config.
+
+:func:`open_daemon_store` puts the parts together in the order they need each other and closes
+them in the reverse one:
+
+1. the store's base (:func:`kvtierd.store.lifecycle.open_store_base`: the arena with its tenant
+   regions, the I/O backend, the namespace registry);
+2. the NIXL export of those regions (:func:`open_nixl_reads`), each from an exporter process
+   of its own (:mod:`kvtierd.nixl.export`), when ``nixl.enabled`` asks for it and NIXL passes
+   its probe here; otherwise the daemon serves on without NIXL reads, and the request handlers
+   answer READ_NIXL with the reason (``EOPNOTSUPP``);
+3. with a pool, the pool tier (:func:`pool_tier`, which checks the pool's credentials: a
+   credential file that cannot be used is a configuration error) and, when ``remote.peers``
+   are configured and NIXL runs, the peers asked before it (:func:`open_peer_reads`), the tier
+   wrapped in a :class:`~kvtierd.server.peers.PeerFirstTier`;
+4. the store itself, handed a :class:`~kvtierd.store.ports.Replica`: the (wrapped) tier to
+   promote pool-only copies from, and how to open the link
+   (:func:`kvtierd.pool.link.open_pool_link`, which owns the link's tasks and gives queued
+   writes half the shutdown grace to reach the pool).
 
 It sits above both :mod:`kvtierd.store` and :mod:`kvtierd.pool`, which do not import each
 other's insides: the store names what it needs from a replica link in
-:mod:`kvtierd.store.ports`, the pool implements it, and only this module knows both. It checks
-the pool's credentials before anything starts (a credential file that cannot be used is a
-configuration error), builds the pool tier, and hands the store a
-:class:`~kvtierd.store.ports.Replica`: the tier to promote pool-only copies from, and how to
-open the link (:func:`kvtierd.pool.link.open_pool_link`, which owns the link's tasks and gives
-queued writes half the shutdown grace to reach the pool).
-
-:func:`open_nixl_reads` exports the store's tenant regions over NIXL, each from an exporter
-process of its own (:mod:`kvtierd.nixl.export`), when ``nixl.enabled`` asks for it and NIXL
-passes its probe here; otherwise the daemon serves on without NIXL reads,
-and the request handlers answer READ_NIXL with the reason (``EOPNOTSUPP``).
+:mod:`kvtierd.store.ports`, the pool implements it, and only this module knows both. Nothing
+is set on a part after it was made: each gets what it uses when it is built.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import logging
 import os
 import socket
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from functools import partial
 
 import anyio
@@ -38,27 +47,27 @@ from kvtierd.pool.connect import PoolUnavailableError, pool_address, read_secret
 from kvtierd.pool.link import PoolLink, open_pool_link
 from kvtierd.pool.tier import PoolTier
 from kvtierd.pool.values import PoolNames
-from kvtierd.server.peers import PeerReads, peer_endpoints
+from kvtierd.server.peers import PeerFirstTier, PeerReads, peer_endpoints
 from kvtierd.store.index import Block
-from kvtierd.store.lifecycle import OpenProgress, open_store
-from kvtierd.store.namespaces import NamespaceSpec
-from kvtierd.store.ports import Replica
+from kvtierd.store.lifecycle import OpenProgress, StoreBase, open_store, open_store_base
+from kvtierd.store.namespaces import NamespaceRegistry, NamespaceSpec
+from kvtierd.store.ports import Replica, StoreForReplica
 from kvtierd.store.store import BlockStore
 
 __all__ = [
+    "Assembled",
     "open_daemon_store",
     "open_nixl_reads",
     "open_peer_reads",
-    "pool_link_of",
-    "pool_replica",
+    "pool_tier",
 ]
 
 log = logging.getLogger("kvtierd.store")
 
 
-def pool_replica(config: PoolConfig, *, grace_s: float) -> Replica:
-    """The pool tier and how to open this rank's link to it; nothing connects until the store
-    opens the link. Raises :class:`ConfigError` for a credential file that cannot be used."""
+def pool_tier(config: PoolConfig) -> PoolTier:
+    """The pool tier for ``config``; nothing connects until the store opens the link. Raises
+    :class:`ConfigError` for a credential file that cannot be used."""
     try:
         if config.password_file:
             read_secret(config.password_file)
@@ -70,13 +79,18 @@ def pool_replica(config: PoolConfig, *, grace_s: float) -> Replica:
             "the network unencrypted",
             pool_address(config),
         )
-    tier = PoolTier(config, PoolNames(config.key_prefix, config.group, config.rank))
-    return Replica(tier, partial(open_pool_link, config, tier, grace_s=grace_s))
+    return PoolTier(config, PoolNames(config.key_prefix, config.group, config.rank))
 
 
-def pool_link_of(store: BlockStore) -> PoolLink[Block] | None:
-    """The store's pool link, as the pool's own type (for status and metrics)."""
-    return store.pool if isinstance(store.pool, PoolLink) else None
+@dataclass(frozen=True, slots=True)
+class Assembled:
+    """What a daemon serves from: the store, its link to the shared pool as the pool's own type
+    (for status and metrics; ``None`` without a pool), and the NIXL export of its regions (or
+    why there is none)."""
+
+    store: BlockStore
+    pool: PoolLink[Block] | None
+    nixl: NixlReads
 
 
 @contextlib.asynccontextmanager
@@ -85,23 +99,50 @@ async def open_daemon_store(
     *,
     io_verdict: BindingVerdict | None = None,
     progress: OpenProgress | None = None,
-) -> AsyncIterator[BlockStore]:
-    """:func:`kvtierd.store.open_store` for ``config``, joined to the pool when one is
-    configured."""
-    replica = None
-    if config.pool.url:
-        replica = pool_replica(config.pool, grace_s=config.daemon.shutdown_grace_s / 2)
-    async with open_store(
-        config, io_verdict=io_verdict, progress=progress, replica=replica
-    ) as store:
-        yield store
+) -> AsyncIterator[Assembled]:
+    """The store for ``config`` and what it is joined to, opened in order and closed in the
+    reverse one: its base (arena, regions, registry), the NIXL export of the regions, the
+    peers, and the store itself with the pool tier (wrapped in a :class:`PeerFirstTier` when
+    there are peers) and its link."""
+    async with contextlib.AsyncExitStack() as stack:
+        base = await stack.enter_async_context(
+            open_store_base(config, io_verdict=io_verdict, progress=progress)
+        )
+        nixl = await stack.enter_async_context(open_nixl_reads(config, base))
+        replica = None
+        links: list[PoolLink[Block]] = []
+        if config.pool.url:
+            tier = pool_tier(config.pool)
+            peers = await stack.enter_async_context(open_peer_reads(config, base.registry, nixl))
+            replica = Replica(
+                tier if peers is None else PeerFirstTier(tier, peers),
+                partial(_open_link, links, config.pool, tier, config.daemon.shutdown_grace_s / 2),
+            )
+        store = await stack.enter_async_context(
+            open_store(config, progress=progress, replica=replica, base=base)
+        )
+        yield Assembled(store, links[0] if links else None, nixl)
 
 
 @contextlib.asynccontextmanager
-async def open_nixl_reads(config: Config, store: BlockStore) -> AsyncIterator[NixlReads]:
-    """The NIXL export of ``store``'s tenant regions (an exporter process each, supervised), for
-    as long as the daemon serves; or, when ``nixl.enabled`` is false or NIXL cannot run here,
-    why not (logged)."""
+async def _open_link(
+    opened: list[PoolLink[Block]],
+    config: PoolConfig,
+    tier: PoolTier,
+    grace_s: float,
+    store: StoreForReplica[Block],
+) -> AsyncIterator[PoolLink[Block]]:
+    """:func:`open_pool_link`, the link kept in ``opened`` (the store sees only its port)."""
+    async with open_pool_link(config, tier, store, grace_s=grace_s) as link:
+        opened.append(link)
+        yield link
+
+
+@contextlib.asynccontextmanager
+async def open_nixl_reads(config: Config, base: StoreBase) -> AsyncIterator[NixlReads]:
+    """The NIXL export of the tenant regions of ``base`` (an exporter process each,
+    supervised), for as long as the daemon serves; or, when ``nixl.enabled`` is false or NIXL
+    cannot run here, why not (logged)."""
     if not config.nixl.enabled:
         yield NIXL_OFF
         return
@@ -112,8 +153,8 @@ async def open_nixl_reads(config: Config, store: BlockStore) -> AsyncIterator[Ni
             export = await stack.enter_async_context(
                 open_region_export(
                     name,
-                    store.arena.address,
-                    store.regions,
+                    base.arena.address,
+                    base.regions,
                     start_timeout_s=config.nixl.probe_timeout_s,
                     probe=probe,
                     landing_slot_bytes=config.limits.max_block_bytes,
@@ -132,12 +173,11 @@ async def open_nixl_reads(config: Config, store: BlockStore) -> AsyncIterator[Ni
 
 @contextlib.asynccontextmanager
 async def open_peer_reads(
-    config: Config, store: BlockStore, nixl: NixlReads
+    config: Config, registry: NamespaceRegistry, nixl: NixlReads
 ) -> AsyncIterator[PeerReads | None]:
     """Ask ``remote.peers`` first for blocks only the pool holds (:mod:`kvtierd.server.peers`),
     while the block ends; ``None`` when there are no peers, no pool or no NIXL (logged)."""
-    link = pool_link_of(store)
-    if not config.remote.peers or link is None:
+    if not config.remote.peers or not config.pool.url:
         yield None
         return
     if nixl.export is None:
@@ -147,16 +187,14 @@ async def open_peer_reads(
     endpoints = peer_endpoints(config.remote)
 
     def spec_of(digest: bytes) -> NamespaceSpec | None:
-        ns = store.registry.by_digest(digest)
+        ns = registry.by_digest(digest)
         return ns.spec if ns is not None else None
 
     async with anyio.create_task_group() as tg:  # the peer connections' tasks
         peers = PeerReads(endpoints, nixl.export, spec_of, tg)
-        link.tier.peer_source = peers
         log.info("blocks only the pool holds are asked of %s first", ", ".join(map(str, endpoints)))
         try:
             yield peers
         finally:
-            link.tier.peer_source = None
             await peers.aclose()  # each connection's task sends DESTROY (shielded, bounded)
             tg.cancel_scope.cancel()  # and none started meanwhile outlives the block

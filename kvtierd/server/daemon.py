@@ -48,15 +48,11 @@ from kvtierd.config import Config
 from kvtierd.errors import BusyError
 from kvtierd.io import BindingVerdict
 from kvtierd.nixl.export import NIXL_OFF, NixlReads
+from kvtierd.pool.link import PoolLink
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply, TierStatistics
 from kvtierd.server import heap
 from kvtierd.server.accepting import Entrance, listen_unix, refuse, serve_connections
-from kvtierd.server.assembly import (
-    open_daemon_store,
-    open_nixl_reads,
-    open_peer_reads,
-    pool_link_of,
-)
+from kvtierd.server.assembly import open_daemon_store
 from kvtierd.server.budget import reserve_descriptors
 from kvtierd.server.checks import HostCheck
 from kvtierd.server.collector import serve_collector
@@ -69,6 +65,7 @@ from kvtierd.server.remote import open_remote_listener
 from kvtierd.server.session import Session, peer_credentials, throttle_key
 from kvtierd.server.throttle import Throttle
 from kvtierd.store.counts import StoreStatistics
+from kvtierd.store.index import Block
 from kvtierd.store.lifecycle import arena_bytes
 from kvtierd.store.namespaces import PeerCredentials
 from kvtierd.store.store import BlockStore
@@ -134,13 +131,15 @@ class Daemon:
         startup: Sequence[HostCheck] = (),
         timings: RequestTimings | None = None,
         nixl: NixlReads | None = None,
+        *,
+        pool: PoolLink[Block] | None = None,
     ) -> None:
         self.config = config
         self.store = store
         #: The NIXL export of the arena's tenant regions, or why there is none.
         self.nixl = nixl if nixl is not None else NIXL_OFF
         #: The store's link to the shared pool, when one is configured.
-        self.pool = pool_link_of(store)
+        self.pool = pool
         self.startup = tuple(startup)
         #: Request latency histograms, when metrics are served.
         self.timings = timings
@@ -411,16 +410,15 @@ async def serve_daemon(
             with anyio.CancelScope() as opening:
                 tg.start_soon(_watch_stop_signals, readiness, stop, opening)
                 tg.start_soon(_extend_start_timeout, readiness, notifier)
-                async with (
-                    open_daemon_store(
-                        config, io_verdict=io_verdict, progress=readiness.progress
-                    ) as store,
-                    open_nixl_reads(config, store) as nixl,
-                    open_peer_reads(config, store, nixl),
-                ):
+                async with open_daemon_store(
+                    config, io_verdict=io_verdict, progress=readiness.progress
+                ) as assembled:
                     await anyio.to_thread.run_sync(heap.trim)  # what recovery freed (heap.py)
                     timings = metrics.timings if metrics is not None else None
-                    daemon = Daemon(config, store, startup, timings, nixl)
+                    store = assembled.store
+                    daemon = Daemon(
+                        config, store, startup, timings, assembled.nixl, pool=assembled.pool
+                    )
                     disk = store.disk.health if store.disk is not None else None
                     readiness.serve(str(config.socket_path), disk)
                     entrance.open(daemon)

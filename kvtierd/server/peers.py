@@ -26,8 +26,12 @@ waiting. The pull is a control message to the exporter, awaited on
 the event loop (:meth:`~kvtierd.nixl.export.RegionExport.pull_into`), with the peer agent's
 metadata: the exporter loads it the first time. A peer whose exporter was restarted names a new
 agent in its descriptors; its grant is then asked again. A peer that failed is skipped for
-:data:`RETRY_AFTER_S`. The pool tier calls :meth:`PeerReads.load` (its ``peer_source``), which
-raises ``BlockNotFoundError`` when no peer had the block.
+:data:`RETRY_AFTER_S`.
+
+Where it sits. The composition root (:mod:`kvtierd.server.assembly`) wraps the pool tier in a
+:class:`PeerFirstTier` before the store is put together: the store promotes pool-only copies
+through it like through any lower tier, and its :meth:`~PeerFirstTier.load` asks
+:meth:`PeerReads.load` first (``BlockNotFoundError`` when no peer had the block), then the pool.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from __future__ import annotations
 import logging
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -48,11 +52,15 @@ from kvtierd.config import RemoteConfig
 from kvtierd.errors import BlockNotFoundError, ConfigError, RemoteProtocolError
 from kvtierd.nixl import descriptors
 from kvtierd.nixl.export import RegionExport
+from kvtierd.pool.tier import PoolTier
 from kvtierd.protocol.messages import ReadNixlReply
+from kvtierd.store.coldrefs import ColdRows
+from kvtierd.store.counts import CheckpointFigures, TierFigures
 from kvtierd.store.namespaces import NamespaceSpec
-from kvtierd.store.tier import BlockRef
+from kvtierd.store.refs import Recovered
+from kvtierd.store.tier import BlockRef, LowerTier
 
-__all__ = ["PeerReads", "peer_endpoints"]
+__all__ = ["PeerFirstTier", "PeerReads", "peer_endpoints"]
 
 log = logging.getLogger("kvtierd.peers")
 
@@ -282,3 +290,49 @@ class PeerReads:
         self._closed = True
         for peer in self._peers:
             peer.close()
+
+
+class PeerFirstTier(LowerTier):
+    """The pool tier with the peers asked first: :meth:`load` (and so :meth:`load_run`) tries
+    ``peers`` and reads the pool only when no peer had the block; everything else is the pool
+    tier's own."""
+
+    kind = PoolTier.kind
+    capabilities = PoolTier.capabilities
+
+    def __init__(self, pool: PoolTier, peers: PeerReads) -> None:
+        self.pool = pool
+        self.peers = peers
+
+    async def load(self, ref: BlockRef, location: Hashable, dest: memoryview) -> None:
+        try:
+            await self.peers.load(ref, dest)
+        except BlockNotFoundError:
+            await self.pool.load(ref, location, dest)  # no peer has it: the pool's GET
+
+    def slot_class(self, ref: BlockRef) -> int:
+        return self.pool.slot_class(ref)
+
+    def stored_class(self, ref: BlockRef, location: Hashable) -> int:
+        return self.pool.stored_class(ref, location)
+
+    async def store(self, ref: BlockRef, payload: memoryview) -> Hashable:
+        return await self.pool.store(ref, payload)
+
+    async def discard(self, ref: BlockRef, location: Hashable) -> None:
+        await self.pool.discard(ref, location)
+
+    async def sync(self) -> None:
+        await self.pool.sync()
+
+    def recovered(self) -> Iterable[Recovered]:
+        return self.pool.recovered()
+
+    def cold_rows(self) -> ColdRows | None:
+        return self.pool.cold_rows()
+
+    def statistics(self) -> TierFigures:
+        return self.pool.statistics()
+
+    def checkpoint_figures(self) -> CheckpointFigures | None:
+        return self.pool.checkpoint_figures()

@@ -1,9 +1,12 @@
 """Assembling the store from its configuration, and taking it apart in the right order.
 
-Opening: the key secret is read (or made), the arena is created and pre-faulted (its private
-staging memory and one sealed region per tenant; io_uring registers it all as fixed buffers,
-which is fast only on faulted memory), then the I/O backend, then the NVMe tier, which recovers
-its index before anything is served; the store adopts what was recovered.
+Opening, in two steps. The base (:func:`open_store_base`): the key secret is read (or made),
+the I/O backend opened, the arena created and pre-faulted (its private staging memory and one
+sealed region per tenant; io_uring registers it all as fixed buffers, which is fast only on
+faulted memory) and the namespace registry loaded; the composition root exports the regions
+(NIXL) before the store exists. Then the store on it (:func:`open_store`, which opens its own
+base when given none): the NVMe tier recovers its index before anything is served, and the
+store adopts what was recovered.
 
 Progress. A large arena takes seconds to pre-fault and a large data file minutes to scan, so
 the opening reports where it is in an :class:`OpenProgress` that the daemon shows to whoever
@@ -30,6 +33,7 @@ import enum
 import logging
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -62,9 +66,11 @@ from kvtierd.store.writer import LowerWriter
 __all__ = [
     "OpenPhase",
     "OpenProgress",
+    "StoreBase",
     "arena_bytes",
     "make_policy",
     "open_store",
+    "open_store_base",
     "staging_bytes",
     "staging_pages",
 ]
@@ -202,28 +208,34 @@ async def _create_arena(config: Config, progress: OpenProgress, backend: IoBacke
     return arena
 
 
+@dataclass(frozen=True, slots=True)
+class StoreBase:
+    """What a store is built on and what others may need before it opens: the I/O backend, the
+    arena with its tenant regions, and the namespace registry. The composition root
+    (:mod:`kvtierd.server.assembly`) opens it first so that the NIXL export of the regions and
+    the peers asked before the pool exist when the store's tiers are put together."""
+
+    backend: IoBackend
+    arena: Arena
+    regions: Regions
+    registry: NamespaceRegistry
+
+
 @contextlib.asynccontextmanager
-async def open_store(
+async def open_store_base(
     config: Config,
     *,
     io_verdict: BindingVerdict | None = None,
     progress: OpenProgress | None = None,
-    replica: Replica | None = None,
-) -> AsyncIterator[BlockStore]:
-    """Yield a running :class:`BlockStore` for ``config``; closes it on exit. ``io_verdict`` is
-    the liburing binding's probe verdict, when the caller already has it; ``progress`` is told
-    where the opening is (and ends in :attr:`OpenPhase.OPEN`); ``replica``: the shared tier
-    and its link (:func:`kvtierd.server.assembly.open_daemon_store` passes the pool's)."""
-    if config.pool.url and replica is None:
-        raise ConfigError(
-            "pool.url is set but no pool was joined to the store: open it through "
-            "kvtierd.server.assembly.open_daemon_store"
-        )
+) -> AsyncIterator[StoreBase]:
+    """The data directory, the key secret, the I/O backend and the arena (created and
+    pre-faulted, ``progress`` told how far), for :func:`open_store`; the arena and then the
+    backend go away on exit. ``io_verdict`` is the liburing binding's probe verdict, when the
+    caller already has it."""
     progress = progress if progress is not None else OpenProgress()
     data_dir = config.data_path
     await anyio.to_thread.run_sync(lambda: data_dir.mkdir(parents=True, exist_ok=True))
     secret = await anyio.to_thread.run_sync(load_secret, config.key_secret_path)
-    staging_count = staging_pages(config)
     progress.advance(OpenPhase.CREATING_ARENA)
     async with contextlib.AsyncExitStack() as stack:
         backend = await stack.enter_async_context(
@@ -234,6 +246,54 @@ async def open_store(
         arena = await _create_arena(config, progress, backend)
         stack.callback(arena.close)  # after all that uses it, before the backend (whose pins
         # keep the pages it may still be reading into)
+        regions = Regions(arena.regions, boundary=FIXED_BUFFER_BYTES)
+        registry = NamespaceRegistry(
+            data_dir / "namespaces.catalog",
+            config.tenants,
+            secret=secret,
+            regions=regions,
+            limits=config.limits,
+        )
+        yield StoreBase(backend, arena, regions, registry)
+
+
+@contextlib.asynccontextmanager
+async def open_store(
+    config: Config,
+    *,
+    io_verdict: BindingVerdict | None = None,
+    progress: OpenProgress | None = None,
+    replica: Replica | None = None,
+    base: StoreBase | None = None,
+) -> AsyncIterator[BlockStore]:
+    """Yield a running :class:`BlockStore` for ``config``; closes it on exit. ``progress`` is
+    told where the opening is (and ends in :attr:`OpenPhase.OPEN`); ``replica``: the shared tier
+    and its link (:func:`kvtierd.server.assembly.open_daemon_store` passes the pool's); ``base``:
+    what the store is built on, when the caller opened it (:func:`open_store_base`, with
+    ``io_verdict``), else the store opens its own."""
+    if config.pool.url and replica is None:
+        raise ConfigError(
+            "pool.url is set but no pool was joined to the store: open it through "
+            "kvtierd.server.assembly.open_daemon_store"
+        )
+    progress = progress if progress is not None else OpenProgress()
+    async with contextlib.AsyncExitStack() as stack:
+        if base is None:
+            base = await stack.enter_async_context(
+                open_store_base(config, io_verdict=io_verdict, progress=progress)
+            )
+        yield await stack.enter_async_context(_open_store_on(config, base, progress, replica))
+
+
+@contextlib.asynccontextmanager
+async def _open_store_on(
+    config: Config, base: StoreBase, progress: OpenProgress, replica: Replica | None
+) -> AsyncIterator[BlockStore]:
+    """:func:`open_store` on ``base``."""
+    data_dir = config.data_path
+    arena, backend, regions, registry = base.arena, base.backend, base.regions, base.registry
+    staging_count = staging_pages(config)
+    async with contextlib.AsyncExitStack() as stack:
         pages = StagingPages(arena.view[: staging_count * PAGE_BYTES], staging_count)
         tier = None
         if config.nvme.size:
@@ -259,14 +319,6 @@ async def open_store(
                 arena.resident_bytes,
                 reserve=config.limits.max_block_bytes,
             )
-        regions = Regions(arena.regions, boundary=FIXED_BUFFER_BYTES)
-        registry = NamespaceRegistry(
-            data_dir / "namespaces.catalog",
-            config.tenants,
-            secret=secret,
-            regions=regions,
-            limits=config.limits,
-        )
         writeback = WriteBack(config.nvme.writeback_concurrency)
         residency = Residency(
             arena,

@@ -5,13 +5,15 @@ those waiting for the pool kept (issue 32)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
 
 from kvtierd.config import Config, load_config
-from kvtierd.server.assembly import open_daemon_store as open_store
+from kvtierd.server.assembly import open_daemon_store
 from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import Namespace, NamespaceSpec, PeerCredentials
 from kvtierd.store.records import checksum
@@ -28,6 +30,13 @@ SPEC = NamespaceSpec("p", "default", 4096, None, 0, 1)
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # redis-py's asyncio client
+
+
+@contextlib.asynccontextmanager
+async def open_store(config: Config) -> AsyncIterator[BlockStore]:
+    """The store for ``config``, joined to the pool as a daemon's is."""
+    async with open_daemon_store(config) as assembled:
+        yield assembled.store
 
 
 def _config(directory: Path, url: str | None, **pool: object) -> Config:

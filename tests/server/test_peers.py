@@ -1,6 +1,6 @@
 """The daemon as a client of hostile peers (``kvtierd.server.peers``): what a peer answers never
-escapes as anything but a peer miss, a lease granted to a cancelled restore is given back, and
-nothing outlives ``aclose``.
+escapes as anything but a peer miss, a lease granted to a cancelled restore is given back,
+nothing outlives ``aclose``, and the peer-first tier asks the pool after a peer miss.
 
 The peer here is an attacker: a real TCP listener speaking the real protocol
 (:class:`~kvtierd.protocol.ServerConnection`) with answers chosen to hurt. The restores it
@@ -19,9 +19,13 @@ import anyio.abc
 import pytest
 
 from kvtierd.client.endpoint import TcpEndpoint
+from kvtierd.config import PoolConfig
 from kvtierd.errors import BlockNotFoundError, NotSupportedError
 from kvtierd.nixl import descriptors
 from kvtierd.nixl.export import RegionExport
+from kvtierd.pool.connect import PoolUnavailableError
+from kvtierd.pool.tier import PoolTier
+from kvtierd.pool.values import PoolNames
 from kvtierd.protocol import ServerConnection
 from kvtierd.protocol.connection import RequestReceived
 from kvtierd.protocol.messages import (
@@ -36,7 +40,7 @@ from kvtierd.protocol.messages import (
     ReleaseReply,
     ReleaseRequest,
 )
-from kvtierd.server.peers import PeerReads
+from kvtierd.server.peers import PeerFirstTier, PeerReads
 from kvtierd.store.namespaces import NamespaceSpec
 from kvtierd.store.refs import BlockRef
 
@@ -140,3 +144,20 @@ async def test_no_peer_is_asked_or_connected_after_aclose() -> None:
         with pytest.raises(BlockNotFoundError):
             await reads.load(REF, memoryview(bytearray(RAW)))
     assert peer.connections == 0
+
+
+async def test_the_peer_first_tier_reads_the_pool_after_a_peer_miss() -> None:
+    """The peer refuses (a miss), so the load goes on to the pool tier, which here has no
+    connection: its own error shows that it was asked. The rest is the pool tier's."""
+    config = PoolConfig(url="redis://127.0.0.1:1", allow_plaintext=True)
+    pool = PoolTier(config, PoolNames(config.key_prefix, "g", 0))
+    peer = HostilePeer(max_keys=0)
+    async with peer_reads(peer) as reads:
+        tier = PeerFirstTier(pool, reads)
+        with pytest.raises(PoolUnavailableError, match="not attached"):
+            await tier.load(REF, pool.location(REF), memoryview(bytearray(RAW)))
+        assert reads.counters["failures"] == 1  # the peer was asked first
+        assert (tier.kind, tier.capabilities) == (pool.kind, pool.capabilities)
+        assert tier.slot_class(REF) == pool.slot_class(REF)
+        assert tier.statistics() == pool.statistics()
+    assert peer.connections == 1
