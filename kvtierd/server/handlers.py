@@ -228,9 +228,10 @@ async def read_resident(
 ) -> Message:
     store = ctx.store
     ns = _namespace(ctx, header)
-    lease = await store.lease_resident(ctx.owner, ns, msg.keys)
-    if lease is None:
-        return ReadResidentReply(0, [])
+    try:
+        lease = await store.lease_resident(ctx.owner, ns, msg.keys)
+    except BlockNotFoundError:
+        return ReadResidentReply(0, [])  # the wire's "nothing leased": no extents, lease 0
     _count_read(ns, lease)
     return ReadResidentReply(lease.id, await _extents_in_slices(ctx, lease))
 

@@ -63,6 +63,8 @@ _PROMOTERS = 8
 #: and verified, and a READ that comes next must find room (a 16 MiB region's READ after a
 #: 200-key LOOKUP got ENOSPC when 8 batches of 4 MiB could be loading).
 _BACKGROUND_SHARE = 4
+#: :meth:`BlockStore.lease_resident` found nothing to lease.
+_NOT_RESIDENT = "the first key is not in DRAM now"
 
 
 class BlockStore:
@@ -348,14 +350,17 @@ class BlockStore:
             raise anyio.WouldBlock
         return self._lease_in_dram(owner, ns, keys, blocks)
 
-    async def lease_resident(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease | None:
+    async def lease_resident(self, owner: Owner, ns: Namespace, keys: list[bytes]) -> Lease:
         """Lease the leading ``keys`` that are in DRAM now, stopping at the first that is not
-        (missing, on a lower tier only, or still loading): never waits on I/O, never a miss
-        error. ``None`` when the first key is not resident. What an engine calls right after
-        LOOKUP to hold its DRAM hits, so that reading them later costs no round trip."""
+        (missing, on a lower tier only, or still loading): never waits on I/O. Raises
+        :class:`BlockNotFoundError` when the first key is not resident (nothing is leased).
+        What an engine calls right after LOOKUP to hold its DRAM hits, so that reading them
+        later costs no round trip."""
         if len(keys) <= self.lane.inline_items:
             found = self._resident_prefix(ns, keys)
-            return self._lease_in_dram(owner, ns, keys, found) if found else None
+            if not found:
+                raise BlockNotFoundError(_NOT_RESIDENT)
+            return self._lease_in_dram(owner, ns, keys, found)
 
         blocks: list[Block] = []
         held = 0
@@ -369,7 +374,7 @@ class BlockStore:
                     block.pins += 1  # found in one slice, kept through the next
                     blocks.append(block)
             if not blocks:
-                return None
+                raise BlockNotFoundError(_NOT_RESIDENT)
             held = check_lease_quota(self.limits, owner, ns, len(blocks))
             self.residency.count(ns, "dram_hits", len(blocks))
             contexts = await self.prefetcher.read_contexts_in_slices(ns, keys[: len(blocks)])

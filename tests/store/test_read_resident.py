@@ -9,6 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from kvtierd.errors import BlockNotFoundError
 from kvtierd.slsap import SlsapPolicy
 from kvtierd.store.index import Owner
 from kvtierd.store.namespaces import Namespace
@@ -57,7 +58,11 @@ async def test_lookup_read_resident_then_read_is_one_request(tmp_path: Path) -> 
         # observed as a request of its own
         assert references(store) == observed
         store.release(owner, [lease.id, rest.id])
-        assert await store.lease_resident(owner, ns, [b"not-stored" + bytes(6)]) is None
+        with pytest.raises(BlockNotFoundError, match="not in DRAM"):
+            await store.lease_resident(owner, ns, [b"not-stored" + bytes(6)])
+        many = [b"not-stored" + i.to_bytes(6, "big") for i in range(store.lane.inline_items + 1)]
+        with pytest.raises(BlockNotFoundError, match="not in DRAM"):  # walked in slices
+            await store.lease_resident(owner, ns, many)
 
 
 async def test_a_lookup_promotion_is_not_a_second_reference(tmp_path: Path) -> None:
