@@ -6,8 +6,9 @@ fields are all refused together: one :class:`ConfigError` lists each problem on 
 naming the field (``dram.size``), or the flag that set it (``--dram-size``), and what is wrong
 (:mod:`kvtierd.config_reader` does the reading). Modes are enums, so a bad value is answered with
 the allowed ones. The module is past 600 lines because every section's fields, defaults and
-cross-field rules are here, in one place that docs/configuration.md and the example
-configuration are checked against (``tests/test_systemd_unit.py``).
+cross-field rules are here, in the order ``docs/configuration.md`` and the example
+configuration give them, so that the three read side by side (``tests/test_systemd_unit.py``
+keeps them in step).
 
 Where the daemon keeps its socket and data when nothing says otherwise:
 
@@ -15,10 +16,6 @@ Where the daemon keeps its socket and data when nothing says otherwise:
 * in a source checkout (the package sits next to ``pyproject.toml``), ``<checkout>/.kvtierd/``,
   so a developer's daemon never needs root;
 * otherwise ``/run/kvtierd`` and ``/var/lib/kvtierd``.
-
-One module on purpose, long as it is: every section with its rules, in the order
-``docs/configuration.md`` and ``systemd/kvtierd.toml`` give them, so that the reference, the
-example and the code can be read side by side (a test keeps the three in step).
 """
 
 from __future__ import annotations

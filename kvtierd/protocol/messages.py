@@ -10,6 +10,10 @@ change that breaks that needs a new ``PROTOCOL_VERSION``. A peer rejects an arra
 the struct it knows, so a field appended to a reply after the oldest client minor a daemon
 serves is left out for a client whose INIT said an older minor (:data:`APPENDED`,
 ``encode_body(..., peer_minor=)``).
+
+The module is past 600 lines because it is the protocol's whole vocabulary, a request and a
+reply per opcode with every bound, in one place that reads side by side with
+``docs/protocol.md``; splitting it by opcode would scatter the compatibility table.
 """
 
 from __future__ import annotations
