@@ -52,6 +52,7 @@ from kvtierd.pool.link import PoolLink
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply, TierStatistics
 from kvtierd.server import heap
 from kvtierd.server.accepting import Entrance, listen_unix, refuse, serve_connections
+from kvtierd.server.admission import SlotLimits, idlest, make_room
 from kvtierd.server.assembly import open_daemon_store
 from kvtierd.server.budget import reserve_descriptors
 from kvtierd.server.checks import HostCheck
@@ -260,52 +261,27 @@ class Daemon:
             log.info("%s disconnected", session.peer)
 
     def _make_room(self, peer: PeerCredentials) -> None:
-        """Return when a new connection of ``peer`` fits in its listener's limits, once an idle
-        connection counted by a limit it would break has given its slot up; else raise
-        :class:`BusyError` saying why it does not fit. The Unix socket and TCP count their own
-        connections (``daemon.`` and ``remote.max_connections``), so that TCP clients never
-        take a local engine's slot."""
-        limits = self.config.daemon
-        cap = self.config.remote.max_connections if peer.remote else limits.max_connections
-        # A session that has said DESTROY is going (its client waited for the reply and may
-        # connect again at once): it holds no slot, unless it is stuck writing to its peer.
-        open_now = [
-            s for s in self.sessions if not s.departing and bool(s.peer.remote) == bool(peer.remote)
-        ]
-        own = {s for s in open_now if s.peer.uid == peer.uid}
-        if len(own) >= limits.max_connections_per_uid and not self.reclaim(own):
-            raise BusyError(f"too many connections from uid {peer.uid} ({len(own)} open)")
-        if len(open_now) >= cap and not self.reclaim(self._busiest(open_now)):
-            raise BusyError(f"too many connections ({len(open_now)} open)")
-
-    @staticmethod
-    def _busiest(sessions: list[Session]) -> set[Session]:
-        """The sessions of the uid that holds the most: at the global limit only that uid's
-        idle connections give up their slot, never a quieter uid's (another tenant's)."""
-        by_uid: dict[int, set[Session]] = {}
-        for session in sessions:
-            by_uid.setdefault(session.peer.uid, set()).add(session)
-        return max(by_uid.values(), key=len, default=set())
+        """Return when a new connection of ``peer`` fits in its listener's limits, once the
+        idle connection :func:`~kvtierd.server.admission.make_room` picked has given its slot
+        up; else raise :class:`BusyError` saying why it does not fit."""
+        daemon = self.config.daemon
+        total = self.config.remote.max_connections if peer.remote else daemon.max_connections
+        limits = SlotLimits(total, daemon.max_connections_per_uid, daemon.idle_timeout_s)
+        victim = make_room(self.sessions, peer, limits, time.monotonic())
+        if victim is not None:
+            self._close_idle(victim)
 
     def reclaim(self, candidates: set[Session]) -> bool:
-        """Close the connection idle longest among ``candidates``, if one is idle: no request
-        for ``idle_timeout_s`` and nothing in flight, leased or being written (closing it
-        would take an engine's views from under it). Whether one was closed."""
-        idle_s = self.config.daemon.idle_timeout_s
-        if not idle_s:
+        """Close the connection idle longest among ``candidates``, if one is idle
+        (:func:`~kvtierd.server.admission.idlest`); whether one was closed."""
+        victim = idlest(candidates, self.config.daemon.idle_timeout_s, time.monotonic())
+        if victim is None:
             return False
-        now = time.monotonic()
-        idle = [
-            s
-            for s in candidates
-            if not s.closing
-            and now - s.last_request_s >= idle_s
-            and not (s.conn.in_flight or s.owner.leases or s.owner.writes)
-        ]
-        if not idle:
-            return False
-        victim = min(idle, key=lambda s: s.last_request_s)
-        quiet_s = now - victim.last_request_s
+        self._close_idle(victim)
+        return True
+
+    def _close_idle(self, victim: Session) -> None:
+        quiet_s = time.monotonic() - victim.last_request_s
         log.warning(
             "closing pid %d uid %d, idle for %.1f s, to admit a new connection",
             victim.peer.pid,
@@ -314,7 +290,6 @@ class Daemon:
         )
         victim.close_with(BusyError(f"closed after {quiet_s:.1f} s idle: its slot was needed"))
         self._forget(victim)
-        return True
 
     def _forget(self, session: Session) -> None:
         self.sessions.discard(session)

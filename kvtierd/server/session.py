@@ -189,6 +189,12 @@ class Session:
     # -- the connection ------------------------------------------------------------------------
 
     @property
+    def busy(self) -> bool:
+        """Something of it is in flight, leased or being written: closing it now would take
+        an engine's views from under it."""
+        return bool(self.conn.in_flight or self.owner.leases or self.owner.writes)
+
+    @property
     def departing(self) -> bool:
         """It said DESTROY (or was closed) and is not stuck writing a reply: its slot is free."""
         return self.closing and self._writer_idle
