@@ -14,9 +14,10 @@ redis-py's asyncio client and its hiredis parser, ``--concurrency`` GETs in flig
 (C, one value re-read: what the server and loopback give a client that costs nothing). The
 ratio of a round is restore GB/s over raw-GET GB/s; figures are medians of rounds.
 
-*8K restore vs recompute* (``tools/bench_pool_ttft.py``): SmolLM2-135M through the HF adapter
-(``kvtierd.engines.hf``) and ``tools/ttft.py``'s ``LengthRun``: the prompt's blocks are stored by a
-daemon with the pool and an NVMe tier; TTFT from DRAM and cold NVMe first, then, per run, the
+*8K restore vs recompute*: the ``pool`` case of the TTFT benchmark's ``hf`` engine
+(:mod:`tools.ttft.pool`, ``python -m tools.ttft --engine hf --cases pool`` at any length):
+SmolLM2-135M through the HF adapter (``kvtierd.engines.hf``): the prompt's blocks are stored by
+a daemon with the pool and an NVMe tier; TTFT from DRAM and cold NVMe first, then, per run, the
 daemon is restarted on a wiped data directory and the engine's prefill restores the prefix from
 the pool; recomputation runs are interleaved with those runs.
 
@@ -52,6 +53,7 @@ from kvtierd.client import chain_keys, connect
 from kvtierd.testing import DaemonProcess
 from tools import benchlib
 from tools.benchlib import log, parse_size, size_name
+from tools.fidelity import DEFAULT_DATA
 from tools.poolrig import daemon_read, pool_config, redis_server, restart_wiped
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -336,9 +338,9 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _ttft_markdown(ttft: dict[str, Any]) -> list[str]:
-    from tools.bench_pool_ttft import markdown_lines
+    from tools.ttft.report import pool_markdown_lines
 
-    return markdown_lines(ttft)
+    return pool_markdown_lines(ttft)
 
 
 def main() -> int:
@@ -362,9 +364,14 @@ def main() -> int:
     parser.add_argument(
         "--report", type=Path, help="record the JSON of an earlier run (plot, section) and exit"
     )
-    from tools.bench_pool_ttft import add_arguments, bench_ttft
+    from tools.ttft.hf import add_model_arguments
+    from tools.ttft.pool import run_for_bench_pool
 
-    add_arguments(parser)
+    ttft = parser.add_argument_group("8K restore vs recompute (tools/ttft/pool.py)")
+    ttft.add_argument("--tokens", type=int, default=8192, help="prompt tokens (default 8192)")
+    ttft.add_argument("--data", type=Path, default=DEFAULT_DATA, help="LooGLE-format JSONL")
+    ttft.add_argument("--ttft-runs", type=int, default=5, help="pool, DRAM and NVMe runs")
+    add_model_arguments(ttft)
     args = parser.parse_args()
     if args.report:
         result = json.loads(args.report.read_text())
@@ -400,7 +407,7 @@ def main() -> int:
                     for batch in batches
                 ]
             if not args.skip_ttft:
-                result["ttft"] = bench_ttft(workdir, port, args, log)
+                result["ttft"] = run_for_bench_pool(workdir, port, args)
     result["load_average"] = {"start": load_start, "end": os.getloadavg()}
     result["machine"] = benchlib.machine()
     complete = not (args.skip_restore or args.skip_ttft or args.blocks)

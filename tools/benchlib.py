@@ -94,6 +94,16 @@ def bench_workdir(name: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
+def drop_page_cache() -> bool:
+    """Drop clean page-cache pages (root only); whether it was done."""
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("1\n")
+    except OSError:
+        return False
+    return True
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of ``values`` by linear interpolation (numpy's default
     method); raises ``ValueError`` for no values."""

@@ -1,7 +1,7 @@
 """The shared pool's bench rig: a ``redis-server`` on loopback, the daemon's pool
 configuration, a restart on a wiped data directory (the restore the pool benchmarks time), and
-the leased read every restore measurement makes (``bench_pool``, ``bench_pool_ttft``,
-``bench_nixl``)."""
+the leased read every restore measurement makes (``bench_pool``, the TTFT benchmark's pool
+case ``tools.ttft.pool``, ``bench_nixl``)."""
 
 from __future__ import annotations
 

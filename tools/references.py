@@ -12,7 +12,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["echo_server", "fio_json"]
+__all__ = ["echo_server", "fio_json", "fio_read_s", "make_fio_file"]
+
+#: The daemon's promotion concurrency: what fio's reference read of a restore's bytes uses.
+FIO_QUEUE_DEPTH = 32
 
 _ECHO = r"""
 import asyncio, sys
@@ -45,6 +48,30 @@ def fio_json(args: Sequence[str]) -> dict[str, Any]:
     out = subprocess.run(command, check=True, capture_output=True, text=True)
     report: dict[str, Any] = json.loads(out.stdout[out.stdout.index("{") :])
     return report
+
+
+def make_fio_file(path: Path, nbytes: int) -> None:
+    """Write ``nbytes`` to ``path`` with fio, for :func:`fio_read_s` to read."""
+    fio_json([f"--filename={path}", f"--size={nbytes}", "--bs=1M", "--rw=write", "--iodepth=8"])
+
+
+def fio_read_s(path: Path, nbytes: int, block_bytes: int) -> float:
+    """Seconds fio needs to read ``nbytes`` of ``path`` in order, in ``block_bytes`` requests
+    (rounded up to 4 KiB; O_DIRECT, io_uring, queue depth :data:`FIO_QUEUE_DEPTH`): what
+    reading a restore's blocks costs the disk alone."""
+    bs = -(-block_bytes // 4096) * 4096
+    size = -(-nbytes // bs) * bs
+    report = fio_json(
+        [
+            f"--filename={path}",
+            f"--size={size}",
+            f"--bs={bs}",
+            "--rw=read",
+            f"--iodepth={FIO_QUEUE_DEPTH}",
+        ]
+    )
+    runtime_ms: float = report["jobs"][0]["read"]["runtime"]
+    return runtime_ms / 1000
 
 
 def fio_read_args(

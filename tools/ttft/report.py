@@ -1,11 +1,123 @@
-"""The ``vllm_ttft`` section of ``docs/benchmarks.md`` and its plot, from the result
-``tools/vllm_ttft.py`` prints (no engine, no daemon: ``--from-json`` re-renders a saved run)."""
+"""The TTFT benchmark's records: the "ttft" section of ``docs/benchmarks.md`` (engine ``hf``),
+the "vllm_ttft" section (engine ``vllm``), their plots, and the pool case's lines of the "pool"
+section (``tools/bench_pool.py``), all from the JSON the benchmark prints: no engine, no daemon,
+so ``--from-json`` re-renders a saved run.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from tools.benchlib import machine_line, save_figure
+from tools import benchlib
+from tools.benchlib import machine_line, record, save_figure
+from tools.ttft.cases import POOL_CASES
+
+__all__ = ["markdown_hf", "markdown_vllm", "pool_markdown_lines", "write_docs"]
+
+
+def write_docs(result: dict[str, Any], docs: Path | None = None) -> Path:
+    """The section of ``result``'s engine, its plot and the raw JSON into ``docs`` (default
+    ``docs/benchmarks.md``; another file gets its assets in a ``benchmarks/`` folder beside it);
+    the file written.
+
+    Raises:
+        ValueError: ``result`` is not the TTFT benchmark's.
+    """
+    section = result.get("benchmark")
+    if section not in ("ttft", "vllm_ttft"):
+        raise ValueError(f"not a TTFT result: benchmark {section!r}")
+    saved = benchlib.DOC, benchlib.ASSETS
+    if docs is not None:
+        benchlib.DOC = docs.resolve()
+        benchlib.ASSETS = benchlib.DOC.parent / "benchmarks"
+    try:
+        if section == "ttft":
+            plot_hf(result["results"])
+            return record(section, markdown_hf(result), result)
+        plot_vllm(result["results"], section)
+        return record(section, markdown_vllm(result, section), result)
+    finally:
+        benchlib.DOC, benchlib.ASSETS = saved
+
+
+# -- engine hf -----------------------------------------------------------------------------------
+
+
+def plot_hf(results: dict[str, dict[str, Any]]) -> None:
+    """TTFT against context for every case, each beside its limit (dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [int(k) for k in results]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {
+        "recompute": ("recompute (prefill)", "tab:red"),
+        "partial": ("90 % cached, cold NVMe", "tab:orange"),
+        "nvme_cold": ("kvtierd, cold NVMe", "tab:blue"),
+        "dram": ("kvtierd, DRAM", "tab:green"),
+    }
+    for key, (label, colour) in styles.items():
+        ax.plot(
+            lengths, [r["ttft_s"][key] for r in results.values()], "o-", color=colour, label=label
+        )
+        if key != "recompute":
+            limits = [r["limit_s"][key] for r in results.values()]
+            ax.plot(lengths, limits, "--", color=colour, alpha=0.5, label=f"limit ({label})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [f"{n // 1024}K" for n in lengths])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title("TTFT vs context: SmolLM2-135M on 2 vCPUs")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, "ttft.png")
+
+
+def markdown_hf(result: dict[str, Any]) -> str:
+    """The "ttft" section."""
+    lines = [
+        "## Time to first token on a real model (`python -m tools.ttft --engine hf`)",
+        "",
+        f"SmolLM2-135M-Instruct ({result['dtype']}, blocks of {result['block_tokens']} tokens) "
+        "on a LooGLE document plus its first question. TTFT: from the prompt's token ids to the "
+        "first generated token's logits. Limit: the forward over the uncached tokens on a prefix "
+        "kept in memory in the same kind of cache the restore fills (a pre-faulted in-place KV "
+        "slab, so the limit's forward copies nothing), plus fio reading the same bytes "
+        "(io_uring, O_DIRECT, qd 32) for the NVMe cases, measured alternately in the same run. "
+        f"Torch threads {result['torch_threads']}, OMP_WAIT_POLICY={result['omp_wait_policy']}, "
+        f"attention `{result['attn_implementation']}` (one-token steps packed onto the KV heads; "
+        "prompts and recomputation run transformers' `sdpa` unchanged). Medians; seconds.",
+        "",
+        "| context | recompute | DRAM | limit | ×limit | cold NVMe | limit | ×limit | speed-up "
+        "| 90 % cached | limit | ×limit |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, row in result["results"].items():
+        t, lim, r = row["ttft_s"], row["limit_s"], row["ratio_to_limit"]
+        lines.append(
+            f"| {n} | {t['recompute']:.2f} | {t['dram']:.3f} | {lim['dram']:.3f} | "
+            f"{r['dram']:.2f} | {t['nvme_cold']:.3f} | {lim['nvme_cold']:.3f} | "
+            f"{r['nvme_cold']:.2f} | {row['speedup_vs_recompute']['nvme_cold']:.0f}× | "
+            f"{t['partial']:.2f} | {lim['partial']:.2f} | {r['partial']:.2f} |"
+        )
+    lines += [
+        "",
+        "![TTFT vs context](benchmarks/ttft.png)",
+        "",
+        "Speed-up: recompute / cold NVMe. ×limit: TTFT / limit (1.00 is the hardware's best). "
+        "The DRAM limit is the forward alone: the restore's one copy out of the arena "
+        "(~14 GB/s) is the whole difference.",
+        "",
+        machine_line(result["machine"]),
+    ]
+    return "\n".join(lines)
+
+
+# -- engine vllm -----------------------------------------------------------------------------------
 
 #: (JSON name, label, colour, line style) of every TTFT the section shows.
 SERIES = (
@@ -26,7 +138,7 @@ TARGETS = (
 )
 
 
-def plot(results: dict[str, dict[str, Any]], name: str) -> str:
+def plot_vllm(results: dict[str, dict[str, Any]], name: str) -> str:
     """TTFT against context for every case measured, and ``vllm_prefix + fio`` dashed; the path
     ``docs/benchmarks.md`` links the PNG by."""
     import matplotlib
@@ -141,11 +253,12 @@ def _env(result: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in (result.get("engine_env") or {}).items()) or "default"
 
 
-def markdown(result: dict[str, Any], name: str) -> str:
+def markdown_vllm(result: dict[str, Any], name: str) -> str:
+    """The "vllm_ttft" section."""
     results = result["results"]
     skipped = result.get("skipped") or {}
     lines = [
-        "## Time to first token under vLLM (`tools/vllm_ttft.py`)",
+        "## Time to first token under vLLM (`python -m tools.ttft --engine vllm`)",
         "",
         f"SmolLM2-135M-Instruct in {result['engine']}, blocks of {result['block_tokens']} "
         "tokens, one engine per configuration serving every length. A LooGLE document plus its "
@@ -186,3 +299,49 @@ def markdown(result: dict[str, Any], name: str) -> str:
         lines += ["", "Not measured: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + "."]
     lines += ["", machine_line(result["machine"])]
     return "\n".join(lines)
+
+
+# -- the pool case (tools/bench_pool.py's section) ------------------------------------------------
+
+
+def pool_markdown_lines(ttft: dict[str, Any]) -> list[str]:
+    """The pool case's lines of ``tools/bench_pool.py``'s "pool" section."""
+    if "skipped" in ttft:
+        return [f"**8K restore vs recompute**: not run ({ttft['skipped']})."]
+    t, parts = ttft["ttft_s"], ttft["parts_mean_s"]
+    runs = ttft["runs"]
+    names = {
+        "recompute": "recompute (prefill of every token)",
+        "pool": "restored from the pool after restart + wipe",
+        "nvme_cold": "restored from cold NVMe (context)",
+        "dram": "restored from DRAM (context)",
+    }
+    lines = [
+        f"**8K restore vs recompute.** SmolLM2-135M-Instruct ({ttft['dtype']}) through the HF "
+        f"adapter, a {ttft['prompt_tokens']}-token LooGLE prompt, {ttft['blocks']} blocks "
+        f"({ttft['restored_bytes'] / 2**20:.0f} MiB) stored through to the pool. Pool runs: the "
+        "daemon is stopped, its data directory wiped, it is restarted, and a new client's "
+        "prefill restores the prefix from the pool and forwards the last token; recomputations "
+        "are interleaved with them (`tools/ttft/hf.py`'s `LengthRun`). TTFT: from the prompt's "
+        "token ids to the first token's logits; medians, seconds.",
+        "",
+        "| case | TTFT s | runs | recompute / case | lookup + read s | forward s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for case in POOL_CASES:
+        speedup = ttft["speedup_vs_recompute"].get(case)
+        p = parts.get(case)
+        io_s = f"{p['lookup_s'] + p['read_s']:.3f}" if p else "-"
+        fwd = f"{p['forward_s']:.3f}" if p else "-"
+        lines.append(
+            f"| {names[case]} | {t[case]:.3f} | {len(runs[case])} | "
+            f"{f'{speedup:.0f}x' if speedup else '-'} | {io_s} | {fwd} |"
+        )
+    lines += [
+        "",
+        f"Daemon restart on a wiped data directory until it serves (start, pool attach by "
+        f"consensus, manifest indexed): {ttft['restart_s']:.2f} s (median of "
+        f"{len(ttft['restarts_s'])}); restart + pool TTFT: "
+        f"{ttft['restart_s'] + t['pool']:.2f} s against {t['recompute']:.1f} s of recomputation.",
+    ]
+    return lines

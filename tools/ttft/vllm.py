@@ -1,4 +1,5 @@
-"""Time to first token under vLLM with kvtierd, against vLLM's prefix cache, fio and its fs tier.
+"""Time to first token under vLLM with kvtierd, against vLLM's prefix cache, fio and its fs tier:
+the ``vllm`` engine of :mod:`tools.ttft`.
 
 vLLM on the CPU backend serving SmolLM2-135M, with kvtierd as its KV connector and as the
 secondary tier of vLLM's native offloading, against recomputation, vLLM's own prefix cache, fio
@@ -35,18 +36,21 @@ total variation between top-20 distributions). ``*_engine_prefix``: each connect
 prefix hit against the reference, which tells a difference between engines (none when they
 bind their threads alike) from one a restore makes.
 
-Engines start in 30-90 s, so each configuration runs in one engine serving every length (prefix
-cache reset between requests). ``cached_tokens`` records, per case, the prompt tokens vLLM did
-not compute (its own count): a hit of whole blocks ending before the last token leaves the last
-block to compute; a full hit (kvtierd's connector and the offloading connector load before the
-forward and may hit every block) the last token only. Medians of ``--repeats`` runs. A run of
-the default lengths (1K-8K) rewrites the "vllm_ttft" section of ``docs/benchmarks.md`` and its
-plot (``--no-record``: not); ``--tokens`` runs the lengths given and records nothing unless
-``--docs PATH`` names where to; ``--from-json`` rewrites the section from a saved result
-without running anything.
+Engines start in 30-90 s, so each configuration (a group of :mod:`tools.ttft.cases`: ``vllm``,
+``kvtierd``, ``vllm_fs``, ``kvtierd_tier``) runs in one engine serving every length (prefix
+cache reset between requests); ``vllm``, the reference, runs always. ``cached_tokens``
+records, per case, the prompt tokens vLLM did not compute (its own count): a hit of whole blocks
+ending before the last token leaves the last block to compute; a full hit (kvtierd's connector
+and the offloading connector load before the forward and may hit every block) the last token
+only. Medians of ``--repeats`` runs. A run of
+every case at the default lengths (1K-8K) rewrites the "vllm_ttft" section of
+``docs/benchmarks.md`` and its plot (``--no-record``: not); ``--tokens`` runs the lengths given
+and records nothing unless ``--docs PATH`` names where to; ``--from-json`` rewrites the section
+from a saved result without running anything.
 
-Run: ``python -m tools.vllm_ttft --json [--tokens N ...] [--data FILE] [--repeats 3]``. On 2
-shared vCPUs a 1K run takes about 4 minutes (four engine start-ups), 1K-8K about 12-15.
+Run: ``python -m tools.ttft --engine vllm --json [--tokens N ...] [--cases ...] [--data FILE]
+[--repeats 3]``. On 2 shared vCPUs a 1K run takes about 4 minutes (four engine start-ups),
+1K-8K about 12-15.
 """
 
 from __future__ import annotations
@@ -56,8 +60,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,14 +74,15 @@ from kvtierd.testing.vllm_process import (
     Generation,
     total_variation,
 )
-from tools import benchlib
-from tools.benchlib import emit, log, machine, median, record
-from tools.fidelity import DEFAULT_DATA, DEFAULT_LENGTHS, check_inputs
-from tools.ttft import drop_page_cache, fio_read_s, make_fio_file
-from tools.vllm_ttft_plot import markdown, plot
+from tools.benchlib import bench_workdir, drop_page_cache, log, machine, median
+from tools.fidelity import DEFAULT_LENGTHS, check_inputs
+from tools.references import fio_read_s, make_fio_file
+from tools.ttft.cases import VLLM_GROUPS, Timings, alternate
 
-SECTION = "vllm_ttft"
+__all__ = ["DEFAULT_REPEATS", "add_arguments", "run", "unavailable"]
+
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_REPEATS = 3
 #: vLLM's KV block on the CPU backend (tokens); the connector stores one kvtierd block per block.
 BLOCK_TOKENS = 128
 STEPS = 16
@@ -92,15 +95,13 @@ PRIMER = list(range(1000, 1300))
 #: on a loaded machine), and the thread count changes the bf16 results. One reserved core for
 #: every engine: the model on core 0, vLLM's scheduler and the daemon beside it.
 ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-CONFIGS = ("vllm", "kvtierd", "vllm_fs", "kvtierd_tier")
-RESTORED = (
-    "kvtierd_dram",
-    "kvtierd_nvme_cold",
-    "vllm_fs_warm",
-    "vllm_fs",
-    "kvtierd_tier_warm",
-    "kvtierd_tier",
-)
+#: The groups that restore: their (warm, cold) cases, in :data:`VLLM_GROUPS`' order.
+RESTORING = {group: cases for group, cases in VLLM_GROUPS.items() if group != "vllm"}
+RESTORED = tuple(case for cases in RESTORING.values() for case in cases)
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    """The options of the ``vllm`` engine: none beyond the common ones."""
 
 
 class TierUnavailableError(RuntimeError):
@@ -244,15 +245,12 @@ class Bench:
         self.prompts = prompts
         self.logs = logs
         logs.mkdir(parents=True, exist_ok=True)
-        self.times: dict[int, dict[str, list[float]]] = {p.tokens: {} for p in prompts}
+        self.times: dict[int, Timings] = {p.tokens: Timings() for p in prompts}
         self.nvme_bytes: dict[int, dict[str, list[int]]] = {p.tokens: {} for p in prompts}
         self.outputs: dict[int, dict[str, Generation]] = {p.tokens: {} for p in prompts}
         self.cached: dict[int, dict[str, list[int]]] = {p.tokens: {} for p in prompts}
         self.engine_start_s: dict[str, list[float]] = {}
         self.skipped: dict[str, str] = {}
-
-    def add(self, prompt: Prompt, name: str, seconds: float) -> None:
-        self.times[prompt.tokens].setdefault(name, []).append(seconds)
 
     @contextlib.contextmanager
     def engine(self, name: str, kv_transfer_config: dict[str, Any] | None) -> Iterator[Any]:
@@ -267,9 +265,12 @@ class Bench:
             log(f"{name}: started in {engine.start_seconds:.0f} s")
             yield engine
 
-    def timed(self, engine: Any, prompt: Prompt, name: str) -> float:
+    def timed(self, engine: Any, prompt: Prompt, name: str, *, reset: bool = False) -> float:
+        """Seconds of one ``generate(max_tokens=1)`` (``reset``: vLLM's prefix cache emptied
+        first); the tokens vLLM did not compute are kept under ``name``."""
+        if reset:
+            engine.reset_prefix_cache()
         out = engine.generate(prompt.ids, max_tokens=1, logprobs=TOP_LOGPROBS)
-        self.add(prompt, name, out.seconds)
         self.cached[prompt.tokens].setdefault(name, []).append(out.cached_tokens)
         return float(out.seconds)
 
@@ -288,9 +289,17 @@ class Bench:
         engine.reset_prefix_cache(connector=connector)
 
     def timed_cold(
-        self, engine: Any, prompt: Prompt, name: str, daemon: BenchDaemon | None
+        self,
+        engine: Any,
+        prompt: Prompt,
+        name: str,
+        daemon: BenchDaemon | None,
+        *,
+        connector: bool = False,
     ) -> float:
-        """``timed``, and the bytes the daemon's NVMe tier read meanwhile (with a daemon)."""
+        """``timed`` after ``cold``, and the bytes the daemon's NVMe tier read meanwhile (with a
+        daemon)."""
+        self.cold(engine, daemon, connector=connector)
         if daemon is None:
             return self.timed(engine, prompt, name)
         before = daemon.bytes_read().get("nvme", 0)
@@ -304,59 +313,68 @@ def measure_vllm(bench: Bench) -> None:
     """``recompute`` and ``vllm_prefix`` alternately, in an engine without a connector."""
     with bench.engine("vllm", None) as engine:
         for prompt in bench.prompts:
-            for _ in range(bench.args.repeats):
-                engine.reset_prefix_cache()
-                bench.timed(engine, prompt, "recompute")
-                bench.timed(engine, prompt, "vllm_prefix")
-            bench.continuation(engine, prompt, "vllm_prefix")
-            engine.reset_prefix_cache()
-            bench.continuation(engine, prompt, "recompute")
-            _progress(bench, prompt, ("recompute", "vllm_prefix"))
+            _measure_prefix(bench, engine, prompt)
 
 
-def measure_kvtierd(bench: Bench, daemon: BenchDaemon, fio_file: Path) -> None:
-    """``kvtierd_dram`` and ``kvtierd_nvme_cold`` (alternated with fio) through the connector."""
-    block_bytes = bench.model.block_bytes()
-    with bench.engine("kvtierd", kvtierd_connector(daemon.socket)) as engine:
+def _measure_prefix(bench: Bench, engine: Any, prompt: Prompt) -> None:
+    alternate(
+        bench.times[prompt.tokens],
+        bench.args.repeats,
+        {
+            "recompute": lambda: bench.timed(engine, prompt, "recompute", reset=True),
+            "vllm_prefix": lambda: bench.timed(engine, prompt, "vllm_prefix"),
+        },
+    )
+    bench.continuation(engine, prompt, "vllm_prefix")
+    engine.reset_prefix_cache()
+    bench.continuation(engine, prompt, "recompute")
+    _progress(bench, prompt, ("recompute", "vllm_prefix"))
+
+
+@dataclass(frozen=True)
+class RestoringGroup:
+    """One restoring configuration and where its cold case reads from."""
+
+    name: str
+    config: dict[str, Any]
+    #: restarted for the cold case (its blocks then come from its NVMe tier)
+    daemon: BenchDaemon | None
+    #: the cold case also empties vLLM's CPU offloading tier
+    connector: bool
+    #: fio's file, alternated with the cold case (kvtierd's connector only)
+    fio_file: Path | None = None
+
+
+def measure_restores(bench: Bench, group: RestoringGroup) -> None:
+    """The group's warm case (vLLM's prefix cache reset: from the daemon's DRAM or vLLM's CPU
+    tier) and its cold case (from disk), in the engine that stored the blocks."""
+    with bench.engine(group.name, group.config) as engine:
         for prompt in bench.prompts:
-            nbytes = loadable_blocks(len(prompt.ids), BLOCK_TOKENS) * block_bytes
-            engine.reset_prefix_cache()
-            bench.timed(engine, prompt, "kvtierd_store")
-            for _ in range(bench.args.repeats):
-                engine.reset_prefix_cache()
-                bench.timed(engine, prompt, "kvtierd_dram")
-            engine.reset_prefix_cache()
-            bench.continuation(engine, prompt, "kvtierd_dram")
-            bench.continuation(engine, prompt, "kvtierd_engine_prefix")
-            for _ in range(bench.args.repeats):
-                bench.cold(engine, daemon)
-                bench.timed_cold(engine, prompt, "kvtierd_nvme_cold", daemon)
-                bench.add(prompt, "fio", fio_read_s(fio_file, nbytes, block_bytes))
-            bench.cold(engine, daemon)
-            bench.continuation(engine, prompt, "kvtierd_nvme_cold")
-            _progress(bench, prompt, ("kvtierd_store", "kvtierd_dram", "kvtierd_nvme_cold", "fio"))
+            _measure_restores(bench, group, engine, prompt)
 
 
-def measure_offload(bench: Bench, name: str, config: dict[str, Any], daemon: BenchDaemon) -> None:
-    """``<name>_warm`` (from vLLM's CPU tier) and ``<name>`` (cold, from the secondary tier) in
-    the engine that stored the blocks."""
-    own_daemon = daemon if name == "kvtierd_tier" else None
-    with bench.engine(name, config) as engine:
-        for prompt in bench.prompts:
-            engine.reset_prefix_cache()
-            bench.timed(engine, prompt, f"{name}_store")
-            for _ in range(bench.args.repeats):
-                engine.reset_prefix_cache()
-                bench.timed(engine, prompt, f"{name}_warm")
-            engine.reset_prefix_cache()
-            bench.continuation(engine, prompt, f"{name}_warm")
-            bench.continuation(engine, prompt, f"{name}_engine_prefix")
-            for _ in range(bench.args.repeats):
-                bench.cold(engine, own_daemon, connector=True)
-                bench.timed_cold(engine, prompt, name, own_daemon)
-            bench.cold(engine, own_daemon, connector=True)
-            bench.continuation(engine, prompt, name)
-            _progress(bench, prompt, (f"{name}_store", f"{name}_warm", name))
+def _measure_restores(bench: Bench, group: RestoringGroup, engine: Any, prompt: Prompt) -> None:
+    warm, cold = RESTORING[group.name]
+    times, repeats = bench.times[prompt.tokens], bench.args.repeats
+    times.add(f"{group.name}_store", bench.timed(engine, prompt, f"{group.name}_store", reset=True))
+    alternate(times, repeats, {warm: lambda: bench.timed(engine, prompt, warm, reset=True)})
+    engine.reset_prefix_cache()
+    bench.continuation(engine, prompt, warm)
+    bench.continuation(engine, prompt, f"{group.name}_engine_prefix")
+    steps = {
+        cold: lambda: bench.timed_cold(
+            engine, prompt, cold, group.daemon, connector=group.connector
+        )
+    }
+    if group.fio_file is not None:
+        block_bytes = bench.model.block_bytes()
+        nbytes = loadable_blocks(len(prompt.ids), BLOCK_TOKENS) * block_bytes
+        fio_file = group.fio_file
+        steps["fio"] = lambda: fio_read_s(fio_file, nbytes, block_bytes)
+    alternate(times, repeats, steps)
+    bench.cold(engine, group.daemon, connector=group.connector)
+    bench.continuation(engine, prompt, cold)
+    _progress(bench, prompt, (f"{group.name}_store", warm, cold, *steps.keys() - {cold}))
 
 
 def _progress(bench: Bench, prompt: Prompt, names: tuple[str, ...]) -> None:
@@ -368,7 +386,7 @@ def _progress(bench: Bench, prompt: Prompt, names: tuple[str, ...]) -> None:
 def summary(bench: Bench, prompt: Prompt) -> dict[str, Any]:
     """One length's record: medians, ratios, fidelity and the raw runs."""
     runs = bench.times[prompt.tokens]
-    m = {name: median(values) for name, values in runs.items()}
+    m = runs.medians()
     reference = bench.outputs[prompt.tokens]["vllm_prefix"]
     fidelity = {
         name: compare(reference, out)
@@ -389,10 +407,10 @@ def summary(bench: Bench, prompt: Prompt) -> dict[str, Any]:
         "fio_read_s": m.get("fio"),
         "per_token_compute_s": m["recompute"] / len(prompt.ids) if "recompute" in m else None,
         "store_s": {n.removesuffix("_store"): m[n] for n in m if n.endswith("_store")},
-        "ratios": ratios(m, runs),
+        "ratios": ratios(m, runs.runs),
         "nvme_bytes_read": bench.nvme_bytes[prompt.tokens],
         "continuation": reference.tokens,
-        "runs": runs,
+        "runs": runs.runs,
     }
 
 
@@ -438,37 +456,53 @@ def ratios(m: dict[str, float], runs: dict[str, list[float]]) -> dict[str, float
     return out
 
 
-def measure_all(bench: Bench, directory: Path) -> None:
-    """Every configuration asked for, one engine at a time, beside one daemon in ``directory``."""
-    configs = bench.args.configs
+def measure_all(bench: Bench, groups: tuple[str, ...], directory: Path) -> None:
+    """Every group asked for, one engine at a time, beside one daemon in ``directory``."""
     daemon = BenchDaemon(directory)
     # Built before any engine starts: the builders import vLLM here, which edits os.environ
     # (every later engine child inherits it), so that all engines start from the same one.
     offload: dict[str, dict[str, Any]] = {}
     for name in ("vllm_fs", "kvtierd_tier"):
-        if name in configs:
+        if name in groups:
             try:
                 offload[name] = offload_config(name, directory, daemon.socket)
             except TierUnavailableError as exc:
                 log(f"{name}: skipped: {exc}")
                 bench.skipped[name] = str(exc)
     with daemon.process:
-        if "vllm" in configs:
+        if "vllm" in groups:
             measure_vllm(bench)
-        if "kvtierd" in configs:
+        if "kvtierd" in groups:
             fio_file = directory / "fio.ref"
             longest = max(loadable_blocks(len(p.ids), BLOCK_TOKENS) for p in bench.prompts)
             make_fio_file(fio_file, longest * bench.model.block_bytes())
-            measure_kvtierd(bench, daemon, fio_file)
+            config = kvtierd_connector(daemon.socket)
+            measure_restores(bench, RestoringGroup("kvtierd", config, daemon, False, fio_file))
         for name, config in offload.items():
+            own_daemon = daemon if name == "kvtierd_tier" else None
             try:
-                measure_offload(bench, name, config, daemon)
+                measure_restores(bench, RestoringGroup(name, config, own_daemon, True))
             except EngineError as exc:  # a tier that does not work here is a finding
                 log(f"{name}: failed: {exc}")
                 bench.skipped[name] = str(exc).splitlines()[0]
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def unavailable(args: argparse.Namespace, groups: tuple[str, ...]) -> str | None:
+    """Why the engine cannot run here (no model, no data, no vLLM), or ``None``."""
+    reason = check_inputs(args.data)
+    if reason is None and importlib.util.find_spec("vllm") is None:
+        reason = "vLLM is not installed"
+    return reason
+
+
+def run(
+    args: argparse.Namespace, cases: tuple[str, ...], groups: tuple[str, ...]
+) -> dict[str, Any]:
+    """Measure ``groups`` at every length of ``args.tokens``; the result as JSON.
+
+    Raises:
+        ValueError: the data cannot make the prompts asked for.
+    """
     from transformers import AutoTokenizer
 
     from kvtierd.testing.smollm2 import hf_folder
@@ -483,11 +517,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "offloading tiers' cold case finds part of a later prompt warm"
         )
     load_start = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="kvtierd-vllm-ttft-", dir="/var/tmp") as tmp:
-        bench = Bench(args, model, prompts, Path(tmp) / "logs")
-        measure_all(bench, Path(tmp))
+    with bench_workdir("vllm-ttft") as tmp:
+        bench = Bench(args, model, prompts, tmp / "logs")
+        measure_all(bench, groups, tmp)
     return {
-        "benchmark": SECTION,
+        "benchmark": "vllm_ttft",
+        "cases": list(cases),
         "model": MODEL_ID,
         "engine": f"vLLM {_vllm_version()} (CPU backend, eager mode, bfloat16)",
         "block_tokens": BLOCK_TOKENS,
@@ -512,53 +547,3 @@ def _vllm_version() -> str:
         with contextlib.suppress(PackageNotFoundError):
             return version(dist)
     return "unknown"
-
-
-def write_docs(result: dict[str, Any], docs: Path | None) -> Path:
-    """The section, its plot and the raw JSON into ``docs`` (default ``docs/benchmarks.md``;
-    another file gets its assets in a ``benchmarks/`` folder beside it)."""
-    if docs is not None:
-        benchlib.DOC = docs.resolve()
-        benchlib.ASSETS = benchlib.DOC.parent / "benchmarks"
-    plot(result["results"], SECTION)
-    return record(SECTION, markdown(result, SECTION), result)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--tokens", type=int, action="append", help="a context length (repeat)")
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="LooGLE-format JSONL")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of every case")
-    parser.add_argument(
-        "--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="engines to run"
-    )
-    parser.add_argument("--no-record", action="store_true", help="leave docs/ untouched")
-    parser.add_argument("--docs", type=Path, help="write the section into this file instead")
-    parser.add_argument("--from-json", type=Path, help="write the docs from a saved result")
-    args = parser.parse_args()
-    if args.from_json is not None:
-        result = json.loads(args.from_json.read_text())
-        log(f"wrote {write_docs(result, args.docs)}")
-        return 0
-    reason = check_inputs(args.data)
-    if reason is None and importlib.util.find_spec("vllm") is None:
-        reason = "vLLM is not installed"
-    if reason is not None:
-        log(f"vllm_ttft: cannot run: {reason}")
-        return 2
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    try:
-        result = run(args)
-    except ValueError as exc:  # the data cannot make the prompts asked for
-        log(f"vllm_ttft: cannot run: {exc}")
-        return 2
-    if args.docs is not None or (not args.tokens and not args.no_record):
-        log(f"wrote {write_docs(result, args.docs)}")
-    emit(result, args.json)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
