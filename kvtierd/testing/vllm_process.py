@@ -1,6 +1,6 @@
-"""A vLLM engine in a child process, driven line by line: what the vLLM tests and
-``tools/vllm_ttft.py`` use to run "a fresh ``LLM``" while the caller restarts daemons between
-requests.
+"""A vLLM engine in a child process, driven line by line: what the vLLM tests and the TTFT
+benchmark's ``vllm`` engine (``tools/ttft/vllm.py``) use to run "a fresh ``LLM``" while the
+caller restarts daemons between requests.
 
 vLLM spawns workers and must be built under ``if __name__ == "__main__":``; its start-up takes
 45-80 s on 2 cores and its shutdown is not always clean, so one child serves many requests and
