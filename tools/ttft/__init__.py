@@ -27,8 +27,8 @@ section from a saved result without running anything. ``tools/bench_pool.py`` ru
 case at 8K for its "pool" section.
 
 Run: ``python -m tools.ttft --engine hf|vllm --json [--cases A,B] [--tokens N ...]
-[--data FILE] [--repeats N]``. On 2 shared vCPUs ``hf`` at 1K-8K takes about 10 minutes;
-``vllm`` at 1K about 4 (four engine start-ups), 1K-8K about 12-15.
+[--data FILE] [--repeats N]``. On 2 shared vCPUs ``hf`` at 1K takes well under a minute after
+the model loads; ``vllm`` at 1K about 4 (four engine start-ups), 1K-8K about 12-15.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,14 @@ from typing import Any
 from kvtierd.client import Client
 from kvtierd.testing.smollm2 import LoadedModel, ModelDType
 from tools.benchlib import bench_workdir, drop_page_cache, log, machine, median
-from tools.fidelity import MODEL_ID, bench_daemon, check_inputs, open_model, prompt_for
+from tools.fidelity import (
+    DEFAULT_LENGTHS,
+    MODEL_ID,
+    bench_daemon,
+    check_inputs,
+    open_model,
+    prompt_for,
+)
 from tools.references import fio_read_s, make_fio_file
 from tools.ttft.cases import HF_CASES, Timings, alternate
 
@@ -286,8 +294,6 @@ class LengthRun:
 def unavailable(args: argparse.Namespace, groups: tuple[str, ...]) -> str | None:
     """Why the groups asked for cannot run here (no model, no data, no redis-server), or
     ``None``."""
-    import shutil
-
     reason = check_inputs(args.data)
     if reason is None and "pool" in groups and shutil.which("redis-server") is None:
         reason = "the pool case needs redis-server (apt-get install redis-server)"
@@ -298,8 +304,6 @@ def run(
     args: argparse.Namespace, cases: tuple[str, ...], groups: tuple[str, ...]
 ) -> dict[str, Any]:
     """Measure ``groups`` at every length of ``args.tokens``; the result as JSON."""
-    from tools.fidelity import DEFAULT_LENGTHS
-
     settings = HfSettings.from_args(args)
     lengths = args.tokens or list(DEFAULT_LENGTHS)
     log(f"loading SmolLM2-135M ({args.dtype}) ...")
