@@ -52,8 +52,15 @@ def redis_server(directory: Path) -> Iterator[int]:
         process.wait(10)
 
 
-def pool_config(port: int, key_prefix: str) -> str:
-    return (
+def pool_config(port: int, key_prefix: str, *, key_secret_file: Path | None = None) -> str:
+    """The daemon's configuration: the pool on ``port`` (write-through) under ``key_prefix``;
+    ``key_secret_file``: the key secret outside the data directory, so that a restart on a wiped
+    one (:func:`restart_wiped`) derives the same keys from the same tokens, as a rank that lost
+    its disk but shares the secret file with its group does. Without it the restarted daemon
+    makes a new secret: the pool's blocks come back, but only a client that kept their keys (a
+    READ by key) finds them, not one that derives keys from tokens (an engine)."""
+    daemon = "" if key_secret_file is None else f'[daemon]\nkey_secret_file = "{key_secret_file}"\n'
+    return daemon + (
         "[pool]\n"
         f'url = "redis://127.0.0.1:{port}"\n'
         "allow_plaintext = true\n"

@@ -49,9 +49,8 @@ def measure_pool(
     """
     title, prompt = prompt_for(loaded, data, min(tokens, loaded.max_positions))
     name = f"ttft{tokens}"
-    daemon = DaemonProcess(
-        workdir / name, dram_size="1G", nvme_size="1G", config_text=pool_config(port, name)
-    )
+    config = pool_config(port, name, key_secret_file=workdir / f"{name}.secret")
+    daemon = DaemonProcess(workdir / name, dram_size="1G", nvme_size="1G", config_text=config)
     restarts: list[float] = []
     try:
         restart_wiped(daemon)
