@@ -6,6 +6,7 @@ so ``--from-json`` re-renders a saved run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +132,7 @@ SERIES = (
     ("kvtierd_tier", "kvtierd as vLLM tier, cold", "tab:cyan", "^-"),
 )
 #: (ratio name, target as text, test) of the ratios the targets are stated in.
-TARGETS = (
+TARGETS: tuple[tuple[str, str, Callable[[float], bool]], ...] = (
     ("dram_vs_prefix", "<= 1.2", lambda r: r <= 1.2),
     ("nvme_cold_vs_prefix_fio", "<= 1.2", lambda r: r <= 1.2),
     ("recompute_vs_nvme_cold", ">= 30 at 8K", lambda r: r >= 30),
