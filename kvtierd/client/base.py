@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import operator
 import os
 import select
 import stat
@@ -304,7 +305,11 @@ def namespace_request(
             layout = Layout(**layout)  # Layout travels as an array: build it by field name
         except TypeError as exc:
             raise InvalidRequestError(f"invalid layout: {exc}") from exc
-    block_bytes = _sized(block_bytes, layout)
+    try:  # any integer (a numpy one, a subclass of int) as a plain int; a float is refused
+        rank, world_size = operator.index(rank), operator.index(world_size)
+        block_bytes = _sized(None if block_bytes is None else operator.index(block_bytes), layout)
+    except TypeError as exc:
+        raise InvalidRequestError(f"invalid namespace options: {exc}") from None
     try:
         request = OpenNsRequest(
             name, block_bytes, layout, rank, world_size, tenant, compression, create, sparse

@@ -24,6 +24,7 @@ from kvtierd.client import (
     connect,
     connect_async,
 )
+from kvtierd.config import parse_size
 from tests.support.daemon import DaemonProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -85,6 +86,18 @@ def test_block_bytes_against_the_layout_is_checked_before_sending(daemon: Daemon
 
 
 # -- shapes users get wrong ------------------------------------------------------------------
+
+
+def test_any_integer_sizes_a_namespace_and_a_float_is_refused(daemon: DaemonProcess) -> None:
+    """numpy's integers and int subclasses (the config's ``ByteSize``) are integers; a float
+    is refused before anything is sent, as a bad option, not a TypeError from the encoder."""
+    with connect(daemon.socket) as client:
+        ns = client.namespace("i", block_bytes=np.int64(BLOCK), rank=np.int32(0))
+        assert ns.block_bytes == BLOCK
+        assert client.namespace("s", block_bytes=parse_size("4K")).block_bytes == BLOCK
+        with pytest.raises(InvalidRequestError, match="invalid namespace options"):
+            client.namespace("f", block_bytes=float(BLOCK))  # type: ignore[arg-type]
+        assert sorted(n["name"] for n in client.namespaces()) == ["i", "s"]
 
 
 def test_a_single_key_or_block_is_refused_saying_so(daemon: DaemonProcess) -> None:
