@@ -26,7 +26,8 @@ measures reads, and the data only has to outlive the daemons, not the server.
 
 A full run rewrites the "pool" section of ``docs/benchmarks.md`` with its plot and stores the
 JSON in ``docs/benchmarks/pool.json``; ``--no-record`` leaves docs/ alone, and so does any
-``--skip-*``. Everything is written under a temporary directory in /tmp, removed at the end.
+``--skip-*``. Everything is written under a temporary directory on a real disk
+(``benchlib.bench_workdir``: ``$BENCH_DIR``, default /var/tmp), removed at the end.
 
 Run: ``python -m tools.bench_pool --json`` (about 5 minutes; ``--skip-ttft``: about 1).
 """
@@ -41,7 +42,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -390,24 +390,22 @@ def main() -> int:
         "redis_version": _redis_version(),
         "persistence": False,
     }
-    with tempfile.TemporaryDirectory(prefix="kvtierd-pool-bench-", dir="/tmp") as directory:
-        workdir = Path(directory)
-        with redis_server(workdir / "redis") as port:
-            if not args.skip_restore:
-                result["restore"] = [
-                    bench_restore(
-                        workdir,
-                        port,
-                        size,
-                        args.blocks * size if args.blocks else parse_size(args.total),
-                        batch,
-                        args,
-                    )
-                    for size in map(parse_size, args.sizes.split(","))
-                    for batch in batches
-                ]
-            if not args.skip_ttft:
-                result["ttft"] = run_for_bench_pool(workdir, port, args)
+    with benchlib.bench_workdir("pool-bench") as workdir, redis_server(workdir / "redis") as port:
+        if not args.skip_restore:
+            result["restore"] = [
+                bench_restore(
+                    workdir,
+                    port,
+                    size,
+                    args.blocks * size if args.blocks else parse_size(args.total),
+                    batch,
+                    args,
+                )
+                for size in map(parse_size, args.sizes.split(","))
+                for batch in batches
+            ]
+        if not args.skip_ttft:
+            result["ttft"] = run_for_bench_pool(workdir, port, args)
     result["load_average"] = {"start": load_start, "end": os.getloadavg()}
     result["machine"] = benchlib.machine()
     complete = not (args.skip_restore or args.skip_ttft or args.blocks)

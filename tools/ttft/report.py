@@ -67,14 +67,7 @@ def plot_hf(results: dict[str, dict[str, Any]]) -> None:
         if key != "recompute":
             limits = [r["limit_s"][key] for r in results.values()]
             ax.plot(lengths, limits, "--", color=colour, alpha=0.5, label=f"limit ({label})")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(lengths, [f"{n // 1024}K" for n in lengths])
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("time to first token (s)")
-    ax.set_title("TTFT vs context: SmolLM2-135M on 2 vCPUs")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    _ttft_axes(ax, lengths, "TTFT vs context: SmolLM2-135M on 2 vCPUs", legend_size=8)
     save_figure(fig, "ttft.png")
 
 
@@ -161,15 +154,20 @@ def plot_vllm(results: dict[str, dict[str, Any]], name: str) -> str:
     ]
     if limit:
         ax.plot(*zip(*limit, strict=True), ":", color="tab:blue", label="vLLM prefix + fio")
+    _ttft_axes(ax, lengths, "TTFT under vLLM (CPU): SmolLM2-135M", legend_size=7)
+    return save_figure(fig, f"{name}.png")
+
+
+def _ttft_axes(ax: Any, lengths: list[int], title: str, *, legend_size: int) -> None:
+    """Both plots' axes: TTFT (log) against the context length (log 2, in K tokens)."""
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(lengths, [f"{n / 1024:g}K" for n in lengths])
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("time to first token (s)")
-    ax.set_title("TTFT under vLLM (CPU): SmolLM2-135M")
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    return save_figure(fig, f"{name}.png")
+    ax.legend(fontsize=legend_size)
 
 
 def _s(value: float | None, digits: int = 3) -> str:
