@@ -146,10 +146,6 @@ class _Slot:
 class Admission(Protocol):
     """What the listeners hand connections to: the daemon, once it serves."""
 
-    @property
-    def sessions_of_uid(self) -> dict[int, set[Session]]:
-        """The open sessions of each peer uid."""
-
     async def handle(self, stream: SocketStream) -> None:
         """Serve a connection to the Unix socket, or tell it why not."""
 
@@ -159,9 +155,6 @@ class Admission(Protocol):
 
     async def serve(self, session: Session) -> None:
         """Run an admitted session to its end."""
-
-    def reclaim(self, candidates: set[Session]) -> bool:
-        """Close the one of ``candidates`` idle longest, if one is idle; whether one was."""
 
 
 class Entrance:
@@ -200,31 +193,19 @@ async def _admit_remote(
         if daemon is None:
             raise entrance.readiness.starting_error()
         peer = remote.identify(hello)
-        _make_uid_room(daemon, peer, remote)
-        # Written through the stream only: a TLS socket carries records, not frames, and on
-        # asyncio a TCP stream's socket is its transport's, which cannot be sent on.
-        session = daemon.admit(hello.stream, peer, direct=False)
+        try:
+            # Written through the stream only: a TLS socket carries records, not frames, and on
+            # asyncio a TCP stream's socket is its transport's, which cannot be sent on.
+            session = daemon.admit(hello.stream, peer, direct=False)
+        except BusyError as exc:
+            key = f"uid {peer.uid}"
+            remote.failures.report(log, logging.WARNING, key, "refusing %s: %s", peer, exc)
+            raise
     except KvtierError as exc:
         await refuse(hello.stream, exc)
         return
     slot.give_back()
     await daemon.serve(session)
-
-
-def _make_uid_room(daemon: Admission, peer: PeerCredentials, remote: RemoteListener) -> None:
-    """Raise :class:`BusyError` when ``peer``'s uid holds ``remote.max_connections_per_uid``
-    TCP sessions and none of them is idle (``daemon.idle_timeout_s``: the one idle longest is
-    then closed instead, as at any other connection limit), so that one remote client never
-    takes every remote session (``remote.max_connections``)."""
-    cap = remote.config.uid_cap
-    own = {s for s in daemon.sessions_of_uid.get(peer.uid, ()) if s.peer.remote and not s.departing}
-    if len(own) >= cap and not daemon.reclaim(own):
-        remote.failures.report(
-            log, logging.WARNING, f"uid {peer.uid}",
-            "refusing %s: its uid holds %d TCP sessions (remote.max_connections_per_uid)",
-            peer, len(own),
-        )  # fmt: skip
-        raise BusyError(f"too many connections from uid {peer.uid} over TCP ({len(own)} open)")
 
 
 @contextlib.asynccontextmanager

@@ -3,10 +3,10 @@ decision, without I/O or a clock (the daemon passes ``now`` and closes what is r
 
 The Unix socket and TCP count their own connections (``daemon.max_connections`` and
 ``remote.max_connections``), so that TCP clients never take a local engine's slot; on each,
-one uid holds at most ``daemon.max_connections_per_uid`` (and over TCP
-``remote.max_connections_per_uid``, which :mod:`kvtierd.server.accepting` checks with
-:func:`idlest`). A connection that has said DESTROY and
-is not stuck writing its reply holds no slot (its client may connect again at once).
+one uid holds at most ``daemon.max_connections_per_uid`` (over TCP also at most
+``remote.max_connections_per_uid``: the daemon passes the smaller as
+:attr:`SlotLimits.per_uid`). A connection that has said DESTROY and is not stuck writing its
+reply holds no slot (its client may connect again at once).
 
 At a limit, the connection idle longest among those the limit counts gives its slot up, if one
 is idle: no request for ``daemon.idle_timeout_s`` (0: never) and nothing in flight, leased or
@@ -83,18 +83,21 @@ def make_room(
     (``limits``), or ``None`` when it fits as things are; raises :class:`BusyError` when it
     does not fit and no connection it counts with is idle."""
     open_now = [s for s in sessions if not s.departing and bool(s.peer.remote) == bool(peer.remote)]
+    over = " over TCP" if peer.remote else ""
     own = [s for s in open_now if s.peer.uid == peer.uid]
     if len(own) >= limits.per_uid:
-        return _one_of(own, limits, now, f"too many connections from uid {peer.uid}")
+        why = f"too many connections from uid {peer.uid}{over} ({len(own)} open)"
+        return _one_of(own, limits.idle_s, now, why)
     if len(open_now) >= limits.total:
-        return _one_of(_busiest(open_now), limits, now, "too many connections")
+        why = f"too many connections{over} ({len(open_now)} open)"
+        return _one_of(_busiest(open_now), limits.idle_s, now, why)
     return None
 
 
-def _one_of(candidates: Collection[S], limits: SlotLimits, now: float, why: str) -> S:
-    victim = idlest(candidates, limits.idle_s, now)
+def _one_of(candidates: Collection[S], idle_s: float, now: float, why: str) -> S:
+    victim = idlest(candidates, idle_s, now)
     if victim is None:
-        raise BusyError(f"{why} ({len(candidates)} open)")
+        raise BusyError(why)
     return victim
 
 

@@ -3,25 +3,31 @@
 :func:`open_daemon_store` puts the parts together in the order they need each other and closes
 them in the reverse one:
 
+0. with a pool, the pool tier (:func:`pool_tier`), before anything opens: it checks the pool's
+   credentials, and a credential file that cannot be used is a configuration error;
 1. the store's base (:func:`kvtierd.store.lifecycle.open_store_base`: the arena with its tenant
    regions, the I/O backend, the namespace registry);
 2. the NIXL export of those regions (:func:`open_nixl_reads`), each from an exporter process
    of its own (:mod:`kvtierd.nixl.export`), when ``nixl.enabled`` asks for it and NIXL passes
    its probe here; otherwise the daemon serves on without NIXL reads, and the request handlers
    answer READ_NIXL with the reason (``EOPNOTSUPP``);
-3. with a pool, the pool tier (:func:`pool_tier`, which checks the pool's credentials: a
-   credential file that cannot be used is a configuration error) and, when ``remote.peers``
-   are configured and NIXL runs, the peers asked before it (:func:`open_peer_reads`), the tier
-   wrapped in a :class:`~kvtierd.server.peers.PeerFirstTier`;
+3. with a pool, the peers asked before it, when ``remote.peers`` are configured and NIXL runs
+   (:func:`open_peer_reads`), the tier then wrapped in a
+   :class:`~kvtierd.server.peers.PeerFirstTier`;
 4. the store itself, handed a :class:`~kvtierd.store.ports.Replica`: the (wrapped) tier to
    promote pool-only copies from, and how to open the link
    (:func:`kvtierd.pool.link.open_pool_link`, which owns the link's tasks and gives queued
-   writes half the shutdown grace to reach the pool).
+   writes half the shutdown grace to reach the pool); the link is kept as the pool's own type
+   for the daemon's status and metrics (:class:`Assembled`).
 
 It sits above both :mod:`kvtierd.store` and :mod:`kvtierd.pool`, which do not import each
 other's insides: the store names what it needs from a replica link in
 :mod:`kvtierd.store.ports`, the pool implements it, and only this module knows both. Nothing
 is set on a part after it was made: each gets what it uses when it is built.
+
+Closing runs the other way: the store (the link's grace, the write-back drain, the index
+snapshot) while the peers and the exporters still run, then the peers, then the exporters, and
+only then the arena they map and the backend.
 """
 
 from __future__ import annotations
@@ -49,7 +55,13 @@ from kvtierd.pool.tier import PoolTier
 from kvtierd.pool.values import PoolNames
 from kvtierd.server.peers import PeerFirstTier, PeerReads, peer_endpoints
 from kvtierd.store.index import Block
-from kvtierd.store.lifecycle import OpenProgress, StoreBase, open_store, open_store_base
+from kvtierd.store.lifecycle import (
+    OpenPhase,
+    OpenProgress,
+    StoreBase,
+    open_store,
+    open_store_base,
+)
 from kvtierd.store.namespaces import NamespaceRegistry, NamespaceSpec
 from kvtierd.store.ports import Replica, StoreForReplica
 from kvtierd.store.store import BlockStore
@@ -103,49 +115,55 @@ async def open_daemon_store(
     """The store for ``config`` and what it is joined to, opened in order and closed in the
     reverse one: its base (arena, regions, registry), the NIXL export of the regions, the
     peers, and the store itself with the pool tier (wrapped in a :class:`PeerFirstTier` when
-    there are peers) and its link."""
+    there are peers) and its link. The pool's credentials are checked before anything opens
+    (:class:`ConfigError`)."""
+    tier = pool_tier(config.pool) if config.pool.url else None  # before anything starts
     async with contextlib.AsyncExitStack() as stack:
         base = await stack.enter_async_context(
             open_store_base(config, io_verdict=io_verdict, progress=progress)
         )
-        nixl = await stack.enter_async_context(open_nixl_reads(config, base))
+        nixl = await stack.enter_async_context(open_nixl_reads(config, base, progress))
         replica = None
-        links: list[PoolLink[Block]] = []
-        if config.pool.url:
-            tier = pool_tier(config.pool)
+        opener = None
+        if tier is not None:
             peers = await stack.enter_async_context(open_peer_reads(config, base.registry, nixl))
-            replica = Replica(
-                tier if peers is None else PeerFirstTier(tier, peers),
-                partial(_open_link, links, config.pool, tier, config.daemon.shutdown_grace_s / 2),
-            )
+            opener = _LinkOpener(config.pool, tier, config.daemon.shutdown_grace_s / 2)
+            replica = Replica(tier if peers is None else PeerFirstTier(tier, peers), opener.open)
         store = await stack.enter_async_context(
             open_store(config, progress=progress, replica=replica, base=base)
         )
-        yield Assembled(store, links[0] if links else None, nixl)
+        yield Assembled(store, opener.link if opener is not None else None, nixl)
+
+
+@dataclass
+class _LinkOpener:
+    """Opens the pool link for the store (:func:`open_pool_link`) and keeps it as the pool's
+    own type, which the store sees only through its port."""
+
+    config: PoolConfig
+    tier: PoolTier
+    grace_s: float
+    link: PoolLink[Block] | None = None
+
+    @contextlib.asynccontextmanager
+    async def open(self, store: StoreForReplica[Block]) -> AsyncIterator[PoolLink[Block]]:
+        async with open_pool_link(self.config, self.tier, store, grace_s=self.grace_s) as link:
+            self.link = link
+            yield link
 
 
 @contextlib.asynccontextmanager
-async def _open_link(
-    opened: list[PoolLink[Block]],
-    config: PoolConfig,
-    tier: PoolTier,
-    grace_s: float,
-    store: StoreForReplica[Block],
-) -> AsyncIterator[PoolLink[Block]]:
-    """:func:`open_pool_link`, the link kept in ``opened`` (the store sees only its port)."""
-    async with open_pool_link(config, tier, store, grace_s=grace_s) as link:
-        opened.append(link)
-        yield link
-
-
-@contextlib.asynccontextmanager
-async def open_nixl_reads(config: Config, base: StoreBase) -> AsyncIterator[NixlReads]:
+async def open_nixl_reads(
+    config: Config, base: StoreBase, progress: OpenProgress | None = None
+) -> AsyncIterator[NixlReads]:
     """The NIXL export of the tenant regions of ``base`` (an exporter process each,
     supervised), for as long as the daemon serves; or, when ``nixl.enabled`` is false or NIXL
     cannot run here, why not (logged)."""
     if not config.nixl.enabled:
         yield NIXL_OFF
         return
+    if progress is not None:
+        progress.advance(OpenPhase.EXPORTING)
     name = f"kvtierd-{socket.gethostname()}-{os.getpid()}"
     probe = partial(probe_nixl, timeout_s=config.nixl.probe_timeout_s)
     async with contextlib.AsyncExitStack() as stack:

@@ -14,14 +14,11 @@ session finish the requests it has in flight (for at most ``shutdown_grace_s``),
 STOPPING=1, and closes the store, which writes back what is dirty and saves the index snapshot.
 Every task it starts lives in its task group.
 
-Admission. Each listener counts its own sessions: the Unix socket ``daemon.max_connections``,
-TCP ``remote.max_connections`` (so that remote clients never take a local engine's slot). A new
-connection whose uid already has ``max_connections_per_uid`` open on its listener, or that
-finds its listener's cap reached, is refused with an ``EBUSY`` frame, unless a connection
-counted by that limit is idle (``idle_timeout_s``): the one idle longest is closed instead,
-with an ``EBUSY`` frame, and the new one takes its slot. Idle connections are closed for
-nothing else, since the client library does not reconnect. Each connection must then have INIT
-answered within ``handshake_timeout_s`` (:mod:`kvtierd.server.session`).
+Admission. A new connection takes a slot under its listener's limits, or an idle connection
+the limits count gives its slot up for it, or it is refused with an ``EBUSY`` frame: the rules
+are :mod:`kvtierd.server.admission`'s, the daemon closes the connection they name (with an
+``EBUSY`` frame of its own). Idle connections are closed for nothing else. Each connection must
+then have INIT answered within ``handshake_timeout_s`` (:mod:`kvtierd.server.session`).
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ from kvtierd.pool.link import PoolLink
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply, TierStatistics
 from kvtierd.server import heap
 from kvtierd.server.accepting import Entrance, listen_unix, refuse, serve_connections
-from kvtierd.server.admission import SlotLimits, idlest, make_room
+from kvtierd.server.admission import SlotLimits, make_room
 from kvtierd.server.assembly import open_daemon_store
 from kvtierd.server.budget import reserve_descriptors
 from kvtierd.server.checks import HostCheck
@@ -264,21 +261,17 @@ class Daemon:
         """Return when a new connection of ``peer`` fits in its listener's limits, once the
         idle connection :func:`~kvtierd.server.admission.make_room` picked has given its slot
         up; else raise :class:`BusyError` saying why it does not fit."""
-        daemon = self.config.daemon
-        total = self.config.remote.max_connections if peer.remote else daemon.max_connections
-        limits = SlotLimits(total, daemon.max_connections_per_uid, daemon.idle_timeout_s)
+        daemon, remote = self.config.daemon, self.config.remote
+        if peer.remote:
+            per_uid = min(daemon.max_connections_per_uid, remote.uid_cap)
+            limits = SlotLimits(remote.max_connections, per_uid, daemon.idle_timeout_s)
+        else:
+            limits = SlotLimits(
+                daemon.max_connections, daemon.max_connections_per_uid, daemon.idle_timeout_s
+            )
         victim = make_room(self.sessions, peer, limits, time.monotonic())
         if victim is not None:
             self._close_idle(victim)
-
-    def reclaim(self, candidates: set[Session]) -> bool:
-        """Close the connection idle longest among ``candidates``, if one is idle
-        (:func:`~kvtierd.server.admission.idlest`); whether one was closed."""
-        victim = idlest(candidates, self.config.daemon.idle_timeout_s, time.monotonic())
-        if victim is None:
-            return False
-        self._close_idle(victim)
-        return True
 
     def _close_idle(self, victim: Session) -> None:
         quiet_s = time.monotonic() - victim.last_request_s

@@ -23,7 +23,8 @@ background promotions, the prefetcher's ticks. Nothing here imports the pool.
 Closing, whatever happened: the prefetcher stops, running promotions end, the link gives queued
 blocks its grace to reach the pool, no new write-back is queued and the workers finish the queue
 (every committed block reaches the disk when time allows), the NVMe tier writes its index
-snapshot, the backend and the arena go away.
+snapshot. The base closes after the store, and after whatever its opener put on it (the NIXL
+exporters that map the regions): the arena goes away, then the backend.
 """
 
 from __future__ import annotations
@@ -79,11 +80,14 @@ log = logging.getLogger("kvtierd.store")
 
 
 class OpenPhase(enum.StrEnum):
-    """What :func:`open_store` is doing, in the words a starting daemon says."""
+    """What :func:`open_store` (and the daemon's assembly around it) is doing, in the words a
+    starting daemon says."""
 
     PREPARING = "preparing the data directory"
     CREATING_ARENA = "creating the arena"
     PREFAULTING = "pre-faulting the arena"
+    #: The composition root's step between the base and the store (kvtierd.server.assembly).
+    EXPORTING = "proving NIXL and starting its exporters"
     OPENING_NVME = "opening the NVMe tier"
     RECOVERING = "recovering the NVMe index"
     JOINING_POOL = "waiting for the pool group's decision"
@@ -276,6 +280,8 @@ async def open_store(
             "pool.url is set but no pool was joined to the store: open it through "
             "kvtierd.server.assembly.open_daemon_store"
         )
+    if base is not None and io_verdict is not None:
+        raise TypeError("io_verdict is for the base open_store opens: pass it to open_store_base")
     progress = progress if progress is not None else OpenProgress()
     async with contextlib.AsyncExitStack() as stack:
         if base is None:

@@ -53,7 +53,7 @@ def test_at_the_total_only_the_busiest_uid_gives_way() -> None:
     mine = conn(2, quiet_s=200)
     sessions = [conn(1, quiet_s=10), mine, conn(2, quiet_s=100), quiet]
     assert make_room(sessions, peer(4), LIMITS, NOW) is mine
-    with pytest.raises(BusyError, match=r"too many connections \(2 open\)"):
+    with pytest.raises(BusyError, match=r"too many connections \(4 open\)"):
         make_room([conn(1), conn(2, quiet_s=30), conn(2), quiet], peer(4), LIMITS, NOW)
 
 
@@ -79,3 +79,17 @@ def test_a_closing_or_busy_connection_is_never_picked() -> None:
     idle = conn(1, quiet_s=61)
     assert idlest([closing, busy, idle], 60.0, NOW) is idle
     assert idlest([closing, busy, conn(1, quiet_s=59)], 60.0, NOW) is None
+
+
+def test_one_connection_given_up_makes_room_under_both_limits() -> None:
+    """uid 1 is at its limit and the listener at its total: its idle connection counts under
+    both, so it alone is closed (the old code could close a second, or close one and refuse)."""
+    mine = conn(1, quiet_s=500)
+    sessions = [mine, conn(1), conn(2), conn(3)]
+    assert make_room(sessions, peer(1), LIMITS, NOW) is mine
+
+
+def test_a_tcp_refusal_says_so() -> None:
+    tcp = [conn(7, remote="10.0.0.1:5"), conn(7, remote="10.0.0.1:6")]
+    with pytest.raises(BusyError, match=r"from uid 7 over TCP \(2 open\)"):
+        make_room(tcp, peer(7, remote="10.0.0.1:9"), LIMITS, NOW)

@@ -43,6 +43,7 @@ from kvtierd.protocol.messages import (
 from kvtierd.server.peers import PeerFirstTier, PeerReads
 from kvtierd.store.namespaces import NamespaceSpec
 from kvtierd.store.refs import BlockRef
+from kvtierd.store.tier import LowerTier
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -157,7 +158,22 @@ async def test_the_peer_first_tier_reads_the_pool_after_a_peer_miss() -> None:
         with pytest.raises(PoolUnavailableError, match="not attached"):
             await tier.load(REF, pool.location(REF), memoryview(bytearray(RAW)))
         assert reads.counters["failures"] == 1  # the peer was asked first
-        assert (tier.kind, tier.capabilities) == (pool.kind, pool.capabilities)
         assert tier.slot_class(REF) == pool.slot_class(REF)
         assert tier.statistics() == pool.statistics()
     assert peer.connections == 1
+
+
+def test_the_peer_first_tier_overrides_all_that_the_pool_tier_does() -> None:
+    """A method of the tier port that the pool tier makes its own must be the wrapper's too
+    (delegated), else the store would get the port's default around the pool."""
+    port = {
+        name
+        for name, member in vars(LowerTier).items()
+        if callable(member) and not name.startswith("__")
+    }
+    pools = {name for name in port if getattr(PoolTier, name) is not getattr(LowerTier, name)}
+    wrapped = {
+        name for name in port if getattr(PeerFirstTier, name) is not getattr(LowerTier, name)
+    }
+    assert "load" in pools
+    assert pools <= wrapped, f"PeerFirstTier lacks {sorted(pools - wrapped)}"
