@@ -20,4 +20,17 @@ if (( free_gib < need_gib )); then
         "(set KVTIERD_TEST_FREE_GIB to change the floor, or TMPDIR to use another disk)" >&2
     exit 1
 fi
-echo "== pytest"; exec "$PYTHON" -m pytest "$@"
+# What the suite leaves in /dev/shm (engines' message queues, semaphores) stays until a reboot:
+# anything new that no process holds fails the run, as a failed test would.
+shm_before=$(mktemp)
+trap 'rm -f "$shm_before"' EXIT
+ls -1 /dev/shm > "$shm_before" 2>/dev/null || true
+echo "== pytest"
+status=0
+"$PYTHON" -m pytest "$@" || status=$?
+echo "== /dev/shm"
+if ! "$PYTHON" -m kvtierd.testing.shm "$shm_before"; then
+    echo "test.sh: the tests left shared memory in /dev/shm (listed above)" >&2
+    (( status != 0 )) || status=1
+fi
+exit "$status"

@@ -3,10 +3,16 @@ benchmark's ``vllm`` engine (``tools/ttft/vllm.py``) use to run "a fresh ``LLM``
 caller restarts daemons between requests.
 
 vLLM spawns workers and must be built under ``if __name__ == "__main__":``; its start-up takes
-45-80 s on 2 cores and its shutdown is not always clean, so one child serves many requests and
-is killed at the end. The parent writes one JSON command per line on the child's stdin and
-reads one JSON answer per line from a pipe of its own (vLLM and torch log on stdout and stderr,
-which go to ``log_path``)::
+45-80 s on 2 cores, so one child serves many requests. At the end it is asked to stop (its
+stdin closes: it shuts its engine core down and exits), given :data:`STOP_TIMEOUT_S`, then its
+whole session is killed; what vLLM's processes leave behind goes with them: their IPC sockets
+and files live in a temporary directory of the engine's own (``TMPDIR`` and
+``VLLM_RPC_BASE_PATH``), removed, and the shared memory they made and no process holds any
+more (:func:`kvtierd.testing.shm.remove_orphans`) is unlinked.
+
+The parent writes one JSON command per line on the child's stdin and reads one JSON answer per
+line from a pipe of its own (vLLM and torch log on stdout and stderr, which go to
+``log_path``)::
 
     {"op": "generate", "prompt": [ids], "max_tokens": n, "logprobs": k}
         -> {"tokens": [...], "logprobs": [[[id, logprob], ...], ...], "seconds": s,
@@ -21,9 +27,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,10 +39,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from kvtierd.testing import shm
+
 __all__ = ["EngineError", "EngineProcess", "Generation", "total_variation"]
 
 #: The CPU backend's KV space (GiB): enough for SmolLM2 at 8K tokens, small enough for 2 engines.
 DEFAULT_KV_SPACE_GIB = "1"
+#: How long a child asked to stop may take before its session is killed.
+STOP_TIMEOUT_S = 30.0
 
 
 class EngineError(RuntimeError):
@@ -84,12 +96,18 @@ class EngineProcess:
         start_timeout_s: float = 600.0,
     ) -> None:
         self.log_path = log_path
+        self._shm_before = shm.snapshot()
+        # Short: vLLM's IPC socket paths (its ZMQ endpoints) must fit in sun_path.
+        self._tmp = tempfile.mkdtemp(prefix="kvtierd-vllm-", dir="/tmp")
         read_fd, write_fd = os.pipe()
         child_env = dict(os.environ)
         child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KV_SPACE_GIB)
         child_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         child_env.update(env or {})
-        child_env["KVTIERD_ENGINE_REPLY_FD"] = str(write_fd)
+        child_env.update(
+            {"TMPDIR": self._tmp, "VLLM_RPC_BASE_PATH": self._tmp},
+            KVTIERD_ENGINE_REPLY_FD=str(write_fd),
+        )
         self._log = log_path.open("ab")
         try:
             self._proc = subprocess.Popen(
@@ -106,6 +124,7 @@ class EngineProcess:
         except BaseException:
             os.close(read_fd)
             self._log.close()
+            shutil.rmtree(self._tmp, ignore_errors=True)
             raise
         finally:
             os.close(write_fd)
@@ -168,15 +187,20 @@ class EngineProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def close(self) -> None:
-        """Kill the engine and every process it started; idempotent."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        self._proc.wait()
+        """Stop the engine (asked first, then killed with every process it started) and
+        remove what its processes left behind (module docstring); idempotent."""
         if self._proc.stdin is not None:
             with contextlib.suppress(OSError):
-                self._proc.stdin.close()
+                self._proc.stdin.close()  # the child's command loop ends: it shuts down
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(STOP_TIMEOUT_S)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, signal.SIGKILL)  # whatever of its session is left
+        self._proc.wait()
         self._replies.close()
         self._log.close()
+        shm.remove_orphans(self._shm_before)
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> EngineProcess:
         return self
@@ -238,6 +262,9 @@ def _serve(engine_args: dict[str, Any], replies: IO[str]) -> None:
                 reply(error=f"unknown command {command['op']!r}")
         except Exception as exc:
             reply(error=f"{command['op']} failed: {exc!r}")
+    # stdin closed: stop the engine core and its workers, so that they release (unlink) their
+    # message queues' shared memory themselves.
+    llm.llm_engine.engine_core.shutdown()
 
 
 if __name__ == "__main__":
