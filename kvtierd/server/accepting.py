@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
-from anyio.abc import ByteStream, SocketAttribute, SocketStream
+from anyio.abc import ByteStream, SocketAttribute, SocketStream, UNIXSocketStream
 
 from kvtierd.config import Config
 from kvtierd.errors import BusyError, ConfigError, KvtierError
@@ -54,6 +54,7 @@ from kvtierd.protocol import ServerConnection
 from kvtierd.server.preflight import socket_answers
 from kvtierd.server.readiness import Readiness
 from kvtierd.server.remote import HandshakeError, RemoteListener, peer_address
+from kvtierd.server.session import peer_credentials
 from kvtierd.server.throttle import Throttle
 from kvtierd.store.namespaces import PeerCredentials
 
@@ -246,15 +247,28 @@ async def serve_connections(
     remote: RemoteListener | None = None,
     *,
     unix_cap: int,
+    unix_per_uid: int,
 ) -> None:
-    """Accept connections on the Unix socket (at most ``unix_cap`` at once) and on TCP (with
-    ``remote``) until ``scope`` is cancelled; the sessions then finish what they have in
-    flight."""
+    """Accept connections on the Unix socket (at most ``unix_cap`` at once, ``unix_per_uid``
+    of one uid) and on TCP (with ``remote``) until ``scope`` is cancelled; the sessions then
+    finish what they have in flight."""
 
     async def admit_local(stream: SocketStream, slot: _Slot, where: str) -> None:
         await _admit(stream, entrance)  # holding its slot to its end
 
-    doors = [_Door(listener, "the Unix socket", _Slots(unix_cap), admit_local, _turn_away)]
+    doors = [
+        _Door(
+            listener,
+            "the Unix socket",
+            _Slots(unix_cap, unix_per_uid),
+            admit_local,
+            _turn_away,
+            where_from=_uid_of,
+            key_of=lambda where: where,
+            crowded="%s holds %d connections of %s (its share: sessions and refusals "
+            "together): closing new ones at once",
+        )
+    ]
     if remote is not None:
 
         async def admit_remote(stream: SocketStream, slot: _Slot, where: str) -> None:
@@ -291,6 +305,11 @@ class _Door:
     where_from: Callable[[SocketStream], str] = lambda stream: ""
     #: The key of ``slots``' per-key cap, given where it comes from: its host.
     key_of: Callable[[str], str] = lambda where: ""
+    #: The log record of a connection past the per-key cap: where, the cap, the key.
+    crowded: str = (
+        "%s holds %d connections before their session from %s (its cap per host): "
+        "closing new ones from it at once"
+    )
     #: Its failures and refusals, logged at most once a minute each.
     failures: Throttle = field(default_factory=Throttle)
 
@@ -334,9 +353,8 @@ async def _accept(door: _Door, sessions: anyio.abc.TaskGroup) -> None:
             await door.overflow(stream)
         elif refusal is not None:
             door.failures.report(
-                log, logging.WARNING, f"host {key}",
-                "%s holds %d connections before their session from %s (its cap per host): "
-                "closing new ones from it at once", door.where, door.slots.per_key, key,
+                log, logging.WARNING, f"key {key}", door.crowded,
+                door.where, door.slots.per_key, key,
             )  # fmt: skip
             await door.overflow(stream)
         else:
@@ -357,6 +375,17 @@ async def _contained(door: _Door, stream: SocketStream, slot: _Slot, where: str)
     finally:
         slot.give_back()
         await _close(stream)
+
+
+def _uid_of(stream: SocketStream) -> str:
+    """``"uid N"`` of a Unix connection's peer (``SO_PEERCRED``), taken as it is accepted;
+    ``""`` when the socket cannot say (a peer gone at once: it is refused like any other)."""
+    if not isinstance(stream, UNIXSocketStream):
+        return ""
+    try:
+        return f"uid {peer_credentials(stream).uid}"
+    except OSError:
+        return ""
 
 
 def _host(where: str) -> str:

@@ -36,11 +36,21 @@ from kvtierd.config import Config
 from kvtierd.errors import ConfigError
 from kvtierd.server.endpoint import metrics_descriptors
 
-__all__ = ["UNIX_REFUSALS", "DescriptorBudget", "descriptor_budget", "reserve_descriptors"]
+__all__ = [
+    "UNIX_REFUSALS",
+    "UNIX_REFUSALS_PER_UID",
+    "DescriptorBudget",
+    "descriptor_budget",
+    "reserve_descriptors",
+    "unix_uid_share",
+]
 
 #: Unix connections being refused (``EBUSY``) at once; more are closed after a non-blocking
 #: write of the same frame, without waiting for their INIT.
 UNIX_REFUSALS = 32
+#: Of those, what one uid may hold beyond its own sessions (``max_connections_per_uid``), so
+#: that a uid refused again and again cannot keep every other uid's connection from a slot.
+UNIX_REFUSALS_PER_UID = 4
 #: Descriptors of the daemon itself, besides the pool's and its connections: standard streams,
 #: the event loop's, the arena and data files, io_uring, worker threads, NIXL's and UCX's
 #: (35 with NIXL enabled on this project's test host), with room to spare; and per tenant
@@ -81,6 +91,13 @@ def descriptor_budget(config: Config) -> DescriptorBudget:
     pool = config.pool.max_connections if config.pool.url else 0
     reserve = BASE_RESERVE + pool + TENANT_RESERVE * len(config.tenants)
     return DescriptorBudget(daemon.max_connections + UNIX_REFUSALS, tcp, metrics, reserve)
+
+
+def unix_uid_share(config: Config) -> int:
+    """The Unix connections one uid may hold at once, sessions and refusals together: its
+    sessions (``daemon.max_connections_per_uid``), one more that takes an idle one's place
+    while that one closes, and :data:`UNIX_REFUSALS_PER_UID` being refused."""
+    return config.daemon.max_connections_per_uid + 1 + UNIX_REFUSALS_PER_UID
 
 
 def nofile_limits() -> tuple[int, int]:

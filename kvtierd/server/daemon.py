@@ -51,7 +51,7 @@ from kvtierd.server import heap
 from kvtierd.server.accepting import Entrance, listen_unix, refuse, serve_connections
 from kvtierd.server.admission import SlotLimits, make_room
 from kvtierd.server.assembly import open_daemon_store
-from kvtierd.server.budget import reserve_descriptors
+from kvtierd.server.budget import reserve_descriptors, unix_uid_share
 from kvtierd.server.checks import HostCheck
 from kvtierd.server.collector import serve_collector
 from kvtierd.server.doctor import RunningFacts, running_report
@@ -367,7 +367,9 @@ async def serve_daemon(
         ):
             accepting = anyio.CancelScope()
             tg.start_soon(
-                partial(serve_connections, unix_cap=budget.unix),
+                partial(
+                    serve_connections, unix_cap=budget.unix, unix_per_uid=unix_uid_share(config)
+                ),
                 listener, entrance, accepting, remote,
             )  # fmt: skip
             tg.start_soon(notifier.run_watchdog)

@@ -190,3 +190,73 @@ def test_one_uid_cannot_take_every_connection_slot(shared_dir: Path) -> None:
                     assert _connections(admin) == 4  # 1234's three and this one
             finally:
                 greedy.kill()
+
+
+#: uid 1234's three sessions, then, until stdin closes, bursts of connections that never send
+#: INIT: refused by its per-uid limit, each would hold a place at the socket's door while the
+#: daemon waits (up to 1 s) for the INIT it reads before saying EBUSY.
+_FLOOD_REFUSALS = """
+import socket, sys, threading, time
+from kvtierd.client import connect
+
+held = [connect({socket!r}, timeout_s=30) for _ in range(3)]
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+print("flooding", flush=True)
+bursts = []
+while not stop.is_set():
+    burst = []
+    for _ in range(45):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect({socket!r})
+        except OSError:
+            s.close()
+            continue
+        burst.append(s)
+    bursts.append(burst)
+    if len(bursts) > 3:  # each kept 1.5 s, past the daemon's wait for its INIT
+        for s in bursts.pop(0):
+            s.close()
+    time.sleep(0.5)
+"""
+
+#: Another uid connects ``attempts`` times, 0.2 s apart, and says how many were admitted.
+_TRY_CONNECTING = """
+import json, time
+from kvtierd.client import connect
+from kvtierd.errors import KvtierError
+
+admitted, refused = 0, []
+for _ in range({attempts}):
+    try:
+        with connect({socket!r}, timeout_s=10) as client:
+            client.stats()
+        admitted += 1
+    except (KvtierError, OSError) as exc:
+        refused.append(repr(exc))
+    time.sleep(0.2)
+print(json.dumps([admitted, refused]), flush=True)
+"""
+
+
+def test_refused_connections_of_one_uid_leave_room_for_the_others(shared_dir: Path) -> None:
+    """A uid at its limit that keeps opening connections which never send INIT holds at most
+    its share of the socket's places (sessions plus a few being refused): another uid is
+    admitted every time meanwhile. Before, its refusals filled all 32 places kept for them
+    plus the free sessions', and the other uid got none (the attacker's finding of issue 33)."""
+    config = '[daemon]\nmax_connections = 8\nmax_connections_per_uid = 3\nsocket_mode = "0666"\n'
+    with DaemonProcess(shared_dir / "d", config_text=config) as d:
+        flood = _FLOOD_REFUSALS.format(socket=str(d.socket))
+        with start_as(1234, 1234, flood) as greedy:
+            try:
+                assert _line(greedy).strip() == "flooding"
+                time.sleep(1.0)  # its bursts are under way
+                attempts = _TRY_CONNECTING.format(attempts=10, socket=str(d.socket))
+                with start_as(1235, 1235, attempts) as other:
+                    admitted, refused = json.loads(_line(other))
+                assert (admitted, refused) == (10, [])
+            finally:
+                greedy.kill()
+        with connect(d.socket) as admin:  # and the daemon serves on
+            assert _connections(admin) == 1
