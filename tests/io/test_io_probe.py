@@ -16,6 +16,7 @@ import pytest
 
 import kvtierd.io
 from kvtierd.io.probe import BindingVerdict, FileStamp, _interpret, cached_probe, probe_binding
+from tests.support.emulator import emulated_cpu
 
 #: READV_FIXED/WRITEV_FIXED arrived in Linux 6.15.
 KERNEL_HAS_FIXED_VECTORED = tuple(map(int, os.uname().release.split(".")[:2])) >= (6, 15)
@@ -69,10 +70,7 @@ def test_the_installed_binding_survives_an_older_cpu(
 ) -> None:
     # The PyPI liburing wheel died here with SIGILL. Under the emulator io_uring itself is
     # missing (ENOSYS), but everything up to the first system call runs on the emulated CPU.
-    # numpy's OpenBLAS would start a thread per core at import: qemu-user runs threaded guests
-    # less reliably, and threads are not what this test is about.
-    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
-    launcher = ["qemu-x86_64", "-cpu", cpu]
+    launcher = emulated_cpu(cpu, monkeypatch)
     verdict = probe_binding(launcher=launcher, timeout_s=120)
     if verdict.signal:  # an instruction the CPU lacks kills every run; the emulator's slips do not
         again = probe_binding(launcher=launcher, timeout_s=120)

@@ -27,6 +27,7 @@ from kvtierd.store.copyhash import (
     CopyHasher,
     probe,
 )
+from tests.support.emulator import emulated_cpu
 
 BUILT = importlib.util.find_spec(DEFAULT_MODULE) is not None
 needs_module = pytest.mark.skipif(not BUILT, reason=f"{DEFAULT_MODULE} is not built here")
@@ -292,8 +293,7 @@ def test_the_module_runs_and_agrees_on_older_cpus(
 ) -> None:
     # Built for the x86-64 baseline with AVX2 kernels chosen at run time: an AVX2 CPU without
     # AVX-512 and a CPU without AVX both run it, each with the kernels it has.
-    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
-    launcher = ["qemu-x86_64", "-cpu", cpu]
+    launcher = emulated_cpu(cpu, monkeypatch)
     verdict = probe(DEFAULT_MODULE, launcher=launcher, timeout_s=180)
     assert verdict.ok, verdict.detail
     assert verdict.kernel == kernel
