@@ -144,8 +144,10 @@ class ConnectorSettings:
     coming up from NVMe before the worker reads them itself (default 2 s); ``timeout_s``: bounds
     every request to the daemon (default 30 s: a READ includes its NVMe reads);
     ``whole_prompt``: load every block of a prompt kvtierd holds whole before the forward, so
-    vLLM computes only the last token (default true; false: the last block is computed, as
-    vLLM's own prefix cache does, and the result is bitwise that of vLLM's own hit)."""
+    vLLM computes only the last token (faster by a block of compute, but not what vLLM's own
+    cache gives: bf16 attention over another split of cached and computed tokens rounds
+    differently). Default false: the last block is computed, as vLLM's own prefix cache does,
+    and the result is bitwise that of vLLM's own hit."""
 
     socket: str | None = None
     tenant: str = "default"
@@ -153,7 +155,7 @@ class ConnectorSettings:
     namespace: str | None = None
     wait_for_promotion_s: float = 2.0
     timeout_s: float = 30.0
-    whole_prompt: bool = True
+    whole_prompt: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:

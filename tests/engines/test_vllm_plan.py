@@ -80,8 +80,10 @@ def test_connector_settings_take_the_documented_keys() -> None:
     settings = ConnectorSettings.from_extra(
         {"socket": "/run/k.sock", "tenant": "t", "model_id": "m", "wait_for_promotion_s": 0.5}
     )
-    assert settings == ConnectorSettings("/run/k.sock", "t", "m", None, 0.5, 30.0, True)
+    assert settings == ConnectorSettings("/run/k.sock", "t", "m", None, 0.5, 30.0, False)
     assert ConnectorSettings.from_extra({}) == ConnectorSettings()
+    # whole_prompt is opt-in: by default a restore is bitwise vLLM's own prefix hit
+    assert ConnectorSettings.from_extra({"whole_prompt": True}).whole_prompt
 
 
 @pytest.mark.parametrize(

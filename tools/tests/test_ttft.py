@@ -65,7 +65,7 @@ def test_another_engines_option_is_a_usage_error(capsys: pytest.CaptureFixture[s
         (
             ["--engine", "vllm"],
             ENGINES["vllm"].cases,
-            ("vllm", "kvtierd", "vllm_fs", "kvtierd_tier"),
+            ("vllm", "kvtierd", "kvtierd_whole", "vllm_fs", "kvtierd_tier"),
         ),
     ],
 )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from tools.benchlib import median
 
-__all__ = ["ENGINES", "Engine", "Timings", "UnknownCaseError", "alternate"]
+__all__ = ["ENGINES", "TV_GOAL", "Engine", "Timings", "UnknownCaseError", "alternate"]
 
 
 class UnknownCaseError(ValueError):
@@ -65,12 +65,17 @@ class Engine:
         return set(self.default_cases) <= set(cases)
 
 
+#: The largest top-20 total variation a restore on default settings may show against the
+#: engine's own prefix hit (the seed's bar: what a user compares with and without kvtierd).
+TV_GOAL = 8e-4
 HF_CASES = ("recompute", "dram", "nvme_cold", "partial")
 #: the pool case and its context, all measured on the pool's daemon
 POOL_CASES = ("recompute", "pool", "nvme_cold", "dram")
 VLLM_GROUPS = {
     "vllm": ("recompute", "vllm_prefix"),
     "kvtierd": ("kvtierd_dram", "kvtierd_nvme_cold"),
+    #: kvtierd's connector with ``whole_prompt: true``: what the default's fidelity costs
+    "kvtierd_whole": ("kvtierd_whole_dram", "kvtierd_whole_nvme_cold"),
     "vllm_fs": ("vllm_fs_warm", "vllm_fs"),
     "kvtierd_tier": ("kvtierd_tier_warm", "kvtierd_tier"),
 }

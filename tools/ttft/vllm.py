@@ -15,7 +15,11 @@ the file has enough, so that no two lengths share a block), and the wall time of
 * ``kvtierd_dram``: kvtierd's connector, vLLM's prefix cache reset: the blocks come from the
   daemon's DRAM, where the same engine stored them;
 * ``kvtierd_nvme_cold``: the daemon restarted on its data and the page cache dropped: the blocks
-  come from the NVMe tier;
+  come from the NVMe tier (both on the connector's default settings, which load what vLLM's own
+  hit holds and leave vLLM the same last block to compute);
+* ``kvtierd_whole_dram`` / ``kvtierd_whole_nvme_cold``: the same with ``whole_prompt: true``
+  (every block of these whole-block prompts loaded before the forward, only the last token
+  computed): faster, not bitwise vLLM's hit, the price of the default's fidelity;
 * ``vllm_fs`` / ``vllm_fs_warm``: vLLM's native offloading with its ``fs`` secondary tier, in the
   engine that stored the blocks; warm: its prefix cache reset, so they come from vLLM's CPU
   tier; cold: the CPU tier emptied too (``reset_prefix_cache(connector=True)``, which keeps
@@ -30,27 +34,28 @@ same bytes (io_uring, O_DIRECT, one block per request, queue depth 32), alternat
 ``kvtierd_nvme_cold`` run for run (the virtual disk drifts), so ``vllm_prefix + fio`` is what a
 cold restore could cost at best; and ``recompute / N``, the measured compute per token.
 
-Fidelity: 16 greedy tokens (top-20 log-probs) in every restored case against ``vllm_prefix``
-(the same computation over vLLM's own cached KV): ``tokens_equal`` and ``tv_max`` (the largest
-total variation between top-20 distributions). ``*_engine_prefix``: each connector engine's own
-prefix hit against the reference, which tells a difference between engines (none when they
-bind their threads alike) from one a restore makes.
+Fidelity: 16 greedy tokens (top-20 log-probs) in every restored case against ``vllm_prefix`` (the
+same computation over vLLM's own cached KV): ``tokens_equal`` and ``tv_max`` (the largest total
+variation between top-20 distributions) of kvtierd's default restores, which must be equal and
+within :data:`TV_GOAL`, and ``fidelity``, every case's. ``*_engine_prefix``: each connector engine's
+own prefix hit against the reference, which tells a difference between engines (none when they bind
+their threads alike) from one a restore makes.
 
 Engines start in 30-90 s, so each configuration (a group of :mod:`tools.ttft.cases`: ``vllm``,
-``kvtierd``, ``vllm_fs``, ``kvtierd_tier``) runs in one engine serving every length (prefix
-cache reset between requests); ``vllm``, the reference, runs always. ``cached_tokens``
-records, per case, the prompt tokens vLLM did not compute (its own count): a hit of whole blocks
-ending before the last token leaves the last block to compute; a full hit (kvtierd's connector
-and the offloading connector load before the forward and may hit every block) the last token
-only. Medians of ``--repeats`` runs. A run of
-every case at the default lengths (1K-8K) rewrites the "vllm_ttft" section of
-``docs/benchmarks.md`` and its plot (``--no-record``: not); ``--tokens`` runs the lengths given
-and records nothing unless ``--docs PATH`` names where to; ``--from-json`` rewrites the section
-from a saved result without running anything.
+``kvtierd``, ``kvtierd_whole``, ``vllm_fs``, ``kvtierd_tier``) runs in one engine serving every
+length (prefix cache reset between requests); ``vllm``, the reference, runs always.
+``cached_tokens`` records, per case, the prompt tokens vLLM did not compute (its own count): a hit
+of whole blocks ending before the last token leaves the last block to compute; a full hit (kvtierd's
+connector with ``whole_prompt: true`` and the offloading connector load before the forward and may
+hit every block) the last token only. Medians of ``--repeats`` runs. A run of every case at the
+default lengths (1K-8K) rewrites the "vllm_ttft" section of ``docs/benchmarks.md`` and its plot
+(``--no-record``: not); ``--tokens`` runs the lengths given and records nothing unless ``--docs
+PATH`` names where to; ``--from-json`` rewrites the section from a saved result without running
+anything.
 
 Run: ``python -m tools.ttft --engine vllm --json [--tokens N ...] [--cases ...] [--data FILE]
-[--repeats 3]``. On 2 shared vCPUs a 1K run takes about 4 minutes (four engine start-ups),
-1K-8K about 12-15.
+[--repeats 3]``. On 2 shared vCPUs a 1K run takes about 5 minutes (five engine start-ups),
+1K-8K about 15-18.
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 #: The groups that restore: their (warm, cold) cases, in :data:`VLLM_GROUPS`' order.
 RESTORING = {group: cases for group, cases in VLLM_GROUPS.items() if group != "vllm"}
 RESTORED = tuple(case for cases in RESTORING.values() for case in cases)
+#: kvtierd's connector on its default settings: what must give vLLM's own hit, bitwise.
+DEFAULT_RESTORES = VLLM_GROUPS["kvtierd"]
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -186,13 +193,14 @@ def engine_args(model: ModelShape, kv_transfer_config: dict[str, Any] | None) ->
     return args
 
 
-def kvtierd_connector(socket: Path) -> dict[str, Any]:
+def kvtierd_connector(socket: Path, **extra: Any) -> dict[str, Any]:
+    """kvtierd's connector on ``socket``, its default settings but for ``extra``."""
     return {
         "kv_connector": "KvtierdConnector",
         "kv_connector_module_path": "kvtierd.engines.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket": str(socket)},
+        "kv_connector_extra_config": {"socket": str(socket), **extra},
     }
 
 
@@ -393,7 +401,7 @@ def summary(bench: Bench, prompt: Prompt) -> dict[str, Any]:
         for name, out in bench.outputs[prompt.tokens].items()
         if name != "vllm_prefix"
     }
-    restored = [fidelity[name] for name in RESTORED if name in fidelity]
+    restored = [fidelity[name] for name in DEFAULT_RESTORES if name in fidelity]
     loaded = loadable_blocks(len(prompt.ids), BLOCK_TOKENS)
     return {
         "prompt_tokens": len(prompt.ids),
@@ -401,6 +409,7 @@ def summary(bench: Bench, prompt: Prompt) -> dict[str, Any]:
         "cached_tokens": {name: max(n) for name, n in bench.cached[prompt.tokens].items()},
         "fio_bytes": loaded * bench.model.block_bytes(),
         "ttft_s": {name: m[name] for name in ("recompute", "vllm_prefix", *RESTORED) if name in m},
+        # kvtierd's connector on its default settings (``fidelity`` has every case)
         "tokens_equal": all(f["tokens_equal"] for f in restored),
         "tv_max": max((f["tv_max"] for f in restored), default=0.0),
         "fidelity": fidelity,
@@ -443,6 +452,9 @@ def ratios(m: dict[str, float], runs: dict[str, list[float]]) -> dict[str, float
         "dram_vs_fs_warm": ("kvtierd_dram", "vllm_fs_warm"),
         "tier_cold_vs_fs_cold": ("kvtierd_tier", "vllm_fs"),
         "tier_warm_vs_fs_warm": ("kvtierd_tier_warm", "vllm_fs_warm"),
+        # what the default's fidelity costs: the default's TTFT over whole_prompt's
+        "dram_vs_whole": ("kvtierd_dram", "kvtierd_whole_dram"),
+        "nvme_cold_vs_whole": ("kvtierd_nvme_cold", "kvtierd_whole_nvme_cold"),
     }
     out = {key: m[a] / m[b] for key, (a, b) in pairs.items() if a in m and b in m}
     if {"kvtierd_nvme_cold", "vllm_prefix", "fio"} <= m.keys():
@@ -478,6 +490,9 @@ def measure_all(bench: Bench, groups: tuple[str, ...], directory: Path) -> None:
             make_fio_file(fio_file, longest * bench.model.block_bytes())
             config = kvtierd_connector(daemon.socket)
             measure_restores(bench, RestoringGroup("kvtierd", config, daemon, False, fio_file))
+        if "kvtierd_whole" in groups:
+            config = kvtierd_connector(daemon.socket, whole_prompt=True)
+            measure_restores(bench, RestoringGroup("kvtierd_whole", config, daemon, False))
         for name, config in offload.items():
             own_daemon = daemon if name == "kvtierd_tier" else None
             try:
