@@ -20,8 +20,9 @@ if (( free_gib < need_gib )); then
         "(set KVTIERD_TEST_FREE_GIB to change the floor, or TMPDIR to use another disk)" >&2
     exit 1
 fi
-# What the suite leaves in /dev/shm (engines' message queues, semaphores) stays until a reboot:
-# anything new that no process holds fails the run, as a failed test would.
+# What the suite leaves in /dev/shm (engines' message queues, semaphores, offloading regions)
+# stays until a reboot: such an entry of this uid, new and held by no process, fails the run
+# as a failed test would (kvtierd/testing/shm.py says which names).
 shm_before=$(mktemp)
 trap 'rm -f "$shm_before"' EXIT
 ls -1 /dev/shm > "$shm_before" 2>/dev/null || true

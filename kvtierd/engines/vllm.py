@@ -243,9 +243,10 @@ class KvtierdConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
         local = num_computed_tokens // bt
         tiers = ns.lookup_tiers(plan.keys[:limit]) if limit else []
         stored = len(tiers)
-        # Every block of the prompt stored (a prompt of whole blocks): load them before the
-        # forward (vLLM's asynchronous path), and vLLM computes only the last token; else load
-        # during the forward, layer by layer, and vLLM computes the rest.
+        # Every block of the prompt stored (a prompt of whole blocks): with ``whole_prompt``
+        # (opt-in) load them all before the forward (vLLM's asynchronous path), and vLLM
+        # computes only the last token; by default, and for any other prompt, load during the
+        # forward, layer by layer, what vLLM's own hit would hold, and vLLM computes the rest.
         before_forward = stored > loadable_blocks(plan.prompt_tokens, bt)
         if before_forward and not self.settings.whole_prompt:
             stored, before_forward = stored - 1, False

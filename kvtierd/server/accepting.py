@@ -18,7 +18,9 @@ the network errors Linux reports through ``accept`` are retried at once. Failure
 at most once a minute per listener (:class:`~kvtierd.server.throttle.Throttle`).
 
 Each listener holds at most its share of the descriptor budget (:mod:`kvtierd.server.budget`):
-the Unix socket ``daemon.max_connections`` sessions and ``UNIX_REFUSALS`` refusals, TCP
+the Unix socket ``daemon.max_connections`` sessions and ``UNIX_REFUSALS`` refusals, of which
+one uid holds at most its share (:func:`~kvtierd.server.budget.unix_uid_share`: its sessions
+and a few refusals, so that a uid refused again and again leaves the others room), TCP
 ``remote.max_handshakes`` connections before their session (and ``remote.max_connections``
 sessions, counted by the daemon). A connection past its listener's cap is closed at once: on
 the Unix socket after a non-blocking write of an ``EBUSY`` frame, on TCP unanswered (no TLS
@@ -28,8 +30,8 @@ Within TCP's caps, no one peer takes all: one source host holds at most
 ``remote.max_handshakes_per_host`` of the connections before their session (its next one is
 closed at once, unanswered: a host trickling ClientHellos leaves the others room), and one
 client uid at most ``remote.max_connections_per_uid`` sessions (``EBUSY`` past it, unless one
-of its own is idle: :func:`_make_uid_room`), so that one tenant never takes every remote
-session from another.
+of its own is idle: :mod:`kvtierd.server.admission`), so that one tenant never takes every
+remote session from another.
 """
 
 from __future__ import annotations

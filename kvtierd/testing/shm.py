@@ -3,14 +3,17 @@
 Python's ``multiprocessing`` names its shared-memory segments ``psm_*`` and, under the spawn
 and forkserver start methods, its semaphores ``sem.mp-*``; the resource tracker unlinks them
 when their owners exit, unless the owners and the tracker were killed (vLLM's message queues,
-its engine core and workers, after ``killpg``). Nothing else unlinks them: each stays until the
-machine reboots, a few hundred MB apiece for vLLM's queues.
+its engine core and workers, after ``killpg``). vLLM's CPU offloading maps
+``vllm_offload_*``. Nothing else unlinks them: each stays until the machine reboots, a few
+hundred MB apiece for vLLM's queues.
 
 :func:`orphans` lists the entries that appeared since a snapshot (:func:`snapshot`), match
-those names and are neither open nor mapped by any live process: what no one can still be
-using. :func:`remove_orphans` unlinks them. ``python -m kvtierd.testing.shm SNAPSHOT``
-lists what appeared since the snapshot file (one name per line, as ``ls /dev/shm`` writes it)
-and exits 1 if anything did: the check ``tools/test.sh`` makes after the suite.
+those names, belong to this process's uid and are neither open nor mapped by any process whose
+``/proc`` entries it can read: what no one can still be using (another uid's entries are never
+touched, since their holders may be out of sight). :func:`remove_orphans` unlinks them.
+``python -m kvtierd.testing.shm SNAPSHOT`` lists what appeared since the snapshot file (one
+name per line, as ``ls /dev/shm`` writes it) and exits 1 if anything did: the check
+``tools/test.sh`` makes after the suite.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from pathlib import Path
 __all__ = ["SHM", "orphans", "remove_orphans", "snapshot"]
 
 SHM = Path("/dev/shm")
-#: What multiprocessing names its segments and semaphores.
-PATTERNS = ("psm_*", "sem.mp-*")
+#: What multiprocessing names its segments and semaphores, and vLLM its offloading regions.
+PATTERNS = ("psm_*", "sem.mp-*", "vllm_offload_*")
 
 
 def snapshot(root: Path = SHM) -> frozenset[str]:
@@ -45,9 +48,9 @@ def _held(root: Path) -> set[str]:
         # OSError: it exited meanwhile, or is not ours to read
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
             for line in maps:
-                at = line.find(prefix)
-                if at >= 0:
-                    held.add(line[at + len(prefix) :].split()[0])
+                fields = line.rstrip("\n").split(maxsplit=5)  # the path may hold spaces
+                if len(fields) == 6 and fields[5].startswith(prefix):
+                    held.add(fields[5][len(prefix) :].removesuffix(" (deleted)"))
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
@@ -57,13 +60,20 @@ def _held(root: Path) -> set[str]:
     return held
 
 
+def _ours(path: Path) -> bool:
+    try:
+        return path.stat().st_uid == os.getuid()
+    except OSError:
+        return False
+
+
 def orphans(before: Collection[str], root: Path = SHM) -> list[Path]:
     """Entries of ``root`` named as multiprocessing names them, absent from ``before`` and
     held by no live process."""
     new = [
         name
         for name in snapshot(root) - set(before)
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in PATTERNS)
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in PATTERNS) and _ours(root / name)
     ]
     if not new:
         return []
@@ -75,7 +85,7 @@ def remove_orphans(before: Collection[str], root: Path = SHM) -> list[Path]:
     """Unlink :func:`orphans`; returns what was removed."""
     removed = []
     for path in orphans(before, root):
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to unlink
             path.unlink()
             removed.append(path)
     return removed

@@ -96,6 +96,7 @@ class EngineProcess:
         start_timeout_s: float = 600.0,
     ) -> None:
         self.log_path = log_path
+        self._closed = False
         self._shm_before = shm.snapshot()
         # Short: vLLM's IPC socket paths (its ZMQ endpoints) must fit in sun_path.
         self._tmp = tempfile.mkdtemp(prefix="kvtierd-vllm-", dir="/tmp")
@@ -141,7 +142,7 @@ class EngineProcess:
         ready, _, _ = select.select([self._replies], [], [], timeout_s)
         line = self._replies.readline() if ready else ""
         if not line:
-            self.close()
+            self.close(stop_timeout_s=0)  # it answers nothing: no use asking it to stop
             why = "timed out" if not ready else f"exited with {self._proc.returncode}"
             raise EngineError(f"the vLLM engine {why}; its log ends with:\n{self.log_tail()}")
         answer: dict[str, Any] = json.loads(line)
@@ -186,17 +187,22 @@ class EngineProcess:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def close(self) -> None:
-        """Stop the engine (asked first, then killed with every process it started) and
-        remove what its processes left behind (module docstring); idempotent."""
+    def close(self, *, stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stop the engine (asked first, given ``stop_timeout_s``, then killed with every
+        process it started) and remove what its processes left behind (module docstring);
+        idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self._proc.stdin.close()  # the child's command loop ends: it shuts down
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(STOP_TIMEOUT_S)
+            self._proc.wait(stop_timeout_s)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self._proc.pid, signal.SIGKILL)  # whatever of its session is left
         self._proc.wait()
+        _wait_for_group(self._proc.pid)  # their mappings go with them, then the sweep
         self._replies.close()
         self._log.close()
         shm.remove_orphans(self._shm_before)
@@ -209,6 +215,18 @@ class EngineProcess:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _wait_for_group(pgid: int, timeout_s: float = 10.0) -> None:
+    """Return once no process of group ``pgid`` is left (SIGKILLed ones take a moment to
+    release their memory), or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 def _serve(engine_args: dict[str, Any], replies: IO[str]) -> None:

@@ -256,6 +256,7 @@ def test_refused_connections_of_one_uid_leave_room_for_the_others(shared_dir: Pa
                 with start_as(1235, 1235, attempts) as other:
                     admitted, refused = json.loads(_line(other))
                 assert (admitted, refused) == (10, [])
+                assert "of uid 1234 (its share" in d.log()  # the flood reached its share
             finally:
                 greedy.kill()
         with connect(d.socket) as admin:  # and the daemon serves on
