@@ -23,10 +23,11 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from kvtierd.config import Config
 from kvtierd.errors import BusyError
 from kvtierd.store.namespaces import PeerCredentials
 
-__all__ = ["Occupant", "SlotLimits", "idlest", "make_room"]
+__all__ = ["Occupant", "SlotLimits", "idlest", "make_room", "slot_limits"]
 
 
 class Occupant(Protocol):
@@ -64,6 +65,15 @@ class SlotLimits:
     per_uid: int
     #: How long without a request makes a connection idle; 0: none ever gives its slot up.
     idle_s: float
+
+
+def slot_limits(config: Config, peer: PeerCredentials) -> SlotLimits:
+    """The limits of ``peer``'s listener kind (module docstring)."""
+    daemon, remote = config.daemon, config.remote
+    if peer.remote:
+        per_uid = min(daemon.max_connections_per_uid, remote.uid_cap)
+        return SlotLimits(remote.max_connections, per_uid, daemon.idle_timeout_s)
+    return SlotLimits(daemon.max_connections, daemon.max_connections_per_uid, daemon.idle_timeout_s)
 
 
 def idlest(candidates: Iterable[S], idle_s: float, now: float) -> S | None:

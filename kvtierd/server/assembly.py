@@ -118,6 +118,7 @@ async def open_daemon_store(
     there are peers) and its link. The pool's credentials are checked before anything opens
     (:class:`ConfigError`)."""
     tier = pool_tier(config.pool) if config.pool.url else None  # before anything starts
+    progress = progress if progress is not None else OpenProgress()  # one for every step
     async with contextlib.AsyncExitStack() as stack:
         base = await stack.enter_async_context(
             open_store_base(config, io_verdict=io_verdict, progress=progress)
@@ -154,7 +155,7 @@ class _LinkOpener:
 
 @contextlib.asynccontextmanager
 async def open_nixl_reads(
-    config: Config, base: StoreBase, progress: OpenProgress | None = None
+    config: Config, base: StoreBase, progress: OpenProgress
 ) -> AsyncIterator[NixlReads]:
     """The NIXL export of the tenant regions of ``base`` (an exporter process each,
     supervised), for as long as the daemon serves; or, when ``nixl.enabled`` is false or NIXL
@@ -162,8 +163,7 @@ async def open_nixl_reads(
     if not config.nixl.enabled:
         yield NIXL_OFF
         return
-    if progress is not None:
-        progress.advance(OpenPhase.EXPORTING)
+    progress.advance(OpenPhase.EXPORTING)
     name = f"kvtierd-{socket.gethostname()}-{os.getpid()}"
     probe = partial(probe_nixl, timeout_s=config.nixl.probe_timeout_s)
     async with contextlib.AsyncExitStack() as stack:

@@ -49,7 +49,7 @@ from kvtierd.pool.link import PoolLink
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply, TierStatistics
 from kvtierd.server import heap
 from kvtierd.server.accepting import Entrance, listen_unix, refuse, serve_connections
-from kvtierd.server.admission import SlotLimits, make_room
+from kvtierd.server.admission import make_room, slot_limits
 from kvtierd.server.assembly import open_daemon_store
 from kvtierd.server.budget import reserve_descriptors, unix_uid_share
 from kvtierd.server.checks import HostCheck
@@ -261,14 +261,7 @@ class Daemon:
         """Return when a new connection of ``peer`` fits in its listener's limits, once the
         idle connection :func:`~kvtierd.server.admission.make_room` picked has given its slot
         up; else raise :class:`BusyError` saying why it does not fit."""
-        daemon, remote = self.config.daemon, self.config.remote
-        if peer.remote:
-            per_uid = min(daemon.max_connections_per_uid, remote.uid_cap)
-            limits = SlotLimits(remote.max_connections, per_uid, daemon.idle_timeout_s)
-        else:
-            limits = SlotLimits(
-                daemon.max_connections, daemon.max_connections_per_uid, daemon.idle_timeout_s
-            )
+        limits = slot_limits(self.config, peer)
         victim = make_room(self.sessions, peer, limits, time.monotonic())
         if victim is not None:
             self._close_idle(victim)

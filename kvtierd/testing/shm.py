@@ -68,8 +68,8 @@ def _ours(path: Path) -> bool:
 
 
 def orphans(before: Collection[str], root: Path = SHM) -> list[Path]:
-    """Entries of ``root`` named as multiprocessing names them, absent from ``before`` and
-    held by no live process."""
+    """Entries of ``root`` named as :data:`PATTERNS` names them, this uid's, absent from
+    ``before`` and held by no process this one can see."""
     new = [
         name
         for name in snapshot(root) - set(before)

@@ -218,15 +218,26 @@ class EngineProcess:
 
 
 def _wait_for_group(pgid: int, timeout_s: float = 10.0) -> None:
-    """Return once no process of group ``pgid`` is left (SIGKILLed ones take a moment to
-    release their memory), or after ``timeout_s``."""
+    """Return once no live process of group ``pgid`` is left (SIGKILLed ones take a moment to
+    release their memory; zombies hold none, and an orphan's may never be reaped where nothing
+    reaps for PID 1), or after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
+    while _group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is there and not a zombie (``/proc/PID/stat``)."""
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                # "pid (comm) state ppid pgrp ...": comm may hold anything but the last ")"
+                state, _, pgrp = stat.read().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
 
 
 def _serve(engine_args: dict[str, Any], replies: IO[str]) -> None:
