@@ -26,7 +26,12 @@ from kvtierd.client.arena import (
     scatter_views,
     target_bytes,
 )
-from kvtierd.errors import CorruptBlockError, InvalidRequestError
+from kvtierd.errors import (
+    CorruptBlockError,
+    InvalidRequestError,
+    NotSupportedError,
+    RemoteProtocolError,
+)
 from kvtierd.protocol.frames import MAX_KEYS_PER_REQUEST
 from kvtierd.protocol.messages import (
     AllocReply,
@@ -155,6 +160,38 @@ def lookup(ns: int, keys: Sequence[bytes], max_keys: int, promote: bool = True) 
         tiers.extend("?" for _ in range(reply.hits - len(reply.tiers)))
         if reply.hits < len(chunk):
             break
+    return tiers
+
+
+#: The first protocol minor whose daemons answer LOOKUP for each key.
+LOOKUP_EACH_MINOR = 10
+#: LOOKUP's code, with ``each``, of a key that is not stored (``ServedBy.MISS``).
+_MISS = len(TIER_NAMES)
+
+
+def lookup_each(
+    ns: int, keys: Sequence[bytes], max_keys: int, daemon_minor: int, promote: bool = True
+) -> Op[list[str | None]]:
+    """The tier of every key, ``None`` for one not stored (for the whole TP group, on the
+    daemon's host). With ``promote`` the daemon starts moving every hit up to DRAM at once.
+
+    Raises:
+        NotSupportedError: the daemon is older than the request (``daemon_minor``).
+    """
+    check_keys(keys)
+    if daemon_minor < LOOKUP_EACH_MINOR:
+        raise NotSupportedError(
+            f"the daemon speaks protocol minor {daemon_minor}; a LOOKUP of each key needs "
+            f"minor {LOOKUP_EACH_MINOR} (upgrade kvtierd)"
+        )
+    tiers: list[str | None] = []
+    for chunk in _chunks(keys, max_keys) if keys else []:
+        reply: LookupReply = yield LookupRequest(list(chunk), promote, each=True), ns
+        if len(reply.tiers) != len(chunk):
+            raise RemoteProtocolError(f"LOOKUP answered {len(reply.tiers)} of {len(chunk)} keys")
+        tiers.extend(
+            None if t == _MISS else TIER_NAMES[t] if t < _MISS else "other" for t in reply.tiers
+        )
     return tiers
 
 

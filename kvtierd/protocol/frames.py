@@ -44,8 +44,9 @@ PROTOCOL_VERSION = 1
 #: the READ_RESIDENT opcode; minor 5: the DOCTOR opcode; minor 6: memory per tenant: INIT
 #: passes no descriptor, OPEN_NS passes its tenant region's, extents are region offsets, and
 #: a client must say minor >= 6 in INIT; minor 7: the LIST_KEYS opcode and ``NamespaceInfo``'s
-#: counters; minor 8: the NIXL_GRANT and READ_NIXL opcodes; minor 9: STATFS's checkpoint fields).
-PROTOCOL_MINOR = 9
+#: counters; minor 8: the NIXL_GRANT and READ_NIXL opcodes; minor 9: STATFS's checkpoint
+#: fields; minor 10: ``LookupRequest.each``).
+PROTOCOL_MINOR = 10
 #: The oldest client minor a daemon serves: older clients expect the whole arena at INIT.
 MIN_CLIENT_MINOR = 6
 HEADER_BYTES = 32

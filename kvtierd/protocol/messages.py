@@ -28,6 +28,7 @@ from kvtierd.protocol.frames import MAX_KEYS_PER_REQUEST, MIN_MAX_FRAME_BYTES, O
 
 __all__ = [
     "APPENDED",
+    "APPENDED_REQUEST_FIELDS",
     "MAX_QUEUE_KEYS",
     "REPLY_TYPES",
     "REQUEST_TYPES",
@@ -236,13 +237,16 @@ class Extent(Message, frozen=True):
 
 
 class LookupRequest(Message, frozen=True):
+    """``each`` (minor 10): answer every key, not only the leading hits."""
+
     keys: Keys
     promote: bool = True
+    each: bool = False
 
 
 class LookupReply(Message, frozen=True):
     """``hits`` leading keys are present; ``tiers[i]`` is the tier of hit ``i`` (0 dram, 1 nvme,
-    2 pool)."""
+    2 pool). With ``each``, ``tiers`` has a code for every key, 3 (a miss) for one not stored."""
 
     hits: U32
     tiers: bytes = b""
@@ -585,6 +589,15 @@ APPENDED: Final[dict[type[Message], tuple[int, int]]] = {
 #: The bodies that hold such a struct (or are one), and the newest minor that appended any.
 _HOLDERS: Final[frozenset[type[Message]]] = frozenset({ListNsReply, StatfsReply})
 _NEWEST_APPENDED: Final = max(since for since, _ in APPENDED.values())
+#: Request structs that grew after minor 6: struct -> how many fields it had before. The
+#: appended fields are sent only up to the last one that differs from its default, so a
+#: request that does not use them is the bytes an older daemon decodes (minor 10:
+#: ``LookupRequest.each``).
+APPENDED_REQUEST_FIELDS: Final[dict[type[Message], int]] = {LookupRequest: 2}
+_APPENDED_DEFAULTS: Final[dict[type[Message], tuple[Any, ...]]] = {
+    cls: tuple(f.default for f in msgspec.structs.fields(cls)[before:])
+    for cls, before in APPENDED_REQUEST_FIELDS.items()
+}
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _BODY_TYPES: Final[list[type[Message]]] = [*OPCODE_OF, ErrorReply]
@@ -598,6 +611,14 @@ def encode_body(message: Message, *, peer_minor: int | None = None) -> bytes:
     without the fields appended after that minor (:data:`APPENDED`)."""
     if peer_minor is not None and peer_minor < _NEWEST_APPENDED and type(message) in _HOLDERS:
         return _ENCODER.encode(_as_of(message, peer_minor))
+    before = APPENDED_REQUEST_FIELDS.get(type(message))
+    if before is not None:  # a request's appended fields: up to the last one not at its default
+        fields = msgspec.structs.astuple(message)
+        defaults = _APPENDED_DEFAULTS[type(message)]
+        sent = len(fields)
+        while sent > before and fields[sent - 1] == defaults[sent - 1 - before]:
+            sent -= 1
+        return _ENCODER.encode(fields[:sent])
     return _ENCODER.encode(message)
 
 

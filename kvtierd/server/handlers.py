@@ -27,6 +27,7 @@ from kvtierd.errors import (
     NoSpaceError,
 )
 from kvtierd.keys import MAX_KEY_BYTES
+from kvtierd.policy import ServedBy
 from kvtierd.protocol import MAX_KEYS_PER_REQUEST, PROTOCOL_VERSION, Opcode, RequestHeader
 from kvtierd.protocol.frames import MIN_CLIENT_MINOR, MIN_MAX_FRAME_BYTES, PROTOCOL_MINOR
 from kvtierd.protocol.messages import (
@@ -166,10 +167,11 @@ async def open_ns(ctx: RequestContext, header: RequestHeader, msg: OpenNsRequest
 async def lookup(ctx: RequestContext, header: RequestHeader, msg: LookupRequest) -> Message:
     store = ctx.store
     ns = _namespace(ctx, header)
-    if store.needs_group_lookup(ns):  # a TP group on the pool: ask the pool (one round trip)
+    # A TP group on the pool: ask the pool (one round trip); ``each`` answers from this host.
+    if store.needs_group_lookup(ns) and not msg.each:
         hits, tiers = await store.lookup_group(ns, msg.keys, promote=msg.promote)
     else:
-        hits, tiers = await store.lookup_in_turn(ns, msg.keys, promote=msg.promote)
+        hits, tiers = await store.lookup_in_turn(ns, msg.keys, promote=msg.promote, each=msg.each)
     return _lookup_reply(ns, msg, hits, tiers)
 
 
@@ -181,9 +183,14 @@ def lookup_now(ctx: RequestContext, header: RequestHeader, msg: LookupRequest) -
     A plain function, not a coroutine: the callback calls it for every LOOKUP it answers."""
     store = ctx.store
     ns = _namespace(ctx, header)
-    if len(msg.keys) > store.lane.inline_items or store.needs_group_lookup(ns):
+    if len(msg.keys) > store.lane.inline_items:
         raise anyio.WouldBlock
-    hits, tiers = store.lookup(ns, msg.keys, promote=msg.promote)
+    if msg.each:
+        hits, tiers = store.lookup_each(ns, msg.keys, promote=msg.promote)
+    elif not store.needs_group_lookup(ns):
+        hits, tiers = store.lookup(ns, msg.keys, promote=msg.promote)
+    else:
+        raise anyio.WouldBlock
     return _lookup_reply(ns, msg, hits, tiers)
 
 
@@ -194,7 +201,7 @@ async def lookup_nowait(ctx: RequestContext, header: RequestHeader, msg: LookupR
 
 def _lookup_reply(ns: Namespace, msg: LookupRequest, hits: int, tiers: bytes) -> LookupReply:
     ns.counters.lookup_blocks += len(msg.keys)
-    ns.counters.hit_blocks += hits
+    ns.counters.hit_blocks += len(tiers) - tiers.count(ServedBy.MISS) if msg.each else hits
     return LookupReply(hits, tiers)
 
 

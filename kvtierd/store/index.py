@@ -395,6 +395,21 @@ class BlockIndex:
             found.append(block)
         return found, len(found) > live
 
+    def each(self, ns: Namespace, keys: list[bytes]) -> list[Block | bool]:
+        """Every key's presence, nothing made: its live ``Block``, ``True`` for one idle on the
+        cold tier only, ``False`` for one not stored (:meth:`leading` past the first miss)."""
+        blocks = self._by_ns.get(ns.digest) or {}
+        found: list[Block | bool] = [blocks.get(key) or False for key in keys]
+        cold = self._cold
+        if cold is None or ns.digest in self._unadopted:
+            return found
+        missing = [i for i, block in enumerate(found) if block is False]
+        if missing:
+            stored = cold.contains_many(ns.digest, [keys[i] for i in missing])
+            for i, is_stored in zip(missing, stored, strict=True):
+                found[i] = is_stored
+        return found
+
     def blocks(self) -> list[Block]:
         """The live blocks: every block something is doing something with (in DRAM, with a
         pool copy, pinned, loading, dirty, queued); never one idle on the cold tier only."""

@@ -133,18 +133,58 @@ class BlockStore:
             del own[hits:]
         return self._answer(ns, keys, own, cold, promote)
 
-    async def lookup_in_turn(
+    def lookup_each(
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True
     ) -> tuple[int, bytes]:
-        """:meth:`lookup`, of more keys than the lane's ``inline_items``, in its turn on the lane:
-        such a LOOKUP is one step of a few ms (8192 keys: about 5 ms), so it waits for the bulk
-        work before it and only one runs per turn of the loop, daemon-wide; a few keys are
-        answered at once."""
+        """LOOKUP with ``each``: the leading hits, and a tier code for every key
+        (``ServedBy.MISS`` for one not stored) in this host's tiers, for ``ns``'s whole TP
+        group; with ``promote``, every hit not in DRAM starts moving up."""
+        self.prefetcher.on_lookup(ns, keys)
+        found = self._usable_each(ns, keys)
+        if ns.spec.world_size > 1:
+            for member in self.registry.group(ns):
+                if member is None:
+                    found = [False] * len(keys)
+                    break
+                if member is not ns:
+                    theirs = self._usable_each(member, keys)
+                    pairs = zip(found, theirs, strict=True)
+                    found = [b if t is not False else False for b, t in pairs]
+        codes = bytes(
+            ServedBy.MISS if b is False else ServedBy.NVME if b is True else b.nearest
+            for b in found
+        )
+        if promote:
+            get = self.index.get
+            hits_made = (get(ns, k) if b is True else b for k, b in zip(keys, found, strict=True))
+            self.prefetch([b for b in hits_made if isinstance(b, Block) and b.dram is None])
+        hits = next((i for i, b in enumerate(found) if b is False), len(found))
+        return hits, codes
+
+    def _usable_each(self, ns: Namespace, keys: list[bytes]) -> list[Block | bool]:
+        """:meth:`BlockIndex.each`, less what :meth:`_leading_usable` leaves out (a pool-only
+        copy while the pool is detached)."""
+        found = self.index.each(ns, keys)
+        if self.pool is None or self.pool.attached:
+            return found
+        return [
+            False if isinstance(b, Block) and b.dram is None and b.lower is None else b
+            for b in found
+        ]
+
+    async def lookup_in_turn(
+        self, ns: Namespace, keys: list[bytes], *, promote: bool = True, each: bool = False
+    ) -> tuple[int, bytes]:
+        """:meth:`lookup` (:meth:`lookup_each` with ``each``), of more keys than the lane's
+        ``inline_items``, in its turn on the lane: such a LOOKUP is one step of a few ms (8192
+        keys: about 5 ms), so it waits for the bulk work before it and only one runs per turn of
+        the loop, daemon-wide; a few keys are answered at once."""
+        answer = self.lookup_each if each else self.lookup
         if len(keys) <= self.lane.inline_items:  # the lane would not slice it: skip the walk
-            return self.lookup(ns, keys, promote=promote)
+            return answer(ns, keys, promote=promote)
         async with self.lane.walk(len(keys)) as walk:
             await walk.pause()
-            return self.lookup(ns, keys, promote=promote)
+            return answer(ns, keys, promote=promote)
 
     async def lookup_group(
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True

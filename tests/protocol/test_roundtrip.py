@@ -17,6 +17,7 @@ from kvtierd.protocol import (
     ServerConnection,
 )
 from kvtierd.protocol.messages import (
+    APPENDED_REQUEST_FIELDS,
     OPCODE_OF,
     REPLY_TYPES,
     REQUEST_TYPES,
@@ -90,8 +91,26 @@ def test_body_encoding_is_an_array_of_the_fields_in_order(
     body = encode_body(message)
     plain = msgspec.msgpack.decode(body)
     assert isinstance(plain, list)
-    assert len(plain) == len(cls.__struct_fields__)
+    fields = msgspec.structs.astuple(message)
+    before = APPENDED_REQUEST_FIELDS.get(cls, len(fields))
+    # every field, but a request's appended fields at their defaults at the end (left out)
+    assert before <= len(plain) <= len(fields)
+    assert plain == msgspec.msgpack.decode(msgspec.msgpack.encode(fields[: len(plain)]))
+    if len(plain) < len(fields):
+        defaults = [f.default for f in msgspec.structs.fields(cls)]
+        assert fields[len(plain) :] == tuple(defaults[len(plain) :])
     assert decode_body(cls, body) == message
+
+
+def test_a_request_leaves_out_appended_fields_at_their_defaults() -> None:
+    """A LOOKUP that does not ask for ``each`` (minor 10) is the bytes a minor-9 daemon
+    decodes; one that asks sends the field."""
+    keys = [b"k" * 16]
+    assert msgspec.msgpack.decode(encode_body(LookupRequest(keys))) == [keys, True]
+    assert msgspec.msgpack.decode(encode_body(LookupRequest(keys, False))) == [keys, False]
+    each = LookupRequest(keys, True, each=True)
+    assert msgspec.msgpack.decode(encode_body(each)) == [keys, True, True]
+    assert decode_body(LookupRequest, encode_body(each)) == each
 
 
 def test_a_shorter_array_from_an_older_peer_takes_the_defaults() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 
 from kvtierd.policy import ServedBy
@@ -57,3 +58,44 @@ async def test_a_chain_of_live_and_cold_blocks_counts_up_to_the_first_miss(
         assert lookup([keys[0], absent, keys[1]]) == (1, dram)
         assert lookup([keys[34], keys[35], keys[0]]) == (3, nvme * 2 + dram)
         assert len(store.index.blocks()) == live_before  # the cold ones were counted, not made
+
+
+async def test_a_lookup_of_each_key_answers_past_the_misses(tmp_path: Path) -> None:
+    """LOOKUP with ``each`` (``BlockStore.lookup_each``): a code for every key, the miss
+    code for the absent ones wherever they fall, the leading count as LOOKUP's; nothing made
+    without ``promote``, and with it every hit off DRAM (past a miss too) starts moving up."""
+    async with small_store(tmp_path, BLOCK) as (store, ns):
+        owner = Owner("setup")
+        keys = [key_of(i) for i in range(24)]
+        for key in keys[:8]:
+            await put(store, owner, ns, key)
+        await store.fsync()
+        assert await store.evict_dram(ns) == 8  # idle on NVMe only
+        for key in keys[:4]:
+            await read_back(store, owner, ns, key)  # in DRAM again
+        for key in keys[16:]:
+            await put(store, owner, ns, key)  # after eight keys stored nowhere
+        dram, nvme, miss = (bytes([code]) for code in (ServedBy.DRAM, ServedBy.NVME, 3))
+        assert ServedBy.MISS == 3  # the wire's miss code (docs/protocol.md)
+        live_before = len(store.index.blocks())
+        for chain in (keys, keys[::-1], keys[6:18], [keys[9], keys[5], keys[17]]):
+            hits, codes = store.lookup_each(ns, chain, promote=False)
+            expected = [
+                dram
+                if keys.index(k) < 4 or keys.index(k) >= 16
+                else nvme
+                if keys.index(k) < 8
+                else miss
+                for k in chain
+            ]
+            assert codes == b"".join(expected)
+            assert hits == next((i for i, c in enumerate(expected) if c == miss), len(chain))
+        assert len(store.index.blocks()) == live_before  # the cold ones were counted, not made
+        # promote: the NVMe hits after the gap of misses are queued too
+        hits, codes = store.lookup_each(ns, [keys[10], keys[6], keys[7]], promote=True)
+        assert (hits, codes) == (0, miss + nvme + nvme)
+        for _ in range(200):
+            if store.lookup_each(ns, keys[6:8], promote=False)[1] == dram * 2:
+                break
+            await anyio.sleep(0.01)
+        assert store.lookup_each(ns, keys[4:8], promote=False)[1] == nvme * 2 + dram * 2

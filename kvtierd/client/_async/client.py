@@ -232,6 +232,15 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
         c = self.client
         return await self._run(lambda: ops.lookup(self.handle.ns, keys, c.max_keys, promote))
 
+    async def lookup_each(self, keys: Sequence[bytes], *, promote: bool = True) -> list[str | None]:
+        """The tier of every key, ``None`` for one not stored (one LOOKUP per 8192 keys, not
+        one per miss); with ``promote`` the daemon starts moving every hit up to DRAM now.
+        Raises :class:`~kvtierd.errors.NotSupportedError` on a daemon older than minor 10."""
+        c = self.client
+        return await self._run(
+            lambda: ops.lookup_each(self.handle.ns, keys, c.max_keys, c.daemon_minor, promote)
+        )
+
     @contextlib.asynccontextmanager
     async def get(self, keys: Sequence[bytes]) -> AsyncIterator[list[memoryview]]:
         """Read-only views of the blocks, valid inside the ``with`` block."""
