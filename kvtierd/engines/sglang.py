@@ -28,6 +28,14 @@ by FSYNC, which makes written blocks evictable, and one retry.
 *Lookups.* ``batch_exists`` is one LOOKUP: the leading pages present in any tier; it also starts
 promoting the NVMe hits into DRAM, so the prefetch that follows finds them there.
 
+*Hybrid models.* The ``_v2`` calls move the pages of every pool SGLang registers with
+``register_mem_host_pool_v2`` (Mamba states, sliding-window and indexer pages): each pool has a
+namespace of its own, the KV pool the ``_v1`` calls' one. ``batch_exists_v2`` is one LOOKUP for
+the KV pages and one per pool (asking for every key where a pool keeps only trailing windows),
+and answers the longest prefix every pool allows (:mod:`kvtierd.engines.sglang_hits`: all or
+nothing). A pool's pages are copied with the pool's own page calls, verified as they leave the
+arena. A pool that cannot be served is refused at registration.
+
 *Failures.* SGLang's prefetch and backup threads die on an exception from a backend and treat
 ``None`` from a ``_v1`` call as garbage, so neither reaches them: every ``KvtierError`` (daemon
 gone, restarted, out of space, a namespace the restarted daemon salts otherwise) is logged,
@@ -36,7 +44,8 @@ counted in :meth:`KvtierdHiCacheStorage.statistics` and answered as a miss (``Fa
 :class:`~kvtierd.engines.link.EngineLink`: a lost connection is dropped and made again (once
 within the call, else on the next), so a restarted daemon serves what its NVMe tier kept.
 Bad arguments this module checks (not a contiguous CPU tensor, not one value per key, a
-``_v1`` call before ``register_mem_pool_host``) are SGLang's bug and raise.
+``_v1`` call before ``register_mem_pool_host``, an unregistered pool, host indices that do not
+match a transfer's keys, a hit policy other than SGLang's two) are SGLang's bug and raise.
 
 *Threads.* SGLang calls from its prefetch, backup and scheduler threads; the kvtierd client takes
 their requests in turns. This module's lock guards the counters; the link opens the session and
@@ -53,12 +62,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
 
 from kvtierd.client import Client, Namespace
 from kvtierd.engines.host_runs import HostRuns
 from kvtierd.engines.link import EngineLink, NamespaceSpec, Session
+from kvtierd.engines.sglang_hits import (
+    ALL_PAGES,
+    PoolHits,
+    hit_policy,
+    pool_hits,
+    usable_prefix,
+)
 from kvtierd.engines.sglang_keys import (
+    KV_POOL,
     StorageIdentity,
     cache_salt_of,
     identity_of,
@@ -76,6 +93,25 @@ __all__ = ["KvtierdHiCacheStorage", "StorageStatistics"]
 log = logging.getLogger("kvtierd.engines.sglang")
 #: The host-pool layouts whose pages ``HostKVCache.get_data_page`` addresses.
 _PAGE_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+#: SGLang's page calls on a host pool, which the ``_v2`` calls move pages of other pools with.
+_PAGE_CALLS = ("get_data_page", "get_dummy_flat_data_page", "set_from_flat_data_page")
+#: Pools of SGLang's ``PoolName`` not served: DeepSeek V4's compressed pools go with the
+#: ``block_groups`` hit policy, which none of SGLang 0.5.23's own backends serves either.
+_UNSERVED_POOL_PREFIX = "deepseek_v4_"
+
+
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    """A host pool the ``_v2`` calls move pages of (``register_mem_host_pool_v2``)."""
+
+    name: str
+    host: Any
+    page_bytes: int  # one flat page (``get_dummy_flat_data_page``), taken once
+    page_shape: tuple[int, ...]  # ... and its shape and dtype, which the pool's page copy takes
+    page_dtype: torch.dtype
+    page_size: int  # tokens per page: ``host_indices`` holds this many per key
+    layout: str
+    dtype: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +142,7 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.socket_path, client_name="kvtierd-sglang", tenant=self.tenant, log=log
         )
         self._read = self._missed = self._written = 0
+        self._pools: dict[str, _Pool] = {}
         namespace_name(self.identity, layout="layer_first", dtype="bfloat16")  # fails early
 
     # -- session ---------------------------------------------------------------------------
@@ -235,6 +272,187 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 if slot is not None:
                     dst = torch.frombuffer(slot, dtype=torch.uint8).view(page.dtype)
                     dst.view(page.shape).copy_(page)
+
+    # -- the v2 calls: a hybrid model's pools ------------------------------------------------
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Keep one of a hybrid model's host pools (the KV anchor, Mamba, sliding-window,
+        indexer, draft...) for the ``_v2`` calls: its pages go to a namespace of their own.
+        A pool this backend cannot serve raises ``ValueError`` here, when SGLang attaches the
+        backend, not in its prefetch thread: DeepSeek V4's compressed pools, and a host pool
+        without SGLang's page calls."""
+        name = _pool_name(host_pool_name)
+        if name.startswith(_UNSERVED_POOL_PREFIX):
+            raise ValueError(
+                f"kvtierd's SGLang backend does not serve the pool {name!r}: DeepSeek V4's "
+                "compressed pools need the 'block_groups' hit policy, which it does not "
+                "implement (nor do SGLang's own backends); run DeepSeek V4 without "
+                "--hicache-storage-backend kvtierd"
+            )
+        lacking = [call for call in _PAGE_CALLS if not callable(getattr(host_pool, call, None))]
+        if lacking:
+            raise ValueError(
+                f"kvtierd's SGLang backend moves a pool's pages with SGLang's page calls; the "
+                f"host pool of {name!r} ({type(host_pool).__name__}) lacks {', '.join(lacking)}"
+            )
+        page = host_pool.get_dummy_flat_data_page()
+        self._pools[name] = _Pool(
+            name=name,
+            host=host_pool,
+            page_bytes=page.numel() * page.element_size(),
+            page_shape=tuple(page.shape),
+            page_dtype=page.dtype,
+            page_size=int(getattr(host_pool, "page_size", 1) or 1),
+            layout=str(getattr(host_pool, "layout", "flat")),
+            dtype=str(getattr(host_pool, "dtype", page.dtype)).removeprefix("torch."),
+        )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def _v2_pool(self, transfer: Any) -> _Pool:
+        """The registered pool ``transfer`` names; SGLang's bug, raised: an unregistered one."""
+        name = _pool_name(transfer.name)
+        pool = self._pools.get(name)
+        if pool is None:
+            raise InvalidRequestError(
+                f"pool {name!r} was not registered (register_mem_host_pool_v2)"
+            )
+        return pool
+
+    def _is_anchor(self, pool: _Pool) -> bool:
+        """``pool`` is the host pool of the ``_v1`` calls: its pages are those calls' pages."""
+        return pool.host is self.mem_pool_host
+
+    def _v2_namespace(self, session: Session, pool: _Pool) -> Namespace:
+        if self._is_anchor(pool):
+            return self._pool_namespace(session)
+        name = namespace_name(self.identity, layout=pool.layout, dtype=pool.dtype, pool=pool.name)
+        return session.namespace(NamespaceSpec(name, block_bytes=pool.page_bytes))
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> PoolTransferResult:
+        """The longest prefix of ``keys`` whose KV pages and the pages of every pool in
+        ``pool_transfers`` (by each one's hit policy) are stored: all or nothing
+        (:mod:`kvtierd.engines.sglang_hits`). One LOOKUP for the KV pages and one per pool,
+        which also start promoting the NVMe hits."""
+        transfers = [(t, self._v2_pool(t), hit_policy(t.hit_policy)) for t in pool_transfers or ()]
+        block_keys = self._keys(keys, extra_info)
+
+        def look(session: Session) -> tuple[int, dict[str, PoolHits]]:
+            kv_pages = self._kv_pages(session, block_keys)
+            verdicts: dict[str, PoolHits] = {}
+            for transfer, pool, policy in transfers:
+                if not usable_prefix(kv_pages, verdicts.values())[0]:
+                    break  # nothing left to restore: the other pools are not asked
+                span = block_keys[:kv_pages]
+                ns = self._v2_namespace(session, pool)
+                if policy == ALL_PAGES:
+                    hits = ns.lookup(span)
+                    present = [i < hits for i in range(kv_pages)]
+                else:
+                    present = [tier is not None for tier in ns.lookup_each(span)]
+                window = len(transfer.keys) if transfer.keys else 1
+                verdicts[transfer.name] = pool_hits(policy, present, window)
+            return kv_pages, verdicts
+
+        nothing: tuple[int, dict[str, PoolHits]] = (0, {})
+        kv_pages, verdicts = self._link.call("batch_exists_v2", look, nothing)
+        final, restorable = usable_prefix(kv_pages, verdicts.values())
+        hit_pages = {KV_POOL: kv_pages} if kv_pages else {}
+        hit_pages.update({name: v.boundary for name, v in verdicts.items() if v.boundary})
+        return PoolTransferResult(final, hit_pages, restorable)
+
+    def _kv_pages(self, session: Session, block_keys: list[bytes]) -> int:
+        """How many leading KV pages are stored; all of them for a logical anchor (an anchor
+        pool without KV, whose prefix the other pools decide alone)."""
+        if self.mem_pool_host is not None and getattr(self.mem_pool_host, "kv_buffer", 0) is None:
+            return len(block_keys)
+        ns = self._any_namespace(session)
+        return ns.lookup(block_keys) if ns is not None and block_keys else 0
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Load each transfer's stored pages into its pool at its ``host_indices``: per pool,
+        ``True`` per page loaded, ``False`` from the first page that was not."""
+        return {t.name: self._pool_io(t, extra_info, write=False) for t in transfers}
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Store each transfer's pages (its pool's pages at its ``host_indices``) under its
+        keys in the pool's namespace: per pool, all ``True`` or all ``False``."""
+        return {t.name: self._pool_io(t, extra_info, write=True) for t in transfers}
+
+    def _pool_io(self, transfer: Any, extra_info: Any, *, write: bool) -> list[bool]:
+        pool = self._v2_pool(transfer)
+        keys = list(transfer.keys or ())
+        host_indices = transfer.host_indices
+        if host_indices is None or int(host_indices.numel()) != len(keys) * pool.page_size:
+            got = 0 if host_indices is None else int(host_indices.numel())
+            raise InvalidRequestError(
+                f"pool {pool.name!r}: {len(keys)} keys of {pool.page_size} tokens need "
+                f"{len(keys) * pool.page_size} host indices, not {got}"
+            )
+        if self._is_anchor(pool):
+            if write:
+                return self.batch_set_v1(keys, host_indices, extra_info)
+            return self.batch_get_v1(keys, host_indices, extra_info)
+        offsets = [int(host_indices[i * pool.page_size]) for i in range(len(keys))]
+        block_keys = self._keys(keys, extra_info)
+        if write:
+            return self._store_pool_pages(pool, block_keys, offsets)
+        return self._load_pool_pages(pool, block_keys, offsets)
+
+    def _load_pool_pages(
+        self, pool: _Pool, block_keys: list[bytes], offsets: list[int]
+    ) -> list[bool]:
+        def load(session: Session) -> int:
+            ns = self._v2_namespace(session, pool)
+            hits = len(block_keys)
+            for _ in range(2):  # all hits is the usual case; else the leading ones, once
+                try:
+                    return self._copy_into_pool(ns, pool, block_keys[:hits], offsets) if hits else 0
+                except BlockNotFoundError:
+                    hits = ns.lookup(block_keys)
+            return 0  # gone since the lookup: counted as a miss
+
+        loaded = self._link.call("batch_get_v2", load, 0)
+        self._count(read=loaded, missed=len(block_keys) - loaded)
+        return [True] * loaded + [False] * (len(block_keys) - loaded)
+
+    def _copy_into_pool(
+        self, ns: Namespace, pool: _Pool, keys: list[bytes], offsets: list[int]
+    ) -> int:
+        """Lease ``keys`` and hand each block to the pool's own page copy
+        (``set_from_flat_data_page``), verified as it is copied out of the arena; returns how
+        many: the pages before the first that failed its checksum, which is a miss."""
+        with ns.lease(keys, verify_on_copy=True) as lease:
+            for i, offset in enumerate(offsets[: len(keys)]):
+                flat = torch.empty(pool.page_shape, dtype=pool.page_dtype)
+                try:
+                    lease.copy_into(i, flat.view(torch.uint8).numpy())
+                except CorruptBlockError as exc:
+                    log.warning("kvtierd batch_get_v2 (%s): %s", pool.name, exc)
+                    ns.client.corrupt_reads += 1
+                    return i
+                pool.host.set_from_flat_data_page(offset, flat)
+        return len(keys)
+
+    def _store_pool_pages(
+        self, pool: _Pool, block_keys: list[bytes], offsets: list[int]
+    ) -> list[bool]:
+        def store(session: Session) -> bool:
+            ns = self._v2_namespace(session, pool)
+            pages = [pool.host.get_data_page(offset, flat=True) for offset in offsets]
+            for page in pages:
+                if page.numel() * page.element_size() != pool.page_bytes:
+                    raise InvalidRequestError(
+                        f"pool {pool.name!r} gave a page of {page.numel() * page.element_size()}"
+                        f" bytes, not its {pool.page_bytes}"
+                    )
+            session.with_room(lambda: self._write_pages(ns, block_keys, pages))
+            return True
+
+        ok = self._link.call("batch_set_v2", store, False)
+        self._count(written=len(block_keys) if ok else 0)
+        return [ok] * len(block_keys)
 
     # -- the tensor calls --------------------------------------------------------------------
 
@@ -370,6 +588,11 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def close(self) -> None:
         self._link.close()
+
+
+def _pool_name(name: Any) -> str:
+    """SGLang's ``PoolName`` (a ``str`` enum) or a plain name, as its value."""
+    return str(getattr(name, "value", name))
 
 
 def _as_contiguous_cpu(tensor: Any) -> torch.Tensor:

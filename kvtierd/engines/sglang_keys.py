@@ -11,7 +11,8 @@ prefix (sglang#37160; 0.5.23 seeds its page hashes with the salt, and passes non
 Here every part is kept, in two places the daemon keeps apart:
 
 * the **namespace** (:func:`namespace_name` plus the kvtierd tenant) holds the model, every rank
-  and size, the MLA flag, the layout and the dtype; its block size is the page size. Two ranks
+  and size, the MLA flag, the layout, the dtype and the pool (a hybrid model's Mamba,
+  sliding-window or indexer pages each have their own); its block size is the page size. Two ranks
   or models therefore never share a namespace, so never a block. An MLA page has one namespace
   for all TP ranks of a DP group (the KV is replicated; SGLang lets one rank write it), but
   still one per PP stage, CP and DCP shard.
@@ -27,8 +28,19 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StorageIdentity", "cache_salt_of", "identity_of", "namespace_name", "page_key"]
+__all__ = [
+    "KV_POOL",
+    "MAMBA_POOL",
+    "StorageIdentity",
+    "cache_salt_of",
+    "identity_of",
+    "namespace_name",
+    "page_key",
+]
 
+#: SGLang's ``PoolName`` values this module treats apart.
+KV_POOL = "kv"
+MAMBA_POOL = "mamba"
 _KEY_BYTES = 32
 _KEY_DOMAIN = b"kvtierd/sglang/page/1"
 _MAX_NAME = 255
@@ -70,14 +82,20 @@ def identity_of(config: Any) -> StorageIdentity:
     )
 
 
-def namespace_name(identity: StorageIdentity, *, layout: str, dtype: str) -> str:
-    """The kvtierd namespace of ``identity``'s pages stored in ``layout`` with ``dtype``.
+def namespace_name(
+    identity: StorageIdentity, *, layout: str, dtype: str, pool: str = KV_POOL
+) -> str:
+    """The kvtierd namespace of ``identity``'s pages of ``pool`` (SGLang's ``PoolName``: the KV
+    pages, or a hybrid model's Mamba, sliding-window, indexer... pool) stored in ``layout``
+    with ``dtype``. The KV pool's name has no pool part (the names of earlier releases).
 
     Raises ``ValueError`` when the name would pass kvtierd's 255 characters (a model name of
     over ~150 characters)."""
     i = identity
-    # MLA KV is the same on every TP rank of a group: one namespace, written by one rank.
-    tp = f"mla-tp{i.tp_size}" if i.is_mla else f"tp{i.tp_rank}of{i.tp_size}"
+    # MLA KV is the same on every TP rank of a group: one namespace, written by one rank. A
+    # Mamba state is the rank's own shard even then (as SGLang's file backend keys it).
+    replicated = i.is_mla and pool != MAMBA_POOL
+    tp = f"mla-tp{i.tp_size}" if replicated else f"tp{i.tp_rank}of{i.tp_size}"
     parts = [
         "sglang",
         i.model,
@@ -89,6 +107,8 @@ def namespace_name(identity: StorageIdentity, *, layout: str, dtype: str) -> str
         layout,
         dtype,
     ]
+    if pool != KV_POOL:
+        parts.append(f"pool-{pool}")
     name = "/".join(parts)
     if len(name) > _MAX_NAME:
         raise ValueError(f"namespace name longer than {_MAX_NAME} characters: {name!r}")
