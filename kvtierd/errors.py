@@ -38,6 +38,7 @@ __all__ = [
     "StartingError",
     "StorageIOError",
     "TimedOutError",
+    "UnknownTenantError",
     "errno_of",
     "error_from_errno",
     "is_connection_loss",
@@ -62,6 +63,11 @@ class BlockNotFoundError(KvtierError, KeyError):
 class CorruptBlockError(BlockNotFoundError):
     """A block read from DRAM did not hash to its committed checksum: a client of its tenant
     changed it after COMMIT. A miss (``ENOENT``), raised by the client library; never data."""
+
+
+class UnknownTenantError(BlockNotFoundError):
+    """The tenant a namespace names is not one of the daemon's ``[[tenants]]`` (a misspelt
+    name, say); on the wire ``ENOENT``, the message names the tenant."""
 
 
 class InvalidRequestError(KvtierError, ValueError):

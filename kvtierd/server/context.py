@@ -40,9 +40,13 @@ class Reports(Protocol):
 
 
 class Timings(Protocol):
-    """Where a session reports how long each request took (the request-duration histogram)."""
+    """Where a session reports how long each request took (the request-duration histogram),
+    and each request that failed (the error counter)."""
 
     def observe(self, opcode: int, tier: str, seconds: float) -> None: ...
+
+    def failed(self, opcode: int, code: int, tenant: str) -> None:
+        """A request answered with errno ``code``; ``tenant`` is its bounded label."""
 
 
 class SessionHost(Reports, Protocol):

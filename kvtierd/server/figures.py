@@ -18,16 +18,20 @@ from kvtierd.server.context import Reports
 from kvtierd.store.counts import CheckpointFigures, StoreCounts, StoreStatistics
 from kvtierd.store.diskhealth import DiskFault
 from kvtierd.store.index import Block
+from kvtierd.store.regions import TenantRegion
 from kvtierd.store.store import BlockStore
 
 __all__ = [
+    "NO_TENANT",
     "OTHER_NAMESPACE",
+    "UNLISTED_TENANT",
     "MetricsSnapshot",
     "NamespaceFigures",
     "NamespaceLabels",
     "Observed",
     "Transfer",
     "take_snapshot",
+    "tenant_label",
 ]
 
 
@@ -43,6 +47,20 @@ class Observed(Reports, Protocol):
 
 #: The ``namespace`` label of every namespace not given its own.
 OTHER_NAMESPACE = "other"
+#: The ``tenant`` label of the DRAM region shared by the tenants ``[[tenants]]`` does not list
+#: (every tenant's, when it lists none).
+UNLISTED_TENANT = "(unlisted)"
+#: The ``tenant`` label of a request on no namespace (INIT, OPEN_NS, STATFS...).
+NO_TENANT = "none"
+
+
+def tenant_label(region: TenantRegion | None) -> str:
+    """The bounded ``tenant`` label of what lives in ``region``: its listed tenant's name, or
+    :data:`UNLISTED_TENANT` (``None``: :data:`NO_TENANT`). A tenant is told apart where it has
+    a region of its own, which is also where its figures can be told apart."""
+    if region is None:
+        return NO_TENANT
+    return region.tenant if region.tenant is not None else UNLISTED_TENANT
 
 
 @dataclass(frozen=True, slots=True)

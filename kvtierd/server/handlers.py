@@ -391,9 +391,7 @@ async def list_ns(ctx: RequestContext, header: RequestHeader, msg: Message) -> M
     registry = ctx.store.registry
     infos = []
     for ns in registry:
-        try:
-            registry.check_access(ns.spec.tenant, ctx.peer)
-        except AccessDeniedError:
+        if not registry.may_use(ns.spec.tenant, ctx.peer):
             continue
         spec = ns.spec
         counters = ns.counters

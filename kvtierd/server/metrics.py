@@ -23,14 +23,17 @@ repeat a figure nobody can check (``kvtierd_pool_up`` is 0 then); its counters s
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
+    Counter,
     GCCollector,
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -406,7 +409,8 @@ class ReadinessCollector(Collector):
 
 
 class RequestTimings:
-    """``kvtierd_request_duration_seconds{opcode, tier}``: one observe per request."""
+    """``kvtierd_request_duration_seconds{opcode, tier}``: one observe per request; and
+    ``kvtierd_request_errors_total{opcode, errno, tenant}``: one count per failed request."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._histogram = Histogram(
@@ -420,6 +424,16 @@ class RequestTimings:
             buckets=DURATION_BUCKETS_S,
         )
         self._children: dict[tuple[int, str], Histogram] = {}
+        self._errors = Counter(
+            "kvtierd_request_errors",
+            "Requests answered with an error, by opcode, errno (its name: ENOENT, ENOSPC...) "
+            "and tenant (the DRAM region of the request's namespace: a listed tenant, "
+            '"(unlisted)" for the region of the others, "none" for a request on no namespace), '
+            f"{_SINCE_START}.",
+            ["opcode", "errno", "tenant"],
+            registry=registry,
+        )
+        self._error_children: dict[tuple[int, int, str], Counter] = {}
 
     def observe(self, opcode: int, tier: str, seconds: float) -> None:
         child = self._children.get((opcode, tier))
@@ -431,12 +445,28 @@ class RequestTimings:
             child = self._children[(opcode, tier)] = self._histogram.labels(name, tier)
         child.observe(seconds)
 
+    def failed(self, opcode: int, code: int, tenant: str) -> None:
+        """Count a request answered with errno ``code`` (``tenant``: its bounded label)."""
+        child = self._error_children.get((opcode, code, tenant))
+        if child is None:
+            try:
+                name = Opcode(opcode).name
+            except ValueError:
+                name = "unknown"  # a frame the decoder refused before any opcode was known
+            label = errno.errorcode.get(code, str(code))
+            child = self._errors.labels(name, label, tenant)
+            self._error_children[(opcode, code, tenant)] = child
+        child.inc()
+
 
 class Metrics:
     """The daemon's registry: the snapshot, readiness, request timings, and the process's own
     collectors (CPU, memory, descriptors, Python's GC)."""
 
     def __init__(self, config: DaemonConfig, readiness: Readiness) -> None:
+        # A ``_created`` series per counter and histogram child doubles what a scrape carries
+        # and no dashboard reads it (prometheus-client's switch is process-wide).
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self.readiness = readiness
         self.snapshots = SnapshotCollector()

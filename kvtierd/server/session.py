@@ -29,6 +29,7 @@ one non-blocking write, over TLS through the stream as the session ends, for at 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import socket
 import struct
@@ -59,6 +60,7 @@ from kvtierd.protocol import (
     ServerState,
 )
 from kvtierd.protocol.messages import Message, ReadReply
+from kvtierd.server.figures import tenant_label
 from kvtierd.server.handlers import HANDLERS, NOW_HANDLERS, NOWAIT_HANDLERS
 from kvtierd.server.receiving import Receiver, Taken, open_receiver
 from kvtierd.server.remote import REMOTE_OPCODES
@@ -298,6 +300,7 @@ class Session:
                 return False
             self.last_request_s = time.monotonic()
             if isinstance(event, InvalidRequest):
+                self._failed(event.header, event.error)
                 await self._send(self.conn.reply_error(event.header, event.error))
             else:
                 assert isinstance(event, RequestReceived)
@@ -307,6 +310,7 @@ class Session:
                         f"{Opcode(opcode).name} is not served over TCP: a remote client reads "
                         "blocks with READ_NIXL (docs/remote.md)"
                     )
+                    self._failed(event.header, refusal)
                     await self._send(self.conn.reply_error(event.header, refusal))
                 elif opcode in _INLINE:
                     await self._handle(event)
@@ -455,15 +459,41 @@ class Session:
         except KvtierError as exc:
             fds = None  # a failed reply carries no descriptor
             frame = self.conn.reply_error(header, exc)
+            self._failed(header, exc)
         except Exception as exc:  # a bug must cost one request, never the daemon
             log.exception("handler for %s failed", Opcode(header.opcode).name)
             fds = None
-            frame = self.conn.reply_error(header, StorageIOError(f"internal error: {exc}"))
+            internal = StorageIOError(f"internal error: {exc}")
+            frame = self.conn.reply_error(header, internal)
+            self._failed(header, internal)
         timings = self.daemon.timings
         if timings is not None:  # dispatch to reply ready, failures included
             elapsed = time.perf_counter() - started
             timings.observe(header.opcode, self._tier_of(header.opcode, reply), elapsed)
         return frame, fds
+
+    def _failed(self, header: RequestHeader, exc: KvtierError) -> None:
+        """Count a request answered with ``exc`` (by opcode, errno and tenant) and say so, at
+        most once a minute per peer (:class:`~kvtierd.server.throttle.Throttle`), naming who
+        sent it and on which namespace: a miss (``ENOENT``) at INFO, anything else a
+        WARNING."""
+        ns = self.store.registry.find(header.ns) if header.ns in self.namespaces else None
+        tenant = tenant_label(ns.region if ns is not None else None)
+        if self.daemon.timings is not None:
+            self.daemon.timings.failed(header.opcode, exc.errno, tenant)
+        where = "" if ns is None else f", namespace {ns.spec.name!r} of tenant {ns.spec.tenant!r}"
+        try:
+            opname = Opcode(header.opcode).name
+        except ValueError:
+            opname = f"opcode {header.opcode}"
+        self.daemon.peer_warnings.report(
+            log,
+            logging.INFO if exc.errno == errno.ENOENT else logging.WARNING,
+            f"failed requests of {throttle_key(self.peer)}",
+            "%s from %s (client %r%s) failed: %s: %s",
+            opname, self.peer, self.owner.name, where,
+            errno.errorcode.get(exc.errno, exc.errno), exc,
+        )  # fmt: skip
 
     def _tier_of(self, opcode: int, reply: Message | None) -> str:
         """The request-duration histogram's ``tier``: for READ the deepest tier its lease was

@@ -42,6 +42,7 @@ from kvtierd.errors import (
     NoSpaceError,
     QuotaError,
     StorageIOError,
+    UnknownTenantError,
 )
 from kvtierd.layouts import layout_block_bytes
 from kvtierd.protocol.messages import Layout
@@ -243,7 +244,7 @@ class NamespaceRegistry:
         """Whether ``peer`` is admitted to ``tenant``."""
         try:
             self.check_access(tenant, peer)
-        except AccessDeniedError:
+        except (AccessDeniedError, UnknownTenantError):
             return False
         return True
 
@@ -251,8 +252,14 @@ class NamespaceRegistry:
         if not self._tenants or peer.uid == 0:
             return
         rule = self._tenants.get(tenant)
-        if rule is None or (peer.uid not in rule.uids and peer.gid not in rule.gids):
-            raise AccessDeniedError(f"uid {peer.uid} may not use tenant {tenant!r}")
+        if rule is not None and (peer.uid in rule.uids or peer.gid in rule.gids):
+            return
+        own = [t.name for t in self._tenants.values() if peer.uid in t.uids or peer.gid in t.gids]
+        if rule is None and own:  # a name it got wrong: say so, naming only its own tenants
+            raise UnknownTenantError(
+                f"no tenant {tenant!r}: uid {peer.uid} may use {', '.join(map(repr, own))}"
+            )
+        raise AccessDeniedError(f"uid {peer.uid} may not use tenant {tenant!r}")
 
     def open(
         self, spec: NamespaceSpec, peer: PeerCredentials, *, create: bool = True
@@ -269,6 +276,12 @@ class NamespaceRegistry:
             raise BlockNotFoundError(f"namespace {spec.name!r} with this identity does not exist")
         region = self._regions.for_tenant(spec.tenant) if self._regions is not None else None
         if self._regions is not None and region is None:
+            if self._tenants and spec.tenant not in self._tenants:
+                raise UnknownTenantError(
+                    f"no tenant {spec.tenant!r}: the daemon's tenants are "
+                    f"{', '.join(map(repr, self._tenants))}, and every byte of DRAM went to "
+                    "them (no default region for others)"
+                )
             raise NoSpaceError(
                 f"tenant {spec.tenant!r} has no DRAM region (every byte went to listed tenants)"
             )
@@ -321,6 +334,10 @@ class NamespaceRegistry:
             return self._by_id[ns_id]
         except KeyError:
             raise InvalidRequestError(f"namespace {ns_id} is not open") from None
+
+    def find(self, ns_id: int) -> Namespace | None:
+        """:meth:`get`, ``None`` for an id that names no namespace."""
+        return self._by_id.get(ns_id)
 
     def by_digest(self, digest: bytes) -> Namespace | None:
         return self._by_digest.get(digest)

@@ -8,6 +8,7 @@ its type and labels, and every documented family exists.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import urllib.error
@@ -156,6 +157,8 @@ def exercise(socket_path: Path) -> None:
         ns.put(keys, [bytes(BLOCK_BYTES)] * 2)
         ns.lookup(keys)
         ns.read_into(keys, [bytearray(BLOCK_BYTES), bytearray(BLOCK_BYTES)])
+        with pytest.raises(BlockNotFoundError):  # a failed request: the error counter's sample
+            ns.read_into([bytes(16)], [bytearray(BLOCK_BYTES)])
 
 
 def scrape_when(port: int, ready: Callable[[Scraped], bool]) -> Scraped:
@@ -167,10 +170,9 @@ def scrape_when(port: int, ready: Callable[[Scraped], bool]) -> Scraped:
 def test_the_docs_table_is_the_registry(stack: Stack) -> None:
     exercise(stack.daemon.socket)
     live = scrape_when(stack.port, lambda s: s.total("kvtierd_namespace_hit_tokens_total") > 0)
+    assert not [n for n, _ in live.samples if n.endswith("_created")]  # switched off
     exported = {
-        exported_name(name, kind): (kind, live.labels[name])
-        for name, kind in live.types.items()
-        if not name.endswith("_created")  # prometheus-client's creation timestamps
+        exported_name(name, kind): (kind, live.labels[name]) for name, kind in live.types.items()
     }
     docs = documented()
     assert sorted(set(exported) - set(docs)) == [], "exported but not in docs/operations.md"
@@ -230,6 +232,32 @@ def test_requests_tokens_and_transfers_are_counted(stack: Stack) -> None:
     # checkpoints are on by default; none is due after a few blocks written
     assert after.value("kvtierd_checkpoints_on") == 1
     assert after.total("kvtierd_checkpoints_written_total") == 0
+
+
+def test_failed_requests_are_counted_by_opcode_errno_and_tenant_and_said(stack: Stack) -> None:
+    before = scrape(stack.port)
+    with connect(stack.daemon.socket, client_name="failing-engine") as client:
+        ns = client.namespace("failing", block_bytes=4096)
+        for _ in range(3):
+            with pytest.raises(BlockNotFoundError):
+                ns.read_into([bytes(16)], [bytearray(4096)])
+        with pytest.raises(BlockNotFoundError):
+            client.namespace("absent", block_bytes=4096, create=False)
+    after = scrape(stack.port)  # counted as they are answered: no snapshot to wait for
+
+    def grew(**labels: str) -> float:
+        name = "kvtierd_request_errors_total"
+        return after.total(name, **labels) - before.total(name, **labels)
+
+    assert grew(opcode="READ", errno="ENOENT", tenant="(unlisted)") == 3
+    assert grew(opcode="OPEN_NS", errno="ENOENT", tenant="none") == 1
+    log = stack.daemon.log()
+    # the first failure of this peer is said, the others held back for a minute
+    said = [line for line in log.splitlines() if "failed: ENOENT" in line]
+    assert len(said) == 1, said
+    assert f"pid {os.getpid()} uid {os.getuid()}" in said[0]
+    assert "client 'failing-engine'" in said[0]
+    assert "namespace 'failing' of tenant 'default'" in said[0]
 
 
 def test_namespace_label_is_bounded(stack: Stack) -> None:

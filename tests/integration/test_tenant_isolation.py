@@ -23,6 +23,7 @@ from kvtierd.errors import (
     AccessDeniedError,
     CorruptBlockError,
     InvalidRequestError,
+    KvtierError,
     NoSpaceError,
     QuotaError,
 )
@@ -387,3 +388,36 @@ def test_row_12_one_connection_cannot_take_its_tenants_whole_region(daemon: Daem
     assert outcome["held"] == (48 << 20) * 3 // 4 // BLOCK
     assert outcome["stored"] == 16
     assert client_as(BETA, BETA, daemon.socket, tiers_of, "beta", "victim", 8) == ["dram"] * 8
+
+
+# -- a misspelt tenant is answered as such (issue 35) ------------------------------------------
+
+
+def open_tenant(client: Client, tenant: str) -> str:
+    try:
+        client.namespace("t", block_bytes=BLOCK, tenant=tenant)
+    except KvtierError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "opened"
+
+
+def test_a_tenant_that_is_not_listed_is_named_as_unknown_not_as_no_space(
+    daemon: DaemonProcess,
+) -> None:
+    with connect(daemon.socket) as root:  # root may name any tenant; there is no default region
+        assert open_tenant(root, "alfa") == (
+            "BlockNotFoundError: no tenant 'alfa': the daemon's tenants are 'alpha', 'beta', "
+            "and every byte of DRAM went to them (no default region for others)"
+        )
+    # a tenant's uid that misspells its tenant is told which it may use, and nothing more
+    assert client_as(ALPHA, ALPHA, daemon.socket, open_tenant, "alfa") == (
+        "BlockNotFoundError: no tenant 'alfa': uid 2001 may use 'alpha'"
+    )
+    # another tenant's name stays a refusal, and a stranger learns no names
+    assert client_as(ALPHA, ALPHA, daemon.socket, open_tenant, "beta") == (
+        "AccessDeniedError: uid 2001 may not use tenant 'beta'"
+    )
+    assert client_as(STRANGER, STRANGER, daemon.socket, open_tenant, "alfa") == (
+        "AccessDeniedError: uid 2003 may not use tenant 'alfa'"
+    )
+    assert client_as(ALPHA, ALPHA, daemon.socket, open_tenant, "alpha") == "opened"
