@@ -57,6 +57,7 @@ import errno
 import itertools
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -66,6 +67,7 @@ import anyio.lowlevel
 import sniffio
 
 from kvtierd.errors import ClosedError, StorageIOError
+from kvtierd.io.base import Latencies
 from kvtierd.io.binding import RawRing, UringBinding
 
 __all__ = ["CompletionRing", "Prep", "open_completion_ring"]
@@ -92,7 +94,9 @@ class _Batch:
 
 
 class _Waiter:
-    __slots__ = ("batch", "counted", "error", "keepalive", "prep", "result", "submitted", "token")
+    __slots__ = (
+        "batch", "counted", "error", "keepalive", "prep", "result", "started", "submitted", "token",
+    )  # fmt: skip
 
     def __init__(self, prep: Prep, batch: _Batch) -> None:
         self.prep: Prep | None = prep  # dropped once used: it holds the request's buffers
@@ -103,6 +107,7 @@ class _Waiter:
         self.submitted = False
         self.error: Exception | None = None
         self.counted = True
+        self.started = 0.0  # when it got its slot (perf_counter)
 
 
 class CompletionRing:
@@ -135,6 +140,13 @@ class CompletionRing:
         #: Requests handed to the ring (given a slot), and those of them that completed.
         self.submitted = 0
         self.completed = 0
+        #: How long the counted requests took, from their slot to their completion.
+        self.latencies = Latencies()
+
+    @property
+    def entries(self) -> int:
+        """The queue depth: requests in the kernel at most."""
+        return self._entries
 
     @property
     def raw(self) -> RawRing:
@@ -209,6 +221,7 @@ class CompletionRing:
             return
         self._free -= 1
         waiter.counted = counted
+        waiter.started = time.perf_counter()
         self.submitted += counted
         self._waiters[token] = waiter
         self._unsubmitted.append(waiter)
@@ -323,7 +336,9 @@ class CompletionRing:
     def _complete(self, waiter: _Waiter, result: int) -> None:
         waiter.result = result
         waiter.keepalive = None
-        self.completed += waiter.counted
+        if waiter.counted:
+            self.completed += 1
+            self.latencies.observe(time.perf_counter() - waiter.started)
         self._free += 1
         self._finish(waiter)
         backlog = self._backlog

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
@@ -31,6 +32,7 @@ from kvtierd.io.base import (
     IoBackend,
     IoBackendKind,
     IoStatistics,
+    Latencies,
     OpCounters,
     advance,
     check_request,
@@ -95,7 +97,9 @@ class ThreadBackend(IoBackend):
         # fast_acquire: the call's thread hop that follows is the checkpoint (see ring.py).
         self._slots = anyio.Semaphore(queue_depth, fast_acquire=True)
         self._limiter = anyio.CapacityLimiter(queue_depth)
+        self._queue_depth = queue_depth
         self._counters = OpCounters()
+        self._latencies = Latencies()
         self._closing = False
         self._drained = anyio.Event()
 
@@ -129,7 +133,7 @@ class ThreadBackend(IoBackend):
         self._counters.fsyncs += 1
 
     def statistics(self) -> IoStatistics:
-        return self._counters.snapshot(self.kind)
+        return self._counters.snapshot(self.kind, self._queue_depth, self._latencies)
 
     async def _run(
         self, op: str, fd: int, offset: int, views: list[memoryview], call: _Vectored
@@ -148,12 +152,14 @@ class ThreadBackend(IoBackend):
             self._counters.submitted += 1
             self._counters.submit_calls += 1
             job = _Job(func)
+            started = time.perf_counter()
             try:
                 outcome = await anyio.to_thread.run_sync(
                     job, limiter=self._limiter, abandon_on_cancel=False
                 )
             finally:
                 job.func = None
+                self._latencies.observe(time.perf_counter() - started)
                 self._note_completed()
         await anyio.lowlevel.checkpoint_if_cancelled()
         if isinstance(outcome, _ShortTransfer):

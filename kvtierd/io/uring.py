@@ -156,7 +156,7 @@ class UringBackend(IoBackend):
         self._counters.submitted = self._ring.submitted
         self._counters.completed = self._ring.completed
         self._counters.submit_calls = self._ring.enters
-        return self._counters.snapshot(self.kind)
+        return self._counters.snapshot(self.kind, self._ring.entries, self._ring.latencies)
 
     async def _transfer(self, op: str, fd: int, offset: int, buffers: Sequence[memoryview]) -> int:
         views = check_request(fd, offset, buffers)

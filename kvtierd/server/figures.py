@@ -12,13 +12,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvtierd.io import IoStatistics
 from kvtierd.pool.link import PoolLink
 from kvtierd.protocol.messages import PoolStatusReply, StatfsReply
 from kvtierd.server.context import Reports
 from kvtierd.store.counts import CheckpointFigures, StoreCounts, StoreStatistics
 from kvtierd.store.diskhealth import DiskFault
 from kvtierd.store.index import Block
-from kvtierd.store.regions import TenantRegion
+from kvtierd.store.reports import TenantFigures
 from kvtierd.store.store import BlockStore
 
 __all__ = [
@@ -54,20 +55,22 @@ UNLISTED_TENANT = "(unlisted)"
 NO_TENANT = "none"
 
 
-def tenant_label(region: TenantRegion | None) -> str:
-    """The bounded ``tenant`` label of what lives in ``region``: its listed tenant's name, or
-    :data:`UNLISTED_TENANT` (``None``: :data:`NO_TENANT`). A tenant is told apart where it has
-    a region of its own, which is also where its figures can be told apart."""
-    if region is None:
-        return NO_TENANT
-    return region.tenant if region.tenant is not None else UNLISTED_TENANT
+def tenant_label(region_tenant: str | None) -> str:
+    """The bounded ``tenant`` label of what lives in a DRAM region of ``region_tenant``: a
+    listed tenant's name, or :data:`UNLISTED_TENANT` for the region of the others (``None``).
+    A tenant is told apart where it has a region of its own, which is also where its figures
+    can be told apart."""
+    return region_tenant if region_tenant is not None else UNLISTED_TENANT
 
 
 @dataclass(frozen=True, slots=True)
 class NamespaceFigures:
-    """The counters of every namespace that one ``namespace`` label stands for, summed."""
+    """The counters of the namespace one (``tenant``, ``label``, ``rank``) stands for, or of
+    every namespace without series of its own (``"other"``, ``"other"``, ``""``), summed."""
 
+    tenant: str
     label: str
+    rank: str
     lookup_blocks: int = 0
     hit_blocks: int = 0
     lookup_tokens: int = 0
@@ -100,35 +103,48 @@ class MetricsSnapshot:
     disk_failures: tuple[tuple[DiskFault, int], ...] = ()
     #: The disk tier's index checkpoints (``None``: no NVMe tier).
     checkpoints: CheckpointFigures | None = None
+    #: Each DRAM region's tenant label and figures.
+    tenants: tuple[tuple[str, TenantFigures], ...] = ()
+    #: The I/O backend's counters (``None``: no NVMe tier).
+    io: IoStatistics | None = None
+    #: Blocks queued for promotion into DRAM, not yet taken by a promoter.
+    queued_promotions: int = 0
 
 
 class NamespaceLabels:
-    """Which ``namespace`` label a namespace name gets: itself when ``allowed`` lists it, or,
-    with no allow-list, when it is among the first ``limit`` names seen; else ``"other"``.
-    A name once given its own label keeps it for the daemon's life (stable series)."""
+    """Which namespaces get series of their own, labelled by tenant, name and TP rank (so the
+    same name in two tenants or of two ranks is two series): those whose name ``allowed``
+    lists, or, with no allow-list, the first ``limit`` namespaces seen; the others are summed
+    into one ``namespace="other"`` series. A namespace once given series of its own keeps them
+    for the daemon's life (stable series)."""
 
     def __init__(self, allowed: Sequence[str], limit: int) -> None:
         self._allowed = frozenset(allowed)
         self._limit = limit
-        self._own: set[str] = set()  # at most ``limit`` names
+        self._own: set[tuple[str, str, int]] = set()  # at most ``limit`` namespaces
 
-    def label(self, name: str) -> str:
+    def labels(self, tenant: str, name: str, rank: int) -> tuple[str, str, str]:
+        """``(tenant, namespace, rank)`` labels of the namespace ``name`` of ``tenant``."""
+        identity = (tenant, name, rank)
         if self._allowed:
-            return name if name in self._allowed else OTHER_NAMESPACE
-        if name in self._own:
-            return name
-        if len(self._own) < self._limit:
-            self._own.add(name)
-            return name
-        return OTHER_NAMESPACE
+            own = name in self._allowed
+        elif identity in self._own:
+            own = True
+        elif len(self._own) < self._limit:
+            self._own.add(identity)
+            own = True
+        else:
+            own = False
+        return (tenant, name, str(rank)) if own else (OTHER_NAMESPACE, OTHER_NAMESPACE, "")
 
 
 def _fold_namespaces(daemon: Observed, labels: NamespaceLabels) -> tuple[NamespaceFigures, ...]:
-    sums: dict[str, list[int]] = {}
+    sums: dict[tuple[str, str, str], list[int]] = {}
     for ns in daemon.store.registry:
         c = ns.counters
-        tokens = ns.spec.layout.block_tokens if ns.spec.layout is not None else 0
-        row = sums.setdefault(labels.label(ns.spec.name), [0] * 8)
+        spec = ns.spec
+        tokens = spec.layout.block_tokens if spec.layout is not None else 0
+        row = sums.setdefault(labels.labels(spec.tenant, spec.name, spec.rank), [0] * 8)
         for i, value in enumerate(
             (
                 c.lookup_blocks,
@@ -142,7 +158,7 @@ def _fold_namespaces(daemon: Observed, labels: NamespaceLabels) -> tuple[Namespa
             )
         ):
             row[i] += value
-    return tuple(NamespaceFigures(label, *row) for label, row in sorted(sums.items()))
+    return tuple(NamespaceFigures(*key, *row) for key, row in sorted(sums.items()))
 
 
 def _transfers(
@@ -194,6 +210,9 @@ def take_snapshot(daemon: Observed, labels: NamespaceLabels) -> MetricsSnapshot:
         c.lost,
         _disk_failures(daemon),
         store.checkpoints,
+        tuple((tenant_label(f.tenant), f) for f in daemon.store.tenant_statistics()),
+        backend.statistics() if (backend := daemon.store.io_backend) is not None else None,
+        daemon.store.queued_promotions,
     )
 
 

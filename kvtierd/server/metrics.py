@@ -24,6 +24,7 @@ repeat a figure nobody can check (``kvtierd_pool_up`` is 0 then); its counters s
 from __future__ import annotations
 
 import errno
+import itertools
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import (
@@ -35,10 +36,16 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvtierd.config import DaemonConfig
+from kvtierd.io.base import LATENCY_BUCKETS_S, IoStatistics
 from kvtierd.protocol import Opcode
 from kvtierd.protocol.messages import PoolStatusReply
 from kvtierd.server.figures import (
@@ -52,6 +59,7 @@ from kvtierd.server.figures import (
 from kvtierd.server.readiness import DaemonPhase, PoolView, Readiness
 from kvtierd.store.counts import CheckpointFigures
 from kvtierd.store.diskhealth import DiskFault
+from kvtierd.store.reports import TenantFigures
 
 __all__ = ["DURATION_BUCKETS_S", "Metrics", "RequestTimings"]
 
@@ -248,6 +256,9 @@ class SnapshotCollector(Collector):
         info.add_metric([stats.version, stats.io_backend], 1)
         yield info
         yield from self._namespaces(snap.namespaces)
+        yield from self._tenants(snap.tenants)
+        if snap.io is not None:
+            yield from self._io(snap.io, snap.queued_promotions)
         yield from self._transfers(snap.transfers)
         failures = _counter(
             "kvtierd_disk_failures",
@@ -309,12 +320,112 @@ class SnapshotCollector(Collector):
     def _namespaces(figures: tuple[NamespaceFigures, ...]) -> Iterator[Metric]:
         for field, name, doc in _NAMESPACE:
             family = _counter(
-                name, f"{doc}, per namespace (bounded: see metrics_namespaces), {_SINCE_START}.",
-                ["namespace"],
-            )  # fmt: skip
+                name,
+                f"{doc}, per namespace by tenant, name and TP rank (bounded: see "
+                f'metrics_namespaces; the others summed as namespace="other"), {_SINCE_START}.',
+                ["tenant", "namespace", "rank"],
+            )
             for row in figures:
-                family.add_metric([row.label], getattr(row, field))
+                family.add_metric([row.tenant, row.label, row.rank], getattr(row, field))
             yield family
+
+    @staticmethod
+    def _tenants(rows: tuple[tuple[str, TenantFigures], ...]) -> Iterator[Metric]:
+        by = ["tenant", "tier"]
+        blocks = GaugeMetricFamily(
+            "kvtierd_tenant_blocks", "Blocks each tenant's namespaces hold in each tier.", labels=by
+        )
+        used = GaugeMetricFamily(
+            "kvtierd_tenant_used_bytes",
+            "Bytes each tenant uses in each tier (DRAM: its region's slots, pending writes "
+            "included; NVMe: its blocks' slots).",
+            labels=by,
+        )
+        capacity = GaugeMetricFamily(
+            "kvtierd_tenant_capacity_bytes",
+            "Each tenant's DRAM region in bytes (NVMe is shared: see kvtierd_tier_capacity_bytes).",
+            labels=by,
+        )
+        hits = _counter(
+            "kvtierd_tenant_hits",
+            f"Blocks each tier served to each tenant's READs, {_SINCE_START}.",
+            by,
+        )
+        misses = _counter(
+            "kvtierd_tenant_misses",
+            f"Blocks each tenant's READs found in no tier, {_SINCE_START}.",
+            ["tenant"],
+        )
+        evictions = _counter(
+            "kvtierd_tenant_evictions",
+            f"Blocks evicted from each tenant's DRAM region, {_SINCE_START}.",
+            by,
+        )
+        moved = _counter(
+            "kvtierd_tenant_bytes",
+            "Bytes each tenant's clients read (leased) and committed, by direction "
+            f"(dram_to_client, client_to_dram), {_SINCE_START}.",
+            ["tenant", "direction"],
+        )
+        for label, f in rows:
+            c = f.counts
+            for tier, count, nbytes in (
+                ("dram", f.dram_blocks, f.dram_used_bytes),
+                ("nvme", f.nvme_blocks, f.nvme_used_bytes),
+            ):
+                blocks.add_metric([label, tier], count)
+                used.add_metric([label, tier], nbytes)
+            capacity.add_metric([label, "dram"], f.dram_capacity_bytes)
+            for tier, count in (
+                ("dram", c.dram_hits),
+                ("nvme", c.lower_hits),
+                ("pool", c.pool_hits),
+            ):
+                hits.add_metric([label, tier], count)
+            misses.add_metric([label], c.misses)
+            evictions.add_metric([label, "dram"], c.dram_evictions)
+            moved.add_metric([label, "dram_to_client"], c.bytes_read)
+            moved.add_metric([label, "client_to_dram"], c.bytes_committed)
+        yield from (blocks, used, capacity, hits, misses, evictions, moved)
+
+    @staticmethod
+    def _io(io: IoStatistics, queued_promotions: int) -> Iterator[Metric]:
+        yield _gauge(
+            "kvtierd_io_in_flight",
+            "Disk operations in the kernel now (at most kvtierd_io_queue_depth).",
+            io.in_flight,
+        )
+        yield _gauge(
+            "kvtierd_io_queue_depth",
+            "Disk operations the I/O backend keeps in the kernel at most.",
+            io.queue_depth,
+        )
+        yield CounterMetricFamily(
+            "kvtierd_io_operations",
+            f"Disk operations completed (reads, writes, syncs), {_SINCE_START}.",
+            value=io.completed,
+        )
+        yield CounterMetricFamily(
+            "kvtierd_io_submit_calls",
+            "System calls that handed disk operations to the kernel (io_uring hands a turn of "
+            f"the loop's over in one), {_SINCE_START}.",
+            value=io.submit_calls,
+        )
+        bounds = [f"{bound:g}" for bound in LATENCY_BUCKETS_S] + ["+Inf"]
+        cumulative = itertools.accumulate(io.latency_counts or [0] * len(bounds))
+        yield HistogramMetricFamily(
+            "kvtierd_disk_operation_seconds",
+            "How long each disk operation took, from the queue-depth slot it got to its "
+            "completion (queueing in the kernel and the device included).",
+            buckets=[(b, float(n)) for b, n in zip(bounds, cumulative, strict=True)],
+            sum_value=io.latency_sum_s,
+        )
+        yield _gauge(
+            "kvtierd_prefetch_queue_blocks",
+            "Blocks queued for promotion into DRAM (LOOKUP, HINT, the reuse model) that no "
+            "promoter has taken yet.",
+            queued_promotions,
+        )
 
     @staticmethod
     def _transfers(transfers: tuple[Transfer, ...]) -> Iterator[Metric]:
@@ -466,7 +577,7 @@ class Metrics:
     def __init__(self, config: DaemonConfig, readiness: Readiness) -> None:
         # A ``_created`` series per counter and histogram child doubles what a scrape carries
         # and no dashboard reads it (prometheus-client's switch is process-wide).
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
         self.readiness = readiness
         self.snapshots = SnapshotCollector()

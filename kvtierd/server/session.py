@@ -60,7 +60,7 @@ from kvtierd.protocol import (
     ServerState,
 )
 from kvtierd.protocol.messages import Message, ReadReply
-from kvtierd.server.figures import tenant_label
+from kvtierd.server.figures import NO_TENANT, tenant_label
 from kvtierd.server.handlers import HANDLERS, NOW_HANDLERS, NOWAIT_HANDLERS
 from kvtierd.server.receiving import Receiver, Taken, open_receiver
 from kvtierd.server.remote import REMOTE_OPCODES
@@ -478,7 +478,10 @@ class Session:
         sent it and on which namespace: a miss (``ENOENT``) at INFO, anything else a
         WARNING."""
         ns = self.store.registry.find(header.ns) if header.ns in self.namespaces else None
-        tenant = tenant_label(ns.region if ns is not None else None)
+        if ns is None:
+            tenant = NO_TENANT
+        else:
+            tenant = tenant_label(ns.region.tenant if ns.region is not None else None)
         if self.daemon.timings is not None:
             self.daemon.timings.failed(header.opcode, exc.errno, tenant)
         where = "" if ns is None else f", namespace {ns.spec.name!r} of tenant {ns.spec.tenant!r}"

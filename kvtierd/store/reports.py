@@ -18,7 +18,47 @@ from kvtierd.store.regions import TenantRegion
 from kvtierd.store.residency import Residency
 from kvtierd.store.segments import slot_bytes_for
 
-__all__ = ["store_statistics"]
+__all__ = ["TenantFigures", "store_statistics", "tenant_figures"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TenantFigures:
+    """One DRAM region's tenant (``None``: the region of the tenants not listed) and what its
+    namespaces hold in each tier and did, since the daemon started."""
+
+    tenant: str | None
+    dram_blocks: int
+    dram_used_bytes: int
+    dram_capacity_bytes: int
+    nvme_blocks: int
+    nvme_used_bytes: int
+    counts: TrafficCounts
+
+
+def tenant_figures(residency: Residency) -> tuple[TenantFigures, ...]:
+    """Every region's :class:`TenantFigures`, in the regions' order (one walk over the
+    namespaces: a region's blocks are its namespaces')."""
+    by_region: dict[int, list[Namespace]] = {}
+    for ns in residency.registry:
+        if ns.region is not None:
+            by_region.setdefault(ns.region.id, []).append(ns)
+    figures = []
+    for region in residency.regions:
+        namespaces = by_region.get(region.id, [])
+        figures.append(
+            TenantFigures(
+                tenant=region.tenant,
+                dram_blocks=sum(ns.dram_blocks for ns in namespaces),
+                dram_used_bytes=region.allocator.used_bytes,
+                dram_capacity_bytes=region.allocator.capacity,
+                nvme_blocks=sum(ns.nvme_blocks for ns in namespaces),
+                nvme_used_bytes=sum(
+                    ns.nvme_blocks * slot_bytes_for(ns.spec.block_bytes) for ns in namespaces
+                ),
+                counts=region.statistics(),
+            )
+        )
+    return tuple(figures)
 
 
 def store_statistics(

@@ -47,7 +47,7 @@ from kvtierd.store.namespaces import Namespace, PeerCredentials
 from kvtierd.store.ports import ReplicaLink
 from kvtierd.store.prefetch import Prefetcher
 from kvtierd.store.quota import check_lease_quota
-from kvtierd.store.reports import store_statistics
+from kvtierd.store.reports import TenantFigures, store_statistics, tenant_figures
 from kvtierd.store.residency import Residency
 from kvtierd.store.tier import TierUnavailableError
 from kvtierd.store.tracking import TierPolicy
@@ -110,6 +110,16 @@ class BlockStore:
         (:func:`~kvtierd.store.reports.store_statistics`)."""
         backend = self.io_backend.kind.value if self.io_backend else "none"
         return store_statistics(self.residency, backend, peer)
+
+    @property
+    def queued_promotions(self) -> int:
+        """Blocks queued for promotion into DRAM that no promoter has taken yet."""
+        return len(self._promotions)
+
+    def tenant_statistics(self) -> tuple[TenantFigures, ...]:
+        """Each DRAM region's tenant and what it holds and did
+        (:func:`~kvtierd.store.reports.tenant_figures`)."""
+        return tenant_figures(self.residency)
 
     def dram_policy_of(self, ns: Namespace) -> TierPolicy:
         """The DRAM policy of ``ns``'s region."""

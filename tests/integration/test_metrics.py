@@ -260,6 +260,70 @@ def test_failed_requests_are_counted_by_opcode_errno_and_tenant_and_said(stack: 
     assert "namespace 'failing' of tenant 'default'" in said[0]
 
 
+TENANTS = """
+[daemon]
+metrics_port = {port}
+
+[[tenants]]
+name = "alpha"
+uids = [{uid}]
+dram_share = 0.25
+
+[[tenants]]
+name = "beta"
+uids = [{uid}]
+dram_share = 0.25
+"""
+
+
+def test_tenants_are_told_apart_in_every_figure(tmp_path: Path) -> None:
+    """Per-tenant figures, the error counter's tenant and the namespace families' tenant label:
+    the same namespace name in two tenants is two series."""
+    port = free_port()
+    config = TENANTS.format(port=port, uid=os.getuid())
+    with DaemonProcess(tmp_path / "k", dram_size="64M", nvme_size="64M", config_text=config) as d:
+        with connect(d.socket) as client:
+            for tenant, count in (("alpha", 3), ("beta", 1)):
+                ns = client.namespace("same-name", block_bytes=4096, tenant=tenant)
+                keys = chain_keys(range(count), 1, ns.key_salt)
+                ns.put(keys, [bytes([count]) * 4096] * count)
+                ns.read_into(keys, [bytearray(4096) for _ in keys])
+            with pytest.raises(BlockNotFoundError):
+                ns.read_into([bytes(16)], [bytearray(4096)])  # beta's
+            client.fsync()
+            assert client.evict() >= 4
+        live = scrape_when(
+            port,
+            lambda s: s.value("kvtierd_tenant_evictions_total", tenant="alpha", tier="dram") >= 3,
+        )
+    for tenant, count in (("alpha", 3), ("beta", 1)):
+        assert live.value("kvtierd_tenant_blocks", tenant=tenant, tier="nvme") == count
+        assert live.value("kvtierd_tenant_blocks", tenant=tenant, tier="dram") == 0  # evicted
+        assert live.value("kvtierd_tenant_capacity_bytes", tenant=tenant, tier="dram") == 16 << 20
+        assert live.value("kvtierd_tenant_hits_total", tenant=tenant, tier="dram") == count
+        assert (
+            live.value("kvtierd_tenant_bytes_total", tenant=tenant, direction="client_to_dram")
+            == count * 4096
+        )
+        label = {"tenant": tenant, "namespace": "same-name", "rank": "0"}
+        assert live.value("kvtierd_namespace_committed_blocks_total", **label) == count
+    assert live.value("kvtierd_tenant_misses_total", tenant="beta") == 1
+    assert live.value("kvtierd_tenant_misses_total", tenant="alpha") == 0
+    errors = {"opcode": "READ", "errno": "ENOENT"}
+    assert live.value("kvtierd_request_errors_total", tenant="beta", **errors) == 1
+    assert live.value("kvtierd_request_errors_total", tenant="alpha", **errors) == 0
+    # the disk: every write-back and the sync were timed, none is in flight now
+    assert live.value("kvtierd_io_queue_depth") == 64
+    assert live.value("kvtierd_io_in_flight") == 0
+    assert (
+        live.value("kvtierd_disk_operation_seconds_count")
+        == live.value("kvtierd_io_operations_total")
+        >= 5
+    )
+    assert live.value("kvtierd_disk_operation_seconds_bucket", le="+Inf") >= 5
+    assert live.value("kvtierd_prefetch_queue_blocks") == 0
+
+
 def test_namespace_label_is_bounded(stack: Stack) -> None:
     with connect(stack.daemon.socket) as client:
         for i in range(5):

@@ -397,7 +397,7 @@ def _pool_up(stack: Stack) -> bool | None:
 
 
 def _counted(stack: Stack) -> bool | None:
-    served = r'^kvtierd_namespace_read_bytes_total\{namespace="monitoring"\} [1-9]'
+    served = r'^kvtierd_namespace_read_bytes_total\{[^}]*namespace="monitoring"[^}]*\} [1-9]'
     return True if re.search(served, stack.scrape(), re.M) else None
 
 
