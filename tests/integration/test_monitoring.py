@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtierd.client import connect
+from kvtierd.client import BlockNotFoundError, connect
 from kvtierd.testing import DaemonProcess, free_port
 from kvtierd.testing.redis_server import RedisServer, require_redis_server
 
@@ -410,6 +410,8 @@ def _serve_some_requests(daemon: DaemonProcess) -> None:
         assert ns.lookup(keys) == len(keys)
         with ns.get(keys) as views:
             assert bytes(views[3][:4]) == b"\x03" * 4
+        with pytest.raises(BlockNotFoundError):  # one failed request: the error counter
+            ns.read_into([b"\xff" * 16], [bytearray(64 << 10)])
 
 
 def _rule_groups(stack: Stack) -> list[dict[str, Any]] | None:
