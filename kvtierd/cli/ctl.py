@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     _json_option(add("status", "Is the daemon up: version, uptime, io backend, tiers."))
     stats = add("stats", "The daemon's statistics: tiers, hit ratios, prefetch, backlog.")
     _namespace_options(stats, "one namespace's blocks and counters instead")
+    stats.add_argument(
+        "--tenants",
+        action="store_true",
+        help="one row per tenant instead: its DRAM region's fill, blocks, hits, misses, "
+        "evictions and traffic (the caller's own tenants, unless it is root)",
+    )
     _json_option(stats)
     top = add("top", "Live statistics with per-interval rates; waits out restarts (Ctrl-C quits).")
     top.add_argument(
@@ -244,6 +250,8 @@ def _run(args: argparse.Namespace, options: commands.CommandOptions) -> int:
         selector = _selector(args.keys, args)
         after = args.after or b""
         return ctl_namespaces.list_keys(options, selector=selector, after=after, limit=args.limit)
+    if command == "stats" and args.tenants:
+        return commands.tenant_stats(options)
     if command in ("stats", "evict") and named is not None:
         run = (
             ctl_namespaces.namespace_stats if command == "stats" else ctl_namespaces.evict_namespace
@@ -309,6 +317,8 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error(f"--tenant, --rank, ... narrow --{named}: give it too")
     if args.command == "ls" and args.after is not None and args.keys is None:
         parser.error("--after pages through --keys: give it too")
+    if args.command == "stats" and args.tenants and args.namespace is not None:
+        parser.error("--tenants and --namespace exclude each other")
 
 
 def _silence_stdout() -> None:

@@ -41,6 +41,7 @@ from kvtierd.cli.ctl_records import (
     not_ready_record,
     stats_record,
     status_record,
+    tenants_record,
 )
 from kvtierd.cli.ctl_views import (
     doctor_view,
@@ -48,9 +49,10 @@ from kvtierd.cli.ctl_views import (
     namespaces_view,
     stats_view,
     status_view,
+    tenants_view,
 )
 from kvtierd.client import AsyncClient, Client, KvtierError, connect, connect_async
-from kvtierd.errors import BrokenConnectionError, StartingError
+from kvtierd.errors import BrokenConnectionError, NotSupportedError, StartingError
 
 __all__ = [
     "CommandOptions",
@@ -64,7 +66,11 @@ __all__ = [
     "show",
     "stats",
     "status",
+    "tenant_stats",
 ]
+
+#: The first protocol minor whose STATFS reports each tenant.
+TENANTS_MINOR = 11
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +145,22 @@ def stats(options: CommandOptions) -> int:
     with connect_daemon(options) as client:
         record = client.stats()
     return show(options, lambda: stats_record(record), lambda: stats_view(record))
+
+
+def tenant_stats(options: CommandOptions) -> int:
+    """``stats --tenants``: one row per DRAM region's tenant (its blocks, fill, hits, misses,
+    evictions and traffic); the caller's own tenants only, unless it is the daemon's user or
+    root."""
+    with connect_daemon(options) as client:
+        record = client.stats()
+        minor = client.daemon_minor
+    if minor < TENANTS_MINOR:
+        raise NotSupportedError(
+            f"the daemon speaks protocol minor {minor}; per-tenant figures need minor "
+            f"{TENANTS_MINOR} (upgrade kvtierd)"
+        )
+    tenants = tenants_record(record)
+    return show(options, lambda: tenants, lambda: tenants_view(tenants))
 
 
 def ls(options: CommandOptions) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "namespaces_view",
     "stats_view",
     "status_view",
+    "tenants_view",
     "top_state_line",
     "top_view",
 ]
@@ -269,6 +270,30 @@ def stats_view(stats: Stats) -> RenderableType:
         _BLANK,
         _facts(stats),
     )
+
+
+def tenants_view(record: Mapping[str, Any]) -> RenderableType:
+    """``stats --tenants``: one row per DRAM region's tenant (its namespaces, blocks and
+    traffic are in ``--json``)."""
+    tenants = record["tenants"]
+    if not tenants:
+        return Text("no tenants reported")
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    table.add_column("tenant", overflow="ellipsis", no_wrap=True)
+    for column in ("dram", "fill", "nvme", "hits", "misses", "evicted"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for t in tenants:
+        table.add_row(
+            str(t["tenant"]),
+            f"{format_bytes(int(t['dram_used_bytes']))} of "
+            f"{format_bytes(int(t['dram_capacity_bytes']))}",
+            format_ratio(t["dram_fill"]),
+            format_bytes(int(t["nvme_used_bytes"])),
+            format_ratio(t["hit_ratio"]),
+            _count(t["misses"]),
+            _count(t["dram_evictions"]),
+        )
+    return table
 
 
 def top_state_line(state: TopState, socket: Path, reason: str | None) -> Text:

@@ -79,6 +79,7 @@ __all__ = [
     "ReleaseRequest",
     "StatfsReply",
     "StatfsRequest",
+    "TenantStatistics",
     "TierStatistics",
 ]
 
@@ -425,6 +426,26 @@ class TierStatistics(Message, frozen=True):
     bytes_written: int
 
 
+class TenantStatistics(Message, frozen=True):
+    """(minor 11) One DRAM region's tenant (``""``: the region of the tenants not listed) and
+    what its namespaces hold and did since the daemon started."""
+
+    tenant: str
+    namespaces: int
+    dram_blocks: int
+    dram_used_bytes: int
+    dram_capacity_bytes: int
+    nvme_blocks: int
+    nvme_used_bytes: int
+    dram_hits: int
+    nvme_hits: int
+    pool_hits: int
+    misses: int
+    dram_evictions: int
+    bytes_read: int
+    bytes_committed: int
+
+
 class StatfsReply(Message, frozen=True):
     version: str
     uptime_s: float
@@ -464,6 +485,9 @@ class StatfsReply(Message, frozen=True):
     bytes_since_checkpoint: int = 0
     #: The longest the event loop was held by one slice of a checkpoint's copy, in seconds.
     checkpoint_longest_slice_s: float = 0.0
+    #: (minor 11) Each DRAM region's tenant: every region for the admin, the caller's listed
+    #: tenants' for a tenant (``scope = "tenant"``).
+    tenants: list[TenantStatistics] = []
 
 
 class PoolStatusRequest(Message, frozen=True):
@@ -579,16 +603,19 @@ OPCODE_OF: Final[dict[type[Message], Opcode]] = {
     **{cls: op for op, cls in REPLY_TYPES.items()},
 }
 
-#: Reply structs that grew after minor 6 (the oldest client a daemon serves): struct -> (the
-#: minor that appended fields, how many it had before). A peer of an older minor is sent the
-#: struct without them.
-APPENDED: Final[dict[type[Message], tuple[int, int]]] = {
-    NamespaceInfo: (7, 9),
-    StatfsReply: (9, 22),  # the disk tier's checkpoints
+#: Reply structs that grew after minor 6 (the oldest client a daemon serves): struct -> each
+#: (minor that appended fields, how many it had before), oldest first. A peer of an older
+#: minor is sent the struct without them.
+APPENDED: Final[dict[type[Message], tuple[tuple[int, int], ...]]] = {
+    NamespaceInfo: ((7, 9),),
+    StatfsReply: (
+        (9, 22),  # the disk tier's checkpoints
+        (11, 27),  # the tenants
+    ),
 }
 #: The bodies that hold such a struct (or are one), and the newest minor that appended any.
 _HOLDERS: Final[frozenset[type[Message]]] = frozenset({ListNsReply, StatfsReply})
-_NEWEST_APPENDED: Final = max(since for since, _ in APPENDED.values())
+_NEWEST_APPENDED: Final = max(since for steps in APPENDED.values() for since, _ in steps)
 #: Request structs that grew after minor 6: struct -> how many fields it had before. The
 #: appended fields are sent only up to the last one that differs from its default, so a
 #: request that does not use them is the bytes an older daemon decodes (minor 10:
@@ -626,8 +653,11 @@ def _as_of(value: Any, minor: int) -> Any:
     """``value`` as arrays of the fields a peer of ``minor`` knows (the bytes of the struct)."""
     if isinstance(value, Message):
         fields = msgspec.structs.astuple(value)
-        since, before = APPENDED.get(type(value), (0, len(fields)))
-        return [_as_of(v, minor) for v in (fields if minor >= since else fields[:before])]
+        known = next(
+            (before for since, before in APPENDED.get(type(value), ()) if minor < since),
+            len(fields),
+        )
+        return [_as_of(v, minor) for v in fields[:known]]
     if isinstance(value, list):
         return [_as_of(v, minor) for v in value]
     return value

@@ -46,7 +46,12 @@ from kvtierd.errors import BusyError
 from kvtierd.io import BindingVerdict
 from kvtierd.nixl.export import NIXL_OFF, NixlReads
 from kvtierd.pool.link import PoolLink
-from kvtierd.protocol.messages import PoolStatusReply, StatfsReply, TierStatistics
+from kvtierd.protocol.messages import (
+    PoolStatusReply,
+    StatfsReply,
+    TenantStatistics,
+    TierStatistics,
+)
 from kvtierd.server import heap
 from kvtierd.server.accepting import Entrance, listen_unix, refuse, serve_connections
 from kvtierd.server.admission import make_room, slot_limits
@@ -66,6 +71,7 @@ from kvtierd.store.counts import StoreStatistics
 from kvtierd.store.index import Block
 from kvtierd.store.lifecycle import arena_bytes
 from kvtierd.store.namespaces import PeerCredentials
+from kvtierd.store.reports import TenantFigures
 from kvtierd.store.store import BlockStore
 
 __all__ = ["Daemon", "serve_daemon"]
@@ -90,11 +96,13 @@ _STORE_FIELDS = tuple(
 def _statfs(
     figures: StoreStatistics,
     sessions: Collection[Session],
+    tenants: Sequence[TenantFigures],
     *,
     uptime_s: float,
     requests: int,
 ) -> StatfsReply:
-    """STATFS: the store's ``figures`` and what ``sessions`` hold (leases, writes)."""
+    """STATFS: the store's ``figures``, what ``sessions`` hold (leases, writes) and the
+    ``tenants``' figures."""
     taken = figures.checkpoints
     checkpoints: dict[str, Any] = {}
     if taken is not None:
@@ -116,6 +124,27 @@ def _statfs(
         tiers=[TierStatistics(**dataclasses.asdict(tier)) for tier in figures.tiers],
         **{name: getattr(figures, name) for name in _STORE_FIELDS},
         **checkpoints,
+        tenants=[_tenant_statistics(t) for t in tenants],
+    )
+
+
+def _tenant_statistics(t: TenantFigures) -> TenantStatistics:
+    c = t.counts
+    return TenantStatistics(
+        tenant=t.tenant or "",
+        namespaces=t.namespaces,
+        dram_blocks=t.dram_blocks,
+        dram_used_bytes=t.dram_used_bytes,
+        dram_capacity_bytes=t.dram_capacity_bytes,
+        nvme_blocks=t.nvme_blocks,
+        nvme_used_bytes=t.nvme_used_bytes,
+        dram_hits=c.dram_hits,
+        nvme_hits=c.lower_hits,
+        pool_hits=c.pool_hits,
+        misses=c.misses,
+        dram_evictions=c.dram_evictions,
+        bytes_read=c.bytes_read,
+        bytes_committed=c.bytes_committed,
     )
 
 
@@ -163,11 +192,18 @@ class Daemon:
         if figures is None:
             figures = self.store.statistics(peer)
         uptime_s = time.monotonic() - self.started
+        tenants = self.store.tenant_statistics()
         if peer is None:
-            return _statfs(figures, self.sessions, uptime_s=uptime_s, requests=self.requests)
+            return _statfs(
+                figures, self.sessions, tenants, uptime_s=uptime_s, requests=self.requests
+            )
+        registry = self.store.registry
+        own_tenants = [
+            t for t in tenants if t.tenant is not None and registry.may_use(t.tenant, peer)
+        ]
         own = self.sessions_of_uid.get(peer.uid, set())
         requests = sum(s.requests for s in own)
-        return _statfs(figures, own, uptime_s=uptime_s, requests=requests)
+        return _statfs(figures, own, own_tenants, uptime_s=uptime_s, requests=requests)
 
     def pool_status(self) -> PoolStatusReply:
         """Where this daemon stands with the pool, every figure (the admin's POOL_STATUS and

@@ -27,6 +27,7 @@ class TenantFigures:
     namespaces hold in each tier and did, since the daemon started."""
 
     tenant: str | None
+    namespaces: int
     dram_blocks: int
     dram_used_bytes: int
     dram_capacity_bytes: int
@@ -48,6 +49,7 @@ def tenant_figures(residency: Residency) -> tuple[TenantFigures, ...]:
         figures.append(
             TenantFigures(
                 tenant=region.tenant,
+                namespaces=len(namespaces),
                 dram_blocks=sum(ns.dram_blocks for ns in namespaces),
                 dram_used_bytes=region.allocator.used_bytes,
                 dram_capacity_bytes=region.allocator.capacity,

@@ -179,6 +179,29 @@ def test_stats_json_has_tier_counters_and_derived_ratios(
         assert {"used_bytes", "capacity_bytes", "evictions", "bytes_read"} <= set(tier)
 
 
+def test_stats_by_tenant(daemon: DaemonProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    keys = _put(daemon, "by-tenant", 4)
+    with connect(daemon.socket) as client:
+        ns = client.namespace("by-tenant", block_bytes=BLOCK)
+        ns.read_into(keys[:3], [bytearray(BLOCK) for _ in range(3)])
+        with pytest.raises(KeyError):
+            ns.read_into([bytes(16)], [bytearray(BLOCK)])
+    [row] = _ctl_json(capsys, daemon, "stats", "--tenants")["tenants"]  # no [[tenants]]: one
+    assert row["tenant"] == "(unlisted)"
+    assert (row["namespaces"], row["dram_blocks"], row["dram_hits"], row["misses"]) == (1, 4, 3, 1)
+    assert row["bytes_committed"] == 4 * BLOCK
+    assert row["dram_fill"] == row["dram_used_bytes"] / row["dram_capacity_bytes"] > 0
+    assert row["hit_ratio"] == pytest.approx(3 / 4)
+    status, out = _ctl(capsys, daemon, "stats", "--tenants")
+    assert status == 0
+    assert "(unlisted)" in out
+    assert "75.0%" in out  # the hit ratio (hits of READ blocks)
+    with pytest.raises(SystemExit) as usage:
+        main(["--socket", str(daemon.socket), "stats", "--tenants", "--namespace", "x"])
+    assert usage.value.code == 2
+    assert "--tenants and --namespace exclude each other" in capsys.readouterr().err
+
+
 def test_stats_for_people_shows_both_tiers(
     shared: DaemonProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,6 +1,7 @@
-"""STATFS's checkpoint fields (minor 9) go only to clients that know them: a client whose INIT
-said minor 6 to 8 gets the 22 fields it decodes (it refuses a longer array), and a reply of an
-older daemon decodes with the defaults."""
+"""STATFS's checkpoint fields (minor 9) and tenants (minor 11) go only to clients that know
+them: a client whose INIT said minor 6 to 8 gets the 22 fields it decodes (it refuses a longer
+array), one of minor 9 or 10 the 27, and a reply of an older daemon decodes with the
+defaults."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kvtierd.protocol.frames import MIN_CLIENT_MINOR, PROTOCOL_MINOR
 from kvtierd.protocol.messages import (
     StatfsReply,
     StatfsRequest,
+    TenantStatistics,
     TierStatistics,
 )
 from tests.protocol.peers import reply_body_to
@@ -21,8 +23,10 @@ _REPLY = StatfsReply(
     "host", 0, 0, 0, 0,
     checkpoints="on", checkpoints_written=2, checkpoint_age_s=1.5,
     bytes_since_checkpoint=4096, checkpoint_longest_slice_s=0.002,
+    tenants=[TenantStatistics("alpha", 1, 2, 8192, 1 << 20, 3, 12288, 4, 5, 0, 1, 2, 16384, 8192)],
 )  # fmt: skip
 _BEFORE_MINOR_9 = 22
+_BEFORE_MINOR_11 = 27
 
 
 def _statfs_reply_to(minor: int) -> bytes:
@@ -45,6 +49,7 @@ def test_an_older_client_gets_statfs_without_the_checkpoint_fields(minor: int) -
         checkpoint_age_s=-1.0,
         bytes_since_checkpoint=0,
         checkpoint_longest_slice_s=0.0,
+        tenants=[],
     )
 
 
@@ -53,3 +58,17 @@ def test_a_minor_9_client_gets_the_checkpoint_fields() -> None:
     body = _statfs_reply_to(PROTOCOL_MINOR)
     assert len(msgspec.msgpack.decode(body)) == len(msgspec.structs.fields(StatfsReply))
     assert msgspec.msgpack.decode(body, type=StatfsReply) == _REPLY
+
+
+@pytest.mark.parametrize("minor", [9, 10])
+def test_a_minor_9_or_10_client_gets_statfs_without_the_tenants(minor: int) -> None:
+    fields = msgspec.msgpack.decode(_statfs_reply_to(minor))
+    assert len(fields) == _BEFORE_MINOR_11
+    decoded = msgspec.msgpack.decode(_statfs_reply_to(minor), type=StatfsReply)
+    assert decoded == msgspec.structs.replace(_REPLY, tenants=[])
+
+
+def test_a_minor_11_client_gets_the_tenants() -> None:
+    assert PROTOCOL_MINOR >= 11
+    decoded = msgspec.msgpack.decode(_statfs_reply_to(11), type=StatfsReply)
+    assert decoded.tenants == _REPLY.tenants
