@@ -110,8 +110,7 @@ class _Pool:
     page_shape: tuple[int, ...]  # ... and its shape and dtype, which the pool's page copy takes
     page_dtype: torch.dtype
     page_size: int  # tokens per page: ``host_indices`` holds this many per key
-    layout: str
-    dtype: str
+    namespace: str  # its namespace's name, checked at registration
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,8 +177,9 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Keep SGLang's host pool for the ``_v1`` calls. A layout whose pages
-        ``get_data_page`` cannot address raises ``ValueError`` here, when SGLang attaches the
-        backend, not later in its prefetch thread."""
+        ``get_data_page`` cannot address, or a namespace name past kvtierd's bound (a long
+        model name), raises ``ValueError`` here, when SGLang attaches the backend, not later in
+        its prefetch thread."""
         layout = str(getattr(mem_pool_host, "layout", ""))
         if layout not in _PAGE_LAYOUTS:
             raise ValueError(
@@ -189,6 +189,8 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         # Sized once: the pool's dummy page is a fresh zeroed tensor on every call (0.3-19 ms
         # under load here, up to a third of a warm batch_get_v1 of 64 pages).
         page = mem_pool_host.get_dummy_flat_data_page()
+        dtype = str(mem_pool_host.dtype).removeprefix("torch.")
+        namespace_name(self.identity, layout=layout, dtype=dtype)  # ValueError now, not later
         self._pool_page_bytes = page.numel() * page.element_size()
         self.mem_pool_host = mem_pool_host
 
@@ -279,8 +281,8 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """Keep one of a hybrid model's host pools (the KV anchor, Mamba, sliding-window,
         indexer, draft...) for the ``_v2`` calls: its pages go to a namespace of their own.
         A pool this backend cannot serve raises ``ValueError`` here, when SGLang attaches the
-        backend, not in its prefetch thread: DeepSeek V4's compressed pools, and a host pool
-        without SGLang's page calls."""
+        backend, not in its prefetch thread: DeepSeek V4's compressed pools, a host pool
+        without SGLang's page calls, a namespace name past kvtierd's bound."""
         name = _pool_name(host_pool_name)
         if name.startswith(_UNSERVED_POOL_PREFIX):
             raise ValueError(
@@ -296,6 +298,8 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 f"host pool of {name!r} ({type(host_pool).__name__}) lacks {', '.join(lacking)}"
             )
         page = host_pool.get_dummy_flat_data_page()
+        layout = str(getattr(host_pool, "layout", "flat"))
+        dtype = str(getattr(host_pool, "dtype", page.dtype)).removeprefix("torch.")
         self._pools[name] = _Pool(
             name=name,
             host=host_pool,
@@ -303,8 +307,8 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             page_shape=tuple(page.shape),
             page_dtype=page.dtype,
             page_size=int(getattr(host_pool, "page_size", 1) or 1),
-            layout=str(getattr(host_pool, "layout", "flat")),
-            dtype=str(getattr(host_pool, "dtype", page.dtype)).removeprefix("torch."),
+            # ValueError here, at attach, for a name past kvtierd's bound (a long model name)
+            namespace=namespace_name(self.identity, layout=layout, dtype=dtype, pool=name),
         )
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
@@ -325,8 +329,7 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _v2_namespace(self, session: Session, pool: _Pool) -> Namespace:
         if self._is_anchor(pool):
             return self._pool_namespace(session)
-        name = namespace_name(self.identity, layout=pool.layout, dtype=pool.dtype, pool=pool.name)
-        return session.namespace(NamespaceSpec(name, block_bytes=pool.page_bytes))
+        return session.namespace(NamespaceSpec(pool.namespace, block_bytes=pool.page_bytes))
 
     def batch_exists_v2(
         self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None

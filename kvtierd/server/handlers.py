@@ -176,14 +176,15 @@ async def lookup(ctx: RequestContext, header: RequestHeader, msg: LookupRequest)
 
 
 def lookup_now(ctx: RequestContext, header: RequestHeader, msg: LookupRequest) -> Message:
-    """LOOKUP answered at once: a few keys (no more than the lane answers inline) on this
-    host's tiers, which the session answers from the socket's readiness callback; raises
-    :class:`anyio.WouldBlock`, having done nothing, for one that would wait (a TP group's on
-    the pool, or a long chain that takes its turn on the lane): :func:`lookup` serves those.
-    A plain function, not a coroutine: the callback calls it for every LOOKUP it answers."""
+    """LOOKUP answered at once: a few keys (no more than the lane answers inline, counted once per
+    rank of the namespace's TP group) on this host's tiers, which the session answers from the
+    socket's readiness callback; raises :class:`anyio.WouldBlock`, having done nothing, for one that
+    would wait (a TP group's on the pool, or a long chain that takes its turn on the lane):
+    :func:`lookup` serves those. A plain function, not a coroutine: the callback calls it for every
+    LOOKUP it answers."""
     store = ctx.store
     ns = _namespace(ctx, header)
-    if len(msg.keys) > store.lane.inline_items:
+    if store.lookup_work(ns, msg.keys) > store.lane.inline_items:  # keys times ranks
         raise anyio.WouldBlock
     if msg.each:
         hits, tiers = store.lookup_each(ns, msg.keys, promote=msg.promote)

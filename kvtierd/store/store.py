@@ -32,7 +32,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from typing import TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
@@ -56,6 +57,7 @@ from kvtierd.store.writes import Writes
 __all__ = ["BlockStore"]
 
 log = logging.getLogger("kvtierd.store")
+T = TypeVar("T")
 #: Background promotions running at once.
 _PROMOTERS = 8
 #: Background promotions of a region, all promoters together, read at most this share of its
@@ -131,17 +133,7 @@ class BlockStore:
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True
     ) -> tuple[int, bytes]:
         """Hits for ``ns``'s whole TP group, and the tier of each hit of ``ns``'s own share."""
-        self.prefetcher.on_lookup(ns, keys)
-        own, cold = self._leading_usable(ns, keys)
-        if ns.spec.world_size > 1:
-            hits = len(own)
-            for member in self.registry.group(ns):
-                if member is None:
-                    return 0, b""
-                if member is not ns:
-                    hits = min(hits, len(self._leading_usable(member, keys[:hits])[0]))
-            del own[hits:]
-        return self._answer(ns, keys, own, cold, promote)
+        return _run_steps(self._lookup_steps(ns, keys, promote))
 
     def lookup_each(
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True
@@ -149,17 +141,74 @@ class BlockStore:
         """LOOKUP with ``each``: the leading hits, and a tier code for every key
         (``ServedBy.MISS`` for one not stored) in this host's tiers, for ``ns``'s whole TP
         group; with ``promote``, every hit not in DRAM starts moving up."""
+        return _run_steps(self._lookup_each_steps(ns, keys, promote))
+
+    def lookup_work(self, ns: Namespace, keys: list[bytes]) -> int:
+        """What a LOOKUP of ``keys`` on ``ns`` may probe at most: every key on every rank of
+        its TP group (the caller decides from it whether to answer at once)."""
+        return len(keys) * ns.spec.world_size
+
+    async def lookup_in_turn(
+        self, ns: Namespace, keys: list[bytes], *, promote: bool = True, each: bool = False
+    ) -> tuple[int, bytes]:
+        """:meth:`lookup` (:meth:`lookup_each` with ``each``) in its turn on the lane, when it
+        may probe more than the lane's ``inline_items`` (keys times the TP group's ranks): it
+        waits for the bulk work before it, and pauses between the ranks it asks, so that a
+        LOOKUP on a wide group is many short steps, not one long one; a few are answered at
+        once."""
+        steps = (self._lookup_each_steps if each else self._lookup_steps)(ns, keys, promote)
+        if self.lookup_work(ns, keys) <= self.lane.inline_items:  # the lane would not slice it
+            return _run_steps(steps)
+        async with self.lane.walk(self.lookup_work(ns, keys)) as walk:
+            await walk.pause()
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    answer: tuple[int, bytes] = done.value
+                    return answer
+                await walk.pause()
+
+    def _lookup_steps(
+        self, ns: Namespace, keys: list[bytes], promote: bool
+    ) -> Generator[None, None, tuple[int, bytes]]:
+        """:meth:`lookup`, yielding between the ranks of the TP group it asks (the keys still
+        hit only); the answer is taken fresh after the last one."""
+        self.prefetcher.on_lookup(ns, keys)
+        own, cold = self._leading_usable(ns, keys)
+        if ns.spec.world_size == 1:
+            return self._answer(ns, keys, own, cold, promote)
+        hits = len(own)
+        for member in self.registry.group(ns):
+            if member is None:
+                return 0, b""
+            if member is not ns and hits:
+                yield
+                hits = min(hits, len(self._leading_usable(member, keys[:hits])[0]))
+        own, cold = self._leading_usable(ns, keys[:hits])  # fresh: blocks may have gone since
+        return self._answer(ns, keys, own, cold, promote)
+
+    def _lookup_each_steps(
+        self, ns: Namespace, keys: list[bytes], promote: bool
+    ) -> Generator[None, None, tuple[int, bytes]]:
+        """:meth:`lookup_each`, yielding between the ranks of the TP group it asks (each asked
+        only for the keys still found); the answer is taken fresh after the last one."""
         self.prefetcher.on_lookup(ns, keys)
         found = self._usable_each(ns, keys)
         if ns.spec.world_size > 1:
+            still = [i for i, b in enumerate(found) if b is not False]
             for member in self.registry.group(ns):
                 if member is None:
-                    found = [False] * len(keys)
+                    still = []
                     break
-                if member is not ns:
-                    theirs = self._usable_each(member, keys)
-                    pairs = zip(found, theirs, strict=True)
-                    found = [b if t is not False else False for b, t in pairs]
+                if member is not ns and still:
+                    yield
+                    theirs = self._usable_each(member, [keys[i] for i in still])
+                    still = [i for i, t in zip(still, theirs, strict=True) if t is not False]
+            found = [False] * len(keys)
+            fresh = self._usable_each(ns, [keys[i] for i in still])  # blocks may have gone since
+            for i, b in zip(still, fresh, strict=True):
+                found[i] = b
         codes = bytes(
             ServedBy.MISS if b is False else ServedBy.NVME if b is True else b.nearest
             for b in found
@@ -181,20 +230,6 @@ class BlockStore:
             False if isinstance(b, Block) and b.dram is None and b.lower is None else b
             for b in found
         ]
-
-    async def lookup_in_turn(
-        self, ns: Namespace, keys: list[bytes], *, promote: bool = True, each: bool = False
-    ) -> tuple[int, bytes]:
-        """:meth:`lookup` (:meth:`lookup_each` with ``each``), of more keys than the lane's
-        ``inline_items``, in its turn on the lane: such a LOOKUP is one step of a few ms (8192
-        keys: about 5 ms), so it waits for the bulk work before it and only one runs per turn of
-        the loop, daemon-wide; a few keys are answered at once."""
-        answer = self.lookup_each if each else self.lookup
-        if len(keys) <= self.lane.inline_items:  # the lane would not slice it: skip the walk
-            return answer(ns, keys, promote=promote)
-        async with self.lane.walk(len(keys)) as walk:
-            await walk.pause()
-            return answer(ns, keys, promote=promote)
 
     async def lookup_group(
         self, ns: Namespace, keys: list[bytes], *, promote: bool = True
@@ -600,3 +635,13 @@ def _each_once(
     for item in items:
         first.setdefault(id(item[0]), item)
     return list(first.values())
+
+
+def _run_steps(steps: Generator[None, None, T]) -> T:
+    """Run a generator of steps to its end, at once; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: T = done.value
+            return result

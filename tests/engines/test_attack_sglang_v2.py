@@ -311,3 +311,19 @@ def test_one_cache_salt_under_two_kvtierd_tenants_never_meets(tmp_path: Path) ->
         for store in (alpha, beta, reader):
             store.close()
         unharmed(daemon)
+
+
+def test_a_host_pool_whose_kv_namespace_name_is_too_long_is_refused_at_attach(
+    daemon: DaemonProcess,
+) -> None:
+    """The ``_v1`` path's namespace is named from the host pool's layout and dtype, which the
+    constructor does not know: a longer layout and dtype than it checked push the name past
+    kvtierd's bound, and ``register_mem_pool_host`` says so (not ``batch_exists`` later, in
+    SGLang's prefetch thread)."""
+    store = backend(daemon.socket, config(model_name=_longest_model()))
+    pool = HostPool(2, layout="page_first_direct")
+    pool.dtype = torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="longer than 255 characters"):
+        store.register_mem_pool_host(pool)
+    assert store.batch_exists(hashes(2)) == 0  # nothing registered, nothing raised
+    store.close()
