@@ -159,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(checks)
     backend = config.daemon.runtime.value
     options = {"use_uvloop": True} if backend == "asyncio" and _have_uvloop() else {}
-    serve = partial(serve_daemon, config, startup=checks, io_verdict=verdict)
+    source = f"config {args.config}" if args.config else "the embedded defaults"
+    serve = partial(serve_daemon, config, startup=checks, io_verdict=verdict, source=source)
     try:
         anyio.run(serve, backend=backend, backend_options=options)
     except BaseExceptionGroup as group:

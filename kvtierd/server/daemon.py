@@ -66,6 +66,7 @@ from kvtierd.server.notify import Notifier
 from kvtierd.server.readiness import DaemonPhase, Readiness
 from kvtierd.server.remote import open_remote_listener
 from kvtierd.server.session import Session, peer_credentials, throttle_key
+from kvtierd.server.summary import startup_summary
 from kvtierd.server.throttle import Throttle
 from kvtierd.store.counts import StoreStatistics
 from kvtierd.store.index import Block
@@ -275,7 +276,7 @@ class Daemon:
         :class:`BusyError` when it does not fit. ``direct``: replies may be written to the
         stream's socket directly. The caller then runs it (:meth:`serve`) at once."""
         self._make_room(peer)
-        log.info("connection from %s", peer)
+        log.debug("connection from %s", peer)
         session = Session(self, stream, peer, direct=direct)
         self.sessions.add(session)
         self.sessions_of_uid.setdefault(peer.uid, set()).add(session)
@@ -291,7 +292,10 @@ class Daemon:
             self._forget(session)
             if not self.sessions:
                 self.idle.set()
-            log.info("%s disconnected", session.peer)
+            log.debug(
+                "%s (client %r) disconnected after %d request(s)",
+                session.peer, session.owner.name, session.requests,
+            )  # fmt: skip
 
     def _make_room(self, peer: PeerCredentials) -> None:
         """Return when a new connection of ``peer`` fits in its listener's limits, once the
@@ -370,6 +374,7 @@ async def serve_daemon(
     *,
     startup: Sequence[HostCheck] = (),
     io_verdict: BindingVerdict | None = None,
+    source: str = "",
     task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the daemon until SIGTERM/SIGINT (or cancellation); returns after a clean stop, or
@@ -378,7 +383,8 @@ async def serve_daemon(
 
     ``startup`` is what :func:`kvtierd.server.preflight.check_host` found (kept for
     ``kvtierctl doctor``) and ``io_verdict`` the liburing binding's probe verdict; without it the
-    io backend probes the binding itself.
+    io backend probes the binding itself. ``source`` says where the configuration came from
+    (the start-up summary line names it).
     """
     _tolerate_duplicate_readiness()
     notifier = Notifier()
@@ -425,10 +431,14 @@ async def serve_daemon(
                     if metrics is not None:
                         metrics.observe(daemon)
                     notifier.ready(f"serving on {config.socket_path}")
-                    log.info("kvtierd %s ready on %s", __version__, config.socket_path)
-                    if remote is not None:
-                        kind = "TLS" if remote.tls is not None else "plaintext"
-                        log.info("and on %s for other hosts (%s)", config.remote.listen, kind)
+                    backend = store.io_backend
+                    summary = startup_summary(
+                        config,
+                        source=source,
+                        io_backend=backend.kind.value if backend is not None else "none",
+                        arena_bytes=arena_bytes(config),
+                    )
+                    log.info("%s", summary)
                     task_status.started(daemon)
                     await stop.event.wait()
                     notifier.stopping()

@@ -48,6 +48,8 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from humanfriendly import format_size
+
 from kvtierd.config import TriState
 from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.host import free_hugepage_bytes, shmem_thp_mode
@@ -234,10 +236,13 @@ class Arena:
             raise
         info = ArenaInfo(total, huge_all, locked, prefaulted, resident)
         log.info(
-            "arena: %d MiB (%d MiB private, %d region(s)), hugepages=%s, mlock=%s, prefaulted=%s",
-            total >> 20,
-            private_bytes >> 20,
+            "arena: %s for blocks in %d region(s) and %s of record headers (what --check "
+            "counts), then %s of write-back staging, touched only while blocks wait for "
+            "write-back; hugepages=%s, mlock=%s, prefaulted=%s",
+            format_size(resident - private_bytes, binary=True),
             len(made),
+            format_size(private_bytes, binary=True),
+            format_size(total - resident, binary=True),
             huge_all,
             locked,
             prefaulted,

@@ -70,6 +70,7 @@ __all__ = [
     "StoreBase",
     "arena_bytes",
     "make_policy",
+    "nvme_data_path",
     "open_store",
     "open_store_base",
     "staging_bytes",
@@ -133,6 +134,12 @@ def staging_pages(config: Config) -> int:
 def staging_bytes(config: Config) -> int:
     """The write-back staging memory (lazy: touched only while blocks await write-back)."""
     return config.nvme.staging_bytes if config.nvme.size else 0
+
+
+def nvme_data_path(config: Config) -> Path:
+    """The NVMe tier's data file (or raw device): ``nvme.path``, else ``nvme.data`` in the
+    data directory."""
+    return Path(config.nvme.path) if config.nvme.path else config.data_path / "nvme.data"
 
 
 def arena_bytes(config: Config) -> int:
@@ -306,7 +313,7 @@ async def _open_store_on(
             progress.advance(OpenPhase.OPENING_NVME)
             tier = await stack.enter_async_context(
                 open_nvme_tier(
-                    Path(config.nvme.path) if config.nvme.path else data_dir / "nvme.data",
+                    nvme_data_path(config),
                     config.nvme.size,
                     backend=backend,
                     pages=pages,

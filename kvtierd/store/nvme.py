@@ -811,6 +811,16 @@ async def open_nvme_tier(
             found.source,
             time.monotonic() - started,
         )
+        if held_bytes and found.source != "snapshot":
+            log.warning(
+                "kvtierd did not stop cleanly last time (killed, crashed, or the host lost "
+                "power: no index snapshot of a clean stop was found for %s); its index was "
+                "rebuilt from the %s, and every block FSYNC acknowledged is kept, but blocks "
+                "not yet synced then may be gone: see journalctl -u kvtierd -b -1 for why it "
+                "stopped",
+                path,
+                found.source,
+            )
         # The checkpoints' task is the tier's: whatever ends the tier ends it, and waits for
         # its write (a worker thread syncing this data file) before the file is closed.
         async with anyio.create_task_group() as tasks:

@@ -154,3 +154,46 @@ def test_filling_the_arena_never_hands_out_memory_past_its_end(tmp_path: Path) -
         assert ns.lookup(keys) == 200
         with ns.get(keys[-8:]) as views:
             assert all(v[0] == 192 for v in views)
+
+
+# -- what the journal says (issue 35) ------------------------------------------------------------
+
+
+def test_one_start_up_summary_line_and_no_connection_churn_at_info(tmp_path: Path) -> None:
+    """One line says where the daemon listens, what it holds and which configuration it took
+    (sizes as ``--check`` gives them); connections come and go at DEBUG, not in the journal."""
+    config = '[dram]\nsize = "64M"\n\n[nvme]\nsize = "128M"\n'
+    with DaemonProcess(tmp_path / "d", dram_size=None, nvme_size=None, config_text=config) as d:
+        for _ in range(3):
+            with connect(d.socket, client_name="probe") as client:
+                client.stats()
+        log = d.log()
+    [ready] = [line for line in log.splitlines() if " ready on " in line]
+    assert f"ready on {d.socket} (config {d.directory / 'kvtierd.toml'}): DRAM 64 MiB" in ready
+    assert "NVMe 128 MiB at " in ready
+    assert "I/O io_uring" in ready or "I/O threads" in ready
+    assert "connection from" not in log
+    assert "disconnected" not in log
+
+
+def test_an_unclean_stop_is_said_at_the_next_start_and_a_clean_one_is_not(
+    tmp_path: Path,
+) -> None:
+    unclean = "did not stop cleanly last time"
+    daemon = DaemonProcess(tmp_path / "d").start()
+    try:
+        with connect(daemon.socket) as client:
+            ns = client.namespace("t", block_bytes=4096)
+            ns.put([bytes(16)], [bytes(4096)])
+            client.fsync()
+        daemon.kill()  # kill -9: no snapshot of a clean stop
+        daemon.start()
+        assert daemon.log().count(unclean) == 1
+        with connect(daemon.socket) as client:  # what FSYNC acknowledged is kept
+            ns = client.namespace("t", block_bytes=4096)
+            assert ns.lookup([bytes(16)]) == 1
+        assert daemon.stop() == 0
+        daemon.start()  # after a clean stop: nothing to say
+        assert daemon.log().count(unclean) == 1
+    finally:
+        daemon.kill()
