@@ -112,7 +112,9 @@ class _Reader:
         values: dict[str, Any] = {}
         for key, item in value.items():
             if key not in fields:
-                self.report(_join(path, key), _unknown(key, list(fields)))
+                self.report(
+                    _join(path, key), _unknown(key, list(fields), table=isinstance(item, dict))
+                )
             else:
                 name = fields[key].name
                 values[name] = self.read(fields[key].type, item, _join(path, key))
@@ -189,8 +191,14 @@ def _violation(value: Any, meta: msgspec.Meta, shown: str) -> str | None:
     return f"{shown} is out of range ({limits})"
 
 
-def _unknown(key: str, known: list[str]) -> str:
+def _unknown(key: str, known: list[str], *, table: bool = False) -> str:
+    """Why ``key`` is refused: an unknown key, or (``table``: its value is a table) an unknown
+    section, with the nearest known name."""
     close = difflib.get_close_matches(key, known, n=1)
+    if table:
+        if close:
+            return f"unknown section [{key}] (did you mean [{close[0]}]?)"
+        return f"unknown section [{key}] (known: {', '.join(known)})"
     if close:
         return f'unknown key (did you mean "{close[0]}"?)'
     return f"unknown key (known keys: {', '.join(known)})"

@@ -146,7 +146,13 @@ def test_the_disk_evicts_by_clock_by_default_and_only_the_disk_can(tmp_path: Pat
             "dram.colour: unknown key "
             "(known keys: size, hugepages, mlock, prefault, policy, prefetch_bytes_per_s)",
         ),
-        ("[pol]\nurl = ''\n", 'pol: unknown key (did you mean "pool"?)'),
+        ("[pol]\nurl = ''\n", "pol: unknown section [pol] (did you mean [pool]?)"),
+        ("pol = 5\n", 'pol: unknown key (did you mean "pool"?)'),
+        (
+            "[colour]\nred = 1\n",
+            "colour: unknown section [colour] (known: daemon, dram, nvme, pool, nixl, remote, "
+            "limits, tenants)",
+        ),
         ("dram = 5\n", "dram: expected a table, got 5"),
         ("[tenants]\nname = 'x'\n", "tenants: expected an array of tables, got a table"),
         ("[[tenants]]\nuids = [1]\n", "tenants[0].name: required, but not given"),
