@@ -262,7 +262,7 @@ def _seconds(value: str) -> float:
 def _fields() -> list[tuple[str, str]]:
     """(section, field) for every scalar setting of :class:`Config`."""
     out = []
-    for section in ("daemon", "dram", "nvme", "nixl", "remote", "limits"):
+    for section in ("daemon", "dram", "nvme", "pool", "nixl", "remote", "limits"):
         struct = getattr(Config(), section)
         out += [(section, name) for name in struct.__struct_fields__]
     return out
