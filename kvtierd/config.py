@@ -60,6 +60,7 @@ __all__ = [
     "default_socket_path",
     "load_config",
     "parse_size",
+    "show_size",
 ]
 
 # The accepted spellings; humanfriendly reads the value. It would also take "4 gravy" as 4 GiB
@@ -83,7 +84,7 @@ def parse_size(text: str | int) -> ByteSize:
     return ByteSize(humanfriendly.parse_size(text, binary=True))
 
 
-def _show_size(nbytes: int) -> str:
+def show_size(nbytes: int) -> str:
     """``nbytes`` as a size is written in the configuration: ``1048576`` is ``"1M"``, ``1572864``
     ``"1.5M"``; plain bytes where ``humanfriendly.format_size`` would round (``5000``)."""
     shown = humanfriendly.format_size(nbytes, binary=True)  # "1.5 MiB", "4.88 KiB", "1000 bytes"
@@ -207,7 +208,7 @@ class DaemonConfig(_Section):
 
     field_rules: ClassVar[Mapping[str, FieldRule]] = {
         "max_frame_bytes": lambda n: (
-            None if 4096 <= n <= 64 << 20 else f"{_show_size(n)} is out of range 4K..64M"
+            None if 4096 <= n <= 64 << 20 else f"{show_size(n)} is out of range 4K..64M"
         ),
     }
 
@@ -231,7 +232,7 @@ class DramConfig(_Section):
     prefetch_bytes_per_s: ByteSize = ByteSize(512 << 20)
 
     field_rules: ClassVar[Mapping[str, FieldRule]] = {
-        "size": lambda n: None if n >= 16 << 20 else f"{_show_size(n)} is below the minimum 16M",
+        "size": lambda n: None if n >= 16 << 20 else f"{show_size(n)} is below the minimum 16M",
     }
 
 
@@ -275,18 +276,18 @@ class NvmeConfig(_Section):
         "size": lambda n: (
             None
             if n == 0 or n >= 64 << 20
-            else f"{_show_size(n)} is neither 0 (no disk tier) nor at least 64M"
+            else f"{show_size(n)} is neither 0 (no disk tier) nor at least 64M"
         ),
         "segment_bytes": lambda n: (
             None
             if n >= 1 << 20 and n % 4096 == 0
-            else f"must be a multiple of 4K and at least 1M, not {_show_size(n)}"
+            else f"must be a multiple of 4K and at least 1M, not {show_size(n)}"
         ),
         "read_batch_bytes": lambda n: (
-            None if 4 << 10 <= n <= 256 << 20 else f"{_show_size(n)} is outside 4K..256M"
+            None if 4 << 10 <= n <= 256 << 20 else f"{show_size(n)} is outside 4K..256M"
         ),
         "checkpoint_every_bytes": lambda n: (
-            None if n == 0 or n >= 1 << 20 else f"{_show_size(n)} is neither 0 (none) nor >= 1M"
+            None if n == 0 or n >= 1 << 20 else f"{show_size(n)} is neither 0 (none) nor >= 1M"
         ),
     }
 
@@ -620,7 +621,7 @@ class LimitsConfig(_Section):
 
     field_rules: ClassVar[Mapping[str, FieldRule]] = {
         "max_block_bytes": lambda n: (
-            None if 4096 <= n <= 1 << 30 else f"{_show_size(n)} is out of range 4K..1G"
+            None if 4096 <= n <= 1 << 30 else f"{show_size(n)} is out of range 4K..1G"
         ),
     }
 
@@ -652,8 +653,8 @@ class Config(_Section):
         if self.nvme.size and 2 * self.limits.max_block_bytes > self.nvme.staging_bytes:
             yield ConfigProblem(
                 "limits.max_block_bytes",
-                f"{_show_size(self.limits.max_block_bytes)} exceeds half of nvme.staging_bytes "
-                f"({_show_size(self.nvme.staging_bytes)}): write-back could not stage it",
+                f"{show_size(self.limits.max_block_bytes)} exceeds half of nvme.staging_bytes "
+                f"({show_size(self.nvme.staging_bytes)}): write-back could not stage it",
             )
         if self.remote.listen and not self.nixl.enabled:
             yield ConfigProblem(
@@ -695,8 +696,8 @@ class Config(_Section):
         part = (rest // shares) // page * page if rest > 0 else 0
         if rest < 0:
             raise ValueError(
-                f"the tenants' DRAM ({_show_size(sum(fixed.values()))}) exceeds dram.size "
-                f"({_show_size(total)})"
+                f"the tenants' DRAM ({show_size(sum(fixed.values()))}) exceeds dram.size "
+                f"({show_size(total)})"
             )
         if unsized and part < page:
             raise ValueError(

@@ -134,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
         "evictions and traffic (the caller's own tenants, unless it is root)",
     )
     _json_option(stats)
+    config = add(
+        "config",
+        "The configuration the running daemon took: where from, its digest, and the fields "
+        "that differ from the defaults, as TOML.",
+    )
+    config.add_argument(
+        "--effective", action="store_true", help="every field, defaults included (a whole file)"
+    )
+    _json_option(config)
     top = add("top", "Live statistics with per-interval rates; waits out restarts (Ctrl-C quits).")
     top.add_argument(
         "--interval",
@@ -252,6 +261,8 @@ def _run(args: argparse.Namespace, options: commands.CommandOptions) -> int:
         return ctl_namespaces.list_keys(options, selector=selector, after=after, limit=args.limit)
     if command == "stats" and args.tenants:
         return commands.tenant_stats(options)
+    if command == "config":
+        return commands.configuration(options, effective=args.effective)
     if command in ("stats", "evict") and named is not None:
         run = (
             ctl_namespaces.namespace_stats if command == "stats" else ctl_namespaces.evict_namespace

@@ -37,6 +37,8 @@ from rich.text import Text
 
 from kvtierd import __version__
 from kvtierd.cli.ctl_records import (
+    config_record,
+    config_text,
     namespaces_record,
     not_ready_record,
     stats_record,
@@ -56,6 +58,7 @@ from kvtierd.errors import BrokenConnectionError, NotSupportedError, StartingErr
 
 __all__ = [
     "CommandOptions",
+    "configuration",
     "connect_daemon",
     "doctor",
     "evict",
@@ -161,6 +164,19 @@ def tenant_stats(options: CommandOptions) -> int:
         )
     tenants = tenants_record(record)
     return show(options, lambda: tenants, lambda: tenants_view(tenants))
+
+
+def configuration(options: CommandOptions, *, effective: bool) -> int:
+    """``config``: the running daemon's configuration (admin), the fields that differ from the
+    defaults as TOML (``effective``: every field), after a comment saying where it came from
+    and its digest."""
+    with connect_daemon(options) as client:
+        record = client.configuration()
+    if options.json:
+        print_json(config_record(record))
+        return 0
+    print(config_text(record, effective=effective), end="")
+    return 0
 
 
 def ls(options: CommandOptions) -> int:

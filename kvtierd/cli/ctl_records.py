@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import enum
 import errno
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import tomli_w
 
 __all__ = [
     "Rates",
     "Stats",
     "TierRates",
     "TopState",
+    "config_record",
+    "config_text",
     "error_record",
     "hit_ratio",
     "keys_record",
@@ -86,6 +91,39 @@ def tenants_record(stats: Stats) -> dict[str, Any]:
             }
         )
     return {"tenants": tenants}
+
+
+def config_record(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``config --json``: ``source``, ``digest``, ``changed`` and ``config``, every field as
+    tables (sizes as the file writes them)."""
+    return {
+        "source": record["source"],
+        "digest": record["digest"],
+        "changed": record["changed"],
+        "config": tomllib.loads(record["toml"]),
+    }
+
+
+def config_text(record: Mapping[str, Any], *, effective: bool) -> str:
+    """``config``: a TOML file of the fields that differ from the defaults (``effective``:
+    every field), after comments saying where it came from and its digest."""
+    tables = tomllib.loads(record["toml"])
+    changed = list(record["changed"])
+    if not effective:
+        shown: dict[str, Any] = {}
+        for name in changed:
+            section, _, field = name.partition(".")
+            if field:
+                shown.setdefault(section, {})[field] = tables[section][field]
+            else:
+                shown[section] = tables[section]
+        tables = shown
+    what = "every field" if effective else f"{len(changed)} field(s) not at their defaults"
+    head = (
+        f"# kvtierd's running configuration, from {record['source']}: {what}\n"
+        f"# digest {record['digest']}\n"
+    )
+    return head + ("\n" + tomli_w.dumps(tables) if tables else "")
 
 
 def status_record(socket: Path, stats: Stats) -> dict[str, Any]:

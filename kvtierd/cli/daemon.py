@@ -27,8 +27,10 @@ import anyio
 
 from kvtierd import __version__
 from kvtierd.cli.logs import configure_logging, print_error
+from kvtierd.client import connect
 from kvtierd.config import Config, Runtime, load_config
-from kvtierd.errors import ConfigError, KvtierError
+from kvtierd.config_render import config_digest, differences, load_rendered
+from kvtierd.errors import AccessDeniedError, ConfigError, KvtierError
 from kvtierd.nixl.agent import exit_process, nixl_loaded
 from kvtierd.server.checks import CheckStatus, HostCheck, exit_status, render
 from kvtierd.server.daemon import serve_daemon
@@ -125,6 +127,7 @@ def _main(argv: list[str] | None) -> int:
 def check(args: argparse.Namespace) -> int:
     """``kvtierd --check``: print every check, one line each; the exit status of a start."""
     source = str(args.config) if args.config else "the embedded defaults"
+    config: Config | None = None
     try:
         config = build_config(args)
     except ConfigError as exc:
@@ -135,6 +138,8 @@ def check(args: argparse.Namespace) -> int:
         checks = [valid, *check_host(config, verdict, blame(args), restart=True)]
         checks.append(check_copy_module(CopyHasher().verdict(wait=True)))
     print(render(checks))
+    if config is not None:
+        print(against_running(config))
     status = exit_status(checks)
     failed = sum(c.status is CheckStatus.FAIL for c in checks)
     print(
@@ -143,6 +148,26 @@ def check(args: argparse.Namespace) -> int:
         else f"kvtierd would not start: {failed} problem(s) above (exit status {status})"
     )
     return status
+
+
+def against_running(config: Config) -> str:
+    """What ``config`` changes against the daemon that runs on its socket now (CONFIG): each
+    field that differs, old and new; or why there is nothing to compare."""
+    socket = config.socket_path
+    try:
+        with connect(socket, client_name="kvtierd --check", timeout_s=2.0) as client:
+            running = client.configuration()
+    except AccessDeniedError:
+        return f"running daemon on {socket}: its configuration is shown to root and its own user"
+    except KvtierError as exc:
+        return f"no running daemon to compare with on {socket} ({exc})"
+    where = f"running daemon on {socket} ({running['source']}, digest {running['digest'][:16]})"
+    if running["digest"] == config_digest(config):
+        return f"{where}: runs exactly this configuration"
+    found = differences(load_rendered(running["toml"]), config)
+    lines = [f"  {d.name}: {d.before} -> {d.after}" for d in found]
+    head = f"{where}: this configuration differs in {len(found)} field(s); a restart applies them:"
+    return "\n".join([head, *lines])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -165,6 +165,8 @@ def lookup(ns: int, keys: Sequence[bytes], max_keys: int, promote: bool = True) 
 
 #: The first protocol minor whose daemons answer LOOKUP for each key.
 LOOKUP_EACH_MINOR = 10
+#: The first protocol minor whose daemons answer CONFIG.
+CONFIG_MINOR = 12
 #: LOOKUP's code, with ``each``, of a key that is not stored (``ServedBy.MISS``).
 _MISS = len(TIER_NAMES)
 

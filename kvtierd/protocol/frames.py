@@ -45,8 +45,9 @@ PROTOCOL_VERSION = 1
 #: passes no descriptor, OPEN_NS passes its tenant region's, extents are region offsets, and
 #: a client must say minor >= 6 in INIT; minor 7: the LIST_KEYS opcode and ``NamespaceInfo``'s
 #: counters; minor 8: the NIXL_GRANT and READ_NIXL opcodes; minor 9: STATFS's checkpoint
-#: fields; minor 10: ``LookupRequest.each``; minor 11: STATFS's tenants).
-PROTOCOL_MINOR = 11
+#: fields; minor 10: ``LookupRequest.each``; minor 11: STATFS's tenants; minor 12: the CONFIG
+#: opcode).
+PROTOCOL_MINOR = 12
 #: The oldest client minor a daemon serves: older clients expect the whole arena at INIT.
 MIN_CLIENT_MINOR = 6
 HEADER_BYTES = 32
@@ -85,6 +86,7 @@ class Opcode(enum.IntEnum):
     LIST_KEYS = 18
     NIXL_GRANT = 19
     READ_NIXL = 20
+    CONFIG = 21
 
 
 class FrameFlags(enum.IntFlag):

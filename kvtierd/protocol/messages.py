@@ -36,6 +36,8 @@ __all__ = [
     "AllocRequest",
     "CommitReply",
     "CommitRequest",
+    "ConfigReply",
+    "ConfigRequest",
     "DestroyReply",
     "DestroyRequest",
     "DoctorReply",
@@ -538,6 +540,21 @@ class DoctorReply(Message, frozen=True):
     checks: list[HostCheckRecord]
 
 
+class ConfigRequest(Message, frozen=True):
+    pass
+
+
+class ConfigReply(Message, frozen=True):
+    """(minor 12) The configuration the daemon runs (``kvtierctl config``): where it came from,
+    its digest (SHA-256 hex of its canonical form), every field as a TOML configuration file,
+    and the fields that differ from the daemon's defaults."""
+
+    source: Annotated[str, msgspec.Meta(max_length=4096)]
+    digest: Annotated[str, msgspec.Meta(max_length=64)]
+    toml: str
+    changed: list[Annotated[str, msgspec.Meta(max_length=255)]]
+
+
 class DestroyRequest(Message, frozen=True):
     pass
 
@@ -569,6 +586,7 @@ REQUEST_TYPES: Final[dict[Opcode, type[Message]]] = {
     Opcode.EVICT: EvictRequest,
     Opcode.POOL_STATUS: PoolStatusRequest,
     Opcode.DOCTOR: DoctorRequest,
+    Opcode.CONFIG: ConfigRequest,
     Opcode.READ_RESIDENT: ReadResidentRequest,
     Opcode.LIST_KEYS: ListKeysRequest,
     Opcode.NIXL_GRANT: NixlGrantRequest,
@@ -592,6 +610,7 @@ REPLY_TYPES: Final[dict[Opcode, type[Message]]] = {
     Opcode.EVICT: EvictReply,
     Opcode.POOL_STATUS: PoolStatusReply,
     Opcode.DOCTOR: DoctorReply,
+    Opcode.CONFIG: ConfigReply,
     Opcode.READ_RESIDENT: ReadResidentReply,
     Opcode.LIST_KEYS: ListKeysReply,
     Opcode.NIXL_GRANT: NixlGrantReply,

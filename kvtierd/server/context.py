@@ -16,7 +16,7 @@ from typing import Protocol
 
 from kvtierd.config import Config
 from kvtierd.nixl.export import NixlReads
-from kvtierd.protocol.messages import PoolStatusReply, StatfsReply
+from kvtierd.protocol.messages import ConfigReply, PoolStatusReply, StatfsReply
 from kvtierd.server.checks import HostCheck
 from kvtierd.server.throttle import Throttle
 from kvtierd.store.counts import StoreStatistics
@@ -37,6 +37,9 @@ class Reports(Protocol):
     def pool_status(self) -> PoolStatusReply: ...
 
     async def doctor(self) -> Sequence[HostCheck]: ...
+
+    def configuration(self) -> ConfigReply:
+        """The configuration the daemon runs (CONFIG)."""
 
 
 class Timings(Protocol):

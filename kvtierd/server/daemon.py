@@ -42,11 +42,13 @@ from anyio.abc import ByteStream, SocketStream, TaskStatus, UNIXSocketStream
 
 from kvtierd import __version__
 from kvtierd.config import Config
+from kvtierd.config_render import config_digest, differences, render_config
 from kvtierd.errors import BusyError
 from kvtierd.io import BindingVerdict
 from kvtierd.nixl.export import NIXL_OFF, NixlReads
 from kvtierd.pool.link import PoolLink
 from kvtierd.protocol.messages import (
+    ConfigReply,
     PoolStatusReply,
     StatfsReply,
     TenantStatistics,
@@ -161,6 +163,7 @@ class Daemon:
         nixl: NixlReads | None = None,
         *,
         pool: PoolLink[Block] | None = None,
+        source: str = "",
     ) -> None:
         self.config = config
         self.store = store
@@ -179,6 +182,9 @@ class Daemon:
         self.idle = anyio.Event()
         #: Warnings about peers (refused, silent in INIT), at most once a minute per peer.
         self.peer_warnings = Throttle()
+        #: Where the configuration came from, and its digest (CONFIG, ``kvtierd_info``).
+        self.source = source
+        self.config_digest = config_digest(config)
 
     def count_request(self) -> None:
         self.requests += 1
@@ -205,6 +211,12 @@ class Daemon:
         own = self.sessions_of_uid.get(peer.uid, set())
         requests = sum(s.requests for s in own)
         return _statfs(figures, own, own_tenants, uptime_s=uptime_s, requests=requests)
+
+    def configuration(self) -> ConfigReply:
+        """CONFIG: the configuration this daemon runs, every field, and what differs from the
+        defaults."""
+        changed = [d.name for d in differences(Config(), self.config)]
+        return ConfigReply(self.source, self.config_digest, render_config(self.config), changed)
 
     def pool_status(self) -> PoolStatusReply:
         """Where this daemon stands with the pool, every figure (the admin's POOL_STATUS and
@@ -422,7 +434,13 @@ async def serve_daemon(
                     timings = metrics.timings if metrics is not None else None
                     store = assembled.store
                     daemon = Daemon(
-                        config, store, startup, timings, assembled.nixl, pool=assembled.pool
+                        config,
+                        store,
+                        startup,
+                        timings,
+                        assembled.nixl,
+                        pool=assembled.pool,
+                        source=source or "unknown (not given to serve_daemon)",
                     )
                     disk = store.disk.health if store.disk is not None else None
                     readiness.serve(str(config.socket_path), disk)

@@ -45,6 +45,9 @@ class Observed(Reports, Protocol):
     @property
     def pool(self) -> PoolLink[Block] | None: ...
 
+    @property
+    def config_digest(self) -> str: ...
+
 
 #: The ``namespace`` label of every namespace not given its own.
 OTHER_NAMESPACE = "other"
@@ -109,6 +112,8 @@ class MetricsSnapshot:
     io: IoStatistics | None = None
     #: Blocks queued for promotion into DRAM, not yet taken by a promoter.
     queued_promotions: int = 0
+    #: The running configuration's digest (SHA-256 hex).
+    config_digest: str = ""
 
 
 class NamespaceLabels:
@@ -213,6 +218,7 @@ def take_snapshot(daemon: Observed, labels: NamespaceLabels) -> MetricsSnapshot:
         tuple((tenant_label(f.tenant), f) for f in daemon.store.tenant_statistics()),
         backend.statistics() if (backend := daemon.store.io_backend) is not None else None,
         daemon.store.queued_promotions,
+        daemon.config_digest,
     )
 
 

@@ -382,6 +382,11 @@ async def doctor(ctx: RequestContext, header: RequestHeader, msg: Message) -> Me
     return DoctorReply([HostCheckRecord(c.subject, c.status.value, c.detail) for c in checks])
 
 
+async def configuration(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
+    _require_admin(ctx, "the running configuration")
+    return ctx.reports.configuration()
+
+
 async def statfs(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:
     if is_admin(ctx):
         return ctx.reports.statistics()
@@ -465,6 +470,7 @@ HANDLERS: dict[int, Handler] = {
     Opcode.POOL_STATUS: pool_status,
     Opcode.READ_RESIDENT: read_resident,
     Opcode.DOCTOR: doctor,
+    Opcode.CONFIG: configuration,
     Opcode.LIST_KEYS: list_keys,
     Opcode.NIXL_GRANT: nixl_grant,
     Opcode.READ_NIXL: read_nixl,

@@ -250,10 +250,12 @@ class SnapshotCollector(Collector):
         yield from self._tiers(snap)
         info = GaugeMetricFamily(
             "kvtierd_info",
-            "Always 1; the labels say the daemon's version and its NVMe I/O backend.",
-            labels=["version", "io_backend"],
+            "Always 1; the labels say the daemon's version, its NVMe I/O backend and the "
+            "digest of the configuration it runs (the first 16 hex digits of kvtierctl "
+            "config's: two daemons with one digest run one configuration).",
+            labels=["version", "io_backend", "config_digest"],
         )
-        info.add_metric([stats.version, stats.io_backend], 1)
+        info.add_metric([stats.version, stats.io_backend, snap.config_digest[:16]], 1)
         yield info
         yield from self._namespaces(snap.namespaces)
         yield from self._tenants(snap.tenants)

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -25,6 +26,8 @@ from kvtierd import __version__
 from kvtierd.cli.ctl import build_parser, main
 from kvtierd.cli.ctl_views import checkpoint_summary
 from kvtierd.client import Layout, chain_keys, connect
+from kvtierd.config import load_config
+from kvtierd.config_render import config_digest
 from tests.support.daemon import DaemonProcess
 
 BLOCK = 16 << 10
@@ -200,6 +203,47 @@ def test_stats_by_tenant(daemon: DaemonProcess, capsys: pytest.CaptureFixture[st
         main(["--socket", str(daemon.socket), "stats", "--tenants", "--namespace", "x"])
     assert usage.value.code == 2
     assert "--tenants and --namespace exclude each other" in capsys.readouterr().err
+
+
+def test_config_shows_what_the_running_daemon_took(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = '[daemon]\nlog_level = "debug"\n\n[dram]\nsize = "48M"\n'
+    with DaemonProcess(tmp_path / "d", dram_size=None, config_text=config) as daemon:
+        status, out = _ctl(capsys, daemon, "config")
+        assert status == 0
+        source = f"config {daemon.directory / 'kvtierd.toml'}"
+        assert out.startswith(
+            f"# kvtierd's running configuration, from {source}: 5 field(s) not at their "
+            "defaults\n# digest "
+        )
+        # the changed fields, as a file: the file's and the command line's
+        assert tomllib.loads(out) == {
+            "daemon": {
+                "data_dir": str(daemon.data_dir),
+                "log_level": "debug",
+                "socket": str(daemon.socket),
+            },
+            "dram": {"size": "48M"},
+            "nvme": {"size": "256M"},
+        }
+        status, whole = _ctl(capsys, daemon, "config", "--effective")
+        assert "every field" in whole.splitlines()[0]
+        path = tmp_path / "again.toml"
+        path.write_text(whole)
+        record = _ctl_json(capsys, daemon, "config")
+    again = load_config(path)  # the whole file loads back to what the daemon runs
+    assert (again.dram.size, again.daemon.log_level.value, again.nvme.size) == (
+        48 << 20,
+        "debug",
+        256 << 20,
+    )
+    assert record["changed"] == [
+        "daemon.data_dir", "daemon.log_level", "daemon.socket", "dram.size", "nvme.size",
+    ]  # fmt: skip
+    assert record["config"]["dram"]["size"] == "48M"
+    assert record["digest"] == config_digest(again)
+    assert record["source"] == source
 
 
 def test_stats_for_people_shows_both_tiers(

@@ -292,6 +292,7 @@ def test_tenants_are_told_apart_in_every_figure(tmp_path: Path) -> None:
                 ns.read_into([bytes(16)], [bytearray(4096)])  # beta's
             client.fsync()
             assert client.evict() >= 4
+            digest = client.configuration()["digest"]
         live = scrape_when(
             port,
             lambda s: s.value("kvtierd_tenant_evictions_total", tenant="alpha", tier="dram") >= 3,
@@ -322,6 +323,8 @@ def test_tenants_are_told_apart_in_every_figure(tmp_path: Path) -> None:
     )
     assert live.value("kvtierd_disk_operation_seconds_bucket", le="+Inf") >= 5
     assert live.value("kvtierd_prefetch_queue_blocks") == 0
+    [info] = [dict(ls) for (n, ls) in live.samples if n == "kvtierd_info"]
+    assert info["config_digest"] == digest[:16]  # the configuration kvtierctl config shows
 
 
 def test_namespace_label_is_bounded(stack: Stack) -> None:

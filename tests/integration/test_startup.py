@@ -280,6 +280,25 @@ def test_journal_lines_carry_their_priority(
 # -- kvtierd --check ------------------------------------------------------------------------
 
 
+def test_check_says_what_differs_from_the_running_daemon(tmp_path: Path) -> None:
+    config = tmp_path / "kvtierd.toml"
+    config.write_text('[daemon]\nlog_level = "debug"\n')
+    with DaemonProcess(tmp_path / "d", dram_size="32M", nvme_size="128M") as daemon:
+        own = ["--socket", str(daemon.socket), "--data-dir", str(daemon.data_dir)]
+        same = _check(tmp_path, *own)
+        changed = _check(tmp_path, *own, "--config", str(config), "--dram-size", "64M")
+    where = f"running daemon on {daemon.socket} (the embedded defaults, digest "
+    assert where in same.stdout
+    assert same.stdout.splitlines()[-2].endswith(": runs exactly this configuration")
+    lines = changed.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(where))
+    assert lines[start].endswith("differs in 2 field(s); a restart applies them:")
+    assert lines[start + 1 : start + 3] == [
+        '  daemon.log_level: "info" -> "debug"',
+        '  dram.size: "32M" -> "64M"',
+    ]
+
+
 def _check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return _kvtierd(tmp_path, "--check", *args)
 
@@ -288,7 +307,8 @@ def test_check_reports_every_subject_and_changes_nothing(tmp_path: Path) -> None
     result = _check(tmp_path)
     assert result.returncode == 0, result.stdout
     lines = result.stdout.splitlines()
-    subjects = [line.split()[1] for line in lines[:-1]]
+    assert lines[-2].startswith(f"no running daemon to compare with on {tmp_path}/kvtierd.sock")
+    subjects = [line.split()[1] for line in lines[:-2]]
     assert subjects == [
         "config", "io_uring", "hugepages", "thp", "mlock", "memory", "data_dir", "nvme",
         "socket", "metrics", "nofile", "pool", "copyhash",

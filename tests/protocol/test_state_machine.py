@@ -78,6 +78,7 @@ _DEFAULTS: dict[Opcode, Message] = {
     Opcode.LIST_KEYS: REQUEST_TYPES[Opcode.LIST_KEYS](1),
     Opcode.NIXL_GRANT: REQUEST_TYPES[Opcode.NIXL_GRANT](),
     Opcode.READ_NIXL: REQUEST_TYPES[Opcode.READ_NIXL]([b"k"]),
+    Opcode.CONFIG: REQUEST_TYPES[Opcode.CONFIG](),
 }
 
 

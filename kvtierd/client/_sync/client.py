@@ -37,8 +37,15 @@ from kvtierd.client.base import (
 )
 from kvtierd.client.blocks import BlockLease, BlockWrite
 from kvtierd.client.reconnect import RECONNECTABLE, Reconnect, gave_up, reopen_namespaces
-from kvtierd.errors import BrokenConnectionError, CorruptBlockError, KvtierError
+from kvtierd.errors import (
+    BrokenConnectionError,
+    CorruptBlockError,
+    KvtierError,
+    NotSupportedError,
+)
 from kvtierd.protocol.messages import (
+    ConfigReply,
+    ConfigRequest,
     DoctorReply,
     DoctorRequest,
     EvictReply,
@@ -143,6 +150,25 @@ class Client(SyncConnection):
         return [
             {"subject": c.subject, "status": c.status, "detail": c.detail} for c in reply.checks
         ]
+
+    def configuration(self) -> dict[str, Any]:
+        """The configuration the daemon runs (admin; CONFIG, minor 12): ``source``, ``digest``
+        (SHA-256 hex), ``toml`` (every field, as a configuration file that loads back to it)
+        and ``changed`` (the fields that differ from the daemon's defaults). Raises
+        :class:`~kvtierd.errors.NotSupportedError` on an older daemon."""
+        if self.daemon_minor < ops.CONFIG_MINOR:
+            raise NotSupportedError(
+                f"the daemon speaks protocol minor {self.daemon_minor}; its configuration needs "
+                f"minor {ops.CONFIG_MINOR} (upgrade kvtierd)"
+            )
+        reply = self._request(ConfigRequest())
+        assert isinstance(reply, ConfigReply)
+        return {
+            "source": reply.source,
+            "digest": reply.digest,
+            "toml": reply.toml,
+            "changed": list(reply.changed),
+        }
 
     def pool_status(self) -> dict[str, Any]:
         """Where the daemon stands with the shared pool (``state`` "none" without one)."""
