@@ -143,6 +143,10 @@ def _scratch_root(tmp_path: Path, *, kvtierd_at: str | None, drop_in: str = "") 
     if drop_in:
         (system / "kvtierd.service.d").mkdir()
         (system / "kvtierd.service.d" / "override.conf").write_text(drop_in)
+    kill = shutil.which("kill")  # ExecReload='s command, which verify finds in the root too
+    assert kill is not None
+    (root / "usr/bin").mkdir(parents=True, exist_ok=True)
+    shutil.copy(kill, root / "usr/bin/kill")
     if kvtierd_at is not None:
         binary = root / kvtierd_at.lstrip("/")
         binary.parent.mkdir(parents=True, exist_ok=True)

@@ -185,7 +185,14 @@ def run(args: argparse.Namespace) -> int:
     backend = config.daemon.runtime.value
     options = {"use_uvloop": True} if backend == "asyncio" and _have_uvloop() else {}
     source = f"config {args.config}" if args.config else "the embedded defaults"
-    serve = partial(serve_daemon, config, startup=checks, io_verdict=verdict, source=source)
+    serve = partial(
+        serve_daemon,
+        config,
+        startup=checks,
+        io_verdict=verdict,
+        source=source,
+        reread=partial(build_config, args),
+    )
     try:
         anyio.run(serve, backend=backend, backend_options=options)
     except BaseExceptionGroup as group:

@@ -31,7 +31,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from anyio.abc import ByteStream, SocketStream, TaskStatus, UNIXSocketStream
 from kvtierd import __version__
 from kvtierd.config import Config
 from kvtierd.config_render import config_digest, differences, render_config
-from kvtierd.errors import BusyError
+from kvtierd.errors import BusyError, ConfigError
 from kvtierd.io import BindingVerdict
 from kvtierd.nixl.export import NIXL_OFF, NixlReads
 from kvtierd.pool.link import PoolLink
@@ -66,6 +66,7 @@ from kvtierd.server.endpoint import serve_endpoint
 from kvtierd.server.metrics import Metrics, RequestTimings
 from kvtierd.server.notify import Notifier
 from kvtierd.server.readiness import DaemonPhase, Readiness
+from kvtierd.server.reload import Reload, plan_reload
 from kvtierd.server.remote import open_remote_listener
 from kvtierd.server.session import Session, peer_credentials, throttle_key
 from kvtierd.server.summary import startup_summary
@@ -211,6 +212,25 @@ class Daemon:
         own = self.sessions_of_uid.get(peer.uid, set())
         requests = sum(s.requests for s in own)
         return _statfs(figures, own, own_tenants, uptime_s=uptime_s, requests=requests)
+
+    def reload(self, read: Config) -> Reload:
+        """SIGHUP with the configuration just ``read``: the live settings applied
+        (:mod:`kvtierd.server.reload`), what waits for a restart said; the :class:`Reload`."""
+        plan = plan_reload(self.config, read)
+        self.config = plan.config
+        self.config_digest = config_digest(plan.config)
+        logging.getLogger().setLevel(plan.config.daemon.log_level.value.upper())
+        self.store.prefetcher.prefetch_bytes_per_s = plan.config.dram.prefetch_bytes_per_s
+        for d in plan.applied:
+            log.info("SIGHUP: %s %s -> %s", d.name, d.before, d.after)
+        if plan.held:
+            log.warning(
+                "SIGHUP: not applied until a restart: %s",
+                "; ".join(f"{d.name} {d.before} -> {d.after}" for d in plan.held),
+            )
+        if not plan.applied and not plan.held:
+            log.info("SIGHUP: the configuration is unchanged")
+        return plan
 
     def configuration(self) -> ConfigReply:
         """CONFIG: the configuration this daemon runs, every field, and what differs from the
@@ -387,6 +407,7 @@ async def serve_daemon(
     startup: Sequence[HostCheck] = (),
     io_verdict: BindingVerdict | None = None,
     source: str = "",
+    reread: Callable[[], Config] | None = None,
     task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the daemon until SIGTERM/SIGINT (or cancellation); returns after a clean stop, or
@@ -396,7 +417,8 @@ async def serve_daemon(
     ``startup`` is what :func:`kvtierd.server.preflight.check_host` found (kept for
     ``kvtierctl doctor``) and ``io_verdict`` the liburing binding's probe verdict; without it the
     io backend probes the binding itself. ``source`` says where the configuration came from
-    (the start-up summary line names it).
+    (the start-up summary line names it); ``reread`` reads it again, from the same file and
+    flags, for SIGHUP (:mod:`kvtierd.server.reload`; without it a SIGHUP is logged and ignored).
     """
     _tolerate_duplicate_readiness()
     notifier = Notifier()
@@ -424,8 +446,25 @@ async def serve_daemon(
             if metrics is not None:
                 await tg.start(serve_endpoint, config.daemon, metrics)
             stop = _Stop()
+            serving: list[Daemon] = []  # the daemon, once it serves
+
+            async def hangup() -> None:
+                """SIGHUP: read the configuration again, apply what can change live."""
+                if not serving or reread is None:
+                    why = "still starting" if reread is not None else "no way to read it again"
+                    log.warning("SIGHUP ignored: %s", why)
+                    return
+                try:
+                    read = await anyio.to_thread.run_sync(reread)
+                except ConfigError as exc:
+                    log.error("SIGHUP: nothing changed, the configuration is invalid: %s", exc)
+                    return
+                plan = serving[0].reload(read)
+                if metrics is not None:
+                    metrics.relabel(plan.config.daemon)
+
             with anyio.CancelScope() as opening:
-                tg.start_soon(_watch_stop_signals, readiness, stop, opening)
+                tg.start_soon(_watch_stop_signals, readiness, stop, opening, hangup)
                 tg.start_soon(_extend_start_timeout, readiness, notifier)
                 async with open_daemon_store(
                     config, io_verdict=io_verdict, progress=readiness.progress
@@ -457,10 +496,11 @@ async def serve_daemon(
                         arena_bytes=arena_bytes(config),
                     )
                     log.info("%s", summary)
+                    serving.append(daemon)
                     task_status.started(daemon)
                     await stop.event.wait()
                     notifier.stopping()
-                    await _drain(daemon, accepting, config.daemon.shutdown_grace_s)
+                    await _drain(daemon, accepting, daemon.config.daemon.shutdown_grace_s)
             if opening.cancelled_caught:
                 log.info("stopped while starting (%s)", readiness.progress.describe())
             tg.cancel_scope.cancel()
@@ -488,11 +528,14 @@ async def _extend_start_timeout(readiness: Readiness, notifier: Notifier) -> Non
 
 
 async def _watch_stop_signals(
-    readiness: Readiness, stop: _Stop, opening: anyio.CancelScope
+    readiness: Readiness,
+    stop: _Stop,
+    opening: anyio.CancelScope,
+    hangup: Callable[[], Awaitable[None]],
 ) -> None:
     """Until SIGTERM or SIGINT: then ``stopping``; a daemon still starting abandons the
-    opening, a serving one drains (``stop``)."""
-    stop.signal = await _wait_for_stop_signal()
+    opening, a serving one drains (``stop``). Each SIGHUP meanwhile runs ``hangup``."""
+    stop.signal = await _wait_for_stop_signal(hangup)
     starting = readiness.phase is DaemonPhase.STARTING
     readiness.stop()
     if starting:
@@ -508,12 +551,12 @@ class _Stop:
         self.signal: signal.Signals | None = None
 
 
-async def _wait_for_stop_signal() -> signal.Signals:
-    """The first SIGTERM or SIGINT (SIGHUP is logged and ignored)."""
+async def _wait_for_stop_signal(hangup: Callable[[], Awaitable[None]]) -> signal.Signals:
+    """The first SIGTERM or SIGINT; ``hangup`` runs for each SIGHUP before it."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             if signum == signal.SIGHUP:
-                log.warning("SIGHUP: configuration reload is not supported; restart to apply it")
+                await hangup()
                 continue
             log.info("%s: stopping", signal.Signals(signum).name)
             return signal.Signals(signum)

@@ -593,6 +593,11 @@ class Metrics:
         #: The running daemon, once it serves (nothing to snapshot while it starts).
         self._observed: Observed | None = None
 
+    def relabel(self, config: DaemonConfig) -> None:
+        """Which namespaces get series of their own, from ``config`` (a SIGHUP changed
+        ``metrics_namespaces`` or ``metrics_namespace_limit``); the next snapshot uses it."""
+        self.labels = NamespaceLabels(config.metrics_namespaces, config.metrics_namespace_limit)
+
     def observe(self, daemon: Observed) -> None:
         """Take snapshots of ``daemon`` from now on (it serves): the first one now."""
         self._observed = daemon

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -197,3 +199,42 @@ def test_an_unclean_stop_is_said_at_the_next_start_and_a_clean_one_is_not(
         assert daemon.log().count(unclean) == 1
     finally:
         daemon.kill()
+
+
+def test_sighup_applies_what_can_change_live_and_names_what_needs_a_restart(
+    tmp_path: Path,
+) -> None:
+    """The log level changes at once (connection lines appear at DEBUG), a size does not and is
+    named; an invalid file changes nothing; the daemon serves on, DRAM untouched."""
+    config = '[daemon]\nlog_level = "info"\n\n[dram]\nsize = "64M"\n'
+    with DaemonProcess(tmp_path / "d", dram_size=None, config_text=config) as daemon:
+        path = daemon.directory / "kvtierd.toml"
+        with connect(daemon.socket) as client:
+            ns = client.namespace("kept", block_bytes=4096)
+            ns.put([bytes(16)], [bytes(4096)])
+        path.write_text('[daemon]\nlog_level = "debug"\n\n[dram]\nsize = "96M"\n')
+        assert daemon.process is not None
+        daemon.process.send_signal(signal.SIGHUP)
+        _wait_for_line(daemon, "SIGHUP: not applied until a restart")
+        log = daemon.log()
+        assert 'SIGHUP: daemon.log_level "info" -> "debug"' in log
+        assert 'SIGHUP: not applied until a restart: dram.size "64M" -> "96M"' in log
+        with connect(daemon.socket, client_name="after-hup") as client:
+            running = client.configuration()
+            assert client.namespace("kept", block_bytes=4096).lookup_tiers([bytes(16)]) == ["dram"]
+        assert 'log_level = "debug"' in running["toml"]
+        assert 'size = "64M"' in running["toml"]  # held
+        _wait_for_line(daemon, "(client 'after-hup') disconnected")  # DEBUG now
+        path.write_text("[dram]\nsize = 5\n")
+        daemon.process.send_signal(signal.SIGHUP)
+        _wait_for_line(daemon, "SIGHUP: nothing changed, the configuration is invalid")
+        with connect(daemon.socket) as client:
+            assert client.configuration()["digest"] == running["digest"]
+        assert daemon.running
+
+
+def _wait_for_line(daemon: DaemonProcess, text: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in daemon.log():
+        assert time.monotonic() < deadline, daemon.log()[-3000:]
+        time.sleep(0.05)
