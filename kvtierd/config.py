@@ -43,6 +43,7 @@ __all__ = [
     "DaemonConfig",
     "DramConfig",
     "LimitsConfig",
+    "LogFormat",
     "LogLevel",
     "NixlConfig",
     "NvmeConfig",
@@ -121,6 +122,16 @@ class NvmePolicyKind(enum.StrEnum):
     SLSAP = "slsap"
 
 
+class LogFormat(enum.StrEnum):
+    """How log records are written: ``text`` for people; ``json`` (one object a line) or
+    ``logfmt`` (``key=value``) for a log shipper, with the fields a record carries (peer, uid,
+    namespace...). Under the journal every format keeps its priority prefix."""
+
+    TEXT = "text"
+    JSON = "json"
+    LOGFMT = "logfmt"
+
+
 class LogLevel(enum.StrEnum):
     """The least severe log records written; read in any case (``"INFO"`` is ``info``)."""
 
@@ -174,6 +185,7 @@ class DaemonConfig(_Section):
     data_dir: str = ""
     runtime: Runtime = Runtime.ASYNCIO
     log_level: LogLevel = LogLevel.INFO
+    log_format: LogFormat = LogFormat.TEXT
     max_connections: Count = 256
     #: At most this many connections of one peer uid (root and the daemon's own uid included),
     #: so that no single uid can take every connection slot; capped by ``max_connections``.

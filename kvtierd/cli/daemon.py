@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print_error(f"kvtierd: {exc}")  # the file, then one line per problem
         return 2
-    configure_logging(config.daemon.log_level.value)
+    configure_logging(config.daemon.log_level.value, log_format=config.daemon.log_format)
     verdict = probe_io_uring(config, use_cache=True)
     checks = check_host(config, verdict, blame(args))
     if exit_status(checks):

@@ -14,9 +14,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
-__all__ = ["JournalFormatter", "configure_logging", "print_error", "stream_is_journal"]
+import structlog
+
+from kvtierd.config import LogFormat
+
+__all__ = [
+    "JournalFormatter",
+    "StructuredFormatter",
+    "configure_logging",
+    "print_error",
+    "stream_is_journal",
+]
 
 _FORMAT = "%(levelname)s %(name)s: %(message)s"
 
@@ -54,10 +64,50 @@ def stream_is_journal(stream: TextIO) -> bool:
     return bool(inode) and (str(st.st_dev), str(st.st_ino)) == (device, inode)
 
 
-def configure_logging(level: str, stream: TextIO = sys.stderr) -> None:
-    """Log at ``level`` and above to ``stream``, in the journal's form when it is the journal."""
+class StructuredFormatter(structlog.stdlib.ProcessorFormatter):
+    """A record as one JSON object or one logfmt line (structlog renders it): ``timestamp``
+    (UTC, ISO 8601), ``level``, ``logger``, ``event`` (the message), the fields the record was
+    given (``extra=``: ``pid``, ``uid``, ``client``, ``namespace``...), and ``exception`` with
+    the traceback; with ``journal``, the line starts with its priority, as the text does."""
+
+    def __init__(self, log_format: LogFormat, *, journal: bool) -> None:
+        renderer: Any = (
+            structlog.processors.JSONRenderer(sort_keys=False)
+            if log_format is LogFormat.JSON
+            else structlog.processors.LogfmtRenderer(
+                key_order=["timestamp", "level", "logger", "event"], drop_missing=True
+            )
+        )
+        super().__init__(
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+            foreign_pre_chain=[
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.stdlib.add_log_level,
+                structlog.stdlib.add_logger_name,
+                structlog.stdlib.ExtraAdder(),
+            ],
+        )
+        self.journal = journal
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return with_priority(text, record.levelno) if self.journal else text
+
+
+def configure_logging(
+    level: str, stream: TextIO = sys.stderr, log_format: LogFormat = LogFormat.TEXT
+) -> None:
+    """Log at ``level`` and above to ``stream`` in ``log_format``, in the journal's form (its
+    priority first on every line) when it is the journal."""
     handler = logging.StreamHandler(stream)
-    if stream_is_journal(stream):
+    journal = stream_is_journal(stream)
+    if log_format is not LogFormat.TEXT:
+        handler.setFormatter(StructuredFormatter(log_format, journal=journal))
+    elif journal:
         handler.setFormatter(JournalFormatter(_FORMAT))
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s " + _FORMAT))

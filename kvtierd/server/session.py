@@ -496,6 +496,16 @@ class Session:
             "%s from %s (client %r%s) failed: %s: %s",
             opname, self.peer, self.owner.name, where,
             errno.errorcode.get(exc.errno, exc.errno), exc,
+            extra={
+                "opcode": opname,
+                "errno": errno.errorcode.get(exc.errno, str(exc.errno)),
+                "pid": self.peer.pid,
+                "uid": self.peer.uid,
+                "remote": self.peer.remote,
+                "client": self.owner.name,
+                "namespace": ns.spec.name if ns is not None else "",
+                "tenant": ns.spec.tenant if ns is not None else "",
+            },
         )  # fmt: skip
 
     def _tier_of(self, opcode: int, reply: Message | None) -> str:

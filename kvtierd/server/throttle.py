@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 __all__ = ["Throttle"]
 
@@ -56,16 +57,19 @@ class Throttle:
         message: str,
         *args: object,
         exc_info: BaseException | None = None,
+        extra: Mapping[str, object] | None = None,
     ) -> None:
         """Log ``message % args`` at ``level`` unless :meth:`admit` holds it back; the record
-        says how many of ``key`` were held back before it."""
+        says how many of ``key`` were held back before it (and carries ``extra``'s fields and
+        ``held``, for the structured log formats)."""
         held = self.admit(key, time.monotonic())
         if held is None:
             return
         if held:
             message += " (and %d more from %s since its last report, not logged)"
             args = (*args, held, key)
-        logger.log(level, message, *args, exc_info=exc_info)
+        fields = {**(extra or {}), "held": held}
+        logger.log(level, message, *args, exc_info=exc_info, extra=fields)
 
     def _forget_before(self, cutoff_s: float) -> None:
         """Drop the keys reported before ``cutoff_s``: their period is over."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -238,3 +240,24 @@ def _wait_for_line(daemon: DaemonProcess, text: str, timeout_s: float = 30.0) ->
     while text not in daemon.log():
         assert time.monotonic() < deadline, daemon.log()[-3000:]
         time.sleep(0.05)
+
+
+def test_json_logs_carry_the_fields_of_a_failed_request(tmp_path: Path) -> None:
+    config = '[daemon]\nlog_format = "json"\n'
+    with DaemonProcess(tmp_path / "d", config_text=config) as daemon:
+        with connect(daemon.socket, client_name="json-probe") as client:
+            ns = client.namespace("logged", block_bytes=4096)
+            with pytest.raises(KeyError):
+                ns.read_into([bytes(16)], [bytearray(4096)])
+        _wait_for_line(daemon, "json-probe")
+        records = [json.loads(line) for line in daemon.log().splitlines()]
+    failed = next(r for r in records if r.get("errno") == "ENOENT")
+    assert (failed["opcode"], failed["client"], failed["namespace"]) == (
+        "READ",
+        "json-probe",
+        "logged",
+    )
+    assert (failed["pid"], failed["uid"]) == (os.getpid(), os.getuid())
+    assert failed["level"] == "info"
+    assert failed["logger"] == "kvtierd.session"
+    assert any(" ready on " in r["event"] for r in records)
