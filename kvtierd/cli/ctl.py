@@ -342,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         socket=default_socket_path() if args.socket is None else Path(args.socket),
         timeout_s=args.timeout,
         json=getattr(args, "json", False),
-        console=Console(),
+        console=commands.stdout_console(sys.stdout),
         error_console=Console(stderr=True),
     )
     try:

@@ -7,9 +7,13 @@ stdout) and an exit status. ``top`` is :mod:`kvtierd.cli.ctl_top`; the per-names
 are :mod:`kvtierd.cli.ctl_namespaces`.
 
 Results go to stdout, progress and live views to the terminal; ``--json`` prints exactly one
-JSON document on stdout. ``flush`` uses the async client because it must ask two things at once
-on one connection: FSYNC, which returns only when the backlog is durable, and STATFS every
-``interval_s`` to drive its progress bar; the client pipelines both.
+JSON document on stdout. Whether stdout is a terminal is decided once, by
+:func:`stdout_console`: a terminal gets rich's colours and its width, a pipe or a file plain
+lines as wide as they need, without colour, escape codes or trailing blanks.
+
+``flush`` uses the async client because it must ask two things at once on one connection:
+FSYNC, which returns only when the backlog is durable, and STATFS every ``interval_s`` to drive
+its progress bar; the client pipelines both.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TextIO, cast
 
 import anyio
 from rich.console import Console
@@ -66,6 +70,7 @@ __all__ = [
     "show",
     "stats",
     "status",
+    "stdout_console",
     "tenant_stats",
 ]
 
@@ -82,6 +87,56 @@ class CommandOptions:
     json: bool
     console: Console
     error_console: Console
+
+
+#: How wide kvtierctl lays out what it prints when stdout is not a terminal: wider than any line
+#: it prints, so that a row is always one line for grep, cut and awk.
+PIPE_WIDTH = 4096
+
+
+def stdout_console(stream: TextIO) -> Console:
+    """The console results are printed on, for ``stream`` (stdout).
+
+    On a terminal, rich decides as usual (colour, the terminal's width, ``FORCE_COLOR``).
+    Anywhere else: no colour or escape codes whatever the environment says, a layout
+    :data:`PIPE_WIDTH` wide that neither wraps nor pads to ``$COLUMNS``, and no blanks at the
+    end of a line (rich pads each table row to the table's width)."""
+    if stream.isatty():
+        return Console(file=stream)
+    trimmed = cast(IO[str], _TrimmedLines(stream))  # rich only writes, flushes and asks isatty
+    return Console(
+        file=trimmed,
+        width=PIPE_WIDTH,
+        color_system=None,
+        force_terminal=False,
+        soft_wrap=True,
+    )
+
+
+class _TrimmedLines:
+    """A text stream that passes on what is written, less the blanks that end each line. Blanks
+    at the end of a write are held back until the next write shows whether a line ends there."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._blanks = ""
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._stream, "encoding", None) or "utf-8"
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> int:
+        *ended, last = (self._blanks + text).split("\n")
+        kept = last.rstrip(" ")
+        self._blanks = last[len(kept) :]
+        self._stream.write("\n".join([*(line.rstrip(" ") for line in ended), kept]))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 def connect_daemon(options: CommandOptions) -> Client:
