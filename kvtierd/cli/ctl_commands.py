@@ -41,6 +41,7 @@ from rich.text import Text
 
 from kvtierd import __version__
 from kvtierd.cli.ctl_records import (
+    DaemonHealth,
     namespaces_record,
     not_ready_record,
     stats_record,
@@ -56,7 +57,12 @@ from kvtierd.cli.ctl_views import (
     tenants_view,
 )
 from kvtierd.client import AsyncClient, Client, KvtierError, connect, connect_async
-from kvtierd.errors import BrokenConnectionError, NotSupportedError, StartingError
+from kvtierd.errors import (
+    AccessDeniedError,
+    BrokenConnectionError,
+    NotSupportedError,
+    StartingError,
+)
 
 __all__ = [
     "CommandOptions",
@@ -165,14 +171,18 @@ def print_json(document: Any) -> None:
 
 #: ``status``'s exit status while the daemon starts (0 ready, 1 not running or failed).
 STARTING_STATUS = 3
+#: ``status``'s exit status while the daemon serves degraded: a configured pool not attached,
+#: or its disk tier failing.
+DEGRADED_STATUS = 4
 
 
 def status(options: CommandOptions) -> int:
-    """Whether the daemon answers: 0 ready, 3 starting, 1 not; with ``--json`` a ``ready``
-    record in every case."""
+    """Whether the daemon answers and how well it serves: 0 ready, 4 degraded, 3 starting, 1
+    not running; with ``--json`` a ``ready`` record in every case."""
     try:
         with connect_daemon(options) as client:
             record = client.stats()
+            health = daemon_health(client)
     except StartingError as exc:
         phase = str(exc).removeprefix("starting: ")
         if options.json:
@@ -189,11 +199,26 @@ def status(options: CommandOptions) -> int:
             raise
         print_json(not_ready_record(options.socket, str(exc)))
         return 1
-    return show(
+    show(
         options,
-        lambda: status_record(options.socket, record),
-        lambda: status_view(options.socket, record),
+        lambda: status_record(options.socket, record, health),
+        lambda: status_view(options.socket, record, health),
     )
+    return DEGRADED_STATUS if health.degraded else 0
+
+
+def daemon_health(client: Client) -> DaemonHealth:
+    """The pool's state (POOL_STATUS, anyone may ask) and the disk tier's (the DOCTOR report's
+    ``nvme`` line, for the daemon's user and root only: ``None`` for anyone else)."""
+    pool = client.pool_status()
+    try:
+        checks = client.doctor()
+    except AccessDeniedError:
+        disk_failing = None
+    else:
+        failed = (c["detail"] for c in checks if c["subject"] == "nvme" and c["status"] == "fail")
+        disk_failing = next(failed, "")
+    return DaemonHealth(str(pool["state"]), str(pool.get("reason", "")), disk_failing)
 
 
 def stats(options: CommandOptions) -> int:

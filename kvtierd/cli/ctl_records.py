@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "DaemonHealth",
     "Rates",
     "Stats",
     "TierRates",
@@ -88,10 +89,31 @@ def tenants_record(stats: Stats) -> dict[str, Any]:
     return {"tenants": tenants}
 
 
-def status_record(socket: Path, stats: Stats) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class DaemonHealth:
+    """What ``status`` tells besides STATFS: the pool's state and reason (POOL_STATUS: ``none``
+    without a pool) and the disk tier's failing condition (the detail of the DOCTOR report's
+    failed ``nvme`` line; ``""`` while healthy, ``None`` when the report is not the caller's
+    to see: only the daemon's user and root get it)."""
+
+    pool_state: str
+    pool_reason: str
+    disk_failing: str | None
+
+    @property
+    def degraded(self) -> bool:
+        """Serving, but not as configured: the pool not attached, or the disk tier failing
+        (``/ready`` says ``degraded`` then)."""
+        return self.pool_state not in ("none", "attached") or bool(self.disk_failing)
+
+
+def status_record(socket: Path, stats: Stats, health: DaemonHealth) -> dict[str, Any]:
     """``status --json`` when the daemon answered."""
     return {
         "ready": True,
+        "degraded": health.degraded,
+        "pool": {"state": health.pool_state, "reason": health.pool_reason},
+        "disk_failing": health.disk_failing,
         "socket": str(socket),
         "version": stats["version"],
         "uptime_s": stats["uptime_s"],

@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtierd.cli.ctl_records import (
+    DaemonHealth,
     Rates,
     Stats,
     TierRates,
@@ -194,11 +195,17 @@ def doctor_view(checks: Sequence[Mapping[str, str]]) -> RenderableType:
     return table
 
 
-def status_view(socket: Path, stats: Stats) -> RenderableType:
-    """``status``: one headline and the few facts an operator checks first."""
-    headline = Text.assemble(
-        ("● ", "bold green"), f"kvtierd {stats['version']} is running on {socket}"
-    )
+def status_view(socket: Path, stats: Stats, health: DaemonHealth) -> RenderableType:
+    """``status``: one headline (saying why when degraded) and the few facts an operator checks
+    first; the pool's line says its state, and its reason when not attached."""
+    running = f"kvtierd {stats['version']} is running on {socket}"
+    if health.degraded:
+        why = [f"pool {health.pool_state}"] if health.pool_state not in ("none", "attached") else []
+        why += ["disk tier failing"] if health.disk_failing else []
+        headline = Text.assemble(("▲ ", "bold yellow"), (f"{running}, degraded", "bold yellow"))
+        headline.append(f" ({', '.join(why)})")
+    else:
+        headline = Text.assemble(("● ", "bold green"), running)
     connections = _plural(int(stats["connections"]), "connection")
     namespaces = _plural(int(stats["namespaces"]), "namespace")
     rows = [
@@ -206,17 +213,32 @@ def status_view(socket: Path, stats: Stats) -> RenderableType:
         ("io backend", str(stats["io_backend"])),
         ("clients", f"{connections}, {namespaces}"),
     ]
-    for tier in stats["tiers"]:
-        used = format_bytes(int(tier["used_bytes"]))
-        capacity = _capacity(tier)
+    tiers = {str(tier["name"]): tier for tier in stats["tiers"]}
+    for name, tier in tiers.items():
         blocks = _plural(int(tier["blocks"]), "block")
-        rows.append((str(tier["name"]), f"{blocks}, {used} of {capacity} ({_share(tier)})"))
+        used = format_bytes(int(tier["used_bytes"]))
+        if name == "pool":
+            rows.append((name, _pool_summary(health, f"{blocks}, {used}")))
+        else:
+            rows.append((name, f"{blocks}, {used} of {_capacity(tier)} ({_share(tier)})"))
+        if name == "nvme" and health.disk_failing:
+            rows.append(("disk", f"failing: {health.disk_failing}"))
+    if "pool" not in tiers and health.pool_state != "none":
+        rows.append(("pool", _pool_summary(health, "")))
     dirty = _plural(int(stats["dirty_blocks"]), "dirty block")
     dirty_bytes = format_bytes(int(stats["dirty_bytes"]))
     durable = _count(stats["durable_blocks"])
     rows.append(("write-back", f"{dirty} ({dirty_bytes}), {durable} durable"))
     rows.append(("checkpoints", checkpoint_summary(stats)))
     return Group(headline, _key_values(rows))
+
+
+def _pool_summary(health: DaemonHealth, figures: str) -> str:
+    """The pool's line: ``attached, 240 blocks, 21.0 MiB``, or ``local, ... (why)``."""
+    line = ", ".join(part for part in (health.pool_state, figures) if part)
+    if health.pool_state != "attached" and health.pool_reason:
+        line += f" ({health.pool_reason})"
+    return line
 
 
 def checkpoint_summary(stats: Stats) -> str:
