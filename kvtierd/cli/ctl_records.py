@@ -100,11 +100,17 @@ class DaemonHealth:
     pool_reason: str
     disk_failing: str | None
 
+    def problems(self) -> list[str]:
+        """Why the daemon serves degraded, a few words each: ``pool local``, ``disk tier
+        failing``; empty while it is not."""
+        problems = [] if self.pool_state in ("none", "attached") else [f"pool {self.pool_state}"]
+        return [*problems, "disk tier failing"] if self.disk_failing else problems
+
     @property
     def degraded(self) -> bool:
         """Serving, but not as configured: the pool not attached, or the disk tier failing
         (``/ready`` says ``degraded`` then)."""
-        return self.pool_state not in ("none", "attached") or bool(self.disk_failing)
+        return bool(self.problems())
 
 
 def status_record(socket: Path, stats: Stats, health: DaemonHealth) -> dict[str, Any]:

@@ -199,11 +199,9 @@ def status_view(socket: Path, stats: Stats, health: DaemonHealth) -> RenderableT
     """``status``: one headline (saying why when degraded) and the few facts an operator checks
     first; the pool's line says its state, and its reason when not attached."""
     running = f"kvtierd {stats['version']} is running on {socket}"
-    if health.degraded:
-        why = [f"pool {health.pool_state}"] if health.pool_state not in ("none", "attached") else []
-        why += ["disk tier failing"] if health.disk_failing else []
+    if problems := health.problems():
         headline = Text.assemble(("▲ ", "bold yellow"), (f"{running}, degraded", "bold yellow"))
-        headline.append(f" ({', '.join(why)})")
+        headline.append(f" ({', '.join(problems)})")
     else:
         headline = Text.assemble(("● ", "bold green"), running)
     connections = _plural(int(stats["connections"]), "connection")

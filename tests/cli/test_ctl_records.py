@@ -174,21 +174,22 @@ def test_status_records_say_whether_the_daemon_is_ready() -> None:
 
 
 @pytest.mark.parametrize(
-    ("pool_state", "disk_failing", "degraded"),
+    ("pool_state", "disk_failing", "problems"),
     [
-        ("none", "", False),
-        ("attached", "", False),
-        ("attached", None, False),  # the disk tier's state not shown to this caller
-        ("voting", "", True),
-        ("local", "", True),
-        ("none", "data file failing (removed)", True),
-        ("attached", "write-back failing (enospc)", True),
+        ("none", "", []),
+        ("attached", "", []),
+        ("attached", None, []),  # the disk tier's state not shown to this caller
+        ("voting", "", ["pool voting"]),
+        ("local", "", ["pool local"]),
+        ("none", "data file failing (removed)", ["disk tier failing"]),
+        ("local", "write-back failing (enospc)", ["pool local", "disk tier failing"]),
     ],
 )
 def test_the_daemon_is_degraded_while_its_pool_is_not_attached_or_its_disk_fails(
-    pool_state: str, disk_failing: str | None, degraded: bool
+    pool_state: str, disk_failing: str | None, problems: list[str]
 ) -> None:
-    assert DaemonHealth(pool_state, "", disk_failing).degraded is degraded
+    health = DaemonHealth(pool_state, "", disk_failing)
+    assert (health.problems(), health.degraded) == (problems, bool(problems))
 
 
 @pytest.mark.parametrize(("hits", "misses", "expected"), [(0, 0, None), (1, 3, 0.25), (5, 0, 1.0)])
