@@ -25,10 +25,13 @@ import pytest
 
 from kvtierd import __version__
 from kvtierd.cli.ctl import build_parser, main
+from kvtierd.cli.ctl_commands import daemon_health
+from kvtierd.cli.ctl_records import DaemonHealth
 from kvtierd.cli.ctl_views import checkpoint_summary
 from kvtierd.client import Layout, chain_keys, connect
 from kvtierd.testing import free_port
 from tests.support.daemon import DaemonProcess
+from tests.support.uids import client_as, reachable_directory, require_root
 
 BLOCK = 16 << 10
 LAYOUT = Layout(
@@ -225,6 +228,18 @@ def test_status_exits_4_while_the_disk_tier_fails(
     assert code == 4
     assert "degraded (disk tier failing)" in out
     assert re.search(r"\ndisk\s+failing: .*\(removed\)", out), out
+
+
+def test_status_judges_a_user_who_may_not_see_the_host_report_by_the_pool_alone() -> None:
+    """DOCTOR is for the daemon's user and root: for anyone else the disk tier's state is
+    unknown (``None``), not failing, and the pool's state still counts."""
+    require_root()
+    with reachable_directory() as directory:
+        config = '[daemon]\nsocket_mode = "0666"\n'
+        with DaemonProcess(directory, config_text=config) as daemon:
+            health = client_as(4321, 4321, daemon.socket, daemon_health)
+    assert health == DaemonHealth("none", "no pool is configured (pool.url is empty)", None)
+    assert health.degraded is False
 
 
 def test_stats_json_has_tier_counters_and_derived_ratios(
