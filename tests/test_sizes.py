@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.config import _show_size, parse_size
+from kvtierd.config import show_size, parse_size
 
 
 @pytest.mark.parametrize(
@@ -38,9 +38,9 @@ def test_what_humanfriendly_would_guess_at_is_refused(text: str) -> None:
      (1536 << 10, "1.5M"), (5000, "5000"), (64 << 20, "64M"), (1 << 50, "1P")],
 )  # fmt: skip
 def test_a_size_is_shown_as_it_would_be_written(nbytes: int, shown: str) -> None:
-    assert _show_size(nbytes) == shown
+    assert show_size(nbytes) == shown
 
 
 @pytest.mark.parametrize("nbytes", [*range(0, 70_000, 997), 1 << 60, (1 << 30) + 1, 12345 << 20])
 def test_a_shown_size_reads_back_exactly(nbytes: int) -> None:
-    assert parse_size(_show_size(nbytes)) == nbytes
+    assert parse_size(show_size(nbytes)) == nbytes

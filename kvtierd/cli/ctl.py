@@ -7,7 +7,13 @@ Commands: ``status``, ``stats``, ``top``, ``ls``, ``flush``, ``evict``, ``forget
 Exit status: 0 on success; 1 when the daemon is not running, refused the request or failed
 (one line on stderr, never a traceback; with ``--json`` a JSON document on stdout instead:
 ``status --json`` prints ``{"ready": false, ...}``, the other commands ``{"error": ...}``);
-2 for a usage error; 3 when the daemon is still starting; 130 when interrupted.
+2 for a usage error; 3 when the daemon is still starting; 4 from ``status`` while the daemon
+serves degraded (a configured pool not attached, or its disk tier failing); 130 when
+interrupted.
+
+On a terminal, tables fit its width and cut a long name with an ellipsis rather than fold it;
+in a pipe or a file, lines are plain (no colour or escape codes, no trailing blanks) and as
+long as their content (:func:`~kvtierd.cli.ctl_commands.stdout_console`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ __all__ = ["build_parser", "main"]
 
 PROG = "kvtierctl"
 _DEFAULT_TIMEOUT_S = 10.0
+_STATUS_EXITS = (
+    "Exit status: 0 ready, 4 degraded (pool not attached, disk tier failing), 3 starting, "
+    "1 not running."
+)
 
 
 def _positive_float(text: str) -> float:
@@ -116,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect and administer a running kvtierd.",
         parents=[_connection_options(top_level=True)],
         epilog="Exit status: 0 ok, 1 daemon not running or request failed, 2 usage error, "
-        "3 daemon starting.",
+        "3 daemon starting, 4 (status) daemon degraded: its pool not attached or its disk tier "
+        "failing. In a pipe or a file the output is plain: no colour, no trailing blanks, "
+        "every row on one line.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     common = [_connection_options(top_level=False)]
@@ -124,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_text, description=help_text, parents=common)
 
-    _json_option(add("status", "Is the daemon up: version, uptime, io backend, tiers."))
+    status = add("status", "Is the daemon up, degraded or starting: version, tiers, pool.")
+    status.epilog = _STATUS_EXITS
+    _json_option(status)
     stats = add("stats", "The daemon's statistics: tiers, hit ratios, prefetch, backlog.")
     _namespace_options(stats, "one namespace's blocks and counters instead")
     stats.add_argument(
@@ -353,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         socket=default_socket_path() if args.socket is None else Path(args.socket),
         timeout_s=args.timeout,
         json=getattr(args, "json", False),
-        console=Console(),
+        console=commands.stdout_console(sys.stdout),
         error_console=Console(stderr=True),
     )
     try:

@@ -7,9 +7,13 @@ stdout) and an exit status. ``top`` is :mod:`kvtierd.cli.ctl_top`; the per-names
 are :mod:`kvtierd.cli.ctl_namespaces`.
 
 Results go to stdout, progress and live views to the terminal; ``--json`` prints exactly one
-JSON document on stdout. ``flush`` uses the async client because it must ask two things at once
-on one connection: FSYNC, which returns only when the backlog is durable, and STATFS every
-``interval_s`` to drive its progress bar; the client pipelines both.
+JSON document on stdout. Whether stdout is a terminal is decided once, by
+:func:`stdout_console`: a terminal gets rich's colours and its width, a pipe or a file plain
+lines as wide as they need, without colour, escape codes or trailing blanks.
+
+``flush`` uses the async client because it must ask two things at once on one connection:
+FSYNC, which returns only when the backlog is durable, and STATFS every ``interval_s`` to drive
+its progress bar; the client pipelines both.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TextIO, cast
 
 import anyio
 from rich.console import Console
@@ -37,6 +41,7 @@ from rich.text import Text
 
 from kvtierd import __version__
 from kvtierd.cli.ctl_records import (
+    DaemonHealth,
     config_record,
     config_text,
     namespaces_record,
@@ -54,7 +59,12 @@ from kvtierd.cli.ctl_views import (
     tenants_view,
 )
 from kvtierd.client import AsyncClient, Client, KvtierError, connect, connect_async
-from kvtierd.errors import BrokenConnectionError, NotSupportedError, StartingError
+from kvtierd.errors import (
+    AccessDeniedError,
+    BrokenConnectionError,
+    NotSupportedError,
+    StartingError,
+)
 
 __all__ = [
     "CommandOptions",
@@ -69,6 +79,7 @@ __all__ = [
     "show",
     "stats",
     "status",
+    "stdout_console",
     "tenant_stats",
 ]
 
@@ -85,6 +96,56 @@ class CommandOptions:
     json: bool
     console: Console
     error_console: Console
+
+
+#: How wide kvtierctl lays out what it prints when stdout is not a terminal: wider than any line
+#: it prints, so that a row is always one line for grep, cut and awk.
+PIPE_WIDTH = 4096
+
+
+def stdout_console(stream: TextIO) -> Console:
+    """The console results are printed on, for ``stream`` (stdout).
+
+    On a terminal, rich decides as usual (colour, the terminal's width, ``FORCE_COLOR``).
+    Anywhere else: no colour or escape codes whatever the environment says, a layout
+    :data:`PIPE_WIDTH` wide that neither wraps nor pads to ``$COLUMNS``, and no blanks at the
+    end of a line (rich pads each table row to the table's width)."""
+    if stream.isatty():
+        return Console(file=stream)
+    trimmed = cast(IO[str], _TrimmedLines(stream))  # rich only writes, flushes and asks isatty
+    return Console(
+        file=trimmed,
+        width=PIPE_WIDTH,
+        color_system=None,
+        force_terminal=False,
+        soft_wrap=True,
+    )
+
+
+class _TrimmedLines:
+    """A text stream that passes on what is written, less the blanks that end each line. Blanks
+    at the end of a write are held back until the next write shows whether a line ends there."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._blanks = ""
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._stream, "encoding", None) or "utf-8"
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> int:
+        *ended, last = (self._blanks + text).split("\n")
+        kept = last.rstrip(" ")
+        self._blanks = last[len(kept) :]
+        self._stream.write("\n".join([*(line.rstrip(" ") for line in ended), kept]))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 def connect_daemon(options: CommandOptions) -> Client:
@@ -113,14 +174,18 @@ def print_json(document: Any) -> None:
 
 #: ``status``'s exit status while the daemon starts (0 ready, 1 not running or failed).
 STARTING_STATUS = 3
+#: ``status``'s exit status while the daemon serves degraded: a configured pool not attached,
+#: or its disk tier failing.
+DEGRADED_STATUS = 4
 
 
 def status(options: CommandOptions) -> int:
-    """Whether the daemon answers: 0 ready, 3 starting, 1 not; with ``--json`` a ``ready``
-    record in every case."""
+    """Whether the daemon answers and how well it serves: 0 ready, 4 degraded, 3 starting, 1
+    not running; with ``--json`` a ``ready`` record in every case."""
     try:
         with connect_daemon(options) as client:
             record = client.stats()
+            health = daemon_health(client)
     except StartingError as exc:
         phase = str(exc).removeprefix("starting: ")
         if options.json:
@@ -137,11 +202,26 @@ def status(options: CommandOptions) -> int:
             raise
         print_json(not_ready_record(options.socket, str(exc)))
         return 1
-    return show(
+    show(
         options,
-        lambda: status_record(options.socket, record),
-        lambda: status_view(options.socket, record),
+        lambda: status_record(options.socket, record, health),
+        lambda: status_view(options.socket, record, health),
     )
+    return DEGRADED_STATUS if health.degraded else 0
+
+
+def daemon_health(client: Client) -> DaemonHealth:
+    """The pool's state (POOL_STATUS, anyone may ask) and the disk tier's (the DOCTOR report's
+    ``nvme`` line, for the daemon's user and root only: ``None`` for anyone else)."""
+    pool = client.pool_status()
+    try:
+        checks = client.doctor()
+    except AccessDeniedError:
+        disk_failing = None
+    else:
+        failed = (c["detail"] for c in checks if c["subject"] == "nvme" and c["status"] == "fail")
+        disk_failing = next(failed, "")
+    return DaemonHealth(str(pool["state"]), str(pool.get("reason", "")), disk_failing)
 
 
 def stats(options: CommandOptions) -> int:

@@ -48,8 +48,8 @@ def pool_status_view(record: Mapping[str, Any]) -> RenderableType:
     if state == "none":
         return headline
     table = Table.grid(padding=(0, 2))
-    table.add_column(style="dim")
-    table.add_column()
+    table.add_column(style="dim", no_wrap=True)
+    table.add_column(overflow="ellipsis")  # wraps between words; a longer word is cut
     since = time.time() - float(record["changed_at"]) if record["changed_at"] else None
     members = ", ".join(str(m) for m in record["members"]) or "–"
     rows = [

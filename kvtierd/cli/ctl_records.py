@@ -19,6 +19,7 @@ from typing import Any
 import tomli_w
 
 __all__ = [
+    "DaemonHealth",
     "Rates",
     "Stats",
     "TierRates",
@@ -126,10 +127,37 @@ def config_text(record: Mapping[str, Any], *, effective: bool) -> str:
     return head + ("\n" + tomli_w.dumps(tables) if tables else "")
 
 
-def status_record(socket: Path, stats: Stats) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class DaemonHealth:
+    """What ``status`` tells besides STATFS: the pool's state and reason (POOL_STATUS: ``none``
+    without a pool) and the disk tier's failing condition (the detail of the DOCTOR report's
+    failed ``nvme`` line; ``""`` while healthy, ``None`` when the report is not the caller's
+    to see: only the daemon's user and root get it)."""
+
+    pool_state: str
+    pool_reason: str
+    disk_failing: str | None
+
+    def problems(self) -> list[str]:
+        """Why the daemon serves degraded, a few words each: ``pool local``, ``disk tier
+        failing``; empty while it is not."""
+        problems = [] if self.pool_state in ("none", "attached") else [f"pool {self.pool_state}"]
+        return [*problems, "disk tier failing"] if self.disk_failing else problems
+
+    @property
+    def degraded(self) -> bool:
+        """Serving, but not as configured: the pool not attached, or the disk tier failing
+        (``/ready`` says ``degraded`` then)."""
+        return bool(self.problems())
+
+
+def status_record(socket: Path, stats: Stats, health: DaemonHealth) -> dict[str, Any]:
     """``status --json`` when the daemon answered."""
     return {
         "ready": True,
+        "degraded": health.degraded,
+        "pool": {"state": health.pool_state, "reason": health.pool_reason},
+        "disk_failing": health.disk_failing,
         "socket": str(socket),
         "version": stats["version"],
         "uptime_s": stats["uptime_s"],

@@ -3,7 +3,10 @@
 Pure functions of the dicts the client returns (``Client.stats()``, ``Client.namespaces()``) and,
 for ``top``, of the :class:`~kvtierd.cli.ctl_records.Rates` between two samples. Tables are kept
 narrow (two per view rather than one wide one) so they fit an 80-column terminal; numbers never
-wrap.
+wrap, and a name or identifier (namespace, tenant, model, key) is never split over two lines:
+where its column is too narrow it is cut with an ellipsis (``--json`` and a pipe, which is laid
+out wide, always show it whole). Its column stays wrappable, so that rich narrows it before
+the numbers beside it; the cell itself (:func:`_name`) never wraps.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtierd.cli.ctl_records import (
+    DaemonHealth,
     Rates,
     Stats,
     TierRates,
@@ -105,6 +109,11 @@ def _capacity(tier: Tier) -> str:
     return format_bytes(capacity) if capacity else _NONE
 
 
+def _name(value: object) -> Text:
+    """A cell holding a name or identifier: on one line, cut with an ellipsis when too long."""
+    return Text(str(value), no_wrap=True, overflow="ellipsis")
+
+
 def _tier_hit_ratio(tier: Tier) -> str:
     return format_ratio(hit_ratio(int(tier["hits"]), int(tier["misses"])))
 
@@ -163,7 +172,7 @@ def _tier_table(
 def _key_values(rows: Sequence[tuple[str, str]]) -> Table:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", no_wrap=True)
-    grid.add_column()
+    grid.add_column(overflow="ellipsis")  # wraps between words; a longer word is cut
     for key, value in rows:
         grid.add_row(key, value)
     return grid
@@ -173,11 +182,12 @@ _CHECK_STYLES = {"ok": "green", "fallback": "yellow", "fail": "bold red", "skipp
 
 
 def doctor_view(checks: Sequence[Mapping[str, str]]) -> RenderableType:
-    """``doctor``: one line per check, its status coloured; details wrap, subjects do not."""
+    """``doctor``: one line per check, its status coloured; details wrap between words,
+    subjects do not wrap."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     table.add_column("status", no_wrap=True)
     table.add_column("subject", style="bold", no_wrap=True)
-    table.add_column("what the host gives the daemon, what it falls back from")
+    table.add_column("what the host gives the daemon, what it falls back from", overflow="ellipsis")
     for check in checks:
         status = check["status"]
         table.add_row(Text(status, style=_CHECK_STYLES.get(status, "")), check["subject"],
@@ -185,11 +195,15 @@ def doctor_view(checks: Sequence[Mapping[str, str]]) -> RenderableType:
     return table
 
 
-def status_view(socket: Path, stats: Stats) -> RenderableType:
-    """``status``: one headline and the few facts an operator checks first."""
-    headline = Text.assemble(
-        ("● ", "bold green"), f"kvtierd {stats['version']} is running on {socket}"
-    )
+def status_view(socket: Path, stats: Stats, health: DaemonHealth) -> RenderableType:
+    """``status``: one headline (saying why when degraded) and the few facts an operator checks
+    first; the pool's line says its state, and its reason when not attached."""
+    running = f"kvtierd {stats['version']} is running on {socket}"
+    if problems := health.problems():
+        headline = Text.assemble(("▲ ", "bold yellow"), (f"{running}, degraded", "bold yellow"))
+        headline.append(f" ({', '.join(problems)})")
+    else:
+        headline = Text.assemble(("● ", "bold green"), running)
     connections = _plural(int(stats["connections"]), "connection")
     namespaces = _plural(int(stats["namespaces"]), "namespace")
     rows = [
@@ -197,17 +211,32 @@ def status_view(socket: Path, stats: Stats) -> RenderableType:
         ("io backend", str(stats["io_backend"])),
         ("clients", f"{connections}, {namespaces}"),
     ]
-    for tier in stats["tiers"]:
-        used = format_bytes(int(tier["used_bytes"]))
-        capacity = _capacity(tier)
+    tiers = {str(tier["name"]): tier for tier in stats["tiers"]}
+    for name, tier in tiers.items():
         blocks = _plural(int(tier["blocks"]), "block")
-        rows.append((str(tier["name"]), f"{blocks}, {used} of {capacity} ({_share(tier)})"))
+        used = format_bytes(int(tier["used_bytes"]))
+        if name == "pool":
+            rows.append((name, _pool_summary(health, f"{blocks}, {used}")))
+        else:
+            rows.append((name, f"{blocks}, {used} of {_capacity(tier)} ({_share(tier)})"))
+        if name == "nvme" and health.disk_failing:
+            rows.append(("disk", f"failing: {health.disk_failing}"))
+    if "pool" not in tiers and health.pool_state != "none":
+        rows.append(("pool", _pool_summary(health, "")))
     dirty = _plural(int(stats["dirty_blocks"]), "dirty block")
     dirty_bytes = format_bytes(int(stats["dirty_bytes"]))
     durable = _count(stats["durable_blocks"])
     rows.append(("write-back", f"{dirty} ({dirty_bytes}), {durable} durable"))
     rows.append(("checkpoints", checkpoint_summary(stats)))
     return Group(headline, _key_values(rows))
+
+
+def _pool_summary(health: DaemonHealth, figures: str) -> str:
+    """The pool's line: ``attached, 240 blocks, 21.0 MiB``, or ``local, ... (why)``."""
+    line = ", ".join(part for part in (health.pool_state, figures) if part)
+    if health.pool_state != "attached" and health.pool_reason:
+        line += f" ({health.pool_reason})"
+    return line
 
 
 def checkpoint_summary(stats: Stats) -> str:
@@ -279,12 +308,12 @@ def tenants_view(record: Mapping[str, Any]) -> RenderableType:
     if not tenants:
         return Text("no tenants reported")
     table = Table(box=box.SIMPLE_HEAD, show_edge=False)
-    table.add_column("tenant", overflow="ellipsis", no_wrap=True)
-    for column in ("dram", "fill", "nvme", "hits", "misses", "evicted"):
+    table.add_column("tenant")
+    for column in ("dram", "fill", "nvme", "hit%", "misses", "evicted"):
         table.add_column(column, justify="right", no_wrap=True)
     for t in tenants:
         table.add_row(
-            str(t["tenant"]),
+            _name(t["tenant"]),
             f"{format_bytes(int(t['dram_used_bytes']))} of "
             f"{format_bytes(int(t['dram_capacity_bytes']))}",
             format_ratio(t["dram_fill"]),
@@ -329,24 +358,24 @@ def namespaces_view(namespaces: Sequence[Mapping[str, Any]]) -> RenderableType:
     if not namespaces:
         return Text("no namespaces")
     table = Table(box=box.SIMPLE_HEAD, show_edge=False)
-    table.add_column("id", justify="right")
-    for column in ("name", "tenant"):
-        table.add_column(column, overflow="fold")
+    table.add_column("id", justify="right", no_wrap=True)
+    table.add_column("name")
+    table.add_column("tenant")
     table.add_column("rank", no_wrap=True)
     for column in ("block size", "dram", "nvme"):
         table.add_column(column, justify="right", no_wrap=True)
-    table.add_column("model", overflow="fold")
+    table.add_column("model")
     for ns in namespaces:
         layout = ns.get("layout")
         table.add_row(
             str(ns["ns"]),
-            str(ns["name"]),
-            str(ns["tenant"]),
+            _name(ns["name"]),
+            _name(ns["tenant"]),
             f"{ns['rank']}/{ns['world_size']}",
             format_bytes(int(ns["block_bytes"])),
             _count(ns["dram_blocks"]),
             _count(ns["nvme_blocks"]),
-            str(layout["model_id"]) if layout else _NONE,
+            _name(layout["model_id"]) if layout else _NONE,
         )
     return table
 
@@ -359,11 +388,13 @@ def keys_view(record: Mapping[str, Any]) -> RenderableType:
         f"namespace {ns['ns']} {ns['tenant']}/{ns['name']} (rank {ns['rank']}/{ns['world_size']})"
     )
     shown = len(record["keys"])
-    head = Text(f"{title}: {_plural(int(record['blocks']), 'block')}, {shown:,} shown")
+    head = Text(
+        f"{title}: {_plural(int(record['blocks']), 'block')}, {shown:,} shown", overflow="ellipsis"
+    )
     if not record["keys"]:
         return head
     table = Table(box=box.SIMPLE_HEAD, show_edge=False)
-    table.add_column("key", no_wrap=True)
+    table.add_column("key")
     for column in ("dram", "nvme", "pool"):
         table.add_column(column, justify="center", no_wrap=True)
     table.add_column("size", justify="right", no_wrap=True)
@@ -372,10 +403,12 @@ def keys_view(record: Mapping[str, Any]) -> RenderableType:
         tiers = key["tiers"]
         marks = ("●" if tier in tiers else "" for tier in ("dram", "nvme", "pool"))
         state = "dirty" if key["dirty"] else ("durable" if "nvme" in tiers else "clean")
-        table.add_row(key["key"], *marks, format_bytes(int(key["raw_bytes"])), state)
+        table.add_row(_name(key["key"]), *marks, format_bytes(int(key["raw_bytes"])), state)
     parts: list[RenderableType] = [head, table]
     if record["next_after"] is not None:
-        parts.append(Text(f"more: --after {record['next_after']}", style="dim"))
+        # whole even past the edge (the terminal wraps it): it is there to be copied
+        more = f"more: --after {record['next_after']}"
+        parts.append(Text(more, style="dim", no_wrap=True, overflow="ignore"))
     return Group(*parts)
 
 

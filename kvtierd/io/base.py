@@ -122,6 +122,10 @@ class IoBackend(abc.ABC):
 
     kind: IoBackendKind
     supports_fixed_buffers: bool
+    #: Why transfers pin the caller's pages per request although the backend supports fixed
+    #: buffers: the kernel refused :meth:`register_buffer`, or :meth:`release_fixed_buffers`
+    #: gave them up. Empty while they are used, and where nothing was ever offered.
+    fixed_buffers_fallback: str = ""
 
     @abc.abstractmethod
     def register_buffer(self, buffer: memoryview) -> None:

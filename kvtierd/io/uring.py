@@ -86,14 +86,21 @@ class UringBackend(IoBackend):
         try:
             self._ring.raw.register_buffers(chunks)
         except OSError as exc:
-            raise os_error("register_buffers", -1, 0, exc.errno or errno.EIO) from exc
+            err = exc.errno or errno.EIO
+            why = f"the kernel refused to register them: [Errno {err}] {os.strerror(err)}"
+            if err == errno.ENOMEM:
+                why += " (RLIMIT_MEMLOCK: LimitMEMLOCK=infinity)"
+            self.fixed_buffers_fallback = why
+            raise os_error("register_buffers", -1, 0, err) from exc
         self._regions = regions
+        self.fixed_buffers_fallback = ""
 
     def release_fixed_buffers(self) -> None:
         # The kernel keeps the registered pages pinned until the ring closes (no unregister
         # while requests may use them); what matters is that no later request names them.
         if self._regions is not None:
             self._regions = None
+            self.fixed_buffers_fallback = "given up: the arena's pages changed under them"
             logger.warning("io_uring: fixed buffers no longer used (the arena's pages changed)")
 
     async def readv(self, fd: int, offset: int, buffers: Sequence[memoryview]) -> int:

@@ -287,6 +287,7 @@ class Daemon:
             pool_state=status.state.value if status else "",
             pool_reason=status.reason if status else "",
             disk_failing=_disk_failing(store),
+            fixed_fallback=backend.fixed_buffers_fallback if backend is not None else "",
         )
         return await anyio.to_thread.run_sync(running_report, facts)
 

@@ -39,6 +39,9 @@ class RunningFacts:
     pool_reason: str
     #: What puts acknowledged data at risk (its description and remedy); empty while healthy.
     disk_failing: str = ""
+    #: Why the backend runs without the fixed buffers it supports (``IoBackend``'s
+    #: ``fixed_buffers_fallback``); empty while it uses them.
+    fixed_fallback: str = ""
 
 
 def running_report(facts: RunningFacts) -> list[HostCheck]:
@@ -94,6 +97,9 @@ def _io(facts: RunningFacts) -> HostCheck:
     if kind is None:
         return HostCheck("io", CheckStatus.OK, "no disk backend")
     share = f"{facts.fixed_ops} of {facts.io_ops} transfers used fixed buffers"
+    if kind is IoBackendKind.IO_URING and facts.fixed_fallback:
+        detail = f"io_uring in use without fixed buffers ({facts.fixed_fallback}); {share}"
+        return HostCheck("io", CheckStatus.FALLBACK, detail)
     if kind is IoBackendKind.IO_URING:
         return HostCheck("io", CheckStatus.OK, f"io_uring in use; {share}")
     asked = facts.config.nvme.io_backend

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -24,11 +26,15 @@ import pytest
 
 from kvtierd import __version__
 from kvtierd.cli.ctl import build_parser, main
+from kvtierd.cli.ctl_commands import daemon_health
+from kvtierd.cli.ctl_records import DaemonHealth
 from kvtierd.cli.ctl_views import checkpoint_summary
 from kvtierd.client import Layout, chain_keys, connect
 from kvtierd.config import load_config
 from kvtierd.config_render import config_digest
+from kvtierd.testing import free_port
 from tests.support.daemon import DaemonProcess
+from tests.support.uids import client_as, reachable_directory, require_root
 
 BLOCK = 16 << 10
 LAYOUT = Layout(
@@ -111,6 +117,11 @@ def test_status_json_says_ready_with_version_and_tiers(
     assert set(tiers) == {"dram", "nvme"}
     assert tiers["dram"]["blocks"] == 5
     assert 5 * BLOCK <= tiers["dram"]["used_bytes"] <= tiers["dram"]["capacity_bytes"]
+    assert (status["degraded"], status["pool"]["state"], status["disk_failing"]) == (
+        False,
+        "none",
+        "",
+    )
 
 
 def test_status_for_people_names_the_daemon_and_socket(
@@ -158,6 +169,80 @@ def test_status_says_checkpoints_are_off_when_configured_off(
         assert _ctl_json(capsys, daemon, "status")["checkpoints"]["state"] == "off"
         _, out = _ctl(capsys, daemon, "status")
         assert re.search(r"checkpoints\s+off", out)
+
+
+def _wait_for(what: str, done: Any, deadline_s: float = 60) -> Any:
+    """``done()`` once it is true; fails saying ``what`` after ``deadline_s``."""
+    end = time.monotonic() + deadline_s
+    while not (result := done()):
+        assert time.monotonic() < end, what
+        time.sleep(0.1)
+    return result
+
+
+def _status(capsys: pytest.CaptureFixture[str], daemon: DaemonProcess, *flags: str) -> Any:
+    """``status FLAGS``: its exit status and what it printed (parsed with ``--json``)."""
+    code = main(["status", *flags, "--socket", str(daemon.socket)])
+    out = capsys.readouterr().out
+    return code, json.loads(out) if "--json" in flags else out
+
+
+def test_status_exits_4_and_says_why_while_the_pool_is_not_attached(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pool configured where nothing listens: the daemon serves from its local tiers
+    (``local``), and ``status`` says so with the reason instead of a capacity of "–"."""
+    config = (
+        f'[pool]\nurl = "redis://127.0.0.1:{free_port()}"\nallow_plaintext = true\n'
+        "vote_timeout_s = 1.0\nheartbeat_s = 0.2\ntimeout_s = 1.0\n"
+    )
+    with DaemonProcess(tmp_path / "kvtierd", config_text=config) as daemon:
+        _wait_for(
+            "the pool never went local",
+            lambda: _ctl_json(capsys, daemon, "pool", "status")["state"] == "local",
+        )
+        code, record = _status(capsys, daemon, "--json")
+        assert (code, record["ready"], record["degraded"]) == (4, True, True)
+        assert record["pool"]["state"] == "local"
+        assert "unreachable" in record["pool"]["reason"]
+        code, out = _status(capsys, daemon)
+    assert code == 4
+    assert f"is running on {daemon.socket}, degraded (pool local)" in out
+    assert re.search(r"\npool\s+local, \d+ blocks?, [\d.]+ \w+ \(pool unreachable: ", out), out
+    assert "of –" not in out
+
+
+def test_status_exits_4_while_the_disk_tier_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The data file removed under the daemon: acknowledged data is at risk until a restart,
+    and ``status`` says so (the DOCTOR report's failed ``nvme`` line)."""
+    config = "[nvme]\nhealth_check_interval_s = 0.2\n"
+    with DaemonProcess(tmp_path / "kvtierd", config_text=config) as daemon:
+        assert _status(capsys, daemon)[0] == 0
+        (daemon.data_dir / "nvme.data").unlink()
+        code, record = _wait_for(
+            "status never said degraded",
+            lambda: (result := _status(capsys, daemon, "--json"))[0] == 4 and result,
+        )
+        assert (record["degraded"], record["pool"]["state"]) == (True, "none")
+        assert "(removed)" in record["disk_failing"]
+        code, out = _status(capsys, daemon)
+    assert code == 4
+    assert "degraded (disk tier failing)" in out
+    assert re.search(r"\ndisk\s+failing: .*\(removed\)", out), out
+
+
+def test_status_judges_a_user_who_may_not_see_the_host_report_by_the_pool_alone() -> None:
+    """DOCTOR is for the daemon's user and root: for anyone else the disk tier's state is
+    unknown (``None``), not failing, and the pool's state still counts."""
+    require_root()
+    with reachable_directory() as directory:
+        config = '[daemon]\nsocket_mode = "0666"\n'
+        with DaemonProcess(directory, config_text=config) as daemon:
+            health = client_as(4321, 4321, daemon.socket, daemon_health)
+    assert health == DaemonHealth("none", "no pool is configured (pool.url is empty)", None)
+    assert health.degraded is False
 
 
 def test_stats_json_has_tier_counters_and_derived_ratios(
@@ -544,6 +629,30 @@ def test_doctor_for_people_is_a_table(
     assert "what the host gives the daemon" in out
 
 
+def test_doctor_says_fallback_when_the_kernel_refused_the_fixed_buffers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under an 8 MiB RLIMIT_MEMLOCK (and, for root, without CAP_IPC_LOCK) io_uring opens but
+    refuses to register the 66 MiB arena: the daemon runs on, each transfer pinning its pages,
+    and the io line says so instead of "ok"."""
+    limit = ["prlimit", f"--memlock={8 << 20}", "--"]
+    if os.geteuid() == 0:  # root registers past the limit by CAP_IPC_LOCK: drop it
+        limit = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", *limit]
+    if not all(shutil.which(tool) for tool in (limit[0], "prlimit")):
+        pytest.skip(f"needs {limit[0]} and prlimit (util-linux)")
+    with DaemonProcess(tmp_path / "kvtierd", command_prefix=limit) as daemon:
+        checks = {c["subject"]: c for c in _ctl_json(capsys, daemon, "doctor")}
+        status, out = _ctl(capsys, daemon, "doctor")
+    io = checks["io"]
+    assert io["status"] == "fallback", io
+    assert io["detail"].startswith(
+        "io_uring in use without fixed buffers (the kernel refused to register them: "
+        "[Errno 12] Cannot allocate memory (RLIMIT_MEMLOCK: LimitMEMLOCK=infinity)); 0 of "
+    )
+    assert status == 0  # a fallback is no failure
+    assert re.search(r"\nfallback\s+io\s+io_uring in use without fixed buffers \(", out), out
+
+
 # -- failures --------------------------------------------------------------------------------------
 
 
@@ -584,6 +693,8 @@ JSON_COMMANDS = [
     ["status"],
     ["stats"],
     ["stats", "--namespace", "chat"],
+    ["stats", "--tenants"],
+    ["config"],
     ["ls"],
     ["ls", "--keys", "chat"],
     ["flush"],

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvtierd.cli.ctl_records import (
+    DaemonHealth,
     Rates,
     TopState,
     hit_ratio,
@@ -156,8 +157,10 @@ def test_stats_record_keeps_the_daemons_fields_and_adds_ratios() -> None:
 
 def test_status_records_say_whether_the_daemon_is_ready() -> None:
     socket = Path("/run/kvtierd/kvtierd.sock")
-    ready = status_record(socket, _stats(1.0, _tier("dram", blocks=2)))
-    assert ready["ready"] is True
+    healthy = DaemonHealth("none", "no pool is configured (pool.url is empty)", "")
+    ready = status_record(socket, _stats(1.0, _tier("dram", blocks=2)), healthy)
+    assert (ready["ready"], ready["degraded"], ready["disk_failing"]) == (True, False, "")
+    assert ready["pool"] == {"state": "none", "reason": healthy.pool_reason}
     assert ready["tiers"] == [
         {"name": "dram", "blocks": 2, "used_bytes": 0, "capacity_bytes": 1 << 20}
     ]
@@ -168,6 +171,25 @@ def test_status_records_say_whether_the_daemon_is_ready() -> None:
         "error": "down",
     }
     assert not_ready_record(socket, "starting: scanning", starting=True)["starting"] is True
+
+
+@pytest.mark.parametrize(
+    ("pool_state", "disk_failing", "problems"),
+    [
+        ("none", "", []),
+        ("attached", "", []),
+        ("attached", None, []),  # the disk tier's state not shown to this caller
+        ("voting", "", ["pool voting"]),
+        ("local", "", ["pool local"]),
+        ("none", "data file failing (removed)", ["disk tier failing"]),
+        ("local", "write-back failing (enospc)", ["pool local", "disk tier failing"]),
+    ],
+)
+def test_the_daemon_is_degraded_while_its_pool_is_not_attached_or_its_disk_fails(
+    pool_state: str, disk_failing: str | None, problems: list[str]
+) -> None:
+    health = DaemonHealth(pool_state, "", disk_failing)
+    assert (health.problems(), health.degraded) == (problems, bool(problems))
 
 
 @pytest.mark.parametrize(("hits", "misses", "expected"), [(0, 0, None), (1, 3, 0.25), (5, 0, 1.0)])

@@ -54,8 +54,10 @@ async def test_released_fixed_buffers_are_no_longer_used(data_fd: int, arena: me
         arena[:BLOCK] = data
         await backend.writev(data_fd, 0, [arena[:BLOCK]])
         assert backend.statistics().fixed_ops == 1
+        assert backend.fixed_buffers_fallback == ""
         backend.release_fixed_buffers()
         backend.release_fixed_buffers()  # idempotent
+        assert "given up" in backend.fixed_buffers_fallback  # what the doctor's io line says
         target = arena[MIB : MIB + BLOCK]
         await backend.readv(data_fd, 0, [target])
         assert backend.statistics().fixed_ops == 1
@@ -80,10 +82,13 @@ async def test_file_backed_memory_cannot_be_registered(
     async with open_uring_backend(4) as backend:
         with pytest.raises(StorageIOError, match=r"register_buffers.*Errno 14"):
             backend.register_buffer(file_backed)
+        assert "refused to register them: [Errno 14]" in backend.fixed_buffers_fallback
         # Still fully usable, and the anonymous arena can be registered instead.
         backend.register_buffer(arena)
+        assert backend.fixed_buffers_fallback == ""
         with pytest.raises(StorageIOError, match="already registered"):
             backend.register_buffer(arena)
+        assert backend.fixed_buffers_fallback == ""  # the first registration is still used
         await backend.writev(data_fd, 0, [arena[:BLOCK]])
         assert backend.statistics().fixed_ops == 1
 
