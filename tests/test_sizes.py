@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.config import show_size, parse_size
+from kvtierd.config import parse_size, show_size
 
 
 @pytest.mark.parametrize(

@@ -495,6 +495,7 @@ async def serve_daemon(
                         source=source,
                         io_backend=backend.kind.value if backend is not None else "none",
                         arena_bytes=arena_bytes(config),
+                        locked=store.arena.info.locked,
                     )
                     log.info("%s", summary)
                     serving.append(daemon)

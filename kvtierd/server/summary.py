@@ -18,14 +18,15 @@ from kvtierd.store.lifecycle import nvme_data_path
 __all__ = ["startup_summary"]
 
 
-def startup_summary(config: Config, *, source: str, io_backend: str, arena_bytes: int) -> str:
-    """``kvtierd VERSION ready on SOCKET (config SOURCE): ...``."""
+def startup_summary(
+    config: Config, *, source: str, io_backend: str, arena_bytes: int, locked: bool
+) -> str:
+    """``kvtierd VERSION ready on SOCKET (config SOURCE): ...``; ``locked``: whether the arena
+    is locked in RAM (``mlock``)."""
     dram = format_size(config.dram.size, binary=True)
     tenants = [t.name for t in config.tenants]
-    parts = [
-        f"DRAM {dram} (arena {format_size(arena_bytes, binary=True)} locked"
-        + (f", tenants {', '.join(tenants)})" if tenants else ")"),
-    ]
+    arena = f"arena {format_size(arena_bytes, binary=True)} {'locked' if locked else 'not locked'}"
+    parts = [f"DRAM {dram} ({arena}" + (f", tenants {', '.join(tenants)})" if tenants else ")")]
     if config.nvme.size:
         size = format_size(config.nvme.size, binary=True)
         parts.append(f"NVMe {size} at {nvme_data_path(config)}")

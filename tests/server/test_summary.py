@@ -41,7 +41,7 @@ def test_the_summary_names_every_listener_and_size(tmp_path: Path) -> None:
     path.write_text(CONFIG)
     config = load_config(path)
     line = startup_summary(
-        config, source=f"config {path}", io_backend="io_uring", arena_bytes=1 << 30
+        config, source=f"config {path}", io_backend="io_uring", arena_bytes=1 << 30, locked=True
     )
     assert line == (
         f"kvtierd {line.split()[1]} ready on /run/kvtierd/kvtierd.sock (config {path}): "
@@ -53,7 +53,12 @@ def test_the_summary_names_every_listener_and_size(tmp_path: Path) -> None:
 
 def test_the_embedded_defaults_say_so() -> None:
     line = startup_summary(
-        load_config(None), source="the embedded defaults", io_backend="threads", arena_bytes=0
+        load_config(None),
+        source="the embedded defaults",
+        io_backend="threads",
+        arena_bytes=0,
+        locked=False,
     )
     assert "(the embedded defaults): DRAM " in line
+    assert "arena 0 bytes not locked" in line
     assert "pool" not in line
