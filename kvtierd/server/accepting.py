@@ -53,6 +53,7 @@ from anyio.abc import ByteStream, SocketAttribute, SocketStream, UNIXSocketStrea
 from kvtierd.config import Config
 from kvtierd.errors import BusyError, ConfigError, KvtierError
 from kvtierd.protocol import ServerConnection
+from kvtierd.server.activation import take_unix_listener
 from kvtierd.server.preflight import socket_answers
 from kvtierd.server.readiness import Readiness
 from kvtierd.server.remote import HandshakeError, RemoteListener, peer_address
@@ -213,8 +214,25 @@ async def _admit_remote(
 
 @contextlib.asynccontextmanager
 async def listen_unix(config: Config) -> AsyncIterator[anyio.abc.SocketListener]:
-    """The daemon's Unix socket, bound with its mode and group; removed when the block ends."""
+    """The daemon's Unix socket, bound with its mode and group; removed when the block ends.
+    Under socket activation (:mod:`kvtierd.server.activation`) the one systemd passed, with the
+    mode and group its ``.socket`` unit gave it, left in place at the end: the connections
+    made until the next start wait in it."""
     path = config.socket_path
+    passed = take_unix_listener(path)
+    if passed is not None:
+        passed.setblocking(False)
+        listener = await anyio.abc.SocketListener.from_socket(passed)
+        log.info(
+            "listening on %s, passed by systemd (socket activation): connections made while "
+            "the daemon restarts wait in its backlog",
+            path,
+        )
+        try:
+            yield listener
+        finally:
+            await listener.aclose()
+        return
     await anyio.to_thread.run_sync(_prepare_socket_dir, path)
     listener = await anyio.create_unix_listener(path)
     try:

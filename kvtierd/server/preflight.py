@@ -34,6 +34,7 @@ from kvtierd.config import Config, TriState
 from kvtierd.errors import ConfigError
 from kvtierd.io import IoBackendKind
 from kvtierd.io.probe import BindingVerdict, cached_probe, probe_binding
+from kvtierd.server.activation import activated
 from kvtierd.server.budget import budget_problem, descriptor_budget, nofile_limits
 from kvtierd.server.checks import CheckStatus, Fault, HostCheck, size_text
 from kvtierd.store.copyhash import MODULE_ENV, CopyHashVerdict
@@ -343,6 +344,8 @@ def _socket(config: Config, name: Namer, running: str | None) -> HostCheck:
             f"at most {MAX_SOCKET_PATH_BYTES}",
             Fault.CONFIGURATION,
         )
+    if activated():  # systemd bound it and passes it: it answers, and nobody else serves it
+        return _ok("socket", f"{path}, passed by systemd (socket activation)")
     if (problem := _directory_problem(path.parent)) is not None:
         return _fail("socket", f"{name('daemon.socket')} {path}: {problem}")
     if path.exists() and not path.is_socket():

@@ -77,6 +77,18 @@ def _log(path: Path) -> str:
         return ""
 
 
+#: Run by the daemon's process before it execs the daemon: the passed socket as descriptor 3 and
+#: ``LISTEN_PID`` this process's pid, as systemd's socket activation does.
+_ACTIVATE = (
+    "import os, sys\n"
+    "fd = int(sys.argv[1])\n"
+    "os.dup2(fd, 3)\n"
+    "os.close(fd) if fd != 3 else None\n"
+    "os.environ['LISTEN_PID'] = str(os.getpid())\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
 class DaemonProcess:
     def __init__(
         self,
@@ -88,12 +100,16 @@ class DaemonProcess:
         config_text: str | None = None,
         runtime: str = "asyncio",
         command_prefix: Sequence[str] = (),
+        listening: socket.socket | None = None,
     ) -> None:
         """``directory=None`` runs the daemon on its embedded defaults (socket and data where
         :mod:`kvtierd.config` puts them); a ``None`` size leaves that default too.
         ``command_prefix`` goes before the command line, e.g. ``["ip", "netns", "exec", name]`` to
         run the daemon in a network namespace (its Unix socket is a file, so the caller still
-        reaches it); the prefix must exec the daemon, so that the signals reach it."""
+        reaches it); the prefix must exec the daemon, so that the signals reach it.
+        ``listening``: a listening Unix socket on the daemon's socket path, passed to every start
+        as systemd's socket activation passes it (descriptor 3, ``LISTEN_FDS``,
+        ``LISTEN_PID``): connections made while the daemon is stopped wait in it."""
         self.directory = directory if directory is not None else default_data_dir().parent
         self.socket = directory / "kvtierd.sock" if directory is not None else default_socket_path()
         self.data_dir = directory / "data" if directory is not None else default_data_dir()
@@ -112,17 +128,25 @@ class DaemonProcess:
             config.write_text(config_text)
             self.args += ["--config", str(config)]
         self.command_prefix = list(command_prefix)
+        self.listening = listening
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> DaemonProcess:
         self.directory.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        prefix, passed = self.command_prefix, tuple[int, ...]()
+        if self.listening is not None:
+            fd = self.listening.fileno()
+            env.update(LISTEN_FDS="1", LISTEN_FDNAMES="kvtierd")
+            prefix = [*prefix, sys.executable, "-c", _ACTIVATE, str(fd)]
+            passed = (fd,)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [*self.command_prefix, sys.executable, "-m", "kvtierd", *self.args],
+                [*prefix, sys.executable, "-m", "kvtierd", *self.args],
                 stdout=log,
                 stderr=log,
                 env=env,
+                pass_fds=passed,
             )
         try:
             wait_until_serving(self.socket, self.process, self.log_path, timeout_s)

@@ -1,0 +1,87 @@
+"""Socket activation: the daemon serves the listening socket systemd passes (``kvtierd.socket``),
+and a connection made while it restarts waits in that socket's backlog and is served by the next
+start, with no error. The harness passes the socket as systemd does (descriptor 3,
+``LISTEN_FDS``, ``LISTEN_PID``: :class:`kvtierd.testing.DaemonProcess` ``listening=``)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvtierd.client import connect
+from kvtierd.testing import DaemonProcess
+
+pytestmark = pytest.mark.timeout(180)
+
+KEY = bytes(range(16))
+
+
+def _listening(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.listen(64)
+    return sock
+
+
+def test_a_connection_made_during_a_restart_is_served_by_the_next_start(tmp_path: Path) -> None:
+    directory = tmp_path / "d"
+    directory.mkdir()
+    sock = _listening(directory / "kvtierd.sock")
+    daemon = DaemonProcess(directory, listening=sock)
+    try:
+        daemon.start()
+        with connect(daemon.socket) as client:
+            ns = client.namespace("kept", block_bytes=4096)
+            ns.put([KEY], [b"\x07" * 4096])
+            client.fsync()
+        assert daemon.stop() == 0
+        assert daemon.socket.is_socket()  # systemd's: left in place
+        answers: list[object] = []
+
+        def engine() -> None:  # connects while no daemon runs: waits in the backlog
+            try:
+                with connect(daemon.socket, client_name="waiting") as client:
+                    ns = client.namespace("kept", block_bytes=4096)
+                    answers.append(ns.lookup_tiers([KEY]))
+            except Exception as exc:  # what the assertion shows
+                answers.append(exc)
+
+        waiting = threading.Thread(target=engine)
+        waiting.start()
+        waiting.join(1.0)
+        assert waiting.is_alive() and answers == []  # queued, not refused
+        daemon.start()
+        waiting.join(60)
+        assert answers == [["nvme"]]  # served by the new daemon, what FSYNC kept
+        assert daemon.log().count("passed by systemd (socket activation)") >= 2
+    finally:
+        daemon.kill()
+        sock.close()
+
+
+def test_a_passed_socket_on_another_path_is_refused_saying_which(tmp_path: Path) -> None:
+    other = _listening(tmp_path / "other.sock")
+    wrapper = [
+        sys.executable, "-c",
+        "import os, sys; os.dup2(int(sys.argv[1]), 3); os.environ['LISTEN_PID'] = str(os.getpid()); "
+        "os.execv(sys.argv[2], sys.argv[2:])",
+        str(other.fileno()),
+    ]  # fmt: skip
+    result = subprocess.run(
+        [*wrapper, sys.executable, "-m", "kvtierd", "--socket", str(tmp_path / "kvtierd.sock"),
+         "--data-dir", str(tmp_path / "data"), "--dram-size", "32M", "--nvme-size", "0"],
+        pass_fds=(other.fileno(),),
+        env={**__import__("os").environ, "LISTEN_FDS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    other.close()
+    assert result.returncode == 2, result.stderr
+    assert "none a listening Unix stream socket on" in result.stderr
+    assert "kvtierd.socket's ListenStream=" in result.stderr
