@@ -36,7 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "systemd"
 UNIT = SYSTEMD / "kvtierd.service"
 EXAMPLE = SYSTEMD / "kvtierd.toml"
+SOCKET_UNIT = SYSTEMD / "kvtierd.socket"
 SYSUSERS = SYSTEMD / "sysusers.d" / "kvtierd.conf"
+VENV_DROP_IN = SYSTEMD / "kvtierd.service.d" / "venv.conf"
+INSTALL = SYSTEMD / "install.sh"
 TMPFILES = SYSTEMD / "tmpfiles.d" / "kvtierd.conf"
 CONFIG_DOC = ROOT / "docs" / "configuration.md"
 
@@ -88,6 +91,7 @@ def _verify(unit_text: str, tmp_path: Path) -> tuple[int, list[str]]:
     analyze = _tool("systemd-analyze")
     unit = tmp_path / "kvtierd.service"
     unit.write_text(unit_text)
+    shutil.copy(SOCKET_UNIT, tmp_path / "kvtierd.socket")  # Requires= it
     proc = subprocess.run(
         [analyze, "verify", "--man=no", str(unit)],
         capture_output=True,
@@ -126,7 +130,7 @@ def test_verify_check_is_not_vacuous(tmp_path: Path) -> None:
 
 def _scratch_root(tmp_path: Path, *, kvtierd_at: str | None, drop_in: str = "") -> Path:
     """A root for ``systemd-analyze verify --root=``: systemd's own units, the unit as installed
-    (``/etc/systemd/system``, with ``drop_in`` as ``override.conf``), and a copy of the
+    (``/etc/systemd/system``, with ``drop_in`` as ``venv.conf``), and a copy of the
     installed entry point at ``kvtierd_at`` (verify only checks that it is executable there)."""
     units = next(
         (p for p in map(Path, ("/usr/lib/systemd/system", "/lib/systemd/system"))
@@ -140,9 +144,10 @@ def _scratch_root(tmp_path: Path, *, kvtierd_at: str | None, drop_in: str = "") 
     system = root / "etc/systemd/system"
     system.mkdir(parents=True)
     shutil.copy(UNIT, system / "kvtierd.service")
+    shutil.copy(SOCKET_UNIT, system / "kvtierd.socket")
     if drop_in:
         (system / "kvtierd.service.d").mkdir()
-        (system / "kvtierd.service.d" / "override.conf").write_text(drop_in)
+        (system / "kvtierd.service.d" / "venv.conf").write_text(drop_in)
     kill = shutil.which("kill")  # ExecReload='s command, which verify finds in the root too
     assert kill is not None
     (root / "usr/bin").mkdir(parents=True, exist_ok=True)
@@ -176,21 +181,19 @@ def test_exec_start_finds_kvtierd_in_systemds_search_path(tmp_path: Path, direct
     assert _verify_installed(_scratch_root(tmp_path, kvtierd_at=f"{directory}/kvtierd")) == []
 
 
-def test_exec_start_elsewhere_needs_the_documented_drop_in(tmp_path: Path) -> None:
+def test_exec_start_elsewhere_needs_the_shipped_drop_in(tmp_path: Path) -> None:
     venv = "/opt/kvtierd/venv/bin/kvtierd"
     missing = _verify_installed(_scratch_root(tmp_path / "bare", kvtierd_at=venv))
     assert missing == [
         "kvtierd.service: Command kvtierd is not executable: No such file or directory"
     ]
-    drop_in = (
-        "[Service]\nExecStart=\n"
-        f"ExecStart={venv} --config /etc/kvtierd/kvtierd.toml\n"
-    )  # fmt: skip
+    drop_in = VENV_DROP_IN.read_text()
     assert (
         _verify_installed(_scratch_root(tmp_path / "venv", kvtierd_at=venv, drop_in=drop_in)) == []
     )
     # the drop-in docs/operations.md shows, line for line
-    assert "".join(f"   # {line}\n" for line in drop_in.splitlines()) in _install_section_text()
+    settings = "".join(f"   {line}\n" for line in drop_in.splitlines() if line[:1] != "#")
+    assert f"   ```ini\n{settings}   ```" in _install_section_text()
 
 
 def _install_section_text() -> str:
@@ -234,7 +237,7 @@ def test_unit_matches_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
     for doc in docs:  # each names a file of docs/ that the install steps copy there
         assert doc.startswith("file:/usr/share/doc/kvtierd/"), doc
         assert (ROOT / "docs" / Path(doc).name).is_file(), doc
-    assert "install -Dm644 -t /usr/share/doc/kvtierd/" in UNIT.read_text()
+    assert 'install -D -m644 -t "$R/usr/share/doc/kvtierd" "$src"/docs/*.md' in INSTALL.read_text()
     # The daemon finds its socket and data where the unit's directories are.
     monkeypatch.delenv("KVTIERD_SOCKET", raising=False)
     monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/" + _unit_value("RuntimeDirectory"))
@@ -544,3 +547,28 @@ def _exercise(sock: Path) -> None:
         stats = client.stats()
         assert stats["io_backend"] == "io_uring"
         assert stats["promotions"] >= len(keys), stats
+
+
+def test_the_socket_unit_passes_verify_and_listens_where_the_daemon_serves(
+    tmp_path: Path,
+) -> None:
+    """kvtierd.socket's ListenStream= is the socket the unit's daemon serves
+    ($RUNTIME_DIRECTORY/kvtierd.sock, RuntimeDirectory=kvtierd, which the service keeps across
+    its stop), with the daemon's mode; systemd-analyze finds nothing to say of it."""
+    text = SOCKET_UNIT.read_text()
+    assert re.search(r"(?m)^ListenStream=/run/kvtierd/kvtierd\.sock$", text)
+    assert re.search(r"(?m)^SocketMode=0660$", text)
+    assert _unit_value("RuntimeDirectory") == "kvtierd"
+    assert _unit_value("RuntimeDirectoryPreserve") == "yes"
+    assert _unit_value("Requires") == "kvtierd.socket"
+    _verify(_with_exec_start(UNIT.read_text(), _entry_point()), tmp_path)  # places the socket
+    analyze = _tool("systemd-analyze")
+    proc = subprocess.run(
+        [analyze, "verify", "--man=no", str(tmp_path / "kvtierd.socket")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYSTEMD_LOG_COLOR": "0", "SYSTEMD_PAGER": ""},
+    )
+    complaints = [line for line in (proc.stdout + proc.stderr).splitlines() if "kvtierd" in line]
+    assert complaints == []

@@ -4,7 +4,8 @@ Flags override the configuration file, which overrides the embedded defaults. Be
 is created the daemon checks everything that could stop it (:mod:`kvtierd.server.preflight`)
 and refuses to start on the first run of any failure, one line each. ``kvtierd --check`` runs
 the same checks, prints what the host gives the daemon and what it would fall back from, and
-exits.
+exits. ``kvtierd --check --as-unit`` judges the start the installed systemd unit will make
+(:mod:`kvtierd.server.unitfile`): run as root, it becomes the unit's ``User=`` first.
 
 Exit status: 0 after a clean stop (``--check``: the daemon would start), 2 for an invalid
 configuration or command line, 1 when the environment stops the daemon (no memory for the
@@ -15,8 +16,10 @@ interrupted before it was serving.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
+import os
 import sys
 import traceback
 from functools import partial
@@ -32,7 +35,7 @@ from kvtierd.config import Config, Runtime, load_config
 from kvtierd.config_render import config_digest, differences, load_rendered
 from kvtierd.errors import AccessDeniedError, ConfigError, KvtierError
 from kvtierd.nixl.agent import exit_process, nixl_loaded
-from kvtierd.server.checks import CheckStatus, HostCheck, exit_status, render
+from kvtierd.server.checks import CheckStatus, Fault, HostCheck, exit_status, render
 from kvtierd.server.daemon import serve_daemon
 from kvtierd.server.preflight import (
     check_config_error,
@@ -40,6 +43,7 @@ from kvtierd.server.preflight import (
     check_host,
     probe_io_uring,
 )
+from kvtierd.server.unitfile import ServiceUnit, assume_user, read_unit
 from kvtierd.store.copyhash import CopyHasher
 
 __all__ = ["main", "parse_args"]
@@ -71,8 +75,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="check the configuration and what this host gives the daemon, one line each, "
         "then exit: 0 when the daemon would start as configured",
     )
+    parser.add_argument(
+        "--as-unit",
+        nargs="?",
+        const="",
+        metavar="UNIT_FILE",
+        help="with --check: judge the start the systemd unit will make (its User=, the "
+        "directories it makes, its limits and sandbox), reading kvtierd.service as installed "
+        "or UNIT_FILE, with its drop-ins; run as root, the checks run as the unit's user",
+    )
     parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.as_unit is not None and not args.check:
+        parser.error("--as-unit goes with --check")
+    return args
 
 
 def _given(args: argparse.Namespace) -> dict[tuple[str, str], tuple[str, Any]]:
@@ -125,21 +141,21 @@ def _main(argv: list[str] | None) -> int:
 
 
 def check(args: argparse.Namespace) -> int:
-    """``kvtierd --check``: print every check, one line each; the exit status of a start."""
+    """``kvtierd --check``: print every check, one line each; the exit status of a start. With
+    ``--as-unit`` the ``unit`` line comes first (:func:`adopt_unit`), alone when the unit
+    cannot be adopted."""
     source = str(args.config) if args.config else "the embedded defaults"
-    config: Config | None = None
-    try:
-        config = build_config(args)
-    except ConfigError as exc:
-        checks = check_config_error(exc)
-    else:
-        verdict = probe_io_uring(config, use_cache=False)
-        valid = HostCheck("config", CheckStatus.OK, f"valid: {source}")
-        checks = [valid, *check_host(config, verdict, blame(args), restart=True)]
-        checks.append(check_copy_module(CopyHasher().verdict(wait=True)))
+    unit, checks = None, []
+    if args.as_unit is not None:
+        unit, adopted = adopt_unit(args)
+        checks.append(adopted)
+    judged = unit is not None or args.as_unit is None
+    if judged:
+        checks += _checks(args, source, unit)
     print(render(checks))
-    if config is not None:
-        print(against_running(config))
+    if judged:
+        with contextlib.suppress(ConfigError):  # the config lines say why: nothing to compare
+            print(against_running(build_config(args)))
     status = exit_status(checks)
     failed = sum(c.status is CheckStatus.FAIL for c in checks)
     print(
@@ -168,6 +184,48 @@ def against_running(config: Config) -> str:
     lines = [f"  {d.name}: {d.before} -> {d.after}" for d in found]
     head = f"{where}: this configuration differs in {len(found)} field(s); a restart applies them:"
     return "\n".join([head, *lines])
+
+
+def _checks(args: argparse.Namespace, source: str, unit: ServiceUnit | None) -> list[HostCheck]:
+    try:
+        config = build_config(args)
+    except ConfigError as exc:
+        return check_config_error(exc)
+    verdict = probe_io_uring(config, use_cache=False)
+    valid = HostCheck("config", CheckStatus.OK, f"valid: {source}")
+    checks = [valid, *check_host(config, verdict, blame(args), restart=True, unit=unit)]
+    return [*checks, check_copy_module(CopyHasher().verdict(wait=True))]
+
+
+def adopt_unit(args: argparse.Namespace) -> tuple[ServiceUnit | None, HostCheck]:
+    """For ``--check --as-unit``: read the unit, then stand where its start will: the unit's
+    user (as root, become it), its working directory ``/`` (the paths of ``args`` made absolute
+    first), the environment it gives (``$RUNTIME_DIRECTORY``, ``$STATE_DIRECTORY``, none of
+    the shell's ``$KVTIERD_SOCKET``). The unit, or ``None`` with the failed ``unit`` line."""
+    try:
+        unit = read_unit(Path(args.as_unit) if args.as_unit else None)
+    except (OSError, ValueError) as exc:
+        why = f"cannot read the unit: {exc}"
+        return None, HostCheck("unit", CheckStatus.FAIL, why, Fault.ENVIRONMENT)
+    for attribute in ("config", "socket", "data_dir"):
+        if (value := getattr(args, attribute)) is not None:
+            setattr(args, attribute, type(value)(os.path.abspath(value)))
+    try:
+        assume_user(unit)
+    except (KeyError, PermissionError) as exc:
+        why = str(exc.args[0] if isinstance(exc, KeyError) else exc.strerror)
+        return None, HostCheck("unit", CheckStatus.FAIL, why, Fault.ENVIRONMENT)
+    os.environ.pop("KVTIERD_SOCKET", None)
+    for variable, directories in (
+        ("RUNTIME_DIRECTORY", unit.runtime_directories),
+        ("STATE_DIRECTORY", unit.state_directories),
+    ):
+        os.environ.pop(variable, None)
+        if directories:
+            os.environ[variable] = ":".join(str(d) for d in directories)
+    if (problem := unit.program_problem()) is not None:
+        return unit, HostCheck("unit", CheckStatus.FAIL, problem, Fault.ENVIRONMENT)
+    return unit, HostCheck("unit", CheckStatus.OK, unit.describe())
 
 
 def run(args: argparse.Namespace) -> int:

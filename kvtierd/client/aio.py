@@ -19,7 +19,7 @@ import anyio
 from kvtierd.client._async.client import AsyncClient, AsyncNamespace
 from kvtierd.client.base import resolve_socket
 from kvtierd.client.endpoint import Endpoint, TcpEndpoint, UnixEndpoint
-from kvtierd.client.reconnect import Reconnect
+from kvtierd.client.reconnect import RECONNECTABLE, Reconnect, gave_up
 from kvtierd.protocol import ClientConnection
 
 __all__ = [
@@ -61,12 +61,10 @@ def connect_tcp_async(
     return connect_endpoint_async(endpoint, client_name=client_name, reconnect=reconnect)
 
 
-@contextlib.asynccontextmanager
-async def connect_endpoint_async(
-    endpoint: Endpoint, *, client_name: str = "", reconnect: Reconnect | None = None
-) -> AsyncIterator[AsyncClient]:
-    """Connect to ``endpoint`` (:func:`connect_async` and :func:`connect_tcp_async` name
-    one) and yield the client, its reader and janitor running in a task group of its own."""
+async def _connect_once(
+    endpoint: Endpoint, client_name: str, reconnect: Reconnect | None
+) -> AsyncClient:
+    """A client on a new connection to ``endpoint``, INIT answered."""
     stream = await endpoint.open_async()
     client = AsyncClient(
         stream, ClientConnection(), endpoint=endpoint, client_name=client_name, reconnect=reconnect
@@ -77,6 +75,27 @@ async def connect_endpoint_async(
         client._abandon()
         await anyio.aclose_forcefully(stream)
         raise
+    return client
+
+
+@contextlib.asynccontextmanager
+async def connect_endpoint_async(
+    endpoint: Endpoint, *, client_name: str = "", reconnect: Reconnect | None = None
+) -> AsyncIterator[AsyncClient]:
+    """Connect to ``endpoint`` (:func:`connect_async` and :func:`connect_tcp_async` name
+    one) and yield the client, its reader and janitor running in a task group of its own; with
+    ``reconnect``, waiting as that policy allows for a daemon that is restarting or starting."""
+    if reconnect is None:
+        client = await _connect_once(endpoint, client_name, reconnect)
+    else:
+        made = 0
+        try:
+            async for attempt in reconnect.retrying():
+                with attempt:
+                    made = attempt.num
+                    client = await _connect_once(endpoint, client_name, reconnect)
+        except RECONNECTABLE as exc:
+            raise gave_up(exc, made) from exc
     try:
         async with anyio.create_task_group() as tg:
             client._start(tg)

@@ -16,9 +16,11 @@ below say so to whoever uses them).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
+
+import stamina
 
 from kvtierd.client.base import NamespaceHandle, Regions, close_all, handle_of
 from kvtierd.errors import (
@@ -46,30 +48,46 @@ RECONNECTABLE = (BrokenConnectionError, StartingError)
 
 @dataclass(frozen=True, slots=True)
 class Reconnect:
-    """How a client reconnects when its connection to the daemon breaks (a restart): up to
-    ``attempts`` connections, the first at once, then after ``first_backoff_s``, doubling up to
-    ``max_backoff_s``. Pass to ``connect(reconnect=...)`` / ``connect_async(reconnect=...)``;
-    what is retried and what is not is in ``docs/client.md`` ("Reconnecting")."""
+    """How a client reconnects when its connection to the daemon breaks (a restart, an
+    upgrade), and how ``connect(reconnect=...)`` waits for a daemon that is not serving yet:
+    the first attempt at once, then backing off from ``first_backoff_s``, doubling up to
+    ``max_backoff_s``, each wait with up to ``jitter_s`` added at random (so that a host's
+    engines do not all come back in one instant), for up to ``timeout_s`` in all and at most
+    ``attempts`` (``None``: as many as fit). The defaults wait five minutes: a daemon
+    pre-faulting a large arena, or recovering its NVMe index after a crash, takes minutes to
+    serve. The backoff is stamina's (with tenacity's jitter). What is retried and what is not
+    is in ``docs/client.md`` ("Reconnecting")."""
 
-    attempts: int = 10
+    attempts: int | None = None
     first_backoff_s: float = 0.05
     max_backoff_s: float = 2.0
+    timeout_s: float = 300.0
+    jitter_s: float = 0.25
 
     def __post_init__(self) -> None:
-        if not 1 <= self.attempts <= 1000:
+        if self.attempts is not None and not 1 <= self.attempts <= 1000:
             raise InvalidRequestError(f"reconnect attempts must be 1..1000, not {self.attempts}")
         if not 0 <= self.first_backoff_s <= self.max_backoff_s <= 60:
             raise InvalidRequestError(
                 "reconnect backoff needs 0 <= first_backoff_s <= max_backoff_s <= 60"
             )
+        if not 0 < self.timeout_s <= 3600 or not 0 <= self.jitter_s <= 60:
+            raise InvalidRequestError(
+                "reconnect needs 0 < timeout_s <= 3600 and 0 <= jitter_s <= 60"
+            )
 
-    def delays(self) -> Iterator[float]:
-        """The wait before each attempt, ``attempts`` of them."""
-        delay = self.first_backoff_s
-        yield 0.0
-        for _ in range(self.attempts - 1):
-            yield delay
-            delay = min(delay * 2, self.max_backoff_s)
+    def retrying(self) -> Any:
+        """The attempts, as ``stamina.retry_context``: ``for attempt in ...: with attempt:``
+        (``async for`` in the async client); a :data:`RECONNECTABLE` error inside is retried,
+        anything else raised at once."""
+        return stamina.retry_context(
+            on=RECONNECTABLE,
+            attempts=self.attempts,
+            timeout=self.timeout_s,
+            wait_initial=self.first_backoff_s,
+            wait_max=self.max_backoff_s,
+            wait_jitter=self.jitter_s,
+        )
 
 
 class Reopenable(Protocol):
@@ -136,10 +154,10 @@ def _same_keys(old: NamespaceHandle, reply: NamespaceHandle | KvtierError) -> Na
     return reply
 
 
-def gave_up(last: KvtierError, policy: Reconnect) -> KvtierError:
-    """What a client raises when ``policy``'s attempts to reconnect all failed (``last``: the
-    last attempt's error; its class, so ``DaemonNotRunningError`` stays catchable)."""
-    return type(last)(f"{last} (gave up reconnecting after {policy.attempts} attempts)")
+def gave_up(last: KvtierError, attempts: int) -> KvtierError:
+    """What a client raises when its ``attempts`` to reconnect all failed (``last``: the last
+    attempt's error; its class, so ``DaemonNotRunningError`` stays catchable)."""
+    return type(last)(f"{last} (gave up reconnecting after {attempts} attempts)")
 
 
 def replaced_region_error() -> BrokenConnectionError:

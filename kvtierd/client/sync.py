@@ -17,7 +17,7 @@ import ssl
 from kvtierd.client._sync.client import Client, Namespace
 from kvtierd.client.base import resolve_socket
 from kvtierd.client.endpoint import Endpoint, TcpEndpoint, UnixEndpoint
-from kvtierd.client.reconnect import Reconnect
+from kvtierd.client.reconnect import RECONNECTABLE, Reconnect, gave_up
 from kvtierd.protocol import ClientConnection
 
 __all__ = ["Client", "Namespace", "connect", "connect_endpoint", "connect_tcp"]
@@ -66,7 +66,24 @@ def connect_endpoint(
     timeout_s: float | None = None,
     reconnect: Reconnect | None = None,
 ) -> Client:
-    """Connect to ``endpoint`` (:func:`connect` and :func:`connect_tcp` name one)."""
+    """Connect to ``endpoint`` (:func:`connect` and :func:`connect_tcp` name one); with
+    ``reconnect``, waiting as that policy allows for a daemon that is restarting or starting."""
+    if reconnect is None:
+        return _connect_once(endpoint, client_name, timeout_s, reconnect)
+    made = 0
+    try:
+        for attempt in reconnect.retrying():
+            with attempt:
+                made = attempt.num
+                return _connect_once(endpoint, client_name, timeout_s, reconnect)
+    except RECONNECTABLE as exc:
+        raise gave_up(exc, made) from exc
+    raise AssertionError("stamina ends in a return or the last error")
+
+
+def _connect_once(
+    endpoint: Endpoint, client_name: str, timeout_s: float | None, reconnect: Reconnect | None
+) -> Client:
     sock = endpoint.open(timeout_s)
     client = Client(
         sock,

@@ -12,7 +12,9 @@ use) and what stops it (``fail``, with the exit status: 2 for a configuration th
 prints them all.
 
 ``blame`` maps a configuration field (``"daemon.socket"``) to the command-line flag that set it
-(``"--socket"``), so a message names what the operator typed.
+(``"--socket"``), so a message names what the operator typed. ``unit`` (``kvtierd --check
+--as-unit``, :mod:`kvtierd.server.unitfile`) judges the start the systemd unit will make: its
+directories as made at start, its limits and sandbox instead of this process's.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvtierd.io.probe import BindingVerdict, cached_probe, probe_binding
 from kvtierd.server.activation import activated
 from kvtierd.server.budget import budget_problem, descriptor_budget, nofile_limits
 from kvtierd.server.checks import CheckStatus, Fault, HostCheck, size_text
+from kvtierd.server.unitfile import ServiceUnit
 from kvtierd.store.copyhash import MODULE_ENV, CopyHashVerdict
 from kvtierd.store.lifecycle import arena_bytes
 
@@ -93,6 +96,7 @@ def check_host(
     blame: Mapping[str, str] | None = None,
     *,
     restart: bool = False,
+    unit: ServiceUnit | None = None,
 ) -> list[HostCheck]:
     """Every start-up check of ``config`` on this host (see the module docstring).
 
@@ -100,6 +104,11 @@ def check_host(
     (``kvtierd --check`` before ``systemctl restart``), so what that daemon holds (its data
     directory lock, its socket, presumably its metrics port, its arena's memory) counts as
     released. Without it, another daemon holding any of them is a failure.
+
+    ``unit``: the checks are for a start by that systemd unit, run as its user: the directories
+    it makes at start count as writable, its ``LimitMEMLOCK=``, ``LimitNOFILE=``,
+    ``MemoryMax=`` and capabilities replace this process's, and its sandbox decides where the
+    daemon may write.
     """
 
     def name(field: str) -> str:
@@ -108,22 +117,24 @@ def check_host(
     running = lock_holder(config.data_path) if restart else None
     need = arena_bytes(config)
     hugetlb = config.dram.hugepages is not TriState.NEVER and host.free_hugepage_bytes() >= need
-    data_dir = _guard("data_dir", _data_dir, config.data_path, name("daemon.data_dir"), running)
+    data_dir = _guard(
+        "data_dir", _data_dir, config.data_path, name("daemon.data_dir"), running, unit
+    )
     if data_dir.status is CheckStatus.FAIL and config.nvme.size and not config.nvme.path:
         nvme = HostCheck("nvme", CheckStatus.SKIPPED, "the NVMe file lies in data_dir (above)")
     else:
-        nvme = _guard("nvme", _nvme, config, name)
+        nvme = _guard("nvme", _nvme, config, name, unit)
     return [
         _io_uring(config, verdict, name),
         _hugepages(config, need, name),
         _shmem_thp(hugetlb),
-        _mlock(config, need, name),
-        _memory(need, hugetlb, config, name, running),
+        _mlock(config, need, name, unit),
+        _memory(need, hugetlb, config, name, running, unit),
         data_dir,
         nvme,
-        _guard("socket", _socket, config, name, running),
+        _guard("socket", _socket, config, name, running, unit),
         _guard("metrics", _metrics, config, name, running),
-        _descriptors(config),
+        _descriptors(config, unit),
         _guard("pool", _pool, config),
     ]
 
@@ -229,16 +240,20 @@ def _shmem_thp(hugetlb: bool) -> HostCheck:
     return _ok("thp", f"transparent_hugepage/shmem_enabled is {mode or 'unknown'!r}")
 
 
-def _mlock(config: Config, need: int, name: Namer) -> HostCheck:
+def _mlock(config: Config, need: int, name: Namer, unit: ServiceUnit | None) -> HostCheck:
     mode = config.dram.mlock
     if mode is TriState.NEVER:
         return _ok("mlock", f"off ({name('dram.mlock')} = never)")
-    if host.has_capability(host.CAP_IPC_LOCK):
+    if unit is None:
+        capable, limit, source = host.has_capability(host.CAP_IPC_LOCK), host.memlock_limit(), ""
+    else:
+        capable = "CAP_IPC_LOCK" in unit.ambient_capabilities
+        limit, source = unit.memlock_bytes, " (LimitMEMLOCK= of the unit)"
+    if capable:
         return _ok("mlock", "CAP_IPC_LOCK: the arena can be locked and registered with io_uring")
-    limit = host.memlock_limit()
     if limit is None or limit >= need:
         shown = "unlimited" if limit is None else size_text(limit)
-        return _ok("mlock", f"RLIMIT_MEMLOCK {shown} holds the {size_text(need)} arena")
+        return _ok("mlock", f"RLIMIT_MEMLOCK {shown}{source} holds the {size_text(need)} arena")
     detail = (
         f"RLIMIT_MEMLOCK is {size_text(limit)}, the arena {size_text(need)}: it cannot be locked "
         "(it may be swapped) nor registered as io_uring fixed buffers (LimitMEMLOCK=infinity)"
@@ -249,18 +264,26 @@ def _mlock(config: Config, need: int, name: Namer) -> HostCheck:
 
 
 def _memory(
-    need: int, hugetlb: bool, config: Config, name: Namer, running: str | None
+    need: int,
+    hugetlb: bool,
+    config: Config,
+    name: Namer,
+    running: str | None,
+    unit: ServiceUnit | None,
 ) -> HostCheck:
     if hugetlb:
         return _ok("memory", f"the {size_text(need)} arena comes from reserved hugetlb pages")
     # The running daemon's arena is given back when it stops.
     freed = host.process_shmem_bytes(int(running)) if running and running.isdigit() else 0
+    # The unit's own cgroup starts empty: its MemoryMax= is the headroom, not this shell's.
+    cgroup = (
+        (host.cgroup_memory_headroom(), "the memory cgroup's limit")
+        if unit is None
+        else (unit.memory_max_bytes, "MemoryMax= of the unit")
+    )
     limits = [
         (value + freed, source)
-        for value, source in (
-            (host.memory_available(), "MemAvailable"),
-            (host.cgroup_memory_headroom(), "the memory cgroup's limit"),
-        )
+        for value, source in ((host.memory_available(), "MemAvailable"), cgroup)
         if value is not None
     ]
     if not limits:
@@ -278,24 +301,40 @@ def _memory(
     return _ok("memory", detail)
 
 
-def _directory_problem(path: Path) -> str | None:
-    """Why the daemon could not create files in ``path`` (creating it if needed), or ``None``."""
+def _directory_problem(path: Path, unit: ServiceUnit | None = None) -> str | None:
+    """Why the daemon could not create files in ``path`` (creating it if needed), or ``None``.
+    Under ``unit``, a directory the unit makes at start needs no rights now, and one its
+    sandbox keeps read-only is a problem whatever the rights."""
     existing = host.nearest_existing(path)
     if not existing.is_dir():
         return f"{existing} is not a directory"
     with contextlib.suppress(OSError):
         if os.statvfs(existing).f_flag & os.ST_RDONLY:
             return f"{existing} is on a read-only file system"
+    if unit is not None:
+        if (denied := unit.sandbox_denies(path)) is not None:
+            return f"{path} is not writable in the unit: {denied}"
+        if unit.provides(path) is not None:
+            return None
     if not os.access(existing, os.W_OK | os.X_OK):
         user = pwd.getpwuid(os.geteuid()).pw_name
         return f"{existing} is not writable by {user}"
     return None
 
 
-def _data_dir(data_dir: Path, field: str, running: str | None) -> HostCheck:
-    if (problem := _directory_problem(data_dir)) is not None:
+def _writable(path: Path, unit: ServiceUnit | None) -> str:
+    """How the daemon gets to write in ``path``, which :func:`_directory_problem` passed."""
+    given = unit.provides(path) if unit is not None else None
+    return f"given to {unit.user} at start ({given})" if unit and given else "writable"
+
+
+def _data_dir(
+    data_dir: Path, field: str, running: str | None, unit: ServiceUnit | None
+) -> HostCheck:
+    if (problem := _directory_problem(data_dir, unit)) is not None:
         return _fail("data_dir", f"{field} {data_dir}: {problem}")
-    free = f"{data_dir} is writable, {size_text(host.free_disk_bytes(data_dir))} free"
+    free = size_text(host.free_disk_bytes(data_dir))
+    free = f"{data_dir} is {_writable(data_dir, unit)}, {free} free"
     if running is not None:
         held = f"the running kvtierd (pid {running}) holds it until it stops"
         return _ok("data_dir", f"{free}; {held}")
@@ -304,11 +343,13 @@ def _data_dir(data_dir: Path, field: str, running: str | None) -> HostCheck:
     return _ok("data_dir", free)
 
 
-def _nvme(config: Config, name: Namer) -> HostCheck:
+def _nvme(config: Config, name: Namer, unit: ServiceUnit | None) -> HostCheck:
     size = config.nvme.size
     if not size:
         return _ok("nvme", f"no disk tier ({name('nvme.size')} = 0)")
     path = Path(config.nvme.path) if config.nvme.path else config.data_path / "nvme.data"
+    if unit is not None and (denied := unit.sandbox_denies(path)) is not None:
+        return _fail("nvme", f"{name('nvme.path')} {path} is not writable in the unit: {denied}")
     allocated = 0
     if path.exists():
         st = path.stat()
@@ -319,7 +360,7 @@ def _nvme(config: Config, name: Namer) -> HostCheck:
         if not stat.S_ISREG(st.st_mode):
             return _fail("nvme", f"{name('nvme.path')} {path} is neither a file nor a device")
         allocated = st.st_blocks * 512
-    elif (problem := _directory_problem(path.parent)) is not None:
+    elif (problem := _directory_problem(path.parent, unit)) is not None:
         return _fail("nvme", f"{name('nvme.path')} {path}: {problem}")
     needed = max(0, size - allocated) if config.nvme.preallocate else 0
     free = host.free_disk_bytes(path.parent)
@@ -334,7 +375,9 @@ def _nvme(config: Config, name: Namer) -> HostCheck:
                f"{size_text(free)} free")  # fmt: skip
 
 
-def _socket(config: Config, name: Namer, running: str | None) -> HostCheck:
+def _socket(
+    config: Config, name: Namer, running: str | None, unit: ServiceUnit | None
+) -> HostCheck:
     path = config.socket_path
     length = len(os.fsencode(path))
     if length > MAX_SOCKET_PATH_BYTES:
@@ -346,7 +389,7 @@ def _socket(config: Config, name: Namer, running: str | None) -> HostCheck:
         )
     if activated():  # systemd bound it and passes it: it answers, and nobody else serves it
         return _ok("socket", f"{path}, passed by systemd (socket activation)")
-    if (problem := _directory_problem(path.parent)) is not None:
+    if (problem := _directory_problem(path.parent, unit)) is not None:
         return _fail("socket", f"{name('daemon.socket')} {path}: {problem}")
     if path.exists() and not path.is_socket():
         return _fail("socket", f"{name('daemon.socket')} {path} exists and is not a socket")
@@ -356,7 +399,8 @@ def _socket(config: Config, name: Namer, running: str | None) -> HostCheck:
     group = config.daemon.socket_group
     if group and (refused := _group_problem(group, name("daemon.socket_group"))) is not None:
         return refused
-    where = f"{path} ({length} of {MAX_SOCKET_PATH_BYTES} bytes), directory writable"
+    where = f"{path} ({length} of {MAX_SOCKET_PATH_BYTES} bytes), directory "
+    where += _writable(path.parent, unit)
     if listening:
         where += f"; the running kvtierd (pid {running}) listens until it stops"
     return _ok("socket", where)
@@ -398,10 +442,11 @@ def _metrics(config: Config, name: Namer, running: str | None) -> HostCheck:
     return _ok("metrics", f"http://{address}:{port}/metrics (port free)")
 
 
-def _descriptors(config: Config) -> HostCheck:
-    """The connection caps and the daemon's own descriptors against ``RLIMIT_NOFILE``."""
+def _descriptors(config: Config, unit: ServiceUnit | None) -> HostCheck:
+    """The connection caps and the daemon's own descriptors against ``RLIMIT_NOFILE`` (the
+    unit's ``LimitNOFILE=`` under ``unit``)."""
     budget = descriptor_budget(config)
-    soft, hard = nofile_limits()
+    soft, hard = nofile_limits() if unit is None else unit.nofile
     problem = budget_problem(budget, hard)
     if problem is not None:
         return _fail("nofile", problem, Fault.CONFIGURATION)
@@ -409,7 +454,8 @@ def _descriptors(config: Config) -> HostCheck:
         detail = f"raises RLIMIT_NOFILE from {soft} to {budget.total} (hard limit {hard})"
     else:
         detail = f"within RLIMIT_NOFILE {soft}"
-    return _ok("nofile", f"{budget.describe()}, {detail}")
+    source = "" if unit is None else " (LimitNOFILE= of the unit)"
+    return _ok("nofile", f"{budget.describe()}, {detail}{source}")
 
 
 def _pool(config: Config) -> HostCheck:

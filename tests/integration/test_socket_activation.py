@@ -9,16 +9,19 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from kvtierd.client import connect
+from kvtierd.client import Reconnect, connect
 from kvtierd.testing import DaemonProcess
 
 pytestmark = pytest.mark.timeout(180)
 
 KEY = bytes(range(16))
+#: An engine's policy: it waits out a start (INIT answered EAGAIN while the daemon starts).
+POLICY = Reconnect(timeout_s=60.0)
 
 
 def _listening(path: Path) -> socket.socket:
@@ -45,7 +48,7 @@ def test_a_connection_made_during_a_restart_is_served_by_the_next_start(tmp_path
 
         def engine() -> None:  # connects while no daemon runs: waits in the backlog
             try:
-                with connect(daemon.socket, client_name="waiting") as client:
+                with connect(daemon.socket, client_name="waiting", reconnect=POLICY) as client:
                     ns = client.namespace("kept", block_bytes=4096)
                     answers.append(ns.lookup_tiers([KEY]))
             except Exception as exc:  # what the assertion shows
@@ -54,7 +57,8 @@ def test_a_connection_made_during_a_restart_is_served_by_the_next_start(tmp_path
         waiting = threading.Thread(target=engine)
         waiting.start()
         waiting.join(1.0)
-        assert waiting.is_alive() and answers == []  # queued, not refused
+        assert waiting.is_alive()  # queued, not refused
+        assert answers == []
         daemon.start()
         waiting.join(60)
         assert answers == [["nvme"]]  # served by the new daemon, what FSYNC kept
@@ -64,12 +68,55 @@ def test_a_connection_made_during_a_restart_is_served_by_the_next_start(tmp_path
         sock.close()
 
 
+def test_an_engine_connected_across_a_restart_sees_no_failed_request(tmp_path: Path) -> None:
+    directory = tmp_path / "d"
+    directory.mkdir()
+    sock = _listening(directory / "kvtierd.sock")
+    daemon = DaemonProcess(directory, listening=sock)
+    try:
+        daemon.start()
+        failures: list[BaseException] = []
+        served = 0
+        stop = threading.Event()
+        with connect(daemon.socket, client_name="engine", reconnect=POLICY) as client:
+            ns = client.namespace("steady", block_bytes=4096)
+
+            def requests() -> None:
+                nonlocal served
+                for i in range(10_000):
+                    if stop.is_set():
+                        return
+                    key = i.to_bytes(16, "big")
+                    try:
+                        ns.put([key], [bytes([i % 251]) * 4096])
+                        assert ns.lookup([key]) == 1
+                        served += 1
+                    except BaseException as exc:  # any failed request fails the test
+                        failures.append(exc)
+                        return
+
+            worker = threading.Thread(target=requests)
+            worker.start()
+            time.sleep(0.5)
+            assert daemon.stop() == 0  # a restart under the engine's requests
+            daemon.start()
+            time.sleep(0.5)
+            stop.set()
+            worker.join(60)
+            assert client.reconnects >= 1
+        assert failures == []
+        assert served > 0
+    finally:
+        daemon.kill()
+        sock.close()
+
+
 def test_a_passed_socket_on_another_path_is_refused_saying_which(tmp_path: Path) -> None:
     other = _listening(tmp_path / "other.sock")
     wrapper = [
         sys.executable, "-c",
-        "import os, sys; os.dup2(int(sys.argv[1]), 3); os.environ['LISTEN_PID'] = str(os.getpid()); "
-        "os.execv(sys.argv[2], sys.argv[2:])",
+        "import os, sys; os.dup2(int(sys.argv[1]), 3); "
+        "os.environ['LISTEN_PID'] = str(os.getpid()); os.execv(sys.argv[2], sys.argv[2:])",
         str(other.fileno()),
     ]  # fmt: skip
     result = subprocess.run(

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from kvtierd.client import ops
-from kvtierd.client._async.connection import AsyncConnection, Exchange, sleep
+from kvtierd.client._async.connection import AsyncConnection, Exchange
 from kvtierd.client.arena import ClientArena
 from kvtierd.client.base import (
     NamespaceBase,
@@ -195,20 +195,20 @@ class AsyncClient(AsyncConnection):
     # -- reconnecting ------------------------------------------------------------------------
 
     async def _recover(self, policy: Reconnect) -> None:
-        """Replace the broken connection: up to ``policy.attempts`` connections, backing off
-        between them. Raises what the last attempt met."""
+        """Replace the broken connection, as ``policy`` allows. Raises what the last attempt
+        met."""
         assert self._broken is not None
-        last: KvtierError = self._broken
-        for delay in policy.delays():
-            await sleep(delay)
-            if self._closed:
-                raise closed_error()
-            try:
-                await self._reopen()
-                return
-            except RECONNECTABLE as exc:
-                last = exc
-        raise gave_up(last, policy)
+        made = 0
+        try:
+            async for attempt in policy.retrying():
+                with attempt:
+                    made = attempt.num
+                    if self._closed:
+                        raise closed_error()
+                    await self._reopen()
+                    return
+        except RECONNECTABLE as exc:
+            raise gave_up(exc, made) from exc
 
     async def _reopen_namespaces(
         self, exchange: Exchange, regions: Regions

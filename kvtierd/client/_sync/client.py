@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from kvtierd.client import ops
-from kvtierd.client._sync.connection import Exchange, SyncConnection, sleep
+from kvtierd.client._sync.connection import Exchange, SyncConnection
 from kvtierd.client.arena import ClientArena
 from kvtierd.client.base import (
     NamespaceBase,
@@ -197,20 +197,20 @@ class Client(SyncConnection):
     # -- reconnecting ------------------------------------------------------------------------
 
     def _recover(self, policy: Reconnect) -> None:
-        """Replace the broken connection: up to ``policy.attempts`` connections, backing off
-        between them. Raises what the last attempt met."""
+        """Replace the broken connection, as ``policy`` allows. Raises what the last attempt
+        met."""
         assert self._broken is not None
-        last: KvtierError = self._broken
-        for delay in policy.delays():
-            sleep(delay)
-            if self._closed:
-                raise closed_error()
-            try:
-                self._reopen()
-                return
-            except RECONNECTABLE as exc:
-                last = exc
-        raise gave_up(last, policy)
+        made = 0
+        try:
+            for attempt in policy.retrying():
+                with attempt:
+                    made = attempt.num
+                    if self._closed:
+                        raise closed_error()
+                    self._reopen()
+                    return
+        except RECONNECTABLE as exc:
+            raise gave_up(exc, made) from exc
 
     def _reopen_namespaces(
         self, exchange: Exchange, regions: Regions
