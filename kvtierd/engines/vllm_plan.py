@@ -1,12 +1,14 @@
 """What the vLLM connector decides, without I/O: which blocks of a request to load from kvtierd
-and which to save, step by step, and the connector's settings.
+and which to save, step by step, group by group, and the connector's settings.
 
-A request's prompt is cut into vLLM blocks of ``block_tokens``; block ``i`` has kvtierd key
-``keys[i]`` (:func:`kvtierd.keys.chain_keys`, so key ``i`` names every token up to the end of
-block ``i``). vLLM must compute at least the last prompt token itself, so at most
-``(len(prompt) - 1) // block_tokens`` blocks are ever loaded. The connector (``vllm.py``) asks
-the daemon and carries out what a :class:`RequestPlan` says; everything here is plain data and
-arithmetic, tested without vLLM or a daemon.
+A request's prompt is cut into vLLM blocks of ``block_tokens``; block ``i`` of KV cache group
+``g`` has kvtierd key ``keys[g][i]`` (:func:`kvtierd.keys.chain_keys` under the group's
+namespace salt, so key ``i`` names every token up to the end of block ``i``). vLLM must compute
+at least the last prompt token itself, so at most ``(len(prompt) - 1) // block_tokens`` blocks
+are ever loaded during the forward. Which blocks of each group a hit needs and which a group
+stores is :mod:`kvtierd.engines.vllm_groups`'s. The connector (``vllm.py``) asks the daemon and
+carries out what a :class:`RequestPlan` says; everything here is plain data and arithmetic,
+tested without vLLM or a daemon.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvtierd.engines.vllm_groups import CacheGroups, runs
 
 __all__ = ["BlockRun", "ConnectorSettings", "Promotion", "RequestPlan", "loadable_blocks"]
 
@@ -31,8 +35,8 @@ def loadable_blocks(prompt_tokens: int, block_tokens: int, *, before_forward: bo
 
 @dataclass(frozen=True)
 class BlockRun:
-    """Blocks ``first .. first + len(keys)`` of one request: their kvtierd keys and the vLLM
-    block ids (paged KV slots) they occupy, one to one."""
+    """Blocks ``first .. first + len(keys)`` of one request in KV cache group ``group``: their
+    kvtierd keys and the vLLM block ids (paged KV slots) they occupy, one to one."""
 
     request_id: str
     first: int
@@ -40,6 +44,7 @@ class BlockRun:
     block_ids: tuple[int, ...]
     #: Loaded before the request is scheduled (every layer at once), not during its forward.
     before_forward: bool = False
+    group: int = 0
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.block_ids):
@@ -50,25 +55,34 @@ class BlockRun:
 class RequestPlan:
     """One request as the scheduler side sees it.
 
-    ``keys`` are the prompt's full-block keys; ``stored`` how many leading ones kvtierd held
-    at lookup (never saved again); ``load`` the blocks promised to vLLM (``first`` = the blocks
-    vLLM already had itself); ``saved`` how many leading blocks are in kvtierd or on their way
-    there; ``block_ids`` the request's vLLM blocks in order, as the scheduler allocates them.
+    ``keys`` are the prompt's full-block keys, one tuple per group of ``cache``; ``stored`` the
+    hit kvtierd served at lookup, in blocks (never saved again); ``load`` the blocks promised
+    to vLLM (``first`` = the blocks vLLM already had itself); ``saved`` how many leading blocks
+    are in kvtierd or on their way there; ``block_ids`` the request's vLLM blocks in order, one
+    list per group, as the scheduler allocates them (``null_block``: vLLM's placeholder for a
+    block a sliding window skipped, never loaded into nor saved).
     """
 
     request_id: str
     prompt_tokens: int
-    keys: tuple[bytes, ...]
+    keys: tuple[tuple[bytes, ...], ...]
+    cache: CacheGroups
+    null_block: int | None = None
     stored: int = 0
     load_first: int = 0
     load_count: int = 0
     load_sent: bool = False
     load_before_forward: bool = False
     saved: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    _kept: list[range | frozenset[int]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.cache.groups):
+            raise ValueError(f"keys for {len(self.keys)} groups, not {len(self.cache.groups)}")
 
     def promise(self, local_blocks: int, stored: int, *, before_forward: bool = False) -> int:
-        """Record a lookup: vLLM holds ``local_blocks`` itself, kvtierd ``stored`` leading
+        """Record a lookup: vLLM holds ``local_blocks`` itself, kvtierd a hit of ``stored``
         blocks (loaded ``before_forward`` or during it). Returns the blocks promised to vLLM
         (tokens = that times ``block_tokens``)."""
         self.load_before_forward = before_forward
@@ -79,38 +93,60 @@ class RequestPlan:
         self.saved = max(self.saved, stored)
         return self.load_count
 
-    def allocated(self, block_ids: Sequence[int], promised_tokens: int, block_tokens: int) -> None:
-        """vLLM allocated ``block_ids`` (all of the request's blocks so far) and will load
-        ``promised_tokens`` from the connector (0: it changed its mind; load nothing)."""
-        self.block_ids = list(block_ids)
+    def allocated(
+        self, block_ids: Sequence[Sequence[int]], promised_tokens: int, block_tokens: int
+    ) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks so far, per group) and will
+        load ``promised_tokens`` from the connector (0: it changed its mind; load nothing)."""
+        self.block_ids = [list(ids) for ids in block_ids]
         self.load_count = min(self.load_count, promised_tokens // block_tokens)
 
-    def take_load(self) -> BlockRun | None:
-        """The load to send with the next step, once."""
+    def take_load(self) -> list[BlockRun]:
+        """The loads to send with the next step, once: per group, the blocks the hit needs
+        beyond vLLM's own (a sliding window's only)."""
         if self.load_sent or self.load_count == 0:
-            return None
+            return []
         self.load_sent = True
         first, stop = self.load_first, self.load_first + self.load_count
-        if stop > len(self.block_ids):
-            raise ValueError(f"load of blocks {first}..{stop} but {len(self.block_ids)} allocated")
+        loads = []
+        for group in self.cache.groups:
+            ids = self.block_ids[group.index] if group.index < len(self.block_ids) else []
+            if stop > len(ids):
+                raise ValueError(f"load of blocks {first}..{stop} but {len(ids)} allocated")
+            start = max(first, self.cache.needed(group, stop, self.prompt_tokens).start)
+            while start < stop and ids[start] == self.null_block:
+                start += 1  # skipped by vLLM's window (it reads none of them)
+            if start < stop:
+                loads.append(self._run(group.index, range(start, stop), self.load_before_forward))
+        return loads
+
+    def take_save(self, computed_tokens: int, block_tokens: int) -> list[BlockRun]:
+        """The blocks that are complete once ``computed_tokens`` of the request are computed
+        and not yet in kvtierd (prompt blocks only, those each group keeps), once each."""
+        full = min(computed_tokens, self.prompt_tokens) // block_tokens
+        full = min(full, len(self.keys[0]), *(len(ids) for ids in self.block_ids or [[]]))
+        if full <= self.saved:
+            return []
+        first, self.saved = self.saved, full
+        if not self._kept:
+            self._kept = [self.cache.kept(g, self.prompt_tokens) for g in self.cache.groups]
+        saves = []
+        for group in self.cache.groups:
+            g = group.index
+            ids, kept = self.block_ids[g], self._kept[g]
+            blocks = (i for i in range(first, full) if i in kept and ids[i] != self.null_block)
+            saves += [self._run(g, run) for run in runs(blocks)]
+        return saves
+
+    def _run(self, group: int, blocks: range, before_forward: bool = False) -> BlockRun:
+        ids = self.block_ids[group]
         return BlockRun(
             self.request_id,
-            first,
-            self.keys[first:stop],
-            tuple(self.block_ids[first:stop]),
-            self.load_before_forward,
-        )
-
-    def take_save(self, computed_tokens: int, block_tokens: int) -> BlockRun | None:
-        """The blocks that are complete once ``computed_tokens`` of the request are computed
-        and not yet in kvtierd (prompt blocks only), once each."""
-        full = min(computed_tokens, self.prompt_tokens) // block_tokens
-        full = min(full, len(self.keys), len(self.block_ids))
-        if full <= self.saved:
-            return None
-        first, self.saved = self.saved, full
-        return BlockRun(
-            self.request_id, first, self.keys[first:full], tuple(self.block_ids[first:full])
+            blocks.start,
+            self.keys[group][blocks.start : blocks.stop],
+            tuple(ids[blocks.start : blocks.stop]),
+            before_forward,
+            group,
         )
 
 

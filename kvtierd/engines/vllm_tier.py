@@ -17,9 +17,12 @@ its blocks are up from NVMe, which a lookup must not queue behind.
 
 * **Lookups** follow vLLM's own pattern for tiers that do I/O (``AsyncLookupManager``, which the
   fs tier uses too): a key not asked about yet answers RETRY; at the end of the step the step's
-  new keys go to the lookup thread as one batch, one LOOKUP per request (which also starts
-  promoting NVMe hits into DRAM); the scheduler picks up the answers at its next lookup. LOOKUP
-  counts leading hits, which is what vLLM's prefix lookup needs.
+  new keys go to the lookup thread as one batch per request; the scheduler picks up the answers
+  at its next lookup. vLLM wants an answer per key: with several KV cache groups a batch holds
+  each group's keys in turn, and a sliding-window group's are asked from the end of the prompt
+  and held only as the window before some hit, so presence is no prefix of the batch. LOOKUP
+  counts leading hits (and starts promoting NVMe hits into DRAM): :func:`present` answers key
+  by key with one LOOKUP per run of hits, i.e. one more for each miss.
 * **Transfers**: one queue, loads before stores. A job's blocks move in batches of at most a
   quarter of the tenant's arena (so a prompt larger than the daemon's DRAM still moves), one
   READ (a lease) or one two-phase write per batch, and one copy per block between the CPU
@@ -82,6 +85,7 @@ __all__ = [
     "TierStatistics",
     "block_key",
     "namespace_name",
+    "present",
     "refuse_random_block_hashes",
     "tier_entry",
 ]
@@ -198,6 +202,18 @@ def block_key(offload_key: bytes, salt: bytes) -> bytes:
     return hashlib.blake2b(offload_key, digest_size=32, key=salt[:64]).digest()
 
 
+def present(ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
+    """Whether each of ``keys`` is stored in ``ns``, in order: LOOKUP answers how many leading
+    keys are, so one LOOKUP per run of hits (the key after a run is a miss)."""
+    found = [False] * len(keys)
+    at = 0
+    while at < len(keys):
+        hits = ns.lookup(keys[at:])
+        found[at : at + hits] = [True] * hits
+        at += hits + 1
+    return found
+
+
 def refuse_random_block_hashes() -> None:
     """Raise :class:`ConfigError` when this process's vLLM block hashes are seeded at random
     (``xxhash``/``xxhash_cbor`` without ``PYTHONHASHSEED``): every restart would then be a cold
@@ -259,13 +275,13 @@ class _Lookups(AsyncLookupManager):  # type: ignore[misc]  # vLLM is untyped
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         try:
             ns = self.link.namespace(self._spec)
-            hits = ns.lookup([block_key(key, ns.key_salt) for key in keys])
+            found = present(ns, [block_key(key, ns.key_salt) for key in keys])
         except KvtierError as exc:
             self.link.lost(exc)
             raise  # vLLM logs it and answers MISS for these keys
         self.lookups += 1
-        self.hits += hits
-        return [i < hits for i in range(len(keys))]
+        self.hits += sum(found)
+        return found
 
 
 @dataclass(frozen=True)

