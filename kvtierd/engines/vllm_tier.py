@@ -76,6 +76,7 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
 from kvtierd.client import Namespace
+from kvtierd.client.ops import LOOKUP_EACH_MINOR
 from kvtierd.engines.link import EngineLink, NamespaceSpec
 from kvtierd.errors import ConfigError, ConfigProblem, KvtierError
 
@@ -203,8 +204,11 @@ def block_key(offload_key: bytes, salt: bytes) -> bytes:
 
 
 def present(ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
-    """Whether each of ``keys`` is stored in ``ns``, in order: LOOKUP answers how many leading
-    keys are, so one LOOKUP per run of hits (the key after a run is a miss)."""
+    """Whether each of ``keys`` is stored in ``ns``, in order: one LOOKUP that answers every
+    key (protocol minor 10); from an older daemon, which counts leading hits only, one LOOKUP
+    per run of hits (the key after a run is a miss)."""
+    if ns.client.daemon_minor >= LOOKUP_EACH_MINOR:
+        return [tier is not None for tier in ns.lookup_each(keys)]
     found = [False] * len(keys)
     at = 0
     while at < len(keys):

@@ -229,6 +229,25 @@ def test_every_key_of_a_batch_is_answered_for_itself(daemon: DaemonProcess) -> N
     assert tier.statistics().lookup_hits == 6
 
 
+def test_presence_is_one_lookup_of_every_key_and_the_same_from_an_older_daemon(
+    daemon: DaemonProcess,
+) -> None:
+    """``present``: one LOOKUP with ``each`` (minor 10); to an older daemon, one LOOKUP per
+    run of hits, with the same answers."""
+    from kvtierd.engines.vllm_tier import present
+
+    with connect(daemon.socket) as client:
+        ns = client.namespace("presence", block_bytes=4096)
+        keys = [bytes([i]) * 16 for i in range(8)]
+        ns.put([keys[i] for i in (1, 2, 5)], [bytes(4096)] * 3)
+        want = [False, True, True, False, False, True, False, False]
+        before = client.namespaces()[0]["lookup_blocks"]
+        assert present(ns, keys) == want
+        assert client.namespaces()[0]["lookup_blocks"] - before == 8  # one LOOKUP of 8 keys
+        client.daemon_minor = 9  # as a daemon before LOOKUP's each
+        assert present(ns, keys) == want
+
+
 def test_an_interrupted_store_leaves_nothing_visible(daemon: DaemonProcess) -> None:
     rows = cpu_tier(4)
     fill(rows, range(0, 2), seed=2)
