@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.systemd_root import give_systemd
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "systemd" / "install.sh"
 OPERATIONS = ROOT / "docs" / "operations.md"
@@ -166,20 +168,7 @@ def test_the_drop_in_runs_kvtierd_from_the_environment(installed: Installed) -> 
 
 def test_the_installed_unit_passes_systemd_analyze_verify(installed: Installed) -> None:
     analyze = _needs("systemd-analyze")
-    units = next(
-        (p for p in map(Path, ("/usr/lib/systemd/system", "/lib/systemd/system"))
-         if (p / "sysinit.target").is_file()),
-        None,
-    )  # fmt: skip
-    if units is None:
-        pytest.skip("systemd's own units (sysinit.target) are not installed")
-    own = installed.root / "usr/lib/systemd/system"
-    if not own.exists():
-        shutil.copytree(units, own, symlinks=True)
-    kill = shutil.which("kill")  # ExecReload='s command: the system's, not the script's to install
-    assert kill is not None
-    (installed.root / "usr/bin").mkdir(parents=True, exist_ok=True)
-    shutil.copy(kill, installed.root / "usr/bin/kill")
+    give_systemd(installed.root)
     assert (installed.root / "etc/systemd/system/kvtierd.socket").is_file()
     done = subprocess.run(
         [analyze, "verify", "--man=no", f"--root={installed.root}", "kvtierd.service"],

@@ -31,6 +31,7 @@ import pytest
 
 from kvtierd.config import Config, default_data_dir, default_socket_path, load_config
 from kvtierd.testing import free_port, wait_until_serving
+from tests.support.systemd_root import give_systemd
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "systemd"
@@ -132,15 +133,8 @@ def _scratch_root(tmp_path: Path, *, kvtierd_at: str | None, drop_in: str = "") 
     """A root for ``systemd-analyze verify --root=``: systemd's own units, the unit as installed
     (``/etc/systemd/system``, with ``drop_in`` as ``venv.conf``), and a copy of the
     installed entry point at ``kvtierd_at`` (verify only checks that it is executable there)."""
-    units = next(
-        (p for p in map(Path, ("/usr/lib/systemd/system", "/lib/systemd/system"))
-         if (p / "sysinit.target").is_file()),
-        None,
-    )  # fmt: skip
-    if units is None:
-        pytest.skip("systemd's own units (sysinit.target) are not installed")
     root = tmp_path / "root"
-    shutil.copytree(units, root / "usr/lib/systemd/system", symlinks=True)
+    give_systemd(root)
     system = root / "etc/systemd/system"
     system.mkdir(parents=True)
     shutil.copy(UNIT, system / "kvtierd.service")
@@ -148,10 +142,6 @@ def _scratch_root(tmp_path: Path, *, kvtierd_at: str | None, drop_in: str = "") 
     if drop_in:
         (system / "kvtierd.service.d").mkdir()
         (system / "kvtierd.service.d" / "venv.conf").write_text(drop_in)
-    kill = shutil.which("kill")  # ExecReload='s command, which verify finds in the root too
-    assert kill is not None
-    (root / "usr/bin").mkdir(parents=True, exist_ok=True)
-    shutil.copy(kill, root / "usr/bin/kill")
     if kvtierd_at is not None:
         binary = root / kvtierd_at.lstrip("/")
         binary.parent.mkdir(parents=True, exist_ok=True)

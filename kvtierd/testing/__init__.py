@@ -30,7 +30,14 @@ from typing import NoReturn
 from kvtierd.client import DaemonNotRunningError, StartingError, connect
 from kvtierd.config import default_data_dir, default_socket_path
 
-__all__ = ["DaemonProcess", "free_port", "skip", "terminate", "wait_until_serving"]
+__all__ = [
+    "DaemonProcess",
+    "activated_prefix",
+    "free_port",
+    "skip",
+    "terminate",
+    "wait_until_serving",
+]
 
 
 def skip(reason: str) -> NoReturn:
@@ -89,6 +96,13 @@ _ACTIVATE = (
 )
 
 
+def activated_prefix(fd: int) -> list[str]:
+    """A command prefix that runs the command after it with descriptor ``fd`` (pass it with
+    ``pass_fds``) as descriptor 3 and ``LISTEN_PID`` its own pid: systemd's socket activation,
+    with ``LISTEN_FDS`` (and ``LISTEN_FDNAMES``) left to the caller's environment."""
+    return [sys.executable, "-c", _ACTIVATE, str(fd)]
+
+
 class DaemonProcess:
     def __init__(
         self,
@@ -138,7 +152,7 @@ class DaemonProcess:
         if self.listening is not None:
             fd = self.listening.fileno()
             env.update(LISTEN_FDS="1", LISTEN_FDNAMES="kvtierd")
-            prefix = [*prefix, sys.executable, "-c", _ACTIVATE, str(fd)]
+            prefix = [*prefix, *activated_prefix(fd)]
             passed = (fd,)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvtierd.client import Reconnect, connect
-from kvtierd.testing import DaemonProcess
+from kvtierd.testing import DaemonProcess, activated_prefix
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -113,12 +113,7 @@ def test_an_engine_connected_across_a_restart_sees_no_failed_request(tmp_path: P
 
 def test_a_passed_socket_on_another_path_is_refused_saying_which(tmp_path: Path) -> None:
     other = _listening(tmp_path / "other.sock")
-    wrapper = [
-        sys.executable, "-c",
-        "import os, sys; os.dup2(int(sys.argv[1]), 3); "
-        "os.environ['LISTEN_PID'] = str(os.getpid()); os.execv(sys.argv[2], sys.argv[2:])",
-        str(other.fileno()),
-    ]  # fmt: skip
+    wrapper = activated_prefix(other.fileno())
     result = subprocess.run(
         [*wrapper, sys.executable, "-m", "kvtierd", "--socket", str(tmp_path / "kvtierd.sock"),
          "--data-dir", str(tmp_path / "data"), "--dram-size", "32M", "--nvme-size", "0"],
