@@ -25,6 +25,7 @@ import hashlib
 import os
 import re
 import socket
+import stat
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -470,7 +471,7 @@ class RemoteConfig(_Section):
     cert_file: str = ""
     key_file: str = ""
     ca_file: str = ""
-    clients: Annotated[list[RemoteClient], msgspec.Meta(max_length=4096)] = []
+    clients: Annotated[list[RemoteClient], msgspec.Meta(max_length=1024)] = []
     allow_plaintext: bool = False
     plaintext_uid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 2)] = 0
     #: TCP connections served at once, after their handshake; one more gets ``EBUSY``. Counted
@@ -603,8 +604,8 @@ class TenantConfig(_Section):
     namespaces of tenants not listed: root's only) gets what the tenants leave."""
 
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
-    uids: list[int] = []
-    gids: list[int] = []
+    uids: Annotated[list[int], msgspec.Meta(max_length=256)] = []
+    gids: Annotated[list[int], msgspec.Meta(max_length=256)] = []
     dram_size: ByteSize = ByteSize(0)
     dram_share: Share = 0.0
 
@@ -646,7 +647,8 @@ class Config(_Section):
     nixl: NixlConfig = msgspec.field(default_factory=NixlConfig)
     remote: RemoteConfig = msgspec.field(default_factory=RemoteConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
-    tenants: list[TenantConfig] = []
+    #: At most 64: each is a DRAM region, a namespace quota, a metric label.
+    tenants: Annotated[list[TenantConfig], msgspec.Meta(max_length=64)] = []
 
     def _broken_rules(self) -> Iterator[ConfigProblem]:
         names = [t.name for t in self.tenants]
@@ -789,10 +791,41 @@ def load_config(
     return read_config(Config, raw, parsers={ByteSize: parse_size}, blame=blame, source=path)
 
 
+#: The largest configuration file read: a real one is a few KiB; the bound keeps a mistake (a
+#: log file named as the config) from filling memory, at start or at SIGHUP.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
+    """The TOML tables of the regular file ``path``; every way it cannot be one is a
+    :class:`ConfigError` (not a FIFO or a device, which could block or never end; at most
+    :data:`MAX_CONFIG_BYTES`; UTF-8; TOML that does not nest past Python's recursion limit)."""
     try:
-        return tomllib.loads(Path(path).read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"config {path} is not a regular file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"config {path} is {info.st_size} bytes; a configuration is at most "
+                f"{MAX_CONFIG_BYTES}"
+            )
+        with os.fdopen(fd, "rb", closefd=False) as stream:
+            data = stream.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config {path} grew past {MAX_CONFIG_BYTES} bytes while read")
+    try:
+        return tomllib.loads(data.decode())
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path} is not UTF-8: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
+    except RecursionError:
+        raise ConfigError(f"config {path} nests its tables or arrays too deep") from None

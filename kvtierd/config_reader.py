@@ -88,7 +88,11 @@ class _Reader:
         if _is_struct(base):
             return self.read_struct(base, value, path)
         if typing.get_origin(base) is list:
-            return self.read_list(typing.get_args(base)[0], value, path)
+            items = self.read_list(typing.get_args(base)[0], value, path)
+            most = min((m.max_length for m in metas if m.max_length is not None), default=None)
+            if most is not None and isinstance(items, list) and len(items) > most:
+                return self.report(path, f"{len(items)} entries; at most {most}")
+            return items
         if isinstance(base, type) and issubclass(base, enum.Enum):
             return self.read_enum(base, value, path)
         if base in self.parsers:

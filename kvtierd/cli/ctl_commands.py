@@ -110,8 +110,11 @@ def stdout_console(stream: TextIO) -> Console:
     Anywhere else: no colour or escape codes whatever the environment says, a layout
     :data:`PIPE_WIDTH` wide that neither wraps nor pads to ``$COLUMNS``, and no blanks at the
     end of a line (rich pads each table row to the table's width)."""
+    # Never markup, emoji codes or highlighting in what is printed: names come from clients,
+    # and "[/x]" or ":smile:" in one must print as it is (the views style with Text, not markup).
+    plain = {"markup": False, "emoji": False, "highlight": False}
     if stream.isatty():
-        return Console(file=stream)
+        return Console(file=stream, **plain)  # type: ignore[arg-type]
     trimmed = cast(IO[str], _TrimmedLines(stream))  # rich only writes, flushes and asks isatty
     return Console(
         file=trimmed,
@@ -119,6 +122,7 @@ def stdout_console(stream: TextIO) -> Console:
         color_system=None,
         force_terminal=False,
         soft_wrap=True,
+        **plain,  # type: ignore[arg-type]
     )
 
 

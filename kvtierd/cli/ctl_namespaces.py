@@ -23,6 +23,7 @@ from kvtierd.cli.ctl_commands import CommandOptions, connect_daemon, print_json,
 from kvtierd.cli.ctl_records import keys_record, namespace_stats_record
 from kvtierd.cli.ctl_views import keys_view, namespace_stats_view
 from kvtierd.client import Client, KvtierError, Layout, Namespace
+from kvtierd.printable import printable
 from kvtierd.protocol.messages import EvictReply, EvictRequest
 
 __all__ = [
@@ -90,9 +91,10 @@ def _or_any(value: int | None) -> str:
 
 def _identity(info: Mapping[str, Any]) -> str:
     layout = info.get("layout")
-    model = f", model {layout['model_id']}" if layout else ""
+    model = f", model {printable(layout['model_id'])}" if layout else ""
     return (
-        f"id {info['ns']} ({info['tenant']}/{info['name']}, rank {info['rank']}/"
+        f"id {info['ns']} ({printable(info['tenant'])}/{printable(info['name'])}, "
+        f"rank {info['rank']}/"
         f"{info['world_size']}, {info['block_bytes']} bytes per block{model})"
     )
 
@@ -163,7 +165,7 @@ def evict_namespace(options: CommandOptions, *, selector: NamespaceSelector) -> 
         print_json({"namespace": info["name"], "ns": info["ns"], "evicted_blocks": evicted})
     else:
         options.console.print(
-            f"evicted {evicted:,} clean blocks of namespace {info['name']!r} from DRAM"
+            f"evicted {evicted:,} clean blocks of namespace {printable(info['name'])!r} from DRAM"
         )
     return 0
 
@@ -198,6 +200,6 @@ def forget(
         print_json({"namespace": info["name"], "requested": requested, "forgotten": forgotten})
     else:
         options.console.print(
-            f"forgot {forgotten:,} of {requested:,} keys from namespace {info['name']!r}"
+            f"forgot {forgotten:,} of {requested:,} keys from namespace {printable(info['name'])!r}"
         )
     return 0

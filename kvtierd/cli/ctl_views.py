@@ -31,6 +31,7 @@ from kvtierd.cli.ctl_records import (
     hit_ratio,
     prefetch_accuracy,
 )
+from kvtierd.printable import printable
 
 __all__ = [
     "doctor_view",
@@ -110,8 +111,10 @@ def _capacity(tier: Tier) -> str:
 
 
 def _name(value: object) -> Text:
-    """A cell holding a name or identifier: on one line, cut with an ellipsis when too long."""
-    return Text(str(value), no_wrap=True, overflow="ellipsis")
+    """A cell holding a name or identifier: on one line, cut with an ellipsis when too long,
+    its control characters escaped (a client chose it: no terminal escape reaches the
+    operator)."""
+    return Text(printable(str(value)), no_wrap=True, overflow="ellipsis")
 
 
 def _tier_hit_ratio(tier: Tier) -> str:
@@ -385,7 +388,8 @@ def keys_view(record: Mapping[str, Any]) -> RenderableType:
     write-back state, then how to ask for the next page."""
     ns = record["namespace"]
     title = (
-        f"namespace {ns['ns']} {ns['tenant']}/{ns['name']} (rank {ns['rank']}/{ns['world_size']})"
+        f"namespace {ns['ns']} {printable(ns['tenant'])}/{printable(ns['name'])} "
+        f"(rank {ns['rank']}/{ns['world_size']})"
     )
     shown = len(record["keys"])
     head = Text(
@@ -422,10 +426,10 @@ def namespace_stats_view(record: Mapping[str, Any]) -> RenderableType:
         return f"{text} ({int(tokens):,} tokens)" if tokens is not None else text
 
     rows = [
-        ("namespace", f"{record['ns']}  {record['tenant']}/{record['name']}"),
+        ("namespace", f"{record['ns']}  {printable(record['tenant'])}/{printable(record['name'])}"),
         ("rank", f"{record['rank']}/{record['world_size']}"),
         ("block size", format_bytes(int(record["block_bytes"]))),
-        ("model", str(layout["model_id"]) if layout else _NONE),
+        ("model", printable(str(layout["model_id"])) if layout else _NONE),
         (
             "blocks",
             f"{_count(record['blocks'])} (dram {_count(record['dram_blocks'])}, "

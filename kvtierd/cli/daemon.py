@@ -20,7 +20,9 @@ import contextlib
 import importlib.util
 import logging
 import os
+import re
 import sys
+import threading
 import traceback
 from functools import partial
 from pathlib import Path
@@ -35,6 +37,8 @@ from kvtierd.config import Config, Runtime, load_config
 from kvtierd.config_render import config_digest, differences, load_rendered
 from kvtierd.errors import AccessDeniedError, ConfigError, KvtierError
 from kvtierd.nixl.agent import exit_process, nixl_loaded
+from kvtierd.printable import printable
+from kvtierd.server import activation
 from kvtierd.server.checks import CheckStatus, Fault, HostCheck, exit_status, render
 from kvtierd.server.daemon import serve_daemon
 from kvtierd.server.preflight import (
@@ -166,9 +170,28 @@ def check(args: argparse.Namespace) -> int:
     return status
 
 
+#: How long ``--check`` waits for the running daemon's configuration, in all.
+COMPARE_TIMEOUT_S = 10.0
+
+
 def against_running(config: Config) -> str:
     """What ``config`` changes against the daemon that runs on its socket now (CONFIG): each
-    field that differs, old and new; or why there is nothing to compare."""
+    field that differs, old and new; or why there is nothing to compare. At most
+    :data:`COMPARE_TIMEOUT_S` (the exchange runs in a thread given up after it), and whatever
+    the other side answers is printed escaped: it may not be a kvtierd."""
+    answer: list[str] = []
+    asking = threading.Thread(target=lambda: answer.append(_compare(config)), daemon=True)
+    asking.start()
+    asking.join(COMPARE_TIMEOUT_S)
+    if not answer:
+        return (
+            f"running daemon on {config.socket_path}: no configuration within "
+            f"{COMPARE_TIMEOUT_S:g} s, nothing compared"
+        )
+    return answer[0]
+
+
+def _compare(config: Config) -> str:
     socket = config.socket_path
     try:
         with connect(socket, client_name="kvtierd --check", timeout_s=2.0) as client:
@@ -176,12 +199,21 @@ def against_running(config: Config) -> str:
     except AccessDeniedError:
         return f"running daemon on {socket}: its configuration is shown to root and its own user"
     except KvtierError as exc:
-        return f"no running daemon to compare with on {socket} ({exc})"
-    where = f"running daemon on {socket} ({running['source']}, digest {running['digest'][:16]})"
-    if running["digest"] == config_digest(config):
+        return f"no running daemon to compare with on {socket} ({printable(str(exc))})"
+    digest = str(running["digest"])
+    if re.fullmatch(r"[0-9a-f]{64}", digest) is None:
+        return f"running daemon on {socket}: answered no configuration digest, nothing compared"
+    source = str(running["source"])
+    if printable(source) != source:  # what answered is not a kvtierd: say nothing it wrote
+        source = "a source with control characters, not shown"
+    where = f"running daemon on {socket} ({source}, digest {digest[:16]})"
+    if digest == config_digest(config):
         return f"{where}: runs exactly this configuration"
-    found = differences(load_rendered(running["toml"]), config)
-    lines = [f"  {d.name}: {d.before} -> {d.after}" for d in found]
+    try:
+        found = differences(load_rendered(str(running["toml"])), config)
+    except Exception as exc:  # not a configuration: whatever answered, --check goes on
+        return f"{where}: answered a configuration that cannot be read ({printable(repr(exc))})"
+    lines = [f"  {d.name}: {printable(d.before)} -> {printable(d.after)}" for d in found]
     head = f"{where}: this configuration differs in {len(found)} field(s); a restart applies them:"
     return "\n".join([head, *lines])
 
@@ -234,6 +266,11 @@ def run(args: argparse.Namespace) -> int:
         config = build_config(args)
     except ConfigError as exc:
         print_error(f"kvtierd: {exc}")  # the file, then one line per problem
+        return 2
+    try:  # before anything opens a descriptor: LISTEN_FDS names descriptors from 3 on
+        activation.claim(config.socket_path)
+    except ConfigError as exc:
+        print_error(f"kvtierd: {exc}")
         return 2
     configure_logging(config.daemon.log_level.value, log_format=config.daemon.log_format)
     verdict = probe_io_uring(config, use_cache=True)

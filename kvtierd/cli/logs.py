@@ -14,11 +14,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import structlog
 
 from kvtierd.config import LogFormat
+from kvtierd.printable import printable
 
 __all__ = [
     "JournalFormatter",
@@ -41,9 +43,19 @@ def syslog_priority(levelno: int) -> int:
 
 
 def with_priority(text: str, levelno: int) -> str:
-    """``text`` with every line prefixed by the journal's ``<priority>`` of ``levelno``."""
+    """``text`` with every line (split at newlines only: the values in it are
+    :func:`~kvtierd.printable.printable`) prefixed by the journal's ``<priority>`` of
+    ``levelno``."""
     prefix = f"<{syslog_priority(levelno)}>"
-    return "\n".join(prefix + line for line in text.splitlines())
+    return "\n".join(prefix + line for line in text.split("\n"))
+
+
+def _printable_values(
+    _logger: Any, _name: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """structlog processor: every text value of a record :func:`printable`, so that no value a
+    peer chose starts a line or a terminal escape, in JSON or logfmt alike."""
+    return {k: printable(v) if isinstance(v, str) else v for k, v in event.items()}
 
 
 class JournalFormatter(logging.Formatter):
@@ -82,6 +94,7 @@ class StructuredFormatter(structlog.stdlib.ProcessorFormatter):
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 structlog.processors.format_exc_info,
+                _printable_values,
                 renderer,
             ],
             foreign_pre_chain=[

@@ -16,69 +16,106 @@ descriptors; the listener is made by :func:`kvtierd.server.accepting.listen_unix
 from __future__ import annotations
 
 import os
+import re
 import socket
+import stat
 from collections.abc import MutableMapping
 from pathlib import Path
 
 from kvtierd.errors import ConfigError
 
-__all__ = ["LISTEN_FDS_START", "activated", "take_unix_listener"]
+__all__ = ["LISTEN_FDS_START", "MAX_PASSED", "activated", "claim", "take_unix_listener"]
 
 #: The first descriptor systemd passes (``SD_LISTEN_FDS_START``).
 LISTEN_FDS_START = 3
+#: More descriptors than this passed is a mistake (kvtierd.socket passes one).
+MAX_PASSED = 16
 _VARIABLES = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
+_COUNT = re.compile(r"[0-9]{1,4}")
+
+#: The socket :func:`claim` took, until :func:`take_unix_listener` hands it on.
+_claimed: socket.socket | None = None
 
 
-def activated(environ: MutableMapping[str, str] | None = None) -> int:
-    """How many descriptors systemd passed to this process (0: not socket-activated)."""
-    env = os.environ if environ is None else environ
-    if env.get("LISTEN_PID", "") != str(os.getpid()):
+def _passed(environ: MutableMapping[str, str]) -> int:
+    """How many descriptors the environment says systemd passed to this process."""
+    if environ.get("LISTEN_PID", "") != str(os.getpid()):
         return 0
-    count = env.get("LISTEN_FDS", "")
-    return int(count) if count.isdigit() else 0
+    count = environ.get("LISTEN_FDS", "")
+    return int(count) if _COUNT.fullmatch(count) else 0
+
+
+def activated(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether this process serves a socket systemd passed (claimed, or still to claim)."""
+    return _claimed is not None or _passed(os.environ if environ is None else environ) > 0
+
+
+def claim(path: Path, environ: MutableMapping[str, str] | None = None) -> None:
+    """Take the listening Unix socket on ``path`` that systemd passed, if it passed any, and
+    remove the variables: first thing in the daemon's process, before it opens a descriptor of
+    its own (a ``LISTEN_FDS`` larger than what was passed then names none of them). Nothing
+    passed is ever closed here: what is not that socket is refused.
+
+    Raises:
+        ConfigError: more than :data:`MAX_PASSED`, a descriptor that is not open or not a
+            socket, or sockets among which none listens on ``path`` (a ``ListenStream=`` that
+            is not ``daemon.socket``).
+    """
+    global _claimed
+    env = os.environ if environ is None else environ
+    raw = env.get("LISTEN_FDS", "")
+    count = _passed(env)
+    for name in _VARIABLES:
+        env.pop(name, None)
+    if raw and not count and _COUNT.fullmatch(raw) is None:
+        raise ConfigError(f"LISTEN_FDS={raw!r} is not a count of descriptors")
+    if count > MAX_PASSED:
+        raise ConfigError(
+            f"systemd passed {count} descriptors (LISTEN_FDS); kvtierd takes one socket, "
+            f"and refuses more than {MAX_PASSED}"
+        )
+    seen = []
+    for fd in range(LISTEN_FDS_START, LISTEN_FDS_START + count):
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError as exc:
+            raise ConfigError(
+                f"LISTEN_FDS={count} names descriptor {fd}, which is not open ({exc.strerror})"
+            ) from None
+        if not stat.S_ISSOCK(mode):
+            seen.append(f"descriptor {fd}: not a socket")
+            continue
+        sock = socket.socket(fileno=fd)
+        bound = sock.getsockname()
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        ours = (
+            sock.family == socket.AF_UNIX
+            and sock.type == socket.SOCK_STREAM
+            and listening
+            and bound == str(path)
+        )
+        if ours and _claimed is None:
+            os.set_inheritable(fd, False)
+            _claimed = sock
+            continue
+        seen.append(f"descriptor {fd}: {sock.family.name} {sock.type.name} on {bound!r}")
+        sock.detach()  # systemd's to close, not ours
+    if count and (_claimed is None or seen):
+        raise ConfigError(
+            f"systemd passed {count} descriptor(s), of which kvtierd takes exactly one: a "
+            f"listening Unix stream socket on {path} (daemon.socket); "
+            f"{'; '.join(seen) or 'none such'}: make kvtierd.socket's ListenStream= the "
+            "daemon's socket"
+        )
 
 
 def take_unix_listener(
     path: Path, environ: MutableMapping[str, str] | None = None
 ) -> socket.socket | None:
-    """The passed socket listening on ``path`` (``None`` when systemd passed none), and the
-    variables removed. The other passed descriptors are closed: nothing else is expected.
-
-    Raises:
-        ConfigError: sockets were passed, but none is a listening Unix stream socket bound to
-            ``path`` (a ``ListenStream=`` that is not ``daemon.socket``).
-    """
-    env = os.environ if environ is None else environ
-    count = activated(env)
-    for name in _VARIABLES:
-        env.pop(name, None)
-    found: socket.socket | None = None
-    seen = []
-    for fd in range(LISTEN_FDS_START, LISTEN_FDS_START + count):
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError as exc:  # not a socket
-            seen.append(f"descriptor {fd}: {exc.strerror}")
-            os.close(fd)
-            continue
-        bound = sock.getsockname()
-        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-        if (
-            found is None
-            and sock.family == socket.AF_UNIX
-            and sock.type == socket.SOCK_STREAM
-            and listening
-            and bound == str(path)
-        ):
-            os.set_inheritable(fd, False)
-            found = sock
-            continue
-        seen.append(f"descriptor {fd}: {sock.family.name} {sock.type.name} on {bound!r}")
-        sock.close()
-    if count and found is None:
-        raise ConfigError(
-            f"systemd passed {count} socket(s), none a listening Unix stream socket on "
-            f"{path} (daemon.socket): {'; '.join(seen)}; make kvtierd.socket's ListenStream= "
-            "the daemon's socket"
-        )
-    return found
+    """The socket systemd passed for ``path`` (claimed now if :func:`claim` was not called),
+    handed on once; ``None`` when none was passed."""
+    global _claimed
+    if _claimed is None:
+        claim(path, environ)
+    taken, _claimed = _claimed, None
+    return taken

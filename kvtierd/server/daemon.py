@@ -31,7 +31,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -186,6 +186,7 @@ class Daemon:
         #: Where the configuration came from, and its digest (CONFIG, ``kvtierd_info``).
         self.source = source
         self.config_digest = config_digest(config)
+        self._config_reply = self._render_configuration()
 
     def count_request(self) -> None:
         self.requests += 1
@@ -219,6 +220,7 @@ class Daemon:
         plan = plan_reload(self.config, read)
         self.config = plan.config
         self.config_digest = config_digest(plan.config)
+        self._config_reply = self._render_configuration()
         logging.getLogger().setLevel(plan.config.daemon.log_level.value.upper())
         self.store.prefetcher.prefetch_bytes_per_s = plan.config.dram.prefetch_bytes_per_s
         for d in plan.applied:
@@ -234,7 +236,10 @@ class Daemon:
 
     def configuration(self) -> ConfigReply:
         """CONFIG: the configuration this daemon runs, every field, and what differs from the
-        defaults."""
+        defaults (rendered once per configuration, not per request)."""
+        return self._config_reply
+
+    def _render_configuration(self) -> ConfigReply:
         changed = [d.name for d in differences(Config(), self.config)]
         return ConfigReply(self.source, self.config_digest, render_config(self.config), changed)
 
@@ -448,21 +453,37 @@ async def serve_daemon(
                 await tg.start(serve_endpoint, config.daemon, metrics)
             stop = _Stop()
             serving: list[Daemon] = []  # the daemon, once it serves
+            reloading = anyio.Lock()
 
-            async def hangup() -> None:
-                """SIGHUP: read the configuration again, apply what can change live."""
+            async def reload() -> None:
+                """SIGHUP's work, a task of its own: read the configuration again (in a
+                worker thread, abandoned if the daemon stops first), apply what can change
+                live. Nothing it meets ends the daemon."""
+                assert reread is not None
+                async with reloading:
+                    try:
+                        read = await anyio.to_thread.run_sync(reread, abandon_on_cancel=True)
+                    except ConfigError as exc:
+                        log.error("SIGHUP: nothing changed, the configuration is invalid: %s", exc)
+                        return
+                    except Exception as exc:  # whatever a broken file does: the daemon serves on
+                        log.error(
+                            "SIGHUP: nothing changed, the configuration cannot be read: %r", exc
+                        )
+                        return
+                    plan = serving[0].reload(read)
+                    if metrics is not None:
+                        metrics.relabel(plan.config.daemon)
+
+            def hangup() -> None:
+                """SIGHUP: start a reload, unless one is under way (then this one is dropped)."""
                 if not serving or reread is None:
                     why = "still starting" if reread is not None else "no way to read it again"
                     log.warning("SIGHUP ignored: %s", why)
-                    return
-                try:
-                    read = await anyio.to_thread.run_sync(reread)
-                except ConfigError as exc:
-                    log.error("SIGHUP: nothing changed, the configuration is invalid: %s", exc)
-                    return
-                plan = serving[0].reload(read)
-                if metrics is not None:
-                    metrics.relabel(plan.config.daemon)
+                elif reloading.locked():
+                    log.warning("SIGHUP ignored: the reload of the one before is under way")
+                else:
+                    tg.start_soon(reload)
 
             with anyio.CancelScope() as opening:
                 tg.start_soon(_watch_stop_signals, readiness, stop, opening, hangup)
@@ -533,7 +554,7 @@ async def _watch_stop_signals(
     readiness: Readiness,
     stop: _Stop,
     opening: anyio.CancelScope,
-    hangup: Callable[[], Awaitable[None]],
+    hangup: Callable[[], None],
 ) -> None:
     """Until SIGTERM or SIGINT: then ``stopping``; a daemon still starting abandons the
     opening, a serving one drains (``stop``). Each SIGHUP meanwhile runs ``hangup``."""
@@ -553,12 +574,13 @@ class _Stop:
         self.signal: signal.Signals | None = None
 
 
-async def _wait_for_stop_signal(hangup: Callable[[], Awaitable[None]]) -> signal.Signals:
-    """The first SIGTERM or SIGINT; ``hangup`` runs for each SIGHUP before it."""
+async def _wait_for_stop_signal(hangup: Callable[[], None]) -> signal.Signals:
+    """The first SIGTERM or SIGINT; ``hangup`` (which must not wait: it starts what it does)
+    is called for each SIGHUP before it."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             if signum == signal.SIGHUP:
-                await hangup()
+                hangup()
                 continue
             log.info("%s: stopping", signal.Signals(signum).name)
             return signal.Signals(signum)

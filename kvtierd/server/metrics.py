@@ -546,7 +546,7 @@ class RequestTimings:
             ["opcode", "errno", "tenant"],
             registry=registry,
         )
-        self._error_children: dict[tuple[int, int, str], Counter] = {}
+        self._error_children: dict[tuple[str, int, str], Counter] = {}
 
     def observe(self, opcode: int, tier: str, seconds: float) -> None:
         child = self._children.get((opcode, tier))
@@ -560,15 +560,15 @@ class RequestTimings:
 
     def failed(self, opcode: int, code: int, tenant: str) -> None:
         """Count a request answered with errno ``code`` (``tenant``: its bounded label)."""
-        child = self._error_children.get((opcode, code, tenant))
+        try:
+            name = Opcode(opcode).name
+        except ValueError:
+            name = "unknown"  # an opcode the protocol does not have: one series for them all
+        child = self._error_children.get((name, code, tenant))
         if child is None:
-            try:
-                name = Opcode(opcode).name
-            except ValueError:
-                name = "unknown"  # a frame the decoder refused before any opcode was known
             label = errno.errorcode.get(code, str(code))
             child = self._errors.labels(name, label, tenant)
-            self._error_children[(opcode, code, tenant)] = child
+            self._error_children[(name, code, tenant)] = child
         child.inc()
 
 

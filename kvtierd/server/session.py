@@ -47,6 +47,7 @@ from kvtierd.errors import (
     TimedOutError,
 )
 from kvtierd.nixl.export import NixlReads
+from kvtierd.printable import printable
 from kvtierd.protocol import (
     NEED_DATA,
     ConnectionClosed,
@@ -291,7 +292,10 @@ class Session:
                 if event is None:
                     event = self.conn.next_event()
             except RemoteProtocolError as exc:
-                log.warning("protocol violation from %s: %s", self.peer, exc)
+                self.daemon.peer_warnings.report(
+                    log, logging.WARNING, f"protocol violations of {throttle_key(self.peer)}",
+                    "protocol violation from %s: %s", self.peer, exc,
+                )  # fmt: skip
                 await self._send(self.conn.fatal(exc))
                 return False
             if event is NEED_DATA:
@@ -495,7 +499,7 @@ class Session:
             f"failed requests of {throttle_key(self.peer)}",
             "%s from %s (client %r%s) failed: %s: %s",
             opname, self.peer, self.owner.name, where,
-            errno.errorcode.get(exc.errno, exc.errno), exc,
+            errno.errorcode.get(exc.errno, exc.errno), printable(str(exc)),
             extra={
                 "opcode": opname,
                 "errno": errno.errorcode.get(exc.errno, str(exc.errno)),

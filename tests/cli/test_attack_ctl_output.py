@@ -61,7 +61,7 @@ def _controls(text: str) -> set[str]:
 def test_ls_in_a_pipe_writes_no_escape_sequence_a_client_put_in_a_name(
     hostile: DaemonProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """FAILS: rich strips BEL, BS and CR from a Text but not ESC, so the namespace and tenant
+    """Mended: rich strips BEL, BS and CR from a Text but not ESC, so the namespace and tenant
     names reach stdout with their escape sequences whole."""
     status, out = _ctl(capsys, hostile, "ls")
     assert status == 0
@@ -72,7 +72,7 @@ def test_ls_in_a_pipe_writes_no_escape_sequence_a_client_put_in_a_name(
 def test_stats_namespace_in_a_pipe_writes_no_escape_sequence(
     hostile: DaemonProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """FAILS: ``stats --namespace`` shows the name as given, ESC included."""
+    """Mended: ``stats --namespace`` shows the name as given, ESC included."""
     status, out = _ctl(capsys, hostile, "stats", "--namespace", ESCAPES)
     assert status == 0
     assert _controls(out) == set(), repr(out)
@@ -82,7 +82,7 @@ def test_stats_namespace_in_a_pipe_writes_no_escape_sequence(
 def test_a_name_like_a_closing_tag_does_not_break_evict_or_forget(
     hostile: DaemonProcess, capsys: pytest.CaptureFixture[str], command: list[str]
 ) -> None:
-    """FAILS: the reply line is an f-string printed as rich markup: ``[/x]`` raises
+    """Mended: the reply line is an f-string printed as rich markup: ``[/x]`` raises
     ``MarkupError`` (a traceback, after the blocks were evicted or forgotten)."""
     status, out = _ctl(capsys, hostile, *command, BAD_TAG)
     assert status == 0
@@ -93,7 +93,7 @@ def test_a_name_like_a_closing_tag_does_not_break_evict_or_forget(
 def test_a_name_with_markup_is_shown_as_it_is(
     hostile: DaemonProcess, capsys: pytest.CaptureFixture[str], command: list[str]
 ) -> None:
-    """FAILS: ``[bold]x[/bold]`` is shown as ``'x'``, another namespace's name."""
+    """Mended: ``[bold]x[/bold]`` is shown as ``'x'``, another namespace's name."""
     status, out = _ctl(capsys, hostile, *command, STYLED)
     assert status == 0
     assert repr(STYLED) in out, out

@@ -125,5 +125,5 @@ def test_a_passed_socket_on_another_path_is_refused_saying_which(tmp_path: Path)
     )  # fmt: skip
     other.close()
     assert result.returncode == 2, result.stderr
-    assert "none a listening Unix stream socket on" in result.stderr
+    assert "kvtierd takes exactly one: a listening Unix stream socket on" in result.stderr
     assert "kvtierd.socket's ListenStream=" in result.stderr

@@ -43,9 +43,11 @@ dram_size = "24M"
 
 
 def _peer_config(address: str, tls: Path, secret: Path) -> str:
+    # DEBUG: the peer's connection lines (which name the client's certificate) are DEBUG lines
     return f"""
 [daemon]
 key_secret_file = "{secret}"
+log_level = "debug"
 
 [dram]
 size = "40M"
