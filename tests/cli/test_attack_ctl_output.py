@@ -122,7 +122,7 @@ uids = [4242]
     ("name", "shown", "plain"),
     [
         ("[red]acme[/red]", "[red]acme[/red]", True),  # withstood: a Text cell
-        ("acme\\u001b[2J\\u001b]0;x\\u0007", "acme", False),  # FAILS: ESC reaches stdout
+        ("acme\\u001b[2J\\u001b]0;x\\u0007", "acme", False),  # mended: ESC reached stdout
     ],
     ids=["markup", "escape"],
 )

@@ -1,10 +1,10 @@
 """Attacks on what landed for issue 35: CONFIG and ``kvtierd --check``'s comparison, STATFS's
 tenants, the failed-request counter and its warning, socket activation, and SIGHUP.
 
-Each test that finds a problem says so (``FAILS:`` in its docstring, and why); the others are
-attacks the daemon withstood, kept as regression tests. No test asserts on how long anything
-took, except where a bound is the point, and then as a large multiple of the timeout the code
-itself names (``kvtierd --check`` gives its connection 2 s; the test allows 20).
+Each test that found a problem says so (``Mended:`` in its docstring, and what it was; all are
+mended); the others are attacks the daemon withstood, kept as regression tests. No test asserts on
+how long anything took, except where a bound is the point, and then as a large multiple of the
+timeout the code itself names (``kvtierd --check`` gives its connection 2 s; the test allows 20).
 """
 
 from __future__ import annotations
@@ -434,7 +434,7 @@ SPLITTERS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 def test_names_a_client_chose_never_start_a_journal_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log_format: str
 ) -> None:
-    """FAILS for logfmt: structlog's logfmt escapes ``\\n`` only, and under the journal
+    """Mended (logfmt): structlog's logfmt escapes ``\\n`` only, and under the journal
     ``with_priority`` splits the record with ``str.splitlines`` (``\\r``, ``\\x85``,
     ``\\u2028``...) and prefixes each piece with ``<6>``: the client's text after each becomes
     a journal entry of its own (and ESC goes through raw). Text (``%r``) and JSON
@@ -541,7 +541,7 @@ def test_listen_fds_beyond_what_was_passed_never_closes_the_daemons_descriptors(
 
 @pytest.mark.parametrize("count", ["\u00b9", "\u0663", "1\u00b2"])
 def test_listen_fds_that_is_no_plain_number_is_ignored_or_refused(count: str) -> None:
-    """FAILS for the superscripts: ``str.isdigit`` accepts them and ``int`` then raises
+    """Mended (superscripts): ``str.isdigit`` accepts them and ``int`` then raises
     ``ValueError`` (a traceback from ``--check``'s preflight and from the start); ``"٣"`` is
     taken as 3. Only ASCII digits are a count."""
     env = {"LISTEN_PID": str(os.getpid()), "LISTEN_FDS": count}
@@ -610,7 +610,7 @@ def _hangup_outcome(daemon: DaemonProcess) -> str:
 def test_sighup_with_a_broken_file_keeps_the_daemon_serving_unchanged(
     tmp_path: Path, damage: str
 ) -> None:
-    """FAILS for not-utf-8 and deep nesting: ``_read_toml`` turns only ``OSError`` and
+    """Mended (not UTF-8, deep nesting): ``_read_toml`` turns only ``OSError`` and
     ``TOMLDecodeError`` into ``ConfigError``, and ``hangup`` catches only that:
     ``UnicodeDecodeError`` (one byte 0xff) or ``RecursionError`` (``[`` nested 5000 deep) ends
     the signal watcher and with it the daemon (exit 1, clients cut off, no clean stop). The
