@@ -65,11 +65,6 @@ class CorruptBlockError(BlockNotFoundError):
     changed it after COMMIT. A miss (``ENOENT``), raised by the client library; never data."""
 
 
-class UnknownTenantError(BlockNotFoundError):
-    """The tenant a namespace names is not one of the daemon's ``[[tenants]]`` (a misspelt
-    name, say); on the wire ``ENOENT``, the message names the tenant."""
-
-
 class InvalidRequestError(KvtierError, ValueError):
     """A well-formed request asked for something impossible (``EINVAL``)."""
 
@@ -103,6 +98,12 @@ class AccessDeniedError(KvtierError, PermissionError):
 
     def __init__(self, *args: object) -> None:
         KvtierError.__init__(self, *args)
+
+
+class UnknownTenantError(AccessDeniedError):
+    """The tenant a namespace names is not one of the daemon's ``[[tenants]]`` (a misspelt
+    name, say): refused as any tenant the peer may not use (``EACCES``, so it is alerted on as
+    a refusal), with a message that says the tenant does not exist."""
 
 
 class RemoteProtocolError(KvtierError):

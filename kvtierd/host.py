@@ -27,6 +27,7 @@ __all__ = [
     "nearest_existing",
     "process_shmem_bytes",
     "shmem_thp_mode",
+    "unix_listening",
 ]
 
 #: The capability that lifts ``RLIMIT_MEMLOCK`` (``include/uapi/linux/capability.h``).
@@ -92,6 +93,25 @@ def process_shmem_bytes(pid: int) -> int:
             if line.startswith("RssShmem:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+#: ``__SO_ACCEPTCON`` in /proc/net/unix's flags: the socket listens.
+_SO_ACCEPTCON = 0x10000
+
+
+def unix_listening(path: Path) -> bool:
+    """Whether a socket listens on the Unix socket path ``path``, read from /proc/net/unix:
+    without connecting to it (a connection to a socket systemd holds would start its service)."""
+    try:
+        lines = (_PROC / "net" / "unix").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    wanted = str(path)
+    for line in lines:
+        fields = line.split(maxsplit=7)
+        if len(fields) == 8 and fields[7] == wanted and int(fields[3], 16) & _SO_ACCEPTCON:
+            return True
+    return False
 
 
 def nearest_existing(path: Path) -> Path:

@@ -34,6 +34,7 @@ REPLACEMENTS = {
     "AsyncClient": "Client",
     "AsyncNamespace": "Namespace",
     "connect_async": "connect",
+    "retrying_async": "retrying",
 }
 HEADER = (
     "# Generated from kvtierd/client/_async/client.py by `python -m tools.unasync_client`:\n"

@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tenants",
         action="store_true",
         help="one row per tenant instead: its DRAM region's fill, blocks, hits, misses, "
-        "evictions and traffic (the caller's own tenants, unless it is root)",
+        "evictions and traffic (the caller's own tenants, unless it is root or the daemon's "
+        "user)",
     )
     _json_option(stats)
     config = add(

@@ -34,7 +34,7 @@ from kvtierd import __version__
 from kvtierd.cli.logs import configure_logging, print_error
 from kvtierd.client import connect
 from kvtierd.config import Config, Runtime, load_config
-from kvtierd.config_render import config_digest, differences, load_rendered
+from kvtierd.config_render import Difference, config_digest, differences, load_rendered
 from kvtierd.errors import AccessDeniedError, ConfigError, KvtierError
 from kvtierd.nixl.agent import exit_process, nixl_loaded
 from kvtierd.printable import printable
@@ -45,8 +45,10 @@ from kvtierd.server.preflight import (
     check_config_error,
     check_copy_module,
     check_host,
+    lock_holder,
     probe_io_uring,
 )
+from kvtierd.server.reload import LIVE_FIELDS
 from kvtierd.server.unitfile import ServiceUnit, assume_user, read_unit
 from kvtierd.store.copyhash import CopyHasher
 
@@ -193,6 +195,8 @@ def against_running(config: Config) -> str:
 
 def _compare(config: Config) -> str:
     socket = config.socket_path
+    if lock_holder(config.data_path) is None:  # never connect then: systemd's socket would
+        return f"no running daemon to compare with (none holds {config.data_path})"  # start one
     try:
         with connect(socket, client_name="kvtierd --check", timeout_s=2.0) as client:
             running = client.configuration()
@@ -213,9 +217,16 @@ def _compare(config: Config) -> str:
         found = differences(load_rendered(str(running["toml"])), config)
     except Exception as exc:  # not a configuration: whatever answered, --check goes on
         return f"{where}: answered a configuration that cannot be read ({printable(repr(exc))})"
-    lines = [f"  {d.name}: {printable(d.before)} -> {printable(d.after)}" for d in found]
-    head = f"{where}: this configuration differs in {len(found)} field(s); a restart applies them:"
-    return "\n".join([head, *lines])
+
+    def line(d: Difference) -> str:
+        how = "reload" if d.name in LIVE_FIELDS else "restart"
+        return f"  {d.name}: {printable(d.before)} -> {printable(d.after)} ({how})"
+
+    head = (
+        f"{where}: this configuration differs in {len(found)} field(s), applied by "
+        "systemctl reload (SIGHUP) or by a restart, as each says:"
+    )
+    return "\n".join([head, *map(line, found)])
 
 
 def _checks(args: argparse.Namespace, source: str, unit: ServiceUnit | None) -> list[HostCheck]:

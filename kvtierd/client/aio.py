@@ -90,9 +90,9 @@ async def connect_endpoint_async(
     else:
         made = 0
         try:
-            async for attempt in reconnect.retrying():
+            async for attempt in reconnect.retrying_async():
                 with attempt:
-                    made = attempt.num
+                    made = attempt.retry_state.attempt_number
                     client = await _connect_once(endpoint, client_name, reconnect)
         except RECONNECTABLE as exc:
             raise gave_up(exc, made) from exc

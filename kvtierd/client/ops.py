@@ -197,6 +197,25 @@ def lookup_each(
     return tiers
 
 
+def present(
+    ns: int, keys: Sequence[bytes], max_keys: int, daemon_minor: int, promote: bool = True
+) -> Op[list[bool]]:
+    """Whether each of ``keys`` is stored, in order: one LOOKUP of every key
+    (:func:`lookup_each`), or, from a daemon older than minor 10, one LOOKUP per run of hits
+    (the key after a run is a miss)."""
+    if daemon_minor >= LOOKUP_EACH_MINOR:
+        tiers = yield from lookup_each(ns, keys, max_keys, daemon_minor, promote)
+        return [tier is not None for tier in tiers]
+    check_keys(keys)
+    found = [False] * len(keys)
+    at = 0
+    while at < len(keys):
+        hits = yield from lookup_count(ns, keys[at:], max_keys, promote)
+        found[at : at + hits] = [True] * hits
+        at += hits + 1
+    return found
+
+
 def _grants(
     ns: int,
     keys: Sequence[bytes],

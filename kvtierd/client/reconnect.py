@@ -16,11 +16,13 @@ below say so to whoever uses them).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-import stamina
+import anyio
+import tenacity
 
 from kvtierd.client.base import NamespaceHandle, Regions, close_all, handle_of
 from kvtierd.errors import (
@@ -29,6 +31,7 @@ from kvtierd.errors import (
     KvtierError,
     RemoteProtocolError,
     StartingError,
+    TimedOutError,
 )
 from kvtierd.protocol.messages import Message, OpenNsReply, OpenNsRequest
 
@@ -42,8 +45,10 @@ __all__ = [
     "replaced_region_error",
 ]
 
-#: What a reconnecting client tries again: the daemon is away, or not ready yet.
-RECONNECTABLE = (BrokenConnectionError, StartingError)
+#: What a reconnecting client tries again: the daemon is away, not ready yet, or not answering
+#: INIT in time (a restart: the connection waits in systemd's socket while the old daemon
+#: drains and writes back).
+RECONNECTABLE = (BrokenConnectionError, StartingError, TimedOutError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +60,9 @@ class Reconnect:
     engines do not all come back in one instant), for up to ``timeout_s`` in all and at most
     ``attempts`` (``None``: as many as fit). The defaults wait five minutes: a daemon
     pre-faulting a large arena, or recovering its NVMe index after a crash, takes minutes to
-    serve. The backoff is stamina's (with tenacity's jitter). What is retried and what is not
-    is in ``docs/client.md`` ("Reconnecting")."""
+    serve. The backoff is tenacity's (``wait_exponential_jitter``), which neither logs nor
+    counts anything of its own. What is retried and what is not is in ``docs/client.md``
+    ("Reconnecting")."""
 
     attempts: int | None = None
     first_backoff_s: float = 0.05
@@ -76,18 +82,29 @@ class Reconnect:
                 "reconnect needs 0 < timeout_s <= 3600 and 0 <= jitter_s <= 60"
             )
 
-    def retrying(self) -> Any:
-        """The attempts, as ``stamina.retry_context``: ``for attempt in ...: with attempt:``
-        (``async for`` in the async client); a :data:`RECONNECTABLE` error inside is retried,
-        anything else raised at once."""
-        return stamina.retry_context(
-            on=RECONNECTABLE,
-            attempts=self.attempts,
-            timeout=self.timeout_s,
-            wait_initial=self.first_backoff_s,
-            wait_max=self.max_backoff_s,
-            wait_jitter=self.jitter_s,
-        )
+    def retrying(self) -> tenacity.Retrying:
+        """The attempts, for the blocking client: ``for attempt in ...: with attempt:``; a
+        :data:`RECONNECTABLE` error inside is retried, anything else raised at once, and once
+        the policy is spent the last error is raised (:func:`gave_up` says so)."""
+        return tenacity.Retrying(sleep=time.sleep, **self._tenacity())
+
+    def retrying_async(self) -> tenacity.AsyncRetrying:
+        """:meth:`retrying` for the async client (``async for``), sleeping on the running
+        event loop (asyncio or trio)."""
+        return tenacity.AsyncRetrying(sleep=anyio.sleep, **self._tenacity())
+
+    def _tenacity(self) -> dict[str, Any]:
+        stop: Any = tenacity.stop_after_delay(self.timeout_s)
+        if self.attempts is not None:
+            stop = stop | tenacity.stop_after_attempt(self.attempts)
+        return {
+            "retry": tenacity.retry_if_exception_type(RECONNECTABLE),
+            "stop": stop,
+            "wait": tenacity.wait_exponential_jitter(
+                initial=self.first_backoff_s, max=self.max_backoff_s, jitter=self.jitter_s
+            ),
+            "reraise": True,
+        }
 
 
 class Reopenable(Protocol):

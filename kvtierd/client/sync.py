@@ -74,11 +74,11 @@ def connect_endpoint(
     try:
         for attempt in reconnect.retrying():
             with attempt:
-                made = attempt.num
+                made = attempt.retry_state.attempt_number
                 return _connect_once(endpoint, client_name, timeout_s, reconnect)
     except RECONNECTABLE as exc:
         raise gave_up(exc, made) from exc
-    raise AssertionError("stamina ends in a return or the last error")
+    raise AssertionError("tenacity ends in a return or raises the last error")
 
 
 def _connect_once(

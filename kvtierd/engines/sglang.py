@@ -353,7 +353,7 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     hits = ns.lookup(span)
                     present = [i < hits for i in range(kv_pages)]
                 else:
-                    present = [tier is not None for tier in ns.lookup_each(span)]
+                    present = ns.present(span)
                 window = len(transfer.keys) if transfer.keys else 1
                 verdicts[transfer.name] = pool_hits(policy, present, window)
             return kv_pages, verdicts

@@ -20,9 +20,9 @@ its blocks are up from NVMe, which a lookup must not queue behind.
   new keys go to the lookup thread as one batch per request; the scheduler picks up the answers
   at its next lookup. vLLM wants an answer per key: with several KV cache groups a batch holds
   each group's keys in turn, and a sliding-window group's are asked from the end of the prompt
-  and held only as the window before some hit, so presence is no prefix of the batch. LOOKUP
-  counts leading hits (and starts promoting NVMe hits into DRAM): :func:`present` answers key
-  by key with one LOOKUP per run of hits, i.e. one more for each miss.
+  and held only as the window before some hit, so presence is no prefix of the batch:
+  :func:`present` asks with one LOOKUP that answers every key (``Namespace.present``), which
+  also starts promoting the NVMe hits into DRAM.
 * **Transfers**: one queue, loads before stores. A job's blocks move in batches of at most a
   quarter of the tenant's arena (so a prompt larger than the daemon's DRAM still moves), one
   READ (a lease) or one two-phase write per batch, and one copy per block between the CPU
@@ -76,7 +76,6 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
 from kvtierd.client import Namespace
-from kvtierd.client.ops import LOOKUP_EACH_MINOR
 from kvtierd.engines.link import EngineLink, NamespaceSpec
 from kvtierd.errors import ConfigError, ConfigProblem, KvtierError
 
@@ -204,18 +203,9 @@ def block_key(offload_key: bytes, salt: bytes) -> bytes:
 
 
 def present(ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
-    """Whether each of ``keys`` is stored in ``ns``, in order: one LOOKUP that answers every
-    key (protocol minor 10); from an older daemon, which counts leading hits only, one LOOKUP
-    per run of hits (the key after a run is a miss)."""
-    if ns.client.daemon_minor >= LOOKUP_EACH_MINOR:
-        return [tier is not None for tier in ns.lookup_each(keys)]
-    found = [False] * len(keys)
-    at = 0
-    while at < len(keys):
-        hits = ns.lookup(keys[at:])
-        found[at : at + hits] = [True] * hits
-        at += hits + 1
-    return found
+    """Whether each of ``keys`` is stored in ``ns``, in order (``Namespace.present``: one
+    LOOKUP of every key)."""
+    return ns.present(keys)
 
 
 def refuse_random_block_hashes() -> None:

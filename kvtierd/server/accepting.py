@@ -52,9 +52,9 @@ from anyio.abc import ByteStream, SocketAttribute, SocketStream, UNIXSocketStrea
 
 from kvtierd.config import Config
 from kvtierd.errors import BusyError, ConfigError, KvtierError
+from kvtierd.host import unix_listening
 from kvtierd.protocol import ServerConnection
 from kvtierd.server.activation import take_unix_listener
-from kvtierd.server.preflight import socket_answers
 from kvtierd.server.readiness import Readiness
 from kvtierd.server.remote import HandshakeError, RemoteListener, peer_address
 from kvtierd.server.session import peer_credentials
@@ -255,8 +255,11 @@ def _prepare_socket_dir(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.is_socket():
         return
-    if socket_answers(path):
-        raise BusyError(f"another kvtierd is listening on {path}")
+    if unix_listening(path):  # read from /proc: connecting to systemd's socket would start a daemon
+        raise BusyError(
+            f"another process listens on {path} (a kvtierd, or systemd's kvtierd.socket: start "
+            "the daemon through the unit then)"
+        )
     path.unlink()  # a stale socket left by a daemon that crashed
 
 

@@ -454,39 +454,38 @@ async def serve_daemon(
             stop = _Stop()
             serving: list[Daemon] = []  # the daemon, once it serves
             reloading = anyio.Lock()
+            again = anyio.Event()  # a SIGHUP came during a reload: one more after it
 
             async def reload() -> None:
                 """SIGHUP's work, a task of its own: read the configuration again (in a
                 worker thread, abandoned if the daemon stops first), apply what can change
-                live. Nothing it meets ends the daemon."""
+                live; once more if a SIGHUP came meanwhile. Nothing it meets ends the daemon."""
+                nonlocal again
                 assert reread is not None
                 async with reloading:
-                    try:
-                        read = await anyio.to_thread.run_sync(reread, abandon_on_cancel=True)
-                    except ConfigError as exc:
-                        log.error("SIGHUP: nothing changed, the configuration is invalid: %s", exc)
-                        return
-                    except Exception as exc:  # whatever a broken file does: the daemon serves on
-                        log.error(
-                            "SIGHUP: nothing changed, the configuration cannot be read: %r", exc
-                        )
-                        return
-                    plan = serving[0].reload(read)
-                    if metrics is not None:
-                        metrics.relabel(plan.config.daemon)
+                    while True:
+                        await _reload_once(serving[0], reread, metrics)
+                        if not again.is_set():
+                            return
+                        again = anyio.Event()
 
             def hangup() -> None:
-                """SIGHUP: start a reload, unless one is under way (then this one is dropped)."""
-                if not serving or reread is None:
+                """SIGHUP: start a reload; one under way runs once more when it ends."""
+                if readiness.phase is DaemonPhase.STOPPING:
+                    log.warning("SIGHUP ignored: stopping")
+                elif not serving or reread is None:
                     why = "still starting" if reread is not None else "no way to read it again"
                     log.warning("SIGHUP ignored: %s", why)
                 elif reloading.locked():
-                    log.warning("SIGHUP ignored: the reload of the one before is under way")
+                    again.set()
                 else:
                     tg.start_soon(reload)
 
+            # SIGHUP is received for the daemon's whole life, stop included: its default
+            # action would end the daemon without its clean stop.
+            tg.start_soon(_watch_hangups, hangup)
             with anyio.CancelScope() as opening:
-                tg.start_soon(_watch_stop_signals, readiness, stop, opening, hangup)
+                tg.start_soon(_watch_stop_signals, readiness, stop, opening)
                 tg.start_soon(_extend_start_timeout, readiness, notifier)
                 async with open_daemon_store(
                     config, io_verdict=io_verdict, progress=readiness.progress
@@ -550,15 +549,43 @@ async def _extend_start_timeout(readiness: Readiness, notifier: Notifier) -> Non
             notifier.extend_timeout(_EXTEND_S, str(readiness.starting_error()))
 
 
+async def _reload_once(
+    daemon: Daemon, reread: Callable[[], Config], metrics: Metrics | None
+) -> None:
+    """Read the configuration again and apply what can change live; log what stopped it."""
+    try:
+        read = await anyio.to_thread.run_sync(reread, abandon_on_cancel=True)
+    except ConfigError as exc:
+        log.error("SIGHUP: nothing changed, the configuration is invalid: %s", exc)
+        return
+    except Exception as exc:  # whatever a broken file does: the daemon serves on
+        log.error("SIGHUP: nothing changed, the configuration is unreadable: %r", exc)
+        return
+    try:
+        plan = daemon.reload(read)
+        if metrics is not None and any(d.name in _LABEL_FIELDS for d in plan.applied):
+            metrics.relabel(plan.config.daemon)
+    except Exception:  # a bug must cost the reload, never the daemon
+        log.exception("SIGHUP: applying the configuration failed")
+
+
+#: The live fields that decide the metrics' namespace labels (relabelled only when they change).
+_LABEL_FIELDS = frozenset({"daemon.metrics_namespaces", "daemon.metrics_namespace_limit"})
+
+
+async def _watch_hangups(hangup: Callable[[], None]) -> None:
+    """Call ``hangup`` for each SIGHUP, until cancelled (the daemon's end)."""
+    with anyio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            hangup()
+
+
 async def _watch_stop_signals(
-    readiness: Readiness,
-    stop: _Stop,
-    opening: anyio.CancelScope,
-    hangup: Callable[[], None],
+    readiness: Readiness, stop: _Stop, opening: anyio.CancelScope
 ) -> None:
     """Until SIGTERM or SIGINT: then ``stopping``; a daemon still starting abandons the
-    opening, a serving one drains (``stop``). Each SIGHUP meanwhile runs ``hangup``."""
-    stop.signal = await _wait_for_stop_signal(hangup)
+    opening, a serving one drains (``stop``)."""
+    stop.signal = await _wait_for_stop_signal()
     starting = readiness.phase is DaemonPhase.STARTING
     readiness.stop()
     if starting:
@@ -574,14 +601,10 @@ class _Stop:
         self.signal: signal.Signals | None = None
 
 
-async def _wait_for_stop_signal(hangup: Callable[[], None]) -> signal.Signals:
-    """The first SIGTERM or SIGINT; ``hangup`` (which must not wait: it starts what it does)
-    is called for each SIGHUP before it."""
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+async def _wait_for_stop_signal() -> signal.Signals:
+    """The first SIGTERM or SIGINT."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
-            if signum == signal.SIGHUP:
-                hangup()
-                continue
             log.info("%s: stopping", signal.Signals(signum).name)
             return signal.Signals(signum)
     raise AssertionError("the signal receiver ended")  # it never does

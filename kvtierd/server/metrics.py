@@ -200,7 +200,11 @@ _POOL_COUNTERS = (
 #: NamespaceFigures fields: (field, metric, HELP).
 _NAMESPACE = (
     ("lookup_blocks", "kvtierd_namespace_lookup_blocks", "Keys asked for by LOOKUP"),
-    ("hit_blocks", "kvtierd_namespace_hit_blocks", "Keys LOOKUP answered as hits (prefix length)"),
+    (
+        "hit_blocks",
+        "kvtierd_namespace_hit_blocks",
+        "Keys LOOKUP answered as hits (the leading hits; every hit for a LOOKUP with each)",
+    ),
     (
         "lookup_tokens",
         "kvtierd_namespace_lookup_tokens",

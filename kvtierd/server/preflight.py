@@ -49,7 +49,6 @@ __all__ = [
     "check_host",
     "lock_holder",
     "probe_io_uring",
-    "socket_answers",
 ]
 
 #: ``sizeof(sockaddr_un.sun_path)`` less the terminating NUL.
@@ -132,7 +131,7 @@ def check_host(
         _memory(need, hugetlb, config, name, running, unit),
         data_dir,
         nvme,
-        _guard("socket", _socket, config, name, running, unit),
+        _guard("socket", _socket, config, name, running, unit, restart),
         _guard("metrics", _metrics, config, name, running),
         _descriptors(config, unit),
         _guard("pool", _pool, config),
@@ -180,17 +179,6 @@ def lock_holder(data_dir: Path) -> str | None:
     finally:
         os.close(fd)
     return None
-
-
-def socket_answers(path: Path) -> bool:
-    """Whether a daemon accepts connections on ``path`` (at most 1 s to find out)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            return False
-    return True
 
 
 # -- the checks -----------------------------------------------------------------------------
@@ -376,7 +364,7 @@ def _nvme(config: Config, name: Namer, unit: ServiceUnit | None) -> HostCheck:
 
 
 def _socket(
-    config: Config, name: Namer, running: str | None, unit: ServiceUnit | None
+    config: Config, name: Namer, running: str | None, unit: ServiceUnit | None, restart: bool
 ) -> HostCheck:
     path = config.socket_path
     length = len(os.fsencode(path))
@@ -393,16 +381,27 @@ def _socket(
         return _fail("socket", f"{name('daemon.socket')} {path}: {problem}")
     if path.exists() and not path.is_socket():
         return _fail("socket", f"{name('daemon.socket')} {path} exists and is not a socket")
-    listening = path.is_socket() and socket_answers(path)
-    if listening and running is None:
-        return _fail("socket", f"{name('daemon.socket')} {path}: another kvtierd is listening")
+    # Read from /proc, never by connecting: a connection to a socket systemd holds would start
+    # the service, and a check must change nothing.
+    listening = path.is_socket() and host.unix_listening(path)
+    if listening and not restart:  # a start now, not passed the socket: it cannot bind there
+        return _fail(
+            "socket",
+            f"{name('daemon.socket')} {path}: another process listens on it (a kvtierd, or "
+            "systemd's kvtierd.socket: start the daemon through the unit then)",
+        )
     group = config.daemon.socket_group
     if group and (refused := _group_problem(group, name("daemon.socket_group"))) is not None:
         return refused
     where = f"{path} ({length} of {MAX_SOCKET_PATH_BYTES} bytes), directory "
     where += _writable(path.parent, unit)
-    if listening:
+    if listening and running is not None:
         where += f"; the running kvtierd (pid {running}) listens until it stops"
+    elif listening:  # no kvtierd holds the data directory: systemd's kvtierd.socket, or a squatter
+        where += (
+            "; held by another process while no kvtierd runs: kvtierd.socket passes it to the "
+            "daemon at its start (socket activation); a start without it finds the path taken"
+        )
     return _ok("socket", where)
 
 

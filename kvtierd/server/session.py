@@ -496,7 +496,9 @@ class Session:
         self.daemon.peer_warnings.report(
             log,
             logging.INFO if exc.errno == errno.ENOENT else logging.WARNING,
-            f"failed requests of {throttle_key(self.peer)}",
+            # misses apart: a routine READ miss must not use up the slot of an ENOSPC or EIO
+            f"{'misses' if exc.errno == errno.ENOENT else 'failed requests'} of "
+            f"{throttle_key(self.peer)}",
             "%s from %s (client %r%s) failed: %s: %s",
             opname, self.peer, self.owner.name, where,
             errno.errorcode.get(exc.errno, exc.errno), printable(str(exc)),

@@ -3,8 +3,8 @@
 An operator reading the journal after a restart sees in one line which configuration the
 daemon took, how much DRAM and NVMe it has (the sizes ``kvtierd --check`` prints), its tenants,
 its I/O backend, and every listener: the socket, other hosts' TCP port, the pool, metrics.
-Pure: it reads the configuration and a few facts the caller passes (a pool URL never holds
-credentials: the configuration refuses them there).
+Pure: it reads the configuration and a few facts the caller passes; the pool is named as the
+pool's own log lines name it (``pool_address``: scheme, host and port, nothing else).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from humanfriendly import format_size
 
 from kvtierd import __version__
 from kvtierd.config import Config
+from kvtierd.pool.connect import pool_address
 from kvtierd.store.lifecycle import nvme_data_path
 
 __all__ = ["startup_summary"]
@@ -34,7 +35,7 @@ def startup_summary(
         parts.append("no NVMe tier")
     parts.append(f"I/O {io_backend}")
     if config.pool.url:
-        parts.append(f"pool {config.pool.url} group {config.pool.group_id}")  # no credentials
+        parts.append(f"pool {pool_address(config.pool)} group {config.pool.group_id}")
     if config.remote.listen:
         kind = "TLS" if config.remote.cert_file else "plaintext"
         parts.append(f"other hosts on {config.remote.listen} ({kind})")

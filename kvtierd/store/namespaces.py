@@ -244,7 +244,7 @@ class NamespaceRegistry:
         """Whether ``peer`` is admitted to ``tenant``."""
         try:
             self.check_access(tenant, peer)
-        except (AccessDeniedError, UnknownTenantError):
+        except AccessDeniedError:  # UnknownTenantError too
             return False
         return True
 

@@ -226,6 +226,12 @@ class FakeDaemon:
         self.reply = reply
         self.trickle_s = trickle_s
         self.stop = threading.Event()
+        # It holds the data directory's lock as a daemon does (``--check`` connects only then).
+        data = path.parent / "data"
+        data.mkdir(exist_ok=True)
+        self.lock = os.open(data / "kvtierd.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        os.write(self.lock, str(os.getpid()).encode())
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(path))
         self.listener.listen(4)
@@ -240,6 +246,7 @@ class FakeDaemon:
         self.stop.set()
         self.thread.join(10)
         self.listener.close()
+        os.close(self.lock)
 
     def _serve(self) -> None:
         while not self.stop.is_set():
@@ -284,7 +291,9 @@ class FakeDaemon:
 
 def _checked(path: Path) -> Config:
     """The configuration ``kvtierd --check`` would check: its socket is the fake's."""
-    return load_config(None, {"daemon": {"socket": str(path)}})
+    return load_config(
+        None, {"daemon": {"socket": str(path), "data_dir": str(path.parent / "data")}}
+    )
 
 
 @pytest.mark.parametrize(

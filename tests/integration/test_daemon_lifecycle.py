@@ -142,7 +142,7 @@ def test_a_second_daemon_on_the_same_data_dir_is_refused(tmp_path: Path) -> None
             "128M",
         )
         assert result.returncode == 1
-        assert "another kvtierd is listening" in result.stderr
+        assert "another process listens on it" in result.stderr
         with connect(first.socket) as client:  # the first daemon still serves
             assert client.stats()["connections"] == 1
 

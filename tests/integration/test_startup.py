@@ -292,10 +292,12 @@ def test_check_says_what_differs_from_the_running_daemon(tmp_path: Path) -> None
     assert same.stdout.splitlines()[-2].endswith(": runs exactly this configuration")
     lines = changed.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(where))
-    assert lines[start].endswith("differs in 2 field(s); a restart applies them:")
+    assert lines[start].endswith(
+        "differs in 2 field(s), applied by systemctl reload (SIGHUP) or by a restart, as each says:"
+    )
     assert lines[start + 1 : start + 3] == [
-        '  daemon.log_level: "info" -> "debug"',
-        '  dram.size: "32M" -> "64M"',
+        '  daemon.log_level: "info" -> "debug" (reload)',
+        '  dram.size: "32M" -> "64M" (restart)',
     ]
 
 
@@ -307,7 +309,7 @@ def test_check_reports_every_subject_and_changes_nothing(tmp_path: Path) -> None
     result = _check(tmp_path)
     assert result.returncode == 0, result.stdout
     lines = result.stdout.splitlines()
-    assert lines[-2].startswith(f"no running daemon to compare with on {tmp_path}/kvtierd.sock")
+    assert lines[-2] == f"no running daemon to compare with (none holds {tmp_path}/data)"
     subjects = [line.split()[1] for line in lines[:-2]]
     assert subjects == [
         "config", "io_uring", "hugepages", "thp", "mlock", "memory", "data_dir", "nvme",
@@ -394,7 +396,8 @@ def test_check_beside_the_running_daemon_judges_a_restart(tmp_path: Path) -> Non
         assert second.returncode == 1
         assert second.stderr.splitlines() == [
             f"kvtierd: --data-dir {daemon.data_dir} is in use by another kvtierd (pid {pid})",
-            f"kvtierd: --socket {daemon.socket}: another kvtierd is listening",
+            f"kvtierd: --socket {daemon.socket}: another process listens on it (a kvtierd, or "
+            "systemd's kvtierd.socket: start the daemon through the unit then)",
         ]
 
 

@@ -406,12 +406,12 @@ def test_a_tenant_that_is_not_listed_is_named_as_unknown_not_as_no_space(
 ) -> None:
     with connect(daemon.socket) as root:  # root may name any tenant; there is no default region
         assert open_tenant(root, "alfa") == (
-            "BlockNotFoundError: no tenant 'alfa': the daemon's tenants are 'alpha', 'beta', "
+            "AccessDeniedError: no tenant 'alfa': the daemon's tenants are 'alpha', 'beta', "
             "and every byte of DRAM went to them (no default region for others)"
         )
     # a tenant's uid that misspells its tenant is told which it may use, and nothing more
     assert client_as(ALPHA, ALPHA, daemon.socket, open_tenant, "alfa") == (
-        "BlockNotFoundError: no tenant 'alfa': uid 2001 may use 'alpha'"
+        "AccessDeniedError: no tenant 'alfa': uid 2001 may use 'alpha'"
     )
     # another tenant's name stays a refusal, and a stranger learns no names
     assert client_as(ALPHA, ALPHA, daemon.socket, open_tenant, "beta") == (

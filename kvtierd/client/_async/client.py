@@ -200,13 +200,12 @@ class AsyncClient(AsyncConnection):
         assert self._broken is not None
         made = 0
         try:
-            async for attempt in policy.retrying():
+            async for attempt in policy.retrying_async():
                 with attempt:
-                    made = attempt.num
+                    made = attempt.retry_state.attempt_number
                     if self._closed:
                         raise closed_error()
                     await self._reopen()
-                    return
         except RECONNECTABLE as exc:
             raise gave_up(exc, made) from exc
 
@@ -265,6 +264,14 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
         c = self.client
         return await self._run(
             lambda: ops.lookup_each(self.handle.ns, keys, c.max_keys, c.daemon_minor, promote)
+        )
+
+    async def present(self, keys: Sequence[bytes], *, promote: bool = True) -> list[bool]:
+        """Whether each key is stored, in order (:meth:`lookup_each`'s answer as booleans; from
+        a daemon older than minor 10, one LOOKUP per run of hits)."""
+        c = self.client
+        return await self._run(
+            lambda: ops.present(self.handle.ns, keys, c.max_keys, c.daemon_minor, promote)
         )
 
     @contextlib.asynccontextmanager

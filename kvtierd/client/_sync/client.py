@@ -204,11 +204,10 @@ class Client(SyncConnection):
         try:
             for attempt in policy.retrying():
                 with attempt:
-                    made = attempt.num
+                    made = attempt.retry_state.attempt_number
                     if self._closed:
                         raise closed_error()
                     self._reopen()
-                    return
         except RECONNECTABLE as exc:
             raise gave_up(exc, made) from exc
 
@@ -267,6 +266,14 @@ class Namespace(NamespaceBase[Client]):
         c = self.client
         return self._run(
             lambda: ops.lookup_each(self.handle.ns, keys, c.max_keys, c.daemon_minor, promote)
+        )
+
+    def present(self, keys: Sequence[bytes], *, promote: bool = True) -> list[bool]:
+        """Whether each key is stored, in order (:meth:`lookup_each`'s answer as booleans; from
+        a daemon older than minor 10, one LOOKUP per run of hits)."""
+        c = self.client
+        return self._run(
+            lambda: ops.present(self.handle.ns, keys, c.max_keys, c.daemon_minor, promote)
         )
 
     @contextlib.contextmanager
