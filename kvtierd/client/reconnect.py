@@ -101,7 +101,7 @@ class Reconnect:
             "retry": tenacity.retry_if_exception_type(RECONNECTABLE),
             "stop": stop,
             "wait": tenacity.wait_exponential_jitter(
-                initial=self.first_backoff_s, max=self.max_backoff_s, jitter=self.jitter_s
+                multiplier=self.first_backoff_s, max=self.max_backoff_s, jitter=self.jitter_s
             ),
             "reraise": True,
         }
