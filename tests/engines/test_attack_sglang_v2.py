@@ -52,6 +52,7 @@ from tests.engines.test_sglang_v2 import (  # noqa: E402
     transfer,
 )
 from tests.support.attacks import unharmed  # noqa: E402
+from tests.support.configs import config_text, tenant_table  # noqa: E402
 from tests.support.scribble import scribble  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -264,18 +265,9 @@ def test_a_pool_whose_namespace_name_is_too_long_is_refused_at_attach_not_in_sgl
     assert raised == {}, f"{refused=}: raised in SGLang's thread: {raised}"
 
 
-TENANTS = """
-[dram]
-size = "64M"
-
-[[tenants]]
-name = "alpha"
-uids = [2001]
-
-[[tenants]]
-name = "beta"
-uids = [2002]
-"""
+TENANTS = config_text(
+    tenant_table("alpha", uids=(2001,)), tenant_table("beta", uids=(2002,)), dram={"size": "64M"}
+)
 
 
 def test_one_cache_salt_under_two_kvtierd_tenants_never_meets(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ from kvtierd.protocol.messages import (
 )
 from kvtierd.server.activation import activated
 from kvtierd.testing import DaemonProcess, free_port
+from tests.support.configs import config_text, tenant_table
 from tests.support.uids import client_as, reachable_directory, require_root
 
 pytestmark = pytest.mark.timeout(300)
@@ -102,28 +103,13 @@ def _frame(opcode: int, body: bytes, unique: int, ns: int = 0) -> bytes:
 
 # == 1. CONFIG and kvtierd --check ==============================================================
 
-TENANTS = """
-[daemon]
-socket_mode = "0666"
-
-[dram]
-size = "96M"
-
-[[tenants]]
-name = "alpha"
-uids = [2101]
-dram_size = "16M"
-
-[[tenants]]
-name = "beta"
-uids = [2102]
-dram_size = "16M"
-
-[[tenants]]
-name = "gamma"
-gids = [2200]
-dram_size = "16M"
-"""
+TENANTS = config_text(
+    tenant_table("alpha", uids=(2101,), dram_size="16M"),
+    tenant_table("beta", uids=(2102,), dram_size="16M"),
+    tenant_table("gamma", gids=(2200,), dram_size="16M"),
+    daemon={"socket_mode": "0666"},
+    dram={"size": "96M"},
+)
 ALPHA_AND_GAMMA = (2101, 2200)  # uid 2101 is alpha's, its gid 2200 gamma's
 BETA = (2102, 2102)
 STRANGER = (2103, 2103)

@@ -14,6 +14,7 @@ from kvtierd.errors import AccessDeniedError, BlockNotFoundError, InvalidRequest
 from kvtierd.keys import chain_keys
 from kvtierd.protocol import MAX_KEYS_PER_REQUEST
 from kvtierd.testing import DaemonProcess
+from tests.support.configs import config_text, tenant_table
 from tests.support.uids import client_as, reachable_directory, require_root
 
 BLOCK = 4096
@@ -129,18 +130,11 @@ async def test_the_async_client_pages_the_same(daemon: DaemonProcess) -> None:
 # -- tenants ---------------------------------------------------------------------------------
 
 ALPHA, BETA = 2001, 2002
-TENANTS = """
-[daemon]
-socket_mode = "0666"
-
-[[tenants]]
-name = "alpha"
-uids = [2001]
-
-[[tenants]]
-name = "beta"
-uids = [2002]
-"""
+TENANTS = config_text(
+    tenant_table("alpha", uids=(ALPHA,)),
+    tenant_table("beta", uids=(BETA,)),
+    daemon={"socket_mode": "0666"},
+)
 
 
 @pytest.fixture

@@ -31,27 +31,19 @@ from kvtierd.keys import chain_keys
 from kvtierd.store.namespaces import NamespaceSpec
 from kvtierd.store.records import RecordHeader
 from kvtierd.testing import DaemonProcess
+from tests.support.configs import config_text, tenant_table
 from tests.support.uids import call_as, client_as, reachable_directory, require_root
 
 pytestmark = pytest.mark.timeout(300)
 
 ALPHA, BETA, STRANGER = 2001, 2002, 2003
 BLOCK = 64 << 10
-CONFIG = """
-[daemon]
-socket_mode = "0666"
-
-[dram]
-size = "96M"
-
-[[tenants]]
-name = "alpha"
-uids = [2001]
-
-[[tenants]]
-name = "beta"
-uids = [2002]
-"""
+CONFIG = config_text(
+    tenant_table("alpha", uids=(ALPHA,)),
+    tenant_table("beta", uids=(BETA,)),
+    daemon={"socket_mode": "0666"},
+    dram={"size": "96M"},
+)
 
 
 #: Staging memory for two blocks, one of them kept for write-back: most blocks are then
