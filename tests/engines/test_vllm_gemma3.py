@@ -57,24 +57,14 @@ if not DATA.is_file():
 from kvtierd.testing.gemma3 import hf_folder  # noqa: E402
 from kvtierd.testing.hf_prompts import read_qa_documents  # noqa: E402
 from kvtierd.testing.vllm_process import EngineProcess, Generation, total_variation  # noqa: E402
+from tests.engines.test_vllm import engine_args  # noqa: E402
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def connector_args(model: Path, socket: Path) -> dict[str, Any]:
-    return {
-        "model": str(model),
-        "dtype": "bfloat16",
-        "max_model_len": 2048,
-        "enforce_eager": True,
-        "kv_transfer_config": {
-            "kv_connector": "KvtierdConnector",
-            "kv_connector_module_path": "kvtierd.engines.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket": str(socket)},
-        },
-    }
+    """The connector's engine, as the SmolLM2 tests make it (bfloat16, recompute on failure)."""
+    return engine_args(model, socket)
 
 
 def tier_args(model: Path, socket: Path) -> dict[str, Any]:

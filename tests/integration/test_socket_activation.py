@@ -5,11 +5,13 @@ start, with no error. The harness passes the socket as systemd does (descriptor 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,12 +33,23 @@ def _listening(path: Path) -> socket.socket:
     return sock
 
 
-def test_a_connection_made_during_a_restart_is_served_by_the_next_start(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _activated(tmp_path: Path) -> Iterator[DaemonProcess]:
+    """A daemon (not started) passed a listening socket at every start, as systemd would;
+    killed and the socket closed at the end."""
     directory = tmp_path / "d"
     directory.mkdir()
     sock = _listening(directory / "kvtierd.sock")
     daemon = DaemonProcess(directory, listening=sock)
     try:
+        yield daemon
+    finally:
+        daemon.kill()
+        sock.close()
+
+
+def test_a_connection_made_during_a_restart_is_served_by_the_next_start(tmp_path: Path) -> None:
+    with _activated(tmp_path) as daemon:
         daemon.start()
         with connect(daemon.socket) as client:
             ns = client.namespace("kept", block_bytes=4096)
@@ -63,17 +76,10 @@ def test_a_connection_made_during_a_restart_is_served_by_the_next_start(tmp_path
         waiting.join(60)
         assert answers == [["nvme"]]  # served by the new daemon, what FSYNC kept
         assert daemon.log().count("passed by systemd (socket activation)") >= 2
-    finally:
-        daemon.kill()
-        sock.close()
 
 
 def test_an_engine_connected_across_a_restart_sees_no_failed_request(tmp_path: Path) -> None:
-    directory = tmp_path / "d"
-    directory.mkdir()
-    sock = _listening(directory / "kvtierd.sock")
-    daemon = DaemonProcess(directory, listening=sock)
-    try:
+    with _activated(tmp_path) as daemon:
         daemon.start()
         failures: list[BaseException] = []
         served = 0
@@ -106,9 +112,6 @@ def test_an_engine_connected_across_a_restart_sees_no_failed_request(tmp_path: P
             assert client.reconnects >= 1
         assert failures == []
         assert served > 0
-    finally:
-        daemon.kill()
-        sock.close()
 
 
 def test_a_passed_socket_on_another_path_is_refused_saying_which(tmp_path: Path) -> None:
