@@ -50,6 +50,12 @@ match a transfer's keys, a hit policy other than SGLang's two) are SGLang's bug 
 *Threads.* SGLang calls from its prefetch, backup and scheduler threads; the kvtierd client takes
 their requests in turns. This module's lock guards the counters; the link opens the session and
 each namespace once, which every caller waits for anyway.
+
+The module is past 600 lines because SGLang loads one class by name and calls its whole
+interface on it (the tensor, ``_v1`` and ``_v2`` calls share the host pools, the namespaces
+and the link); what is pure is apart (keys in :mod:`~kvtierd.engines.sglang_keys`, the hybrid
+hit rule in :mod:`~kvtierd.engines.sglang_hits`, page runs in
+:mod:`~kvtierd.engines.host_runs`).
 """
 
 from __future__ import annotations

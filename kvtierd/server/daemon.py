@@ -43,7 +43,7 @@ from anyio.abc import ByteStream, SocketStream, TaskStatus, UNIXSocketStream
 from kvtierd import __version__
 from kvtierd.config import Config
 from kvtierd.config_render import config_digest, differences, render_config
-from kvtierd.errors import BusyError, ConfigError
+from kvtierd.errors import BusyError
 from kvtierd.io import BindingVerdict
 from kvtierd.nixl.export import NIXL_OFF, NixlReads
 from kvtierd.pool.link import PoolLink
@@ -63,6 +63,7 @@ from kvtierd.server.checks import HostCheck
 from kvtierd.server.collector import serve_collector
 from kvtierd.server.doctor import RunningFacts, running_report
 from kvtierd.server.endpoint import serve_endpoint
+from kvtierd.server.hangups import Hangups
 from kvtierd.server.metrics import Metrics, RequestTimings
 from kvtierd.server.notify import Notifier
 from kvtierd.server.readiness import DaemonPhase, Readiness
@@ -452,38 +453,8 @@ async def serve_daemon(
             if metrics is not None:
                 await tg.start(serve_endpoint, config.daemon, metrics)
             stop = _Stop()
-            serving: list[Daemon] = []  # the daemon, once it serves
-            reloading = anyio.Lock()
-            again = anyio.Event()  # a SIGHUP came during a reload: one more after it
-
-            async def reload() -> None:
-                """SIGHUP's work, a task of its own: read the configuration again (in a
-                worker thread, abandoned if the daemon stops first), apply what can change
-                live; once more if a SIGHUP came meanwhile. Nothing it meets ends the daemon."""
-                nonlocal again
-                assert reread is not None
-                async with reloading:
-                    while True:
-                        await _reload_once(serving[0], reread, metrics)
-                        if not again.is_set():
-                            return
-                        again = anyio.Event()
-
-            def hangup() -> None:
-                """SIGHUP: start a reload; one under way runs once more when it ends."""
-                if readiness.phase is DaemonPhase.STOPPING:
-                    log.warning("SIGHUP ignored: stopping")
-                elif not serving or reread is None:
-                    why = "still starting" if reread is not None else "no way to read it again"
-                    log.warning("SIGHUP ignored: %s", why)
-                elif reloading.locked():
-                    again.set()
-                else:
-                    tg.start_soon(reload)
-
-            # SIGHUP is received for the daemon's whole life, stop included: its default
-            # action would end the daemon without its clean stop.
-            tg.start_soon(_watch_hangups, hangup)
+            hangups = Hangups(tg, readiness, reread, metrics)
+            tg.start_soon(hangups.watch)  # SIGHUP, for the daemon's whole life
             with anyio.CancelScope() as opening:
                 tg.start_soon(_watch_stop_signals, readiness, stop, opening)
                 tg.start_soon(_extend_start_timeout, readiness, notifier)
@@ -518,7 +489,7 @@ async def serve_daemon(
                         locked=store.arena.info.locked,
                     )
                     log.info("%s", summary)
-                    serving.append(daemon)
+                    hangups.serving = daemon
                     task_status.started(daemon)
                     await stop.event.wait()
                     notifier.stopping()
@@ -547,37 +518,6 @@ async def _extend_start_timeout(readiness: Readiness, notifier: Notifier) -> Non
         if steps != seen and readiness.phase is DaemonPhase.STARTING:
             seen = steps
             notifier.extend_timeout(_EXTEND_S, str(readiness.starting_error()))
-
-
-async def _reload_once(
-    daemon: Daemon, reread: Callable[[], Config], metrics: Metrics | None
-) -> None:
-    """Read the configuration again and apply what can change live; log what stopped it."""
-    try:
-        read = await anyio.to_thread.run_sync(reread, abandon_on_cancel=True)
-    except ConfigError as exc:
-        log.error("SIGHUP: nothing changed, the configuration is invalid: %s", exc)
-        return
-    except Exception as exc:  # whatever a broken file does: the daemon serves on
-        log.error("SIGHUP: nothing changed, the configuration is unreadable: %r", exc)
-        return
-    try:
-        plan = daemon.reload(read)
-        if metrics is not None and any(d.name in _LABEL_FIELDS for d in plan.applied):
-            metrics.relabel(plan.config.daemon)
-    except Exception:  # a bug must cost the reload, never the daemon
-        log.exception("SIGHUP: applying the configuration failed")
-
-
-#: The live fields that decide the metrics' namespace labels (relabelled only when they change).
-_LABEL_FIELDS = frozenset({"daemon.metrics_namespaces", "daemon.metrics_namespace_limit"})
-
-
-async def _watch_hangups(hangup: Callable[[], None]) -> None:
-    """Call ``hangup`` for each SIGHUP, until cancelled (the daemon's end)."""
-    with anyio.open_signal_receiver(signal.SIGHUP) as signals:
-        async for _ in signals:
-            hangup()
 
 
 async def _watch_stop_signals(

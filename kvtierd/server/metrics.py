@@ -19,6 +19,11 @@ the daemon came to know; every other namespace is summed into ``namespace="other
 The pool's tier gauges (``kvtierd_tier_blocks{tier="pool"}`` and its bytes) describe the pool
 only while this rank is attached to it; while it is not, those series are left out rather than
 repeat a figure nobody can check (``kvtierd_pool_up`` is 0 then); its counters stay.
+
+The module is past 600 lines because it is every family the daemon exports, each beside its
+HELP text, in one place that reads side by side with the table in ``docs/operations.md``
+(which a test checks against the live registry); what a snapshot reads of the loop is
+:mod:`kvtierd.server.figures`.
 """
 
 from __future__ import annotations
