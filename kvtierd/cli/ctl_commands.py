@@ -59,10 +59,10 @@ from kvtierd.cli.ctl_views import (
     tenants_view,
 )
 from kvtierd.client import AsyncClient, Client, KvtierError, connect, connect_async
+from kvtierd.client.ops import TENANTS_MINOR, require_minor
 from kvtierd.errors import (
     AccessDeniedError,
     BrokenConnectionError,
-    NotSupportedError,
     StartingError,
 )
 
@@ -82,9 +82,6 @@ __all__ = [
     "stdout_console",
     "tenant_stats",
 ]
-
-#: The first protocol minor whose STATFS reports each tenant.
-TENANTS_MINOR = 11
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,11 +238,7 @@ def tenant_stats(options: CommandOptions) -> int:
     with connect_daemon(options) as client:
         record = client.stats()
         minor = client.daemon_minor
-    if minor < TENANTS_MINOR:
-        raise NotSupportedError(
-            f"the daemon speaks protocol minor {minor}; per-tenant figures need minor "
-            f"{TENANTS_MINOR} (upgrade kvtierd)"
-        )
+    require_minor(minor, TENANTS_MINOR, "per-tenant figures need")
     tenants = tenants_record(record)
     return show(options, lambda: tenants, lambda: tenants_view(tenants))
 

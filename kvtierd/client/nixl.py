@@ -50,7 +50,6 @@ from kvtierd.errors import (
     CorruptBlockError,
     InvalidRequestError,
     KvtierError,
-    NotSupportedError,
     RemoteProtocolError,
     StartingError,
 )
@@ -148,11 +147,12 @@ class NixlReader:
         client = self.client
         if ns.client is not client:
             raise InvalidRequestError("the namespace belongs to another client")
-        if client.daemon_minor < ops.NIXL_MINOR:
-            raise NotSupportedError(
-                f"the daemon speaks protocol minor {client.daemon_minor}; NIXL reads need minor "
-                f"{ops.NIXL_MINOR} (kvtierd {ops.NIXL_MINOR}+ with nixl.enabled)"
-            )
+        ops.require_minor(
+            client.daemon_minor,
+            ops.NIXL_MINOR,
+            "NIXL reads need",
+            f"kvtierd {ops.NIXL_MINOR}+ with nixl.enabled",
+        )
         replies = ns._run(lambda: ops.read_nixl(ns.handle.ns, keys, client.max_keys))
         connection = client.reconnects
         try:

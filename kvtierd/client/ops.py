@@ -165,10 +165,22 @@ def lookup(ns: int, keys: Sequence[bytes], max_keys: int, promote: bool = True) 
 
 #: The first protocol minor whose daemons answer LOOKUP for each key.
 LOOKUP_EACH_MINOR = 10
+#: The first protocol minor whose STATFS reports each tenant.
+TENANTS_MINOR = 11
 #: The first protocol minor whose daemons answer CONFIG.
 CONFIG_MINOR = 12
 #: LOOKUP's code, with ``each``, of a key that is not stored (``ServedBy.MISS``).
 _MISS = len(TIER_NAMES)
+
+
+def require_minor(daemon_minor: int, needed: int, what: str, hint: str = "upgrade kvtierd") -> None:
+    """Ask nothing of a daemon older than ``what`` needs: raise
+    :class:`~kvtierd.errors.NotSupportedError` (``what`` says what needs minor ``needed``:
+    "NIXL reads need", and ``hint`` what to do) when ``daemon_minor`` is older."""
+    if daemon_minor < needed:
+        raise NotSupportedError(
+            f"the daemon speaks protocol minor {daemon_minor}; {what} minor {needed} ({hint})"
+        )
 
 
 def lookup_each(
@@ -181,11 +193,7 @@ def lookup_each(
         NotSupportedError: the daemon is older than the request (``daemon_minor``).
     """
     check_keys(keys)
-    if daemon_minor < LOOKUP_EACH_MINOR:
-        raise NotSupportedError(
-            f"the daemon speaks protocol minor {daemon_minor}; a LOOKUP of each key needs "
-            f"minor {LOOKUP_EACH_MINOR} (upgrade kvtierd)"
-        )
+    require_minor(daemon_minor, LOOKUP_EACH_MINOR, "a LOOKUP of each key needs")
     tiers: list[str | None] = []
     for chunk in _chunks(keys, max_keys) if keys else []:
         reply: LookupReply = yield LookupRequest(list(chunk), promote, each=True), ns

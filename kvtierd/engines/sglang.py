@@ -431,10 +431,11 @@ class KvtierdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> int:
         """Lease ``keys`` and hand each block to the pool's own page copy
         (``set_from_flat_data_page``), verified as it is copied out of the arena; returns how
-        many: the pages before the first that failed its checksum, which is a miss."""
+        many: the pages before the first that failed its checksum, which is a miss. One
+        scratch page serves every block: the pool's page call copies out of it."""
+        flat = torch.empty(pool.page_shape, dtype=pool.page_dtype)
         with ns.lease(keys, verify_on_copy=True) as lease:
             for i, offset in enumerate(offsets[: len(keys)]):
-                flat = torch.empty(pool.page_shape, dtype=pool.page_dtype)
                 try:
                     lease.copy_into(i, flat.view(torch.uint8).numpy())
                 except CorruptBlockError as exc:

@@ -199,7 +199,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  
         self._plans: dict[str, RequestPlan] = {}
         self._leases: dict[str, list[BlockLease]] = {}
         self._promotions: dict[str, Promotion] = {}
-        self._load_failed: set[str] = set()  # offered nothing more (grouped engines)
+        self._offered_nothing: set[str] = set()  # their load failed (grouped engines)
         self._null_block: int | None = None  # vLLM's placeholder for skipped blocks
         # worker side
         #: Each layer's group and place in it.
@@ -258,7 +258,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  
     ) -> tuple[int | None, bool]:
         self._drop_lease(request.request_id)
         no_hit: tuple[int | None, bool] = (0, False)
-        if request.request_id in self._load_failed:
+        if request.request_id in self._offered_nothing:
             return no_hit  # its load failed: vLLM computes it
         return self._link.call(
             "lookup", lambda session: self._match(request, num_computed_tokens, session), no_hit
@@ -320,7 +320,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  
         hit = self.cache.longest_hit(top, local, plan.prompt_tokens, stored)
         every: list[list[str]] = []
         for group in self.cache.groups:
-            start = max(local, self.cache.needed(group, hit, plan.prompt_tokens).start)
+            start = self.cache.needed(group, hit, plan.prompt_tokens, beyond=local).start
             first, tiers = found.get(group.index, (-1, []))
             if first != start or len(tiers) < hit - start:
                 stored(group, start, hit)
@@ -337,7 +337,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  
         leases: list[BlockLease] = []
         try:
             for group in self.cache.groups:
-                start = max(local, self.cache.needed(group, hit, plan.prompt_tokens).start)
+                start = self.cache.needed(group, hit, plan.prompt_tokens, beyond=local).start
                 keys = plan.keys[group.index][start:hit]
                 if keys:
                     ns = self._ns(session, group.index)
@@ -405,13 +405,13 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  
             self._drop_lease(req_id)  # loaded: what the lease protected is in vLLM's memory
         # A grouped engine's load that failed: vLLM computes the request whole (with the
         # "recompute" policy) and asks again; offer it nothing more.
-        self._load_failed.update(getattr(connector_output, "failed_recving", None) or ())
+        self._offered_nothing.update(getattr(connector_output, "failed_recving", None) or ())
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
         req_id = request.request_id
         self._plans.pop(req_id, None)
         self._promotions.pop(req_id, None)
-        self._load_failed.discard(req_id)
+        self._offered_nothing.discard(req_id)
         self._drop_lease(req_id)
         return False, None
 

@@ -91,12 +91,14 @@ class CacheGroups:
         if interval is not None and (interval < 0 or interval % self.block_tokens):
             raise ValueError(f"a retention interval of {interval} tokens, not whole blocks")
 
-    def needed(self, group: KvGroup, hit_blocks: int, prompt_tokens: int) -> range:
+    def needed(
+        self, group: KvGroup, hit_blocks: int, prompt_tokens: int, *, beyond: int = 0
+    ) -> range:
         """The blocks of ``group`` a hit of ``hit_blocks`` needs: the computation after it starts
         at the hit, or at the prompt's last token when the hit covers the whole prompt (vLLM
-        computes that token again)."""
+        computes that token again); none before block ``beyond`` (those vLLM holds itself)."""
         computed = min(hit_blocks * self.block_tokens, max(0, prompt_tokens - 1))
-        return range(min(group.first_needed(computed), hit_blocks), hit_blocks)
+        return range(max(beyond, min(group.first_needed(computed), hit_blocks)), hit_blocks)
 
     def longest_hit(
         self,
@@ -117,7 +119,7 @@ class CacheGroups:
         while hit > local and not settled:
             settled = True
             for group in (g for g in self.groups if g.windowed):
-                start = max(local, self.needed(group, hit, prompt_tokens).start)
+                start = self.needed(group, hit, prompt_tokens, beyond=local).start
                 have = start + stored(group, start, hit)
                 if have < hit:  # block ``have`` is missing: only a hit ending before it can do
                     hit, settled = have, False

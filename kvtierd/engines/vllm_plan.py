@@ -113,7 +113,7 @@ class RequestPlan:
             ids = self.block_ids[group.index] if group.index < len(self.block_ids) else []
             if stop > len(ids):
                 raise ValueError(f"load of blocks {first}..{stop} but {len(ids)} allocated")
-            start = max(first, self.cache.needed(group, stop, self.prompt_tokens).start)
+            start = self.cache.needed(group, stop, self.prompt_tokens, beyond=first).start
             while start < stop and ids[start] == self.null_block:
                 start += 1  # skipped by vLLM's window (it reads none of them)
             if start < stop:

@@ -161,9 +161,10 @@ class BlockStore:
         LOOKUP on a wide group is many short steps, not one long one; a few are answered at
         once."""
         steps = (self._lookup_each_steps if each else self._lookup_steps)(ns, keys, promote)
-        if self.lookup_work(ns, keys) <= self.lane.inline_items:  # the lane would not slice it
+        work = self.lookup_work(ns, keys)
+        if work <= self.lane.inline_items:  # the lane would not slice it
             return _run_steps(steps)
-        async with self.lane.walk(self.lookup_work(ns, keys)) as walk:
+        async with self.lane.walk(work) as walk:
             await walk.pause()
             while True:
                 try:

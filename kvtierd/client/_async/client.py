@@ -39,7 +39,6 @@ from kvtierd.errors import (
     BrokenConnectionError,
     CorruptBlockError,
     KvtierError,
-    NotSupportedError,
 )
 from kvtierd.protocol.messages import (
     ConfigReply,
@@ -154,11 +153,7 @@ class AsyncClient(AsyncConnection):
         (SHA-256 hex), ``toml`` (every field, as a configuration file that loads back to it)
         and ``changed`` (the fields that differ from the daemon's defaults). Raises
         :class:`~kvtierd.errors.NotSupportedError` on an older daemon."""
-        if self.daemon_minor < ops.CONFIG_MINOR:
-            raise NotSupportedError(
-                f"the daemon speaks protocol minor {self.daemon_minor}; its configuration needs "
-                f"minor {ops.CONFIG_MINOR} (upgrade kvtierd)"
-            )
+        ops.require_minor(self.daemon_minor, ops.CONFIG_MINOR, "its configuration needs")
         reply = await self._request(ConfigRequest())
         assert isinstance(reply, ConfigReply)
         return {
