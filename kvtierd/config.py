@@ -39,6 +39,7 @@ from kvtierd.errors import ConfigError, ConfigProblem
 from kvtierd.io.base import IoBackendKind
 
 __all__ = [
+    "MAX_TENANTS",
     "ByteSize",
     "Config",
     "DaemonConfig",
@@ -64,6 +65,9 @@ __all__ = [
     "parse_size",
     "show_size",
 ]
+
+#: Tenants a configuration may list (each has a DRAM region, a memory file of its own).
+MAX_TENANTS = 64
 
 # The accepted spellings; humanfriendly reads the value. It would also take "4 gravy" as 4 GiB
 # (any word that starts like a unit), which a typo in a configuration must not become.
@@ -243,6 +247,9 @@ class DramConfig(_Section):
     #: Background promotions (HINT queues, reuse candidates) stay within this many bytes per
     #: second, and reuse promotions run only while no demand read waits on the disk. 0: none.
     prefetch_bytes_per_s: ByteSize = ByteSize(512 << 20)
+    #: Under systemd, hand the regions and an image of their blocks to its file-descriptor
+    #: store at a clean stop, and take them back (verified) at the next start.
+    keep_across_restarts: bool = True
 
     field_rules: ClassVar[Mapping[str, FieldRule]] = {
         "size": lambda n: None if n >= 16 << 20 else f"{show_size(n)} is below the minimum 16M",
@@ -648,7 +655,7 @@ class Config(_Section):
     remote: RemoteConfig = msgspec.field(default_factory=RemoteConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     #: At most 64: each is a DRAM region, a namespace quota, a metric label.
-    tenants: Annotated[list[TenantConfig], msgspec.Meta(max_length=64)] = []
+    tenants: Annotated[list[TenantConfig], msgspec.Meta(max_length=MAX_TENANTS)] = []
 
     def _broken_rules(self) -> Iterator[ConfigProblem]:
         names = [t.name for t in self.tenants]

@@ -9,8 +9,15 @@ environment must not take them), ``LISTEN_FDS`` (how many) and ``LISTEN_FDNAMES`
 ``FileDescriptorName=``). A connection made while no daemon runs completes in the kernel and
 waits for the next ``accept``; the engine's INIT is then answered once the new daemon serves
 (its client's timeout permitting). The variables are removed once read, so the daemon's own
-children (NIXL exporters, probes) never see them. Pure reading of the environment and the
-descriptors; the listener is made by :func:`kvtierd.server.accepting.listen_unix`.
+children (NIXL exporters, probes) never see them.
+
+systemd passes the descriptors of the service's file-descriptor store the same way, after the
+socket's, each named by its ``FDNAME=``: those kvtierd stored (named ``kvtierd-dram-*``: the
+DRAM kept across a restart, :mod:`kvtierd.server.fdstore`) are claimed by name, unchecked
+here (the store checks them), and handed on by :func:`take_stored`.
+
+Pure reading of the environment and the descriptors; the listener is made by
+:func:`kvtierd.server.accepting.listen_unix`.
 """
 
 from __future__ import annotations
@@ -23,18 +30,29 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from kvtierd.errors import ConfigError
+from kvtierd.server.fdstore import MAX_STORED, PREFIX
 
-__all__ = ["LISTEN_FDS_START", "MAX_PASSED", "activated", "claim", "take_unix_listener"]
+__all__ = [
+    "LISTEN_FDS_START",
+    "MAX_PASSED",
+    "activated",
+    "claim",
+    "take_stored",
+    "take_unix_listener",
+]
 
 #: The first descriptor systemd passes (``SD_LISTEN_FDS_START``).
 LISTEN_FDS_START = 3
-#: More descriptors than this passed is a mistake (kvtierd.socket passes one).
-MAX_PASSED = 16
+#: More descriptors than this passed is a mistake (kvtierd.socket passes one, the store at
+#: most :data:`~kvtierd.server.fdstore.MAX_STORED`).
+MAX_PASSED = 16 + MAX_STORED
 _VARIABLES = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
 _COUNT = re.compile(r"[0-9]{1,4}")
 
 #: The socket :func:`claim` took, until :func:`take_unix_listener` hands it on.
 _claimed: socket.socket | None = None
+#: The descriptors of kvtierd's own in the store, by name, until :func:`take_stored`.
+_stored: dict[str, int] = {}
 
 
 def _passed(environ: MutableMapping[str, str]) -> int:
@@ -65,6 +83,7 @@ def claim(path: Path, environ: MutableMapping[str, str] | None = None) -> None:
     env = os.environ if environ is None else environ
     raw = env.get("LISTEN_FDS", "")
     count = _passed(env)
+    names = env.get("LISTEN_FDNAMES", "").split(":")
     for name in _VARIABLES:
         env.pop(name, None)
     if raw and not count and _COUNT.fullmatch(raw) is None:
@@ -75,7 +94,14 @@ def claim(path: Path, environ: MutableMapping[str, str] | None = None) -> None:
             f"and refuses more than {MAX_PASSED}"
         )
     seen = []
-    for fd in range(LISTEN_FDS_START, LISTEN_FDS_START + count):
+    sockets = 0
+    for position, fd in enumerate(range(LISTEN_FDS_START, LISTEN_FDS_START + count)):
+        name = names[position] if len(names) == count else ""
+        if name.startswith(PREFIX) and name not in _stored:
+            os.set_inheritable(fd, False)
+            _stored[name] = fd
+            continue
+        sockets += 1
         try:
             mode = os.fstat(fd).st_mode
         except OSError as exc:
@@ -100,13 +126,21 @@ def claim(path: Path, environ: MutableMapping[str, str] | None = None) -> None:
             continue
         seen.append(f"descriptor {fd}: {sock.family.name} {sock.type.name} on {bound!r}")
         sock.detach()  # systemd's to close, not ours
-    if count and (_claimed is None or seen):
+    if sockets and (_claimed is None or seen):
         raise ConfigError(
             f"systemd passed {count} descriptor(s), of which kvtierd takes exactly one: a "
             f"listening Unix stream socket on {path} (daemon.socket); "
             f"{'; '.join(seen) or 'none such'}: make kvtierd.socket's ListenStream= the "
             "daemon's socket"
         )
+
+
+def take_stored() -> dict[str, int]:
+    """The descriptors kvtierd kept in systemd's store that :func:`claim` took, by name,
+    handed on once (the caller closes them)."""
+    taken = dict(_stored)
+    _stored.clear()
+    return taken
 
 
 def take_unix_listener(

@@ -55,6 +55,7 @@ from kvtierd.pool.tier import PoolTier
 from kvtierd.pool.values import PoolNames
 from kvtierd.server.peers import PeerFirstTier, PeerReads, peer_endpoints
 from kvtierd.store.index import Block
+from kvtierd.store.kept import DramKeeper
 from kvtierd.store.lifecycle import (
     OpenPhase,
     OpenProgress,
@@ -111,17 +112,19 @@ async def open_daemon_store(
     *,
     io_verdict: BindingVerdict | None = None,
     progress: OpenProgress | None = None,
+    keeper: DramKeeper | None = None,
 ) -> AsyncIterator[Assembled]:
     """The store for ``config`` and what it is joined to, opened in order and closed in the
     reverse one: its base (arena, regions, registry), the NIXL export of the regions, the
     peers, and the store itself with the pool tier (wrapped in a :class:`PeerFirstTier` when
     there are peers) and its link. The pool's credentials are checked before anything opens
-    (:class:`ConfigError`)."""
+    (:class:`ConfigError`). ``keeper``: who keeps the DRAM across restarts (systemd's
+    file-descriptor store, :mod:`kvtierd.server.fdstore`)."""
     tier = pool_tier(config.pool) if config.pool.url else None  # before anything starts
     progress = progress if progress is not None else OpenProgress()  # one for every step
     async with contextlib.AsyncExitStack() as stack:
         base = await stack.enter_async_context(
-            open_store_base(config, io_verdict=io_verdict, progress=progress)
+            open_store_base(config, io_verdict=io_verdict, progress=progress, keeper=keeper)
         )
         nixl = await stack.enter_async_context(open_nixl_reads(config, base, progress))
         replica = None

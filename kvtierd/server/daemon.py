@@ -54,7 +54,7 @@ from kvtierd.protocol.messages import (
     TenantStatistics,
     TierStatistics,
 )
-from kvtierd.server import heap
+from kvtierd.server import activation, heap
 from kvtierd.server.accepting import Entrance, listen_unix, refuse, serve_connections
 from kvtierd.server.admission import make_room, slot_limits
 from kvtierd.server.assembly import open_daemon_store
@@ -63,6 +63,7 @@ from kvtierd.server.checks import HostCheck
 from kvtierd.server.collector import serve_collector
 from kvtierd.server.doctor import RunningFacts, running_report
 from kvtierd.server.endpoint import serve_endpoint
+from kvtierd.server.fdstore import FdStore
 from kvtierd.server.hangups import Hangups
 from kvtierd.server.metrics import Metrics, RequestTimings
 from kvtierd.server.notify import Notifier
@@ -458,8 +459,13 @@ async def serve_daemon(
             with anyio.CancelScope() as opening:
                 tg.start_soon(_watch_stop_signals, readiness, stop, opening)
                 tg.start_soon(_extend_start_timeout, readiness, notifier)
+                keeper = FdStore(
+                    activation.take_stored(),
+                    os.environ,
+                    enabled=config.dram.keep_across_restarts,
+                )
                 async with open_daemon_store(
-                    config, io_verdict=io_verdict, progress=readiness.progress
+                    config, io_verdict=io_verdict, progress=readiness.progress, keeper=keeper
                 ) as assembled:
                     await anyio.to_thread.run_sync(heap.trim)  # what recovery freed (heap.py)
                     timings = metrics.timings if metrics is not None else None

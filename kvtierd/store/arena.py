@@ -45,7 +45,7 @@ import fcntl
 import logging
 import mmap
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from humanfriendly import format_size
@@ -53,6 +53,7 @@ from humanfriendly import format_size
 from kvtierd.config import TriState
 from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.host import free_hugepage_bytes, shmem_thp_mode
+from kvtierd.store.kept import HandedRegion, KeptRegion
 
 __all__ = ["HUGE_PAGE_BYTES", "Arena", "ArenaInfo", "Region", "map_region"]
 
@@ -99,6 +100,9 @@ class Region:
     base: int
     size_bytes: int
     hugepages: bool
+    #: What it was before this start, when it is a region a stopped daemon left
+    #: (:mod:`kvtierd.store.kept`); its blocks are to be checked before use.
+    kept: KeptRegion | None = None
 
 
 def _round_up(n: int, unit: int = HUGE_PAGE_BYTES) -> int:
@@ -165,6 +169,7 @@ class Arena:
         tenants_isolated: bool = False,
         lazy_bytes: int = 0,
         pin: Callable[[memoryview], bool] | None = None,
+        handed: Mapping[tuple[str | None, int], HandedRegion] | None = None,
     ) -> Arena:
         """Reserve, map and prepare the arena: ``private_bytes`` of daemon memory, then one
         sealed region per ``(tenant, bytes)``, then ``lazy_bytes`` of private memory that is
@@ -188,7 +193,13 @@ class Arena:
         reads into pages its registration faulted in keep the device's queue full, where
         pages faulted in before (by ``MADV_POPULATE_WRITE``, ``mlock`` or a first touch) were
         read into one request at a time on the virtual machines measured (docs/architecture.md,
-        *Fixed buffers before the pre-fault*)."""
+        *Fixed buffers before the pre-fault*).
+
+        ``handed``: regions a stopped daemon left, by ``(tenant, size)``
+        (:mod:`kvtierd.store.kept`): a region of that tenant and size maps that memory file
+        instead of a new one, when its pages are of the kind this start would choose; the
+        arena owns its descriptor from then on (see :meth:`taken`)."""
+        handed = handed or {}
         private_bytes = _round_up(max(private_bytes, 0))
         sizes = [(tenant, _round_up(size)) for tenant, size in regions]
         resident = private_bytes + sum(size for _, size in sizes)
@@ -208,10 +219,16 @@ class Arena:
                 want_huge = hugepages is TriState.ALWAYS or (
                     hugepages is TriState.AUTO and not tenants_isolated and huge_left >= size
                 )
-                fd, huge = cls._open_memfd(tenant, size, want_huge, hugepages)
-                made.append(Region(number, tenant, fd, base, size, huge))
+                again = handed.get((tenant, size))
+                if again is not None and _same_kind(
+                    again.kept.hugepages, hugepages, tenants_isolated
+                ):
+                    fd, huge, kept = again.fd, again.kept.hugepages, again.kept
+                else:
+                    (fd, huge), kept = cls._open_memfd(tenant, size, want_huge, hugepages), None
+                made.append(Region(number, tenant, fd, base, size, huge, kept))
                 cls._map_fixed(mapping, pad + base, size, fd)
-                huge_left -= size if huge else 0
+                huge_left -= size if huge and kept is None else 0  # kept: not in the free count
                 base += size
             huge_all = bool(made) and all(r.hugepages for r in made)
             with contextlib.suppress(OSError):  # transparent huge pages, where allowed
@@ -232,7 +249,8 @@ class Arena:
             with contextlib.suppress(BufferError):
                 mapping.close()
             for region in made:
-                os.close(region.fd)
+                if region.kept is None:  # a handed descriptor is its keeper's until taken
+                    os.close(region.fd)
             raise
         info = ArenaInfo(total, huge_all, locked, prefaulted, resident)
         log.info(
@@ -344,9 +362,15 @@ class Arena:
             raise ValueError(f"[{offset}, {offset + length}) lies outside the arena")
         return self.view[offset : offset + length]
 
-    def close(self) -> None:
+    def taken(self) -> list[int]:
+        """The descriptors of the regions a stopped daemon left that this arena maps."""
+        return [region.fd for region in self.regions if region.kept is not None]
+
+    def close(self, *, keep_regions: bool = False) -> None:
         """Close the descriptors and unmap. A mapping that still has exported views (io_uring
-        keeps the registered buffer exported) is left to be unmapped at process exit."""
+        keeps the registered buffer exported) is left to be unmapped at process exit, its
+        memory given back meanwhile; with ``keep_regions`` (someone else holds them for the
+        next start) only the private memory is."""
         self.view.release()
         self._whole.release()
         try:
@@ -358,11 +382,25 @@ class Arena:
             _libc.munlock(
                 ctypes.c_void_p(_address_of(self._mapping) + start), ctypes.c_size_t(size)
             )
-            with contextlib.suppress(OSError):
-                self._mapping.madvise(mmap.MADV_REMOVE, start, size)
+            spans = [(start, size)]
+            if keep_regions:  # a hole punched in a region would be punched in the kept file
+                resident = self.resident_bytes
+                spans = [(start, self.private_bytes), (start + resident, size - resident)]
+            for offset, length in spans:
+                with contextlib.suppress(OSError, ValueError):
+                    self._mapping.madvise(mmap.MADV_REMOVE, offset, length)
             log.debug("arena views still exported; its memory is released, the range at exit")
         for region in self.regions:
             os.close(region.fd)
+
+
+def _same_kind(kept_huge: bool, mode: TriState, tenants_isolated: bool) -> bool:
+    """Whether a kept region's pages are of a kind this start may use: hugetlb pages where it
+    could choose them itself (never for an isolated tenant under ``auto``: see the module
+    docstring), ordinary pages unless ``always`` asks for hugetlb."""
+    if kept_huge:
+        return mode is TriState.ALWAYS or (mode is TriState.AUTO and not tenants_isolated)
+    return mode is not TriState.ALWAYS
 
 
 def map_region(fd: int, size_bytes: int, *, populate: bool = True) -> mmap.mmap:

@@ -39,6 +39,7 @@ from functools import partial
 from pathlib import Path
 
 import anyio
+from humanfriendly import format_size
 
 from kvtierd.config import Config, NvmePolicyKind, PolicyKind
 from kvtierd.errors import ConfigError, StorageIOError
@@ -50,11 +51,13 @@ from kvtierd.store.arena import HUGE_PAGE_BYTES, Arena
 from kvtierd.store.clock import ClockPolicy
 from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.diskwatch import DiskWatch, open_disk_watch
+from kvtierd.store.kept import DramImage, DramKeeper, Handed, encode_image
 from kvtierd.store.namespaces import NamespaceRegistry
 from kvtierd.store.nvme import NvmeTier, open_nvme_tier
 from kvtierd.store.policy import LruPolicy
 from kvtierd.store.ports import Replica
 from kvtierd.store.prefetch import open_prefetcher
+from kvtierd.store.readopt import KeptOutcome, adopt_kept, image_of
 from kvtierd.store.records import PAGE_BYTES
 from kvtierd.store.regions import Regions
 from kvtierd.store.residency import Residency
@@ -91,6 +94,7 @@ class OpenPhase(enum.StrEnum):
     EXPORTING = "proving NIXL and starting its exporters"
     OPENING_NVME = "opening the NVMe tier"
     RECOVERING = "recovering the NVMe index"
+    ADOPTING_DRAM = "checking the DRAM kept across the restart"
     JOINING_POOL = "waiting for the pool group's decision"
     OPEN = "open"
 
@@ -171,7 +175,9 @@ class _Abandoned(Exception):
     """Raised in the worker thread of an arena whose creation was cancelled."""
 
 
-async def _create_arena(config: Config, progress: OpenProgress, backend: IoBackend) -> Arena:
+async def _create_arena(
+    config: Config, progress: OpenProgress, backend: IoBackend, handed: Handed | None
+) -> Arena:
     """:meth:`Arena.create` in a worker thread, its resident part registered with ``backend``
     as fixed buffers before anything touches it (see ``pin`` there). Pinning or pre-faulting
     a large arena takes seconds, so a cancelled start-up (Ctrl-C) does not wait for it: the
@@ -206,6 +212,7 @@ async def _create_arena(config: Config, progress: OpenProgress, backend: IoBacke
         prefault=config.dram.prefault,
         checkpoint=checkpoint,
         pin=pin if backend.supports_fixed_buffers else None,
+        handed=handed.regions if handed is not None else None,
     )
     try:
         arena = await anyio.to_thread.run_sync(create, abandon_on_cancel=True)
@@ -219,6 +226,38 @@ async def _create_arena(config: Config, progress: OpenProgress, backend: IoBacke
     return arena
 
 
+@dataclass(eq=False, slots=True)
+class DramKeeping:
+    """DRAM kept across restarts (:mod:`kvtierd.store.kept`): who keeps it (``None``: nobody,
+    the DRAM starts empty), the image a stopped daemon left for this start, and whether this
+    daemon's regions were handed on as it stopped (they must then be left whole)."""
+
+    keeper: DramKeeper | None = None
+    image: DramImage | None = None
+    kept: bool = False
+
+    def leave(self, residency: Residency) -> None:
+        """Hand the regions and an image of what they hold to the keeper; never raises (a
+        daemon that cannot keep its DRAM still stops cleanly, and the next start reads
+        NVMe)."""
+        if self.keeper is None:
+            return
+        try:
+            image = image_of(residency)
+            regions = [(r.id, r.fd) for r in residency.regions]
+            self.kept = self.keeper.keep(regions, encode_image(image))
+        except Exception:  # a stop must go on; the next start then reads NVMe
+            log.exception("the DRAM could not be kept for the next start")
+            return
+        if self.kept:
+            log.info(
+                "DRAM kept for the next start: %d blocks (%s) in %d region(s)",
+                len(image.blocks),
+                format_size(sum(b.raw_bytes for b in image.blocks), binary=True),
+                len(regions),
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class StoreBase:
     """What a store is built on and what others may need before it opens: the I/O backend, the
@@ -230,6 +269,7 @@ class StoreBase:
     arena: Arena
     regions: Regions
     registry: NamespaceRegistry
+    keeping: DramKeeping
 
 
 @contextlib.asynccontextmanager
@@ -238,11 +278,14 @@ async def open_store_base(
     *,
     io_verdict: BindingVerdict | None = None,
     progress: OpenProgress | None = None,
+    keeper: DramKeeper | None = None,
 ) -> AsyncIterator[StoreBase]:
     """The data directory, the key secret, the I/O backend and the arena (created and
     pre-faulted, ``progress`` told how far), for :func:`open_store`; the arena and then the
     backend go away on exit. ``io_verdict`` is the liburing binding's probe verdict, when the
-    caller already has it."""
+    caller already has it. ``keeper``: who keeps the DRAM across restarts (the arena takes
+    back the regions it hands, and the store their blocks; the store hands them on as it
+    closes)."""
     progress = progress if progress is not None else OpenProgress()
     data_dir = config.data_path
     await anyio.to_thread.run_sync(lambda: data_dir.mkdir(parents=True, exist_ok=True))
@@ -254,9 +297,17 @@ async def open_store_base(
                 config.nvme.io_backend, queue_depth=config.nvme.queue_depth, verdict=io_verdict
             )
         )
-        arena = await _create_arena(config, progress, backend)
-        stack.callback(arena.close)  # after all that uses it, before the backend (whose pins
-        # keep the pages it may still be reading into)
+        handed = keeper.handed() if keeper is not None else None
+        made: Arena | None = None
+        try:
+            made = arena = await _create_arena(config, progress, backend, handed)
+        finally:
+            if keeper is not None:  # at once: after a crash from here on, nothing is handed
+                keeper.settle(made.taken() if made is not None else [])
+        keeping = DramKeeping(keeper, handed.image if handed is not None else None)
+        # after all that uses it, before the backend (whose pins keep the pages it may still
+        # be reading into); whole where its regions were handed on
+        stack.callback(lambda: arena.close(keep_regions=keeping.kept))
         regions = Regions(arena.regions, boundary=FIXED_BUFFER_BYTES)
         registry = NamespaceRegistry(
             data_dir / "namespaces.catalog",
@@ -265,7 +316,7 @@ async def open_store_base(
             regions=regions,
             limits=config.limits,
         )
-        yield StoreBase(backend, arena, regions, registry)
+        yield StoreBase(backend, arena, regions, registry, keeping)
 
 
 @contextlib.asynccontextmanager
@@ -348,6 +399,19 @@ async def _open_store_on(
         )
         adopted = residency.adopt_recovered()
         log.info("store ready: %d blocks adopted from the NVMe tier", adopted)
+        # Runs last on the way out (when nothing changes the index any more), before the
+        # base closes the arena.
+        stack.callback(base.keeping.leave, residency)
+        if base.keeping.image is not None:
+            progress.advance(OpenPhase.ADOPTING_DRAM)
+            _log_kept(
+                await adopt_kept(
+                    residency,
+                    base.keeping.image,
+                    partial(progress.advance, OpenPhase.ADOPTING_DRAM),
+                )
+            )
+            base.keeping.image = None  # its blocks are the store's now
         # Write-back before the link: on the way out the link gives queued blocks its grace
         # to reach the pool first, then write-back drains to disk (which has no deadline).
         await stack.enter_async_context(
@@ -379,3 +443,24 @@ async def _open_store_on(
             await link.settle()
         progress.advance(OpenPhase.OPEN)
         yield store
+
+
+def _log_kept(outcome: KeptOutcome) -> None:
+    log.info(
+        "DRAM kept across the restart: %d blocks (%s) verified and adopted in %.2f s",
+        outcome.adopted,
+        format_size(outcome.adopted_bytes, binary=True),
+        outcome.seconds,
+    )
+    if outcome.damaged:
+        log.warning(
+            "DRAM kept across the restart: %d blocks changed while no daemon ran (their "
+            "tenant's clients can write into their region) and were dropped",
+            outcome.damaged,
+        )
+    if outcome.refused:
+        log.info(
+            "DRAM kept across the restart: %d blocks not taken (their region or namespace "
+            "is not what it was)",
+            outcome.refused,
+        )

@@ -103,6 +103,41 @@ class SlotAllocator:
             and self._offsets[index] == slot.offset
         )
 
+    def adopt(self, spans: list[tuple[int, int]]) -> list[Slot]:
+        """Take the slots ``(offset, size)`` as allocated, in a fresh allocator: what a restarted
+        daemon finds already in use (its predecessor's blocks, kept in DRAM). ``spans`` must be
+        sorted by offset, aligned, of whole size classes, apart and inside the region; the gaps
+        between them become free slots, cut at the ``boundary``. Raises ``ValueError`` for any
+        other use (then nothing is changed)."""
+        if self._offsets:
+            raise ValueError("only a fresh allocator adopts slots")
+        end = self.base
+        for offset, size in spans:
+            if offset < end or offset % self.align or size <= 0 or size % self.align:
+                raise ValueError(f"slot [{offset}, +{size}) overlaps, or is not aligned")
+            end = offset + size
+        if end > self.base + self.capacity:
+            raise ValueError(f"slot ending at {end} lies past the region")
+        adopted = []
+        for offset, size in spans:
+            self._free_gap(self._tail, offset)
+            index = self._carve(size, offset)
+            self._tail = offset + size
+            self._in_use[index] = True
+            self._used_bytes += size
+            adopted.append(self._ref(index))
+        return adopted
+
+    def _free_gap(self, start: int, end: int) -> None:
+        """Free slots covering ``[start, end)``, none across a ``boundary``."""
+        while start < end:
+            edge = end
+            if self.boundary:
+                edge = min(end, (start // self.boundary + 1) * self.boundary)
+            index = self._carve(edge - start, start)
+            self._free.setdefault(edge - start, []).append(index)
+            start = edge
+
     def _ref(self, index: int) -> Slot:
         return Slot(index, self._offsets[index], self._sizes[index], self._generations[index])
 

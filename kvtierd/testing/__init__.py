@@ -29,9 +29,11 @@ from typing import NoReturn
 
 from kvtierd.client import DaemonNotRunningError, StartingError, connect
 from kvtierd.config import default_data_dir, default_socket_path
+from kvtierd.testing.service import ServiceManager
 
 __all__ = [
     "DaemonProcess",
+    "ServiceManager",
     "activated_prefix",
     "free_port",
     "skip",
@@ -84,23 +86,26 @@ def _log(path: Path) -> str:
         return ""
 
 
-#: Run by the daemon's process before it execs the daemon: the passed socket as descriptor 3 and
-#: ``LISTEN_PID`` this process's pid, as systemd's socket activation does.
+#: Run by the daemon's process before it execs the daemon: the passed descriptors from 3 on, in
+#: order, and ``LISTEN_PID`` this process's pid, as systemd passes a socket unit's sockets and
+#: the service's file-descriptor store.
 _ACTIVATE = (
-    "import os, sys\n"
-    "fd = int(sys.argv[1])\n"
-    "os.dup2(fd, 3)\n"
-    "os.close(fd) if fd != 3 else None\n"
+    "import fcntl, os, sys\n"
+    "given = [int(fd) for fd in sys.argv[1].split(',')]\n"
+    "high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024) for fd in given]\n"
+    "for fd in given: os.close(fd)\n"
+    "for number, fd in enumerate(high, start=3): os.dup2(fd, number); os.close(fd)\n"
     "os.environ['LISTEN_PID'] = str(os.getpid())\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
 
 
-def activated_prefix(fd: int) -> list[str]:
-    """A command prefix that runs the command after it with descriptor ``fd`` (pass it with
-    ``pass_fds``) as descriptor 3 and ``LISTEN_PID`` its own pid: systemd's socket activation,
-    with ``LISTEN_FDS`` (and ``LISTEN_FDNAMES``) left to the caller's environment."""
-    return [sys.executable, "-c", _ACTIVATE, str(fd)]
+def activated_prefix(*fds: int) -> list[str]:
+    """A command prefix that runs the command after it with descriptors ``fds`` (pass them with
+    ``pass_fds``) as descriptors 3, 4, ... and ``LISTEN_PID`` its own pid: systemd's socket
+    activation, with ``LISTEN_FDS`` (and ``LISTEN_FDNAMES``) left to the caller's
+    environment."""
+    return [sys.executable, "-c", _ACTIVATE, ",".join(str(fd) for fd in fds)]
 
 
 class DaemonProcess:
@@ -115,6 +120,7 @@ class DaemonProcess:
         runtime: str = "asyncio",
         command_prefix: Sequence[str] = (),
         listening: socket.socket | None = None,
+        manager: ServiceManager | None = None,
     ) -> None:
         """``directory=None`` runs the daemon on its embedded defaults (socket and data where
         :mod:`kvtierd.config` puts them); a ``None`` size leaves that default too.
@@ -123,7 +129,10 @@ class DaemonProcess:
         reaches it); the prefix must exec the daemon, so that the signals reach it.
         ``listening``: a listening Unix socket on the daemon's socket path, passed to every start
         as systemd's socket activation passes it (descriptor 3, ``LISTEN_FDS``,
-        ``LISTEN_PID``): connections made while the daemon is stopped wait in it."""
+        ``LISTEN_PID``): connections made while the daemon is stopped wait in it.
+        ``manager``: systemd's notify socket and file-descriptor store
+        (:class:`~kvtierd.testing.service.ServiceManager`): what it stores is passed to every
+        start after the socket, named in ``LISTEN_FDNAMES``."""
         self.directory = directory if directory is not None else default_data_dir().parent
         self.socket = directory / "kvtierd.sock" if directory is not None else default_socket_path()
         self.data_dir = directory / "data" if directory is not None else default_data_dir()
@@ -143,17 +152,24 @@ class DaemonProcess:
             self.args += ["--config", str(config)]
         self.command_prefix = list(command_prefix)
         self.listening = listening
+        self.manager = manager
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> DaemonProcess:
         self.directory.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        prefix, passed = self.command_prefix, tuple[int, ...]()
+        prefix, named = self.command_prefix, list[tuple[str, int]]()
         if self.listening is not None:
-            fd = self.listening.fileno()
-            env.update(LISTEN_FDS="1", LISTEN_FDNAMES="kvtierd")
-            prefix = [*prefix, *activated_prefix(fd)]
-            passed = (fd,)
+            named.append(("kvtierd.socket", self.listening.fileno()))
+        if self.manager is not None:
+            env.update(self.manager.environment())
+            named += self.manager.stored()
+        passed = tuple(fd for _, fd in named)
+        if named:
+            env.update(
+                LISTEN_FDS=str(len(named)), LISTEN_FDNAMES=":".join(name for name, _ in named)
+            )
+            prefix = [*prefix, *activated_prefix(*passed)]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [*prefix, sys.executable, "-m", "kvtierd", *self.args],

@@ -80,3 +80,61 @@ def test_no_slot_crosses_a_boundary() -> None:
     for slot in slots:
         if slot is not None:
             assert slot.offset // (1 << 18) == (slot.offset + slot.size - 1) // (1 << 18)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.lists(st.tuples(st.booleans(), sizes), max_size=60))
+def test_adopted_slots_stay_in_use_and_the_rest_is_allocatable(
+    before: list[tuple[bool, int, int]], after: list[tuple[bool, int]]
+) -> None:
+    """A restarted daemon's allocator takes its predecessor's live slots (the DRAM it kept):
+    they stay exactly where they were, nothing allocated later overlaps them, no slot crosses
+    the boundary, and the accounting is exact."""
+    boundary = 256 << 10
+    old = SlotAllocator(4096, 1 << 20, boundary=boundary)
+    live: list[Slot] = []
+    for free, size, pick in before:
+        if free and live:
+            old.free(live.pop(pick % len(live)))
+        elif (slot := old.allocate(size)) is not None:
+            live.append(slot)
+    new = SlotAllocator(4096, 1 << 20, boundary=boundary)
+    kept = new.adopt(sorted((s.offset, s.size) for s in live))
+    assert [(s.offset, s.size) for s in kept] == sorted((s.offset, s.size) for s in live)
+    assert all(new.is_live(s) for s in kept)
+    assert new.used_bytes == sum(s.size for s in live)
+    held = list(kept)
+    for free, size in after:
+        if free and len(held) > len(kept):
+            new.free(held.pop())
+        elif (slot := new.allocate(size)) is not None:
+            held.append(slot)
+        spans = sorted((s.offset, s.offset + s.size) for s in held)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+        assert new.used_bytes == sum(s.size for s in held)
+        assert all((s.offset + s.size - 1) // boundary == s.offset // boundary for s in held)
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [
+        [(4096, 8192), (8192, 4096)],  # overlapping
+        [(4097, 4096)],  # not aligned
+        [(4096, 5000)],  # not a whole size class
+        [(4096 + (1 << 20) - 4096, 8192)],  # past the region
+        [(0, 4096)],  # before the region
+    ],
+)
+def test_adopting_a_bad_span_is_refused_and_changes_nothing(spans: list[tuple[int, int]]) -> None:
+    alloc = SlotAllocator(4096, 1 << 20)
+    with pytest.raises(ValueError):
+        alloc.adopt(spans)
+    assert alloc.used_bytes == 0
+    assert alloc.allocate(4096) is not None
+
+
+def test_only_a_fresh_allocator_adopts() -> None:
+    alloc = SlotAllocator(0, 1 << 20)
+    assert alloc.allocate(4096) is not None
+    with pytest.raises(ValueError, match="fresh"):
+        alloc.adopt([(8192, 4096)])

@@ -1,0 +1,200 @@
+"""systemd's file-descriptor store, where the DRAM waits while the daemon restarts.
+
+A service under ``Type=notify`` may hand systemd descriptors to keep (``sd_pid_notify_with_fds``:
+``FDSTORE=1`` and ``FDNAME=`` with the descriptors as ``SCM_RIGHTS``, accepted up to the unit's
+``FileDescriptorStoreMax=``); systemd passes them to the service's next start as it passes a
+socket unit's, from descriptor 3 on, named in ``LISTEN_FDNAMES`` (:mod:`kvtierd.server.
+activation` claims them), and drops them when the service is stopped for good (not restarted)
+or with ``FDSTOREREMOVE=1``.
+
+kvtierd keeps its tenant regions there, each as ``kvtierd-dram-region-<id>``, and last an
+image of what they hold (``kvtierd-dram-image``, a sealed memory file: :mod:`kvtierd.store.
+kept`), only as it stops, once write-back has drained; a ``BARRIER=1`` then waits until systemd
+has taken them in before the daemon exits. A start takes them back and removes every one of
+them from the store at once, so a daemon that crashes later is handed nothing: only a clean
+stop's DRAM is ever trusted, and even that is verified block by block.
+
+This class is the store's :class:`~kvtierd.store.kept.DramKeeper` under systemd. Outside systemd
+(no ``$NOTIFY_SOCKET``) nobody keeps anything, and a restart reads NVMe as before.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import select
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+
+from humanfriendly import format_size
+
+from kvtierd.config import MAX_TENANTS
+from kvtierd.server.notify import notify_address
+from kvtierd.store.kept import MAX_IMAGE_BYTES, Handed, decode_image, match_regions
+
+__all__ = ["IMAGE_NAME", "MAX_STORED", "PREFIX", "FdStore", "region_name"]
+
+log = logging.getLogger("kvtierd")
+
+#: Every name kvtierd stores starts so (what :mod:`kvtierd.server.activation` claims).
+PREFIX = "kvtierd-dram-"
+IMAGE_NAME = PREFIX + "image"
+_REGION = re.compile(re.escape(PREFIX) + r"region-([0-9]{1,3})")
+#: What one stop stores at most: a region per tenant, the default region, the image
+#: (``FileDescriptorStoreMax=`` in kvtierd.service is this).
+MAX_STORED = MAX_TENANTS + 2
+#: How long a stop waits for systemd to have taken the descriptors in.
+BARRIER_TIMEOUT_S = 5.0
+_IMAGE_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def region_name(region_id: int) -> str:
+    return f"{PREFIX}region-{region_id}"
+
+
+class FdStore:
+    """The DRAM's keeper under systemd: ``passed`` are the descriptors this start was handed
+    (name -> descriptor, this process's to close), ``environ`` has ``$NOTIFY_SOCKET`` and, on
+    systemd 254 and later, ``$FDSTORE`` (the unit's ``FileDescriptorStoreMax=``)."""
+
+    def __init__(
+        self, passed: Mapping[str, int], environ: Mapping[str, str], *, enabled: bool = True
+    ) -> None:
+        """``enabled``: ``dram.keep_across_restarts``; without it what was handed is closed
+        and removed, and nothing is kept."""
+        self._passed = dict(passed)
+        self.enabled = enabled
+        self.address = notify_address(environ)
+        limit = environ.get("FDSTORE", "")
+        self.limit = int(limit) if limit.isdigit() else None
+
+    # -- a start ----------------------------------------------------------------------------
+
+    def handed(self) -> Handed | None:
+        if not self.enabled:
+            return None
+        image_fd = self._passed.get(IMAGE_NAME)
+        regions = {
+            int(m.group(1)): fd
+            for name, fd in self._passed.items()
+            if (m := _REGION.fullmatch(name)) is not None
+        }
+        if image_fd is None:
+            if regions:
+                log.info(
+                    "systemd handed back %d DRAM region(s) without their image (the last "
+                    "stop was not clean): the DRAM starts empty",
+                    len(regions),
+                )
+            return None
+        try:
+            image = decode_image(_read_sealed(image_fd))
+        except (OSError, ValueError) as exc:
+            log.warning("the DRAM image systemd handed back is not usable (%s): the DRAM "
+                        "starts empty", exc)  # fmt: skip
+            return None
+        return Handed(image, match_regions(image, regions))
+
+    def settle(self, taken: Iterable[int]) -> None:
+        kept = set(taken)
+        for name, fd in self._passed.items():
+            if fd not in kept:
+                os.close(fd)
+            self._send(f"FDSTOREREMOVE=1\nFDNAME={name}")
+        self._passed.clear()
+
+    # -- a stop -----------------------------------------------------------------------------
+
+    def keep(self, regions: Sequence[tuple[int, int]], image: bytes) -> bool:
+        if self.address is None or not self.enabled:
+            return False
+        if self.limit is not None and self.limit < len(regions) + 1:
+            log.warning(
+                "the DRAM is not kept across the restart: it needs %d descriptors in systemd's "
+                "store and FileDescriptorStoreMax= allows %d",
+                len(regions) + 1,
+                self.limit,
+            )
+            return False
+        image_fd = _sealed_memfd(IMAGE_NAME, image)
+        try:
+            for region_id, fd in regions:  # the image last: present only with every region
+                if not self._send_fd(f"FDSTORE=1\nFDNAME={region_name(region_id)}", fd):
+                    return False
+            if not self._send_fd(f"FDSTORE=1\nFDNAME={IMAGE_NAME}", image_fd):
+                return False
+        finally:
+            os.close(image_fd)
+        if not self._barrier():
+            log.warning("systemd did not confirm it took the DRAM in %.0f s", BARRIER_TIMEOUT_S)
+            return False
+        log.debug("DRAM image of %s handed to systemd", format_size(len(image), binary=True))
+        return True
+
+    # -- the protocol -----------------------------------------------------------------------
+
+    def _send(self, message: str, fds: Sequence[int] = ()) -> bool:
+        if self.address is None:
+            return False
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+                sock.connect(self.address)
+                socket.send_fds(sock, [message.encode()], list(fds))
+        except OSError as exc:
+            log.warning("cannot send %s to systemd: %s", message.split("\n")[0], exc)
+            return False
+        return True
+
+    def _send_fd(self, message: str, fd: int) -> bool:
+        return self._send(message, [fd])
+
+    def _barrier(self) -> bool:
+        """``BARRIER=1``: systemd closes the descriptor sent with it once it has handled every
+        message before it (systemd 246 on; an older one closes it at once, unread)."""
+        read, write = os.pipe2(os.O_CLOEXEC)
+        try:
+            sent = self._send("BARRIER=1", [write])
+            os.close(write)
+            write = -1
+            if not sent:
+                return False
+            poller = select.poll()
+            poller.register(read, select.POLLHUP | select.POLLIN)
+            return bool(poller.poll(BARRIER_TIMEOUT_S * 1000))
+        finally:
+            os.close(read)
+            if write >= 0:
+                os.close(write)
+
+
+def _sealed_memfd(name: str, data: bytes) -> int:
+    """A memory file holding ``data``, sealed against any change."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _IMAGE_SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_sealed(fd: int) -> bytes:
+    """The bytes of a memory file that nobody can change any more."""
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if seals & _IMAGE_SEALS != _IMAGE_SEALS:
+        raise ValueError("the image is not sealed against writes")
+    size = os.fstat(fd).st_size
+    if size > MAX_IMAGE_BYTES:
+        raise ValueError(f"the image holds {size} bytes, more than {MAX_IMAGE_BYTES}")
+    data = bytearray()
+    while len(data) < size:
+        chunk = os.pread(fd, min(size - len(data), 64 << 20), len(data))
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)

@@ -1,0 +1,213 @@
+"""DRAM kept across a restart: what a stopping daemon leaves of its arena, and how the next one
+takes it back, verified.
+
+Theory of operation. A tenant region is a sealed memory file (:mod:`kvtierd.store.arena`), so
+its pages outlive the process that made them for as long as someone holds the descriptor. On
+the way out, once write-back has drained and nothing changes the index any more, the store
+describes what its regions hold in a :class:`DramImage`: each region (tenant, size, and the
+memory file's inode, which binds the image to those exact files) and each committed block in
+DRAM (namespace, key, checksum, sequence number, place in its region). Someone else keeps the
+descriptors and the image while no daemon runs: under systemd, its file-descriptor store
+(:mod:`kvtierd.server.fdstore`, behind the :class:`DramKeeper` port).
+
+The next start is handed them back. A region is taken again only for the same tenant at the
+same size (a tenant's bytes never become another's), then every block of the image is checked
+before it is indexed: its namespace known and in that region, its slot inside the region and
+apart from every other, and its bytes hashed against the checksum they were committed with.
+The region is shared with its tenant's clients, who may have written into it while no daemon
+ran: a block that fails is not adopted (its slot is free again, and an NVMe copy, if any,
+serves it). What was adopted is then as if promoted: in DRAM, known to the DRAM policy, written
+back first where it had not reached the disk.
+
+Only a clean stop leaves an image: a start takes it and the descriptors out of the keeper at
+once (:meth:`DramKeeper.settle`), so after a crash nothing is handed back and the DRAM starts
+empty, as before. Pure apart from reading the arena; the keeper does the I/O.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from kvtierd.store.records import checksum
+
+__all__ = [
+    "IMAGE_VERSION",
+    "MAX_IMAGE_BYTES",
+    "DramImage",
+    "DramKeeper",
+    "Handed",
+    "HandedRegion",
+    "KeptBlock",
+    "KeptRegion",
+    "decode_image",
+    "encode_image",
+    "match_regions",
+    "verify_blocks",
+]
+
+log = logging.getLogger("kvtierd.store")
+
+IMAGE_VERSION = 1
+#: An image larger than this is refused unread: about 70 bytes a block, so 15 million blocks.
+MAX_IMAGE_BYTES = 1 << 30
+#: The seals every region carries (:mod:`kvtierd.store.arena`).
+REGION_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: Hashing stops to report progress after this many bytes.
+_VERIFY_CHUNK_BYTES = 1 << 30
+
+
+class KeptRegion(msgspec.Struct, frozen=True, array_like=True):
+    """One region as it was left: ``id`` as the stopping daemon numbered it; ``inode`` and
+    ``device`` those of its memory file (``fstat``), which only that file has."""
+
+    id: int
+    tenant: str | None
+    size_bytes: int
+    hugepages: bool
+    inode: int
+    device: int
+    #: How many restarts these bytes have lived through (for the logs).
+    restarts: int = 0
+
+
+class KeptBlock(msgspec.Struct, frozen=True, array_like=True):
+    """One committed block in DRAM: ``slot_bytes`` at ``offset`` from the start of region
+    ``region``; its first ``raw_bytes`` hash to ``checksum``."""
+
+    region: int
+    offset: int
+    slot_bytes: int
+    ns_digest: bytes
+    key: bytes
+    raw_bytes: int
+    checksum: int
+    seq: int
+    compress: bool
+    #: Not yet on the local lower tier when the image was taken.
+    dirty: bool
+
+
+class DramImage(msgspec.Struct, frozen=True):
+    version: int
+    written_at: float
+    pid: int
+    regions: list[KeptRegion]
+    blocks: list[KeptBlock]
+
+
+def encode_image(image: DramImage) -> bytes:
+    return msgspec.msgpack.encode(image)
+
+
+def decode_image(data: bytes | memoryview) -> DramImage:
+    """Raises ``ValueError`` for anything but an image of this version."""
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"{len(data)} bytes is more than an image may be")
+    try:
+        image = msgspec.msgpack.decode(data, type=DramImage)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not a DRAM image: {exc}") from None
+    if image.version != IMAGE_VERSION:
+        raise ValueError(f"an image of version {image.version}, not {IMAGE_VERSION}")
+    return image
+
+
+@dataclass(frozen=True, slots=True)
+class HandedRegion:
+    """A region's memory file handed back (``fd``, now this process's), as the image says."""
+
+    fd: int
+    kept: KeptRegion
+
+
+@dataclass(frozen=True, slots=True)
+class Handed:
+    """What the last daemon left: its image, and the regions whose files were handed back and
+    are what the image says they are, by ``(tenant, size)``."""
+
+    image: DramImage
+    regions: Mapping[tuple[str | None, int], HandedRegion]
+
+
+class DramKeeper(Protocol):
+    """Who keeps the regions and the image while no daemon runs (systemd's fd store)."""
+
+    def handed(self) -> Handed | None:
+        """What the last clean stop left, checked; ``None`` when nothing (or nothing usable)."""
+
+    def settle(self, taken: Iterable[int]) -> None:
+        """The arena holds the descriptors ``taken`` now: close every other one handed, and
+        take everything out of the keeper (a crash from now on must not hand it back)."""
+
+    def keep(self, regions: Sequence[tuple[int, int]], image: bytes) -> bool:
+        """Keep the regions ``(id, descriptor)`` and ``image`` for the next start; whether the
+        keeper took them."""
+
+
+def match_regions(
+    image: DramImage, descriptors: Mapping[int, int]
+) -> dict[tuple[str | None, int], HandedRegion]:
+    """The regions of ``image`` whose memory file is among ``descriptors`` (old region id ->
+    fd) and is the very file the image describes: a regular memory file of that size and
+    inode, sealed as regions are. Anything else is left out, with a warning."""
+    out: dict[tuple[str | None, int], HandedRegion] = {}
+    for kept in image.regions:
+        fd = descriptors.get(kept.id)
+        if fd is None:
+            log.warning("kept DRAM: region %d (%s) was not handed back", kept.id, kept.tenant)
+            continue
+        problem = _region_problem(fd, kept)
+        if problem is not None:
+            log.warning("kept DRAM: region %d (%s) not taken: %s", kept.id, kept.tenant, problem)
+            continue
+        out[(kept.tenant, kept.size_bytes)] = HandedRegion(fd, kept)
+    return out
+
+
+def _region_problem(fd: int, kept: KeptRegion) -> str | None:
+    try:
+        info = os.fstat(fd)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        return f"descriptor {fd}: {exc.strerror}"
+    if not stat.S_ISREG(info.st_mode):
+        return "not a memory file"
+    if (info.st_ino, info.st_dev) != (kept.inode, kept.device):
+        return "another memory file than the one the image describes"
+    if info.st_size != kept.size_bytes:
+        return f"{info.st_size} bytes, not {kept.size_bytes}"
+    if seals & REGION_SEALS != REGION_SEALS:
+        return "not sealed against resizing"
+    return None
+
+
+def verify_blocks(
+    view: memoryview,
+    spans: Sequence[tuple[int, int, int]],
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> list[bool]:
+    """For each ``(offset, length, checksum)``: whether ``view[offset:offset + length]``
+    hashes to ``checksum``. Each byte is read once (by the hash); ``progress(done, total)``
+    in bytes about every GiB. Run it in a worker thread: it takes about a second per 20 GiB."""
+    total = sum(length for _, length, _ in spans)
+    done = reported = 0
+    ok = []
+    started = time.monotonic()
+    for offset, length, expected in spans:
+        ok.append(checksum(view[offset : offset + length]) == expected)
+        done += length
+        if done - reported >= _VERIFY_CHUNK_BYTES:
+            progress(done, total)
+            reported = done
+    progress(total, total)
+    log.debug("kept DRAM: %d blocks verified in %.2f s", len(spans), time.monotonic() - started)
+    return ok
