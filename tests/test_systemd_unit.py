@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from kvtierd.config import Config, default_data_dir, default_socket_path, load_config
+from kvtierd.server.fdstore import MAX_STORED
 from kvtierd.testing import free_port, wait_until_serving
 from tests.support.systemd_root import give_systemd
 
@@ -243,6 +244,8 @@ def test_unit_matches_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
         _unit_values("SystemCallFilter")[0].split()
     )
     assert _unit_value("SystemCallErrorNumber") == "EPERM"
+    # Room in the file-descriptor store for every region and the DRAM image.
+    assert int(_unit_value("FileDescriptorStoreMax")) >= MAX_STORED
 
 
 def _seconds(value: str) -> float:

@@ -145,8 +145,9 @@ class DramKeeper(Protocol):
         """What the last clean stop left, checked; ``None`` when nothing (or nothing usable)."""
 
     def settle(self, taken: Iterable[int]) -> None:
-        """The arena holds the descriptors ``taken`` now: close every other one handed, and
-        take everything out of the keeper (a crash from now on must not hand it back)."""
+        """The caller owns the descriptors ``taken`` now (the regions its arena will map):
+        close every other one handed, and take everything out of the keeper (a crash from now
+        on must not hand it back)."""
 
     def keep(self, regions: Sequence[tuple[int, int]], image: bytes) -> bool:
         """Keep the regions ``(id, descriptor)`` and ``image`` for the next start; whether the

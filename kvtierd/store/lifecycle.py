@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -258,6 +259,24 @@ class DramKeeping:
             )
 
 
+def _take_handed(config: Config, keeper: DramKeeper | None) -> Handed | None:
+    """What ``keeper`` hands this start, reduced to the regions this configuration has (same
+    tenant, same size), now this process's; everything else is closed before the arena is
+    made (a region of another size would otherwise hold its memory beside the new one), and
+    nothing is left in the keeper (after a crash from here on, nothing is handed)."""
+    if keeper is None:
+        return None
+    handed = keeper.handed()
+    wanted = set(config.dram_regions())  # whole 2 MiB pages, as the arena maps them
+    regions = {
+        shape: region
+        for shape, region in (handed.regions.items() if handed is not None else ())
+        if shape in wanted
+    }
+    keeper.settle(region.fd for region in regions.values())
+    return Handed(handed.image, regions) if handed is not None else None
+
+
 @dataclass(frozen=True, slots=True)
 class StoreBase:
     """What a store is built on and what others may need before it opens: the I/O backend, the
@@ -297,13 +316,15 @@ async def open_store_base(
                 config.nvme.io_backend, queue_depth=config.nvme.queue_depth, verdict=io_verdict
             )
         )
-        handed = keeper.handed() if keeper is not None else None
+        handed = _take_handed(config, keeper)
         made: Arena | None = None
         try:
             made = arena = await _create_arena(config, progress, backend, handed)
-        finally:
-            if keeper is not None:  # at once: after a crash from here on, nothing is handed
-                keeper.settle(made.taken() if made is not None else [])
+        finally:  # what the arena did not take is closed (its memory freed) now
+            taken = set(made.taken() if made is not None else ())
+            for region in handed.regions.values() if handed is not None else ():
+                if region.fd not in taken:
+                    os.close(region.fd)
         keeping = DramKeeping(keeper, handed.image if handed is not None else None)
         # after all that uses it, before the backend (whose pins keep the pages it may still
         # be reading into); whole where its regions were handed on
@@ -446,6 +467,13 @@ async def _open_store_on(
 
 
 def _log_kept(outcome: KeptOutcome) -> None:
+    if not outcome.adopted and not outcome.damaged:
+        log.info(
+            "DRAM kept across the restart: none of its %d blocks taken (the regions' tenants "
+            "or sizes, or the namespaces, are not what they were): the DRAM starts empty",
+            outcome.refused,
+        )
+        return
     log.info(
         "DRAM kept across the restart: %d blocks (%s) verified and adopted in %.2f s",
         outcome.adopted,
