@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 __all__ = ["ServiceManager"]
@@ -30,6 +31,8 @@ class ServiceManager:
         self.fdstore_max = fdstore_max
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self._sock.bind(str(self.path))
+        self._sock.settimeout(0.1)  # so that the thread sees close() soon
+        self._closed = threading.Event()
         self._lock = threading.Lock()
         self._stored: list[tuple[str, int]] = []
         #: Every message received, as text, in order.
@@ -53,9 +56,18 @@ class ServiceManager:
     def names(self) -> list[str]:
         return [name for name, _ in self.stored()]
 
+    def names_after(self, count: int, timeout_s: float = 5.0) -> list[str]:
+        """:meth:`names` once ``count`` messages have arrived in all (systemd handles them as
+        they come: a test asks once the sender's have)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.messages) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.names()
+
     def close(self) -> None:
-        self._sock.close()  # ends the thread's recv
+        self._closed.set()
         self._thread.join(5)
+        self._sock.close()
         with self._lock:
             for _, fd in self._stored:
                 os.close(fd)
@@ -68,9 +80,11 @@ class ServiceManager:
         self.close()
 
     def _receive(self) -> None:
-        while True:
+        while not self._closed.is_set():
             try:
                 data, fds, _, _ = socket.recv_fds(self._sock, 65536, _MAX_FDS)
+            except TimeoutError:
+                continue
             except OSError:
                 return
             self._handle(data.decode(errors="replace"), fds)
