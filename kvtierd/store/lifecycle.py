@@ -475,7 +475,7 @@ def _log_kept(outcome: KeptOutcome) -> None:
         )
         return
     log.info(
-        "DRAM kept across the restart: %d blocks (%s) verified and adopted in %.2f s",
+        "DRAM kept across the restart: %d blocks (%s) verified and adopted in %.3f s",
         outcome.adopted,
         format_size(outcome.adopted_bytes, binary=True),
         outcome.seconds,

@@ -11,13 +11,16 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvtierd.client import Reconnect, connect
+from kvtierd.client import DaemonNotRunningError, Reconnect, StartingError, connect
 from kvtierd.keys import chain_keys
 from kvtierd.server.fdstore import IMAGE_NAME, region_name
 from kvtierd.store.kept import decode_image
@@ -265,3 +268,46 @@ def test_an_engine_connected_across_a_restart_sees_no_failed_request_and_dram_af
     finally:
         daemon.kill()
         listening.close()
+
+
+def test_the_real_systemd_keeps_the_dram_across_systemctl_restart(tmp_path: Path) -> None:
+    """Where systemd is PID 1: a transient unit with the fd store, `systemctl restart`, the
+    blocks served from DRAM by the new daemon."""
+    if not Path("/run/systemd/system").is_dir() or os.geteuid() != 0:
+        pytest.skip("needs systemd as PID 1 and root (this machine's PID 1 is not systemd)")
+    unit = f"kvtierd-kept-{os.getpid()}"
+    directory = tmp_path / "d"
+    daemon = DaemonProcess(directory)  # for its paths and arguments; systemd runs it
+    command = [
+        "systemd-run",
+        f"--unit={unit}",
+        "--property=Type=notify",
+        "--property=NotifyAccess=main",
+        "--property=FileDescriptorStoreMax=66",
+        f"--setenv=PYTHONPATH={Path(__file__).parents[2]}",
+        sys.executable,
+        "-m",
+        "kvtierd",
+        *daemon.args,
+    ]
+    subprocess.run(command, check=True, capture_output=True, timeout=60)
+    try:
+        wait_for_socket(daemon.socket)
+        keys = _put(daemon)
+        subprocess.run(["systemctl", "restart", unit], check=True, timeout=120)
+        wait_for_socket(daemon.socket)
+        assert _tiers(daemon, keys) == ["dram"] * COUNT
+        assert _read(daemon, keys) == [pattern(b"kept", k) for k in keys]
+    finally:
+        subprocess.run(["systemctl", "stop", unit], check=False, timeout=120)
+
+
+def wait_for_socket(path: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with connect(path, timeout_s=5):
+                return
+        except (DaemonNotRunningError, StartingError, ConnectionError):
+            time.sleep(0.1)
+    raise AssertionError(f"no daemon served {path} within {timeout_s} s")
