@@ -144,7 +144,8 @@ def test_the_disk_evicts_by_clock_by_default_and_only_the_disk_can(tmp_path: Pat
         (
             "[dram]\ncolour = 'red'\n",
             "dram.colour: unknown key "
-            "(known keys: size, hugepages, mlock, prefault, policy, prefetch_bytes_per_s)",
+            "(known keys: size, hugepages, mlock, prefault, policy, prefetch_bytes_per_s, "
+            "keep_across_restarts)",
         ),
         ("[pol]\nurl = ''\n", "pol: unknown section [pol] (did you mean [pool]?)"),
         ("pol = 5\n", 'pol: unknown key (did you mean "pool"?)'),

@@ -25,13 +25,12 @@ import logging
 import os
 import re
 import select
-import socket
 from collections.abc import Iterable, Mapping, Sequence
 
 from humanfriendly import format_size
 
 from kvtierd.config import MAX_TENANTS
-from kvtierd.server.notify import notify_address
+from kvtierd.server.notify import Notifier
 from kvtierd.store.kept import MAX_IMAGE_BYTES, Handed, decode_image, match_regions
 
 __all__ = ["IMAGE_NAME", "MAX_STORED", "PREFIX", "FdStore", "region_name"]
@@ -66,7 +65,8 @@ class FdStore:
         and removed, and nothing is kept."""
         self._passed = dict(passed)
         self.enabled = enabled
-        self.address = notify_address(environ)
+        self._notifier = Notifier(environ)
+        self.address = self._notifier.address
         limit = environ.get("FDSTORE", "")
         self.limit = int(limit) if limit.isdigit() else None
 
@@ -136,16 +136,7 @@ class FdStore:
     # -- the protocol -----------------------------------------------------------------------
 
     def _send(self, message: str, fds: Sequence[int] = ()) -> bool:
-        if self.address is None:
-            return False
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-                sock.connect(self.address)
-                socket.send_fds(sock, [message.encode()], list(fds))
-        except OSError as exc:
-            log.warning("cannot send %s to systemd: %s", message.split("\n")[0], exc)
-            return False
-        return True
+        return self._notifier.send(message, fds)
 
     def _send_fd(self, message: str, fd: int) -> bool:
         return self._send(message, [fd])

@@ -1,4 +1,6 @@
-"""systemd notification: READY, STATUS, EXTEND_TIMEOUT_USEC, STOPPING and the watchdog.
+"""systemd notification: READY, STATUS, EXTEND_TIMEOUT_USEC, STOPPING and the watchdog (and the
+datagrams of the file-descriptor store, :mod:`kvtierd.server.fdstore`, which carry
+descriptors).
 
 The sd_notify protocol is one datagram of ``KEY=value`` lines to the ``AF_UNIX`` socket named by
 ``$NOTIFY_SOCKET`` (a leading ``@`` names an abstract socket); without that variable the daemon
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import anyio
 
@@ -46,15 +48,16 @@ class Notifier:
         self.watchdog_s = int(usec) / 1e6 if usec.isdigit() and mine else 0.0
         self._failing: set[str] = set()
 
-    def send(self, message: str) -> bool:
-        """Send one datagram; whether it was delivered (``False`` without ``$NOTIFY_SOCKET``)."""
+    def send(self, message: str, fds: Sequence[int] = ()) -> bool:
+        """Send one datagram, with ``fds`` as ``SCM_RIGHTS``; whether it was delivered
+        (``False`` without ``$NOTIFY_SOCKET``)."""
         if self.address is None:
             return False
         kind = message.split("=", 1)[0]
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
                 sock.connect(self.address)
-                sock.sendall(message.encode())
+                socket.send_fds(sock, [message.encode()], list(fds))
         except OSError as exc:
             if kind == "READY":
                 log.error("cannot tell systemd READY=1 (NOTIFY_SOCKET %r): %s", self.address, exc)
