@@ -98,6 +98,7 @@ class PoolTier(LowerTier):
             (
                 "hits",
                 "misses",
+                "miss_bytes",
                 "corrupt",
                 "bytes_read",
                 "bytes_written",
@@ -213,6 +214,7 @@ class PoolTier(LowerTier):
             self._read_slots.release()
         if reply is None:
             self._counters["misses"] += 1
+            self._counters["miss_bytes"] += ref.raw_bytes
             raise BlockNotFoundError("block is no longer in the pool")
         value = as_bytes(reply)
         try:
@@ -256,6 +258,7 @@ class PoolTier(LowerTier):
             0,
             c["bytes_read"],
             c["bytes_written"],
+            c["miss_bytes"],
         )
 
     # -- what the link tells the tier ---------------------------------------------------------

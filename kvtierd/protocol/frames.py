@@ -47,7 +47,7 @@ PROTOCOL_VERSION = 1
 #: counters; minor 8: the NIXL_GRANT and READ_NIXL opcodes; minor 9: STATFS's checkpoint
 #: fields; minor 10: ``LookupRequest.each``; minor 11: STATFS's tenants; minor 12: the CONFIG
 #: opcode).
-PROTOCOL_MINOR = 12
+PROTOCOL_MINOR = 13
 #: The oldest client minor a daemon serves: older clients expect the whole arena at INIT.
 MIN_CLIENT_MINOR = 6
 HEADER_BYTES = 32

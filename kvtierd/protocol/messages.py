@@ -426,6 +426,8 @@ class TierStatistics(Message, frozen=True):
     evictions: int
     bytes_read: int
     bytes_written: int
+    #: (minor 13) Bytes of the blocks counted in ``misses``.
+    miss_bytes: int = 0
 
 
 class TenantStatistics(Message, frozen=True):
@@ -627,6 +629,7 @@ OPCODE_OF: Final[dict[type[Message], Opcode]] = {
 #: minor is sent the struct without them.
 APPENDED: Final[dict[type[Message], tuple[tuple[int, int], ...]]] = {
     NamespaceInfo: ((7, 9),),
+    TierStatistics: ((13, 9),),  # miss_bytes
     StatfsReply: (
         (9, 22),  # the disk tier's checkpoints
         (11, 27),  # the tenants

@@ -146,6 +146,13 @@ _TIER = (
         f"NVMe/pool: absent, unreadable or failing their checksum), {_SINCE_START}.",
     ),
     (
+        "miss_bytes",
+        "kvtierd_tier_miss_bytes",
+        "counter",
+        "Bytes of the blocks counted in kvtierd_tier_misses (DRAM: what had to come from below "
+        f"or was missing), {_SINCE_START}.",
+    ),
+    (
         "evictions",
         "kvtierd_tier_evictions",
         "counter",

@@ -41,6 +41,9 @@ class TrafficCounts:
     bytes_committed: int = 0
     #: Blocks dropped because their tenant changed them after COMMIT.
     corrupt_writebacks: int = 0
+    #: Bytes of the blocks counted in ``lower_hits``, ``pool_hits`` and ``misses``: what DRAM
+    #: did not have when it was asked.
+    miss_bytes: int = 0
 
     @classmethod
     def of(cls, counters: Mapping[str, int]) -> Self:
@@ -87,6 +90,8 @@ class TierFigures:
     evictions: int
     bytes_read: int
     bytes_written: int
+    #: Bytes of the blocks counted in ``misses``.
+    miss_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

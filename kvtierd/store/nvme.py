@@ -164,7 +164,13 @@ class NvmeTier(LowerTier):
         #: block, where a ``RecordHeader`` in a dict keyed by ``DiskSlot`` cost about 300.
         self._cold = ColdIndex()
         self._carving = anyio.Lock()
-        self._counters = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0}
+        self._counters = {
+            "hits": 0,
+            "misses": 0,
+            "miss_bytes": 0,
+            "bytes_read": 0,
+            "bytes_written": 0,
+        }
         #: Blocks whose read into a tenant's region did not match while the record did
         #: (:meth:`_read_privately`).
         self._slot_disagreed = 0
@@ -394,7 +400,7 @@ class NvmeTier(LowerTier):
                 return None
             except StorageIOError as exc:
                 if attempt == attempts:
-                    self._counters["misses"] += len(buffers) // 2
+                    self._missed(len(buffers) // 2, sum(len(b) for b in buffers[1::2]))
                     log.error(
                         "cannot read the blocks at offset %d of %s: %s", offset, self.path, exc
                     )
@@ -410,7 +416,7 @@ class NvmeTier(LowerTier):
             raise BlockNotFoundError("the disk slot no longer holds this block")
         padded = -(-header.stored_bytes // PAGE_BYTES) * PAGE_BYTES
         if slot.offset + PAGE_BYTES + padded > self._segmap.file_bytes:
-            self._counters["misses"] += 1
+            self._missed(1, ref.raw_bytes)
             log.error("a block's place, offset %d, lies outside %s", slot.offset, self.path)
             raise BlockNotFoundError("the block's disk slot lies outside the data file")
         return header, padded
@@ -462,7 +468,7 @@ class NvmeTier(LowerTier):
         """Count a hit when the payload read from ``slot`` hashed to ``value`` matches ``ref``;
         else count a miss and raise :class:`BlockNotFoundError` (torn or corrupt)."""
         if value != ref.checksum:
-            self._counters["misses"] += 1
+            self._missed(1, ref.raw_bytes)
             log.error(
                 "torn or corrupt block at offset %d of %s: checksum mismatch",
                 slot.offset,
@@ -485,7 +491,7 @@ class NvmeTier(LowerTier):
                 return
             except StorageIOError as exc:
                 if attempt == 2:
-                    self._counters["misses"] += 1
+                    self._missed(1, header.raw_bytes)
                     log.error(
                         "cannot read the block at offset %d of %s: %s", slot.offset, self.path, exc
                     )
@@ -593,9 +599,14 @@ class NvmeTier(LowerTier):
             0,
             c["bytes_read"],
             c["bytes_written"],
+            c["miss_bytes"],
         )
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _missed(self, blocks: int, nbytes: int) -> None:
+        self._counters["misses"] += blocks
+        self._counters["miss_bytes"] += nbytes
 
     def _slot(self, location: Hashable) -> DiskSlot:
         if not isinstance(location, DiskSlot):

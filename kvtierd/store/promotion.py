@@ -177,6 +177,7 @@ class Promotions:
 
     def _count_loaded(self, ns: Namespace, n: int, shared: bool) -> None:
         self._r.count(ns, "pool_hits" if shared else "lower_hits", n)
+        self._r.count(ns, "miss_bytes", n * ns.spec.block_bytes)
         self._r.count(ns, "promotions", n)
 
     async def make_all_resident(self, blocks: list[tuple[Block, AccessContext]]) -> None:

@@ -160,6 +160,7 @@ def _dram_figures(
         capacity_bytes=sum(r.allocator.capacity for r in regions),
         hits=counts.dram_hits,
         misses=counts.lower_hits + counts.misses,
+        miss_bytes=counts.miss_bytes,
         evictions=counts.dram_evictions,
         bytes_read=counts.bytes_read,
         bytes_written=counts.bytes_committed,

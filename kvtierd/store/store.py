@@ -395,6 +395,7 @@ class BlockStore:
                     block = self.index.get(ns, key)
                     if block is None:
                         self.residency.count(ns, "misses")
+                        self.residency.count(ns, "miss_bytes", ns.spec.block_bytes)
                         raise BlockNotFoundError(f"block {key.hex()} is not stored")
                     block.pins += 1
                     blocks.append(block)

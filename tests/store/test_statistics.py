@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtierd.config import load_config
+from kvtierd.errors import BlockNotFoundError
 from kvtierd.store.counts import StoreCounts, TrafficCounts
 from kvtierd.store.index import Owner
 from kvtierd.store.lifecycle import open_store
@@ -77,3 +78,37 @@ dram_size = "4M"
         assert own.bytes_written == 2 * BLOCK
         assert type(alpha.counts) is TrafficCounts
         assert alpha.checkpoints is None
+
+
+async def test_miss_bytes_count_what_dram_did_not_have(tmp_path: Path) -> None:
+    """Each tier's miss bytes (minor 13): DRAM's are the bytes of the blocks read from below
+    or not found, never those it served."""
+    config = load_config(
+        None,
+        {
+            "daemon": {"data_dir": str(tmp_path)},
+            "dram": {"size": "16M", "mlock": "never", "hugepages": "never"},
+            "nvme": {"size": "64M", "segment_bytes": "4M"},
+        },
+    )
+    async with open_store(config) as store:
+        ns, _ = store.registry.open(NamespaceSpec("m", "default", BLOCK, None, 0, 1), ROOT)
+        keys = [key_of(i) for i in range(3)]
+        owner = Owner()
+        write = await store.alloc(owner, ns, keys)
+        for key, slot in zip(keys, write.slots, strict=True):
+            assert slot is not None
+            store.arena.view[slot.offset : slot.offset + BLOCK] = content(key, BLOCK)
+        await store.commit(owner, write.id, [checksum(content(k, BLOCK)) for k in keys], False)
+        store.release(owner, [(await store.read(owner, ns, keys)).id])  # all in DRAM
+        dram = store.statistics().tier("dram")
+        assert dram is not None
+        assert (dram.misses, dram.miss_bytes) == (0, 0)
+        await store.fsync()
+        assert await store.evict_dram(ns) == 3
+        store.release(owner, [(await store.read(owner, ns, keys[:2])).id])  # from NVMe
+        with pytest.raises(BlockNotFoundError):
+            await store.read(owner, ns, [key_of(99)])
+        dram = store.statistics().tier("dram")
+        assert dram is not None
+        assert (dram.misses, dram.miss_bytes) == (3, 3 * BLOCK)
