@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import os
 import re
+import shlex
 import sys
 import threading
 import traceback
@@ -69,7 +70,7 @@ def _attribute(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtierd", description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, help="TOML configuration file")
     for (section, field), (flag, text) in FLAGS.items():
@@ -91,6 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "or UNIT_FILE, with its drop-ins; run as root, the checks run as the unit's user",
     )
     parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.as_unit is not None and not args.check:
         parser.error("--as-unit goes with --check")
@@ -150,11 +156,11 @@ def check(args: argparse.Namespace) -> int:
     """``kvtierd --check``: print every check, one line each; the exit status of a start. With
     ``--as-unit`` the ``unit`` line comes first (:func:`adopt_unit`), alone when the unit
     cannot be adopted."""
-    source = str(args.config) if args.config else "the embedded defaults"
     unit, checks = None, []
     if args.as_unit is not None:
-        unit, adopted = adopt_unit(args)
+        unit, adopted = adopt_unit(args)  # with the arguments the unit's ExecStart= gives
         checks.append(adopted)
+    source = str(args.config) if args.config else "the embedded defaults"
     judged = unit is not None or args.as_unit is None
     if judged:
         checks += _checks(args, source, unit)
@@ -250,6 +256,10 @@ def adopt_unit(args: argparse.Namespace) -> tuple[ServiceUnit | None, HostCheck]
     except (OSError, ValueError) as exc:
         why = f"cannot read the unit: {exc}"
         return None, HostCheck("unit", CheckStatus.FAIL, why, Fault.ENVIRONMENT)
+    try:
+        overridden = _take_unit_arguments(args, unit)
+    except ValueError as exc:
+        return None, HostCheck("unit", CheckStatus.FAIL, str(exc), Fault.CONFIGURATION)
     for attribute in ("config", "socket", "data_dir"):
         if (value := getattr(args, attribute)) is not None:
             setattr(args, attribute, type(value)(os.path.abspath(value)))
@@ -268,7 +278,29 @@ def adopt_unit(args: argparse.Namespace) -> tuple[ServiceUnit | None, HostCheck]
             os.environ[variable] = ":".join(str(d) for d in directories)
     if (problem := unit.program_problem()) is not None:
         return unit, HostCheck("unit", CheckStatus.FAIL, problem, Fault.ENVIRONMENT)
-    return unit, HostCheck("unit", CheckStatus.OK, unit.describe())
+    note = f" (judged with ExecStart='s {'; '.join(overridden)})" if overridden else ""
+    return unit, HostCheck("unit", CheckStatus.OK, unit.describe() + note)
+
+
+def _take_unit_arguments(args: argparse.Namespace, unit: ServiceUnit) -> list[str]:
+    """Make ``args`` what the unit's ``ExecStart=`` gives the daemon (``--config`` and every
+    flag it sets), as the start will have them; what differed from the flags given to
+    ``--check``, one phrase each. Raises ``ValueError`` for words kvtierd would refuse."""
+    given, unknown = _parser().parse_known_args(list(unit.arguments))
+    if unknown or given.check or given.as_unit is not None:
+        words = shlex.join(unknown or ["--check"])
+        raise ValueError(f"ExecStart= gives kvtierd arguments it does not start with: {words}")
+    overridden = []
+    for attribute in ("config", *(_attribute(flag) for flag, _ in FLAGS.values())):
+        value = getattr(given, attribute)
+        if value is None:
+            continue
+        flag = "--" + attribute.replace("_", "-")
+        before = getattr(args, attribute)
+        if before is not None and str(before) != str(value):
+            overridden.append(f"{flag} {value}, not {before} as given to --check")
+        setattr(args, attribute, value)
+    return overridden
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ import errno
 import grp
 import os
 import pwd
+import shlex
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,8 @@ class ServiceUnit:
     private_tmp: bool
     read_write_paths: tuple[Path, ...]
     ambient_capabilities: frozenset[str]
+    #: The words ``ExecStart=`` gives the program (``--config /etc/kvtierd/kvtierd.toml``).
+    arguments: tuple[str, ...] = ()
 
     def provides(self, path: Path) -> str | None:
         """The setting that gives ``path`` (a directory, or a file in one) to the unit's user
@@ -150,7 +153,7 @@ class ServiceUnit:
         soft, hard = (str(n) if n < UNLIMITED else "infinity" for n in self.nofile)
         parts = [
             f"as {self.user}" + (f":{self.group}" if self.group else ""),
-            f"ExecStart={self.program}",
+            f"ExecStart={shlex.join([self.program, *self.arguments])}",
             *([" and ".join(made) + " made at start"] if made else []),
             f"LimitMEMLOCK={memlock}",
             f"LimitNOFILE={soft if soft == hard else f'{soft}:{hard}'}",
@@ -205,7 +208,10 @@ def parse_unit(texts: Sequence[str], *, files: Iterable[Path] = ()) -> ServiceUn
     def words(key: str) -> list[str]:
         return [w for value in settings.get(key, []) for w in value.split()]
 
-    exec_start = last("ExecStart").lstrip("@-:+!").split()
+    try:
+        exec_start = shlex.split(last("ExecStart").lstrip("@-:+!"))
+    except ValueError as exc:
+        raise ValueError(f"ExecStart=: {exc}") from None
     memlock = last("LimitMEMLOCK")
     try:
         memlock_bytes = _limit(memlock)[0] if memlock else DEFAULT_MEMLOCK_BYTES
@@ -228,6 +234,7 @@ def parse_unit(texts: Sequence[str], *, files: Iterable[Path] = ()) -> ServiceUn
         private_tmp=last("PrivateTmp", "no").lower() in _TRUE,
         read_write_paths=tuple(Path(w.lstrip("-+")) for w in words("ReadWritePaths")),
         ambient_capabilities=frozenset(w for w in words("AmbientCapabilities") if w[0] != "~"),
+        arguments=tuple(exec_start[1:]),
     )
 
 

@@ -524,8 +524,8 @@ def test_a_region_that_cannot_be_mapped_writable_is_not_taken(
 @pytest.mark.xfail(
     strict=True,
     reason="finding 6: activation.claim takes only the first descriptor of a name and treats a "
-    "second one as the listening socket: ConfigError, and as nothing is removed from the "
-    "store every later start fails the same way",
+    "second one as the listening socket: ConfigError (exit 2, which the unit's "
+    "RestartPreventExitStatus= leaves down) before anything is removed from the store",
 )
 @pytest.mark.parametrize("name", [IMAGE_NAME, region_name(1)])
 def test_a_name_stored_twice_does_not_stop_the_daemon_from_starting(

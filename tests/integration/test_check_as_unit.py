@@ -152,7 +152,8 @@ def test_as_unit_judges_what_the_unit_gives(scene: Scene) -> None:
     assert status == 0, lines
     assert lines["unit"] == (
         f"ok        unit      {scene.unit}: as nobody:{scene.group}; "
-        f"ExecStart={shutil.which('true')}; {scene.run_dir} (RuntimeDirectory=) and "
+        f"ExecStart={shutil.which('true')} --config {scene.config}; {scene.run_dir} "
+        "(RuntimeDirectory=) and "
         f"{scene.state_dir} (StateDirectory=) made at start; LimitMEMLOCK=infinity; "
         "LimitNOFILE=65536"
     )
@@ -236,3 +237,24 @@ def test_the_unit_line_fails_without_its_program(scene: Scene) -> None:
         f"fail      unit      ExecStart= program {missing} is not an executable file"
     )
     assert lines["socket"].startswith("ok")  # the other checks still ran
+
+
+def test_the_units_own_arguments_are_judged_not_the_shells(scene: Scene) -> None:
+    """The configuration ``ExecStart=`` names is the one the start reads: a check given another
+    judges the unit's and says so; words kvtierd would refuse fail the unit line."""
+    other = scene.work / "unit.toml"
+    other.write_text('[nvme]\nio_backend = "threads"\n')
+    other.chmod(0o644)
+    true = shutil.which("true")
+    scene.unit.write_text(scene.unit_text(ExecStart=f"{true} --config {other} --log-level info"))
+    status, lines = scene.check()
+    assert status == 0, lines
+    assert lines["config"] == f"ok        config    valid: {other}"
+    assert lines["unit"].endswith(
+        f"(judged with ExecStart='s --config {other}, not {scene.config} as given to --check)"
+    )
+    scene.unit.write_text(scene.unit_text(ExecStart=f"{true} --config {other} --colour red"))
+    status, lines = scene.check()
+    assert status != 0
+    assert lines["unit"].startswith("fail")
+    assert "does not start with: --colour red" in lines["unit"]
