@@ -652,9 +652,9 @@ def test_a_barrier_never_answered_does_not_hold_the_stop(tmp_path: Path) -> None
 
 @pytest.mark.xfail(
     strict=True,
-    reason="finding 7: FdStore._send uses a blocking datagram socket with no timeout: when "
-    "systemd does not read its notify socket, the stop blocks in sendmsg forever (until "
-    "TimeoutStopSec= kills it), the BARRIER_TIMEOUT_S bound never applies",
+    reason="finding 7: FdStore._send (Notifier.send) sends on a blocking datagram socket with "
+    "no timeout: when systemd does not read its notify socket, the stop blocks in sendmsg "
+    "until TimeoutStopSec= kills it; the BARRIER_TIMEOUT_S bound never applies",
 )
 def test_a_service_manager_that_stops_reading_does_not_hold_the_stop(tmp_path: Path) -> None:
     with _Deaf(tmp_path) as manager:
