@@ -52,7 +52,7 @@ _COUNT = re.compile(r"[0-9]{1,4}")
 #: The socket :func:`claim` took, until :func:`take_unix_listener` hands it on.
 _claimed: socket.socket | None = None
 #: The descriptors of kvtierd's own in the store, by name, until :func:`take_stored`.
-_stored: dict[str, int] = {}
+_stored: dict[str, list[int]] = {}
 
 
 def _passed(environ: MutableMapping[str, str]) -> int:
@@ -97,9 +97,9 @@ def claim(path: Path, environ: MutableMapping[str, str] | None = None) -> None:
     sockets = 0
     for position, fd in enumerate(range(LISTEN_FDS_START, LISTEN_FDS_START + count)):
         name = names[position] if len(names) == count else ""
-        if name.startswith(PREFIX) and name not in _stored:
+        if name.startswith(PREFIX):  # every one, a name given twice too (the store decides)
             os.set_inheritable(fd, False)
-            _stored[name] = fd
+            _stored.setdefault(name, []).append(fd)
             continue
         sockets += 1
         try:
@@ -135,7 +135,7 @@ def claim(path: Path, environ: MutableMapping[str, str] | None = None) -> None:
         )
 
 
-def take_stored() -> dict[str, int]:
+def take_stored() -> dict[str, list[int]]:
     """The descriptors kvtierd kept in systemd's store that :func:`claim` took, by name,
     handed on once (the caller closes them)."""
     taken = dict(_stored)

@@ -10,9 +10,9 @@ or with ``FDSTOREREMOVE=1``.
 kvtierd keeps its tenant regions there, each as ``kvtierd-dram-region-<id>``, and last an
 image of what they hold (``kvtierd-dram-image``, a sealed memory file: :mod:`kvtierd.store.
 kept`), only as it stops, once write-back has drained; a ``BARRIER=1`` then waits until systemd
-has taken them in before the daemon exits. A start takes them back and removes every one of
-them from the store at once, so a daemon that crashes later is handed nothing: only a clean
-stop's DRAM is ever trusted, and even that is verified block by block.
+has taken them in before the daemon exits. A start removes every one of them from the store
+before it reads any, so a daemon that crashes later (or on what it was handed) is handed
+nothing: only a clean stop's DRAM is ever trusted, and even that is verified block by block.
 
 This class is the store's :class:`~kvtierd.store.kept.DramKeeper` under systemd. Outside systemd
 (no ``$NOTIFY_SOCKET``) nobody keeps anything, and a restart reads NVMe as before.
@@ -55,15 +55,20 @@ def region_name(region_id: int) -> str:
 
 class FdStore:
     """The DRAM's keeper under systemd: ``passed`` are the descriptors this start was handed
-    (name -> descriptor, this process's to close), ``environ`` has ``$NOTIFY_SOCKET`` and, on
-    systemd 254 and later, ``$FDSTORE`` (the unit's ``FileDescriptorStoreMax=``)."""
+    (name -> descriptors, this process's to close; systemd keeps several under one name when
+    it was given several), ``environ`` has ``$NOTIFY_SOCKET`` and, on systemd 254 and later,
+    ``$FDSTORE`` (the unit's ``FileDescriptorStoreMax=``)."""
 
     def __init__(
-        self, passed: Mapping[str, int], environ: Mapping[str, str], *, enabled: bool = True
+        self,
+        passed: Mapping[str, Sequence[int]],
+        environ: Mapping[str, str],
+        *,
+        enabled: bool = True,
     ) -> None:
         """``enabled``: ``dram.keep_across_restarts``; without it what was handed is closed
         and removed, and nothing is kept."""
-        self._passed = dict(passed)
+        self._passed = {name: list(fds) for name, fds in passed.items()}
         self.enabled = enabled
         self._notifier = Notifier(environ)
         self.address = self._notifier.address
@@ -72,15 +77,26 @@ class FdStore:
 
     # -- a start ----------------------------------------------------------------------------
 
-    def handed(self) -> Handed | None:
-        if not self.enabled:
+    def handed(self, limit: int = MAX_IMAGE_BYTES) -> Handed | None:
+        """Take everything out of systemd's store first (whatever happens next, a later start
+        is not handed it again), then read the image (at most ``limit`` bytes) and check the
+        regions against it. A name handed twice is trusted for neither descriptor. Blocking:
+        run it in a worker thread."""
+        for name in self._passed:
+            self._send(f"FDSTOREREMOVE=1\nFDNAME={name}")
+        if not self.enabled or not self._passed:
             return None
-        image_fd = self._passed.get(IMAGE_NAME)
+        twice = sorted(name for name, fds in self._passed.items() if len(fds) > 1)
+        if twice:
+            log.warning("systemd handed back more than one descriptor named %s: none of them "
+                        "is used", ", ".join(twice))  # fmt: skip
+        single = {name: fds[0] for name, fds in self._passed.items() if len(fds) == 1}
         regions = {
             int(m.group(1)): fd
-            for name, fd in self._passed.items()
+            for name, fd in single.items()
             if (m := _REGION.fullmatch(name)) is not None
         }
+        image_fd = single.get(IMAGE_NAME)
         if image_fd is None:
             if regions:
                 log.info(
@@ -90,8 +106,8 @@ class FdStore:
                 )
             return None
         try:
-            image = decode_image(_read_sealed(image_fd))
-        except (OSError, ValueError) as exc:
+            image = decode_image(_read_sealed(image_fd, limit), limit)
+        except (OSError, ValueError, MemoryError) as exc:
             log.warning("the DRAM image systemd handed back is not usable (%s): the DRAM "
                         "starts empty", exc)  # fmt: skip
             return None
@@ -99,10 +115,10 @@ class FdStore:
 
     def settle(self, taken: Iterable[int]) -> None:
         kept = set(taken)
-        for name, fd in self._passed.items():
-            if fd not in kept:
-                os.close(fd)
-            self._send(f"FDSTOREREMOVE=1\nFDNAME={name}")
+        for fds in self._passed.values():
+            for fd in fds:
+                if fd not in kept:
+                    os.close(fd)
         self._passed.clear()
 
     # -- a stop -----------------------------------------------------------------------------
@@ -174,14 +190,14 @@ def _sealed_memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def _read_sealed(fd: int) -> bytes:
-    """The bytes of a memory file that nobody can change any more."""
+def _read_sealed(fd: int, limit: int) -> bytes:
+    """The bytes of a memory file that nobody can change any more, at most ``limit``."""
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     if seals & _IMAGE_SEALS != _IMAGE_SEALS:
         raise ValueError("the image is not sealed against writes")
     size = os.fstat(fd).st_size
-    if size > MAX_IMAGE_BYTES:
-        raise ValueError(f"the image holds {size} bytes, more than {MAX_IMAGE_BYTES}")
+    if size > limit:
+        raise ValueError(f"the image holds {size} bytes, more than {limit}")
     data = bytearray()
     while len(data) < size:
         chunk = os.pread(fd, min(size - len(data), 64 << 20), len(data))

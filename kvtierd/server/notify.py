@@ -27,6 +27,9 @@ __all__ = ["Notifier", "notify_address"]
 
 log = logging.getLogger("kvtierd")
 
+#: How long one datagram may wait for room in the manager's queue.
+SEND_TIMEOUT_S = 0.5
+
 
 def notify_address(environ: Mapping[str, str]) -> str | bytes | None:
     """The address ``$NOTIFY_SOCKET`` names (bytes for an abstract socket), or ``None``."""
@@ -56,6 +59,9 @@ class Notifier:
         kind = message.split("=", 1)[0]
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+                # A manager that stopped reading (its queue full) must not hold the loop or a
+                # stop: the datagram is given up and logged, as any that cannot be sent.
+                sock.settimeout(SEND_TIMEOUT_S)
                 sock.connect(self.address)
                 socket.send_fds(sock, [message.encode()], list(fds))
         except OSError as exc:

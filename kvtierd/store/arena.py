@@ -53,9 +53,9 @@ from humanfriendly import format_size
 from kvtierd.config import TriState
 from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.host import free_hugepage_bytes, shmem_thp_mode
-from kvtierd.store.kept import HandedRegion, KeptRegion
+from kvtierd.store.kept import HandedRegion, KeptRegion, region_file_name
 
-__all__ = ["HUGE_PAGE_BYTES", "Arena", "ArenaInfo", "Region", "map_region"]
+__all__ = ["HUGE_PAGE_BYTES", "Arena", "ArenaInfo", "Region", "map_region", "usable_kind"]
 
 log = logging.getLogger("kvtierd.arena")
 
@@ -220,7 +220,7 @@ class Arena:
                     hugepages is TriState.AUTO and not tenants_isolated and huge_left >= size
                 )
                 again = handed.get((tenant, size))
-                if again is not None and _same_kind(
+                if again is not None and usable_kind(
                     again.kept.hugepages, hugepages, tenants_isolated
                 ):
                     fd, huge, kept = again.fd, again.kept.hugepages, again.kept
@@ -271,7 +271,7 @@ class Arena:
     def _open_memfd(
         tenant: str | None, size_bytes: int, want_huge: bool, hugepages: TriState
     ) -> tuple[int, bool]:
-        name = f"kvtierd-{tenant}" if tenant is not None else "kvtierd-default"
+        name = region_file_name(tenant)
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         if want_huge:
             fd = os.memfd_create(name, flags | os.MFD_HUGETLB)
@@ -394,7 +394,7 @@ class Arena:
             os.close(region.fd)
 
 
-def _same_kind(kept_huge: bool, mode: TriState, tenants_isolated: bool) -> bool:
+def usable_kind(kept_huge: bool, mode: TriState, tenants_isolated: bool) -> bool:
     """Whether a kept region's pages are of a kind this start may use: hugetlb pages where it
     could choose them itself (never for an isolated tenant under ``auto``: see the module
     docstring), ordinary pages unless ``always`` asks for hugetlb."""

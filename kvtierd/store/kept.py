@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
+import xxhash
 
+from kvtierd.keys import MAX_KEY_BYTES
 from kvtierd.store.records import checksum
 
 __all__ = [
@@ -59,8 +61,15 @@ log = logging.getLogger("kvtierd.store")
 IMAGE_VERSION = 1
 #: An image larger than this is refused unread: about 70 bytes a block, so 15 million blocks.
 MAX_IMAGE_BYTES = 1 << 30
-#: The seals every region carries (:mod:`kvtierd.store.arena`).
+#: The seals every region carries (:mod:`kvtierd.store.arena`), and those it must not carry
+#: (the daemon writes into it: ``F_SEAL_FUTURE_WRITE`` is 0x10).
 REGION_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_WRITE_SEALS = fcntl.F_SEAL_WRITE | 0x10
+#: Bytes of an image per block at most (its fields as MessagePack, the longest key).
+IMAGE_BYTES_PER_BLOCK = 96 + MAX_KEY_BYTES
+#: A sequence number beyond this is not one a daemon gave (records store it as uint64, and
+#: the daemon counts on from the largest it saw).
+MAX_SEQ = (1 << 63) - 1
 #: Hashing stops to report progress after this many bytes.
 _VERIFY_CHUNK_BYTES = 1 << 30
 
@@ -108,16 +117,41 @@ def encode_image(image: DramImage) -> bytes:
     return msgspec.msgpack.encode(image)
 
 
-def decode_image(data: bytes | memoryview) -> DramImage:
-    """Raises ``ValueError`` for anything but an image of this version."""
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ValueError(f"{len(data)} bytes is more than an image may be")
+def image_bound(dram_bytes: int) -> int:
+    """The most bytes an image of ``dram_bytes`` of regions can take (a block per 4 KiB):
+    anything larger is not one, and is refused before it is read."""
+    return min(MAX_IMAGE_BYTES, (dram_bytes // 4096) * IMAGE_BYTES_PER_BLOCK + (64 << 10))
+
+
+def region_file_name(tenant: str | None) -> str:
+    """The name a region's memory file is made with (``kvtierd-<tenant>``, ``kvtierd-default``
+    for the default region), which no one can change afterwards: what binds a handed region to
+    its tenant, whatever an image says. A long tenant name is cut and completed by its hash
+    (the kernel takes 249 bytes)."""
+    name = "kvtierd-default" if tenant is None else f"kvtierd-{tenant}"
+    if len(name.encode()) <= 200:
+        return name
+    return f"kvtierd-{tenant[:64] if tenant else ''}~{xxhash.xxh3_64_hexdigest(name.encode())}"
+
+
+def decode_image(data: bytes | memoryview, limit: int = MAX_IMAGE_BYTES) -> DramImage:
+    """Raises ``ValueError`` for anything but an image of this version of at most ``limit``
+    bytes whose regions are each one file, named once."""
+    if len(data) > limit:
+        raise ValueError(f"{len(data)} bytes is more than an image may be ({limit})")
     try:
         image = msgspec.msgpack.decode(data, type=DramImage)
     except msgspec.DecodeError as exc:
         raise ValueError(f"not a DRAM image: {exc}") from None
     if image.version != IMAGE_VERSION:
         raise ValueError(f"an image of version {image.version}, not {IMAGE_VERSION}")
+    for what, seen in (
+        ("region number", [r.id for r in image.regions]),
+        ("memory file", [(r.inode, r.device) for r in image.regions]),
+        ("tenant", [r.tenant for r in image.regions]),
+    ):
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"the image names a {what} twice")
     return image
 
 
@@ -141,13 +175,14 @@ class Handed:
 class DramKeeper(Protocol):
     """Who keeps the regions and the image while no daemon runs (systemd's fd store)."""
 
-    def handed(self) -> Handed | None:
-        """What the last clean stop left, checked; ``None`` when nothing (or nothing usable)."""
+    def handed(self, limit: int = MAX_IMAGE_BYTES) -> Handed | None:
+        """What the last clean stop left, checked (an image of at most ``limit`` bytes);
+        ``None`` when nothing (or nothing usable). Takes everything out of the keeper first:
+        a crash from now on must not be handed it again. Blocking (a worker thread's)."""
 
     def settle(self, taken: Iterable[int]) -> None:
         """The caller owns the descriptors ``taken`` now (the regions its arena will map):
-        close every other one handed, and take everything out of the keeper (a crash from now
-        on must not hand it back)."""
+        close every other one handed."""
 
     def keep(self, regions: Sequence[tuple[int, int]], image: bytes) -> bool:
         """Keep the regions ``(id, descriptor)`` and ``image`` for the next start; whether the
@@ -188,6 +223,15 @@ def _region_problem(fd: int, kept: KeptRegion) -> str | None:
         return f"{info.st_size} bytes, not {kept.size_bytes}"
     if seals & REGION_SEALS != REGION_SEALS:
         return "not sealed against resizing"
+    if seals & _WRITE_SEALS or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        return "not writable"
+    try:
+        made_as = os.readlink(f"/proc/self/fd/{fd}".encode())
+    except OSError as exc:
+        return f"its name cannot be read ({exc.strerror})"
+    expected = f"/memfd:{region_file_name(kept.tenant)} (deleted)".encode()
+    if made_as != expected:
+        return f"made as {made_as.decode(errors='replace')!r}, not as this tenant's region"
     return None
 
 

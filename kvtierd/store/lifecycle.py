@@ -48,11 +48,11 @@ from kvtierd.io import BindingVerdict, IoBackend, open_io_backend
 from kvtierd.io.buffers import MAX_FIXED_CHUNK_BYTES as FIXED_BUFFER_BYTES
 from kvtierd.policy import CachePolicy
 from kvtierd.slsap.policy import SlsapPolicy
-from kvtierd.store.arena import HUGE_PAGE_BYTES, Arena
+from kvtierd.store.arena import HUGE_PAGE_BYTES, Arena, usable_kind
 from kvtierd.store.clock import ClockPolicy
 from kvtierd.store.coldindex import ColdIndex
 from kvtierd.store.diskwatch import DiskWatch, open_disk_watch
-from kvtierd.store.kept import DramImage, DramKeeper, Handed, encode_image
+from kvtierd.store.kept import DramImage, DramKeeper, Handed, encode_image, image_bound
 from kvtierd.store.namespaces import NamespaceRegistry
 from kvtierd.store.nvme import NvmeTier, open_nvme_tier
 from kvtierd.store.policy import LruPolicy
@@ -259,19 +259,24 @@ class DramKeeping:
             )
 
 
-def _take_handed(config: Config, keeper: DramKeeper | None) -> Handed | None:
-    """What ``keeper`` hands this start, reduced to the regions this configuration has (same
-    tenant, same size), now this process's; everything else is closed before the arena is
-    made (a region of another size would otherwise hold its memory beside the new one), and
-    nothing is left in the keeper (after a crash from here on, nothing is handed)."""
+async def _take_handed(config: Config, keeper: DramKeeper | None) -> Handed | None:
+    """What ``keeper`` hands this start (read in a worker thread, an image no larger than
+    this configuration's DRAM can describe), reduced to the regions this configuration has
+    (same tenant, same size, pages of a kind it may use), now this process's; everything else
+    is closed before the arena is made (a region it does not take would otherwise hold its
+    memory beside the new one). Nothing is left in the keeper: after a crash from here on,
+    nothing is handed."""
     if keeper is None:
         return None
-    handed = keeper.handed()
+    handed = await anyio.to_thread.run_sync(
+        keeper.handed, image_bound(config.dram.size), abandon_on_cancel=True
+    )
     wanted = set(config.dram_regions())  # whole 2 MiB pages, as the arena maps them
+    isolated = bool(config.tenants)
     regions = {
         shape: region
         for shape, region in (handed.regions.items() if handed is not None else ())
-        if shape in wanted
+        if shape in wanted and usable_kind(region.kept.hugepages, config.dram.hugepages, isolated)
     }
     keeper.settle(region.fd for region in regions.values())
     return Handed(handed.image, regions) if handed is not None else None
@@ -316,7 +321,7 @@ async def open_store_base(
                 config.nvme.io_backend, queue_depth=config.nvme.queue_depth, verdict=io_verdict
             )
         )
-        handed = _take_handed(config, keeper)
+        handed = await _take_handed(config, keeper)
         made: Arena | None = None
         try:
             made = arena = await _create_arena(config, progress, backend, handed)
@@ -421,8 +426,9 @@ async def _open_store_on(
         adopted = residency.adopt_recovered()
         log.info("store ready: %d blocks adopted from the NVMe tier", adopted)
         # Runs last on the way out (when nothing changes the index any more), before the
-        # base closes the arena.
-        stack.callback(base.keeping.leave, residency)
+        # base closes the arena; only when the store closes cleanly: a daemon that dies of an
+        # error keeps nothing (what it was handed might be what it died of).
+        stack.push(partial(_leave_if_clean, base.keeping, residency))
         if base.keeping.image is not None:
             progress.advance(OpenPhase.ADOPTING_DRAM)
             _log_kept(
@@ -464,6 +470,21 @@ async def _open_store_on(
             await link.settle()
         progress.advance(OpenPhase.OPEN)
         yield store
+
+
+def _leave_if_clean(
+    keeping: DramKeeping,
+    residency: Residency,
+    exc_type: type[BaseException] | None,
+    exc: BaseException | None,
+    traceback: object,
+) -> bool:
+    """The store's last exit: hand the DRAM on when it closes without an exception."""
+    if exc_type is None:
+        keeping.leave(residency)
+    elif keeping.keeper is not None:
+        log.warning("the DRAM is not kept for the next start: the store closed on %r", exc)
+    return False
 
 
 def _log_kept(outcome: KeptOutcome) -> None:

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 import anyio
 
 from kvtierd.store.index import Block
-from kvtierd.store.kept import IMAGE_VERSION, DramImage, KeptBlock, KeptRegion, verify_blocks
+from kvtierd.store.kept import (
+    IMAGE_VERSION,
+    MAX_SEQ,
+    DramImage,
+    KeptBlock,
+    KeptRegion,
+    verify_blocks,
+)
 from kvtierd.store.refs import BlockRef
 from kvtierd.store.regions import TenantRegion
 from kvtierd.store.residency import Residency
@@ -159,15 +166,15 @@ def _in_place(
         ns = residency.registry.by_digest(kept.ns_digest)
         if region is None or ns is None or residency.region(ns) is not region:
             continue
-        align = region.allocator.align
+        allocator = region.allocator
         if (
-            kept.offset < 0
-            or kept.offset % align
-            or kept.slot_bytes <= 0
-            or kept.slot_bytes % align
-            or kept.offset + kept.slot_bytes > region.allocator.capacity
-            or kept.raw_bytes != ns.spec.block_bytes
-            or kept.raw_bytes > kept.slot_bytes
+            kept.raw_bytes != ns.spec.block_bytes
+            or kept.slot_bytes != allocator.size_class(kept.raw_bytes)  # what it would carve
+            or kept.offset < 0
+            or kept.offset % allocator.align
+            or kept.offset + kept.slot_bytes > allocator.capacity
+            or _crosses(allocator.boundary, region.mapping.base + kept.offset, kept.slot_bytes)
+            or not 0 < kept.seq <= MAX_SEQ
         ):
             continue
         placed.append((kept, region))
@@ -182,14 +189,30 @@ def _in_place(
     return apart
 
 
+def _crosses(boundary: int | None, offset: int, size: int) -> bool:
+    """Whether ``[offset, offset + size)`` spans a multiple of ``boundary`` (io_uring's
+    fixed-buffer chunks: the allocator never carves such a slot)."""
+    if not boundary or size > boundary:
+        return False
+    return offset // boundary != (offset + size - 1) // boundary
+
+
 def _install(residency: Residency, kept: KeptBlock, slot: Slot) -> Block | None:
     """Index ``kept`` in DRAM at ``slot``; ``None`` when the lower tier holds another
-    version of its key (or it is in DRAM already)."""
+    version of its key, or another block's bytes under its sequence number (or it is in DRAM
+    already)."""
     ns = residency.registry.by_digest(kept.ns_digest)
     assert ns is not None  # checked by _in_place
     block = residency.index.get(ns, kept.key)
     if block is not None:
-        if block.ref.seq != kept.seq or block.dram is not None:
+        ref = block.ref
+        same = (ref.seq, ref.checksum, ref.raw_bytes, ref.compress) == (
+            kept.seq,
+            kept.checksum,
+            kept.raw_bytes,
+            kept.compress,
+        )
+        if not same or block.dram is not None:
             return None
     else:
         ref = BlockRef(

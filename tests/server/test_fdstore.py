@@ -16,15 +16,22 @@ import pytest
 
 from kvtierd.server import fdstore
 from kvtierd.server.fdstore import IMAGE_NAME, FdStore, region_name
-from kvtierd.store.kept import IMAGE_VERSION, DramImage, KeptRegion, encode_image
+from kvtierd.store.kept import (
+    IMAGE_VERSION,
+    DramImage,
+    KeptRegion,
+    encode_image,
+    region_file_name,
+)
 from kvtierd.testing import ServiceManager
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 SIZE = 2 << 20
 
 
-def region_memfd(size: int = SIZE, seals: int = SEALS) -> int:
-    fd = os.memfd_create("kvtierd-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+def region_memfd(tenant: str, size: int = SIZE, seals: int = SEALS) -> int:
+    """A region's memory file as the arena makes it for ``tenant``."""
+    fd = os.memfd_create(region_file_name(tenant), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     return fd
@@ -46,32 +53,35 @@ def manager(tmp_path: Path) -> Iterator[ServiceManager]:
         yield manager
 
 
-def _passed(manager: ServiceManager) -> dict[str, int]:
+def _passed(manager: ServiceManager) -> dict[str, list[int]]:
     """What the next start would be handed: a duplicate of each stored descriptor (the process
     owns what it is passed)."""
-    return {name: os.dup(fd) for name, fd in manager.stored()}
+    out: dict[str, list[int]] = {}
+    for name, fd in manager.stored():
+        out.setdefault(name, []).append(os.dup(fd))
+    return out
 
 
 def test_a_stop_hands_every_region_then_the_image_and_a_start_takes_them_back(
     manager: ServiceManager,
 ) -> None:
-    regions = {1: region_memfd(), 2: region_memfd()}
+    regions = {1: region_memfd("t1"), 2: region_memfd("t2")}
     try:
         assert FdStore({}, manager.environment()).keep(list(regions.items()), image_for(regions))
         assert manager.names() == [region_name(1), region_name(2), IMAGE_NAME]
         assert manager.messages[-1] == "BARRIER=1"
         store = FdStore(_passed(manager), manager.environment())
+        sent = len(manager.messages)
         handed = store.handed()
         assert handed is not None
+        # removed before anything was read, every one: a crash now is handed nothing
+        assert manager.names_after(sent + 3) == []
         assert {shape: r.kept.id for shape, r in handed.regions.items()} == {
             ("t1", SIZE): 1,
             ("t2", SIZE): 2,
         }
         kept = [r.fd for r in handed.regions.values()][:1]
-        sent = len(manager.messages)
         store.settle(kept)
-        # removed at once, every one: a crash now is handed nothing
-        assert manager.names_after(sent + 3) == []
         os.fstat(kept[0])  # the caller's now
         closed = [r.fd for r in handed.regions.values()][1]
         with pytest.raises(OSError):
@@ -83,7 +93,7 @@ def test_a_stop_hands_every_region_then_the_image_and_a_start_takes_them_back(
 
 
 def test_without_a_notify_socket_or_when_off_nothing_is_kept(manager: ServiceManager) -> None:
-    fd = region_memfd()
+    fd = region_memfd("t1")
     try:
         assert not FdStore({}, {}).keep([(1, fd)], image_for({1: fd}))
         assert not FdStore({}, manager.environment(), enabled=False).keep(
@@ -97,7 +107,7 @@ def test_without_a_notify_socket_or_when_off_nothing_is_kept(manager: ServiceMan
 def test_a_store_too_small_is_not_used_and_named(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fd = region_memfd()
+    fd = region_memfd("t1")
     with ServiceManager(tmp_path, fdstore_max=1) as manager:
         try:
             assert not FdStore({}, manager.environment()).keep([(1, fd)], image_for({1: fd}))
@@ -117,7 +127,7 @@ def test_a_manager_that_never_confirms_does_not_hold_the_stop(
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as silent:
         silent.bind(str(path))
         silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-        fd = region_memfd()
+        fd = region_memfd("t1")
         try:
             started = time.monotonic()
             kept = FdStore({}, {"NOTIFY_SOCKET": str(path)}).keep([(1, fd)], image_for({1: fd}))
@@ -134,7 +144,7 @@ def test_a_manager_that_never_confirms_does_not_hold_the_stop(
 def test_an_unusable_image_starts_empty(
     manager: ServiceManager, caplog: pytest.LogCaptureFixture, damage: str
 ) -> None:
-    fd = region_memfd()
+    fd = region_memfd("t1")
     data = image_for({1: fd})
     if damage == "not an image":
         data = b"\x93not msgpack of an image"
@@ -144,7 +154,7 @@ def test_an_unusable_image_starts_empty(
     os.write(image, data)
     if damage != "not sealed":
         fcntl.fcntl(image, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_WRITE)
-    store = FdStore({region_name(1): fd, IMAGE_NAME: image}, manager.environment())
+    store = FdStore({region_name(1): [fd], IMAGE_NAME: [image]}, manager.environment())
     with caplog.at_level(logging.WARNING):
         assert store.handed() is None
     assert "not usable" in caplog.text
@@ -154,30 +164,54 @@ def test_an_unusable_image_starts_empty(
             os.fstat(closed)
 
 
-@pytest.mark.parametrize("damage", ["another file", "another size", "not sealed", "missing"])
+@pytest.mark.parametrize(
+    "damage",
+    ["another file", "another size", "not sealed", "another tenant's", "read-only", "missing"],
+)
 def test_a_region_that_is_not_the_one_the_image_describes_is_left_out(
     manager: ServiceManager, caplog: pytest.LogCaptureFixture, damage: str
 ) -> None:
-    good, other = region_memfd(), region_memfd(seals=0)
-    data = image_for({1: good, 2: other})
+    """Region 2 as the image describes it, and what is handed under its name instead."""
+    good = region_memfd("t1")
+    described = {
+        "not sealed": lambda: region_memfd("t2", seals=0),
+        "another tenant's": lambda: region_memfd("t1"),  # its name says whose it is
+    }.get(damage, lambda: region_memfd("t2"))()
+    data = image_for({1: good, 2: described})
+    handed_instead = {
+        "another file": lambda: region_memfd("t2"),
+        "another size": lambda: region_memfd("t2", size=2 * SIZE),
+        "read-only": lambda: os.open(f"/proc/self/fd/{described}", os.O_RDONLY),
+        "missing": lambda: None,
+    }.get(damage, lambda: os.dup(described))()
+    os.close(described)
     image = os.memfd_create("image", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.write(image, data)
     fcntl.fcntl(image, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_WRITE)
-    passed = {region_name(1): good, IMAGE_NAME: image}
-    if damage == "another file":
-        passed[region_name(2)] = region_memfd()
-        os.close(other)
-    elif damage == "another size":
-        os.close(other)
-        passed[region_name(2)] = region_memfd(size=2 * SIZE)
-    elif damage == "not sealed":
-        passed[region_name(2)] = other
-    else:
-        os.close(other)
+    passed = {region_name(1): [good], IMAGE_NAME: [image]}
+    if handed_instead is not None:
+        passed[region_name(2)] = [handed_instead]
     store = FdStore(passed, manager.environment())
     with caplog.at_level(logging.WARNING):
         handed = store.handed()
     assert handed is not None
     assert list(handed.regions) == [("t1", SIZE)]
     assert "region 2 (t2)" in caplog.text
+    store.settle([])
+
+
+def test_a_name_handed_twice_is_trusted_for_neither(
+    manager: ServiceManager, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = region_memfd("t1")
+    image = os.memfd_create("image", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(image, image_for({1: good}))
+    fcntl.fcntl(image, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_WRITE)
+    store = FdStore(
+        {region_name(1): [good, os.dup(good)], IMAGE_NAME: [image]}, manager.environment()
+    )
+    handed = store.handed()
+    assert handed is not None
+    assert handed.regions == {}
+    assert f"more than one descriptor named {region_name(1)}" in caplog.text
     store.settle([])

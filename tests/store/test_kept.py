@@ -52,10 +52,12 @@ def test_anything_but_an_image_of_this_version_is_refused(data: bytes) -> None:
         decode_image(data)
 
 
-def test_an_image_past_the_bound_is_refused_unread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kept, "MAX_IMAGE_BYTES", 10)
+def test_an_image_past_the_bound_is_refused_unread() -> None:
     with pytest.raises(ValueError, match="more than"):
-        decode_image(b"\x00" * 11)
+        decode_image(b"\x00" * 11, limit=10)
+    # The bound a configuration sets: what its DRAM's blocks can take, never the 1 GiB cap.
+    assert kept.image_bound(64 << 20) < 4 << 20
+    assert kept.image_bound(1 << 50) == kept.MAX_IMAGE_BYTES
 
 
 def test_verification_finds_each_changed_block_and_reports_progress(
