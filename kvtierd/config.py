@@ -130,7 +130,8 @@ class NvmePolicyKind(enum.StrEnum):
 class LogFormat(enum.StrEnum):
     """How log records are written: ``text`` for people; ``json`` (one object a line) or
     ``logfmt`` (``key=value``) for a log shipper, with the fields a record carries (peer, uid,
-    namespace...). Under the journal every format keeps its priority prefix."""
+    namespace...). Under the journal text lines keep their priority prefix, and the structured
+    formats are sent as the journal's own fields (:mod:`kvtierd.cli.logs`)."""
 
     TEXT = "text"
     JSON = "json"

@@ -1,28 +1,42 @@
-"""The daemon's log lines on stderr, with their syslog priority when stderr is the journal.
+"""The daemon's log records: lines on stderr for people, structured records for machines, and
+under the journal the journal's own fields.
 
 systemd connects a service's stderr to journald and says so in ``$JOURNAL_STREAM``
 (``device:inode`` of that stream). journald gives each line the unit's default priority (info)
 unless the line starts with ``<N>``, the syslog priority (``SyslogLevelPrefix=yes``, the
-default), which it strips. So under the journal every line carries its level's prefix, and
+default), which it strips. So under the journal every text line carries its level's prefix, and
 ``journalctl -p warning -u kvtierd`` shows exactly the warnings and errors. Every line of a
 multi-line record (a traceback) carries it, because journald reads each line as an entry. The
 journal stamps the time itself; elsewhere the time starts the line.
+
+The structured formats (``json``, ``logfmt``) are for machines: elsewhere one object (one
+``key=value`` line) a record; under the journal each record is sent as one journal entry
+through journald's native protocol (``logging_journald``'s transport: ``KEY=value`` fields in a
+datagram, a sealed memory file when large), with ``MESSAGE``, ``PRIORITY``, the logger and the
+code location, and every field the record carries as ``KVTIERD_<FIELD>`` (``KVTIERD_OPCODE``,
+``KVTIERD_TENANT``...), so ``journalctl KVTIERD_TENANT=alpha`` selects by field. A record the
+journal cannot take is written to stderr in the structured format instead: nothing is lost.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
+from logging_journald import JournaldTransport
 
 from kvtierd.config import LogFormat
 from kvtierd.printable import printable
 
 __all__ = [
+    "JOURNAL_SOCKET",
+    "JournalFieldsHandler",
     "JournalFormatter",
     "StructuredFormatter",
     "configure_logging",
@@ -111,15 +125,73 @@ class StructuredFormatter(structlog.stdlib.ProcessorFormatter):
         return with_priority(text, record.levelno) if self.journal else text
 
 
+#: journald's native socket.
+JOURNAL_SOCKET = Path("/run/systemd/journal/socket")
+#: The attributes every ``LogRecord`` has: the rest are the fields a record was given.
+_RECORD_ATTRIBUTES = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+_FIELD_NAME = re.compile(r"[^A-Z0-9_]")
+
+
+def record_fields(record: logging.LogRecord) -> dict[str, object]:
+    """The fields ``record`` was given (``extra=``), by name."""
+    return {
+        key: value
+        for key, value in record.__dict__.items()
+        if key not in _RECORD_ATTRIBUTES and not key.startswith("_")
+    }
+
+
+class JournalFieldsHandler(logging.Handler):
+    """Each record as one journal entry of fields (the module docstring says which); what the
+    journal does not take goes to ``fallback`` instead."""
+
+    def __init__(self, fallback: logging.Handler, socket_path: Path | None = None) -> None:
+        super().__init__()
+        # Addressed at each send, as sd_journal_sendv() does: a journald restarted meanwhile
+        # (its socket replaced) is reached again, and an absent one is only a failed send.
+        self._transport = JournaldTransport(socket_path or JOURNAL_SOCKET, connected=False)
+        self._fallback = fallback
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def close(self) -> None:
+        self._transport.socket.close()
+        self._fallback.close()
+        super().close()
+
+    def fields(self, record: logging.LogRecord) -> list[tuple[str, object]]:
+        out: list[tuple[str, object]] = [
+            ("MESSAGE", printable(self.format(record))),
+            ("PRIORITY", syslog_priority(record.levelno)),
+            ("SYSLOG_IDENTIFIER", "kvtierd"),
+            ("KVTIERD_LOGGER", record.name),
+            ("CODE_FILE", record.pathname),
+            ("CODE_LINE", record.lineno),
+            ("CODE_FUNC", record.funcName),
+        ]
+        for key, value in record_fields(record).items():
+            name = "KVTIERD_" + _FIELD_NAME.sub("_", key.upper())[:56]
+            out.append((name, printable(value) if isinstance(value, str) else str(value)))
+        return out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._transport.send(self.fields(record))
+        except Exception:  # journald away or refusing: the record still goes somewhere
+            self._fallback.handle(record)
+
+
 def configure_logging(
     level: str, stream: TextIO = sys.stderr, log_format: LogFormat = LogFormat.TEXT
 ) -> None:
-    """Log at ``level`` and above to ``stream`` in ``log_format``, in the journal's form (its
-    priority first on every line) when it is the journal."""
-    handler = logging.StreamHandler(stream)
+    """Log at ``level`` and above to ``stream`` in ``log_format``; when ``stream`` is the
+    journal, text lines carry their priority first and structured records go to the journal
+    as fields."""
+    handler: logging.Handler = logging.StreamHandler(stream)
     journal = stream_is_journal(stream)
     if log_format is not LogFormat.TEXT:
         handler.setFormatter(StructuredFormatter(log_format, journal=journal))
+        if journal:  # the journal's own fields, the structured line where it refuses one
+            handler = JournalFieldsHandler(fallback=handler)
     elif journal:
         handler.setFormatter(JournalFormatter(_FORMAT))
     else:

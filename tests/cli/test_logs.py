@@ -1,13 +1,16 @@
-"""Log lines carry their syslog priority exactly when stderr is the journal's stream."""
+"""Log lines carry their syslog priority exactly when stderr is the journal's stream; under the
+journal the structured formats are the journal's own fields."""
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 from pathlib import Path
 
 import pytest
 
+from kvtierd.cli import logs
 from kvtierd.cli.logs import (
     JournalFormatter,
     StructuredFormatter,
@@ -79,3 +82,78 @@ def test_configure_logging_in_json(tmp_path: Path) -> None:
             configure_logging("warning")  # back to stderr for the other tests
     fields = json.loads((tmp_path / "log").read_text())
     assert (fields["event"], fields["uid"]) == ("hello there", 5)
+
+
+def _journal_entry(datagram: bytes) -> dict[str, str]:
+    """A datagram of journald's native protocol as fields (``KEY=value`` lines, or ``KEY``, a
+    little-endian 64-bit length and that many bytes for a value with a newline)."""
+    fields: dict[str, str] = {}
+    rest = datagram
+    while rest:
+        head, newline, tail = rest.partition(b"\n")
+        assert newline
+        if b"=" in head:
+            key, _, value = head.partition(b"=")
+            fields[key.decode()] = value.decode()
+            rest = tail
+        else:
+            size = int.from_bytes(tail[:8], "little")
+            fields[head.decode()] = tail[8 : 8 + size].decode()
+            assert tail[8 + size : 9 + size] == b"\n"
+            rest = tail[9 + size :]
+    return fields
+
+
+@pytest.mark.parametrize("log_format", [LogFormat.JSON, LogFormat.LOGFMT])
+def test_under_the_journal_structured_records_are_the_journals_own_fields(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log_format: LogFormat
+) -> None:
+    """A real datagram socket where journald's is: each record one entry, its fields named,
+    a peer's newline kept inside its field (never a new entry)."""
+    journal = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    journal.bind(str(tmp_path / "journal.sock"))
+    journal.settimeout(5)
+    monkeypatch.setattr(logs, "JOURNAL_SOCKET", tmp_path / "journal.sock")
+    with journal, open(tmp_path / "stderr", "w") as stream:
+        st = (tmp_path / "stderr").stat()
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+        configure_logging("info", stream, log_format)
+        try:
+            logging.getLogger("kvtierd.session").warning(
+                "READ failed: %s",
+                "no space",
+                extra={"opcode": "READ", "errno": "ENOSPC", "client": "vllm\nrank 0", "uid": 7},
+            )
+            entry = _journal_entry(journal.recv(65536))
+        finally:
+            configure_logging("warning")
+    assert entry["MESSAGE"] == "READ failed: no space"
+    assert entry["PRIORITY"] == "4"
+    assert entry["SYSLOG_IDENTIFIER"] == "kvtierd"
+    assert entry["KVTIERD_LOGGER"] == "kvtierd.session"
+    assert (entry["KVTIERD_OPCODE"], entry["KVTIERD_ERRNO"], entry["KVTIERD_UID"]) == (
+        "READ",
+        "ENOSPC",
+        "7",
+    )
+    assert "\n" not in entry["KVTIERD_CLIENT"]  # escaped as every value a peer chose
+    assert entry["KVTIERD_CLIENT"].startswith("vllm")
+    assert (tmp_path / "stderr").read_text() == ""  # nothing written twice
+
+
+def test_a_journal_that_refuses_gets_the_record_on_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(logs, "JOURNAL_SOCKET", tmp_path / "no-journal.sock")
+    with open(tmp_path / "stderr", "w") as stream:
+        st = (tmp_path / "stderr").stat()
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+        configure_logging("info", stream, LogFormat.JSON)
+        try:
+            logging.getLogger("kvtierd").error("pool unreachable", extra={"tenant": "alpha"})
+        finally:
+            configure_logging("warning")
+    line = (tmp_path / "stderr").read_text()
+    assert line.startswith("<3>{")
+    fields = json.loads(line.removeprefix("<3>"))
+    assert (fields["event"], fields["tenant"]) == ("pool unreachable", "alpha")
