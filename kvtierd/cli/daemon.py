@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import io
 import logging
 import os
 import re
@@ -70,8 +71,10 @@ def _attribute(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtierd", description=__doc__.splitlines()[0])
+def _parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtierd", description=__doc__.splitlines()[0], exit_on_error=exit_on_error
+    )
     parser.add_argument("--config", type=Path, help="TOML configuration file")
     for (section, field), (flag, text) in FLAGS.items():
         choices = [r.value for r in Runtime] if flag == "--runtime" else None
@@ -286,10 +289,26 @@ def _take_unit_arguments(args: argparse.Namespace, unit: ServiceUnit) -> list[st
     """Make ``args`` what the unit's ``ExecStart=`` gives the daemon (``--config`` and every
     flag it sets), as the start will have them; what differed from the flags given to
     ``--check``, one phrase each. Raises ``ValueError`` for words kvtierd would refuse."""
-    given, unknown = _parser().parse_known_args(list(unit.arguments))
+    words = list(unit.arguments)
+    expanded = [w for w in words if "$" in w or "%" in w]
+    if expanded:  # systemd expands them at start; what they become is not known here
+        raise ValueError(
+            f"ExecStart= gives kvtierd {shlex.join(expanded)}, which systemd expands at start: "
+            "--check --as-unit cannot judge that; write the values in ExecStart="
+        )
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            given, unknown = _parser(exit_on_error=False).parse_known_args(words)
+    except (argparse.ArgumentError, SystemExit) as exc:  # a bad value; --help, --version
+        why = exc if isinstance(exc, argparse.ArgumentError) else shlex.join(words)
+        raise ValueError(
+            f"ExecStart= gives kvtierd arguments it does not start with: {why}"
+        ) from None
     if unknown or given.check or given.as_unit is not None:
-        words = shlex.join(unknown or ["--check"])
-        raise ValueError(f"ExecStart= gives kvtierd arguments it does not start with: {words}")
+        words = unknown or ["--check"]
+        raise ValueError(
+            f"ExecStart= gives kvtierd arguments it does not start with: {shlex.join(words)}"
+        )
     overridden = []
     for attribute in ("config", *(_attribute(flag) for flag, _ in FLAGS.values())):
         value = getattr(given, attribute)

@@ -98,7 +98,13 @@ def claim(path: Path, environ: MutableMapping[str, str] | None = None) -> None:
     for position, fd in enumerate(range(LISTEN_FDS_START, LISTEN_FDS_START + count)):
         name = names[position] if len(names) == count else ""
         if name.startswith(PREFIX):  # every one, a name given twice too (the store decides)
-            os.set_inheritable(fd, False)
+            try:
+                os.set_inheritable(fd, False)
+            except OSError as exc:
+                raise ConfigError(
+                    f"LISTEN_FDS={count} names descriptor {fd} ({name}), which is not open "
+                    f"({exc.strerror})"
+                ) from None
             _stored.setdefault(name, []).append(fd)
             continue
         sockets += 1

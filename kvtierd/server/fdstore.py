@@ -78,13 +78,21 @@ class FdStore:
     # -- a start ----------------------------------------------------------------------------
 
     def handed(self, limit: int = MAX_IMAGE_BYTES) -> Handed | None:
-        """Take everything out of systemd's store first (whatever happens next, a later start
-        is not handed it again), then read the image (at most ``limit`` bytes) and check the
-        regions against it. A name handed twice is trusted for neither descriptor. Blocking:
-        run it in a worker thread."""
-        for name in self._passed:
-            self._send(f"FDSTOREREMOVE=1\nFDNAME={name}")
-        if not self.enabled or not self._passed:
+        """Take everything out of systemd's store first and have systemd confirm it (whatever
+        happens next, a later start is not handed it again; unconfirmed, nothing is used),
+        then read the image (at most ``limit`` bytes) and check the regions against it. A
+        name handed twice is trusted for neither descriptor. Blocking: run it in a worker
+        thread."""
+        if not self._passed:
+            return None
+        sent = [self._send(f"FDSTOREREMOVE=1\nFDNAME={name}") for name in self._passed]
+        if not all(sent) or not self._barrier():  # every one sent, whatever the first did
+            log.warning(
+                "systemd did not confirm it let go of the DRAM it handed back: it is not used "
+                "(a crash later must not be handed it again), and the DRAM starts empty"
+            )
+            return None
+        if not self.enabled:
             return None
         twice = sorted(name for name, fds in self._passed.items() if len(fds) > 1)
         if twice:

@@ -208,10 +208,14 @@ def parse_unit(texts: Sequence[str], *, files: Iterable[Path] = ()) -> ServiceUn
     def words(key: str) -> list[str]:
         return [w for value in settings.get(key, []) for w in value.split()]
 
+    command = last("ExecStart")
+    prefixes = command[: len(command) - len(command.lstrip("@-:+!|"))]
     try:
-        exec_start = shlex.split(last("ExecStart").lstrip("@-:+!"))
+        exec_start = shlex.split(command[len(prefixes) :])
     except ValueError as exc:
         raise ValueError(f"ExecStart=: {exc}") from None
+    if "@" in prefixes and len(exec_start) > 1:  # the next word is argv[0], not an argument
+        del exec_start[1]
     memlock = last("LimitMEMLOCK")
     try:
         memlock_bytes = _limit(memlock)[0] if memlock else DEFAULT_MEMLOCK_BYTES

@@ -19,9 +19,10 @@ ran: a block that fails is not adopted (its slot is free again, and an NVMe copy
 serves it). What was adopted is then as if promoted: in DRAM, known to the DRAM policy, written
 back first where it had not reached the disk.
 
-Only a clean stop leaves an image: a start takes it and the descriptors out of the keeper at
-once (:meth:`DramKeeper.settle`), so after a crash nothing is handed back and the DRAM starts
-empty, as before. Pure apart from reading the arena; the keeper does the I/O.
+Only a clean stop leaves an image: a start takes it and the descriptors out of the keeper
+before it reads them (:meth:`DramKeeper.handed`), so after a crash nothing is handed back and
+the DRAM starts empty, as before. The checks of a handed region look at its descriptor
+(``fstat``, its seals, its name); the keeper does the rest of the I/O.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ class KeptBlock(msgspec.Struct, frozen=True, array_like=True):
     checksum: int
     seq: int
     compress: bool
-    #: Not yet on the local lower tier when the image was taken.
+    #: Not yet on the local lower tier when the image was taken (for the logs and tools: the
+    #: start writes back what the lower tier it recovered does not hold, whatever this says).
     dirty: bool
 
 

@@ -34,7 +34,7 @@ import enum
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -252,7 +252,8 @@ class DramKeeping:
             return
         if self.kept:
             log.info(
-                "DRAM kept for the next start: %d blocks (%s) in %d region(s)",
+                "DRAM handed to systemd's file-descriptor store for the next start: %d blocks "
+                "(%s) in %d region(s)",
                 len(image.blocks),
                 format_size(sum(b.raw_bytes for b in image.blocks), binary=True),
                 len(regions),
@@ -280,6 +281,14 @@ async def _take_handed(config: Config, keeper: DramKeeper | None) -> Handed | No
     }
     keeper.settle(region.fd for region in regions.values())
     return Handed(handed.image, regions) if handed is not None else None
+
+
+def _close_untaken(handed: Handed | None, taken: Iterable[int]) -> None:
+    """Close the handed regions the arena did not take."""
+    kept = set(taken)
+    for region in handed.regions.values() if handed is not None else ():
+        if region.fd not in kept:
+            os.close(region.fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,14 +331,14 @@ async def open_store_base(
             )
         )
         handed = await _take_handed(config, keeper)
-        made: Arena | None = None
         try:
-            made = arena = await _create_arena(config, progress, backend, handed)
-        finally:  # what the arena did not take is closed (its memory freed) now
-            taken = set(made.taken() if made is not None else ())
-            for region in handed.regions.values() if handed is not None else ():
-                if region.fd not in taken:
-                    os.close(region.fd)
+            arena = await _create_arena(config, progress, backend, handed)
+        except anyio.get_cancelled_exc_class():
+            raise  # the abandoned worker may still map the handed regions: they go at exit
+        except BaseException:
+            _close_untaken(handed, ())
+            raise
+        _close_untaken(handed, arena.taken())  # their memory freed now
         keeping = DramKeeping(keeper, handed.image if handed is not None else None)
         # after all that uses it, before the backend (whose pins keep the pages it may still
         # be reading into); whole where its regions were handed on
@@ -428,7 +437,7 @@ async def _open_store_on(
         # Runs last on the way out (when nothing changes the index any more), before the
         # base closes the arena; only when the store closes cleanly: a daemon that dies of an
         # error keeps nothing (what it was handed might be what it died of).
-        stack.push(partial(_leave_if_clean, base.keeping, residency))
+        stack.push_async_exit(partial(_leave_if_clean, base.keeping, residency))
         if base.keeping.image is not None:
             progress.advance(OpenPhase.ADOPTING_DRAM)
             _log_kept(
@@ -472,16 +481,18 @@ async def _open_store_on(
         yield store
 
 
-def _leave_if_clean(
+async def _leave_if_clean(
     keeping: DramKeeping,
     residency: Residency,
     exc_type: type[BaseException] | None,
     exc: BaseException | None,
     traceback: object,
 ) -> bool:
-    """The store's last exit: hand the DRAM on when it closes without an exception."""
+    """The store's last exit: hand the DRAM on when it closes without an exception, in a
+    worker thread (the image of millions of blocks takes seconds; nothing else runs on the
+    store any more, and the loop keeps the watchdog fed)."""
     if exc_type is None:
-        keeping.leave(residency)
+        await anyio.to_thread.run_sync(keeping.leave, residency)
     elif keeping.keeper is not None:
         log.warning("the DRAM is not kept for the next start: the store closed on %r", exc)
     return False

@@ -363,7 +363,8 @@ class NvmeTier(LowerTier):
             )
             for (offset, buffers, members), result in zip(requests, results, strict=True):
                 if isinstance(result, StorageIOError):  # once more, alone
-                    unreadable = await self._read_run(offset, buffers, attempts=1)
+                    raw = sum(items[chosen[k]][0].raw_bytes for k in members)
+                    unreadable = await self._read_run(offset, buffers, raw, attempts=1)
                     if unreadable is not None:
                         for k in members:
                             outcomes[chosen[k]] = unreadable
@@ -390,9 +391,10 @@ class NvmeTier(LowerTier):
                 outcomes[chosen[k]] = exc
 
     async def _read_run(
-        self, offset: int, buffers: list[memoryview], *, attempts: int = 2
+        self, offset: int, buffers: list[memoryview], raw_bytes: int, *, attempts: int = 2
     ) -> BlockNotFoundError | None:
-        """Read ``buffers`` from ``offset``, trying ``attempts`` times; the miss every record
+        """Read ``buffers`` from ``offset``, trying ``attempts`` times (``raw_bytes``: their
+        blocks' bytes, missed when it fails); the miss every record
         of them is when the medium still refuses (as :meth:`_read_record` makes of one)."""
         for attempt in range(1, attempts + 1):
             try:
@@ -400,7 +402,7 @@ class NvmeTier(LowerTier):
                 return None
             except StorageIOError as exc:
                 if attempt == attempts:
-                    self._missed(len(buffers) // 2, sum(len(b) for b in buffers[1::2]))
+                    self._missed(len(buffers) // 2, raw_bytes)
                     log.error(
                         "cannot read the blocks at offset %d of %s: %s", offset, self.path, exc
                     )

@@ -18,10 +18,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
+import anyio.lowlevel
 
 from kvtierd.store.index import Block
 from kvtierd.store.kept import (
@@ -40,6 +42,8 @@ from kvtierd.store.slots import Slot
 __all__ = ["KeptOutcome", "adopt_kept", "image_of"]
 
 log = logging.getLogger("kvtierd.store")
+#: Blocks indexed between two turns of the event loop.
+_SLICE = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,14 +115,19 @@ async def adopt_kept(
         for region in residency.regions
         if region.mapping.kept is not None
     }
-    candidates = _in_place(residency, image.blocks, taken)
+
+    def check() -> tuple[list[tuple[KeptBlock, TenantRegion]], list[bool]]:
+        """In a worker thread (it reads the index and the registry, which nothing changes
+        before the store serves): the place of each block, then its bytes."""
+        candidates = _in_place(residency, image.blocks, taken)
+        spans = [
+            (region.mapping.base + kept.offset, kept.raw_bytes, kept.checksum)
+            for kept, region in candidates
+        ]
+        return candidates, verify_blocks(residency.arena.view, spans, progress)
+
+    candidates, ok = await anyio.to_thread.run_sync(check)
     refused = len(image.blocks) - len(candidates)
-    spans = [
-        (region.mapping.base + kept.offset, kept.raw_bytes, kept.checksum)
-        for kept, region in candidates
-    ]
-    view = residency.arena.view
-    ok = await anyio.to_thread.run_sync(verify_blocks, view, spans, progress)
     good = [pair for pair, fine in zip(candidates, ok, strict=True) if fine]
     adopted = adopted_bytes = 0
     now = time.monotonic()
@@ -133,6 +142,8 @@ async def adopt_kept(
             [(region.mapping.base + kept.offset, kept.slot_bytes) for kept, _ in rows]
         )
         for (kept, _), slot in zip(rows, slots, strict=True):
+            if adopted % _SLICE == _SLICE - 1:
+                await anyio.lowlevel.checkpoint()  # the start's progress is told meanwhile
             block = _install(residency, kept, slot)
             if block is None:
                 region.allocator.free(slot)
@@ -141,7 +152,9 @@ async def adopt_kept(
             installed.append(block)
             adopted += 1
             adopted_bytes += kept.raw_bytes
-    for block in sorted(installed, key=lambda b: b.ref.seq):  # the policy learns commit order
+    for i, block in enumerate(sorted(installed, key=lambda b: b.ref.seq)):  # commit order
+        if i % _SLICE == _SLICE - 1:
+            await anyio.lowlevel.checkpoint()
         residency.dram_policy_of(block.ns).inserted(block, now)
         if block.dirty:
             residency.writeback.enqueue(block)
@@ -178,6 +191,10 @@ def _in_place(
         ):
             continue
         placed.append((kept, region))
+    # A daemon gives each commit a sequence number of its own (write-back knows blocks by it):
+    # blocks that share one are none of them taken.
+    seqs = Counter(kept.seq for kept, _ in placed)
+    placed = [pair for pair in placed if seqs[pair[0].seq] == 1]
     placed.sort(key=lambda pair: (pair[1].id, pair[0].offset))
     apart: list[tuple[KeptBlock, TenantRegion]] = []
     for kept, region in placed:
@@ -199,11 +216,11 @@ def _crosses(boundary: int | None, offset: int, size: int) -> bool:
 
 def _install(residency: Residency, kept: KeptBlock, slot: Slot) -> Block | None:
     """Index ``kept`` in DRAM at ``slot``; ``None`` when the lower tier holds another
-    version of its key, or another block's bytes under its sequence number (or it is in DRAM
-    already)."""
+    version of its key (another sequence number, checksum, size or compression), or it is in
+    DRAM already."""
     ns = residency.registry.by_digest(kept.ns_digest)
     assert ns is not None  # checked by _in_place
-    block = residency.index.get(ns, kept.key)
+    block = residency.index.peek(ns, kept.key)  # not made live unless taken
     if block is not None:
         ref = block.ref
         same = (ref.seq, ref.checksum, ref.raw_bytes, ref.compress) == (
@@ -214,6 +231,8 @@ def _install(residency: Residency, kept: KeptBlock, slot: Slot) -> Block | None:
         )
         if not same or block.dram is not None:
             return None
+        block = residency.index.get(ns, kept.key)
+        assert block is not None
     else:
         ref = BlockRef(
             kept.ns_digest, kept.key, kept.raw_bytes, kept.checksum, kept.seq, kept.compress

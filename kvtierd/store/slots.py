@@ -107,8 +107,10 @@ class SlotAllocator:
         """Take the slots ``(offset, size)`` as allocated, in a fresh allocator: what a restarted
         daemon finds already in use (its predecessor's blocks, kept in DRAM). ``spans`` must be
         sorted by offset, aligned, of whole size classes, apart and inside the region; the gaps
-        between them become free slots, cut at the ``boundary``. Raises ``ValueError`` for any
-        other use (then nothing is changed)."""
+        between them become free slots of the size of the slot after the gap (where the blocks
+        of one model were, blocks of that model fit again, from their size's free list without
+        a merge), the rest of a gap one slot, none across the ``boundary``. Raises
+        ``ValueError`` for any other use (then nothing is changed)."""
         if self._offsets:
             raise ValueError("only a fresh allocator adopts slots")
         end = self.base
@@ -120,7 +122,7 @@ class SlotAllocator:
             raise ValueError(f"slot ending at {end} lies past the region")
         adopted = []
         for offset, size in spans:
-            self._free_gap(self._tail, offset)
+            self._free_gap(self._tail, offset, size)
             index = self._carve(size, offset)
             self._tail = offset + size
             self._in_use[index] = True
@@ -128,15 +130,17 @@ class SlotAllocator:
             adopted.append(self._ref(index))
         return adopted
 
-    def _free_gap(self, start: int, end: int) -> None:
-        """Free slots covering ``[start, end)``, none across a ``boundary``."""
+    def _free_gap(self, start: int, end: int, unit: int) -> None:
+        """Free slots covering ``[start, end)``: of ``unit`` bytes while they fit, the rest
+        one slot, none across a ``boundary``."""
         while start < end:
             edge = end
             if self.boundary:
                 edge = min(end, (start // self.boundary + 1) * self.boundary)
-            index = self._carve(edge - start, start)
-            self._free.setdefault(edge - start, []).append(index)
-            start = edge
+            size = unit if start + unit <= edge else edge - start
+            index = self._carve(size, start)
+            self._free.setdefault(size, []).append(index)
+            start += size
 
     def _ref(self, index: int) -> Slot:
         return Slot(index, self._offsets[index], self._sizes[index], self._generations[index])

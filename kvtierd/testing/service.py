@@ -3,8 +3,10 @@ file-descriptor store.
 
 :class:`ServiceManager` binds a datagram socket where ``$NOTIFY_SOCKET`` points and reads it in
 a thread as systemd does: every message's ``KEY=value`` lines with the descriptors sent along
-(``SCM_RIGHTS``). ``FDSTORE=1`` keeps them under their ``FDNAME=`` (up to ``fdstore_max``, the
-unit's ``FileDescriptorStoreMax=``; beyond it they are closed, as systemd closes them),
+(``SCM_RIGHTS``). ``FDSTORE=1`` keeps them under their ``FDNAME=`` as systemd's
+``service_add_fd_store`` does: up to ``fdstore_max`` (the unit's ``FileDescriptorStoreMax=``;
+beyond it they are closed), a second descriptor of a file already kept dropped (the first
+keeps its name), each new one put first (``LISTEN_FDNAMES`` lists the newest first);
 ``FDSTOREREMOVE=1`` drops those of a name, ``BARRIER=1`` closes its descriptor once every
 message before it is handled. :class:`kvtierd.testing.DaemonProcess` ``manager=`` passes what is
 stored to each start from descriptor 3 on, named in ``LISTEN_FDNAMES``, after the listening
@@ -99,8 +101,10 @@ class ServiceManager:
                     if len(self._stored) >= self.fdstore_max:
                         os.close(fd)
                         self.refused += 1
+                    elif any(_same_file(fd, kept) for _, kept in self._stored):
+                        os.close(fd)
                     else:
-                        self._stored.append((name, fd))
+                        self._stored.insert(0, (name, fd))
                 return
             if fields.get("FDSTOREREMOVE") == "1":
                 name = fields.get("FDNAME", "")
@@ -110,3 +114,8 @@ class ServiceManager:
                 self._stored = [(n, fd) for n, fd in self._stored if n != name]
         for fd in fds:  # a barrier's, or descriptors nobody asked to keep
             os.close(fd)
+
+
+def _same_file(a: int, b: int) -> bool:
+    first, second = os.fstat(a), os.fstat(b)
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)

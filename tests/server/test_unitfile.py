@@ -127,3 +127,11 @@ def test_drop_ins_higher_in_the_search_path_hide_the_same_name(
     monkeypatch.setattr(unitfile, "UNIT_PATH", (tmp_path / "none",))
     with pytest.raises(FileNotFoundError, match=r"no kvtierd\.service in"):
         read_unit()
+
+
+def test_exec_starts_prefixes_and_arguments_are_read_as_systemd_reads_them() -> None:
+    unit = parse_unit(
+        ["[Service]\nExecStart=-@/usr/bin/kvtierd kvtierd --config '/etc/a b.toml'\n"]
+    )
+    assert unit.program == "/usr/bin/kvtierd"
+    assert unit.arguments == ("--config", "/etc/a b.toml")  # "@": the next word is argv[0]

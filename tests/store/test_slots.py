@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -138,3 +139,29 @@ def test_only_a_fresh_allocator_adopts() -> None:
     assert alloc.allocate(4096) is not None
     with pytest.raises(ValueError, match="fresh"):
         alloc.adopt([(8192, 4096)])
+
+
+def test_after_adoption_blocks_of_the_same_size_fill_the_gaps_without_a_merge(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Half of a region's 64 KiB blocks kept at random: the other half's places are free slots
+    of that size, each allocation popped from its free list (a merge sorts every free slot: a
+    million of them would hold the loop for seconds)."""
+    size, count = 64 << 10, 512
+    alloc = SlotAllocator(0, size * count, boundary=1 << 20)
+    kept = sorted(random.Random(5).sample(range(count), count // 2))
+    alloc.adopt([(i * size, size) for i in kept])
+    merges = 0
+    merge = alloc._merge
+
+    def counted(wanted: int) -> int | None:
+        nonlocal merges
+        merges += 1
+        return merge(wanted)
+
+    monkeypatch.setattr(alloc, "_merge", counted)
+    got = [alloc.allocate(size) for _ in range(count - len(kept))]
+    assert all(slot is not None for slot in got)
+    assert merges == 0
+    assert alloc.allocate(size) is None  # full
+    assert alloc.used_bytes == size * count
