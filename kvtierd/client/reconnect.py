@@ -93,6 +93,13 @@ class Reconnect:
         event loop (asyncio or trio)."""
         return tenacity.AsyncRetrying(sleep=anyio.sleep, **self._tenacity())
 
+    def backoff_s(self, failed: int) -> float:
+        """The wait after ``failed`` attempts in a row (tenacity's, as :meth:`retrying` waits):
+        for a caller that does not wait but skips attempts until then (an engine's link)."""
+        state = tenacity.RetryCallState(self.retrying(), None, (), {})
+        state.attempt_number = max(failed, 1)
+        return float(self._tenacity()["wait"](state))
+
     def _tenacity(self) -> dict[str, Any]:
         stop: Any = tenacity.stop_after_delay(self.timeout_s)
         if self.attempts is not None:

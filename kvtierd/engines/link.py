@@ -10,8 +10,11 @@ is retried and what is a miss is decided once:
 - The link opens a session on first use, and again once the connection is lost: the session a
   call finds no longer connected (a ``poll``, no round trip) is dropped before the call, and
   one a call loses (:func:`~kvtierd.errors.is_connection_loss`) after it. Connecting is one
-  attempt with the adapter's timeout, never the client's back-off (:class:`Reconnect`): an
-  engine's prefetch or scheduler thread must not sleep for seconds on a daemon that is away.
+  attempt with the adapter's timeout, never a wait: an engine's prefetch or scheduler thread
+  must not sleep for seconds on a daemon that is away. After a failed attempt the next is not
+  made before the client's back-off (:class:`~kvtierd.client.Reconnect`'s: doubling from 50 ms
+  to 2 s, with jitter, so a host's engines do not all knock at once while the daemon starts);
+  calls meanwhile answer their miss at once, for as long as the daemon is away.
 - :meth:`EngineLink.call` runs a call on the session, once more on a new session when the
   connection was lost under it, and answers ``miss`` when the daemon cannot serve it: a
   refusal (no space, quota, a bad request) leaves the session as it is, and each failure is
@@ -26,15 +29,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from kvtierd.client import Client, Namespace, connect
+from kvtierd.client import Client, Namespace, Reconnect, connect
 from kvtierd.client.base import broken_error
 from kvtierd.errors import (
     ClosedError,
+    DaemonNotRunningError,
     InvalidRequestError,
     KvtierError,
     NoSpaceError,
@@ -50,6 +55,8 @@ if TYPE_CHECKING:  # torch is imported by the first arena (lmcache_keys needs no
 __all__ = ["EngineLink", "NamespaceSpec", "Session"]
 
 T = TypeVar("T")
+#: The client's back-off, between an engine's attempts to reach a daemon that is away.
+_BACKOFF = Reconnect()
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +197,10 @@ class EngineLink:
         self._down = False
         #: Sessions opened (the first, then one per reconnect).
         self.opens = 0
+        #: Connections tried, and the failed ones in a row; no new try before ``_retry_at``.
+        self.attempts = 0
+        self._failed = 0
+        self._retry_at = 0.0
         #: Calls that answered a miss because the daemon could not serve them.
         self.failures = 0
 
@@ -209,6 +220,12 @@ class EngineLink:
                 session.close()
                 session = None
             if session is None:
+                if time.monotonic() < self._retry_at:
+                    raise DaemonNotRunningError(
+                        f"kvtierd unreachable; the next attempt in "
+                        f"{self._retry_at - time.monotonic():.2f} s"
+                    )
+                self.attempts += 1
                 try:
                     client = connect(
                         self._socket, client_name=self._client_name, timeout_s=self._timeout_s
@@ -219,6 +236,7 @@ class EngineLink:
                 except OSError as exc:  # reset during the handshake, EMFILE: not the engine's
                     self._went_down(exc)
                     raise broken_error(exc) from exc
+                self._failed, self._retry_at = 0, 0.0
                 session = self._session = Session(client, self.tenant)
                 self.opens += 1
                 if self._down:
@@ -279,6 +297,8 @@ class EngineLink:
         return miss
 
     def _went_down(self, exc: BaseException) -> None:
+        self._failed += 1
+        self._retry_at = time.monotonic() + _BACKOFF.backoff_s(self._failed)
         if not self._down:
             self._down = True
             self._log.warning("kvtierd unreachable, serving without it: %s", exc)

@@ -1,10 +1,12 @@
 """The engine link every adapter reaches the daemon through, against a real daemon that goes
-away and comes back: misses instead of errors, one "unreachable" per outage, a new connection
-after a restart, refusals that keep the connection, one region tensor per session."""
+away and comes back: misses instead of errors, one "unreachable" per outage, attempts spaced by
+a back-off while it is away, a new connection after a restart, refusals that keep the
+connection, one region tensor per session."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,3 +123,25 @@ def test_one_region_tensor_per_session(daemon: DaemonProcess) -> None:
         extent = lease.extents[0]
         assert bytes(arena[extent.offset : extent.offset + extent.length].numpy()) == BLOCK
     link.close()
+
+
+def test_a_daemon_away_is_knocked_on_after_a_backoff_not_on_every_call(tmp_path: Path) -> None:
+    """While the daemon is away each call answers its miss at once, and the link tries to
+    connect again only once the client's back-off (with jitter) has passed: an engine's threads
+    do not knock on every call while the daemon starts. It is reached once it serves."""
+    daemon = DaemonProcess(tmp_path / "kvtierd")
+    link = _link(daemon)
+    assert [link.call("put", _put, -1) for _ in range(200)] == [-1] * 200
+    assert link.failures == 200
+    assert 1 <= link.attempts <= 3  # 200 calls, a few attempts
+    daemon.start(120)
+    try:
+        for _ in range(400):  # at most 2.25 s between attempts: reached well within this
+            if link.call("put", _put, -1) != -1:
+                break
+            time.sleep(0.05)
+        assert link.opens == 1
+        assert link.call("put", _put, -1) in (0, 2)
+    finally:
+        link.close()
+        daemon.kill()
