@@ -13,7 +13,7 @@ is retried and what is a miss is decided once:
   attempt with the adapter's timeout, never a wait: an engine's prefetch or scheduler thread
   must not sleep for seconds on a daemon that is away. After a failed attempt the next is not
   made before the client's back-off (:class:`~kvtierd.client.Reconnect`'s: doubling from 50 ms
-  to 2 s, with jitter, so a host's engines do not all knock at once while the daemon starts);
+  to 1 s, with jitter, so a host's engines do not all knock at once while the daemon starts);
   calls meanwhile answer their miss at once, for as long as the daemon is away.
 - :meth:`EngineLink.call` runs a call on the session, once more on a new session when the
   connection was lost under it, and answers ``miss`` when the daemon cannot serve it: a
@@ -55,8 +55,9 @@ if TYPE_CHECKING:  # torch is imported by the first arena (lmcache_keys needs no
 __all__ = ["EngineLink", "NamespaceSpec", "Session"]
 
 T = TypeVar("T")
-#: The client's back-off, between an engine's attempts to reach a daemon that is away.
-_BACKOFF = Reconnect()
+#: The client's back-off between an engine's attempts to reach a daemon that is away, at most
+#: a second (and its jitter) apart: a restarted daemon is found that soon after it serves.
+_BACKOFF = Reconnect(max_backoff_s=1.0)
 
 
 @dataclass(frozen=True, slots=True)

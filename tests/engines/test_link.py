@@ -136,7 +136,7 @@ def test_a_daemon_away_is_knocked_on_after_a_backoff_not_on_every_call(tmp_path:
     assert 1 <= link.attempts <= 3  # 200 calls, a few attempts
     daemon.start(120)
     try:
-        for _ in range(400):  # at most 2.25 s between attempts: reached well within this
+        for _ in range(400):  # at most 1.25 s between attempts: reached well within this
             if link.call("put", _put, -1) != -1:
                 break
             time.sleep(0.05)
