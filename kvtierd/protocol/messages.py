@@ -635,9 +635,12 @@ APPENDED: Final[dict[type[Message], tuple[tuple[int, int], ...]]] = {
         (11, 27),  # the tenants
     ),
 }
-#: The bodies that hold such a struct (or are one), and the newest minor that appended any.
-_HOLDERS: Final[frozenset[type[Message]]] = frozenset({ListNsReply, StatfsReply})
-_NEWEST_APPENDED: Final = max(since for steps in APPENDED.values() for since, _ in steps)
+#: The bodies that hold such a struct (or are one), each with the newest minor that appended
+#: any of what it holds: a peer of that minor or newer is sent the body as it is.
+_HOLDERS: Final[dict[type[Message], int]] = {
+    ListNsReply: max(since for since, _ in APPENDED[NamespaceInfo]),
+    StatfsReply: max(since for cls in (StatfsReply, TierStatistics) for since, _ in APPENDED[cls]),
+}
 #: Request structs that grew after minor 6: struct -> how many fields it had before. The
 #: appended fields are sent only up to the last one that differs from its default, so a
 #: request that does not use them is the bytes an older daemon decodes (minor 10:
@@ -658,7 +661,7 @@ _DECODERS: Final[dict[type[Message], msgspec.msgpack.Decoder[Any]]] = {
 def encode_body(message: Message, *, peer_minor: int | None = None) -> bytes:
     """MessagePack bytes of ``message``; for a peer of ``peer_minor`` (what its INIT said)
     without the fields appended after that minor (:data:`APPENDED`)."""
-    if peer_minor is not None and peer_minor < _NEWEST_APPENDED and type(message) in _HOLDERS:
+    if peer_minor is not None and peer_minor < _HOLDERS.get(type(message), 0):
         return _ENCODER.encode(_as_of(message, peer_minor))
     before = APPENDED_REQUEST_FIELDS.get(type(message))
     if before is not None:  # a request's appended fields: up to the last one not at its default
