@@ -310,11 +310,11 @@ def _take_unit_arguments(args: argparse.Namespace, unit: ServiceUnit) -> list[st
             f"ExecStart= gives kvtierd arguments it does not start with: {shlex.join(words)}"
         )
     overridden = []
-    for attribute in ("config", *(_attribute(flag) for flag, _ in FLAGS.values())):
+    for flag in ("--config", *(flag for flag, _ in FLAGS.values())):
+        attribute = _attribute(flag)
         value = getattr(given, attribute)
         if value is None:
             continue
-        flag = "--" + attribute.replace("_", "-")
         before = getattr(args, attribute)
         if before is not None and str(before) != str(value):
             overridden.append(f"{flag} {value}, not {before} as given to --check")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import mmap
 import os
 import re
 import select
@@ -31,9 +32,9 @@ from humanfriendly import format_size
 
 from kvtierd.config import MAX_TENANTS
 from kvtierd.server.notify import Notifier
-from kvtierd.store.kept import MAX_IMAGE_BYTES, Handed, decode_image, match_regions
+from kvtierd.store.kept import MAX_IMAGE_BYTES, DramImage, Handed, decode_image, match_regions
 
-__all__ = ["IMAGE_NAME", "MAX_STORED", "PREFIX", "FdStore", "region_name"]
+__all__ = ["IMAGE_NAME", "IMAGE_SEALS", "MAX_STORED", "PREFIX", "FdStore", "region_name"]
 
 log = logging.getLogger("kvtierd")
 
@@ -46,7 +47,8 @@ _REGION = re.compile(re.escape(PREFIX) + r"region-([0-9]{1,3})")
 MAX_STORED = MAX_TENANTS + 2
 #: How long a stop waits for systemd to have taken the descriptors in.
 BARRIER_TIMEOUT_S = 5.0
-_IMAGE_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: An image is sealed against every change.
+IMAGE_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def region_name(region_id: int) -> str:
@@ -114,7 +116,7 @@ class FdStore:
                 )
             return None
         try:
-            image = decode_image(_read_sealed(image_fd, limit), limit)
+            image = _decode_sealed(image_fd, limit)
         except (OSError, ValueError, MemoryError) as exc:
             log.warning("the DRAM image systemd handed back is not usable (%s): the DRAM "
                         "starts empty", exc)  # fmt: skip
@@ -145,9 +147,9 @@ class FdStore:
         image_fd = _sealed_memfd(IMAGE_NAME, image)
         try:
             for region_id, fd in regions:  # the image last: present only with every region
-                if not self._send_fd(f"FDSTORE=1\nFDNAME={region_name(region_id)}", fd):
+                if not self._send(f"FDSTORE=1\nFDNAME={region_name(region_id)}", [fd]):
                     return False
-            if not self._send_fd(f"FDSTORE=1\nFDNAME={IMAGE_NAME}", image_fd):
+            if not self._send(f"FDSTORE=1\nFDNAME={IMAGE_NAME}", [image_fd]):
                 return False
         finally:
             os.close(image_fd)
@@ -161,9 +163,6 @@ class FdStore:
 
     def _send(self, message: str, fds: Sequence[int] = ()) -> bool:
         return self._notifier.send(message, fds)
-
-    def _send_fd(self, message: str, fd: int) -> bool:
-        return self._send(message, [fd])
 
     def _barrier(self) -> bool:
         """``BARRIER=1``: systemd closes the descriptor sent with it once it has handled every
@@ -191,25 +190,23 @@ def _sealed_memfd(name: str, data: bytes) -> int:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _IMAGE_SEALS)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, IMAGE_SEALS)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _read_sealed(fd: int, limit: int) -> bytes:
-    """The bytes of a memory file that nobody can change any more, at most ``limit``."""
+def _decode_sealed(fd: int, limit: int) -> DramImage:
+    """The image in a memory file that nobody can change any more (at most ``limit`` bytes),
+    decoded from its pages where they lie."""
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    if seals & _IMAGE_SEALS != _IMAGE_SEALS:
+    if seals & IMAGE_SEALS != IMAGE_SEALS:
         raise ValueError("the image is not sealed against writes")
     size = os.fstat(fd).st_size
     if size > limit:
         raise ValueError(f"the image holds {size} bytes, more than {limit}")
-    data = bytearray()
-    while len(data) < size:
-        chunk = os.pread(fd, min(size - len(data), 64 << 20), len(data))
-        if not chunk:
-            break
-        data += chunk
-    return bytes(data)
+    if size == 0:
+        raise ValueError("the image is empty")
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as pages, memoryview(pages) as view:
+        return decode_image(view, limit)

@@ -53,7 +53,7 @@ from humanfriendly import format_size
 from kvtierd.config import TriState
 from kvtierd.errors import NoSpaceError, StorageIOError
 from kvtierd.host import free_hugepage_bytes, shmem_thp_mode
-from kvtierd.store.kept import HandedRegion, KeptRegion, region_file_name
+from kvtierd.store.kept import REGION_SEALS, HandedRegion, KeptRegion, region_file_name
 
 __all__ = ["HUGE_PAGE_BYTES", "Arena", "ArenaInfo", "Region", "map_region", "usable_kind"]
 
@@ -63,7 +63,6 @@ HUGE_PAGE_BYTES = 2 << 20
 #: Pre-faulting goes this far between checkpoints (0.1-0.5 s of first-touch work here).
 PREFAULT_CHUNK_BYTES = 256 << 20
 _MADV_POPULATE_WRITE = 23
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
@@ -196,9 +195,10 @@ class Arena:
         *Fixed buffers before the pre-fault*).
 
         ``handed``: regions a stopped daemon left, by ``(tenant, size)``
-        (:mod:`kvtierd.store.kept`): a region of that tenant and size maps that memory file
-        instead of a new one, when its pages are of the kind this start would choose; the
-        arena owns its descriptor from then on (see :meth:`taken`)."""
+        (:mod:`kvtierd.store.kept`), each of pages this start may use (:func:`usable_kind`,
+        which the caller applies): a region of that tenant and size maps that memory file
+        instead of a new one, and the arena owns its descriptor once it returns (on failure,
+        the caller still does)."""
         handed = handed or {}
         private_bytes = _round_up(max(private_bytes, 0))
         sizes = [(tenant, _round_up(size)) for tenant, size in regions]
@@ -220,9 +220,7 @@ class Arena:
                     hugepages is TriState.AUTO and not tenants_isolated and huge_left >= size
                 )
                 again = handed.get((tenant, size))
-                if again is not None and usable_kind(
-                    again.kept.hugepages, hugepages, tenants_isolated
-                ):
+                if again is not None:
                     fd, huge, kept = again.fd, again.kept.hugepages, again.kept
                 else:
                     (fd, huge), kept = cls._open_memfd(tenant, size, want_huge, hugepages), None
@@ -277,7 +275,7 @@ class Arena:
             fd = os.memfd_create(name, flags | os.MFD_HUGETLB)
             try:
                 os.ftruncate(fd, size_bytes)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REGION_SEALS)
                 return fd, True
             except OSError as exc:
                 os.close(fd)
@@ -287,7 +285,7 @@ class Arena:
         fd = os.memfd_create(name, flags)
         try:
             os.ftruncate(fd, size_bytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REGION_SEALS)
         except OSError as exc:
             os.close(fd)
             raise NoSpaceError(f"cannot size the arena: {exc.strerror}") from exc
@@ -361,10 +359,6 @@ class Arena:
         if offset < 0 or length < 0 or offset + length > self.info.size_bytes:
             raise ValueError(f"[{offset}, {offset + length}) lies outside the arena")
         return self.view[offset : offset + length]
-
-    def taken(self) -> list[int]:
-        """The descriptors of the regions a stopped daemon left that this arena maps."""
-        return [region.fd for region in self.regions if region.kept is not None]
 
     def close(self, *, keep_regions: bool = False) -> None:
         """Close the descriptors and unmap. A mapping that still has exported views (io_uring

@@ -45,6 +45,7 @@ from kvtierd.store.records import checksum
 __all__ = [
     "IMAGE_VERSION",
     "MAX_IMAGE_BYTES",
+    "REGION_SEALS",
     "DramImage",
     "DramKeeper",
     "Handed",
@@ -102,9 +103,6 @@ class KeptBlock(msgspec.Struct, frozen=True, array_like=True):
     checksum: int
     seq: int
     compress: bool
-    #: Not yet on the local lower tier when the image was taken (for the logs and tools: the
-    #: start writes back what the lower tier it recovered does not hold, whatever this says).
-    dirty: bool
 
 
 class DramImage(msgspec.Struct, frozen=True):

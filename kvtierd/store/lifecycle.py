@@ -34,7 +34,8 @@ import enum
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Iterable
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -283,12 +284,10 @@ async def _take_handed(config: Config, keeper: DramKeeper | None) -> Handed | No
     return Handed(handed.image, regions) if handed is not None else None
 
 
-def _close_untaken(handed: Handed | None, taken: Iterable[int]) -> None:
-    """Close the handed regions the arena did not take."""
-    kept = set(taken)
+def _close_handed(handed: Handed | None) -> None:
+    """Close the handed regions (an arena that failed did not take them)."""
     for region in handed.regions.values() if handed is not None else ():
-        if region.fd not in kept:
-            os.close(region.fd)
+        os.close(region.fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,9 +335,8 @@ async def open_store_base(
         except anyio.get_cancelled_exc_class():
             raise  # the abandoned worker may still map the handed regions: they go at exit
         except BaseException:
-            _close_untaken(handed, ())
+            _close_handed(handed)
             raise
-        _close_untaken(handed, arena.taken())  # their memory freed now
         keeping = DramKeeping(keeper, handed.image if handed is not None else None)
         # after all that uses it, before the backend (whose pins keep the pages it may still
         # be reading into); whole where its regions were handed on
@@ -438,13 +436,19 @@ async def _open_store_on(
         # base closes the arena; only when the store closes cleanly: a daemon that dies of an
         # error keeps nothing (what it was handed might be what it died of).
         stack.push_async_exit(partial(_leave_if_clean, base.keeping, residency))
-        if base.keeping.image is not None:
+        if (image := base.keeping.image) is not None:
             progress.advance(OpenPhase.ADOPTING_DRAM)
+            log.info(
+                "DRAM kept across the restart: checking %d blocks that pid %d left %.1f s ago "
+                "(in regions %d restarts old)",
+                len(image.blocks),
+                image.pid,
+                time.time() - image.written_at,
+                max((r.restarts for r in image.regions), default=0),
+            )
             _log_kept(
                 await adopt_kept(
-                    residency,
-                    base.keeping.image,
-                    partial(progress.advance, OpenPhase.ADOPTING_DRAM),
+                    residency, image, partial(progress.advance, OpenPhase.ADOPTING_DRAM)
                 )
             )
             base.keeping.image = None  # its blocks are the store's now

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
-import anyio.lowlevel
 
 from kvtierd.store.index import Block
 from kvtierd.store.kept import (
@@ -34,6 +33,7 @@ from kvtierd.store.kept import (
     KeptRegion,
     verify_blocks,
 )
+from kvtierd.store.namespaces import Namespace
 from kvtierd.store.refs import BlockRef
 from kvtierd.store.regions import TenantRegion
 from kvtierd.store.residency import Residency
@@ -42,8 +42,6 @@ from kvtierd.store.slots import Slot
 __all__ = ["KeptOutcome", "adopt_kept", "image_of"]
 
 log = logging.getLogger("kvtierd.store")
-#: Blocks indexed between two turns of the event loop.
-_SLICE = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,25 +62,23 @@ def image_of(residency: Residency) -> DramImage:
     """What ``residency``'s DRAM holds, for the next start: call it once nothing changes the
     index any more (every task of the store ended)."""
     regions = [_kept_region(region) for region in residency.regions]
+    resident = [b for b in residency.index.blocks() if b.dram is not None and not b.forgotten]
     blocks = []
-    for block in sorted(residency.index.blocks(), key=lambda b: b.ref.seq):
-        slot = block.dram
-        if slot is None or block.forgotten:
-            continue
+    for block in sorted(resident, key=lambda b: b.ref.seq):
+        assert block.dram is not None
         region = residency.region(block.ns)
         ref = block.ref
         blocks.append(
             KeptBlock(
                 region.id,
-                region.relative(slot.offset),
-                slot.size,
+                region.relative(block.dram.offset),
+                block.dram.size,
                 ref.ns_digest,
                 ref.key,
                 ref.raw_bytes,
                 ref.checksum,
                 ref.seq,
                 ref.compress,
-                block.dirty,
             )
         )
     return DramImage(IMAGE_VERSION, time.time(), os.getpid(), regions, blocks)
@@ -102,6 +98,10 @@ def _kept_region(region: TenantRegion) -> KeptRegion:
     )
 
 
+#: A block of the image whose place is sound, with the region and namespace it lives in.
+_Placed = tuple[KeptBlock, TenantRegion, Namespace]
+
+
 async def adopt_kept(
     residency: Residency,
     image: DramImage,
@@ -116,64 +116,56 @@ async def adopt_kept(
         if region.mapping.kept is not None
     }
 
-    def check() -> tuple[list[tuple[KeptBlock, TenantRegion]], list[bool]]:
+    def check() -> tuple[list[_Placed], list[bool]]:
         """In a worker thread (it reads the index and the registry, which nothing changes
         before the store serves): the place of each block, then its bytes."""
         candidates = _in_place(residency, image.blocks, taken)
         spans = [
             (region.mapping.base + kept.offset, kept.raw_bytes, kept.checksum)
-            for kept, region in candidates
+            for kept, region, _ in candidates
         ]
         return candidates, verify_blocks(residency.arena.view, spans, progress)
 
     candidates, ok = await anyio.to_thread.run_sync(check)
-    refused = len(image.blocks) - len(candidates)
-    good = [pair for pair, fine in zip(candidates, ok, strict=True) if fine]
-    adopted = adopted_bytes = 0
-    now = time.monotonic()
-    by_region: dict[int, list[tuple[KeptBlock, TenantRegion]]] = {}
-    for kept, region in good:
-        by_region.setdefault(region.id, []).append((kept, region))
+    good = [placed for placed, fine in zip(candidates, ok, strict=True) if fine]
+    by_region: dict[int, list[_Placed]] = {}
+    for placed in good:  # in offset order: _in_place sorted them
+        by_region.setdefault(placed[1].id, []).append(placed)
     installed: list[Block] = []
     for rows in by_region.values():
-        rows.sort(key=lambda pair: pair[0].offset)
         region = rows[0][1]
         slots = region.allocator.adopt(
-            [(region.mapping.base + kept.offset, kept.slot_bytes) for kept, _ in rows]
+            [(region.mapping.base + kept.offset, kept.slot_bytes) for kept, _, _ in rows]
         )
-        for (kept, _), slot in zip(rows, slots, strict=True):
-            if adopted % _SLICE == _SLICE - 1:
-                await anyio.lowlevel.checkpoint()  # the start's progress is told meanwhile
-            block = _install(residency, kept, slot)
+        pairs = list(zip(rows, slots, strict=True))
+        blocks = await residency.lane.map(pairs, lambda pair: _install(residency, *pair))
+        for (_, slot), block in zip(pairs, blocks, strict=True):
             if block is None:
                 region.allocator.free(slot)
-                refused += 1
-                continue
-            installed.append(block)
-            adopted += 1
-            adopted_bytes += kept.raw_bytes
-    for i, block in enumerate(sorted(installed, key=lambda b: b.ref.seq)):  # commit order
-        if i % _SLICE == _SLICE - 1:
-            await anyio.lowlevel.checkpoint()
-        residency.dram_policy_of(block.ns).inserted(block, now)
-        if block.dirty:
-            residency.writeback.enqueue(block)
+            else:
+                installed.append(block)
+    now = time.monotonic()
+    await residency.lane.map(
+        sorted(installed, key=lambda b: b.ref.seq),  # the policy learns commit order
+        lambda block: _known(residency, block, now),
+    )
     await _summarise(residency, installed)
     return KeptOutcome(
-        adopted,
-        adopted_bytes,
+        len(installed),
+        sum(block.ref.raw_bytes for block in installed),
         len(candidates) - len(good),
-        refused,
+        len(image.blocks) - len(candidates) + len(good) - len(installed),
         time.monotonic() - started,
     )
 
 
 def _in_place(
     residency: Residency, blocks: list[KeptBlock], taken: dict[int, TenantRegion]
-) -> list[tuple[KeptBlock, TenantRegion]]:
-    """The blocks whose place is sound: region taken, namespace known and living there, slot
-    aligned, inside the region, large enough and apart from every other block's."""
-    placed: list[tuple[KeptBlock, TenantRegion]] = []
+) -> list[_Placed]:
+    """The blocks whose place is sound, by region and offset: region taken, namespace known
+    and living there, slot aligned, inside the region, of the size the block takes and apart
+    from every other block's."""
+    placed: list[_Placed] = []
     for kept in blocks:
         region = taken.get(kept.region)
         ns = residency.registry.by_digest(kept.ns_digest)
@@ -190,19 +182,20 @@ def _in_place(
             or not 0 < kept.seq <= MAX_SEQ
         ):
             continue
-        placed.append((kept, region))
+        placed.append((kept, region, ns))
     # A daemon gives each commit a sequence number of its own (write-back knows blocks by it):
     # blocks that share one are none of them taken.
-    seqs = Counter(kept.seq for kept, _ in placed)
-    placed = [pair for pair in placed if seqs[pair[0].seq] == 1]
-    placed.sort(key=lambda pair: (pair[1].id, pair[0].offset))
-    apart: list[tuple[KeptBlock, TenantRegion]] = []
-    for kept, region in placed:
+    seqs = Counter(kept.seq for kept, _, _ in placed)
+    placed = [row for row in placed if seqs[row[0].seq] == 1]
+    placed.sort(key=lambda row: (row[1].id, row[0].offset))
+    apart: list[_Placed] = []
+    for row in placed:
+        kept, region, _ = row
         if apart and apart[-1][1] is region:
             before = apart[-1][0]
             if before.offset + before.slot_bytes > kept.offset:
                 continue  # two blocks in one place: neither image nor memory can say which
-        apart.append((kept, region))
+        apart.append(row)
     return apart
 
 
@@ -214,36 +207,31 @@ def _crosses(boundary: int | None, offset: int, size: int) -> bool:
     return offset // boundary != (offset + size - 1) // boundary
 
 
-def _install(residency: Residency, kept: KeptBlock, slot: Slot) -> Block | None:
-    """Index ``kept`` in DRAM at ``slot``; ``None`` when the lower tier holds another
-    version of its key (another sequence number, checksum, size or compression), or it is in
-    DRAM already."""
-    ns = residency.registry.by_digest(kept.ns_digest)
-    assert ns is not None  # checked by _in_place
-    block = residency.index.peek(ns, kept.key)  # not made live unless taken
-    if block is not None:
-        ref = block.ref
-        same = (ref.seq, ref.checksum, ref.raw_bytes, ref.compress) == (
-            kept.seq,
-            kept.checksum,
-            kept.raw_bytes,
-            kept.compress,
-        )
-        if not same or block.dram is not None:
-            return None
-        block = residency.index.get(ns, kept.key)
-        assert block is not None
-    else:
-        ref = BlockRef(
-            kept.ns_digest, kept.key, kept.raw_bytes, kept.checksum, kept.seq, kept.compress
-        )
-        block = Block(ns, ref)
+def _install(residency: Residency, placed: _Placed, slot: Slot) -> Block | None:
+    """Index ``placed``'s block in DRAM at ``slot``; ``None`` when the lower tier holds
+    another version of its key (another sequence number, checksum, size or compression), or
+    it is in DRAM already."""
+    kept, _, ns = placed
+    ref = BlockRef(kept.ns_digest, kept.key, kept.raw_bytes, kept.checksum, kept.seq, kept.compress)
+    stored = residency.index.peek(ns, kept.key)  # not made live unless taken
+    if stored is not None and (stored.ref != ref or stored.dram is not None):
+        return None
+    block = residency.index.get(ns, kept.key) if stored is not None else None
+    if block is None:
+        block = Block(ns, ref, dirty=residency.lower is not None)  # the lower tier lacks it
         residency.index.add(block)
-        block.dirty = residency.lower is not None
     block.dram = slot
     ns.dram_blocks += 1
     residency.saw_seq(kept.seq)
     return block
+
+
+def _known(residency: Residency, block: Block, now: float) -> None:
+    """Tell ``block``'s DRAM policy of it, and queue its write-back if the lower tier lacks
+    it."""
+    residency.dram_policy_of(block.ns).inserted(block, now)
+    if block.dirty:
+        residency.writeback.enqueue(block)
 
 
 async def _summarise(residency: Residency, blocks: list[Block]) -> None:

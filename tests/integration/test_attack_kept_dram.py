@@ -29,25 +29,23 @@ import msgspec
 import pytest
 
 from kvtierd.client import connect
-from kvtierd.keys import chain_keys
-from kvtierd.server.fdstore import IMAGE_NAME, region_name
-from kvtierd.store.kept import DramImage, KeptBlock, decode_image, encode_image
+from kvtierd.server.fdstore import IMAGE_NAME, IMAGE_SEALS, region_name
+from kvtierd.store.kept import REGION_SEALS, DramImage, KeptBlock, decode_image, encode_image
 from kvtierd.testing import DaemonProcess, ServiceManager
 from tests.support.configs import config_text, tenant_table
+from tests.support.kept_dram import BLOCK, pattern, put_blocks
+from tests.support.kept_dram import read_blocks as _read
+from tests.support.kept_dram import tiers_of as _tiers
 
 pytestmark = pytest.mark.timeout(240)
 
-BLOCK = 64 << 10
 COUNT = 8
-_IMAGE_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-_REGION_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 TENANTS = [tenant_table("alpha", uids=(2001,)), tenant_table("beta", uids=(2002,))]
 TWO_TENANTS = config_text(*TENANTS, dram={"size": "96M"})
 
 
-def pattern(tag: bytes, key: bytes) -> bytes:
-    unit = tag + key
-    return (unit * (BLOCK // len(unit) + 1))[:BLOCK]
+def _put(daemon: DaemonProcess, name: str = "kept", tenant: str = "default") -> list[bytes]:
+    return put_blocks(daemon, COUNT, name, tenant)
 
 
 @pytest.fixture
@@ -59,7 +57,7 @@ def manager(tmp_path: Path) -> Iterator[ServiceManager]:
 # -- the harness's store, tampered with ---------------------------------------------------------
 
 
-def _sealed(data: bytes, seals: int = _IMAGE_SEALS, name: str = "forged") -> int:
+def _sealed(data: bytes, seals: int = IMAGE_SEALS, name: str = "forged") -> int:
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     if data:
         os.write(fd, data)
@@ -93,30 +91,6 @@ def _forge(manager: ServiceManager, image: DramImage | bytes) -> None:
 
 
 # -- the daemon, as its clients see it ----------------------------------------------------------
-
-
-def _put(daemon: DaemonProcess, name: str = "kept", tenant: str = "default") -> list[bytes]:
-    with connect(daemon.socket) as client:
-        ns = client.namespace(name, block_bytes=BLOCK, tenant=tenant)
-        keys = chain_keys(range(16 * COUNT), 16, ns.key_salt)
-        assert ns.put(keys, [pattern(name.encode(), k) for k in keys]) == COUNT
-        client.fsync()
-    return keys
-
-
-def _tiers(daemon: DaemonProcess, keys: list[bytes], name: str = "kept",
-           tenant: str = "default") -> list[str | None]:  # fmt: skip
-    with connect(daemon.socket) as client:
-        ns = client.namespace(name, block_bytes=BLOCK, tenant=tenant)
-        return ns.lookup_each(keys, promote=False)
-
-
-def _read(daemon: DaemonProcess, keys: list[bytes], name: str = "kept",
-          tenant: str = "default") -> list[bytes]:  # fmt: skip
-    with connect(daemon.socket) as client:
-        ns = client.namespace(name, block_bytes=BLOCK, tenant=tenant)
-        with ns.get(keys) as views:
-            return [bytes(view) for view in views]
 
 
 def _region_of(daemon: DaemonProcess, tenant: str) -> tuple[int, bytes]:
@@ -227,12 +201,12 @@ _IMAGES: dict[str, Callable[[DramImage, Path], int]] = {
         )
     ),
     "unsealed": lambda image, tmp: _sealed(encode_image(image), seals=0),
-    "sealed but writable": lambda image, tmp: _sealed(encode_image(image), seals=_REGION_SEALS),
+    "sealed but writable": lambda image, tmp: _sealed(encode_image(image), seals=REGION_SEALS),
     "a pipe": lambda image, tmp: _pipe_holding(encode_image(image)),
     "a socket": lambda image, tmp: _socket_fd(),
     "a regular file": lambda image, tmp: _regular_file(tmp / "image", encode_image(image)),
     "a directory": lambda image, tmp: os.open(tmp, os.O_RDONLY | os.O_DIRECTORY),
-    "over 1 GiB": lambda image, tmp: _sparse_memfd((1 << 30) + 1, _IMAGE_SEALS),
+    "over 1 GiB": lambda image, tmp: _sparse_memfd((1 << 30) + 1, IMAGE_SEALS),
 }
 
 
@@ -379,6 +353,17 @@ def _holds_pattern(memory: bytes, tag: bytes, keys: list[bytes]) -> bool:
     return any(pattern(tag, k)[:4096] in memory for k in keys)
 
 
+def _beta_holds_nothing_of_alpha(
+    daemon: DaemonProcess, keys: dict[str, list[bytes]], inodes: dict[str, int]
+) -> None:
+    """beta's clients map another memory file than alpha's, with none of alpha's bytes in it,
+    and each tenant reads its own blocks right."""
+    inode, memory = _region_of(daemon, "beta")
+    assert not _holds_pattern(memory, b"alpha", keys["alpha"])
+    assert inode != inodes["alpha"]
+    _tenant_bytes_right(daemon, keys)
+
+
 def test_an_image_that_swaps_tenant_labels_never_hands_a_region_to_the_other_tenant(
     tmp_path: Path, manager: ServiceManager
 ) -> None:
@@ -388,10 +373,7 @@ def test_an_image_that_swaps_tenant_labels_never_hands_a_region_to_the_other_ten
     regions = [msgspec.structs.replace(r, tenant=swap[r.tenant]) for r in image.regions]
     _forge(manager, msgspec.structs.replace(image, regions=regions))
     with _running(daemon):
-        inode, memory = _region_of(daemon, "beta")
-        assert not _holds_pattern(memory, b"alpha", keys["alpha"])
-        assert inode != inodes["alpha"]
-        _tenant_bytes_right(daemon, keys)
+        _beta_holds_nothing_of_alpha(daemon, keys, inodes)
 
 
 def test_one_region_claimed_for_two_tenants_is_given_to_neither_twice(
@@ -403,10 +385,7 @@ def test_one_region_claimed_for_two_tenants_is_given_to_neither_twice(
     regions = [alpha, msgspec.structs.replace(alpha, tenant="beta")]
     _forge(manager, msgspec.structs.replace(image, regions=regions))
     with _running(daemon):
-        inode, memory = _region_of(daemon, "beta")
-        assert not _holds_pattern(memory, b"alpha", keys["alpha"])
-        assert inode != inodes["alpha"]
-        _tenant_bytes_right(daemon, keys)
+        _beta_holds_nothing_of_alpha(daemon, keys, inodes)
         assert daemon.stop() == 0
     assert "Traceback" not in daemon.log()
 
@@ -443,7 +422,7 @@ def _reopened_read_only(fd: int, image: DramImage) -> tuple[int, DramImage]:
 def _write_sealed(fd: int, image: DramImage, seals: int) -> tuple[int, DramImage]:
     """A memory file of the region's size sealed against writing, the image describing it."""
     size = os.fstat(fd).st_size
-    forged = _sparse_memfd(size, _REGION_SEALS | seals)
+    forged = _sparse_memfd(size, REGION_SEALS | seals)
     info = os.fstat(forged)
     regions = [msgspec.structs.replace(image.regions[0], inode=info.st_ino, device=info.st_dev)]
     return forged, msgspec.structs.replace(image, regions=regions)
@@ -455,7 +434,7 @@ _REGIONS: dict[str, Callable[[int, DramImage], tuple[int, DramImage]]] = {
     "a pipe": lambda fd, image: (_pipe_holding(b"x"), image),
     "a socket": lambda fd, image: (_socket_fd(), image),
     "another memory file of its size": lambda fd, image: (
-        _sparse_memfd(os.fstat(fd).st_size, _REGION_SEALS),
+        _sparse_memfd(os.fstat(fd).st_size, REGION_SEALS),
         image,
     ),
     "the image's memory file": lambda fd, image: (_sealed(encode_image(image)), image),
@@ -656,7 +635,7 @@ def test_an_image_of_more_blocks_than_the_dram_holds_is_refused_unread(
         plain = _peak_rss(daemon)
         daemon.stop()
     image = _image(manager)
-    blocks = [KeptBlock(1, 0, 4096, b"", b"", 0, 0, 0, False, False)] * 4_000_000
+    blocks = [KeptBlock(1, 0, 4096, b"", b"", 0, 0, 0, False)] * 4_000_000
     data = encode_image(msgspec.structs.replace(image, blocks=blocks))
     _forge(manager, data)
     with _running(daemon):
@@ -693,7 +672,7 @@ def test_a_region_the_arena_will_refuse_is_closed_before_the_arena_is_made(
     path.write_text(TWO_TENANTS)
     config = load_config(path)
     (tenant, size), _ = config.dram_regions()
-    fd = _sparse_memfd(size, _REGION_SEALS)
+    fd = _sparse_memfd(size, REGION_SEALS)
     info = os.fstat(fd)
     kept = KeptRegion(1, tenant, size, True, info.st_ino, info.st_dev)  # hugetlb, it says
     image = DramImage(1, 0.0, 1, [kept], [])

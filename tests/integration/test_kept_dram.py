@@ -21,54 +21,28 @@ from pathlib import Path
 import pytest
 
 from kvtierd.client import DaemonNotRunningError, Reconnect, StartingError, connect
-from kvtierd.keys import chain_keys
 from kvtierd.server.fdstore import IMAGE_NAME, region_name
 from kvtierd.store.kept import decode_image
 from kvtierd.testing import DaemonProcess, ServiceManager
 from tests.support.configs import config_text, tenant_table
+from tests.support.kept_dram import BLOCK, pattern, put_blocks
+from tests.support.kept_dram import read_blocks as _read
+from tests.support.kept_dram import tiers_of as _tiers
 
 pytestmark = pytest.mark.timeout(240)
 
-BLOCK = 64 << 10
 COUNT = 24
 
 
-def pattern(tag: bytes, key: bytes) -> bytes:
-    unit = tag + key
-    return (unit * (BLOCK // len(unit) + 1))[:BLOCK]
+def _put(daemon: DaemonProcess, name: str = "kept", tenant: str = "default", *,
+         durable: bool = True) -> list[bytes]:  # fmt: skip
+    return put_blocks(daemon, COUNT, name, tenant, durable=durable)
 
 
 @pytest.fixture
 def manager(tmp_path: Path) -> Iterator[ServiceManager]:
     with ServiceManager(tmp_path) as manager:
         yield manager
-
-
-def _put(
-    daemon: DaemonProcess, name: str = "kept", tenant: str = "default", *, durable: bool = True
-) -> list[bytes]:
-    with connect(daemon.socket) as client:
-        ns = client.namespace(name, block_bytes=BLOCK, tenant=tenant)
-        keys = chain_keys(range(16 * COUNT), 16, ns.key_salt)
-        assert ns.put(keys, [pattern(name.encode(), k) for k in keys]) == COUNT
-        if durable:
-            client.fsync()
-    return keys
-
-
-def _tiers(daemon: DaemonProcess, keys: list[bytes], name: str = "kept",
-           tenant: str = "default") -> list[str | None]:  # fmt: skip
-    with connect(daemon.socket) as client:
-        ns = client.namespace(name, block_bytes=BLOCK, tenant=tenant)
-        return ns.lookup_each(keys, promote=False)
-
-
-def _read(daemon: DaemonProcess, keys: list[bytes], name: str = "kept",
-          tenant: str = "default") -> list[bytes]:  # fmt: skip
-    with connect(daemon.socket) as client:
-        ns = client.namespace(name, block_bytes=BLOCK, tenant=tenant)
-        with ns.get(keys) as views:
-            return [bytes(view) for view in views]
 
 
 def _dram_hits(daemon: DaemonProcess) -> int:

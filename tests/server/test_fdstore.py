@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from kvtierd.server import fdstore
-from kvtierd.server.fdstore import IMAGE_NAME, FdStore, region_name
+from kvtierd.server.fdstore import IMAGE_NAME, IMAGE_SEALS, FdStore, region_name
 from kvtierd.store.kept import (
     IMAGE_VERSION,
+    REGION_SEALS,
     DramImage,
     KeptRegion,
     encode_image,
@@ -25,15 +26,23 @@ from kvtierd.store.kept import (
 )
 from kvtierd.testing import ServiceManager
 
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 SIZE = 2 << 20
 
 
-def region_memfd(tenant: str, size: int = SIZE, seals: int = SEALS) -> int:
+def region_memfd(tenant: str, size: int = SIZE, seals: int = REGION_SEALS) -> int:
     """A region's memory file as the arena makes it for ``tenant``."""
     fd = os.memfd_create(region_file_name(tenant), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def image_file(data: bytes, *, sealed: bool = True) -> int:
+    """A memory file holding ``data``, sealed as a stopping daemon seals its image."""
+    fd = os.memfd_create("image", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, data)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, IMAGE_SEALS)
     return fd
 
 
@@ -150,10 +159,7 @@ def test_an_unusable_image_starts_empty(
         data = b"\x93not msgpack of an image"
     elif damage == "another version":
         data = image_for({1: fd}, version=IMAGE_VERSION + 1)
-    image = os.memfd_create("image", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.write(image, data)
-    if damage != "not sealed":
-        fcntl.fcntl(image, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_WRITE)
+    image = image_file(data, sealed=damage != "not sealed")
     store = FdStore({region_name(1): [fd], IMAGE_NAME: [image]}, manager.environment())
     with caplog.at_level(logging.WARNING):
         assert store.handed() is None
@@ -185,9 +191,7 @@ def test_a_region_that_is_not_the_one_the_image_describes_is_left_out(
         "missing": lambda: None,
     }.get(damage, lambda: os.dup(described))()
     os.close(described)
-    image = os.memfd_create("image", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.write(image, data)
-    fcntl.fcntl(image, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_WRITE)
+    image = image_file(data)
     passed = {region_name(1): [good], IMAGE_NAME: [image]}
     if handed_instead is not None:
         passed[region_name(2)] = [handed_instead]
@@ -204,9 +208,7 @@ def test_a_name_handed_twice_is_trusted_for_neither(
     manager: ServiceManager, caplog: pytest.LogCaptureFixture
 ) -> None:
     good = region_memfd("t1")
-    image = os.memfd_create("image", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.write(image, image_for({1: good}))
-    fcntl.fcntl(image, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_WRITE)
+    image = image_file(image_for({1: good}))
     store = FdStore(
         {region_name(1): [good, os.dup(good)], IMAGE_NAME: [image]}, manager.environment()
     )
@@ -224,9 +226,7 @@ def test_a_start_that_systemd_does_not_confirm_let_go_uses_nothing(
     handed to the next after a crash. So nothing handed is used, and everything is closed."""
     monkeypatch.setattr(fdstore, "BARRIER_TIMEOUT_S", 0.3)
     good = region_memfd("t1")
-    image = os.memfd_create("image", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.write(image, image_for({1: good}))
-    fcntl.fcntl(image, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_WRITE)
+    image = image_file(image_for({1: good}))
     path = tmp_path / "silent.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as silent:  # reads nothing, ever
         silent.bind(str(path))

@@ -28,7 +28,7 @@ def test_an_image_round_trips() -> None:
         time.time(),
         os.getpid(),
         [KeptRegion(1, None, 2 << 20, False, 7, 8, 3)],
-        [KeptBlock(1, 4096, 8192, b"d" * 16, b"k" * 16, 8000, 123, 9, False, True)],
+        [KeptBlock(1, 4096, 8192, b"d" * 16, b"k" * 16, 8000, 123, 9, False)],
     )
     assert decode_image(encode_image(image)) == image
 
