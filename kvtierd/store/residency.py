@@ -23,6 +23,8 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
 
+import anyio
+
 from kvtierd.config import LimitsConfig
 from kvtierd.errors import BlockNotFoundError, NoSpaceError
 from kvtierd.policy import AccessContext, CachePolicy
@@ -47,7 +49,8 @@ from kvtierd.store.writeback import WriteBack
 __all__ = ["Residency"]
 
 log = logging.getLogger("kvtierd.store")
-_EVICT_BATCH = 16
+#: How many victims one eviction takes at most (a tier's scan is paid once per batch).
+EVICT_BATCH = 16
 
 
 class Residency:
@@ -102,6 +105,11 @@ class Residency:
         self.lane = Lane()
         #: Copies into DRAM from the tiers below (:mod:`.promotion`).
         self.promotions = Promotions(self)
+        #: One eviction of the local lower tier at a time, and how many have run: a writer that
+        #: waited while another evicted tries its write again before evicting more (16 writers
+        #: finding the tier full at once evicted 16 batches where one made room).
+        self._lower_eviction = anyio.Lock()
+        self._lower_evictions_run = 0
 
     def statistics(self) -> StoreCounts:
         """The host's counts so far."""
@@ -226,7 +234,7 @@ class Residency:
                 n, lambda b: b.ns.region is region and self.dram_evictable(b) and eligible(b)
             )
 
-        plan = reserve(region.allocator, nbytes, victims, _dram_slot, batch=_EVICT_BATCH)
+        plan = reserve(region.allocator, nbytes, victims, _dram_slot, batch=EVICT_BATCH)
         if plan.evictions:
             policy.removed_many(plan.evictions)  # one event for the batch
         for victim in plan.evictions:  # their slots are free already
@@ -283,7 +291,20 @@ class Residency:
             block.staged = None
 
     async def evict_lower(self, slot_class: int) -> bool:
-        """Drop a batch of the local lower tier's blocks of ``slot_class``; whether any went."""
+        """Drop a batch of the local lower tier's blocks of ``slot_class``; whether the caller
+        should try its write again (blocks went, or another writer evicted while this one
+        waited its turn)."""
+        assert self.lower is not None
+        seen = self._lower_evictions_run
+        async with self._lower_eviction:
+            if self._lower_evictions_run != seen:
+                return True
+            try:
+                return await self._evict_lower_batch(slot_class)
+            finally:
+                self._lower_evictions_run += 1
+
+    async def _evict_lower_batch(self, slot_class: int) -> bool:
         assert self.lower is not None
         lower = self.lower
 
@@ -295,7 +316,7 @@ class Residency:
             )
 
         await self.lower_policy.settle(self.lane)
-        victims = self.lower_policy.victims(_EVICT_BATCH, same_class, slot_class=slot_class)
+        victims = self.lower_policy.victims(EVICT_BATCH, same_class, slot_class=slot_class)
         for victim in victims:
             # dropped, forgotten or being promoted since it was chosen (an unpinned victim
             # may have been cooled while an earlier one's discard was written)
