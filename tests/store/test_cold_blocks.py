@@ -121,6 +121,36 @@ async def test_a_leased_or_queued_block_is_never_let_go(tmp_path: Path) -> None:
         assert _counts(store, ns) == (COUNT, COUNT, COUNT, 3)
 
 
+async def test_a_read_of_many_cold_keys_makes_each_block_once(tmp_path: Path) -> None:
+    """A READ finds its keys in chunks, the rows of those idle on NVMe probed together: over a
+    chunk's edge, beside a live block, and with a key asked twice, each key's ``Block`` is made
+    once and serves its own bytes; a READ with an absent key fails, pinning nothing."""
+    count = 100  # past one chunk of keys found together
+    async with small_store(tmp_path, BLOCK) as (store, ns):
+        keys = await _written_and_evicted(store, ns, count)
+        live = store.index.get(ns, keys[70])  # made live before the READ
+        owner = Owner("reader")
+        asked = [keys[3], *keys]  # twice in the first chunk
+        lease = await store.read(owner, ns, asked)
+        try:
+            assert lease.blocks[1 + 70] is live
+            assert lease.blocks[0] is lease.blocks[1 + 3]
+            assert [store.index.live(ns, key) for key in keys] == lease.blocks[1:]
+            for key, block in zip(asked, lease.blocks, strict=True):
+                assert block.ref.key == key
+                assert block.dram is not None
+                view = store.arena.view[block.dram.offset :][:BLOCK]
+                assert bytes(view) == content(key, BLOCK)
+        finally:
+            store.release(owner, [lease.id])
+        assert _counts(store, ns) == (count, count, count, count)
+        await store.evict_dram(ns)
+        with pytest.raises(BlockNotFoundError):
+            await store.read(owner, ns, [*keys[:80], b"absent-key", *keys[80:]])
+        assert all(block.pins == 0 for block in store.index.blocks())
+        assert _counts(store, ns) == (count, count, count, 0)
+
+
 @pytest.mark.parametrize("how", ["snapshot", "scan"])
 async def test_a_restart_makes_no_block_and_counts_every_one(tmp_path: Path, how: str) -> None:
     """After a restart by snapshot or by scan: no ``Block`` at all, the counts and listing of
