@@ -126,11 +126,13 @@ def test_a_store_too_small_is_not_used_and_named(
     assert "FileDescriptorStoreMax= allows 1" in caplog.text
 
 
+@pytest.mark.timeout(60)  # a barrier that waited for the silent manager would hang here
 def test_a_manager_that_never_confirms_does_not_hold_the_stop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """systemd older than 246 ignores BARRIER=1 (and closes its descriptor); a manager that
-    keeps it open forever costs the stop at most the barrier's timeout."""
+    keeps it open forever costs the stop at most the barrier's timeout, and nothing counts as
+    handed over."""
     monkeypatch.setattr(fdstore, "BARRIER_TIMEOUT_S", 0.3)
     path = tmp_path / "silent.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as silent:
@@ -138,10 +140,8 @@ def test_a_manager_that_never_confirms_does_not_hold_the_stop(
         silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
         fd = region_memfd("t1")
         try:
-            started = time.monotonic()
             kept = FdStore({}, {"NOTIFY_SOCKET": str(path)}).keep([(1, fd)], image_for({1: fd}))
             assert not kept
-            assert time.monotonic() - started < 5
         finally:
             os.close(fd)
 
