@@ -599,9 +599,7 @@ def test_a_barrier_never_answered_does_not_hold_the_stop(tmp_path: Path) -> None
         assert "systemd did not confirm it took the DRAM" in daemon.log()
         with _running(daemon):
             _served_right(daemon, keys)
-            started = time.monotonic()
-            assert daemon.stop(timeout_s=30) == 0
-            assert time.monotonic() - started < 20
+            assert daemon.stop(timeout_s=20) == 0  # held by the barrier: TimeoutExpired
 
 
 def test_a_service_manager_that_stops_reading_does_not_hold_the_stop(tmp_path: Path) -> None:
@@ -610,10 +608,8 @@ def test_a_service_manager_that_stops_reading_does_not_hold_the_stop(tmp_path: P
         with _running(daemon):
             _put(daemon)
             manager.deafen()
-            started = time.monotonic()
-            with contextlib.suppress(Exception):
-                daemon.stop(timeout_s=15)
-            assert time.monotonic() - started < 12  # BARRIER_TIMEOUT_S is 5
+            # BARRIER_TIMEOUT_S is 5: a stop held by the deaf manager raises TimeoutExpired
+            assert daemon.stop(timeout_s=12) == 0
 
 
 # -- 7. an image of many blocks, and memory ------------------------------------------------------

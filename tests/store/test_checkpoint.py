@@ -153,7 +153,6 @@ def run_child(directory: Path, plan: dict[str, Any], backend: str, kill_after: f
     )
     assert proc.stdout is not None
     last: Any = {"durable": {}, "touched": []}
-    started = time.monotonic()
     try:
         if kill_after is not None:
             time.sleep(kill_after)
@@ -170,7 +169,6 @@ def run_child(directory: Path, plan: dict[str, Any], backend: str, kill_after: f
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
-        assert time.monotonic() - started < 250
     (directory / SNAPSHOT_NAME).unlink(missing_ok=True)  # no clean stop: a crash
     return last
 
