@@ -55,15 +55,6 @@ class ColdRows:
         row = self._cold.find(digest, key)
         return None if row < 0 else self.made(row)
 
-    def find_many(self, digest: bytes, keys: list[bytes]) -> list[Recovered | None]:
-        """:meth:`find` of each of ``keys``, probed together as :meth:`contains_many` does (a
-        cold READ's keys: one probe per key in Python cost as much as the rest of making its
-        ``Block``)."""
-        if len(keys) < _ONE_BY_ONE:
-            return [self.find(digest, key) for key in keys]
-        rows: list[int] = find_many(self._cold, digest, keys).tolist()
-        return [None if row < 0 else self.made(row) for row in rows]
-
     def raw_sizes(self, digest: bytes, keys: list[bytes]) -> list[int]:
         """Each of ``keys``' size as committed (its newest record's raw length), -1 for a key
         with no record: what a LIST_KEYS page reports of keys idle on NVMe, probed together as

@@ -172,8 +172,6 @@ class ColdSource(Protocol):
 
     def find(self, digest: bytes, key: bytes) -> Recovered | None: ...
 
-    def find_many(self, digest: bytes, keys: list[bytes]) -> list[Recovered | None]: ...
-
     def raw_sizes(self, digest: bytes, keys: list[bytes]) -> list[int]: ...
 
     def stands_for(self, digest: bytes, key: bytes, seq: int, location: Hashable) -> bool: ...
@@ -247,30 +245,6 @@ class BlockIndex:
             if block is not None:
                 self._by_ns.setdefault(ns.digest, {})[key] = block
         return block
-
-    def get_many(self, ns: Namespace, keys: list[bytes]) -> list[Block | None]:
-        """:meth:`get` of each of ``keys``, the keys with no live ``Block`` looked up in the
-        rows together (a READ's keys idle on NVMe: a probe each in Python cost as much as the
-        rest of making their ``Block``)."""
-        blocks = self._by_ns.get(ns.digest)
-        found: list[Block | None] = [*map(blocks.get, keys)] if blocks else [None] * len(keys)
-        cold = self._cold
-        if cold is None or ns.digest in self._unadopted:
-            return found
-        rest = [i for i, block in enumerate(found) if block is None]
-        if not rest:
-            return found
-        kind = cast(ServedBy, self._cold_kind)
-        for i, row in zip(rest, cold.find_many(ns.digest, [keys[i] for i in rest]), strict=True):
-            if row is None:
-                continue
-            if blocks is None:
-                blocks = self._by_ns[ns.digest] = {}
-            block = blocks.get(keys[i])  # a key asked twice is made once
-            if block is None:
-                block = blocks[keys[i]] = Block(ns, row.ref, copies={kind: row.location})
-            found[i] = block
-        return found
 
     def live(self, ns: Namespace, key: bytes) -> Block | None:
         """``key``'s live ``Block``, or ``None`` (absent, or idle on NVMe only)."""

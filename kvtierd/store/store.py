@@ -69,9 +69,6 @@ _PROMOTERS = 8
 #: and verified, and a READ that comes next must find room (a 16 MiB region's READ after a
 #: 200-key LOOKUP got ENOSPC when 8 batches of 4 MiB could be loading).
 _BACKGROUND_SHARE = 4
-#: A READ finds its keys this many at a time (the rows of those idle on NVMe probed together),
-#: a pause on the lane between (64 cold keys are about 0.2 ms of work).
-_FOUND_TOGETHER = 64
 #: :meth:`BlockStore.lease_resident` found nothing to lease.
 _NOT_RESIDENT = "the first key is not in DRAM now"
 
@@ -393,16 +390,15 @@ class BlockStore:
         blocks: list[Block] = []
         try:
             async with self.lane.walk(len(keys)) as walk:
-                for start in range(0, len(keys), _FOUND_TOGETHER):
+                for key in keys:
                     await walk.pause()
-                    chunk = keys[start : start + _FOUND_TOGETHER]
-                    for key, block in zip(chunk, self.index.get_many(ns, chunk), strict=True):
-                        if block is None:
-                            self.residency.count(ns, "misses")
-                            self.residency.count(ns, "miss_bytes", ns.spec.block_bytes)
-                            raise BlockNotFoundError(f"block {key.hex()} is not stored")
-                        block.pins += 1
-                        blocks.append(block)
+                    block = self.index.get(ns, key)
+                    if block is None:
+                        self.residency.count(ns, "misses")
+                        self.residency.count(ns, "miss_bytes", ns.spec.block_bytes)
+                        raise BlockNotFoundError(f"block {key.hex()} is not stored")
+                    block.pins += 1
+                    blocks.append(block)
             contexts = await self.prefetcher.read_contexts_in_slices(ns, keys)
             missing = [(b, c) for b, c in zip(blocks, contexts, strict=True) if not b.resident]
             self.residency.count(ns, "dram_hits", len(blocks) - len(missing))

@@ -122,15 +122,15 @@ async def test_a_leased_or_queued_block_is_never_let_go(tmp_path: Path) -> None:
 
 
 async def test_a_read_of_many_cold_keys_makes_each_block_once(tmp_path: Path) -> None:
-    """A READ finds its keys in chunks, the rows of those idle on NVMe probed together: over a
-    chunk's edge, beside a live block, and with a key asked twice, each key's ``Block`` is made
-    once and serves its own bytes; a READ with an absent key fails, pinning nothing."""
-    count = 100  # past one chunk of keys found together
+    """A READ of many keys idle on NVMe, beside a live block and with a key asked twice: each
+    key's ``Block`` is made once and serves its own bytes; a READ with an absent key fails,
+    pinning nothing."""
+    count = 100
     async with small_store(tmp_path, BLOCK) as (store, ns):
         keys = await _written_and_evicted(store, ns, count)
         live = store.index.get(ns, keys[70])  # made live before the READ
         owner = Owner("reader")
-        asked = [keys[3], *keys]  # twice in the first chunk
+        asked = [keys[3], *keys]
         lease = await store.read(owner, ns, asked)
         try:
             assert lease.blocks[1 + 70] is live
