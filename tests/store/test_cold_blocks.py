@@ -151,6 +151,23 @@ async def test_a_read_of_many_cold_keys_makes_each_block_once(tmp_path: Path) ->
         assert _counts(store, ns) == (count, count, count, 0)
 
 
+async def test_many_cold_keys_are_probed_together_as_one_by_one(tmp_path: Path) -> None:
+    """Past a few hundred keys not live, the rows are probed together (numpy): LOOKUP's
+    leading hits and ALLOC's "stored already" answer as the probes one key at a time do."""
+    count = 400  # more than the keys probed one by one
+    async with small_store(tmp_path, 16 << 10) as (store, ns):
+        keys = await _written_and_evicted(store, ns, count)
+        absent = [b"absent-%d" % i for i in range(count)]
+        mixed = [key for pair in zip(keys, absent, strict=True) for key in pair]
+        assert store.index.contains_many(ns, mixed) == [
+            store.index.contains(ns, key) for key in mixed
+        ]
+        assert store.index.contains_many(ns, mixed) == [True, False] * count
+        hits, tiers = store.lookup(ns, [*keys[:350], b"absent-key", *keys[350:]], promote=False)
+        assert (hits, tiers) == (350, bytes([ServedBy.NVME]) * 350)
+        assert _live(store) == 0
+
+
 @pytest.mark.parametrize("how", ["snapshot", "scan"])
 async def test_a_restart_makes_no_block_and_counts_every_one(tmp_path: Path, how: str) -> None:
     """After a restart by snapshot or by scan: no ``Block`` at all, the counts and listing of
