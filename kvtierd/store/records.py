@@ -70,8 +70,13 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
 
 
 def _seal(body: bytes) -> bytes:
-    page = body + _CHECK.pack(checksum(body))
+    page = _sealed(body)
     return page + bytes(PAGE_BYTES - len(page))
+
+
+def _sealed(body: bytes) -> bytes:
+    """``body`` and its checksum: what :func:`_open` reads of a page (never the padding)."""
+    return body + _CHECK.pack(checksum(body))
 
 
 def _open(
@@ -159,9 +164,17 @@ class RecordHeader:
     FLAG_ZSTD: ClassVar[int] = 1
 
     def pack(self) -> bytes:
+        """The header page as written: :meth:`sealed`, padded to a page."""
+        page = self.sealed()
+        return page + bytes(PAGE_BYTES - len(page))
+
+    def sealed(self) -> bytes:
+        """The header's fields and their checksum, without the page's padding: all that
+        :meth:`unpack` reads of a page, so a page that starts with these bytes unpacks to this
+        header."""
         if not 0 < len(self.key) <= MAX_KEY_BYTES or len(self.ns_digest) != 16:
             raise ValueError("bad key or namespace digest")
-        return _seal(
+        return _sealed(
             _RECORD.pack(
                 self.MAGIC,
                 FORMAT_VERSION,

@@ -85,3 +85,19 @@ def test_every_header_unpack_accepts_and_that_fits_is_found(
             int(fields["flags"][j]),
         )
         assert got == expected[i]
+
+
+@settings(max_examples=50, deadline=None)
+@given(junk=st.binary(min_size=1, max_size=64), seq=st.integers(0, 2**63 - 1))
+def test_a_page_is_read_by_its_sealed_bytes_alone(junk: bytes, seq: int) -> None:
+    """What a reader compares of a header page (``sealed``) is the start of the page written
+    (``pack``) and all that ``unpack`` reads: padding of any bytes changes nothing."""
+    header = RecordHeader(b"d" * 16, b"key", 4096, 4096, 7, seq, 0)
+    sealed = header.sealed()
+    assert header.pack() == sealed + bytes(PAGE_BYTES - len(sealed))
+    page = sealed + (junk * PAGE_BYTES)[: PAGE_BYTES - len(sealed)]
+    assert RecordHeader.unpack(page) == header
+    damaged = bytearray(page)
+    damaged[len(sealed) - 1] ^= 1  # the checksum's last byte
+    with pytest.raises(CorruptRecord):
+        RecordHeader.unpack(damaged)
