@@ -20,6 +20,10 @@ def _size(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes % (1 << 20) == 0 else f"{nbytes >> 10} KiB"
 
 
+def _listed(values: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in values)
+
+
 def _cold_label(cold: dict[str, Any]) -> str:
     """``448 KiB random`` (results before issue 32 have no order: random reads)."""
     order = cold.get("order", "random")
@@ -67,9 +71,9 @@ def record_daemon(result: dict[str, Any]) -> None:
     lines.append("|---|---|---|---|---|---|")
 
     def row(name: str, r: dict[str, Any], ref_key: str, goal: str) -> None:
-        kv = ", ".join(f"{x:.2f}" for x in r["kvtierd_gbps"])
-        ref = ", ".join(f"{x:.2f}" for x in r[ref_key])
-        ratios = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        kv = _listed(r["kvtierd_gbps"])
+        ref = _listed(r[ref_key])
+        ratios = _listed(r["ratios"])
         lines.append(
             f"| {name} | {kv} GB/s | {ref} GB/s | {ratios} | **{r['median_ratio']:.2f}** | {goal} |"
         )
@@ -128,9 +132,9 @@ def record_daemon(result: dict[str, Any]) -> None:
     if "rtt" in result:
         lines += [
             "",
-            "| LOOKUP round trip | kvtierd p50 / p99 | asyncio echo p50 / p99 "
-            "| ratio p50 / p99 | goal |",
-            "|---|---|---|---|---|",
+            "| LOOKUP round trip (medians of rounds) | kvtierd p50 / p99 | asyncio echo p50 / p99 "
+            "| ratio p50 / p99 | p50 ratio per round | goal |",
+            "|---|---|---|---|---|---|",
         ]
         for suffix, who in _RTT_ROWS:
             for n in (1, 64):
@@ -142,7 +146,8 @@ def record_daemon(result: dict[str, Any]) -> None:
                     f"| {n} key{'s' if n > 1 else ''}, {who} "
                     f"| {r['kvtierd_p50_us']:.0f} / {r['kvtierd_p99_us']:.0f} us | "
                     f"{r['echo_p50_us']:.0f} / {r['echo_p99_us']:.0f} us | "
-                    f"**{r['ratio_p50']:.2f} / {r['ratio_p99']:.2f}** | {goal} |"
+                    f"**{r['ratio_p50']:.2f} / {r['ratio_p99']:.2f}** | "
+                    f"{_listed(r.get('ratio_p50_rounds', [r['ratio_p50']]))} | {goal} |"
                 )
     if "restart" in result:
         r = result["restart"]
