@@ -22,7 +22,7 @@ import numpy as np
 from kvtierd.client.arena import (
     ClientArena,
     as_bytes_view,
-    copy_verified,
+    copy_verified_each,
     scatter_views,
     target_bytes,
 )
@@ -496,19 +496,19 @@ def read_into(
         raise InvalidRequestError(f"{len(keys)} keys but {len(buffers)} buffers")
     targets = [scatter_views(b) for b in buffers]
     leases, extents = yield from read(ns, keys, max_keys)
-    copied = 0
     try:
-        for i, (extent, target) in enumerate(zip(extents, targets, strict=True)):
+        sources: list[memoryview] = []
+        for extent, target in zip(extents, targets, strict=True):
             room = target_bytes(target)
             if room < extent.length:
                 raise InvalidRequestError(f"a buffer of {room} bytes cannot hold {extent.length}")
-            source = arena.view(extent.offset, extent.length)
-            if not copy_verified(source, target, extent.checksum):
-                raise CorruptBlockError(
-                    f"block {keys[i].hex()} failed its checksum in DRAM (changed after commit "
-                    "by a client of its tenant): a miss"
-                )
-            copied += extent.length
+            sources.append(arena.view(extent.offset, extent.length))
+        good = copy_verified_each(sources, targets, [extent.checksum for extent in extents])
+        if good < len(extents):
+            raise CorruptBlockError(
+                f"block {keys[good].hex()} failed its checksum in DRAM (changed after commit "
+                "by a client of its tenant): a miss"
+            )
     finally:
         yield from release(leases)
-    return copied
+    return sum(extent.length for extent in extents)

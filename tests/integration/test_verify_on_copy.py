@@ -108,3 +108,34 @@ def test_mapping_a_region_starts_the_copy_probe(daemon: DaemonProcess) -> None:
         check=True,
     )
     assert run.stdout.split() == ["True"]
+
+
+def test_read_into_verifies_every_copy_of_one_call(daemon: DaemonProcess) -> None:
+    """``read_into`` copies a READ's blocks in one call into the kernel where every destination
+    is one buffer, and block by block where one is a list: either way each copy is checked
+    against its own checksum, the block that fails is the one named, and a buffer too small is
+    refused before anything is copied."""
+    with connect(daemon.socket) as client:
+        ns = client.namespace("read-into", block_bytes=BLOCK)
+        keys = chain_keys(range(16 * 4), 16, ns.key_salt)
+        blocks = _blocks(4)
+        assert ns.put(keys, blocks) == 4
+        out = [np.zeros(BLOCK, np.uint8) for _ in keys]
+        assert ns.read_into(keys, out) == 4 * BLOCK
+        assert all(np.array_equal(a, b) for a, b in zip(out, blocks, strict=True))
+        mixed: list[object] = [np.zeros(BLOCK + 7, np.uint8) for _ in keys]
+        mixed[3] = [np.zeros(BLOCK // 2, np.uint8), np.zeros(BLOCK - BLOCK // 2, np.uint8)]
+        assert ns.read_into(keys, mixed) == 4 * BLOCK
+        assert np.array_equal(np.concatenate(mixed[3]), blocks[3])  # type: ignore[arg-type]
+        fresh = [np.zeros(BLOCK, np.uint8) for _ in keys]
+        fresh[2] = np.zeros(BLOCK - 1, np.uint8)
+        with pytest.raises(InvalidRequestError):
+            ns.read_into(keys, fresh)
+        assert not any(buffer.any() for buffer in fresh)
+        with ns.lease(keys[2:3]) as lease:  # another client of the tenant writes block 2
+            extent = lease.extents[0]
+            with mmap.mmap(ns.arena.fd, ns.arena.size_bytes) as region:
+                region[extent.offset + 777] ^= 0xFF
+        for targets in (out, mixed):
+            with pytest.raises(CorruptBlockError, match=keys[2].hex()):
+                ns.read_into(keys, targets)
