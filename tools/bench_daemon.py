@@ -1281,7 +1281,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--only", default="cold,dram,rtt,put,restart,staging,verify")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=benchlib.positive_int, default=4)
     parser.add_argument("--cold-bytes", type=int, default=1536 * MiB)
     parser.add_argument("--cold-sizes", default="448K,2M,8M,32M")
     parser.add_argument("--qd", type=int, default=16)

@@ -133,7 +133,7 @@ def record_daemon(result: dict[str, Any]) -> None:
         lines += [
             "",
             "| LOOKUP round trip (medians of rounds) | kvtierd p50 / p99 | asyncio echo p50 / p99 "
-            "| ratio p50 / p99 | p50 ratio per round | goal |",
+            "| median of the rounds' ratios p50 / p99 | p50 ratio per round | goal |",
             "|---|---|---|---|---|---|",
         ]
         for suffix, who in _RTT_ROWS:

@@ -9,6 +9,7 @@ can be re-run one at a time. Raw JSON goes to ``docs/benchmarks/<name>.json`` an
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -160,6 +161,14 @@ def machine_line(info: dict[str, Any]) -> str:
 def log(message: str) -> None:
     """Progress for people, on stderr (stdout carries the JSON)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (rounds, samples)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not at least 1")
+    return value
 
 
 def parse_size(text: str) -> int:

@@ -490,7 +490,10 @@ def read_into(
 ) -> Op[int]:
     """Copy the blocks of ``keys`` into ``buffers`` and release them; returns bytes copied.
     A buffer is one writable buffer or a list of them that the block fills in order. Each copy
-    is verified against its committed checksum as it is made (``CorruptBlockError``: a miss)."""
+    is verified against its committed checksum as it is made (``CorruptBlockError`` naming the
+    first block that failed: a miss); a buffer too small is refused before anything is copied.
+    Where every buffer is one buffer, all the blocks are copied (in one call) before any is
+    checked, so a failure leaves the later buffers written too; with lists, block by block."""
     check_keys(keys)
     if len(keys) != len(buffers):
         raise InvalidRequestError(f"{len(keys)} keys but {len(buffers)} buffers")

@@ -166,7 +166,7 @@ def _many_disagreement(native: Any, source: bytearray, size: int, rng: random.Ra
     lengths = [size, rng.randrange(size + 1), max(0, size - 64), rng.randrange(241)]
     starts = [rng.randrange(len(source) - n + 1) for n in lengths]
     sources = [memoryview(source)[a : a + n] for a, n in zip(starts, lengths, strict=True)]
-    dests = [bytearray(n + 17) for n in lengths]
+    dests = [bytearray(b"\xa5" * (n + 17)) for n in lengths]  # around each copy: kept
     targets = [memoryview(d)[n % 17 : n % 17 + n] for d, n in zip(dests, lengths, strict=True)]
     out = ffi.new("uint64_t[]", len(lengths))
     lib.kvt_copy_xxh3_many(
@@ -179,6 +179,9 @@ def _many_disagreement(native: Any, source: bytearray, size: int, rng: random.Ra
     for i, (target, src) in enumerate(zip(targets, sources, strict=True)):
         if bytes(target) != bytes(src) or out[i] != xxhash.xxh3_64_intdigest(src):
             return f"copy {i} of {len(src)} bytes in one call of many differs from xxhash"
+        at, n = lengths[i] % 17, lengths[i]
+        if dests[i][:at] + dests[i][at + n :] != b"\xa5" * 17:
+            return f"copy {i} of {n} bytes in one call of many wrote outside its destination"
     return None
 
 

@@ -105,11 +105,12 @@ class Residency:
         self.lane = Lane()
         #: Copies into DRAM from the tiers below (:mod:`.promotion`).
         self.promotions = Promotions(self)
-        #: One eviction of the local lower tier at a time, and how many have run: a writer that
-        #: waited while another evicted tries its write again before evicting more (16 writers
-        #: finding the tier full at once evicted 16 batches where one made room).
+        #: One eviction of the local lower tier at a time, and how many of each slot class have
+        #: dropped blocks: a writer whose class had room made since it tried its write tries
+        #: again before evicting more (16 writers finding the tier full at once evicted 16
+        #: batches where one made room).
         self._lower_eviction = anyio.Lock()
-        self._lower_evictions_run = 0
+        self._lower_evictions_made: dict[int, int] = {}
 
     def statistics(self) -> StoreCounts:
         """The host's counts so far."""
@@ -290,21 +291,26 @@ class Residency:
             self.staged.free(block.staged)
             block.staged = None
 
-    async def evict_lower(self, slot_class: int) -> bool:
-        """Drop a batch of the local lower tier's blocks of ``slot_class``; whether the caller
-        should try its write again (blocks went, or another writer evicted while this one
-        waited its turn)."""
-        assert self.lower is not None
-        seen = self._lower_evictions_run
-        async with self._lower_eviction:
-            if self._lower_evictions_run != seen:
-                return True
-            try:
-                return await self._evict_lower_batch(slot_class)
-            finally:
-                self._lower_evictions_run += 1
+    def lower_evictions_made(self, slot_class: int) -> int:
+        """How many evictions have dropped blocks of ``slot_class`` so far: read before a write,
+        handed to :meth:`evict_lower` when the write found no room."""
+        return self._lower_evictions_made.get(slot_class, 0)
 
-    async def _evict_lower_batch(self, slot_class: int) -> bool:
+    async def evict_lower(self, slot_class: int, seen: int | None = None) -> bool:
+        """Drop a batch of the local lower tier's blocks of ``slot_class``; whether the caller
+        should try its write again (victims were chosen, or room of that class was made since
+        the caller read :meth:`lower_evictions_made` as ``seen``, before its write failed)."""
+        assert self.lower is not None
+        async with self._lower_eviction:
+            if seen is not None and self.lower_evictions_made(slot_class) != seen:
+                return True
+            chosen, dropped = await self._evict_lower_batch(slot_class)
+            if dropped:
+                self._lower_evictions_made[slot_class] = self.lower_evictions_made(slot_class) + 1
+            return chosen
+
+    async def _evict_lower_batch(self, slot_class: int) -> tuple[bool, bool]:
+        """(whether the policy chose victims, whether any was dropped)."""
         assert self.lower is not None
         lower = self.lower
 
@@ -317,6 +323,7 @@ class Residency:
 
         await self.lower_policy.settle(self.lane)
         victims = self.lower_policy.victims(EVICT_BATCH, same_class, slot_class=slot_class)
+        dropped = False
         for victim in victims:
             # dropped, forgotten or being promoted since it was chosen (an unpinned victim
             # may have been cooled while an earlier one's discard was written)
@@ -325,7 +332,8 @@ class Residency:
                 continue
             await self.drop_lower(victim)
             self.counters["lower_evictions"] += 1
-        return bool(victims)
+            dropped = True
+        return bool(victims), dropped
 
     # -- what a replica link may ask (kvtierd.store.ports.StoreForReplica) -------------------
 

@@ -90,12 +90,17 @@ class LowerWriter:
     async def _store_copy(self, block: Block, view: memoryview) -> Hashable:
         lower = self._r.lower
         assert lower is not None
+        own_class = lower.slot_class(block.ref)
         while True:
+            seen = self._r.lower_evictions_made(own_class)  # read before the write can fail
             try:
                 return await lower.store(block.ref, view)
             except MediumFullError:
                 raise  # evicting would only throw durable blocks away; FSYNC reports it
             except NoSpaceError as exc:  # (a compressed record's class is its smaller size's)
                 full = exc.slot_class if isinstance(exc, ClassFullError) else None
-                if not await self._r.evict_lower(full or lower.slot_class(block.ref)):
+                slot_class = full or own_class
+                if not await self._r.evict_lower(
+                    slot_class, seen if slot_class == own_class else None
+                ):
                     raise

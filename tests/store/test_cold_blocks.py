@@ -153,7 +153,8 @@ async def test_a_read_of_many_cold_keys_makes_each_block_once(tmp_path: Path) ->
 
 async def test_many_cold_keys_are_probed_together_as_one_by_one(tmp_path: Path) -> None:
     """Past a few hundred keys not live, the rows are probed together (numpy): LOOKUP's
-    leading hits and ALLOC's "stored already" answer as the probes one key at a time do."""
+    leading hits, ALLOC's "stored already" and a LIST_KEYS page's sizes answer as the probes
+    one key at a time do."""
     count = 400  # more than the keys probed one by one
     async with small_store(tmp_path, 16 << 10) as (store, ns):
         keys = await _written_and_evicted(store, ns, count)
@@ -165,6 +166,9 @@ async def test_many_cold_keys_are_probed_together_as_one_by_one(tmp_path: Path) 
         assert store.index.contains_many(ns, mixed) == [True, False] * count
         hits, tiers = store.lookup(ns, [*keys[:350], b"absent-key", *keys[350:]], promote=False)
         assert (hits, tiers) == (350, bytes([ServedBy.NVME]) * 350)
+        listed, more = store.page(ns, b"", 1000)  # a LIST_KEYS page: sizes read together
+        assert not more
+        assert listed == [ColdKey(key, 16 << 10) for key in sorted(keys)]
         assert _live(store) == 0
 
 

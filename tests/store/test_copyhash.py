@@ -333,7 +333,6 @@ def test_the_module_runs_and_agrees_on_older_cpus(
 
 _FORK_DURING_PROBE = """
 import os
-import random
 from kvtierd.store import copyhash
 copyhash.default_hasher().verdict()  # the probe starts in a thread, which a fork leaves behind
 pid = os.fork()

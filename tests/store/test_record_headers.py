@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 from kvtierd.store import records
 from kvtierd.store.copyhash import DEFAULT_MODULE, CopyHasher
+from kvtierd.store.nvme import _as_indexed
 from kvtierd.store.records import PAGE_BYTES, CorruptRecord, RecordHeader, record_headers
+from kvtierd.store.refs import BlockRef
 
 _NATIVE = CopyHasher(DEFAULT_MODULE)
 _PYTHON = CopyHasher("")
@@ -101,3 +103,19 @@ def test_a_page_is_read_by_its_sealed_bytes_alone(junk: bytes, seq: int) -> None
     damaged[len(sealed) - 1] ^= 1  # the checksum's last byte
     with pytest.raises(CorruptRecord):
         RecordHeader.unpack(damaged)
+
+
+def test_a_cold_read_takes_a_page_of_its_indexed_record_without_unpacking_it() -> None:
+    """The cold read's fast check (``nvme._as_indexed``) accepts the page the index's record
+    packs to, whatever its padding holds, and nothing else: another seq or key, or a page
+    whose sealed bytes changed, goes to the full check."""
+    header = RecordHeader(b"d" * 16, b"key", 4096, 4096, 7, 42, 0)
+    ref = BlockRef(b"d" * 16, b"key", 4096, 7, 42)
+    page = bytearray(header.pack())
+    assert _as_indexed(memoryview(page), header, ref)
+    page[-1] = 0xFF  # padding: nothing reads it
+    assert _as_indexed(memoryview(page), header, ref)
+    assert not _as_indexed(memoryview(page), header, BlockRef(b"d" * 16, b"key", 4096, 7, 43))
+    assert not _as_indexed(memoryview(page), header, BlockRef(b"d" * 16, b"kez", 4096, 7, 42))
+    page[20] ^= 1  # inside the sealed fields
+    assert not _as_indexed(memoryview(page), header, ref)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from tools import benchlib
@@ -25,3 +27,12 @@ def test_percentiles_interpolate_linearly(values: list[float], q: float, expecte
 def test_no_values_have_no_percentile() -> None:
     with pytest.raises(ValueError, match="no values"):
         benchlib.percentile([], 50)
+
+
+def test_rounds_are_whole_numbers_of_at_least_one() -> None:
+    assert benchlib.positive_int("4") == 4
+    for bad in ("0", "-2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            benchlib.positive_int(bad)
+    with pytest.raises(ValueError):
+        benchlib.positive_int("four")
