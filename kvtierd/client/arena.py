@@ -27,7 +27,6 @@ from kvtierd.store.copyhash import (
     copy_checksum,
     copy_checksum_runs,
     copy_checksum_scatter,
-    copy_checksums,
     default_hasher,
 )
 from kvtierd.store.records import checksum
@@ -37,7 +36,6 @@ __all__ = [
     "ClientArena",
     "as_bytes_view",
     "copy_verified",
-    "copy_verified_each",
     "scatter_views",
     "target_bytes",
     "verified_prefix",
@@ -174,28 +172,3 @@ def copy_verified(
         return len(target) == len(source) and copy_checksum(target, source) == expected
     copied, digest = copy_checksum_scatter(targets, source)
     return copied == len(source) and digest == expected
-
-
-def copy_verified_each(
-    sources: Sequence[memoryview],
-    targets: Sequence[Sequence[memoryview] | ByteRuns],
-    expected: Sequence[int],
-) -> int:
-    """:func:`copy_verified` of each source into its targets against its checksum: how many
-    leading copies hashed to theirs (``len(sources)`` when all did). Where every destination is
-    one buffer (a READ into an engine's block buffers), the copies are one call into the
-    native kernel: a call each cost a fifth of a 448 KiB copy on a host that copies at 20 GB/s.
-    A destination shorter than its source fails, as :func:`copy_verified`'s does."""
-    single = [t[0] for t in targets if not isinstance(t, ByteRuns) and len(t) == 1]
-    if len(single) == len(targets):
-        dests = [d[: len(source)] for d, source in zip(single, sources, strict=True)]
-        if all(len(d) == len(source) for d, source in zip(dests, sources, strict=True)):
-            sums = copy_checksums(dests, sources)
-            for i, (value, want) in enumerate(zip(sums, expected, strict=True)):
-                if value != want:
-                    return i
-            return len(sources)
-    for i, (source, target, want) in enumerate(zip(sources, targets, expected, strict=True)):
-        if not copy_verified(source, target, want):
-            return i
-    return len(sources)

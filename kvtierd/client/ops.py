@@ -22,7 +22,7 @@ import numpy as np
 from kvtierd.client.arena import (
     ClientArena,
     as_bytes_view,
-    copy_verified_each,
+    copy_verified,
     scatter_views,
     target_bytes,
 )
@@ -491,9 +491,7 @@ def read_into(
     """Copy the blocks of ``keys`` into ``buffers`` and release them; returns bytes copied.
     A buffer is one writable buffer or a list of them that the block fills in order. Each copy
     is verified against its committed checksum as it is made (``CorruptBlockError`` naming the
-    first block that failed: a miss); a buffer too small is refused before anything is copied.
-    Where every buffer is one buffer, all the blocks are copied (in one call) before any is
-    checked, so a failure leaves the later buffers written too; with lists, block by block."""
+    block that failed: a miss); a buffer too small is refused before anything is copied."""
     check_keys(keys)
     if len(keys) != len(buffers):
         raise InvalidRequestError(f"{len(keys)} keys but {len(buffers)} buffers")
@@ -506,12 +504,12 @@ def read_into(
             if room < extent.length:
                 raise InvalidRequestError(f"a buffer of {room} bytes cannot hold {extent.length}")
             sources.append(arena.view(extent.offset, extent.length))
-        good = copy_verified_each(sources, targets, [extent.checksum for extent in extents])
-        if good < len(extents):
-            raise CorruptBlockError(
-                f"block {keys[good].hex()} failed its checksum in DRAM (changed after commit "
-                "by a client of its tenant): a miss"
-            )
+        for key, source, target, extent in zip(keys, sources, targets, extents, strict=True):
+            if not copy_verified(source, target, extent.checksum):
+                raise CorruptBlockError(
+                    f"block {key.hex()} failed its checksum in DRAM (changed after commit by a "
+                    "client of its tenant): a miss"
+                )
     finally:
         yield from release(leases)
     return sum(extent.length for extent in extents)

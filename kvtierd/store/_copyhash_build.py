@@ -35,8 +35,6 @@ import cffi
 CDEF = """
 uint64_t kvt_copy_xxh3(void *dst, const void *src, size_t len);
 uint64_t kvt_copy_xxh3_scatter(void *const *dsts, const size_t *lens, size_t n, const void *src);
-void kvt_copy_xxh3_many(void *const *dsts, const void *const *srcs, const size_t *lens, size_t n,
-                        uint64_t *out);
 uint64_t kvt_copy_xxh3_runs(void *base, const uint64_t *offsets, size_t run_len, size_t n,
                             const void *src, size_t len);
 void kvt_xxh3_each(const void *base, const uint64_t *offsets, size_t len, size_t n,
@@ -353,17 +351,6 @@ uint64_t kvt_copy_xxh3(void *dst, const void *src, size_t len)
         return avx2 ? kvt_one_pass_contiguous_avx2(d, s, len)
                     : kvt_one_pass_contiguous_sse2(d, s, len);
     return avx2 ? kvt_piecewise_avx2(d, s, len) : kvt_piecewise_sse2(d, s, len);
-}
-
-/* n copies, each as kvt_copy_xxh3 makes it (lens[i] bytes from srcs[i] into dsts[i]), the
-   xxh3-64 of each into out[i]: one call for a READ's blocks, where a call each cost the client
-   a fifth of a 448 KiB copy on a host that copies at 20 GB/s. */
-void kvt_copy_xxh3_many(void *const *dsts, const void *const *srcs, const size_t *lens, size_t n,
-                        uint64_t *out)
-{
-    size_t i;
-    for (i = 0; i < n; i++)
-        out[i] = kvt_copy_xxh3(dsts[i], srcs[i], lens[i]);
 }
 
 /* Copy src into n destinations in order (lens[i] bytes into dsts[i]); the xxh3-64 of all the

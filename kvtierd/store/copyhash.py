@@ -51,7 +51,6 @@ __all__ = [
     "copy_checksum",
     "copy_checksum_runs",
     "copy_checksum_scatter",
-    "copy_checksums",
     "default_hasher",
     "probe",
 ]
@@ -143,9 +142,6 @@ def _disagreement(native: Any) -> str | None:
             got = lib.kvt_copy_xxh3(ffi.from_buffer(target), ffi.from_buffer(src), size)
             if bytes(target) != bytes(src) or got != xxhash.xxh3_64_intdigest(src):
                 return f"copy of {size} bytes at offset {offset} differs from xxhash"
-        problem = _many_disagreement(native, source, size, rng)
-        if problem is not None:
-            return problem
         cuts = sorted(rng.randrange(size + 1) for _ in range(3))
         lengths = [b - a for a, b in zip([0, *cuts], [*cuts, size], strict=True)]
         parts = [bytearray(n) for n in lengths]
@@ -157,32 +153,6 @@ def _disagreement(native: Any) -> str | None:
         if problem is not None:
             return problem
     return _each_disagreement(native, source, rng)
-
-
-def _many_disagreement(native: Any, source: bytearray, size: int, rng: random.Random) -> str | None:
-    """Where ``kvt_copy_xxh3_many`` and xxhash differ: copies of ``size`` bytes and of sizes
-    around it, from odd offsets into odd offsets, in one call."""
-    ffi, lib = native.ffi, native.lib
-    lengths = [size, rng.randrange(size + 1), max(0, size - 64), rng.randrange(241)]
-    starts = [rng.randrange(len(source) - n + 1) for n in lengths]
-    sources = [memoryview(source)[a : a + n] for a, n in zip(starts, lengths, strict=True)]
-    dests = [bytearray(b"\xa5" * (n + 17)) for n in lengths]  # around each copy: kept
-    targets = [memoryview(d)[n % 17 : n % 17 + n] for d, n in zip(dests, lengths, strict=True)]
-    out = ffi.new("uint64_t[]", len(lengths))
-    lib.kvt_copy_xxh3_many(
-        [ffi.from_buffer(t) for t in targets],
-        [ffi.from_buffer(s) for s in sources],
-        lengths,
-        len(lengths),
-        out,
-    )
-    for i, (target, src) in enumerate(zip(targets, sources, strict=True)):
-        if bytes(target) != bytes(src) or out[i] != xxhash.xxh3_64_intdigest(src):
-            return f"copy {i} of {len(src)} bytes in one call of many differs from xxhash"
-        at, n = lengths[i] % 17, lengths[i]
-        if dests[i][:at] + dests[i][at + n :] != b"\xa5" * 17:
-            return f"copy {i} of {n} bytes in one call of many wrote outside its destination"
-    return None
 
 
 def _each_disagreement(native: Any, source: bytearray, rng: random.Random) -> str | None:
@@ -309,28 +279,6 @@ class CopyHasher:
             state.update(piece)
         return state.intdigest()
 
-    def copy_many(self, dests: Sequence[memoryview], sources: Sequence[memoryview]) -> list[int]:
-        """:meth:`copy` of each source into its destination (the same lengths), in one call
-        into the native module: the xxh3-64 of each copy, in order."""
-        if len(dests) != len(sources):
-            raise ValueError(f"{len(sources)} sources but {len(dests)} destinations")
-        lengths = [len(source) for source in sources]
-        if any(len(d) != n for d, n in zip(dests, lengths, strict=True)):
-            raise ValueError("a copy into a destination of another length")
-        lib = self._native_lib(sum(lengths))
-        if lib is None:
-            return [self.copy(d, s) for d, s in zip(dests, sources, strict=True)]
-        ffi = self._ffi
-        out = ffi.new("uint64_t[]", len(sources))
-        lib.kvt_copy_xxh3_many(
-            [ffi.from_buffer(d, require_writable=True) for d in dests],
-            [ffi.from_buffer(s) for s in sources],
-            lengths,
-            len(lengths),
-            out,
-        )
-        return list(out)
-
     def scatter(self, targets: Sequence[memoryview], source: memoryview) -> tuple[int, int]:
         """Copy ``source`` into ``targets`` in order, filling each before the next, until the
         source or the targets run out; return (bytes copied, xxh3-64 of the bytes stored)."""
@@ -446,11 +394,6 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def copy_checksum(dest: memoryview, source: memoryview) -> int:
     """:meth:`CopyHasher.copy` of the process's hasher."""
     return default_hasher().copy(dest, source)
-
-
-def copy_checksums(dests: Sequence[memoryview], sources: Sequence[memoryview]) -> list[int]:
-    """:meth:`CopyHasher.copy_many` of the process's hasher."""
-    return default_hasher().copy_many(dests, sources)
 
 
 def copy_checksum_scatter(targets: Sequence[memoryview], source: memoryview) -> tuple[int, int]:

@@ -111,10 +111,9 @@ def test_mapping_a_region_starts_the_copy_probe(daemon: DaemonProcess) -> None:
 
 
 def test_read_into_verifies_every_copy_of_one_call(daemon: DaemonProcess) -> None:
-    """``read_into`` copies a READ's blocks in one call into the kernel where every destination
-    is one buffer, and block by block where one is a list: either way each copy is checked
-    against its own checksum, the block that fails is the one named, and a buffer too small is
-    refused before anything is copied."""
+    """``read_into`` checks each copy against its own checksum, into one buffer or a list of
+    them: the block that fails is the one named, and a buffer too small is refused before
+    anything is copied."""
     with connect(daemon.socket) as client:
         ns = client.namespace("read-into", block_bytes=BLOCK)
         keys = chain_keys(range(16 * 4), 16, ns.key_salt)

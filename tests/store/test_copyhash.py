@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -277,37 +276,6 @@ def test_a_module_that_hashes_wrongly_is_refused() -> None:
     source = os.urandom(300)
     dest = memoryview(bytearray(len(source)))
     assert hasher.copy(dest, memoryview(source)) == xxhash.xxh3_64_intdigest(source)
-
-
-@needs_module
-def test_a_module_whose_batch_of_copies_hashes_wrongly_is_refused() -> None:
-    """The probe checks the batch call (a client's READ copies through it), not only the
-    single copy: a module right in every other call is refused, and copies run in Python."""
-    hasher = CopyHasher("tests.store.standins.wrong_many_copyhash")
-    verdict = hasher.verdict(wait=True)
-    assert verdict is not None
-    assert not verdict.ok
-    assert "one call of many differs from xxhash" in verdict.detail
-    assert not hasher.native
-    sources = [memoryview(os.urandom(n)) for n in (300, 70_000)]
-    dests = [memoryview(bytearray(len(s))) for s in sources]
-    assert hasher.copy_many(dests, sources) == [xxhash.xxh3_64_intdigest(s) for s in sources]
-    assert [bytes(d) for d in dests] == [bytes(s) for s in sources]
-
-
-@needs_module
-def test_a_batch_of_copies_equals_the_copies_one_by_one(native: CopyHasher) -> None:
-    """``copy_many`` (one native call) stores and hashes what ``copy`` does for each: sizes on
-    both sides of xxh3's short path and of the one-pass kernel's minimum, odd alignments."""
-    rng = random.Random(5)
-    sizes = [0, 1, 240, 241, 4096, 65_535, 65_536, 458_752, 1 << 20]
-    sources = [memoryview(rng.randbytes(n + 3))[3:] for n in sizes]
-    dests = [memoryview(bytearray(n + 5))[5:] for n in sizes]
-    sums = native.copy_many(dests, sources)
-    assert sums == [xxhash.xxh3_64_intdigest(s) for s in sources]
-    assert [bytes(d) for d in dests] == [bytes(s) for s in sources]
-    with pytest.raises(ValueError, match="another length"):
-        native.copy_many([memoryview(bytearray(3))], [memoryview(b"four")])
 
 
 def test_a_missing_module_is_refused() -> None:

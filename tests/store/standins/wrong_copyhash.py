@@ -20,11 +20,6 @@ class _Lib:
         return digest ^ 1 if length > 240 else digest
 
     @staticmethod
-    def kvt_copy_xxh3_many(dsts: Any, srcs: Any, lens: Any, n: int, out: Any) -> None:
-        for i in range(n):
-            out[i] = _Lib.kvt_copy_xxh3(dsts[i], srcs[i], lens[i])
-
-    @staticmethod
     def kvt_copy_xxh3_scatter(dsts: list[Any], lens: list[int], n: int, src: Any) -> int:
         state, done = xxhash.xxh3_64(), 0
         for dst, length in zip(dsts, lens, strict=True):
