@@ -296,19 +296,15 @@ def _take_unit_arguments(args: argparse.Namespace, unit: ServiceUnit) -> list[st
             f"ExecStart= gives kvtierd {shlex.join(expanded)}, which systemd expands at start: "
             "--check --as-unit cannot judge that; write the values in ExecStart="
         )
+    refused = "ExecStart= gives kvtierd arguments it does not start with: {}"
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             given, unknown = _parser(exit_on_error=False).parse_known_args(words)
     except (argparse.ArgumentError, SystemExit) as exc:  # a bad value; --help, --version
         why = exc if isinstance(exc, argparse.ArgumentError) else shlex.join(words)
-        raise ValueError(
-            f"ExecStart= gives kvtierd arguments it does not start with: {why}"
-        ) from None
+        raise ValueError(refused.format(why)) from None
     if unknown or given.check or given.as_unit is not None:
-        words = unknown or ["--check"]
-        raise ValueError(
-            f"ExecStart= gives kvtierd arguments it does not start with: {shlex.join(words)}"
-        )
+        raise ValueError(refused.format(shlex.join(unknown or ["--check"])))
     overridden = []
     for flag in ("--config", *(flag for flag, _ in FLAGS.values())):
         attribute = _attribute(flag)

@@ -213,10 +213,10 @@ def _install(residency: Residency, placed: _Placed, slot: Slot) -> Block | None:
     it is in DRAM already."""
     kept, _, ns = placed
     ref = BlockRef(kept.ns_digest, kept.key, kept.raw_bytes, kept.checksum, kept.seq, kept.compress)
-    stored = residency.index.peek(ns, kept.key)  # not made live unless taken
-    if stored is not None and (stored.ref != ref or stored.dram is not None):
+    block = residency.index.get(ns, kept.key)
+    if block is not None and (block.ref != ref or block.dram is not None):
+        residency.cool(block)  # one made from its row just now is let go again
         return None
-    block = residency.index.get(ns, kept.key) if stored is not None else None
     if block is None:
         block = Block(ns, ref, dirty=residency.lower is not None)  # the lower tier lacks it
         residency.index.add(block)

@@ -70,13 +70,17 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
 
 
 def _seal(body: bytes) -> bytes:
-    page = _sealed(body)
-    return page + bytes(PAGE_BYTES - len(page))
+    return _page(_sealed(body))
 
 
 def _sealed(body: bytes) -> bytes:
     """``body`` and its checksum: what :func:`_open` reads of a page (never the padding)."""
     return body + _CHECK.pack(checksum(body))
+
+
+def _page(sealed: bytes) -> bytes:
+    """``sealed`` padded with zeros to a page, as written."""
+    return sealed + bytes(PAGE_BYTES - len(sealed))
 
 
 def _open(
@@ -165,8 +169,7 @@ class RecordHeader:
 
     def pack(self) -> bytes:
         """The header page as written: :meth:`sealed`, padded to a page."""
-        page = self.sealed()
-        return page + bytes(PAGE_BYTES - len(page))
+        return _page(self.sealed())
 
     def sealed(self) -> bytes:
         """The header's fields and their checksum, without the page's padding: all that

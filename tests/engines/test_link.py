@@ -133,7 +133,7 @@ def test_a_daemon_away_is_knocked_on_after_a_backoff_not_on_every_call(tmp_path:
     link = _link(daemon)
     assert [link.call("put", _put, -1) for _ in range(200)] == [-1] * 200
     assert link.failures == 200
-    assert 1 <= link.attempts <= 3  # 200 calls, a few attempts
+    assert 1 <= link.attempts <= 10  # 200 calls, a few attempts (however slow the machine)
     daemon.start(120)
     try:
         for _ in range(400):  # at most 1.25 s between attempts: reached well within this
