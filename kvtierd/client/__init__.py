@@ -9,6 +9,7 @@ blocking one is generated), with the same methods and errors: every daemon errno
 from kvtierd.client.aio import AsyncClient, AsyncNamespace, connect_async, connect_tcp_async
 from kvtierd.client.blocks import BlockLease, BlockWrite
 from kvtierd.client.endpoint import client_tls_context
+from kvtierd.client.ops import SparseHint
 from kvtierd.client.reconnect import Reconnect
 from kvtierd.client.sync import Client, Namespace, connect, connect_tcp
 from kvtierd.errors import (
@@ -54,6 +55,7 @@ __all__ = [
     "QuotaError",
     "Reconnect",
     "RemoteProtocolError",
+    "SparseHint",
     "StartingError",
     "StorageIOError",
     "TimedOutError",

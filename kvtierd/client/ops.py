@@ -18,6 +18,7 @@ from operator import countOf
 from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtierd.client.arena import (
     ClientArena,
@@ -466,6 +467,64 @@ def hint_attention(
 ) -> Op[tuple[list[bytes], list[bytes]]]:
     """Sparse attention: ``(ranked, predicted)`` keys of ``chain`` for the step's ``queries``
     (float32 ``[len(query_layers), q_heads, head_dim]``); the daemon starts promoting both."""
+    reply: HintReply = yield from _sparse_hint(
+        ns, chain, queries, query_layers, budget_blocks, session
+    )
+    return reply.ranked, reply.predicted
+
+
+#: The first protocol minor whose daemons send a sparse HINT's selection per layer and head.
+SELECTION_MINOR = 14
+
+
+@dataclass(frozen=True)
+class SparseHint:
+    """A sparse HINT's answer: the keys to keep (``ranked``, best first) and to have on their
+    way for the next step (``predicted``), and ``selected``, the selection per query layer and
+    KV head as chain positions: int32 ``[len(query_layers), kv_heads, budget]``, forced blocks
+    (sink, newest) first, then best first, -1 padding a row when the chain is shorter."""
+
+    ranked: list[bytes]
+    predicted: list[bytes]
+    selected: npt.NDArray[np.int32]
+
+
+def hint_selection(
+    ns: int,
+    chain: Sequence[bytes],
+    queries: Any,
+    query_layers: Sequence[int],
+    budget_blocks: int,
+    session: bytes,
+    kv_heads: int,
+    daemon_minor: int,
+) -> Op[SparseHint]:
+    """:func:`hint_attention` with the selection per layer and KV head (``kv_heads``: the
+    namespace layout's); a daemon older than :data:`SELECTION_MINOR` is asked nothing."""
+    require_minor(daemon_minor, SELECTION_MINOR, "the selection per layer and KV head needs")
+    reply: HintReply = yield from _sparse_hint(
+        ns, chain, queries, query_layers, budget_blocks, session
+    )
+    budget = min(budget_blocks, len(chain))
+    shape = (len(query_layers), kv_heads, budget)
+    if len(reply.selected) != 4 * shape[0] * shape[1] * shape[2]:
+        raise RemoteProtocolError(
+            f"the daemon's selection is {len(reply.selected)} bytes, not int32 {shape}"
+        )
+    selected = np.frombuffer(reply.selected, "<i4")
+    if selected.size and (selected.min() < -1 or selected.max() >= len(chain)):
+        raise RemoteProtocolError("the daemon's selection names a position outside the chain")
+    return SparseHint(reply.ranked, reply.predicted, selected.astype(np.int32).reshape(shape))
+
+
+def _sparse_hint(
+    ns: int,
+    chain: Sequence[bytes],
+    queries: Any,
+    query_layers: Sequence[int],
+    budget_blocks: int,
+    session: bytes,
+) -> Op[HintReply]:
     check_keys(chain, "chain")
     if len(chain) > MAX_KEYS_PER_REQUEST:
         raise InvalidRequestError(
@@ -482,7 +541,7 @@ def hint_attention(
         budget_blocks,
     )
     reply: HintReply = yield request, ns
-    return reply.ranked, reply.predicted
+    return reply
 
 
 def read_into(

@@ -30,6 +30,7 @@ __all__ = [
     "APPENDED",
     "APPENDED_REQUEST_FIELDS",
     "MAX_QUEUE_KEYS",
+    "MAX_SELECTED_BYTES",
     "REPLY_TYPES",
     "REQUEST_TYPES",
     "AllocReply",
@@ -370,6 +371,10 @@ class FsyncReply(Message, frozen=True):
 #: Keys in all of a HINT's queued chains together: the bound of every other request's keys, so
 #: that no request makes the daemon walk more keys than a LOOKUP does.
 MAX_QUEUE_KEYS: Final = MAX_KEYS_PER_REQUEST
+#: A sparse HINT's selection in its reply (``HintReply.selected``: 4 bytes per query layer, KV
+#: head and block of the budget) is at most this, half of a client's default frame, so that the
+#: reply always reaches it: a request for more is refused before anything is ranked.
+MAX_SELECTED_BYTES: Final = 512 << 10
 
 
 class HintRequest(Message, frozen=True):
@@ -407,6 +412,12 @@ class HintReply(Message, frozen=True):
     #: for the next step.
     ranked: list[bytes] = []
     predicted: list[bytes] = []
+    #: (minor 14) ... and the selection itself, per (layer, KV head): little-endian int32 chain
+    #: positions ``[len(query_layers) * kv_heads, budget]``, row ``i * kv_heads + h`` for layer
+    #: ``query_layers[i]`` and KV head ``h``, forced blocks first, then best first, -1 padding
+    #: a row when the chain is shorter than the budget (``budget``: the request's
+    #: ``budget_blocks``, at most the chain's length).
+    selected: bytes = b""
 
 
 # -- daemon ---------------------------------------------------------------------------------
@@ -634,12 +645,14 @@ APPENDED: Final[dict[type[Message], tuple[tuple[int, int], ...]]] = {
         (9, 22),  # the disk tier's checkpoints
         (11, 27),  # the tenants
     ),
+    HintReply: ((14, 3),),  # selected
 }
 #: The bodies that hold such a struct (or are one), each with the newest minor that appended
 #: any of what it holds: a peer of that minor or newer is sent the body as it is.
 _HOLDERS: Final[dict[type[Message], int]] = {
     ListNsReply: max(since for since, _ in APPENDED[NamespaceInfo]),
     StatfsReply: max(since for cls in (StatfsReply, TierStatistics) for since, _ in APPENDED[cls]),
+    HintReply: max(since for since, _ in APPENDED[HintReply]),
 }
 #: Request structs that grew after minor 6: struct -> how many fields it had before. The
 #: appended fields are sent only up to the last one that differs from its default, so a

@@ -31,6 +31,7 @@ from kvtierd.policy import ServedBy
 from kvtierd.protocol import MAX_KEYS_PER_REQUEST, PROTOCOL_VERSION, Opcode, RequestHeader
 from kvtierd.protocol.frames import MIN_CLIENT_MINOR, MIN_MAX_FRAME_BYTES, PROTOCOL_MINOR
 from kvtierd.protocol.messages import (
+    MAX_SELECTED_BYTES,
     AllocReply,
     AllocRequest,
     CommitReply,
@@ -361,12 +362,27 @@ async def hint(ctx: RequestContext, header: RequestHeader, msg: HintRequest) -> 
         raise InvalidRequestError(f"queries do not have shape {msg.query_shape}: {exc}") from None
     if msg.budget_blocks < 1:
         raise InvalidRequestError("a sparse HINT needs budget_blocks >= 1")
+    layout = ns.spec.layout
+    budget = min(msg.budget_blocks, len(msg.chain))
+    if layout is not None and 4 * len(msg.query_layers) * layout.kv_heads * budget > (
+        MAX_SELECTED_BYTES
+    ):
+        raise InvalidRequestError(
+            f"a selection of {budget} blocks for {len(msg.query_layers)} layers and "
+            f"{layout.kv_heads} KV heads exceeds the {MAX_SELECTED_BYTES}-byte reply bound: "
+            "ask for fewer query layers or a smaller budget"
+        )
     selection = await store.sparse.select(
         ns, msg.session, msg.chain, queries, msg.query_layers, msg.budget_blocks
     )
     for keys in (selection.ranked, selection.predicted):
         planned += store.prefetch_keys(ns, keys)
-    return HintReply(planned, selection.ranked, selection.predicted)
+    return HintReply(
+        planned,
+        selection.ranked,
+        selection.predicted,
+        selection.selected.astype("<i4", copy=False).tobytes(),
+    )
 
 
 async def pool_status(ctx: RequestContext, header: RequestHeader, msg: Message) -> Message:

@@ -38,10 +38,13 @@ __all__ = ["SparseRetrieval", "SparseSelection"]
 
 @dataclass(frozen=True, slots=True)
 class SparseSelection:
-    """Keys to promote now (ranked) and for the next decode step (predicted, not ranked)."""
+    """Keys to promote now (ranked) and for the next decode step (predicted, not ranked), and
+    the selection they come from: chain positions ``[groups, budget]`` (int32, -1 padded; row
+    ``i * kv_heads + h`` is the ``i``-th query layer's KV head ``h``)."""
 
     ranked: list[bytes]
     predicted: list[bytes]
+    selected: np.ndarray
 
 
 @dataclass
@@ -126,7 +129,12 @@ class SparseRetrieval:
             ]
             entry.chain = list(chain)
 
-            def work() -> tuple[np.ndarray, np.ndarray]:
+            # No row is longer than the chain: a client's budget beyond it asks for nothing more
+            # and must not size the daemon's arrays.
+            budget = min(budget_blocks, len(chain))
+            groups = len(entry.index.config.layers) * entry.index.config.kv_heads
+
+            def work() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 known = [(p, s) for p, s in new if s is not None]
                 if known:
                     positions = np.asarray([p for p, _ in known], dtype=np.int64)
@@ -134,15 +142,21 @@ class SparseRetrieval:
                     boxes = np.stack([s[layers] for _, s in known]).astype(np.float32)
                     entry.index.insert_many(positions, positions, boxes)
                 if not len(entry.index):
-                    return np.empty(0, np.int64), np.empty(0, np.int64)
-                selection = entry.index.select(queries, budget_blocks)
-                return selection.blocks(), np.unique(entry.index.predict_next(selection))
+                    nothing = np.empty(0, np.int64)
+                    return nothing, nothing, np.full((groups, budget), -1, np.int32)
+                selection = entry.index.select(queries, budget)
+                return (
+                    selection.blocks(),
+                    np.unique(entry.index.predict_next(selection)),
+                    selection.block_ids.astype(np.int32),
+                )
 
-            ranked, predicted = await anyio.to_thread.run_sync(work)
+            ranked, predicted, selected = await anyio.to_thread.run_sync(work)
         chosen = {int(p) for p in ranked}
         return SparseSelection(
             [chain[int(p)] for p in ranked],
             [chain[int(p)] for p in predicted if p >= 0 and int(p) not in chosen],
+            selected,
         )
 
     def _used(self, block_id: tuple[bytes, bytes]) -> np.ndarray | None:

@@ -94,3 +94,44 @@ def test_summaries_follow_their_blocks_out_of_the_store(tmp_path) -> None:  # ty
         assert stats["tiers"][0]["blocks"] < len(keys)  # the tier really let blocks go
         assert 0 < stats["sparse_summaries"] <= stats["tiers"][0]["blocks"]  # no orphans
         assert stats["sparse_summary_bytes"] <= 256 << 10
+
+
+def test_the_selection_comes_back_per_layer_and_kv_head(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``hint_selection`` answers, for each query layer and KV head, the chain positions to
+    read: the sink and the newest block first, then the block the query attends to; a budget
+    past the chain is the whole chain, never an array the client sized."""
+    direction = np.zeros(HEAD_DIM, np.float32)
+    direction[3] = 1.0
+    with DaemonProcess(tmp_path) as d, connect(d.socket) as client:
+        ns = client.namespace("toy", block_bytes=BLOCK_BYTES, layout=LAYOUT, sparse=True)
+        keys = chain_keys(range(BLOCK_TOKENS * 12), BLOCK_TOKENS, ns.key_salt)
+        ns.put(keys, [_block(i, direction) for i in range(len(keys))])
+        queries = np.tile(direction, (2, 1, 1)).astype(np.float32)
+        hint = ns.hint_selection(keys, queries, query_layers=[2, 3], budget_blocks=3)
+        assert hint.selected.shape == (2, KV_HEADS, 3)
+        assert hint.selected.dtype == np.int32
+        for row in hint.selected.reshape(-1, 3).tolist():
+            assert row[:2] == [0, len(keys) - 1]  # forced: the sink, the newest block
+            assert row[2] == HOT
+        assert set(hint.ranked) == {keys[p] for p in hint.selected.reshape(-1).tolist()}
+        whole = ns.hint_selection(keys, queries, query_layers=[2, 3], budget_blocks=1 << 31)
+        assert whole.selected.shape == (2, KV_HEADS, len(keys))
+        assert sorted(whole.selected[0, 0].tolist()) == list(range(len(keys)))
+
+
+def test_a_selection_past_the_reply_bound_is_refused_before_it_is_made(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """4 bytes per query layer, KV head and budgeted block: a request whose selection would
+    pass ``MAX_SELECTED_BYTES`` is refused (EINVAL) and the daemon serves on."""
+    wide = {**LAYOUT, "layers": 64, "kv_heads": 8, "head_dim": 2, "block_tokens": 1}
+    block_bytes = 2 * 64 * 8 * 2 * 1 * 4
+    with DaemonProcess(tmp_path) as d, connect(d.socket) as client:
+        ns = client.namespace("wide", block_bytes=block_bytes, layout=wide, sparse=True)
+        keys = chain_keys(range(300), 1, ns.key_salt)
+        rng = np.random.default_rng(1)
+        ns.put(keys, [rng.normal(0, 1, block_bytes // 4).astype(np.float32) for _ in keys])
+        queries = rng.normal(0, 1, (64, 8, 2)).astype(np.float32)
+        with pytest.raises(InvalidRequestError, match="reply bound"):
+            ns.hint_selection(keys, queries, query_layers=range(64), budget_blocks=300)
+        hint = ns.hint_selection(keys, queries, query_layers=range(64), budget_blocks=200)
+        assert hint.selected.shape == (64, 8, 200)
+        assert (hint.selected >= 0).all()

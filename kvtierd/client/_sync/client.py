@@ -40,6 +40,7 @@ from kvtierd.client.reconnect import RECONNECTABLE, Reconnect, gave_up, reopen_n
 from kvtierd.errors import (
     BrokenConnectionError,
     CorruptBlockError,
+    InvalidRequestError,
     KvtierError,
 )
 from kvtierd.protocol.messages import (
@@ -395,6 +396,36 @@ class Namespace(NamespaceBase[Client]):
         return self._run(
             lambda: ops.hint_attention(
                 self.handle.ns, chain, queries, query_layers, budget_blocks, session
+            )
+        )
+
+    def hint_selection(
+        self,
+        chain: Sequence[bytes],
+        queries: Any,
+        *,
+        query_layers: Sequence[int],
+        budget_blocks: int,
+        session: bytes = b"",
+    ) -> ops.SparseHint:
+        """:meth:`hint_attention`, answered with the selection itself: for each query layer
+        and KV head, the chain positions its attention should read (see
+        :class:`~kvtierd.client.ops.SparseHint`). Raises
+        :class:`~kvtierd.errors.NotSupportedError` on a daemon older than minor 14."""
+        layout = self.handle.layout
+        if layout is None:
+            raise InvalidRequestError("a sparse HINT needs a namespace opened with a layout")
+        c = self.client
+        return self._run(
+            lambda: ops.hint_selection(
+                self.handle.ns,
+                chain,
+                queries,
+                query_layers,
+                budget_blocks,
+                session,
+                layout.kv_heads,
+                c.daemon_minor,
             )
         )
 
