@@ -255,10 +255,15 @@ class HfKvAdapter:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         tenant: str = "default",
         packed_decode_attention: bool = False,
+        sparse: bool = False,
     ) -> HfKvAdapter:
-        """Open (creating if needed) ``model``'s namespace, named after ``model_id``."""
+        """Open (creating if needed) ``model``'s namespace, named after ``model_id``; with
+        ``sparse`` the daemon summarises its blocks for sparse decode
+        (:mod:`kvtierd.engines.hf_sparse`)."""
         layout = model_layout(model, model_id=model_id, block_tokens=block_tokens)
-        namespace = client.namespace(f"hf/{model_id}"[:255], layout=layout, tenant=tenant)
+        namespace = client.namespace(
+            f"hf/{model_id}"[:255], layout=layout, tenant=tenant, sparse=sparse
+        )
         return cls(
             model, namespace, model_id=model_id, packed_decode_attention=packed_decode_attention
         )

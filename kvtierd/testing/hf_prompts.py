@@ -24,14 +24,19 @@ _DEFAULT_QUESTION = "Summarise the document in three sentences."
 
 @dataclass(frozen=True)
 class QaDocument:
-    """A long document, its title and its questions (possibly none)."""
+    """A long document, its title and its questions (possibly none), with each question's
+    reference answer and the passage of the document it rests on (``""`` where the file
+    gives none)."""
 
     title: str
     text: str
     questions: tuple[str, ...]
+    answers: tuple[str, ...] = ()
+    evidence: tuple[str, ...] = ()
 
 
-def _questions(raw: Any) -> tuple[str, ...]:
+def _pairs(raw: Any) -> list[dict[str, Any]]:
+    """The ``{"Q", "A", "S"}`` objects of ``qa_pairs`` that have a question."""
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
@@ -39,10 +44,14 @@ def _questions(raw: Any) -> tuple[str, ...]:
             try:
                 raw = ast.literal_eval(raw)
             except (ValueError, SyntaxError):
-                return ()
+                return []
     if not isinstance(raw, list):
-        return ()
-    return tuple(p["Q"] for p in raw if isinstance(p, dict) and isinstance(p.get("Q"), str))
+        return []
+    return [p for p in raw if isinstance(p, dict) and isinstance(p.get("Q"), str)]
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def read_qa_documents(path: str | Path) -> list[QaDocument]:
@@ -64,11 +73,14 @@ def read_qa_documents(path: str | Path) -> list[QaDocument]:
             if not isinstance(record, dict) or not isinstance(record.get("input"), str):
                 raise ValueError(f"{path}:{number}: expected an object with a string 'input'")
             title = record.get("title")
+            pairs = _pairs(record.get("qa_pairs"))
             documents.append(
                 QaDocument(
                     title=title if isinstance(title, str) and title else f"line {number}",
                     text=record["input"],
-                    questions=_questions(record.get("qa_pairs")),
+                    questions=tuple(p["Q"] for p in pairs),
+                    answers=tuple(_text(p.get("A")) for p in pairs),
+                    evidence=tuple(_text(p.get("S")) for p in pairs),
                 )
             )
     return documents
