@@ -20,8 +20,11 @@ document cut to fit, then the question), then
   counted: bytes the engine read per generated token against a full restore of the context,
   the daemon's NVMe reads, the share of step time spent waiting for blocks (``stall_share``),
   the HINT round trip, tokens/s;
-* **answers**: both decode freely (greedy) and each answer is scored against the reference
-  answer by token F1 (correct at F1 >= 0.5: ``qa_accuracy``), and the two answers against each
+* **answers**: both decode freely (greedy) and each answer is scored: LooGLE questions by token
+  F1 against the reference answer (correct at F1 >= 0.5: ``qa_accuracy``); a *needle* (a
+  sentence with an access code planted halfway into the first document: found or not); an
+  *aggregation* (list every year the document mentions, where top-k selection is known to
+  fail: F1 of the years listed against those in the prompt); and the two answers against each
   other (``answer_agreement``).
 
 A budget of ``1.0`` (every block) is the sparse path's own noise floor against stock attention:
@@ -38,6 +41,9 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -73,25 +79,85 @@ def token_f1(answer: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def questions_for(
-    loaded: LoadedModel, documents: list[QaDocument], tokens: int, count: int
-) -> list[tuple[str, int, list[int], str]]:
-    """Up to ``count`` answerable ``(title, question index, prompt, reference answer)``."""
-    chosen: list[tuple[str, int, list[int], str]] = []
+@dataclass(frozen=True)
+class Probe:
+    """One prompt and how its answer is scored (0..1): ``kind`` is ``qa`` (token F1 against
+    LooGLE's reference answer), ``needle`` (1 when the answer holds the planted value) or
+    ``aggregation`` (F1 of the years the answer lists against those the prompt holds)."""
+
+    kind: str
+    label: str
+    prompt: list[int]
+    score: Callable[[str], float]
+
+
+#: The needle: a sentence planted halfway into the document, and what the answer must hold.
+NEEDLE = " The archive's access code, for anyone who asks later, is 7319-OSPREY."
+NEEDLE_VALUE = "7319"
+NEEDLE_QUESTION = "What is the archive's access code given in the document?"
+AGGREGATION_QUESTION = (
+    "List every year (four-digit number) that the document mentions, separated by commas."
+)
+_YEAR = re.compile(r"\b(1[5-9]\d\d|20\d\d)\b")
+
+
+def _year_f1(answer: str, years: set[str]) -> float:
+    said = set(_YEAR.findall(answer))
+    common = len(said & years)
+    if not common:
+        return 0.0
+    return 2 * common / (len(said) + len(years))
+
+
+def probes_for(
+    loaded: LoadedModel, documents: list[QaDocument], tokens: int, questions: int
+) -> list[Probe]:
+    """Up to ``questions`` answerable LooGLE questions (their evidence inside the prompt's
+    part of the document), then a needle and an aggregation probe on the first document."""
+    tokenizer = loaded.tokenizer
+    probes: list[Probe] = []
     for document in documents:
-        kept = loaded.tokenizer.decode(loaded.tokenizer(document.text)["input_ids"][:tokens])
+        kept = tokenizer.decode(tokenizer(document.text)["input_ids"][:tokens])
         for i, question in enumerate(document.questions):
             passage = document.evidence[i] if i < len(document.evidence) else ""
-            if not passage or passage[:80] not in kept or not document.answers[i]:
+            answer = document.answers[i] if i < len(document.answers) else ""
+            if not passage or passage[:80] not in kept or not answer:
                 continue
             try:
-                prompt = document_prompt(loaded.tokenizer, document.text, question, tokens=tokens)
+                prompt = document_prompt(tokenizer, document.text, question, tokens=tokens)
             except ValueError:
                 break  # the document is too short for this length
-            chosen.append((document.title, i, prompt, document.answers[i]))
-            if len(chosen) == count:
-                return chosen
-    return chosen
+            probes.append(
+                Probe(
+                    "qa", f"{document.title[:24]} q{i}", prompt, partial(token_f1, reference=answer)
+                )
+            )
+            if len([p for p in probes if p.kind == "qa"]) == questions:
+                break
+        if len(probes) == questions:
+            break
+    first = documents[0]
+    kept = tokenizer.decode(tokenizer(first.text)["input_ids"][: tokens - 200])
+    middle = kept.rfind(". ", 0, len(kept) // 2) + 1 or len(kept) // 2
+    planted = first.text[:middle] + NEEDLE + first.text[middle:]
+    probes.append(
+        Probe(
+            "needle",
+            f"{first.title[:24]} needle",
+            document_prompt(tokenizer, planted, NEEDLE_QUESTION, tokens=tokens),
+            lambda answer: float(NEEDLE_VALUE in answer),
+        )
+    )
+    years = set(_YEAR.findall(kept))
+    probes.append(
+        Probe(
+            "aggregation",
+            f"{first.title[:24]} years",
+            document_prompt(tokenizer, first.text, AGGREGATION_QUESTION, tokens=tokens),
+            partial(_year_f1, years=years),
+        )
+    )
+    return probes
 
 
 def full_attention(
@@ -152,14 +218,14 @@ def _nvme_bytes_read(client: Client) -> int:
 def measure(
     loaded: LoadedModel,
     client: Client,
-    prompt: list[int],
-    reference_answer: str,
+    probe: Probe,
     budgets: list[float],
     steps: int,
     label: str,
 ) -> dict[str, Any]:
     """Every figure of one prompt: the reference, then each budget."""
     tokenizer = loaded.tokenizer
+    prompt = probe.prompt
     stop = tokenizer.eos_token_id
     full, full_tps = full_attention(loaded, prompt, steps)  # greedy: also the full answer
     full_answer = tokenizer.decode(_until(full.tokens, stop), skip_special_tokens=True)
@@ -173,7 +239,8 @@ def measure(
         "block_bytes": adapter.namespace.block_bytes,
         "tokens_per_s_full_attention": full_tps,
         "answer_full": full_answer,
-        "qa_f1_full": token_f1(full_answer, reference_answer),
+        "kind": probe.kind,
+        "score_full": probe.score(full_answer),
         "budgets": {},
     }
     for fraction in budgets:
@@ -211,7 +278,7 @@ def measure(
             "tv_max": report.tv_max,
             "first_divergence": report.first_divergence,
             "answer_sparse": answer,
-            "qa_f1_sparse": token_f1(answer, reference_answer),
+            "score_sparse": probe.score(answer),
             "answer_agreement": float(_until(free.tokens, stop) == _until(full.tokens, stop)),
             "bytes_per_token_sparse": s.bytes_read / generated,
             "bytes_per_token_full_restore": chain_blocks
@@ -233,6 +300,31 @@ def _until(tokens: list[int], stop: int | None) -> list[int]:
     return tokens[: tokens.index(stop)] if stop is not None and stop in tokens else tokens
 
 
+def _scores(runs: list[dict[str, Any]], fraction: float) -> dict[str, Any]:
+    """The answers' scores by kind of probe: QA accuracy (F1 >= :data:`CORRECT_F1`) and F1,
+    the needle found, the aggregation's F1; sparse and full attention each."""
+
+    def of(kind: str, side: str, judge: Callable[[float], float] = float) -> float | None:
+        mine = [r for r in runs if r["kind"] == kind]
+        if not mine:
+            return None
+        scores: list[float] = [
+            r["score_full"] if side == "full" else r["budgets"][str(fraction)]["score_sparse"]
+            for r in mine
+        ]
+        return statistics.fmean(judge(score) for score in scores)
+
+    def correct(f1: float) -> float:
+        return float(f1 >= CORRECT_F1)
+
+    return {
+        "qa_accuracy": {side: of("qa", side, correct) for side in ("sparse", "full")},
+        "qa_f1": {side: of("qa", side) for side in ("sparse", "full")},
+        "needle": {side: of("needle", side) for side in ("sparse", "full")},
+        "aggregation_f1": {side: of("aggregation", side) for side in ("sparse", "full")},
+    }
+
+
 def summarise(runs: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any]:
     """Means over prompts, per budget, under the names the issue asks for."""
 
@@ -245,16 +337,7 @@ def summarise(runs: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any
             "agreement_top1": mean("agreement_top1", fraction),
             "tv_mean": mean("tv_mean", fraction),
             "tv_max": max(r["budgets"][str(fraction)]["tv_max"] for r in runs),
-            "qa_accuracy": {
-                "sparse": statistics.fmean(
-                    r["budgets"][str(fraction)]["qa_f1_sparse"] >= CORRECT_F1 for r in runs
-                ),
-                "full": statistics.fmean(r["qa_f1_full"] >= CORRECT_F1 for r in runs),
-            },
-            "qa_f1": {
-                "sparse": mean("qa_f1_sparse", fraction),
-                "full": statistics.fmean(r["qa_f1_full"] for r in runs),
-            },
+            **_scores(runs, fraction),
             "answer_agreement": mean("answer_agreement", fraction),
             "bytes_per_token": {
                 "sparse": mean("bytes_per_token_sparse", fraction),
@@ -277,16 +360,14 @@ def run(args: argparse.Namespace, tokens: int, budgets: list[float]) -> dict[str
     loaded = open_model("bfloat16", args.threads)
     length = min(tokens, loaded.max_positions - args.generate)
     documents = read_qa_documents(args.data)[: args.docs]
-    prompts = questions_for(loaded, documents, length, args.questions)
-    if not prompts:
-        raise SystemExit(f"no question of {args.data} is answerable within {length} tokens")
+    probes = probes_for(loaded, documents, length, args.questions)
     runs = []
     with bench_daemon(dram="512M", nvme="2G") as (_daemon, client):
-        for title, index, prompt, reference in prompts:
-            label = f"{title[:24]} q{index} {length}"
+        for probe in probes:
+            label = f"{probe.label} {length}"
             benchlib.log(f"{label}: full attention")
-            runs.append(measure(loaded, client, prompt, reference, budgets, args.generate, label))
-            runs[-1].update(title=title, question=index)
+            runs.append(measure(loaded, client, probe, budgets, args.generate, label))
+            runs[-1]["label"] = probe.label
     return {"tokens": length, "generate": args.generate, "runs": runs, **summarise(runs, budgets)}
 
 
@@ -331,17 +412,21 @@ def plot_and_record(result: dict[str, Any], data: str, budgets: list[float]) -> 
     path = benchlib.save_figure(fig, "sparse_decode.png")
     rows = [
         "| tokens | budget | top-1 agreement | TV mean | TV max | answers equal "
-        "| QA F1 sparse / full | MiB/token sparse / full restore | NVMe MiB/token "
+        "| QA F1 | needle | years F1 | MiB/token sparse / full restore | NVMe MiB/token "
         "| amplification | stall share | HINT ms/step | tokens/s sparse / full |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def pair(figures: dict[str, float | None]) -> str:
+        return " / ".join("-" if v is None else f"{v:.2f}" for v in figures.values())
+
     for length in result["lengths"]:
         for b in budgets:
             r = length[str(b)]
             rows.append(
                 f"| {length['tokens']} | {b:g} | {r['agreement_top1']:.3f} | {r['tv_mean']:.4f} | "
                 f"{r['tv_max']:.3f} | {r['answer_agreement']:.2f} | "
-                f"{r['qa_f1']['sparse']:.2f} / {r['qa_f1']['full']:.2f} | "
+                f"{pair(r['qa_f1'])} | {pair(r['needle'])} | {pair(r['aggregation_f1'])} | "
                 f"{r['bytes_per_token']['sparse'] / 2**20:.2f} / "
                 f"{r['bytes_per_token']['full_restore'] / 2**20:.2f} | "
                 f"{r['bytes_per_token']['nvme'] / 2**20:.2f} | {r['read_amplification']:.2f} | "
@@ -359,8 +444,11 @@ def plot_and_record(result: dict[str, Any], data: str, budgets: list[float]) -> 
             "engine's pool dropped), holding per layer and KV head only the blocks the daemon's "
             "HINT selects (sink and newest included) plus its own tail; teacher-forced with full "
             "attention's tokens for the per-step figures (TV: top-20 union, renormalised), free "
-            f"for the answers (QA F1 against LooGLE's reference answer; {len(first['runs'])} "
-            "question(s) per length whose evidence lies inside the prompt). Budget 1 is every "
+            "for the answers, each as sparse / full attention: QA F1 against LooGLE's reference "
+            "answer (questions whose evidence lies inside the prompt), the needle (a sentence "
+            "planted halfway: 1 when the answer gives its code), the years F1 (an aggregation: "
+            "list every year the document mentions; top-k selection is known to fail there). "
+            f"{len(first['runs'])} prompts per length. Budget 1 is every "
             "block: the sparse path's own bf16 rounding against stock attention (in float32 it "
             "gives TV 0.0000). Bytes per token: what the engine read from the daemon's DRAM per "
             "generated token, against restoring the whole context once; NVMe: what the daemon "
