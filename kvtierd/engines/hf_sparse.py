@@ -105,20 +105,16 @@ class SparseStats:
         """Time the engine waited for blocks."""
         return self.fetch_s + self.miss_s
 
-    @property
-    def step_s(self) -> float:
-        return self.forward_s + self.hint_s + self.stall_s
-
 
 class SparseDecoder:
-    """Greedy-free, step-by-step sparse decode of one sequence through ``adapter``.
+    """Step-by-step sparse decode of one sequence through ``adapter``.
 
-    ``budget_blocks``: blocks per (layer, KV head), sink and newest block included.
-    ``query_layers``: the layers whose attention is sparse: all of them (the default; dense
-    layers beside sparse ones would make the pool hold every block). ``pool_blocks``: the
-    most blocks the pool keeps (default: only those the current selection names); blocks the
-    selection no longer names stay until room is needed, least recently selected first, so
-    that one that comes back is not read again. Not thread-safe, like the model.
+    ``budget_blocks``: blocks per (layer, KV head), sink and newest block included; every
+    layer is sparse (a dense layer beside sparse ones would make the pool hold every block).
+    ``session`` names the sequence's index in the daemon. ``pool_blocks``: the most blocks the
+    pool keeps (default: only those the current selection names); blocks the selection no
+    longer names stay until room is needed, least recently selected first, so that one that
+    comes back is not read again. Not thread-safe, like the model.
     """
 
     def __init__(
@@ -126,30 +122,21 @@ class SparseDecoder:
         adapter: HfKvAdapter,
         *,
         budget_blocks: int,
-        query_layers: Sequence[int] | None = None,
         session: bytes = b"sparse-decode",
         pool_blocks: int | None = None,
     ) -> None:
-        model = adapter.model
-        current = getattr(model.config, "_attn_implementation", None)
+        current = getattr(adapter.model.config, "_attn_implementation", None)
         if current not in ("sdpa", SPARSE_SDPA):
             raise UnsupportedModelError(f"sparse decode needs sdpa attention, not {current!r}")
         if budget_blocks < 1:
             raise ValueError(f"budget_blocks must be at least 1, not {budget_blocks}")
         layout = adapter.layout
-        layers = list(range(layout.layers)) if query_layers is None else list(query_layers)
-        if not layers or sorted(set(layers)) != layers or layers[-1] >= layout.layers:
-            raise ValueError(f"query_layers must be increasing layers of 0..{layout.layers - 1}")
-        if layers != list(range(layout.layers)):
-            raise ValueError("dense layers beside sparse ones are not supported yet: pass None")
         self.adapter = adapter
         self.budget_blocks = budget_blocks
-        self.query_layers = layers
+        self.query_layers = list(range(layout.layers))
         self.session = session
         self.pool_blocks = pool_blocks
         self.stats = SparseStats()
-        cfg = model.config
-        self._q_heads = int(cfg.num_attention_heads)
         self._block_shape = (
             layout.layers,
             2,
@@ -337,9 +324,10 @@ class SparseDecoder:
         """The pool slots each layer's attention reads this step, per KV head."""
         assert self._selection is not None
         selection = self._selection
-        slot_of = self._slot_of
-        slots = np.vectorize(lambda p: slot_of.get(int(p), 0), otypes=[np.int64])(selection)
+        lookup = np.zeros(len(self._chain), np.int64)  # chain position -> pool slot
+        lookup[list(self._slot_of)] = list(self._slot_of.values())
         pads = selection < 0
+        slots = lookup[np.where(pads, 0, selection)]  # a pad reads slot 0, masked out
         bt = self.adapter.block_tokens
         self._gather = [torch.from_numpy(slots[i]) for i in range(len(self.query_layers))]
         self._pads = [
