@@ -12,7 +12,8 @@ prediction go back to the engine as keys.
 
 The index is not thread-safe: each session's calls are serialised by a lock, and the CPU work
 runs in a worker thread so the event loop keeps serving. Sessions beyond ``max_sessions`` are
-dropped least recently used first.
+dropped least recently used first, and so are sessions while all indices together hold more
+than ``max_index_bytes`` (twice the summaries' bound).
 
 Summaries follow their block: one is dropped when its block leaves the store (its last tier
 let it go, or it was forgotten), and together they stay within ``max_summary_bytes`` (the
@@ -21,6 +22,7 @@ least recently summarised or used go first; such a block is then simply not rank
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +36,8 @@ from kvtierd.store.index import Block
 from kvtierd.store.namespaces import Namespace
 
 __all__ = ["SparseRetrieval", "SparseSelection"]
+
+log = logging.getLogger("kvtierd.store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +64,18 @@ class SparseRetrieval:
     def __init__(self, max_sessions: int = 64, max_summary_bytes: int = 256 << 20) -> None:
         self.max_sessions = max_sessions
         self.max_summary_bytes = max_summary_bytes
+        #: What the sessions' indices may hold together: each holds at most about 1.7 times
+        #: the summaries it indexes (float32 boxes where a summary keeps float16), so this
+        #: leaves room for one session indexing every summary and the others beside it;
+        #: beyond it the least recently used sessions go (their next HINT starts afresh).
+        self.max_index_bytes = 2 * max_summary_bytes
         self._summaries: OrderedDict[tuple[bytes, bytes], np.ndarray] = OrderedDict()
         self._sessions: OrderedDict[tuple[int, bytes], _Session] = OrderedDict()
         self.summary_bytes = 0
         #: Summaries dropped to stay within ``max_summary_bytes``.
         self.summaries_dropped = 0
+        #: Sessions' indices dropped to stay within ``max_index_bytes``.
+        self.sessions_dropped = 0
 
     @property
     def summaries(self) -> int:
@@ -152,12 +163,34 @@ class SparseRetrieval:
                 )
 
             ranked, predicted, selected = await anyio.to_thread.run_sync(work)
+        self._trim_sessions((ns.id, session))
         chosen = {int(p) for p in ranked}
         return SparseSelection(
             [chain[int(p)] for p in ranked],
             [chain[int(p)] for p in predicted if p >= 0 and int(p) not in chosen],
             selected,
         )
+
+    def _trim_sessions(self, current: tuple[int, bytes]) -> None:
+        """Drop the least recently used sessions' indices, never ``current``'s, while all of
+        them together hold more than :attr:`max_index_bytes`: a client naming many sessions
+        over a long chain cannot make the daemon hold an index for each."""
+        held = {key: entry.index.memory_bytes() for key, entry in self._sessions.items()}
+        total = sum(held.values())
+        for key in list(self._sessions):
+            if total <= self.max_index_bytes:
+                break
+            if key != current:
+                del self._sessions[key]
+                total -= held[key]
+                self.sessions_dropped += 1
+                log.warning(
+                    "sparse: dropped the index of session %r of namespace %d to stay within "
+                    "%d bytes of indices",
+                    key[1],
+                    key[0],
+                    self.max_index_bytes,
+                )
 
     def _used(self, block_id: tuple[bytes, bytes]) -> np.ndarray | None:
         summary = self._summaries.get(block_id)

@@ -135,3 +135,31 @@ def test_a_selection_past_the_reply_bound_is_refused_before_it_is_made(tmp_path)
         hint = ns.hint_selection(keys, queries, query_layers=range(64), budget_blocks=200)
         assert hint.selected.shape == (64, 8, 200)
         assert (hint.selected >= 0).all()
+
+
+def test_many_sessions_over_one_chain_stay_within_the_index_bound(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each session indexes the chain's summaries again: a client naming session after
+    session cannot make the daemon hold an index for each; the least recently used go, at
+    twice ``limits.sparse_summary_bytes`` for all of them, and a dropped one starts afresh."""
+    big = {**LAYOUT, "layers": 16, "head_dim": 64, "block_tokens": 16}
+    block_bytes = 2 * 16 * KV_HEADS * 64 * 16 * 4
+    config = '[limits]\nsparse_summary_bytes = "256K"\n'
+    with (
+        DaemonProcess(tmp_path, dram_size="64M", config_text=config) as d,
+        connect(d.socket) as client,
+    ):
+        ns = client.namespace("toy", block_bytes=block_bytes, layout=big, sparse=True)
+        rng = np.random.default_rng(2)
+        keys = chain_keys(range(16 * 40), 16, ns.key_salt)
+        ns.put(keys, [rng.normal(0, 1, block_bytes // 4).astype(np.float32) for _ in keys])
+        queries = rng.normal(0, 1, (16, 1, 64)).astype(np.float32)
+        for n in range(8):
+            hint = ns.hint_selection(
+                keys, queries, query_layers=range(16), budget_blocks=4, session=b"s%d" % n
+            )
+            assert (hint.selected >= 0).all()
+        assert "dropped the index of session b's0'" in d.log()
+        again = ns.hint_selection(
+            keys, queries, query_layers=range(16), budget_blocks=4, session=b"s0"
+        )
+        assert again.selected.shape == (16, KV_HEADS, 4)
