@@ -375,8 +375,8 @@ async def hint(ctx: RequestContext, header: RequestHeader, msg: HintRequest) -> 
     selection = await store.sparse.select(
         ns, msg.session, msg.chain, queries, msg.query_layers, msg.budget_blocks
     )
-    for keys in (selection.ranked, selection.predicted):
-        planned += store.prefetch_keys(ns, keys)
+    for keys in (selection.ranked, selection.predicted, selection.unsummarised):
+        planned += store.prefetch_keys(ns, keys)  # a promoted block gets its summary again
     return HintReply(
         planned,
         selection.ranked,

@@ -10,7 +10,7 @@ drops copies, because promotion is the one part of it that awaits reads from the
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 import anyio
@@ -67,6 +67,8 @@ class PromotionHost(Protocol):
     async def drop_lower(self, block: Block) -> None: ...
 
     def unpin(self, block: Block) -> None: ...
+
+    async def summarise_missing(self, blocks: Sequence[Block]) -> None: ...
 
 
 class Promotions:
@@ -127,6 +129,8 @@ class Promotions:
                 raise
             self._install(block, slot, context, time.monotonic())
             self._count_loaded(block.ns, 1, shared)
+            if block.ns.spec.sparse:
+                await self._r.summarise_missing([block])
         finally:
             block.loading.set()
             block.loading = None
@@ -299,6 +303,9 @@ class Promotions:
                     self._r.region(block.ns).allocator.free(slot)
                     failed.append((block, outcome))
             self._installed(installed, time.monotonic())
+            sparse = [b for ns, done in installed.items() if ns.spec.sparse for b, _ in done]
+            if sparse:  # no step per block for the other namespaces
+                await self._r.summarise_missing(sparse)
             for block, _ in failed:
                 if block.lower is not None:  # else a FORGET during the read dropped it
                     await self._r.drop_lower(block)

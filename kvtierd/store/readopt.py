@@ -149,7 +149,7 @@ async def adopt_kept(
         sorted(installed, key=lambda b: b.ref.seq),  # the policy learns commit order
         lambda block: _known(residency, block, now),
     )
-    await _summarise(residency, installed)
+    await residency.summarise_missing(installed)  # summaries live in memory: make them again
     return KeptOutcome(
         len(installed),
         sum(block.ref.raw_bytes for block in installed),
@@ -232,21 +232,3 @@ def _known(residency: Residency, block: Block, now: float) -> None:
     residency.dram_policy_of(block.ns).inserted(block, now)
     if block.dirty:
         residency.writeback.enqueue(block)
-
-
-async def _summarise(residency: Residency, blocks: list[Block]) -> None:
-    """Sparse namespaces' summaries are made at COMMIT and live in memory: make them again."""
-    by_ns: dict[int, list[Block]] = {}
-    for block in blocks:
-        if block.ns.spec.sparse:
-            by_ns.setdefault(id(block.ns), []).append(block)
-    for group in by_ns.values():
-        ns = group[0].ns
-        await residency.sparse.summarise(
-            ns,
-            [
-                (block.key, residency.slot_view(block.dram)[: ns.spec.block_bytes])
-                for block in group
-                if block.dram is not None
-            ],
-        )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import anyio
 
@@ -133,6 +133,29 @@ class Residency:
 
     def saw_seq(self, seq: int) -> None:
         self.seq = max(self.seq, seq)
+
+    async def summarise_missing(self, blocks: Sequence[Block]) -> None:
+        """Summarise the DRAM copies of those of ``blocks`` in sparse namespaces that have no
+        summary (the caller keeps them pinned): summaries live in memory, made at COMMIT, so
+        after a restart a block is ranked again once it was read back or kept."""
+        by_ns: dict[int, list[Block]] = {}
+        for block in blocks:
+            if (
+                block.ns.spec.sparse
+                and block.dram is not None
+                and not self.sparse.summarised(block.id)
+            ):
+                by_ns.setdefault(id(block.ns), []).append(block)
+        for group in by_ns.values():
+            ns = group[0].ns
+            await self.sparse.summarise(
+                ns,
+                [
+                    (block.key, self.slot_view(block.dram)[: ns.spec.block_bytes])
+                    for block in group
+                    if block.dram is not None
+                ],
+            )
 
     def slot_view(self, slot: Slot) -> memoryview:
         return self.arena.view[slot.offset : slot.offset + slot.size]

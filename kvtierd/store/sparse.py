@@ -49,6 +49,13 @@ class SparseSelection:
     ranked: list[bytes]
     predicted: list[bytes]
     selected: np.ndarray
+    #: Keys of the chain with no summary yet (a restarted daemon keeps none), to promote so
+    #: that they are summarised and ranked at a later HINT; at most :data:`_UNSUMMARISED`.
+    unsummarised: list[bytes] = field(default_factory=list)
+
+
+#: Unsummarised chain blocks one HINT asks to promote (a READ's worth of a long chain).
+_UNSUMMARISED = 256
 
 
 @dataclass
@@ -56,6 +63,8 @@ class _Session:
     index: SparseIndex
     chain: list[bytes] = field(default_factory=list)
     lock: anyio.Lock = field(default_factory=anyio.Lock)
+    #: Positions of the chain not indexed for want of a summary: looked for again each HINT.
+    pending: set[int] = field(default_factory=set)
 
 
 class SparseRetrieval:
@@ -107,6 +116,10 @@ class SparseRetrieval:
             self._drop(next(iter(self._summaries)))
             self.summaries_dropped += 1
 
+    def summarised(self, block_id: tuple[bytes, bytes]) -> bool:
+        """Whether the block ``(namespace digest, key)`` has its summary."""
+        return block_id in self._summaries
+
     def forget(self, block: Block) -> None:
         """``block`` left the store: its summary goes too."""
         self._drop(block.id)
@@ -133,12 +146,12 @@ class SparseRetrieval:
             if list(chain[: len(entry.chain)]) != entry.chain:  # another sequence: start over
                 entry.index = SparseIndex(entry.index.config)
                 entry.chain = []
-            new = [
-                (position, self._used((ns.digest, key)))
-                for position, key in enumerate(chain)
-                if position >= len(entry.chain)
-            ]
+                entry.pending = set()
+            looked_for = sorted(entry.pending) + list(range(len(entry.chain), len(chain)))
+            new = [(position, self._used((ns.digest, chain[position]))) for position in looked_for]
+            entry.pending = {position for position, summary in new if summary is None}
             entry.chain = list(chain)
+            unsummarised = [chain[p] for p in sorted(entry.pending)[:_UNSUMMARISED]]
 
             # No row is longer than the chain: a client's budget beyond it asks for nothing more
             # and must not size the daemon's arrays.
@@ -169,6 +182,7 @@ class SparseRetrieval:
             [chain[int(p)] for p in ranked],
             [chain[int(p)] for p in predicted if p >= 0 and int(p) not in chosen],
             selected,
+            unsummarised,
         )
 
     def _trim_sessions(self, current: tuple[int, bytes]) -> None:

@@ -163,3 +163,31 @@ def test_many_sessions_over_one_chain_stay_within_the_index_bound(tmp_path) -> N
             keys, queries, query_layers=range(16), budget_blocks=4, session=b"s0"
         )
         assert again.selected.shape == (16, KV_HEADS, 4)
+
+
+def test_a_restarted_daemon_summarises_the_chain_again_as_it_promotes_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Summaries live in memory: after a restart a HINT finds none and selects nothing, asks
+    for the chain's blocks to be promoted, and once they are, ranks them as before."""
+    direction = np.zeros(HEAD_DIM, np.float32)
+    direction[3] = 1.0
+    queries = np.tile(direction, (2, 1, 1)).astype(np.float32)
+    with DaemonProcess(tmp_path) as d:
+        with connect(d.socket) as client:
+            ns = client.namespace("toy", block_bytes=BLOCK_BYTES, layout=LAYOUT, sparse=True)
+            keys = chain_keys(range(BLOCK_TOKENS * 12), BLOCK_TOKENS, ns.key_salt)
+            ns.put(keys, [_block(i, direction) for i in range(len(keys))])
+            client.fsync()
+        d.stop()
+        d.start()
+        with connect(d.socket) as client:
+            ns = client.namespace("toy", block_bytes=BLOCK_BYTES, layout=LAYOUT, sparse=True)
+            first = ns.hint_selection(keys, queries, query_layers=[2, 3], budget_blocks=3)
+            assert (first.selected == -1).all()
+            assert first.ranked == []
+            deadline = time.monotonic() + 30
+            while ns.lookup_tiers(keys, promote=False) != ["dram"] * len(keys):
+                assert time.monotonic() < deadline, "the chain was never promoted"
+                time.sleep(0.02)
+            again = ns.hint_selection(keys, queries, query_layers=[2, 3], budget_blocks=3)
+            for row in again.selected.reshape(-1, 3).tolist():
+                assert row == [0, len(keys) - 1, HOT]
