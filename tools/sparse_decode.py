@@ -59,8 +59,26 @@ from tools import benchlib
 from tools.fidelity import DEFAULT_DATA, MODEL_ID, bench_daemon, check_inputs, open_model
 
 BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A budget (share of the chain's blocks per layer and KV head) and whether every group
+    attends to the same blocks (:class:`~kvtierd.engines.hf_sparse.SparseDecoder`'s
+    ``shared``)."""
+
+    fraction: float
+    shared: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.fraction:g} shared" if self.shared else f"{self.fraction:g}"
+
+
 RECORD_TOKENS = (4096, 8192)
 RECORD_BUDGETS = (1.0, 0.25, 0.125, 0.0625)
+#: The selections recorded: each group its own, and one for all of them.
+RECORD_SHARED = (False, True)
 #: Above this token F1 against the reference answer, an answer counts as correct.
 CORRECT_F1 = 0.5
 
@@ -185,10 +203,11 @@ def sparse_run(
     *,
     forced: list[int] | None,
     stop_token: int | None,
+    shared: bool,
     session: bytes,
 ) -> tuple[Continuation, SparseDecoder, dict[str, float]]:
     """Decode ``steps`` tokens sparsely, the context on cold NVMe; the daemon's figures."""
-    decoder = SparseDecoder(adapter, budget_blocks=budget_blocks, session=session)
+    decoder = SparseDecoder(adapter, budget_blocks=budget_blocks, session=session, shared=shared)
     logits = decoder.start(prompt)
     client.fsync()
     client.evict()
@@ -219,7 +238,7 @@ def measure(
     loaded: LoadedModel,
     client: Client,
     probe: Probe,
-    budgets: list[float],
+    settings: list[Setting],
     steps: int,
     label: str,
 ) -> dict[str, Any]:
@@ -243,9 +262,9 @@ def measure(
         "score_full": probe.score(full_answer),
         "budgets": {},
     }
-    for fraction in budgets:
-        budget = max(2, round(fraction * chain_blocks))
-        benchlib.log(f"{label}: budget {fraction} ({budget} of {chain_blocks} blocks)")
+    for setting in settings:
+        budget = max(2, round(setting.fraction * chain_blocks))
+        benchlib.log(f"{label}: budget {setting.key} ({budget} of {chain_blocks} blocks)")
         forced, decoder, figures = sparse_run(
             adapter,
             client,
@@ -254,7 +273,8 @@ def measure(
             steps,
             forced=full.tokens,
             stop_token=None,
-            session=f"{label}/{fraction}/forced".encode(),
+            shared=setting.shared,
+            session=f"{label}/{setting.key}/forced".encode(),
         )
         report = compare(full, forced)
         agree = sum(a == b for a, b in zip(full.tokens, forced.tokens, strict=False))
@@ -266,12 +286,13 @@ def measure(
             steps,
             forced=None,
             stop_token=stop,
-            session=f"{label}/{fraction}/free".encode(),
+            shared=setting.shared,
+            session=f"{label}/{setting.key}/free".encode(),
         )
         answer = tokenizer.decode(_until(free.tokens, stop), skip_special_tokens=True)
         s = decoder.stats
         generated = max(1, s.steps)
-        result["budgets"][str(fraction)] = {
+        result["budgets"][setting.key] = {
             "budget_blocks": budget,
             "agreement_top1": agree / report.steps,
             "tv_mean": report.tv_mean,
@@ -300,7 +321,7 @@ def _until(tokens: list[int], stop: int | None) -> list[int]:
     return tokens[: tokens.index(stop)] if stop is not None and stop in tokens else tokens
 
 
-def _scores(runs: list[dict[str, Any]], fraction: float) -> dict[str, Any]:
+def _scores(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """The answers' scores by kind of probe: QA accuracy (F1 >= :data:`CORRECT_F1`) and F1,
     the needle found, the aggregation's F1; sparse and full attention each."""
 
@@ -309,8 +330,7 @@ def _scores(runs: list[dict[str, Any]], fraction: float) -> dict[str, Any]:
         if not mine:
             return None
         scores: list[float] = [
-            r["score_full"] if side == "full" else r["budgets"][str(fraction)]["score_sparse"]
-            for r in mine
+            r["score_full"] if side == "full" else r["budgets"][key]["score_sparse"] for r in mine
         ]
         return statistics.fmean(judge(score) for score in scores)
 
@@ -325,18 +345,19 @@ def _scores(runs: list[dict[str, Any]], fraction: float) -> dict[str, Any]:
     }
 
 
-def summarise(runs: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any]:
+def summarise(runs: list[dict[str, Any]], settings: list[Setting]) -> dict[str, Any]:
     """Means over prompts, per budget, under the names the issue asks for."""
 
-    def mean(key: str, fraction: float) -> float:
-        return statistics.fmean(r["budgets"][str(fraction)][key] for r in runs)
+    def mean(name: str, key: str) -> float:
+        return statistics.fmean(r["budgets"][key][name] for r in runs)
 
     out: dict[str, Any] = {}
-    for fraction in budgets:
-        out[str(fraction)] = {
+    for setting in settings:
+        fraction = setting.key
+        out[fraction] = {
             "agreement_top1": mean("agreement_top1", fraction),
             "tv_mean": mean("tv_mean", fraction),
-            "tv_max": max(r["budgets"][str(fraction)]["tv_max"] for r in runs),
+            "tv_max": max(r["budgets"][fraction]["tv_max"] for r in runs),
             **_scores(runs, fraction),
             "answer_agreement": mean("answer_agreement", fraction),
             "bytes_per_token": {
@@ -351,12 +372,14 @@ def summarise(runs: list[dict[str, Any]], budgets: list[float]) -> dict[str, Any
                 "sparse": mean("tokens_per_s_sparse", fraction),
                 "full_attention": statistics.fmean(r["tokens_per_s_full_attention"] for r in runs),
             },
-            "misses": sum(r["budgets"][str(fraction)]["misses"] for r in runs),
+            "misses": sum(r["budgets"][fraction]["misses"] for r in runs),
+            "peak_pool_blocks": mean("peak_pool_blocks", fraction),
+            "chain_blocks": statistics.fmean(r["chain_blocks"] for r in runs),
         }
     return out
 
 
-def run(args: argparse.Namespace, tokens: int, budgets: list[float]) -> dict[str, Any]:
+def run(args: argparse.Namespace, tokens: int, settings: list[Setting]) -> dict[str, Any]:
     loaded = open_model("bfloat16", args.threads)
     length = min(tokens, loaded.max_positions - args.generate)
     documents = read_qa_documents(args.data)[: args.docs]
@@ -366,71 +389,90 @@ def run(args: argparse.Namespace, tokens: int, budgets: list[float]) -> dict[str
         for probe in probes:
             label = f"{probe.label} {length}"
             benchlib.log(f"{label}: full attention")
-            runs.append(measure(loaded, client, probe, budgets, args.generate, label))
+            runs.append(measure(loaded, client, probe, settings, args.generate, label))
             runs[-1]["label"] = probe.label
-    return {"tokens": length, "generate": args.generate, "runs": runs, **summarise(runs, budgets)}
+    return {"tokens": length, "generate": args.generate, "runs": runs, **summarise(runs, settings)}
 
 
-def plot_and_record(result: dict[str, Any], data: str, budgets: list[float]) -> None:
+def plot_and_record(result: dict[str, Any], data: str, settings: list[Setting]) -> None:
     """Draw fidelity and cost against budget and record section ``sparse_decode``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (fid, cost) = plt.subplots(1, 2, figsize=(10, 4))
-    sparse = [b for b in budgets if b < 1.0]
+    fig, (fid, cost) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for shared in sorted({s.shared for s in settings}):
+        drawn = [s for s in settings if s.shared == shared and s.fraction < 1.0]
+        x = [s.fraction for s in drawn]
+        mode = "shared" if shared else "per head"
+        for length in result["lengths"]:
+            t = length["tokens"]
+            (line,) = fid.plot(
+                x, [length[s.key]["agreement_top1"] for s in drawn], "o-", label=f"{mode}, {t}"
+            )
+            cost.plot(
+                x,
+                [length[s.key]["bytes_per_token"]["sparse"] / 2**20 for s in drawn],
+                "o-",
+                color=line.get_color(),
+                label=f"{mode}, {t}",
+            )
     for length in result["lengths"]:
-        t = length["tokens"]
-        fid.plot(
-            sparse,
-            [length[str(b)]["agreement_top1"] for b in sparse],
-            "o-",
-            label=f"top-1 agreement, {t}",
-        )
-        fid.plot(sparse, [length[str(b)]["tv_mean"] for b in sparse], "s--", label=f"TV mean, {t}")
-        cost.plot(
-            sparse,
-            [length[str(b)]["bytes_per_token"]["sparse"] / 2**20 for b in sparse],
-            "o-",
-            label=f"sparse, {t}",
-        )
+        first = next(iter(s for s in settings if s.fraction < 1.0))
         cost.axhline(
-            length[str(sparse[0])]["bytes_per_token"]["full_restore"] / 2**20,
+            length[first.key]["bytes_per_token"]["full_restore"] / 2**20,
             linestyle=":",
-            color=cost.lines[-1].get_color(),
-            label=f"full restore, {t}",
+            color="grey",
+        )
+        cost.annotate(
+            f"full restore, {length['tokens']}",
+            (
+                min(s.fraction for s in settings),
+                length[first.key]["bytes_per_token"]["full_restore"] / 2**20,
+            ),
+            fontsize=7,
+        )
+        fid.axhline(
+            length[Setting(1.0).key]["agreement_top1"] if Setting(1.0).key in length else 1.0,
+            linestyle=":",
+            color="grey",
         )
     for ax in (fid, cost):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("budget (share of blocks per layer and KV head)")
+        ax.set_xlabel("budget (share of the context's blocks)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fid.set_title("fidelity against full attention")
-    cost.set_ylabel("MiB read by the engine per generated token")
-    cost.set_title("bytes moved")
+    fid.set_ylabel("top-1 agreement with full attention (teacher-forced)")
+    fid.set_title("fidelity (dotted: every block, the bf16 floor)")
+    cost.set_ylabel("MiB the engine read per generated token")
+    cost.set_yscale("log")
+    cost.set_title("bytes moved (dotted: a full restore)")
     path = benchlib.save_figure(fig, "sparse_decode.png")
     rows = [
         "| tokens | budget | top-1 agreement | TV mean | TV max | answers equal "
         "| QA F1 | needle | years F1 | MiB/token sparse / full restore | NVMe MiB/token "
-        "| amplification | stall share | HINT ms/step | tokens/s sparse / full |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| engine pool (blocks) | amplification | stall share | HINT ms/step "
+        "| tokens/s sparse / full |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def pair(figures: dict[str, float | None]) -> str:
         return " / ".join("-" if v is None else f"{v:.2f}" for v in figures.values())
 
     for length in result["lengths"]:
-        for b in budgets:
-            r = length[str(b)]
+        for setting in settings:
+            r = length[setting.key]
             rows.append(
-                f"| {length['tokens']} | {b:g} | {r['agreement_top1']:.3f} | {r['tv_mean']:.4f} | "
-                f"{r['tv_max']:.3f} | {r['answer_agreement']:.2f} | "
+                f"| {length['tokens']} | {setting.key} | {r['agreement_top1']:.3f} | "
+                f"{r['tv_mean']:.4f} | {r['tv_max']:.3f} | {r['answer_agreement']:.2f} | "
                 f"{pair(r['qa_f1'])} | {pair(r['needle'])} | {pair(r['aggregation_f1'])} | "
                 f"{r['bytes_per_token']['sparse'] / 2**20:.2f} / "
                 f"{r['bytes_per_token']['full_restore'] / 2**20:.2f} | "
-                f"{r['bytes_per_token']['nvme'] / 2**20:.2f} | {r['read_amplification']:.2f} | "
-                f"{r['stall_share']:.3f} | {r['hint_ms_per_step']:.1f} | "
+                f"{r['bytes_per_token']['nvme'] / 2**20:.2f} | "
+                f"{r['peak_pool_blocks']:.0f} of {r['chain_blocks']:.0f} | "
+                f"{r['read_amplification']:.2f} | {r['stall_share']:.3f} | "
+                f"{r['hint_ms_per_step']:.1f} | "
                 f"{r['tokens_per_s']['sparse']:.1f} / {r['tokens_per_s']['full_attention']:.1f} |"
             )
     first = result["lengths"][0]
@@ -441,20 +483,23 @@ def plot_and_record(result: dict[str, Any], data: str, budgets: list[float]) -> 
             f"`python -m tools.sparse_decode --data {data} --record`: SmolLM2-135M (bf16) decodes "
             f"{first['generate']} tokens after a LooGLE prompt whose {BLOCK_TOKENS}-token blocks "
             "live in kvtierd, the context on cold NVMe at the first step (FSYNC, EVICT, the "
-            "engine's pool dropped), holding per layer and KV head only the blocks the daemon's "
-            "HINT selects (sink and newest included) plus its own tail; teacher-forced with full "
-            "attention's tokens for the per-step figures (TV: top-20 union, renormalised), free "
-            "for the answers, each as sparse / full attention: QA F1 against LooGLE's reference "
-            "answer (questions whose evidence lies inside the prompt), the needle (a sentence "
-            "planted halfway: 1 when the answer gives its code), the years F1 (an aggregation: "
-            "list every year the document mentions; top-k selection is known to fail there). "
-            f"{len(first['runs'])} prompts per length. Budget 1 is every "
-            "block: the sparse path's own bf16 rounding against stock attention (in float32 it "
-            "gives TV 0.0000). Bytes per token: what the engine read from the daemon's DRAM per "
-            "generated token, against restoring the whole context once; NVMe: what the daemon "
-            "read from disk meanwhile. Amplification: whole blocks read over the (layer, KV head) "
-            "slices the selections newly named. Stall: share of decode time spent waiting for "
-            "blocks.",
+            "engine's pool dropped), attending only to the blocks the daemon's HINT selects "
+            "(sink and newest included) plus its own tail: per head, each layer and KV head "
+            "its own budget of blocks; shared, the same blocks for all (the best of the union). "
+            "Teacher-forced with full attention's tokens for the per-step figures (TV: top-20 "
+            "union, renormalised), free for the answers, each as sparse / full attention: QA "
+            "F1 against LooGLE's reference answer (questions whose evidence lies inside the "
+            "prompt), the needle (a sentence planted halfway: 1 when the answer gives its code), "
+            "the years F1 (an aggregation: list every year the document mentions; top-k "
+            f"selection is known to fail there). {len(first['runs'])} prompts per length, one "
+            "document (the tool takes more with `--docs`). Budget 1 is every block: the sparse "
+            "path's own bf16 rounding against stock attention (in float32 it gives TV 0.0000). "
+            "Bytes per token: what the engine read from the daemon's DRAM per generated token "
+            "(blocks read again when a selection comes back to them included), against "
+            "restoring the whole context once; NVMe: what the daemon read from disk meanwhile. "
+            "Engine pool: the most blocks the engine held at once (mean over prompts). "
+            "Amplification: whole blocks read over the (layer, KV head) slices the selections "
+            "newly named. Stall: share of decode time spent waiting for blocks.",
             "",
             *rows,
             "",
@@ -476,6 +521,11 @@ def main() -> int:
         "--budget",
         help="budgets (share of blocks), comma-separated (default 0.125; --record: 1,1/4,1/8,1/16)",
     )
+    parser.add_argument(
+        "--shared",
+        action="store_true",
+        help="one selection for every layer and KV head (--record: both ways)",
+    )
     parser.add_argument("--generate", type=benchlib.positive_int, default=128)
     parser.add_argument("--docs", type=benchlib.positive_int, default=1)
     parser.add_argument("--questions", type=benchlib.positive_int, default=2)
@@ -492,15 +542,17 @@ def main() -> int:
     budgets = [float(b) for b in args.budget.split(",")] if args.budget else list(fractions)
     if not all(0 < b <= 1 for b in budgets):
         parser.error("a budget is a share of the blocks: above 0, at most 1")
-    results = [run(args, t, budgets) for t in lengths]
+    ways = RECORD_SHARED if args.record else (args.shared,)
+    settings = [Setting(b, shared) for shared in ways for b in budgets if not (shared and b == 1)]
+    results = [run(args, t, settings) for t in lengths]
     result: dict[str, Any]
-    if len(results) == 1 and len(budgets) == 1 and not args.record:  # one figure of each, flat
-        result = {**results[0][str(budgets[0])], **results[0]}
+    if len(results) == 1 and len(settings) == 1 and not args.record:  # one figure each, flat
+        result = {**results[0][settings[0].key], **results[0]}
     else:
         result = {"lengths": results}
     result["machine"] = benchlib.machine()
     if args.record:
-        plot_and_record(result, str(args.data), budgets)
+        plot_and_record(result, str(args.data), settings)
     benchlib.emit(result, args.json)
     return 0
 

@@ -114,7 +114,12 @@ class SparseDecoder:
     ``session`` names the sequence's index in the daemon. ``pool_blocks``: the most blocks the
     pool keeps (default: only those the current selection names); blocks the selection no
     longer names stay until room is needed, least recently selected first, so that one that
-    comes back is not read again. Not thread-safe, like the model.
+    comes back is not read again. ``shared``: every layer and KV head attends to the same
+    ``budget_blocks`` blocks, the best of the daemon's ranking of the union (the blocks most
+    groups chose first), so that the pool holds ``budget_blocks`` whole blocks and each block
+    read serves every layer (no read amplification); by default each (layer, KV head) attends
+    to its own choice, whose union over the groups is most of a short context's blocks. Not
+    thread-safe, like the model.
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class SparseDecoder:
         budget_blocks: int,
         session: bytes = b"sparse-decode",
         pool_blocks: int | None = None,
+        shared: bool = False,
     ) -> None:
         current = getattr(adapter.model.config, "_attn_implementation", None)
         if current not in ("sdpa", SPARSE_SDPA):
@@ -136,6 +142,7 @@ class SparseDecoder:
         self.query_layers = list(range(layout.layers))
         self.session = session
         self.pool_blocks = pool_blocks
+        self.shared = shared
         self.stats = SparseStats()
         self._block_shape = (
             layout.layers,
@@ -147,6 +154,7 @@ class SparseDecoder:
         self._block_bytes = adapter.namespace.block_bytes
         self._slice_bytes = self._block_bytes // (layout.layers * layout.kv_heads)
         self._chain: list[bytes] = []
+        self._position_of: dict[bytes, int] = {}
         self._tail: DynamicCache | None = None
         self._position = 0
         self._pool = torch.empty((0, *self._block_shape), dtype=adapter.dtype)
@@ -192,6 +200,7 @@ class SparseDecoder:
         if full < 1:
             raise ValueError(f"a prompt of {len(ids)} tokens holds no full block of {bt} to store")
         self._chain = adapter.keys(ids)[:full]
+        self._position_of = {key: position for position, key in enumerate(self._chain)}
         self._tail = _tail_of(result.cache, full * bt)
         adapter.recycle(result.cache)
         self._position = len(ids)
@@ -256,6 +265,11 @@ class SparseDecoder:
                 self.stats.stale_selections += 1
                 return
             raise RuntimeError("the daemon selected no block: are the prompt's blocks stored?")
+        if self.shared:  # the union's best blocks, most selected first, for every group
+            chosen = [self._position_of[key] for key in hint.ranked[: selected.shape[2]]]
+            row = np.full(selected.shape[2], -1, np.int32)
+            row[: len(chosen)] = chosen
+            selected = np.broadcast_to(row, selected.shape).copy()
         # In sequence order (pads last): at a budget of every block the attention reads the
         # keys in the order full attention does, so only the selection differs from it.
         ordered = np.sort(np.where(selected < 0, np.iinfo(np.int32).max, selected), axis=2)

@@ -216,3 +216,26 @@ def test_a_daemon_restart_mid_decode_keeps_decoding(
         assert decoder.stats.stale_selections == 1  # ranked afresh again
         for position, slot in decoder._slot_of.items():
             assert np.array_equal(decoder._pool[slot].numpy(), _block_of(prompt_cache, position))
+
+
+def test_a_shared_selection_holds_its_budget_of_blocks_for_every_group(
+    loaded: smollm2.LoadedModel, prompt: list[int], daemon: Any
+) -> None:
+    from kvtierd.client import connect
+    from kvtierd.engines.hf_sparse import SparseDecoder
+
+    prompt_cache, _ = _reference(loaded, prompt)
+    with connect(daemon.socket) as client:
+        decoder = SparseDecoder(_adapter(loaded, client), budget_blocks=3, shared=True)
+        token = int(decoder.start(prompt).argmax())
+        for _ in range(3):
+            selection = decoder._selection
+            assert selection is not None
+            assert (selection == selection[0, 0]).all()  # one choice for every group
+            assert {0, CHAIN - 1} <= set(selection[0, 0].tolist())
+            assert decoder.held_blocks == 3
+            token = int(decoder.step(token).argmax())
+        assert decoder.stats.peak_blocks == 3
+        assert decoder.stats.bytes_read == decoder.stats.bytes_needed  # no amplification
+        for position, slot in decoder._slot_of.items():
+            assert np.array_equal(decoder._pool[slot].numpy(), _block_of(prompt_cache, position))
