@@ -487,6 +487,8 @@ class SparseHint:
     ranked: list[bytes]
     predicted: list[bytes]
     selected: npt.NDArray[np.int32]
+    #: Promotions the daemon started for the HINT.
+    planned: int = 0
 
 
 def hint_selection(
@@ -498,12 +500,14 @@ def hint_selection(
     session: bytes,
     kv_heads: int,
     daemon_minor: int,
+    promote_blocks: int = 0,
 ) -> Op[SparseHint]:
     """:func:`hint_attention` with the selection per layer and KV head (``kv_heads``: the
-    namespace layout's); a daemon older than :data:`SELECTION_MINOR` is asked nothing."""
+    namespace layout's), the daemon promoting at most ``promote_blocks`` (0: all it names); a
+    daemon older than :data:`SELECTION_MINOR` is asked nothing."""
     require_minor(daemon_minor, SELECTION_MINOR, "the selection per layer and KV head needs")
     reply: HintReply = yield from _sparse_hint(
-        ns, chain, queries, query_layers, budget_blocks, session
+        ns, chain, queries, query_layers, budget_blocks, session, promote_blocks
     )
     budget = min(budget_blocks, len(chain))
     shape = (len(query_layers), kv_heads, budget)
@@ -514,7 +518,9 @@ def hint_selection(
     selected = np.frombuffer(reply.selected, "<i4")
     if selected.size and (selected.min() < -1 or selected.max() >= len(chain)):
         raise RemoteProtocolError("the daemon's selection names a position outside the chain")
-    return SparseHint(reply.ranked, reply.predicted, selected.astype(np.int32).reshape(shape))
+    return SparseHint(
+        reply.ranked, reply.predicted, selected.astype(np.int32).reshape(shape), reply.planned
+    )
 
 
 def _sparse_hint(
@@ -524,6 +530,7 @@ def _sparse_hint(
     query_layers: Sequence[int],
     budget_blocks: int,
     session: bytes,
+    promote_blocks: int = 0,
 ) -> Op[HintReply]:
     check_keys(chain, "chain")
     if len(chain) > MAX_KEYS_PER_REQUEST:
@@ -539,6 +546,7 @@ def _sparse_hint(
         list(array.shape),
         list(query_layers),
         budget_blocks,
+        promote_blocks,
     )
     reply: HintReply = yield request, ns
     return reply

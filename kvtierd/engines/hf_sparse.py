@@ -143,6 +143,7 @@ class SparseDecoder:
         self.session = session
         self.pool_blocks = pool_blocks
         self.shared = shared
+        self._promote_blocks = budget_blocks + -(-budget_blocks // 4) if shared else 0
         self.stats = SparseStats()
         self._block_shape = (
             layout.layers,
@@ -256,6 +257,8 @@ class SparseDecoder:
             query_layers=self.query_layers,
             budget_blocks=self.budget_blocks,
             session=self.session,
+            # shared, the engine reads the ranking's best only: promote those and a reserve
+            promote_blocks=self._promote_blocks,
         )
         self.stats.hint_s += time.perf_counter() - t0
         selected = hint.selected

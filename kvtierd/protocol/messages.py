@@ -397,6 +397,10 @@ class HintRequest(Message, frozen=True):
     query_layers: Annotated[list[U32], msgspec.Meta(max_length=1024)] = []
     #: ... and how many blocks to keep per (layer, KV head).
     budget_blocks: U32 = 0
+    #: (minor 14) The most blocks to start promoting, the ranked ones first, then the
+    #: predicted ones: an engine that reads only the best of the ranking (one selection for
+    #: every layer) asks for no more; 0 promotes all of both.
+    promote_blocks: U32 = 0
 
     def __post_init__(self) -> None:
         queued = sum(len(keys) for keys in self.queue)
@@ -658,7 +662,7 @@ _HOLDERS: Final[dict[type[Message], int]] = {
 #: appended fields are sent only up to the last one that differs from its default, so a
 #: request that does not use them is the bytes an older daemon decodes (minor 10:
 #: ``LookupRequest.each``).
-APPENDED_REQUEST_FIELDS: Final[dict[type[Message], int]] = {LookupRequest: 2}
+APPENDED_REQUEST_FIELDS: Final[dict[type[Message], int]] = {LookupRequest: 2, HintRequest: 7}
 _APPENDED_DEFAULTS: Final[dict[type[Message], tuple[Any, ...]]] = {
     cls: tuple(f.default for f in msgspec.structs.fields(cls)[before:])
     for cls, before in APPENDED_REQUEST_FIELDS.items()

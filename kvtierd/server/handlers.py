@@ -375,7 +375,10 @@ async def hint(ctx: RequestContext, header: RequestHeader, msg: HintRequest) -> 
     selection = await store.sparse.select(
         ns, msg.session, msg.chain, queries, msg.query_layers, msg.budget_blocks
     )
-    for keys in (selection.ranked, selection.predicted, selection.unsummarised):
+    wanted = [*selection.ranked, *selection.predicted]
+    if msg.promote_blocks:
+        wanted = wanted[: msg.promote_blocks]
+    for keys in (wanted, selection.unsummarised):
         planned += store.prefetch_keys(ns, keys)  # a promoted block gets its summary again
     return HintReply(
         planned,

@@ -191,3 +191,25 @@ def test_a_restarted_daemon_summarises_the_chain_again_as_it_promotes_it(tmp_pat
             again = ns.hint_selection(keys, queries, query_layers=[2, 3], budget_blocks=3)
             for row in again.selected.reshape(-1, 3).tolist():
                 assert row == [0, len(keys) - 1, HOT]
+
+
+def test_a_hint_promotes_no_more_than_it_is_asked_to(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``promote_blocks``: an engine that reads only the best of the ranking has the daemon
+    promote those, not every block some layer and head chose."""
+    direction = np.zeros(HEAD_DIM, np.float32)
+    direction[3] = 1.0
+    queries = np.tile(direction, (2, 1, 1)).astype(np.float32)
+    with DaemonProcess(tmp_path) as d, connect(d.socket) as client:
+        ns = client.namespace("toy", block_bytes=BLOCK_BYTES, layout=LAYOUT, sparse=True)
+        keys = chain_keys(range(BLOCK_TOKENS * 12), BLOCK_TOKENS, ns.key_salt)
+        ns.put(keys, [_block(i, direction) for i in range(len(keys))])
+        client.fsync()
+        client.evict()
+        every = ns.hint_selection(keys, queries, query_layers=[2, 3], budget_blocks=4)
+        assert every.planned == len(every.ranked) + len(every.predicted) > 2
+        client.evict()
+        two = ns.hint_selection(
+            keys, queries, query_layers=[2, 3], budget_blocks=4, promote_blocks=2
+        )
+        assert two.planned == 2
+        assert two.ranked == every.ranked  # the answer is the same; only the promotions differ

@@ -69,3 +69,14 @@ def test_a_selection_that_does_not_fit_the_request_is_a_protocol_error(selected:
     chain = [bytes([i]) * 16 for i in range(8)]
     with pytest.raises(RemoteProtocolError):
         _hint_selection(14, msgspec.structs.replace(_REPLY, selected=selected), chain)
+
+
+def test_a_hint_without_promote_blocks_is_the_bytes_an_older_daemon_decodes() -> None:
+    from kvtierd.protocol.messages import encode_body
+
+    plain = HintRequest(b"", [], [b"k" * 16], b"\0" * 16, [1, 1, 4], [2], 3)
+    assert len(msgspec.msgpack.decode(encode_body(plain))) == 7
+    limited = msgspec.structs.replace(plain, promote_blocks=5)
+    fields = msgspec.msgpack.decode(encode_body(limited))
+    assert len(fields) == 8
+    assert fields[7] == 5

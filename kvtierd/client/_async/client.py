@@ -405,10 +405,12 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
         query_layers: Sequence[int],
         budget_blocks: int,
         session: bytes = b"",
+        promote_blocks: int = 0,
     ) -> ops.SparseHint:
         """:meth:`hint_attention`, answered with the selection itself: for each query layer
         and KV head, the chain positions its attention should read (see
-        :class:`~kvtierd.client.ops.SparseHint`). Raises
+        :class:`~kvtierd.client.ops.SparseHint`). ``promote_blocks`` (> 0): the daemon starts
+        promoting at most that many, the ranked blocks first. Raises
         :class:`~kvtierd.errors.NotSupportedError` on a daemon older than minor 14."""
         layout = self.handle.layout
         if layout is None:
@@ -424,6 +426,7 @@ class AsyncNamespace(NamespaceBase[AsyncClient]):
                 session,
                 layout.kv_heads,
                 c.daemon_minor,
+                promote_blocks,
             )
         )
 

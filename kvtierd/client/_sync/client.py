@@ -407,10 +407,12 @@ class Namespace(NamespaceBase[Client]):
         query_layers: Sequence[int],
         budget_blocks: int,
         session: bytes = b"",
+        promote_blocks: int = 0,
     ) -> ops.SparseHint:
         """:meth:`hint_attention`, answered with the selection itself: for each query layer
         and KV head, the chain positions its attention should read (see
-        :class:`~kvtierd.client.ops.SparseHint`). Raises
+        :class:`~kvtierd.client.ops.SparseHint`). ``promote_blocks`` (> 0): the daemon starts
+        promoting at most that many, the ranked blocks first. Raises
         :class:`~kvtierd.errors.NotSupportedError` on a daemon older than minor 14."""
         layout = self.handle.layout
         if layout is None:
@@ -426,6 +428,7 @@ class Namespace(NamespaceBase[Client]):
                 session,
                 layout.kv_heads,
                 c.daemon_minor,
+                promote_blocks,
             )
         )
 
