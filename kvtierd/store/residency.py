@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from functools import partial
 
 import anyio
 
@@ -148,6 +149,7 @@ class Residency:
                 by_ns.setdefault(id(block.ns), []).append(block)
         for group in by_ns.values():
             ns = group[0].ns
+            by_key = {block.key: block for block in group}
             await self.sparse.summarise(
                 ns,
                 [
@@ -155,6 +157,7 @@ class Residency:
                     for block in group
                     if block.dram is not None
                 ],
+                keep=partial(_not_forgotten, by_key),  # a FORGET may come meanwhile
             )
 
     def slot_view(self, slot: Slot) -> memoryview:
@@ -435,3 +438,7 @@ class Residency:
 def _dram_slot(block: Block) -> Slot:
     assert block.dram is not None  # an eviction candidate holds its slot
     return block.dram
+
+
+def _not_forgotten(blocks: dict[bytes, Block], key: bytes) -> bool:
+    return not blocks[key].forgotten

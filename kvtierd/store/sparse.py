@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -54,6 +54,8 @@ class SparseSelection:
     unsummarised: list[bytes] = field(default_factory=list)
 
 
+#: Sparse rankings (index upkeep and selection) running at once in worker threads.
+_RANKINGS_AT_ONCE = 2
 #: Unsummarised chain blocks one HINT asks to promote (a READ's worth of a long chain).
 _UNSUMMARISED = 256
 
@@ -85,6 +87,10 @@ class SparseRetrieval:
         self.summaries_dropped = 0
         #: Sessions' indices dropped to stay within ``max_index_bytes``.
         self.sessions_dropped = 0
+        #: Rankings at once: each may build an index of every summary before the sessions
+        #: are trimmed, and each holds a worker thread, so a flood of HINTs on many sessions
+        #: waits here instead of multiplying memory and threads.
+        self._limiter = anyio.CapacityLimiter(_RANKINGS_AT_ONCE)
 
     @property
     def summaries(self) -> int:
@@ -99,8 +105,15 @@ class SparseRetrieval:
             layout.layers, layout.kv_heads, layout.head_dim, layout.block_tokens, layout.dtype
         )
 
-    async def summarise(self, ns: Namespace, blocks: Sequence[tuple[bytes, memoryview]]) -> None:
-        """Summarise blocks being committed to a sparse namespace: ``(key, arena bytes)``."""
+    async def summarise(
+        self,
+        ns: Namespace,
+        blocks: Sequence[tuple[bytes, memoryview]],
+        keep: Callable[[bytes], bool] | None = None,
+    ) -> None:
+        """Summarise blocks of a sparse namespace: ``(key, arena bytes)``. ``keep``: asked of
+        each key once the summaries are made, since the store went on meanwhile (a block
+        FORGET dropped while it was summarised gets no summary: it has no block to follow)."""
         layout = self.layout_of(ns)
 
         def work() -> list[np.ndarray]:
@@ -109,6 +122,8 @@ class SparseRetrieval:
             ]
 
         for (key, _), summary in zip(blocks, await anyio.to_thread.run_sync(work), strict=True):
+            if keep is not None and not keep(key):
+                continue
             self._drop((ns.digest, key))
             self._summaries[(ns.digest, key)] = summary
             self.summary_bytes += summary.nbytes
@@ -141,6 +156,10 @@ class SparseRetrieval:
         """Rank the chain's blocks for ``queries`` (``[len(query_layers), q_heads, head_dim]``)."""
         if not chain:
             raise InvalidRequestError("a sparse HINT needs the sequence's key chain")
+        if len(set(chain)) != len(chain):
+            # a sequence's chained keys are distinct; a repeated one would be indexed once per
+            # position, past every bound on summaries
+            raise InvalidRequestError("a sparse HINT's chain names each block once")
         entry = self._session(ns, session, queries, query_layers)
         async with entry.lock:
             if list(chain[: len(entry.chain)]) != entry.chain:  # another sequence: start over
@@ -175,7 +194,9 @@ class SparseRetrieval:
                     selection.block_ids.astype(np.int32),
                 )
 
-            ranked, predicted, selected = await anyio.to_thread.run_sync(work)
+            ranked, predicted, selected = await anyio.to_thread.run_sync(
+                work, limiter=self._limiter
+            )
         self._trim_sessions((ns.id, session))
         chosen = {int(p) for p in ranked}
         return SparseSelection(

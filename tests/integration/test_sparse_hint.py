@@ -205,11 +205,36 @@ def test_a_hint_promotes_no_more_than_it_is_asked_to(tmp_path) -> None:  # type:
         ns.put(keys, [_block(i, direction) for i in range(len(keys))])
         client.fsync()
         client.evict()
-        every = ns.hint_selection(keys, queries, query_layers=[2, 3], budget_blocks=4)
-        assert every.planned == len(every.ranked) + len(every.predicted) > 2
-        client.evict()
+        assert ns.lookup_tiers(keys, promote=False) == ["nvme"] * len(keys)
         two = ns.hint_selection(
             keys, queries, query_layers=[2, 3], budget_blocks=4, promote_blocks=2
         )
         assert two.planned == 2
-        assert two.ranked == every.ranked  # the answer is the same; only the promotions differ
+        deadline = time.monotonic() + 30
+        while ns.lookup_tiers(keys, promote=False).count("dram") < 2:
+            assert time.monotonic() < deadline, "the two promotions never landed"
+            time.sleep(0.02)
+        tiers = ns.lookup_tiers(keys, promote=False)
+        assert {k for k, tier in zip(keys, tiers, strict=True) if tier == "dram"} == set(
+            two.ranked[:2]
+        )
+        every = ns.hint_selection(
+            keys, queries, query_layers=[2, 3], budget_blocks=4, session=b"every"
+        )
+        assert every.ranked == two.ranked  # the same answer; only the promotions differ
+        assert every.planned == len(every.ranked) + len(every.predicted) - 2
+
+
+def test_a_chain_that_repeats_a_key_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A sequence's chained keys are distinct; one key repeated 8192 times was indexed once per
+    position (the summaries' bound counts it once): about 2 GB held by one HINT."""
+    direction = np.zeros(HEAD_DIM, np.float32)
+    with DaemonProcess(tmp_path) as d, connect(d.socket) as client:
+        ns = client.namespace("toy", block_bytes=BLOCK_BYTES, layout=LAYOUT, sparse=True)
+        keys = chain_keys(range(BLOCK_TOKENS * 2), BLOCK_TOKENS, ns.key_salt)
+        ns.put(keys, [_block(i, direction) for i in range(len(keys))])
+        queries = np.zeros((2, 1, HEAD_DIM), np.float32)
+        with pytest.raises(InvalidRequestError, match="each block once"):
+            ns.hint_selection([keys[1]] * 8192, queries, query_layers=[2, 3], budget_blocks=4)
+        hint = ns.hint_selection(keys, queries, query_layers=[2, 3], budget_blocks=4)
+        assert hint.selected.shape == (2, KV_HEADS, 2)

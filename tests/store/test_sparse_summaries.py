@@ -1,0 +1,98 @@
+"""A sparse namespace's summaries follow their blocks: a block promoted into DRAM without one
+gets it again, and one a FORGET drops while it is being summarised gets none (no summary may
+outlive its block). In-process, on a real data file."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+
+from kvtierd.config import load_config
+from kvtierd.protocol.messages import Layout
+from kvtierd.store.index import Owner
+from kvtierd.store.lifecycle import open_store
+from kvtierd.store.namespaces import Namespace, NamespaceSpec
+from kvtierd.store.records import checksum
+from kvtierd.store.store import BlockStore
+from tests.store.test_store_pressure import ROOT, key_of
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+LAYOUT = Layout("toy", 4, 2, 8, "float32", 4)
+BLOCK = 2 * 4 * 2 * 8 * 4 * 4
+
+
+@contextlib.asynccontextmanager
+async def sparse_store(directory: Path) -> AsyncIterator[tuple[BlockStore, Namespace]]:
+    config = load_config(
+        None,
+        {
+            "daemon": {"data_dir": str(directory)},
+            "dram": {"size": "16M", "mlock": "never", "hugepages": "never"},
+            "nvme": {"size": "64M", "segment_bytes": "4M"},
+        },
+    )
+    async with open_store(config) as store:
+        spec = NamespaceSpec("s", "default", BLOCK, LAYOUT, 0, 1, sparse=True)
+        ns, _ = store.registry.open(spec, ROOT)
+        yield store, ns
+
+
+def content(key: bytes, nbytes: int) -> bytes:
+    """Float32 keys and values, as a model's blocks hold (random bytes would hold NaNs)."""
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+    return rng.normal(0, 1, nbytes // 4).astype(np.float32).tobytes()
+
+
+async def _commit(store: BlockStore, ns: Namespace, keys: list[bytes]) -> None:
+    owner = Owner("w")
+    write = await store.alloc(owner, ns, keys)
+    for key, slot in zip(keys, write.slots, strict=True):
+        assert slot is not None
+        store.arena.view[slot.offset : slot.offset + BLOCK] = content(key, BLOCK)
+    await store.commit(owner, write.id, [checksum(content(k, BLOCK)) for k in keys], False)
+
+
+async def test_a_block_promoted_without_a_summary_gets_it_again(tmp_path: Path) -> None:
+    async with sparse_store(tmp_path) as (store, ns):
+        keys = [key_of(i) for i in range(4)]
+        await _commit(store, ns, keys)
+        await store.fsync()
+        await store.evict_dram(ns)
+        sparse = store.residency.sparse
+        for key in keys:  # as after a restart: the blocks are on disk, no summary in memory
+            block = store.index.get(ns, key)
+            assert block is not None
+            sparse.forget(block)
+        assert sparse.summaries == 0
+        for key in keys:
+            block = store.index.get(ns, key)
+            assert block is not None
+            await store.residency.promotions.make_resident(block)
+        assert sparse.summaries == len(keys)
+        assert all(sparse.summarised((ns.digest, key)) for key in keys)
+
+
+async def test_a_block_forgotten_while_it_is_summarised_gets_no_summary(tmp_path: Path) -> None:
+    async with sparse_store(tmp_path) as (store, ns):
+        key = key_of(7)
+        await _commit(store, ns, [key])
+        block = store.index.get(ns, key)
+        assert block is not None
+        sparse = store.residency.sparse
+        sparse.forget(block)
+        block.pins += 1  # as the promotion that summarises it holds it
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.residency.summarise_missing, [block])
+            await anyio.lowlevel.checkpoint()  # it is in its worker thread now
+            store.index.remove(block)  # what FORGET does first
+        store.residency.unpin(block)
+        assert block.forgotten
+        assert not sparse.summarised(block.id)
+        assert sparse.summaries == 0
