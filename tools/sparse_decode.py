@@ -36,6 +36,7 @@ with a plot. Needs the model stack (``kvtierd/testing/smollm2.py``) and the LooG
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import sys
@@ -480,7 +481,8 @@ def plot_and_record(result: dict[str, Any], data: str, settings: list[Setting]) 
         [
             "## Sparse decode on kvtierd (SLSAP on an engine's path)",
             "",
-            f"`python -m tools.sparse_decode --data {data} --record`: SmolLM2-135M (bf16) decodes "
+            f"`python -m tools.sparse_decode --data {os.path.relpath(data, benchlib.ROOT)} "
+            "--record`: SmolLM2-135M (bf16) decodes "
             f"{first['generate']} tokens after a LooGLE prompt whose {BLOCK_TOKENS}-token blocks "
             "live in kvtierd, the context on cold NVMe at the first step (FSYNC, EVICT, the "
             "engine's pool dropped), attending only to the blocks the daemon's HINT selects "
