@@ -35,6 +35,7 @@ from kvtierd.errors import (
 )
 from kvtierd.protocol.frames import MAX_KEYS_PER_REQUEST
 from kvtierd.protocol.messages import (
+    MAX_SELECTED_BYTES,
     AllocReply,
     AllocRequest,
     CommitReply,
@@ -503,13 +504,20 @@ def hint_selection(
     promote_blocks: int = 0,
 ) -> Op[SparseHint]:
     """:func:`hint_attention` with the selection per layer and KV head (``kv_heads``: the
-    namespace layout's), the daemon promoting at most ``promote_blocks`` (0: all it names); a
-    daemon older than :data:`SELECTION_MINOR` is asked nothing."""
+    namespace layout's), the daemon promoting at most ``promote_blocks`` of the ranked and
+    predicted blocks (0: all of them; the chain's unsummarised blocks are asked for besides);
+    a daemon older than :data:`SELECTION_MINOR` is asked nothing."""
     require_minor(daemon_minor, SELECTION_MINOR, "the selection per layer and KV head needs")
+    budget = min(budget_blocks, len(chain))
+    if 4 * len(query_layers) * kv_heads * budget > MAX_SELECTED_BYTES:
+        raise InvalidRequestError(
+            f"a selection of {budget} blocks for {len(query_layers)} layers and {kv_heads} KV "
+            f"heads exceeds the {MAX_SELECTED_BYTES}-byte reply bound: ask for fewer query "
+            "layers or a smaller budget"
+        )
     reply: HintReply = yield from _sparse_hint(
         ns, chain, queries, query_layers, budget_blocks, session, promote_blocks
     )
-    budget = min(budget_blocks, len(chain))
     shape = (len(query_layers), kv_heads, budget)
     if len(reply.selected) != 4 * shape[0] * shape[1] * shape[2]:
         raise RemoteProtocolError(

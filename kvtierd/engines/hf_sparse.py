@@ -23,10 +23,11 @@ time), and the blocks it names that the pool lacks are read (READ, verified copi
 the step returns: the daemon has had them on their way since the HINT.
 
 *Misses.* A block the step's selection names that the pool still lacks when the step starts
-(the read after the HINT failed, or the pool was emptied) is read then, synchronously, and
-counted in :attr:`SparseStats.misses`; nothing is skipped. Time spent reading blocks is
-:attr:`SparseStats.fetch_s` (after the HINT) and :attr:`SparseStats.miss_s` (at step start):
-both are time the engine waits, the *stall*.
+(the HINT or the read after it failed, counted in :attr:`SparseStats.failed_selections`, or the
+pool was emptied) is read then, synchronously, and counted in :attr:`SparseStats.misses`;
+nothing is skipped. A block gone from every tier fails that step, before its forward. Time
+spent reading blocks is :attr:`SparseStats.fetch_s` (after the HINT) and
+:attr:`SparseStats.miss_s` (at step start): both are time the engine waits, the *stall*.
 
 *Granularity.* A block holds every layer, so serving one (layer, head)'s choice moves all of
 its layers: :attr:`SparseStats.bytes_read` counts what moved, :attr:`SparseStats.bytes_needed`
@@ -38,12 +39,14 @@ while the prompt is computed (the prefill's attention is transformers' own ``sdp
 only the last query row is copied).
 
 Supported models: those of :class:`~kvtierd.engines.hf.HfKvAdapter` (full-attention decoders,
-batch size 1) on ``"sdpa"`` attention.
+batch size 1) on ``"sdpa"`` attention, on CPU: the pool, the gather and the queries sent with
+HINT live in host memory (a CUDA model is refused; its pool belongs in GPU memory, next).
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -58,8 +61,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from kvtierd.engines.hf import HfKvAdapter, UnsupportedModelError
+from kvtierd.errors import KvtierError
 
 __all__ = ["SPARSE_SDPA", "SparseDecoder", "SparseStats"]
+
+log = logging.getLogger("kvtierd.engines")
 
 #: The attention implementation the decoder switches its model to while it runs.
 SPARSE_SDPA = "kvtierd_sparse_sdpa"
@@ -94,9 +100,12 @@ class SparseStats:
     #: not: what reads per slice would have moved; ``bytes_read`` over it is the amplification
     #: of reading whole blocks.
     bytes_needed: int = 0
-    #: Selections the daemon could not make (no summary of any block: a restarted daemon
-    #: rebuilds none), the previous one kept instead.
+    #: Selections the daemon could not make (no summary of any block yet: a restarted daemon
+    #: summarises the chain again as it promotes it), the previous one kept instead.
     stale_selections: int = 0
+    #: Steps whose HINT or reads after the forward failed (the daemon gone, a block lost):
+    #: the step's logits stand, the next step reads what its selection lacks, as misses.
+    failed_selections: int = 0
     #: The most blocks the pool held at once.
     peak_blocks: int = 0
 
@@ -131,6 +140,8 @@ class SparseDecoder:
         pool_blocks: int | None = None,
         shared: bool = False,
     ) -> None:
+        if adapter.device.type != "cpu":
+            raise UnsupportedModelError(f"sparse decode runs on CPU models, not {adapter.device}")
         current = getattr(adapter.model.config, "_attn_implementation", None)
         if current not in ("sdpa", SPARSE_SDPA):
             raise UnsupportedModelError(f"sparse decode needs sdpa attention, not {current!r}")
@@ -193,6 +204,11 @@ class SparseDecoder:
         ids = [int(t) for t in token_ids]
         adapter = self.adapter
         bt = adapter.block_tokens
+        # a new sequence: nothing of the last one's pool, selection or queries stands (the
+        # pool's blocks are named by chain position)
+        self._slot_of.clear()
+        self._selection = None
+        self._queries.clear()
         with self._active(capture_only=True):
             result = adapter.prefill(ids, store=True)
         full = len(ids) // bt
@@ -227,7 +243,11 @@ class SparseDecoder:
         self.stats.forward_s += time.perf_counter() - t0
         self.stats.steps += 1
         self._position += 1
-        self._select()
+        try:
+            self._select()
+        except KvtierError as exc:  # the token is in: its logits stand, the selection stays
+            self.stats.failed_selections += 1
+            log.warning("sparse decode: the next step's selection failed, kept: %s", exc)
         logits: torch.Tensor = out.logits[0, -1]
         return logits
 
@@ -277,9 +297,9 @@ class SparseDecoder:
         # keys in the order full attention does, so only the selection differs from it.
         ordered = np.sort(np.where(selected < 0, np.iinfo(np.int32).max, selected), axis=2)
         selected = np.where(ordered == np.iinfo(np.int32).max, -1, ordered).astype(np.int32)
+        self._fetch(selected, at_step=False)  # a failure keeps the selection there was
         self._count_needed(selected, self._selection)
         self._selection = selected
-        self._fetch(selected, at_step=False)
 
     def _count_needed(self, selected: np.ndarray, before: np.ndarray | None) -> None:
         """Add to :attr:`SparseStats.bytes_needed` the (layer, KV head) slices ``selected``

@@ -373,7 +373,8 @@ class FsyncReply(Message, frozen=True):
 MAX_QUEUE_KEYS: Final = MAX_KEYS_PER_REQUEST
 #: A sparse HINT's selection in its reply (``HintReply.selected``: 4 bytes per query layer, KV
 #: head and block of the budget) is at most this, half of a client's default frame, so that the
-#: reply always reaches it: a request for more is refused before anything is ranked.
+#: reply always reaches it: the library refuses to ask for more, and the daemon answers a
+#: larger request with the ranked keys alone, as before minor 14.
 MAX_SELECTED_BYTES: Final = 512 << 10
 
 
@@ -397,9 +398,10 @@ class HintRequest(Message, frozen=True):
     query_layers: Annotated[list[U32], msgspec.Meta(max_length=1024)] = []
     #: ... and how many blocks to keep per (layer, KV head).
     budget_blocks: U32 = 0
-    #: (minor 14) The most blocks to start promoting, the ranked ones first, then the
-    #: predicted ones: an engine that reads only the best of the ranking (one selection for
-    #: every layer) asks for no more; 0 promotes all of both.
+    #: (minor 14) The most of the ranked, then the predicted blocks to start promoting: an
+    #: engine that reads only the best of the ranking (one selection for every layer) asks
+    #: for no more; 0 promotes all of both. (The chain's unsummarised blocks, up to 256, are
+    #: promoted besides, to be summarised.)
     promote_blocks: U32 = 0
 
     def __post_init__(self) -> None:

@@ -364,14 +364,12 @@ async def hint(ctx: RequestContext, header: RequestHeader, msg: HintRequest) -> 
         raise InvalidRequestError("a sparse HINT needs budget_blocks >= 1")
     layout = ns.spec.layout
     budget = min(msg.budget_blocks, len(msg.chain))
-    if layout is not None and 4 * len(msg.query_layers) * layout.kv_heads * budget > (
-        MAX_SELECTED_BYTES
-    ):
-        raise InvalidRequestError(
-            f"a selection of {budget} blocks for {len(msg.query_layers)} layers and "
-            f"{layout.kv_heads} KV heads exceeds the {MAX_SELECTED_BYTES}-byte reply bound: "
-            "ask for fewer query layers or a smaller budget"
-        )
+    # The selection goes back only within its bound (the library refuses to ask for more);
+    # past it the reply is the ranked keys alone, as before minor 14, so a HINT an older
+    # client could make is still answered.
+    sends_selection = layout is not None and (
+        4 * len(msg.query_layers) * layout.kv_heads * budget <= MAX_SELECTED_BYTES
+    )
     selection = await store.sparse.select(
         ns, msg.session, msg.chain, queries, msg.query_layers, msg.budget_blocks
     )
@@ -384,7 +382,7 @@ async def hint(ctx: RequestContext, header: RequestHeader, msg: HintRequest) -> 
         planned,
         selection.ranked,
         selection.predicted,
-        selection.selected.astype("<i4", copy=False).tobytes(),
+        selection.selected.astype("<i4", copy=False).tobytes() if sends_selection else b"",
     )
 
 

@@ -168,9 +168,8 @@ class SparseRetrieval:
                 entry.pending = set()
             looked_for = sorted(entry.pending) + list(range(len(entry.chain), len(chain)))
             new = [(position, self._used((ns.digest, chain[position]))) for position in looked_for]
-            entry.pending = {position for position, summary in new if summary is None}
-            entry.chain = list(chain)
-            unsummarised = [chain[p] for p in sorted(entry.pending)[:_UNSUMMARISED]]
+            pending = {position for position, summary in new if summary is None}
+            unsummarised = [chain[p] for p in sorted(pending)[:_UNSUMMARISED]]
 
             # No row is longer than the chain: a client's budget beyond it asks for nothing more
             # and must not size the daemon's arrays.
@@ -197,6 +196,10 @@ class SparseRetrieval:
             ranked, predicted, selected = await anyio.to_thread.run_sync(
                 work, limiter=self._limiter
             )
+            # only once the index holds them: a HINT cancelled while it waited for a worker
+            # leaves the session as it found it, its new positions looked for again next time
+            entry.pending = pending
+            entry.chain = list(chain)
         self._trim_sessions((ns.id, session))
         chosen = {int(p) for p in ranked}
         return SparseSelection(

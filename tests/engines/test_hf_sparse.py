@@ -137,6 +137,12 @@ def test_the_pool_holds_byte_exact_copies_of_the_selected_blocks(
         assert decoder.stats.misses == 0  # read after the HINT, ahead of the step
         block_bytes = decoder.adapter.namespace.block_bytes
         assert decoder.stats.bytes_read == decoder.stats.blocks_read * block_bytes
+        # the same decoder on another prompt holds that prompt's blocks, none of the first's
+        other = prompt[BLOCK_TOKENS:] + prompt[:BLOCK_TOKENS]
+        other_cache, _ = _reference(loaded, other)
+        decoder.start(other)
+        for position, slot in decoder._slot_of.items():
+            assert np.array_equal(decoder._pool[slot].numpy(), _block_of(other_cache, position))
 
 
 def test_a_budget_of_every_block_decodes_as_full_attention(

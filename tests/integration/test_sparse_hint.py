@@ -120,8 +120,9 @@ def test_the_selection_comes_back_per_layer_and_kv_head(tmp_path) -> None:  # ty
 
 
 def test_a_selection_past_the_reply_bound_is_refused_before_it_is_made(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """4 bytes per query layer, KV head and budgeted block: a request whose selection would
-    pass ``MAX_SELECTED_BYTES`` is refused (EINVAL) and the daemon serves on."""
+    """4 bytes per query layer, KV head and budgeted block: the library refuses to ask for a
+    selection past ``MAX_SELECTED_BYTES``; the daemon answers such a HINT (an older client's
+    ``hint_attention``) with its ranked keys alone, as before minor 14, and serves on."""
     wide = {**LAYOUT, "layers": 64, "kv_heads": 8, "head_dim": 2, "block_tokens": 1}
     block_bytes = 2 * 64 * 8 * 2 * 1 * 4
     with DaemonProcess(tmp_path) as d, connect(d.socket) as client:
@@ -132,6 +133,8 @@ def test_a_selection_past_the_reply_bound_is_refused_before_it_is_made(tmp_path)
         queries = rng.normal(0, 1, (64, 8, 2)).astype(np.float32)
         with pytest.raises(InvalidRequestError, match="reply bound"):
             ns.hint_selection(keys, queries, query_layers=range(64), budget_blocks=300)
+        ranked, _ = ns.hint_attention(keys, queries, query_layers=range(64), budget_blocks=300)
+        assert len(ranked) == len(keys)  # a budget of the whole chain ranks all of it
         hint = ns.hint_selection(keys, queries, query_layers=range(64), budget_blocks=200)
         assert hint.selected.shape == (64, 8, 200)
         assert (hint.selected >= 0).all()
