@@ -53,7 +53,7 @@ import torch
 from kvtierd.client import Client
 from kvtierd.engines.hf import HfKvAdapter
 from kvtierd.engines.hf_sparse import SparseDecoder, SparseStats
-from kvtierd.testing.hf_fidelity import Continuation, compare, greedy_continue
+from kvtierd.testing.hf_fidelity import Continuation, compare, continue_with, greedy_continue
 from kvtierd.testing.hf_prompts import QaDocument, document_prompt, read_qa_documents
 from kvtierd.testing.smollm2 import LoadedModel
 from tools import benchlib
@@ -215,19 +215,11 @@ def sparse_run(
     decoder.stats = SparseStats()  # decode's costs from here: what start() read goes
     decoder.drop_pool()
     before = _nvme_bytes_read(client)
-    tokens: list[int] = []
-    rows: list[torch.Tensor] = []
     started = time.perf_counter()
-    for step in range(steps):
-        rows.append(logits)
-        tokens.append(int(torch.argmax(logits)))
-        fed = tokens[-1] if forced is None else forced[step]
-        if step == steps - 1 or (stop_token is not None and fed == stop_token):
-            break
-        logits = decoder.step(fed)
+    continuation = continue_with(decoder.step, logits, steps, forced=forced, stop_token=stop_token)
     wall = time.perf_counter() - started
     figures = {"wall_s": wall, "nvme_bytes": float(_nvme_bytes_read(client) - before)}
-    return Continuation(tokens, torch.stack(rows)), decoder, figures
+    return continuation, decoder, figures
 
 
 def _nvme_bytes_read(client: Client) -> int:

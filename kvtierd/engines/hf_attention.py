@@ -23,7 +23,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-__all__ = ["PACKED_SDPA", "packed_decode_sdpa", "use_packed_decode_attention"]
+__all__ = [
+    "PACKED_SDPA",
+    "packed_decode_sdpa",
+    "packed_one_token",
+    "register_attention",
+    "use_packed_decode_attention",
+]
 
 #: The name the attention is registered under (``model.config._attn_implementation``).
 PACKED_SDPA = "kvtierd_sdpa"
@@ -43,7 +49,7 @@ def packed_decode_sdpa(
     """transformers' ``sdpa`` attention; a one-token query without mask on a grouped-query
     layer runs with its heads packed onto the KV heads (see the module docstring)."""
     groups = int(getattr(module, "num_key_value_groups", 1))
-    batch, heads, q_length, _ = query.shape
+    q_length = query.shape[2]
     if (
         q_length != 1
         or groups <= 1
@@ -65,17 +71,35 @@ def packed_decode_sdpa(
             **kwargs,
         )
         return out, weights
-    packed = query.reshape(batch, heads // groups, groups, query.shape[-1])
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, scale=scaling)
-    out = out.reshape(out.shape[0], heads, 1, value.shape[-1]).transpose(1, 2).contiguous()
-    return out, None
+    return packed_one_token(query, key, value, scaling), None
 
 
-def _register() -> None:
-    if PACKED_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(PACKED_SDPA, packed_decode_sdpa)
-    if PACKED_SDPA not in AttentionMaskInterface._global_mapping:
-        AttentionMaskInterface.register(PACKED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+def packed_one_token(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token's attention (``query`` ``[batch, heads, 1, head_dim]``, ``key``/``value``
+    ``[batch, kv_heads, n, head_dim]``) with each KV head's query heads packed as rows of one
+    SDPA call; ``mask`` broadcasts to ``[batch, kv_heads, rows, n]`` (True: attend). Returns
+    ``[batch, 1, heads, head_dim]``, what transformers' attention functions return."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    packed = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        packed, key, value, attn_mask=mask, scale=scaling
+    )
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous()
+
+
+def register_attention(name: str, function: Any) -> None:
+    """Register ``function`` as transformers attention ``name``, with ``sdpa``'s masks."""
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, function)
+    if name not in AttentionMaskInterface._global_mapping:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def use_packed_decode_attention(model: Any) -> bool:
@@ -86,6 +110,6 @@ def use_packed_decode_attention(model: Any) -> bool:
         return True
     if current != "sdpa":
         return False
-    _register()
+    register_attention(PACKED_SDPA, packed_decode_sdpa)
     model.set_attn_implementation(PACKED_SDPA)
     return bool(model.config._attn_implementation == PACKED_SDPA)

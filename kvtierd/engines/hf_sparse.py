@@ -55,12 +55,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from kvtierd.engines.hf import HfKvAdapter, UnsupportedModelError
+from kvtierd.engines.hf_attention import packed_one_token, register_attention
 from kvtierd.errors import KvtierError
 
 __all__ = ["SPARSE_SDPA", "SparseDecoder", "SparseStats"]
@@ -378,7 +377,7 @@ class SparseDecoder:
     def _active(self, *, capture_only: bool) -> Iterator[None]:
         model = self.adapter.model
         before = model.config._attn_implementation
-        _register()
+        register_attention(SPARSE_SDPA, sparse_sdpa)
         if before != SPARSE_SDPA:
             model.set_attn_implementation(SPARSE_SDPA)
         self._capture_only = capture_only
@@ -401,7 +400,7 @@ class SparseDecoder:
         """One new token's attention at ``module``'s layer over the selected blocks and the
         tail (``key``/``value``: the tail, this token included, as the cache returned them)."""
         layer = int(module.layer_idx)  # type: ignore[arg-type]
-        batch, heads, _, dim = query.shape
+        dim = query.shape[3]
         self._queries[layer] = query[0, :, -1].float()
         slots = self._gather[layer]  # [kv_heads, budget]
         kv_heads = slots.shape[0]
@@ -416,11 +415,7 @@ class SparseDecoder:
         if pads is not None:
             keep = torch.cat([~pads, torch.ones(kv_heads, key.shape[2], dtype=torch.bool)], 1)
             mask = keep.reshape(1, kv_heads, 1, -1)
-        packed = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            packed, keys, values, attn_mask=mask, scale=scaling
-        )
-        return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous()
+        return packed_one_token(query, keys, values, scaling, mask)
 
 
 def sparse_sdpa(
@@ -454,13 +449,6 @@ def sparse_sdpa(
         **kwargs,
     )
     return out, None
-
-
-def _register() -> None:
-    if SPARSE_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(SPARSE_SDPA, sparse_sdpa)
-    if SPARSE_SDPA not in AttentionMaskInterface._global_mapping:
-        AttentionMaskInterface.register(SPARSE_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def _tail_of(cache: DynamicCache, start: int) -> DynamicCache:

@@ -14,13 +14,13 @@ Lossless storage must give bitwise-equal logits (TV 0).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Continuation", "FidelityReport", "compare", "greedy_continue"]
+__all__ = ["Continuation", "FidelityReport", "compare", "continue_with", "greedy_continue"]
 
 TOP_K = 20
 
@@ -58,28 +58,46 @@ def greedy_continue(
     forced: Sequence[int] | None = None,
     stop_token: int | None = None,
 ) -> Continuation:
-    """Continue ``steps`` tokens from ``first_logits`` (the prompt's last logits) on ``cache``.
+    """Continue ``steps`` tokens from ``first_logits`` (the prompt's last logits) on ``cache``
+    (one-token forwards that extend it); see :func:`continue_with`."""
 
-    Step ``i`` records its logits and feeds its argmax, or ``forced[i]`` when given, to the
-    model (one-token forwards that extend ``cache``). Stops early after ``stop_token``.
+    def step(token: int) -> torch.Tensor:
+        out = model(
+            input_ids=torch.tensor([[token]]),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits: torch.Tensor = out.logits[0, -1]
+        return logits
+
+    return continue_with(step, first_logits, steps, forced=forced, stop_token=stop_token)
+
+
+def continue_with(
+    step: Callable[[int], torch.Tensor],
+    first_logits: torch.Tensor,
+    steps: int,
+    *,
+    forced: Sequence[int] | None = None,
+    stop_token: int | None = None,
+) -> Continuation:
+    """Continue ``steps`` tokens from ``first_logits``, ``step(token)`` giving the next logits.
+
+    Step ``i`` records its logits and feeds its argmax, or ``forced[i]`` when given, to
+    ``step``. Stops early after ``stop_token``.
     """
     tokens: list[int] = []
     rows: list[torch.Tensor] = []
     logits = first_logits
     with torch.no_grad():
-        for step in range(steps):
+        for i in range(steps):
             rows.append(logits)
             tokens.append(int(torch.argmax(logits)))
-            fed = tokens[-1] if forced is None else int(forced[step])
-            if step == steps - 1 or (stop_token is not None and fed == stop_token):
+            fed = tokens[-1] if forced is None else int(forced[i])
+            if i == steps - 1 or (stop_token is not None and fed == stop_token):
                 break
-            out = model(
-                input_ids=torch.tensor([[fed]]),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits = out.logits[0, -1]
+            logits = step(fed)
     return Continuation(tokens, torch.stack(rows))
 
 

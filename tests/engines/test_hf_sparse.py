@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvtierd.testing import smollm2
+from tests.engines.test_hf import TEXT
 
 _REASON = smollm2.unavailable_reason()
 pytestmark = [
@@ -26,18 +27,6 @@ pytestmark = [
     pytest.mark.skipif(_REASON is not None, reason=f"SmolLM2 model stack absent: {_REASON}"),
 ]
 
-# Charles Dickens, "A Tale of Two Cities" (1859), chapter 1: public domain.
-TEXT = (
-    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the "
-    "age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the "
-    "season of Light, it was the season of Darkness, it was the spring of hope, it was the winter "
-    "of despair, we had everything before us, we had nothing before us, we were all going direct "
-    "to Heaven, we were all going direct the other way - in short, the period was so far like "
-    "the present period, that some of its noisiest authorities insisted on its being received, "
-    "for good or for evil, in the superlative degree of comparison only. There were a king with "
-    "a large jaw and a queen with a plain face, on the throne of England; there were a king with "
-    "a large jaw and a queen with a fair face, on the throne of France."
-)
 BLOCK_TOKENS = 16
 CHAIN = 8  # full blocks stored; the prompt has a 5-token tail besides
 MODEL_ID = "test/SmolLM2-135M-Instruct/sparse"
@@ -104,6 +93,12 @@ def _block_of(prompt_cache: list[Any], position: int) -> np.ndarray:
     return torch.stack(planes).numpy()
 
 
+def _assert_pool_holds(decoder: Any, prompt_cache: list[Any]) -> None:
+    """Every block of ``decoder``'s pool is, byte for byte, the prompt's K/V at its position."""
+    for position, slot in decoder._slot_of.items():
+        assert np.array_equal(decoder._pool[slot].numpy(), _block_of(prompt_cache, position))
+
+
 def _tv(a: Any, b: Any) -> float:
     import torch
 
@@ -141,8 +136,7 @@ def test_the_pool_holds_byte_exact_copies_of_the_selected_blocks(
         other = prompt[BLOCK_TOKENS:] + prompt[:BLOCK_TOKENS]
         other_cache, _ = _reference(loaded, other)
         decoder.start(other)
-        for position, slot in decoder._slot_of.items():
-            assert np.array_equal(decoder._pool[slot].numpy(), _block_of(other_cache, position))
+        _assert_pool_holds(decoder, other_cache)
 
 
 def test_a_budget_of_every_block_decodes_as_full_attention(
@@ -220,8 +214,7 @@ def test_a_daemon_restart_mid_decode_keeps_decoding(
             token = int(decoder.step(token).argmax())
         assert decoder.stats.steps == 4
         assert decoder.stats.stale_selections == 1  # ranked afresh again
-        for position, slot in decoder._slot_of.items():
-            assert np.array_equal(decoder._pool[slot].numpy(), _block_of(prompt_cache, position))
+        _assert_pool_holds(decoder, prompt_cache)
 
 
 def test_a_shared_selection_holds_its_budget_of_blocks_for_every_group(
@@ -243,5 +236,4 @@ def test_a_shared_selection_holds_its_budget_of_blocks_for_every_group(
             token = int(decoder.step(token).argmax())
         assert decoder.stats.peak_blocks == 3
         assert decoder.stats.bytes_read == decoder.stats.bytes_needed  # no amplification
-        for position, slot in decoder._slot_of.items():
-            assert np.array_equal(decoder._pool[slot].numpy(), _block_of(prompt_cache, position))
+        _assert_pool_holds(decoder, prompt_cache)
