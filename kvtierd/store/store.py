@@ -322,6 +322,23 @@ class BlockStore:
         """:meth:`prefetch` the stored blocks of ``keys`` (unknown keys are skipped)."""
         return self.prefetch([b for k in keys if (b := self.index.get(ns, k)) is not None])
 
+    async def summarise_resident(self, ns: Namespace, keys: Sequence[bytes]) -> None:
+        """Summarise those blocks of ``keys`` that are in DRAM without a summary (the
+        summaries' bound let theirs go): promotion summarises what it loads, but skips what is
+        resident, so without this such a block would never be ranked again."""
+        blocks = [
+            b
+            for k in keys
+            if (b := self.index.get(ns, k)) is not None and b.dram is not None and not b.forgotten
+        ]
+        for block in blocks:
+            block.pins += 1  # its slot stays while a worker thread reads it
+        try:
+            await self.residency.summarise_missing(blocks)
+        finally:
+            for block in blocks:
+                self.residency.unpin(block)
+
     def page(self, ns: Namespace, after: bytes, limit: int) -> tuple[list[Block | ColdKey], bool]:
         """A page of ``ns``'s blocks by key, after ``after``; whether more follow."""
         return self.index.page(ns, after, limit)

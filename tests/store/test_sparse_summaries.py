@@ -1,6 +1,7 @@
 """A sparse namespace's summaries follow their blocks: a block promoted into DRAM without one
-gets it again, and one a FORGET drops while it is being summarised gets none (no summary may
-outlive its block). In-process, on a real data file."""
+gets it again, so does one in DRAM whose summary the bound let go, and one a FORGET drops while
+it is being summarised gets none (no summary may outlive its block). In-process, on a real data
+file."""
 
 from __future__ import annotations
 
@@ -96,3 +97,23 @@ async def test_a_block_forgotten_while_it_is_summarised_gets_no_summary(tmp_path
         assert block.forgotten
         assert not sparse.summarised(block.id)
         assert sparse.summaries == 0
+
+
+async def test_a_resident_block_whose_summary_went_gets_it_again(tmp_path: Path) -> None:
+    """Promotion summarises what it loads but skips resident blocks: a HINT naming a resident
+    block without a summary (the summaries' bound dropped it) has it summarised in place."""
+    async with sparse_store(tmp_path) as (store, ns):
+        keys = [key_of(i) for i in range(4)]
+        await _commit(store, ns, keys)
+        await store.fsync()  # no write-back holds them meanwhile
+        sparse = store.residency.sparse
+        blocks = [store.index.get(ns, key) for key in keys]
+        pins = [b.pins for b in blocks if b is not None]
+        for block in blocks[:3]:
+            assert block is not None
+            assert block.dram is not None
+            sparse.forget(block)
+        await store.summarise_resident(ns, [*keys, key_of(99)])  # an unknown key is skipped
+        assert all(sparse.summarised((ns.digest, key)) for key in keys)
+        assert sparse.summaries == len(keys)
+        assert [b.pins for b in blocks if b is not None] == pins  # its pins went with it
