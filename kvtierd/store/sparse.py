@@ -181,7 +181,11 @@ class SparseRetrieval:
                 if known:
                     positions = np.asarray([p for p, _ in known], dtype=np.int64)
                     layers = list(entry.index.config.layers)
-                    boxes = np.stack([s[layers] for _, s in known]).astype(np.float32)
+                    every = layers == list(range(known[0][1].shape[0]))
+                    shape = (len(known), len(layers), *known[0][1].shape[1:])
+                    boxes = np.empty(shape, np.float32)  # widened in place, no float16 copy
+                    for row, (_, summary) in enumerate(known):
+                        boxes[row] = summary if every else summary[layers]
                     entry.index.insert_many(positions, positions, boxes)
                 if not len(entry.index):
                     nothing = np.empty(0, np.int64)

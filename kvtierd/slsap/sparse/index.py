@@ -130,16 +130,20 @@ class SparseIndex:
             raise InvalidRequestError("position already indexed")
         slots = np.arange(self._next, self._next + len(ids), dtype=np.int64)
         self._grow(self._next + len(ids))
+        new = slice(self._next, self._next + len(ids))  # the slots, as a view's range
         self._next += len(ids)
         arr = arr.reshape(len(ids), self._groups, 3, self._dim)
-        centre = (arr[:, :, 1] + arr[:, :, 0]) * np.float32(0.5)
-        self._boxes[slots, :, : self._dim] = centre
+        centre = self._boxes[new, :, : self._dim]
+        np.add(arr[:, :, 1], arr[:, :, 0], out=centre)
+        centre *= np.float32(0.5)
         # Half-widths are kept >= _MIN_RADIUS (a key's bound moves by |q| 1e-6 at most): then
         # the box estimate needs no guard against a zero width (see scoring.box_spread).
-        radius = (arr[:, :, 1] - arr[:, :, 0]) * np.float32(0.5)
-        self._boxes[slots, :, self._dim :] = np.maximum(radius, _MIN_RADIUS)
-        self._means[slots], self._ids[slots], self._pos[slots] = arr[:, :, 2], ids, pos
-        self._live[slots] = True
+        radius = self._boxes[new, :, self._dim :]
+        np.subtract(arr[:, :, 1], arr[:, :, 0], out=radius)
+        radius *= np.float32(0.5)
+        np.maximum(radius, _MIN_RADIUS, out=radius)
+        self._means[new], self._ids[new], self._pos[new] = arr[:, :, 2], ids, pos
+        self._live[new] = True
         self._forced = None
         self._slot_of.update(zip(ids.tolist(), slots.tolist(), strict=True))
         self._slot_at.update(zip(pos.tolist(), slots.tolist(), strict=True))
@@ -295,6 +299,8 @@ class SparseIndex:
     def _compact(self) -> None:
         """Move the live blocks to slots ``0..n-1`` (slots of removed blocks are not reused
         until then, so no stale cluster entry can name a new block)."""
+        if self._next == len(self):  # nothing removed: the live blocks fill 0..n-1 already
+            return
         live = np.flatnonzero(self._live[: self._next]).astype(np.int64)
         n = len(live)
         self._boxes[:n], self._means[:n] = self._boxes[live], self._means[live]

@@ -247,18 +247,18 @@ class ClusterLists:
         norms = np.einsum("gkd,gkd->gk", centroids, centroids)[:, None, :]
         return norms, np.ascontiguousarray(centroids.transpose(0, 2, 1))
 
-    def _cluster_sums(self, vectors: F32, assign: I64, k: int, power: int = 1) -> F32:
-        """Per (group, cluster): the sum of members' ``vectors ** power``, ``[groups, k, dim]``."""
+    def _cluster_sums(self, vectors: F32, assign: I64, k: int) -> F32:
+        """Per (group, cluster): the sum of its members' ``vectors``, ``[groups, k, dim]``: the
+        rows sorted by cluster and each cluster's run summed in one ``reduceat``."""
         flat = (np.arange(self.groups)[None, :] * k + assign).ravel()
-        values = vectors.reshape(-1, self.dim).astype(np.float64) ** power
-        out = np.stack(
-            [
-                np.bincount(flat, weights=values[:, d], minlength=self.groups * k)
-                for d in range(self.dim)
-            ],
-            axis=1,
-        )
-        return out.reshape(self.groups, k, self.dim).astype(np.float32)
+        order = np.argsort(flat, kind="stable")
+        values = np.asarray(vectors, dtype=np.float32).reshape(-1, self.dim)[order]
+        counts = np.bincount(flat, minlength=self.groups * k)
+        starts = np.cumsum(counts) - counts
+        filled = counts > 0
+        out = np.zeros((self.groups * k, self.dim), dtype=np.float32)
+        out[filled] = np.add.reduceat(values, starts[filled], axis=0)
+        return out.reshape(self.groups, k, self.dim)
 
     def _counts(self, assign: I64, k: int) -> I64:
         flat = (np.arange(self.groups)[None, :] * k + assign).ravel()
@@ -274,8 +274,12 @@ class ClusterLists:
         return out
 
     def _member_spread(self, vectors: F32, assign: I64, k: int) -> F32:
+        """Per (group, cluster): the members' standard deviation per dimension, from their
+        squared deviations from the cluster's mean (two passes: no cancellation)."""
         c = np.maximum(self._counts(assign, k), 1)[..., None]
         mean = self._cluster_sums(vectors, assign, k) / c
-        var = self._cluster_sums(vectors, assign, k, power=2) / c - mean**2
-        spread: F32 = np.sqrt(np.maximum(var, 0)).astype(np.float32)
+        flat = (np.arange(self.groups)[None, :] * k + assign).ravel()
+        deviation = vectors.reshape(-1, self.dim) - mean.reshape(-1, self.dim).take(flat, 0)
+        np.square(deviation, out=deviation)
+        spread: F32 = np.sqrt(self._cluster_sums(deviation, assign, k) / c).astype(np.float32)
         return spread
