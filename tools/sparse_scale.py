@@ -81,7 +81,6 @@ TOPICS = 8
 BASES = 4
 #: Blocks per READ of the full restore (about 235 MiB, within one connection's pinned share).
 RESTORE_BATCH = 32
-DRAM = "4G"
 
 
 @dataclass(frozen=True)
@@ -325,7 +324,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if blocks > 8192:
         raise SystemExit("a sparse HINT names at most 8,192 blocks: at most 1,048,576 tokens")
     budget = max(1, args.budget_tokens // BLOCK_TOKENS)
-    nvme = blocks * BLOCK_BYTES + (4 << 30)
+    nvme = blocks * BLOCK_BYTES * 21 // 20 + (512 << 20)  # segments' slack
     keys = Keys.make(args.seed)
     config = f'[limits]\nsparse_summary_bytes = "{max(256, blocks * 100 // 1024 + 64)}M"\n'
     with benchlib.bench_workdir("sparse-scale") as directory:
@@ -337,7 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         with (
             DaemonProcess(
-                directory, dram_size=DRAM, nvme_size=str(nvme), config_text=config
+                directory, dram_size=args.dram, nvme_size=str(nvme), config_text=config
             ) as daemon,
             connect(daemon.socket) as client,
         ):
@@ -366,7 +365,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "layout": {**LAYOUT, "bytes_per_token": BYTES_PER_TOKEN, "block_bytes": BLOCK_BYTES},
         "budget_tokens": budget * BLOCK_TOKENS,
         "steps": args.steps,
-        "dram": DRAM,
+        "dram": args.dram,
         "fio_queue_depth": FIO_QUEUE_DEPTH,
         "fill": filled,
         "lengths": lengths,
@@ -480,6 +479,7 @@ def main() -> int:
     parser.add_argument("--steps", type=benchlib.positive_int, default=32)
     parser.add_argument("--restore-tokens", type=benchlib.positive_int, default=409600)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dram", default="4G", help="the daemon's DRAM tier (default 4G)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--record", action="store_true", help="write docs/benchmarks.md")
     args = parser.parse_args()
