@@ -373,14 +373,14 @@ async def hint(ctx: RequestContext, header: RequestHeader, msg: HintRequest) -> 
     selection = await store.sparse.select(
         ns, msg.session, msg.chain, queries, msg.query_layers, msg.budget_blocks
     )
-    # the chain's blocks without a summary: those in DRAM are summarised now, the others as
-    # their promotion lands
-    await store.summarise_resident(ns, selection.unsummarised)
     wanted = [*selection.ranked, *selection.predicted]
     if msg.promote_blocks:
         wanted = wanted[: msg.promote_blocks]
     for keys in (wanted, selection.unsummarised):
         planned += store.prefetch_keys(ns, keys)  # a promoted block gets its summary again
+    # the resident ones of the chain's unsummarised blocks, which promotion skips, are
+    # summarised in the background, for a later HINT to rank
+    store.summarise_resident(ns, selection.unsummarised)
     return HintReply(
         planned,
         selection.ranked,

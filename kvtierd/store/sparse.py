@@ -56,8 +56,14 @@ class SparseSelection:
 
 #: Sparse rankings (index upkeep and selection) running at once in worker threads.
 _RANKINGS_AT_ONCE = 2
-#: Unsummarised chain blocks one HINT asks to promote (a READ's worth of a long chain).
+#: Unsummarised chain blocks one HINT asks to promote (a READ's worth of a long chain), and
+#: at most half of what the summaries' bound holds.
 _UNSUMMARISED = 256
+
+
+def _summary_bytes(layout: BlockLayout) -> int:
+    """Bytes of one block's summary as kept: float16 min, max and mean per layer and KV head."""
+    return layout.layers * layout.kv_heads * 3 * layout.head_dim * 2
 
 
 @dataclass
@@ -169,7 +175,10 @@ class SparseRetrieval:
             looked_for = sorted(entry.pending) + list(range(len(entry.chain), len(chain)))
             new = [(position, self._used((ns.digest, chain[position]))) for position in looked_for]
             pending = {position for position, summary in new if summary is None}
-            unsummarised = [chain[p] for p in sorted(pending)[:_UNSUMMARISED]]
+            # no more than half the summaries' bound holds: a larger batch would push its own
+            # first summaries out before any session indexed them
+            fits = self.max_summary_bytes // (2 * _summary_bytes(self.layout_of(ns)))
+            unsummarised = [chain[p] for p in sorted(pending)[: max(1, min(_UNSUMMARISED, fits))]]
 
             # No row is longer than the chain: a client's budget beyond it asks for nothing more
             # and must not size the daemon's arrays.

@@ -88,6 +88,8 @@ class BlockStore:
     ) -> None:
         self.residency = r = residency
         self._tg = background
+        #: A background summary of resident blocks is running (:meth:`summarise_resident`).
+        self._summarising = False
         #: The replica link (the shared pool), when configured.
         self.pool = link
         #: The I/O backend the tiers use (reported by STATFS).
@@ -322,20 +324,40 @@ class BlockStore:
         """:meth:`prefetch` the stored blocks of ``keys`` (unknown keys are skipped)."""
         return self.prefetch([b for k in keys if (b := self.index.get(ns, k)) is not None])
 
-    async def summarise_resident(self, ns: Namespace, keys: Sequence[bytes]) -> None:
-        """Summarise those blocks of ``keys`` that are in DRAM without a summary (the
-        summaries' bound let theirs go): promotion summarises what it loads, but skips what is
-        resident, so without this such a block would never be ranked again."""
+    def summarise_resident(self, ns: Namespace, keys: Sequence[bytes]) -> bool:
+        """Start summarising, in the background, those blocks of ``keys`` that are in DRAM
+        without a summary (the summaries' bound let theirs go): promotion summarises what it
+        loads but skips what is resident, so without this such a block would never be ranked
+        again. The blocks stay pinned while a worker thread reads them. One such job runs at a
+        time: a call while one runs starts nothing (its blocks stay pending in their sessions,
+        and the next HINT names them again), so a flood of HINTs holds one thread and one
+        batch of pins. Returns whether a job started."""
+        if self._summarising:
+            return False
+        sparse = self.residency.sparse
         blocks = [
             b
             for k in keys
-            if (b := self.index.get(ns, k)) is not None and b.dram is not None and not b.forgotten
+            if (b := self.index.live(ns, k)) is not None  # a resident block is live
+            and b.dram is not None
+            and not b.forgotten
+            and not sparse.summarised(b.id)
         ]
+        if not blocks:
+            return False
         for block in blocks:
             block.pins += 1  # its slot stays while a worker thread reads it
+        self._summarising = True
+        self._tg.start_soon(self._summarise_pinned, blocks)
+        return True
+
+    async def _summarise_pinned(self, blocks: list[Block]) -> None:
         try:
             await self.residency.summarise_missing(blocks)
+        except KvtierError as exc:
+            log.warning("sparse: summarising %d resident blocks failed: %s", len(blocks), exc)
         finally:
+            self._summarising = False
             for block in blocks:
                 self.residency.unpin(block)
 

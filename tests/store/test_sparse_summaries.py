@@ -101,7 +101,8 @@ async def test_a_block_forgotten_while_it_is_summarised_gets_no_summary(tmp_path
 
 async def test_a_resident_block_whose_summary_went_gets_it_again(tmp_path: Path) -> None:
     """Promotion summarises what it loads but skips resident blocks: a HINT naming a resident
-    block without a summary (the summaries' bound dropped it) has it summarised in place."""
+    block without a summary (the summaries' bound dropped it) has it summarised in the
+    background, one job at a time, its pins given back once it is done."""
     async with sparse_store(tmp_path) as (store, ns):
         keys = [key_of(i) for i in range(4)]
         await _commit(store, ns, keys)
@@ -113,7 +114,35 @@ async def test_a_resident_block_whose_summary_went_gets_it_again(tmp_path: Path)
             assert block is not None
             assert block.dram is not None
             sparse.forget(block)
-        await store.summarise_resident(ns, [*keys, key_of(99)])  # an unknown key is skipped
-        assert all(sparse.summarised((ns.digest, key)) for key in keys)
+        assert store.summarise_resident(ns, [*keys, key_of(99)])  # an unknown key is skipped
+        assert not store.summarise_resident(ns, keys)  # one job at a time
+        with anyio.fail_after(30):
+            # a background job: no event to wait on
+            while not all(sparse.summarised((ns.digest, key)) for key in keys):  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+            while [b.pins for b in blocks if b is not None] != pins:  # noqa: ASYNC110
+                await anyio.sleep(0.01)  # its pins go with it
         assert sparse.summaries == len(keys)
-        assert [b.pins for b in blocks if b is not None] == pins  # its pins went with it
+        assert not store.summarise_resident(ns, keys)  # nothing left to summarise
+
+
+async def test_a_hint_asks_for_no_more_summaries_than_half_the_bound_holds(
+    tmp_path: Path,
+) -> None:
+    """A batch larger than the summaries' bound would push its own first summaries out before
+    any session indexed them: a HINT names at most half the bound's worth of unsummarised
+    blocks."""
+    async with sparse_store(tmp_path) as (store, ns):
+        keys = [key_of(i) for i in range(8)]
+        await _commit(store, ns, keys)
+        sparse = store.residency.sparse
+        for key in keys:
+            block = store.index.get(ns, key)
+            assert block is not None
+            sparse.forget(block)
+        one = 4 * 2 * 3 * 8 * 2  # layers, KV heads, min/max/mean, head_dim, float16
+        queries = np.ones((2, 2, 8), np.float32)
+        for bound, asked in ((3 * one, 1), (6 * one, 3), (1 << 20, 8)):
+            sparse.max_summary_bytes = bound
+            selection = await sparse.select(ns, b"s", keys, queries, [2, 3], 2)
+            assert len(selection.unsummarised) == asked
