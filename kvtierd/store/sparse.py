@@ -11,9 +11,11 @@ starts promoting them, then the blocks predicted for the next step. The ranking 
 prediction go back to the engine as keys.
 
 The index is not thread-safe: each session's calls are serialised by a lock, and the CPU work
-runs in a worker thread so the event loop keeps serving. Sessions beyond ``max_sessions`` are
-dropped least recently used first, and so are sessions while all indices together hold more
-than ``max_index_bytes`` (twice the summaries' bound).
+runs in a worker thread so the event loop keeps serving. An index that outgrows its clusters
+(thousands of blocks: k-means takes seconds) is clustered afresh in a background job the store
+owns, off the session's lock; until it lands, its HINTs score every block. Sessions beyond
+``max_sessions`` are dropped least recently used first, and so are sessions while all indices
+together hold more than ``max_index_bytes`` (twice the summaries' bound).
 
 Summaries follow their block: one is dropped when its block leaves the store (its last tier
 let it go, or it was forgotten), and together they stay within ``max_summary_bytes`` (the
@@ -24,8 +26,10 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import anyio
 import numpy as np
@@ -73,6 +77,8 @@ class _Session:
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     #: Positions of the chain not indexed for want of a summary: looked for again each HINT.
     pending: set[int] = field(default_factory=set)
+    #: The index's clusters are being made in the background (:meth:`SparseRetrieval._fit`).
+    fitting: bool = False
 
 
 class SparseRetrieval:
@@ -97,6 +103,12 @@ class SparseRetrieval:
         #: are trimmed, and each holds a worker thread, so a flood of HINTs on many sessions
         #: waits here instead of multiplying memory and threads.
         self._limiter = anyio.CapacityLimiter(_RANKINGS_AT_ONCE)
+        #: Starts a background job owned by the store (its task group); ``None``: an index's
+        #: clusters are made inside the HINT that outgrew them.
+        self.spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], object] | None = None
+        #: Background fits started and not done: at most :data:`_RANKINGS_AT_ONCE`, since
+        #: each holds its index's boxes (a dropped session's too) until it ends.
+        self._fits = 0
 
     @property
     def summaries(self) -> int:
@@ -195,7 +207,9 @@ class SparseRetrieval:
                     boxes = np.empty(shape, np.float32)  # widened in place, no float16 copy
                     for row, (_, summary) in enumerate(known):
                         boxes[row] = summary if every else summary[layers]
-                    entry.index.insert_many(positions, positions, boxes)
+                    # with a task group the clusters are made in the background (a fit of
+                    # thousands of blocks takes seconds; meanwhile every block is scored)
+                    entry.index.insert_many(positions, positions, boxes, fit=self.spawn is None)
                 if not len(entry.index):
                     nothing = np.empty(0, np.int64)
                     return nothing, nothing, np.full((groups, budget), -1, np.int32)
@@ -213,6 +227,7 @@ class SparseRetrieval:
             # leaves the session as it found it, its new positions looked for again next time
             entry.pending = pending
             entry.chain = list(chain)
+            self._maybe_fit(entry)
         self._trim_sessions((ns.id, session))
         chosen = {int(p) for p in ranked}
         return SparseSelection(
@@ -221,6 +236,36 @@ class SparseRetrieval:
             selected,
             unsummarised,
         )
+
+    def _maybe_fit(self, entry: _Session) -> None:
+        """Start making ``entry``'s clusters in the background if its index outgrew them
+        (the caller holds its lock); a later HINT tries again when too many fits run."""
+        spawn = self.spawn
+        if spawn is None or entry.fitting or self._fits >= _RANKINGS_AT_ONCE:
+            return
+        if not entry.index.fit_due():
+            return
+        entry.fitting = True
+        self._fits += 1
+        spawn(partial(self._fit, entry, entry.index.fit_later()))
+
+    async def _fit(self, entry: _Session, work: Callable[[], Callable[[], None]]) -> None:
+        """Cluster ``entry``'s index in a worker thread, then install the clusters under the
+        session's lock (in a worker thread too: the blocks indexed meanwhile join them)."""
+        try:
+            # the work reads a snapshot and changes nothing: a shutdown need not wait for it
+            install = await anyio.to_thread.run_sync(
+                work, limiter=self._limiter, abandon_on_cancel=True
+            )
+            async with entry.lock:
+                await anyio.to_thread.run_sync(install, limiter=self._limiter)
+        except Exception:  # the index goes on scoring every block; a later HINT tries again
+            log.exception(
+                "sparse: clustering a session's index of %d blocks failed", len(entry.index)
+            )
+        finally:
+            entry.fitting = False
+            self._fits -= 1
 
     def _trim_sessions(self, current: tuple[int, bytes]) -> None:
         """Drop the least recently used sessions' indices, never ``current``'s, while all of

@@ -90,6 +90,8 @@ class BlockStore:
         self._tg = background
         #: A background summary of resident blocks is running (:meth:`summarise_resident`).
         self._summarising = False
+        # sparse indices make their clusters in jobs this store owns
+        r.sparse.spawn = lambda job: background.start_soon(job)
         #: The replica link (the shared pool), when configured.
         self.pool = link
         #: The I/O backend the tiers use (reported by STATFS).

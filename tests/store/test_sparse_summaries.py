@@ -146,3 +146,27 @@ async def test_a_hint_asks_for_no_more_summaries_than_half_the_bound_holds(
             sparse.max_summary_bytes = bound
             selection = await sparse.select(ns, b"s", keys, queries, [2, 3], 2)
             assert len(selection.unsummarised) == asked
+
+
+async def test_an_index_that_outgrows_its_clusters_is_clustered_in_the_background(
+    tmp_path: Path,
+) -> None:
+    """A HINT that indexes thousands of blocks answers by scoring every one of them and leaves
+    their k-means clustering to a job the store owns; later HINTs use the clusters."""
+    async with sparse_store(tmp_path) as (store, ns):
+        keys = [key_of(i) for i in range(1100)]  # past pool_min_blocks (1024)
+        for first in range(0, len(keys), 275):
+            await _commit(store, ns, keys[first : first + 275])
+        sparse = store.residency.sparse
+        queries = np.ones((2, 2, 8), np.float32)
+        first = await sparse.select(ns, b"s", keys, queries, [2, 3], 4)
+        entry = sparse._sessions[(ns.id, b"s")]
+        assert entry.fitting  # the HINT did not wait for it
+        with anyio.fail_after(60):
+            while entry.fitting:  # noqa: ASYNC110 - a background job: no event to wait on
+                await anyio.sleep(0.01)
+        assert not entry.index.fit_due()
+        again = await sparse.select(ns, b"s", keys, queries, [2, 3], 4)
+        assert (first.selected >= 0).all()
+        assert (again.selected >= 0).all()
+        assert not entry.fitting  # nothing more to cluster

@@ -33,6 +33,7 @@ the same calls give the same selections.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -75,6 +76,9 @@ class SparseIndex:
         self._next = 0
         self._newest = -1
         self._fitted_at = 0
+        #: Bumped whenever live blocks change slots (:meth:`_compact`): a fit made on a
+        #: snapshot of older slots is dropped (:meth:`fit_later`).
+        self._generation = 0
         self._forced: I64 | None = None
         self._clusters = ClusterLists(self._groups, self._dim, seed=config.seed)
         self._group_col = np.arange(self._groups, dtype=np.int64)[:, None]
@@ -105,7 +109,12 @@ class SparseIndex:
         self.insert_many([block_id], [position], boxes[None, list(self.config.layers)])
 
     def insert_many(
-        self, block_ids: npt.ArrayLike, positions: npt.ArrayLike, boxes: npt.ArrayLike
+        self,
+        block_ids: npt.ArrayLike,
+        positions: npt.ArrayLike,
+        boxes: npt.ArrayLike,
+        *,
+        fit: bool = True,
     ) -> None:
         """Add many blocks at once.
 
@@ -113,6 +122,9 @@ class SparseIndex:
             block_ids, positions: ``[n]`` integers, unique and not yet indexed.
             boxes: ``[n, len(config.layers), kv_heads, 3, head_dim]``, the stacked summaries of
                 the *indexed* layers only, in ``config.layers`` order.
+            fit: cluster afresh now if the index has outgrown its clusters; ``False`` leaves
+                that to the owner (:meth:`fit_due`, :meth:`fit_later`), and selections score
+                every block until then.
 
         Raises:
             InvalidRequestError: a duplicate id or position, or a shape mismatch.
@@ -149,7 +161,8 @@ class SparseIndex:
         self._slot_at.update(zip(pos.tolist(), slots.tolist(), strict=True))
         self._newest = max(self._newest, int(pos.max()))
         self._clusters.add(slots, centre)
-        self._maybe_refit()
+        if fit:
+            self._maybe_refit()
 
     def remove(self, block_id: int) -> None:
         """Forget a block.
@@ -296,11 +309,46 @@ class SparseIndex:
             return np.broadcast_to(live, (self._groups, count)), None
         return self._clusters.pool(np.concatenate([q, q_abs], axis=2), target)
 
+    def fit_due(self) -> bool:
+        """Whether the index has outgrown its clusters (see :meth:`_maybe_refit`)."""
+        n = len(self)
+        return n > self.config.pool_min_blocks and not (self._fitted_at and n < 4 * self._fitted_at)
+
+    def fit_later(self) -> Callable[[], Callable[[], None]]:
+        """The clustering :meth:`_maybe_refit` does, split so that its cost need not hold the
+        index: returns ``work``, which may run in any thread while the owner goes on using the
+        index, and which returns ``install``, to be called where the owner's other calls are
+        serialised. ``install`` takes the new clusters, with the blocks inserted meanwhile added
+        to them and those removed left out, unless live blocks changed slots meanwhile (a
+        compaction): then it drops them, and :meth:`fit_due` still says so."""
+        self._compact()
+        n, generation = self._next, self._generation
+        vectors = self._boxes[:n, :, : self._dim]  # rows below n move only in a compaction
+        slots = np.arange(n, dtype=np.int64)
+
+        def work() -> Callable[[], None]:
+            clusters = ClusterLists(self._groups, self._dim, seed=self.config.seed)
+            clusters.fit(slots, vectors)
+
+            def install() -> None:
+                if self._generation != generation:
+                    return
+                clusters.discard(np.flatnonzero(~self._live[:n]).astype(np.int64))
+                newer = n + np.flatnonzero(self._live[n : self._next]).astype(np.int64)
+                clusters.add(newer, self._boxes[newer, :, : self._dim])
+                self._clusters = clusters
+                self._fitted_at = n
+
+            return install
+
+        return work
+
     def _compact(self) -> None:
         """Move the live blocks to slots ``0..n-1`` (slots of removed blocks are not reused
         until then, so no stale cluster entry can name a new block)."""
         if self._next == len(self):  # nothing removed: the live blocks fill 0..n-1 already
             return
+        self._generation += 1
         live = np.flatnonzero(self._live[: self._next]).astype(np.int64)
         n = len(live)
         self._boxes[:n], self._means[:n] = self._boxes[live], self._means[live]
