@@ -23,9 +23,11 @@ random block with probability 1/4 a step) in one HINT, keeps the union ranking's
 ``--budget-tokens`` worth of blocks in its pool and reads the ones it lacks (verified READs).
 Measured per step: the HINT round trip (ranking included), the fetch, the bytes moved, and
 whether the topics were found (``topic_recall``: the selection's quality, which the synthetic
-keys make checkable). The first HINT of a session indexes the whole chain (``index_build_s``),
-once per conversation, and is reported apart. The goal: per-step cost grows at most 3x per 10x
-of context (``growth_per_10x``).
+keys make checkable). The first HINT of a session indexes the whole chain (``index_build_s``,
+once per conversation, answered by scoring every block) and the daemon then clusters the index
+in the background (``clusters_s``: until STATFS's ``sparse_fits`` is 0); both are reported
+apart, and the steps are timed once the clusters are in. The goal: per-step cost grows at most
+3x per 10x of context (``growth_per_10x``).
 
 Restore of a 410K-token conversation (``--restore-tokens``): the blocks one selection names
 against every block of it, both from cold NVMe through READ (every block: 32 blocks a READ,
@@ -160,6 +162,17 @@ def fill_daemon(ns: Namespace, client: Client, keys: Keys, chain: list[bytes]) -
     return {"blocks": len(chain), "seconds": elapsed, "gb_per_s": rate}
 
 
+def clustered(client: Client, timeout_s: float = 900.0) -> float:
+    """Wait until the daemon clusters no sparse index in the background (STATFS
+    ``sparse_fits``); returns the seconds waited."""
+    t0 = time.perf_counter()
+    while client.stats()["sparse_fits"]:
+        if time.perf_counter() - t0 > timeout_s:
+            raise RuntimeError(f"the daemon was still clustering after {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return time.perf_counter() - t0
+
+
 class Engine:
     """The engine's side of a shared-selection sparse decode: a pool of whole blocks."""
 
@@ -207,7 +220,13 @@ class Engine:
 
 
 def decode(
-    ns: Namespace, keys: Keys, chain: list[bytes], budget: int, steps: int, seed: int
+    ns: Namespace,
+    client: Client,
+    keys: Keys,
+    chain: list[bytes],
+    budget: int,
+    steps: int,
+    seed: int,
 ) -> dict[str, Any]:
     """``steps`` shared-selection decode steps over ``chain`` from cold NVMe."""
     rng = np.random.default_rng(seed)
@@ -217,6 +236,7 @@ def decode(
     t0 = time.perf_counter()
     engine.hint(keys.queries(topics, rng))  # the conversation's first HINT indexes the chain
     build = time.perf_counter() - t0
+    clusters = clustered(client)  # then the daemon clusters it in the background
     rows: list[dict[str, float]] = []
     union: list[int] = []
     for _ in range(steps):
@@ -241,6 +261,7 @@ def decode(
         "blocks": len(chain),
         "budget_blocks": budget,
         "index_build_s": build,
+        "clusters_s": clusters,
         "first_step_ms": 1e3 * (rows[0]["hint_s"] + rows[0]["fetch_s"]),
         "first_step_mib": rows[0]["blocks"] * BLOCK_BYTES / 2**20,
         "step_ms": statistics.mean(step_ms),
@@ -268,12 +289,14 @@ def restore(
     topics = [int(p) for p in rng.choice(np.arange(1, len(chain) - 1), TOPICS, replace=False)]
     queries = keys.queries(topics, rng)
     timings = []
+    clusters = 0.0
     for _ in range(2):  # the first HINT of the session builds its index, the second has it
         client.evict()
         engine = Engine(ns, chain, budget, b"restore")
         chosen, _, hint_s = engine.hint(queries)
         _, fetch_s = engine.fetch(chosen)
         timings.append((hint_s, fetch_s))
+        clusters = clusters or clustered(client)
     (cold_hint_s, cold_fetch_s), (hint_s, fetch_s) = timings
     selected_s = hint_s + fetch_s
     client.evict()
@@ -298,6 +321,7 @@ def restore(
         "selected_fetch_s": fetch_s,
         "selected_new_index_s": cold_hint_s + cold_fetch_s,
         "index_build_hint_s": cold_hint_s,
+        "clusters_s": clusters,
         "all_s": all_s,
         "all_gb_per_s": nbytes / all_s / 1e9,
         "fio_s": fio_s,
@@ -349,7 +373,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 benchlib.log(f"decoding over {n} tokens")
                 client.evict()
                 lengths.append(
-                    decode(ns, keys, chain[: n // BLOCK_TOKENS], budget, args.steps, args.seed)
+                    decode(
+                        ns, client, keys, chain[: n // BLOCK_TOKENS], budget, args.steps, args.seed
+                    )
                 )
             benchlib.log(f"restoring {args.restore_tokens} tokens")
             restored = restore(
@@ -375,9 +401,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 _HEADER = (
-    "| context | blocks | index build (s, once) | first step (ms) | HINT (ms/step) "
-    "| fetch (ms/step) | step (ms) | MiB/step | topic recall | per-head union (blocks) |\n"
-    "|---|---|---|---|---|---|---|---|---|---|"
+    "| context | blocks | first HINT (s, indexes) | clustered after (s) | first step (ms) "
+    "| HINT (ms/step) | fetch (ms/step) | step (ms) | MiB/step | topic recall "
+    "| per-head union (blocks) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -416,6 +443,7 @@ def plot_and_record(result: dict[str, Any]) -> None:
 
     rows = "\n".join(
         f"| {r['tokens'] // 1024}K | {r['blocks']} | {r['index_build_s']:.2f} | "
+        f"{r['clusters_s']:.1f} | "
         f"{r['first_step_ms']:.0f} | {r['hint_ms']:.1f} | {r['fetch_ms']:.1f} | "
         f"{r['step_ms']:.1f} | {r['mib_per_step']:.1f} | {r['topic_recall']:.2f} | "
         f"{r['per_head_union_blocks']:.0f} |"
@@ -449,12 +477,14 @@ Restoring a {r["tokens"] // 1024}K-token conversation from cold NVMe: the blocks
 names ({r["selected_blocks"]}, {r["selected_blocks"] * BLOCK_BYTES / 2**20:.0f} MiB) in
 **{r["selected_s"]:.2f} s** with the conversation's index kept in the daemon (HINT
 {r["selected_hint_s"] * 1e3:.0f} ms, reads {r["selected_fetch_s"] * 1e3:.0f} ms), and in
-{r["selected_new_index_s"]:.1f} s for a session the daemon has no index of (its HINT builds
-it: {r["index_build_hint_s"]:.1f} s); every block in **{r["all_s"]:.1f} s**
+{r["selected_new_index_s"]:.2f} s for a session the daemon has no index of (its HINT indexes
+the chain and scores every block: {r["index_build_hint_s"]:.2f} s; the daemon then clustered
+the index in the background for {r["clusters_s"]:.1f} s); every block in
+**{r["all_s"]:.1f} s**
 ({r["all_gb_per_s"]:.2f} GB/s, **{r["all_vs_fio"]:.2f}** of fio reading the same bytes of the
 data file in {BLOCK_BYTES / 2**20:.0f} MiB requests at queue depth {result["fio_queue_depth"]}:
 {r["fio_s"]:.1f} s). Selected over all: **{r["selected_vs_all"]:.3f}** with the index,
-{r["selected_new_index_vs_all"]:.2f} building it. (The vendor's figure for a full 410K-token
+{r["selected_new_index_vs_all"]:.3f} indexing it. (The vendor's figure for a full 410K-token
 restore of Qwen2.5-7B is 0.711 s on their hardware; this disk reads
 {r["fio_gb_per_s"]:.2f} GB/s.)
 

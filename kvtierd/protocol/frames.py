@@ -47,8 +47,8 @@ PROTOCOL_VERSION = 1
 #: counters; minor 8: the NIXL_GRANT and READ_NIXL opcodes; minor 9: STATFS's checkpoint
 #: fields; minor 10: ``LookupRequest.each``; minor 11: STATFS's tenants; minor 12: the CONFIG
 #: opcode; minor 13: ``TierStatistics.miss_bytes``; minor 14: ``HintReply.selected``, the
-#: sparse selection per layer and KV head).
-PROTOCOL_MINOR = 14
+#: sparse selection per layer and KV head; minor 15: STATFS's ``sparse_fits``).
+PROTOCOL_MINOR = 15
 #: The oldest client minor a daemon serves: older clients expect the whole arena at INIT.
 MIN_CLIENT_MINOR = 6
 HEADER_BYTES = 32

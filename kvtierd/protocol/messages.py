@@ -509,6 +509,9 @@ class StatfsReply(Message, frozen=True):
     #: (minor 11) Each DRAM region's tenant: every region for the admin, the caller's listed
     #: tenants' for a tenant (``scope = "tenant"``).
     tenants: list[TenantStatistics] = []
+    #: (minor 15) Sparse indices being clustered in the background now: until theirs is done,
+    #: a session's HINTs score every block of its chain.
+    sparse_fits: int = 0
 
 
 class PoolStatusRequest(Message, frozen=True):
@@ -650,6 +653,7 @@ APPENDED: Final[dict[type[Message], tuple[tuple[int, int], ...]]] = {
     StatfsReply: (
         (9, 22),  # the disk tier's checkpoints
         (11, 27),  # the tenants
+        (15, 28),  # sparse_fits
     ),
     HintReply: ((14, 3),),  # selected
 }

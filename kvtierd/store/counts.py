@@ -135,6 +135,8 @@ class StoreStatistics:
     sparse_summaries: int
     sparse_summary_bytes: int
     sparse_summaries_dropped: int
+    #: Sparse indices being clustered in the background now.
+    sparse_fits: int
     #: ``None``: no disk tier, or the tenant's scope.
     checkpoints: CheckpointFigures | None
     #: The counts the figures above were made of: the host's (:class:`StoreCounts`) or the

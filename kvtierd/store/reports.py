@@ -95,6 +95,7 @@ def store_statistics(
         sparse_summaries=r.sparse.summaries,
         sparse_summary_bytes=r.sparse.summary_bytes,
         sparse_summaries_dropped=r.sparse.summaries_dropped,
+        sparse_fits=r.sparse.fits,
         checkpoints=r.lower.checkpoint_figures() if r.lower is not None else None,
         counts=c,
     )
@@ -144,6 +145,7 @@ def _tenant_statistics(
         sparse_summaries=0,
         sparse_summary_bytes=0,
         sparse_summaries_dropped=0,
+        sparse_fits=0,
         checkpoints=None,
         counts=counts,
     )

@@ -111,6 +111,11 @@ class SparseRetrieval:
         self._fits = 0
 
     @property
+    def fits(self) -> int:
+        """Indices being clustered in the background now."""
+        return self._fits
+
+    @property
     def summaries(self) -> int:
         return len(self._summaries)
 

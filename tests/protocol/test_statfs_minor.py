@@ -1,5 +1,5 @@
-"""STATFS's checkpoint fields (minor 9), tenants (minor 11) and each tier's miss bytes (minor
-13) go only to clients that know them: a client whose INIT said minor 6 to 8 gets the 22 fields
+"""STATFS's checkpoint fields (minor 9), tenants (minor 11), each tier's miss bytes (minor
+13) and the sparse fits running (minor 15) go only to clients that know them: a client whose INIT said minor 6 to 8 gets the 22 fields
 it decodes (it refuses a longer array), one of minor 9 or 10 the 27, each tier of 9 fields
 before minor 13, and a reply of an older daemon decodes with the defaults."""
 
@@ -26,6 +26,7 @@ _REPLY = StatfsReply(
     checkpoints="on", checkpoints_written=2, checkpoint_age_s=1.5,
     bytes_since_checkpoint=4096, checkpoint_longest_slice_s=0.002,
     tenants=[TenantStatistics("alpha", 1, 2, 8192, 1 << 20, 3, 12288, 4, 5, 0, 1, 2, 16384, 8192)],
+    sparse_fits=1,
 )  # fmt: skip
 _BEFORE_MINOR_9 = 22
 _BEFORE_MINOR_11 = 27
@@ -53,6 +54,7 @@ def test_an_older_client_gets_statfs_without_the_checkpoint_fields(minor: int) -
         bytes_since_checkpoint=0,
         checkpoint_longest_slice_s=0.0,
         tenants=[],
+        sparse_fits=0,
     )
 
 
@@ -68,7 +70,9 @@ def test_a_minor_9_or_10_client_gets_statfs_without_the_tenants(minor: int) -> N
     fields = msgspec.msgpack.decode(_statfs_reply_to(minor))
     assert len(fields) == _BEFORE_MINOR_11
     decoded = msgspec.msgpack.decode(_statfs_reply_to(minor), type=StatfsReply)
-    assert decoded == msgspec.structs.replace(_REPLY, tenants=[], tiers=[_TIER_BEFORE_13])
+    assert decoded == msgspec.structs.replace(
+        _REPLY, tenants=[], tiers=[_TIER_BEFORE_13], sparse_fits=0
+    )
 
 
 def test_a_minor_11_client_gets_the_tenants() -> None:
@@ -90,3 +94,18 @@ def test_a_minor_13_client_gets_each_tiers_miss_bytes() -> None:
     assert PROTOCOL_MINOR >= 13
     decoded = msgspec.msgpack.decode(_statfs_reply_to(13), type=StatfsReply)
     assert decoded.tiers == [_TIER]
+
+
+@pytest.mark.parametrize("minor", [11, 14])
+def test_a_client_before_minor_15_gets_statfs_without_the_sparse_fits(minor: int) -> None:
+    fields = msgspec.msgpack.decode(_statfs_reply_to(minor))
+    assert len(fields) == len(msgspec.structs.fields(StatfsReply)) - 1
+    decoded = msgspec.msgpack.decode(_statfs_reply_to(minor), type=StatfsReply)
+    assert decoded.sparse_fits == 0
+    assert decoded.tenants == _REPLY.tenants
+
+
+def test_a_minor_15_client_gets_the_sparse_fits() -> None:
+    assert PROTOCOL_MINOR >= 15
+    decoded = msgspec.msgpack.decode(_statfs_reply_to(15), type=StatfsReply)
+    assert decoded.sparse_fits == 1

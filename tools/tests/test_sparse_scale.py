@@ -46,6 +46,7 @@ def test_a_small_scale_run_finds_the_aimed_blocks_and_restores() -> None:
         assert r["budget_blocks"] == 12
         assert r["topic_recall"] == 1.0  # every query head's target is in the shared selection
         assert 0 < r["per_head_union_blocks"] <= r["blocks"]
+        assert r["clusters_s"] >= 0  # too short to be clustered: no wait
         assert r["first_step_mib"] == 12 * sparse_scale.BLOCK_BYTES / 2**20  # the budget, cold
     restored = result["restore"]
     assert restored["selected_blocks"] == 12
