@@ -400,6 +400,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _tokens(count: int) -> str:
+    """128K, 1M: a context length as the tables name it (binary units)."""
+    if count % (1 << 20) == 0:
+        return f"{count >> 20}M"
+    return f"{count >> 10}K" if count % 1024 == 0 else f"{count:,}"
+
+
 _HEADER = (
     "| context | blocks | first HINT (s, indexes) | clustered after (s) | first step (ms) "
     "| HINT (ms/step) | fetch (ms/step) | step (ms) | MiB/step | topic recall "
@@ -422,10 +429,10 @@ def plot_and_record(result: dict[str, Any]) -> None:
     cost.plot(x, [r["fetch_ms"] for r in lengths], "s-", label="fetch per step")
     cost.plot(x, [r["step_ms"] for r in lengths], "^-", label="per step, total")
     cost.set_xscale("log", base=2)
-    cost.set_xticks(x, [f"{t:g}K" if t < 1024 else f"{t / 1024:g}M" for t in x])
+    cost.set_xticks(x, [_tokens(r["tokens"]) for r in lengths])
     cost.xaxis.set_minor_formatter(NullFormatter())
     cost.set_ylim(bottom=0)
-    cost.set_xlabel("context (K tokens, 7B-class layout on cold NVMe)")
+    cost.set_xlabel("context (tokens, 7B-class layout on cold NVMe)")
     cost.set_ylabel("ms per decode step")
     cost.legend(fontsize=8)
     cost.grid(alpha=0.3)
@@ -435,14 +442,14 @@ def plot_and_record(result: dict[str, Any]) -> None:
     sizes.barh(names, seconds, color=["tab:green", "tab:olive", "tab:blue", "tab:gray"])
     sizes.set_xscale("log")
     sizes.xaxis.set_minor_formatter(NullFormatter())
-    sizes.set_xlabel(f"seconds to restore a {r['tokens'] // 1024}K-token conversation")
+    sizes.set_xlabel(f"seconds to restore a {r['tokens']:,}-token conversation")
     for i, s in enumerate(seconds):
         sizes.text(s, i, f" {s:.2f} s", va="center", fontsize=8)
     fig.suptitle("SLSAP sparse decode at scale (synthetic 7B-class KV)")
     image = benchlib.save_figure(fig, "sparse_scale.png")
 
     rows = "\n".join(
-        f"| {r['tokens'] // 1024}K | {r['blocks']} | {r['index_build_s']:.2f} | "
+        f"| {_tokens(r['tokens'])} | {r['blocks']} | {r['index_build_s']:.2f} | "
         f"{r['clusters_s']:.1f} | "
         f"{r['first_step_ms']:.0f} | {r['hint_ms']:.1f} | {r['fetch_ms']:.1f} | "
         f"{r['step_ms']:.1f} | {r['mib_per_step']:.1f} | {r['topic_recall']:.2f} | "
@@ -471,9 +478,9 @@ selection newly names. Topic recall: the share of the blocks the queries were ai
 the selection kept. Per-head union: the distinct blocks the 112 (layer, KV head) selections
 name together, each of which this layout moves whole; per (layer, KV head) slices they would
 move {lengths[-1]["per_head_bytes"]["slices"] / 2**20:.0f} MiB instead of
-{lengths[-1]["per_head_bytes"]["whole_blocks"] / 2**20:.0f} MiB at {lengths[-1]["tokens"] // 1024}K.
+{lengths[-1]["per_head_bytes"]["whole_blocks"] / 2**20:.0f} MiB at {_tokens(lengths[-1]["tokens"])}.
 
-Restoring a {r["tokens"] // 1024}K-token conversation from cold NVMe: the blocks one selection
+Restoring a {r["tokens"]:,}-token conversation from cold NVMe: the blocks one selection
 names ({r["selected_blocks"]}, {r["selected_blocks"] * BLOCK_BYTES / 2**20:.0f} MiB) in
 **{r["selected_s"]:.2f} s** with the conversation's index kept in the daemon (HINT
 {r["selected_hint_s"] * 1e3:.0f} ms, reads {r["selected_fetch_s"] * 1e3:.0f} ms), and in
