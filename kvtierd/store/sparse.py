@@ -225,6 +225,10 @@ class SparseRetrieval:
                     selection.block_ids.astype(np.int32),
                 )
 
+            def snapshot() -> Callable[[], Callable[[], None]] | None:
+                # in the worker too: a snapshot may compact the index first
+                return entry.index.fit_later() if entry.index.fit_due() else None
+
             ranked, predicted, selected = await anyio.to_thread.run_sync(
                 work, limiter=self._limiter
             )
@@ -232,7 +236,13 @@ class SparseRetrieval:
             # leaves the session as it found it, its new positions looked for again next time
             entry.pending = pending
             entry.chain = list(chain)
-            self._maybe_fit(entry)
+            if self._may_fit(entry):
+                job = await anyio.to_thread.run_sync(snapshot, limiter=self._limiter)
+                if job is not None and self._may_fit(entry):
+                    entry.fitting = True
+                    self._fits += 1
+                    assert self.spawn is not None
+                    self.spawn(partial(self._fit, entry, job))
         self._trim_sessions((ns.id, session))
         chosen = {int(p) for p in ranked}
         return SparseSelection(
@@ -242,17 +252,16 @@ class SparseRetrieval:
             unsummarised,
         )
 
-    def _maybe_fit(self, entry: _Session) -> None:
-        """Start making ``entry``'s clusters in the background if its index outgrew them
-        (the caller holds its lock); a later HINT tries again when too many fits run."""
-        spawn = self.spawn
-        if spawn is None or entry.fitting or self._fits >= _RANKINGS_AT_ONCE:
-            return
-        if not entry.index.fit_due():
-            return
-        entry.fitting = True
-        self._fits += 1
-        spawn(partial(self._fit, entry, entry.index.fit_later()))
+    def _may_fit(self, entry: _Session) -> bool:
+        """Whether a background fit of ``entry``'s index may start now: a task group to own
+        it, none running for it, fewer than :data:`_RANKINGS_AT_ONCE` running (each holds its
+        index's boxes until it ends), and an index that outgrew its clusters."""
+        return (
+            self.spawn is not None
+            and not entry.fitting
+            and self._fits < _RANKINGS_AT_ONCE
+            and entry.index.fit_due()
+        )
 
     async def _fit(self, entry: _Session, work: Callable[[], Callable[[], None]]) -> None:
         """Cluster ``entry``'s index in a worker thread, then install the clusters under the
