@@ -469,6 +469,9 @@ async def _open_store_on(
             link = await stack.enter_async_context(replica.open_link(residency))
             residency.link = link  # what it holds stays live (Residency.cool)
         background = await stack.enter_async_context(anyio.create_task_group())
+        # left before the task group waits for its tasks: a fit of a sparse index may take
+        # seconds and keeps nothing worth waiting for
+        stack.callback(residency.sparse.cancel_fits)
         store = BlockStore(
             residency,
             background,

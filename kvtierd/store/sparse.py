@@ -25,6 +25,7 @@ least recently summarised or used go first; such a block is then simply not rank
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ import numpy as np
 
 from kvtierd.errors import InvalidRequestError
 from kvtierd.slsap.sparse import BlockLayout, SparseConfig, SparseIndex, summarize_block
+from kvtierd.slsap.sparse.ivf import FitStopped
 from kvtierd.store.index import Block
 from kvtierd.store.namespaces import Namespace
 
@@ -60,6 +62,10 @@ class SparseSelection:
 
 #: Sparse rankings (index upkeep and selection) running at once in worker threads.
 _RANKINGS_AT_ONCE = 2
+#: Background fits of indices' clusters at once, apart from the rankings' threads (a fit
+#: takes seconds: sharing their slots made other tenants' HINTs wait for whole fits), and at
+#: most this many pending (each holds its index's boxes, a dropped session's too, until done).
+_FITS_AT_ONCE = 1
 #: Unsummarised chain blocks one HINT asks to promote (a READ's worth of a long chain), and
 #: at most half of what the summaries' bound holds.
 _UNSUMMARISED = 256
@@ -77,8 +83,9 @@ class _Session:
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     #: Positions of the chain not indexed for want of a summary: looked for again each HINT.
     pending: set[int] = field(default_factory=set)
-    #: The index's clusters are being made in the background (:meth:`SparseRetrieval._fit`).
-    fitting: bool = False
+    #: The index whose clusters are being made in the background, if it is still this
+    #: session's (:meth:`SparseRetrieval._fit`; a reset session's new index may start its own).
+    fitting: SparseIndex | None = None
 
 
 class SparseRetrieval:
@@ -106,9 +113,13 @@ class SparseRetrieval:
         #: Starts a background job owned by the store (its task group); ``None``: an index's
         #: clusters are made inside the HINT that outgrew them.
         self.spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], object] | None = None
-        #: Background fits started and not done: at most :data:`_RANKINGS_AT_ONCE`, since
-        #: each holds its index's boxes (a dropped session's too) until it ends.
+        #: Background fits started and not done (at most :data:`_FITS_AT_ONCE`), their cancel
+        #: scopes (a closing store cancels them: :meth:`cancel_fits`) and their own limiter.
         self._fits = 0
+        self._fit_scopes: set[anyio.CancelScope] = set()
+        self._fit_limiter = anyio.CapacityLimiter(_FITS_AT_ONCE)
+        self._closing = False
+        self._stopping = threading.Event()  # read by the fits' threads
 
     @property
     def fits(self) -> int:
@@ -225,7 +236,7 @@ class SparseRetrieval:
                     selection.block_ids.astype(np.int32),
                 )
 
-            def snapshot() -> Callable[[], Callable[[], None]] | None:
+            def snapshot() -> Callable[[Callable[[], bool]], Callable[[], None]] | None:
                 # in the worker too: a snapshot may compact the index first
                 return entry.index.fit_later() if entry.index.fit_due() else None
 
@@ -238,11 +249,10 @@ class SparseRetrieval:
             entry.chain = list(chain)
             if self._may_fit(entry):
                 job = await anyio.to_thread.run_sync(snapshot, limiter=self._limiter)
-                if job is not None and self._may_fit(entry):
-                    entry.fitting = True
+                if job is not None and self._may_fit(entry) and self.spawn is not None:
+                    self.spawn(partial(self._fit, entry, entry.index, job))
+                    entry.fitting = entry.index  # counted once the job is the store's
                     self._fits += 1
-                    assert self.spawn is not None
-                    self.spawn(partial(self._fit, entry, job))
         self._trim_sessions((ns.id, session))
         chosen = {int(p) for p in ranked}
         return SparseSelection(
@@ -254,32 +264,56 @@ class SparseRetrieval:
 
     def _may_fit(self, entry: _Session) -> bool:
         """Whether a background fit of ``entry``'s index may start now: a task group to own
-        it, none running for it, fewer than :data:`_RANKINGS_AT_ONCE` running (each holds its
-        index's boxes until it ends), and an index that outgrew its clusters."""
+        it and a store not closing, none running for this index, fewer than
+        :data:`_FITS_AT_ONCE` running, and an index that outgrew its clusters."""
         return (
             self.spawn is not None
-            and not entry.fitting
-            and self._fits < _RANKINGS_AT_ONCE
+            and not self._closing
+            and entry.fitting is not entry.index
+            and self._fits < _FITS_AT_ONCE
             and entry.index.fit_due()
         )
 
-    async def _fit(self, entry: _Session, work: Callable[[], Callable[[], None]]) -> None:
-        """Cluster ``entry``'s index in a worker thread, then install the clusters under the
-        session's lock (in a worker thread too: the blocks indexed meanwhile join them)."""
+    async def _fit(
+        self,
+        entry: _Session,
+        index: SparseIndex,
+        work: Callable[[Callable[[], bool]], Callable[[], None]],
+    ) -> None:
+        """Cluster ``index`` (``entry``'s when it started) in a worker thread, then install
+        the clusters under the session's lock (in a worker thread too: the blocks indexed
+        meanwhile join them). A closing store cancels it (:meth:`cancel_fits`)."""
+        scope = anyio.CancelScope()
+        if self._closing:  # the store began to close before this job ran
+            scope.cancel()
+        self._fit_scopes.add(scope)
         try:
-            # the work reads a snapshot and changes nothing: a shutdown need not wait for it
-            install = await anyio.to_thread.run_sync(
-                work, limiter=self._limiter, abandon_on_cancel=True
-            )
-            async with entry.lock:
-                await anyio.to_thread.run_sync(install, limiter=self._limiter)
+            with scope:
+                # the work reads a snapshot and changes nothing: a shutdown does not wait for
+                # it, and tells its thread to stop (the process waits for its threads)
+                install = await anyio.to_thread.run_sync(
+                    partial(work, self._stopping.is_set),
+                    limiter=self._fit_limiter,
+                    abandon_on_cancel=True,
+                )
+                async with entry.lock:
+                    await anyio.to_thread.run_sync(install, limiter=self._fit_limiter)
+        except FitStopped:
+            pass
         except Exception:  # the index goes on scoring every block; a later HINT tries again
-            log.exception(
-                "sparse: clustering a session's index of %d blocks failed", len(entry.index)
-            )
+            log.exception("sparse: clustering an index of %d blocks failed", len(index))
         finally:
-            entry.fitting = False
+            self._fit_scopes.discard(scope)
+            if entry.fitting is index:
+                entry.fitting = None
             self._fits -= 1
+
+    def cancel_fits(self) -> None:
+        """The store is closing: cancel the background fits, stop their threads, start none."""
+        self._closing = True
+        self._stopping.set()
+        for scope in self._fit_scopes:
+            scope.cancel()
 
     def _trim_sessions(self, current: tuple[int, bytes]) -> None:
         """Drop the least recently used sessions' indices, never ``current``'s, while all of

@@ -1,7 +1,8 @@
 """STATFS's checkpoint fields (minor 9), tenants (minor 11), each tier's miss bytes (minor
-13) and the sparse fits running (minor 15) go only to clients that know them: a client whose INIT said minor 6 to 8 gets the 22 fields
-it decodes (it refuses a longer array), one of minor 9 or 10 the 27, each tier of 9 fields
-before minor 13, and a reply of an older daemon decodes with the defaults."""
+13) and the sparse fits running (minor 15) go only to clients that know them: a client whose
+INIT said minor 6 to 8 gets the 22 fields it decodes (it refuses a longer array), one of minor 9
+or 10 the 27, each tier of 9 fields before minor 13, one before minor 15 no ``sparse_fits``,
+and a reply of an older daemon decodes with the defaults."""
 
 from __future__ import annotations
 

@@ -5,8 +5,10 @@ dropped."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvtierd.slsap.sparse import SparseConfig, SparseIndex
+from kvtierd.slsap.sparse.ivf import FitStopped
 
 DIM = 8
 CONFIG = SparseConfig(
@@ -42,7 +44,7 @@ def test_a_fit_made_aside_selects_as_a_fit_in_place_does() -> None:
     later = _filled(200, fit=False)
     assert later.fit_due()
     assert not now.fit_due()
-    later.fit_later()()()  # the work, then its installation
+    later.fit_later()(lambda: False)()  # the work, then its installation
     assert not later.fit_due()
     rng = np.random.default_rng(1)
     for _ in range(5):
@@ -56,7 +58,7 @@ def test_blocks_indexed_and_removed_while_it_is_made_are_taken_into_account() ->
     rng = np.random.default_rng(3)
     index.insert_many(np.arange(200, 240), np.arange(200, 240), _boxes(rng, 40), fit=False)
     index.remove(5)
-    install = work()
+    install = work(lambda: False)
     install()
     assert not index.fit_due()
     chosen: set[int] = set()
@@ -72,10 +74,19 @@ def test_a_fit_overtaken_by_a_compaction_is_dropped() -> None:
     work = index.fit_later()
     for block in range(150):  # enough removals to compact the slots (and refit in place)
         index.remove(block)
-    install = work()
+    install = work(lambda: False)
     install()  # described slots that moved: installed, it would pool removed blocks' slots
     assert len(index) == 50
     rng = np.random.default_rng(4)
     for _ in range(40):
         selection = index.select(_queries(rng), 8)
         assert set(selection.block_ids[selection.block_ids >= 0].tolist()) <= set(range(150, 200))
+
+
+def test_a_fit_told_to_stop_stops_and_leaves_the_index_as_it_was() -> None:
+    index = _filled(200, fit=False)
+    work = index.fit_later()
+    with pytest.raises(FitStopped):
+        work(lambda: True)
+    assert index.fit_due()
+    index.select(_queries(np.random.default_rng(5)), 6)  # still scores every block

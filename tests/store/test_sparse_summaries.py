@@ -161,12 +161,35 @@ async def test_an_index_that_outgrows_its_clusters_is_clustered_in_the_backgroun
         queries = np.ones((2, 2, 8), np.float32)
         first = await sparse.select(ns, b"s", keys, queries, [2, 3], 4)
         entry = sparse._sessions[(ns.id, b"s")]
-        assert entry.fitting  # the HINT did not wait for it
+        assert entry.fitting is entry.index  # the HINT did not wait for it
+        assert sparse.fits == 1
         with anyio.fail_after(60):
-            while entry.fitting:  # noqa: ASYNC110 - a background job: no event to wait on
+            while entry.fitting is not None:  # noqa: ASYNC110 - a background job, no event
                 await anyio.sleep(0.01)
         assert not entry.index.fit_due()
+        assert sparse.fits == 0
         again = await sparse.select(ns, b"s", keys, queries, [2, 3], 4)
         assert (first.selected >= 0).all()
         assert (again.selected >= 0).all()
-        assert not entry.fitting  # nothing more to cluster
+        assert entry.fitting is None  # nothing more to cluster
+
+
+async def test_a_closing_store_cancels_its_background_fits(tmp_path: Path) -> None:
+    """A fit keeps nothing worth waiting for: the store's close cancels it instead of
+    waiting seconds for k-means, and starts no other."""
+    async with sparse_store(tmp_path) as (store, ns):
+        keys = [key_of(i) for i in range(1100)]
+        for first in range(0, len(keys), 275):
+            await _commit(store, ns, keys[first : first + 275])
+        sparse = store.residency.sparse
+        await sparse.select(ns, b"s", keys, np.ones((2, 2, 8), np.float32), [2, 3], 4)
+        assert sparse.fits == 1
+        sparse.cancel_fits()  # before the job's first turn: it must not run at all
+        with anyio.fail_after(30):
+            while sparse.fits:  # noqa: ASYNC110 - a background job, no event
+                await anyio.sleep(0.01)
+        entry = sparse._sessions[(ns.id, b"s")]
+        assert entry.fitting is None
+        assert entry.index.fit_due()  # cancelled: never installed
+        await sparse.select(ns, b"t", keys, np.ones((2, 2, 8), np.float32), [2, 3], 4)
+        assert sparse.fits == 0  # closing: no new fit

@@ -314,10 +314,11 @@ class SparseIndex:
         n = len(self)
         return n > self.config.pool_min_blocks and not (self._fitted_at and n < 4 * self._fitted_at)
 
-    def fit_later(self) -> Callable[[], Callable[[], None]]:
+    def fit_later(self) -> Callable[[Callable[[], bool]], Callable[[], None]]:
         """The clustering :meth:`_maybe_refit` does, split so that its cost need not hold the
-        index: returns ``work``, which may run in any thread while the owner goes on using the
-        index, and which returns ``install``, to be called where the owner's other calls are
+        index: returns ``work(stop)``, which may run in any thread while the owner goes on using
+        the index (it raises :class:`~.ivf.FitStopped` soon after ``stop()`` turns true), and
+        which returns ``install``, to be called where the owner's other calls are
         serialised. ``install`` takes the new clusters, with the blocks inserted meanwhile added
         to them and those removed left out, unless live blocks changed slots meanwhile (a
         compaction): then it drops them, and :meth:`fit_due` still says so."""
@@ -326,9 +327,9 @@ class SparseIndex:
         vectors = self._boxes[:n, :, : self._dim]  # rows below n move only in a compaction
         slots = np.arange(n, dtype=np.int64)
 
-        def work() -> Callable[[], None]:
+        def work(stop: Callable[[], bool]) -> Callable[[], None]:
             clusters = ClusterLists(self._groups, self._dim, seed=self.config.seed)
-            clusters.fit(slots, vectors)
+            clusters.fit(slots, vectors, stop)
 
             def install() -> None:
                 if self._generation != generation:

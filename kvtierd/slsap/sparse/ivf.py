@@ -24,12 +24,13 @@ masked at once and purged at the next merge. Slots are small integers owned by
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ClusterLists", "take_rows"]
+__all__ = ["ClusterLists", "FitStopped", "take_rows"]
 
 F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
@@ -39,6 +40,10 @@ _ELEMENTS = 1 << 23  # bound on temporaries of the distance computations
 _SPREAD_WEIGHT = 0.5
 _DELTA_MAX = 4096
 _PER_SQRT = 4  # clusters per sqrt(n): finer clusters make a smaller pool hold the answer
+
+
+class FitStopped(Exception):
+    """A fit was told to stop (:meth:`ClusterLists.fit`'s ``stop``)."""
 
 
 def take_rows(values: npt.NDArray[T], columns: I64) -> npt.NDArray[T]:
@@ -86,18 +91,24 @@ class ClusterLists:
         )
         return sum(int(a.nbytes) for a in arrays) + int(self._live.nbytes)
 
-    def fit(self, slots: I64, vectors: F32) -> None:
-        """Cluster ``vectors`` ``[n, groups, dim]`` of ``slots`` afresh and rebuild the lists."""
+    def fit(self, slots: I64, vectors: F32, stop: Callable[[], bool] | None = None) -> None:
+        """Cluster ``vectors`` ``[n, groups, dim]`` of ``slots`` afresh and rebuild the lists.
+
+        Raises:
+            FitStopped: ``stop()`` said so between two steps (k-means iterations, or slices of
+                the distance computations); the lists are then as they were.
+        """
         n = len(slots)
         k = max(1, min(n, math.ceil(_PER_SQRT * math.sqrt(n))))
         sample = vectors[self._rng.choice(n, size=min(n, 32 * k), replace=False)]
         centroids = sample[self._rng.choice(len(sample), size=k, replace=False)].transpose(1, 0, 2)
         centroids = np.ascontiguousarray(centroids, dtype=np.float32)
         for _ in range(self.iterations):
-            centroids = self._update(sample, self._nearest(sample, centroids), centroids)
+            nearest = self._nearest(sample, centroids, stop=stop)
+            centroids = self._update(sample, nearest, centroids)
+        assign = self._nearest(vectors, centroids, stop=stop)  # [n, groups]
         self._centroids = centroids
         self._prepared = self._prepare(centroids)
-        assign = self._nearest(vectors, centroids)  # [n, groups]
         self._spread = self._member_spread(vectors, assign, k)
         stacked = np.concatenate([centroids, _SPREAD_WEIGHT * self._spread], axis=2)
         self._score_t = np.ascontiguousarray(stacked.transpose(0, 2, 1), dtype=np.float32)
@@ -227,15 +238,23 @@ class ClusterLists:
         self._offsets = np.r_[0, np.cumsum(np.bincount(flat, minlength=self.groups * k))]
 
     def _nearest(
-        self, vectors: F32, centroids: F32, prepared: tuple[F32, F32] | None = None
+        self,
+        vectors: F32,
+        centroids: F32,
+        prepared: tuple[F32, F32] | None = None,
+        *,
+        stop: Callable[[], bool] | None = None,
     ) -> I64:
         """Index ``[n, groups]`` of the nearest centroid (squared Euclidean distance);
-        ``prepared``: :meth:`_prepare` of ``centroids``, if kept."""
+        ``prepared``: :meth:`_prepare` of ``centroids``, if kept; ``stop``: asked before each
+        slice (:class:`FitStopped`)."""
         n, k = len(vectors), centroids.shape[1]
         out = np.empty((n, self.groups), dtype=np.int64)
         norms, cent_t = prepared or self._prepare(centroids)
         step = max(1, _ELEMENTS // max(1, self.groups * k))
         for lo in range(0, n, step):
+            if stop is not None and stop():
+                raise FitStopped
             part = np.ascontiguousarray(vectors[lo : lo + step].transpose(1, 0, 2), np.float32)
             dist = norms - 2 * np.matmul(part, cent_t)  # [groups, n, k]
             out[lo : lo + step] = dist.argmin(axis=2).T
