@@ -361,12 +361,12 @@ def test_statfs_shows_a_peer_only_the_rows_of_its_own_tenants(
         assert tenant_rows(root) == ("host", ["", "alpha", "beta", "gamma"])
 
 
-@pytest.mark.parametrize(("minor", "fields"), [(10, 27), (11, 28), (PROTOCOL_MINOR, 28)])
+@pytest.mark.parametrize(("minor", "fields"), [(10, 27), (11, 28), (14, 28), (PROTOCOL_MINOR, 29)])
 def test_statfs_is_as_long_as_the_clients_minor_knows(
     tenants_daemon: DaemonProcess, minor: int, fields: int
 ) -> None:
-    """Withstood: a minor 10 client gets STATFS without its tenants (27 fields), on a real
-    daemon with tenants listed."""
+    """Withstood: a minor 10 client gets STATFS without its tenants (27 fields), one of minor
+    11 to 14 without the sparse fits (minor 15), on a real daemon with tenants listed."""
     with contextlib.closing(_raw_connect(tenants_daemon.socket, minor)) as sock:
         sock.sendall(_frame(int(_opcode(StatfsRequest)), b"\x90", 2))
         header, body = _read_reply(sock)
