@@ -219,6 +219,12 @@ class Engine:
         return len(lacking), elapsed
 
 
+def _topics(rng: np.random.Generator, blocks: int) -> list[int]:
+    """:data:`TOPICS` distinct positions the queries aim at, away from the forced sink (the
+    first block) and recent block (the last)."""
+    return [int(p) for p in rng.choice(np.arange(1, blocks - 1), TOPICS, replace=False)]
+
+
 def decode(
     ns: Namespace,
     client: Client,
@@ -231,8 +237,7 @@ def decode(
     """``steps`` shared-selection decode steps over ``chain`` from cold NVMe."""
     rng = np.random.default_rng(seed)
     engine = Engine(ns, chain, budget, f"scale-{len(chain)}".encode())
-    # the topics live away from the forced sink and recent blocks
-    topics = [int(p) for p in rng.choice(np.arange(1, len(chain) - 1), TOPICS, replace=False)]
+    topics = _topics(rng, len(chain))
     t0 = time.perf_counter()
     engine.hint(keys.queries(topics, rng))  # the conversation's first HINT indexes the chain
     build = time.perf_counter() - t0
@@ -286,7 +291,7 @@ def restore(
     earlier turn built it) and without (a session never seen: the HINT builds it), then all
     of the blocks, and fio on as many bytes."""
     rng = np.random.default_rng(1)
-    topics = [int(p) for p in rng.choice(np.arange(1, len(chain) - 1), TOPICS, replace=False)]
+    topics = _topics(rng, len(chain))
     queries = keys.queries(topics, rng)
     timings = []
     clusters = 0.0

@@ -310,7 +310,8 @@ class SparseIndex:
         return self._clusters.pool(np.concatenate([q, q_abs], axis=2), target)
 
     def fit_due(self) -> bool:
-        """Whether the index has outgrown its clusters (see :meth:`_maybe_refit`)."""
+        """Whether the index has outgrown its clusters: past ``pool_min_blocks`` and never
+        clustered, or grown 4x since."""
         n = len(self)
         return n > self.config.pool_min_blocks and not (self._fitted_at and n < 4 * self._fitted_at)
 
@@ -363,14 +364,10 @@ class SparseIndex:
 
     def _maybe_refit(self) -> None:
         """Cluster afresh once the sequence outgrows ``pool_min_blocks``, then each time it has
-        grown 4x (amortised O(sqrt n) per insert)."""
-        n = len(self)
-        if n <= self.config.pool_min_blocks or (self._fitted_at and n < 4 * self._fitted_at):
-            return
-        self._compact()
-        slots = np.arange(n, dtype=np.int64)
-        self._clusters.fit(slots, self._boxes[:n, :, : self._dim])
-        self._fitted_at = n
+        grown 4x (amortised O(sqrt n) per insert): :meth:`fit_later`'s work and installation,
+        at once."""
+        if self.fit_due():
+            self.fit_later()(_never)()
 
     def _grow(self, needed: int) -> None:
         if needed <= len(self._ids):
@@ -381,6 +378,11 @@ class SparseIndex:
             new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
+
+
+def _never() -> bool:
+    """A fit in place is never told to stop."""
+    return False
 
 
 def _heads_major(scores: F32) -> F32:
